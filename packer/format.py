@@ -1,0 +1,118 @@
+"""The on-disk contract: record and manifest schemas, keys, versions, checksums.
+
+Everything here is plain data (msgpack records, a JSON manifest, raw int32 labels): opening
+a dataset from a stranger never runs code. ``docs/format.md`` is the human version of this
+file; keep them in step.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Dict
+
+import msgpack
+
+from .errors import FormatError
+
+FORMAT_NAME = "packer"
+FORMAT_VERSION = "1.0"  # major.minor: readers refuse a newer major, accept a newer minor
+MANIFEST = "manifest.json"
+LABELS = "labels.i32"  # little-endian int32, one per record, in global record order
+SHARD_PATTERN = "shard-{:05d}.lmdb"
+KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
+RECORD_FIELDS = ("image", "label", "path", "width", "height", "format", "mode", "crc32")
+HASH_CHUNK = 8 << 20
+
+
+def key(index: int) -> bytes:
+    """The LMDB key of the ``index``-th record of a shard."""
+    return KEY.pack(index)
+
+
+def crc32(data: bytes) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def pack_record(image: bytes, *, label: int, path: str, width: int, height: int,
+                format: str, mode: str) -> bytes:
+    """Serialize one record; the checksum covers the stored image bytes."""
+    return msgpack.packb({
+        "image": image, "label": int(label), "path": path, "width": int(width),
+        "height": int(height), "format": format, "mode": mode, "crc32": crc32(image),
+    }, use_bin_type=True)
+
+
+def unpack_record(data: bytes) -> Dict[str, Any]:
+    # raw=False decodes str as UTF-8; msgpack ext types are refused by default (no code).
+    rec = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    if not isinstance(rec, dict) or "image" not in rec:
+        raise FormatError("record is not a packer record (no 'image' field)")
+    return rec
+
+
+def file_sha256(path: os.PathLike, progress=None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            chunk = f.read(HASH_CHUNK)
+            if not chunk:
+                break
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+def check_version(version: str, where: os.PathLike) -> None:
+    try:
+        major = int(str(version).split(".")[0])
+    except ValueError:
+        raise FormatError(f"{where}: unreadable format_version {version!r}") from None
+    if major > int(FORMAT_VERSION.split(".")[0]):
+        raise FormatError(
+            f"{where} was written in packer format {version}, newer than this packer "
+            f"understands ({FORMAT_VERSION}); upgrade packer (pip install -U packer)")
+
+
+def read_manifest(root: os.PathLike) -> Dict[str, Any]:
+    """Load and sanity-check ``root/manifest.json``; a dataset without one is not complete."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        if root.is_dir() and any(root.glob("*.partial")) or (root / ".packer-build.json").exists():
+            raise FormatError(f"{root} is an unfinished build (no {MANIFEST} yet); "
+                              f"re-run the same `packer build` command to resume it")
+        raise FormatError(f"{root} is not a packer dataset: {path} not found")
+    try:
+        man = json.loads(path.read_text("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path} is damaged ({e}); rebuild or re-stage the dataset") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
+        raise FormatError(f"{path} is not a packer manifest")
+    check_version(man.get("format_version", "?"), path)
+    return man
+
+
+def write_json_atomic(path: os.PathLike, obj: Any) -> None:
+    """Write-then-rename with fsyncs, so a crash leaves the old file or the new, never half."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,135 @@
+"""Finding images and their labels: torchvision's ImageFolder rule, ``--list`` files, parts.
+
+Label *i* must mean the same class here as in ``torchvision.datasets.ImageFolder`` over the
+same folder, so the class order and the file walk copy its rules exactly (see
+``find_classes`` and ``make_dataset`` in torchvision/datasets/folder.py).
+"""
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .errors import PackerError
+
+# torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively as there.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class EmptyClassWarning(UserWarning):
+    """A class folder holds no image: it keeps its label (as in ImageFolder) but has no samples."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """What to pack: ``entries`` are ``(path relative to root, label)`` in build order."""
+    root: Path
+    classes: List[str]
+    entries: List[Tuple[str, int]]
+
+    @property
+    def class_to_idx(self) -> Dict[str, int]:
+        return {c: i for i, c in enumerate(self.classes)}
+
+
+def find_classes(root: os.PathLike) -> List[str]:
+    """Immediate subfolders (symlinks followed), sorted by code point as torchvision does."""
+    root = Path(root)
+    if not root.is_dir():
+        raise PackerError(f"source folder {root} does not exist or is not a folder")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    if not classes:
+        raise PackerError(
+            f"no class folders in {root}: expected ImageFolder layout ROOT/CLASS/IMAGE "
+            f"(or pass --list FILE with 'relative/path<TAB>label' lines)")
+    return classes
+
+
+def is_image_file(name: str) -> bool:
+    return name.lower().endswith(IMG_EXTENSIONS)
+
+
+def scan_folder(root: os.PathLike) -> Source:
+    """Walk ``root`` in ImageFolder order: classes sorted, files found recursively and sorted."""
+    root = Path(root)
+    classes = find_classes(root)
+    entries: List[Tuple[str, int]] = []
+    for label, cls in enumerate(classes):
+        before = len(entries)
+        for dirpath, _, fnames in sorted(os.walk(root / cls, followlinks=True)):
+            rel_dir = os.path.relpath(dirpath, root)
+            for fname in sorted(fnames):
+                if is_image_file(fname):
+                    entries.append((Path(rel_dir, fname).as_posix(), label))
+        if len(entries) == before:
+            warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "
+                          f"but contributes no samples", EmptyClassWarning, stacklevel=2)
+    return Source(root, classes, entries)
+
+
+def read_list(root: os.PathLike, list_file: os.PathLike) -> Source:
+    """``relative/path<TAB>label`` lines; labels are all integers or all class names."""
+    root = Path(root)
+    rows: List[Tuple[str, str]] = []
+    with open(list_file, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip() or line.startswith("#"):
+                continue
+            parts = line.rsplit("\t", 1)
+            if len(parts) != 2 or not parts[0] or not parts[1].strip():
+                raise PackerError(f"{list_file}:{n}: expected 'relative/path<TAB>label', got {line!r}")
+            rel = parts[0]
+            if os.path.isabs(rel) or ".." in Path(rel).parts:
+                raise PackerError(f"{list_file}:{n}: path {rel!r} must be relative to {root} "
+                                  f"and stay inside it")
+            rows.append((Path(rel).as_posix(), parts[1].strip()))
+    if not rows:
+        raise PackerError(f"{list_file} lists no images")
+    labels = [lab for _, lab in rows]
+    if all(_is_int(lab) for lab in labels):
+        ints = [int(lab) for lab in labels]
+        if min(ints) < 0:
+            raise PackerError(f"{list_file}: labels must be >= 0")
+        classes = [str(i) for i in range(max(ints) + 1)]
+        return Source(root, classes, [(p, i) for (p, _), i in zip(rows, ints)])
+    classes = sorted(set(labels))
+    idx = {c: i for i, c in enumerate(classes)}
+    return Source(root, classes, [(p, idx[lab]) for p, lab in rows])
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:
+    """``"K/N"`` -> (K, N), 0-based like SLURM_ARRAY_TASK_ID and torch ranks."""
+    if part is None:
+        return None
+    try:
+        k, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        raise PackerError(f"--part must look like K/N (e.g. 0/4), got {part!r}") from None
+    if n < 1 or not 0 <= k < n:
+        raise PackerError(f"--part {part}: K must be in 0..N-1 (parts are numbered from 0)")
+    return k, n
+
+
+def select(source: Source, *, part: Optional[Tuple[int, int]] = None,
+           shuffle: bool = False, seed: int = 0) -> Source:
+    """Take one strided part (balanced across classes) and/or shuffle, reproducibly."""
+    entries: Sequence[Tuple[str, int]] = source.entries
+    if shuffle:
+        entries = list(entries)
+        random.Random(seed).shuffle(entries)
+    if part is not None:
+        k, n = part
+        entries = entries[k::n]
+    return Source(source.root, source.classes, list(entries))

@@ -41,23 +41,52 @@ def make_image(rng: random.Random, photos: List[Image.Image]) -> bytes:
     # Upscaled crops are softer than camera photos; restore some detail so files and decode
     # cost land where real photos do (~50-110 KB for 500x375 at quality ~90).
     im = im.filter(ImageFilter.UnsharpMask(radius=2, percent=rng.randint(100, 200), threshold=1))
-    grain = Image.effect_noise((w, h), rng.uniform(3, 6))  # sensor noise, centred on 128
+    grain = _noise(w, h, rng.uniform(3, 6), rng.getrandbits(63))  # sensor noise, centred on 128
     im = ImageChops.add(im, Image.merge("RGB", [grain] * 3), offset=-128)
     out = io.BytesIO()
     im.save(out, "JPEG", quality=rng.randint(75, 95))
     return out.getvalue()
 
 
+def _noise(w: int, h: int, sigma: float, seed: int) -> Image.Image:
+    # Not Image.effect_noise: it draws from C rand(), which no seed of ours controls.
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    n = (torch.randn(h, w, generator=g) * sigma + 128).clamp_(0, 255).to(torch.uint8)
+    return Image.frombytes("L", (w, h), n.numpy().tobytes())
+
+
 def make_image_folder(root: os.PathLike, *, images: int = 200, classes: int = 10,
-                      seed: int = 0, progress: bool = False) -> Path:
-    """Write an ImageFolder-layout tree ``root/class_XX/img_XXXXX.jpg`` of realistic JPEGs."""
+                      seed: int = 0, workers: int = 1, progress: bool = False) -> Path:
+    """Write an ImageFolder-layout tree ``root/class_XX/img_XXXXX.jpg`` of realistic JPEGs.
+
+    The same (images, classes, seed) give the same files whatever ``workers`` is.
+    """
     from tqdm.auto import tqdm
     root = Path(root)
-    rng = random.Random(seed)
-    photos = _photos()
     for c in range(classes):
         (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
-    for i in tqdm(range(images), disable=not progress, unit="img", desc="making images"):
-        path = root / f"class_{i % classes:02d}" / f"img_{i:05d}.jpg"
-        path.write_bytes(make_image(rng, photos))
+    jobs = [(str(root / f"class_{i % classes:02d}" / f"img_{i:05d}.jpg"), seed, i)
+            for i in range(images)]
+    bar = tqdm(total=images, disable=not progress, unit="img", desc="making images")
+    if workers > 1:
+        import multiprocessing as mp
+        with mp.get_context("spawn").Pool(workers) as pool:
+            for _ in pool.imap_unordered(_make_one, jobs, chunksize=16):
+                bar.update(1)
+    else:
+        for job in jobs:
+            _make_one(job)
+            bar.update(1)
+    bar.close()
     return root
+
+
+_PHOTOS: List[Image.Image] = []
+
+
+def _make_one(job) -> None:
+    path, seed, i = job
+    if not _PHOTOS:
+        _PHOTOS.extend(_photos())
+    Path(path).write_bytes(make_image(random.Random(seed * 1_000_003 + i), _PHOTOS))

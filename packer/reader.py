@@ -16,7 +16,7 @@ import os
 import sys
 from array import array
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import lmdb
 
@@ -40,7 +40,7 @@ class ShardReader:
                 raise FormatError(f"shard {p} listed in {self.root / 'manifest.json'} is missing; "
                                   f"re-stage or rebuild the dataset")
         self._pid: Optional[int] = None
-        self._open: List[Tuple[lmdb.Environment, lmdb.Transaction, int, int]] = []
+        self._open: List[Optional[_Shard]] = []
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -55,36 +55,24 @@ class ShardReader:
         shard = bisect.bisect_right(self.starts, index) - 1
         return shard, index - self.starts[shard]
 
-    def _envs(self):
+    def _shard(self, shard: int) -> "_Shard":
         if self._pid != os.getpid():  # first use in this process (or we were forked): reopen
-            self._open = []
-            self._pid = os.getpid()
-        return self._open
-
-    def _shard(self, shard: int):
-        envs = self._envs()
-        while len(envs) <= shard:
-            envs.append(None)
-        if envs[shard] is None:
-            path = self.paths[shard]
-            env = lmdb.open(str(path), subdir=False, readonly=True, lock=False,
-                            readahead=False, meminit=False, max_readers=1, max_spare_txns=0)
-            txn = env.begin(buffers=True)  # one long read txn: the data never changes
-            fd = os.open(path, os.O_RDONLY)
-            envs[shard] = (env, txn, fd, _map_base(fd))
-        return envs[shard]
+            self._open, self._pid = [None] * len(self.paths), os.getpid()
+        if self._open[shard] is None:
+            self._open[shard] = _Shard.get(self.paths[shard])
+        return self._open[shard]
 
     def read(self, index: int) -> bytes:
         """The raw msgpack record at global ``index``."""
         shard, local = self.locate(index)
-        env, txn, fd, base = self._shard(shard)
-        view = txn.get(key(local))
+        sh = self._shard(shard)
+        view = sh.txn.get(key(local))
         if view is None:
             raise FormatError(f"{self.paths[shard]} has no record {local}; the shard is damaged "
                               f"(run `packer verify {self.root}`)")
-        if base is None:  # no /proc/self/maps (not Linux): copy through the map
+        if sh.base is None:  # no /proc/self/maps (not Linux): copy through the map
             return bytes(view)
-        data = os.pread(fd, len(view), _address(view) - base)
+        data = os.pread(sh.fd, len(view), _address(view) - sh.base)
         if len(data) != len(view):
             raise FormatError(f"{self.paths[shard]} is shorter than its index says; damaged shard")
         return data
@@ -93,13 +81,11 @@ class ShardReader:
         return unpack_record(self.read(index))
 
     def close(self) -> None:
-        for item in self._open:
-            if item is not None:
-                env, txn, fd, _ = item
-                txn.abort()
-                env.close()
-                os.close(fd)
-        self._open = []
+        if self._pid == os.getpid():
+            for sh in self._open:
+                if sh is not None:
+                    sh.release()
+        self._open, self._pid = [], None
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -108,10 +94,44 @@ class ShardReader:
 
     def __del__(self):
         try:
-            if self._pid == os.getpid():
-                self.close()
+            self.close()
         except Exception:
             pass
+
+
+class _Shard:
+    """One open shard, shared by every reader of that file in this process.
+
+    py-lmdb refuses to open one file twice in a process, so two datasets over the same
+    shards (train and val views, say) must share the environment; a refcount closes it.
+    Entries are keyed by pid as well, so a forked child never touches its parent's.
+    """
+    _cache: Dict[Tuple[int, int, int], "_Shard"] = {}
+
+    def __init__(self, path: Path, ident):
+        self.ident, self.refs = ident, 0
+        self.env = lmdb.open(str(path), subdir=False, readonly=True, lock=False,
+                             readahead=False, meminit=False, max_readers=1, max_spare_txns=0)
+        self.txn = self.env.begin(buffers=True)  # one long read txn: the data never changes
+        self.fd = os.open(path, os.O_RDONLY)
+        self.base = _map_base(self.fd)
+
+    @classmethod
+    def get(cls, path: Path) -> "_Shard":
+        st = os.stat(path)
+        ident = (os.getpid(), st.st_dev, st.st_ino)
+        sh = cls._cache.get(ident)
+        if sh is None:
+            sh = cls._cache[ident] = cls(path, ident)
+        sh.refs += 1
+        return sh
+
+    def release(self) -> None:
+        self.refs -= 1
+        if self.refs <= 0 and self._cache.pop(self.ident, None) is not None:
+            self.txn.abort()
+            self.env.close()
+            os.close(self.fd)
 
 
 def _map_base(fd: int) -> Optional[int]:

@@ -1,0 +1,227 @@
+"""The ``packer`` command: click commands only. Each one parses, calls the library, and turns
+library errors into one ``Error:`` line and exit code 1 (2 for usage errors, as click does)."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .errors import PackerError
+
+SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+              "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30,
+              "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+
+class Size(click.ParamType):
+    """A byte count such as ``512M``, ``1G`` or ``1073741824`` (units are powers of 1024)."""
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().replace(" ", "")
+        num = text.rstrip("KMGTIB")
+        try:
+            return int(float(num) * SIZE_UNITS[text[len(num):]])
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a size (examples: 512M, 1G, 1073741824)", param, ctx)
+
+
+def library_errors(fn):
+    """Show a PackerError as ``Error: ...`` (exit 1) and Ctrl-C as a short note (exit 130)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PackerError as e:
+            raise click.ClickException(str(e)) from e
+        except KeyboardInterrupt:
+            click.echo("\nInterrupted. Re-run the same command to resume.", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+def _version_line() -> str:
+    from .imaging import pil_summary
+    return f"packer {__version__} (python {sys.version.split()[0]}; PIL: {pil_summary()})"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=lambda ctx, _, v: v and not ctx.resilient_parsing and (click.echo(_version_line()), ctx.exit()),
+              help="Show packer's version and which PIL it decodes with, then exit.")
+def main():
+    """Pack an image folder into a few LMDB shards once, then train from them without
+    waiting on input.
+
+    \b
+    Typical use:
+      packer build ~/data/imagenet/train /data/packed/train   # once
+      packer verify /data/packed/train                        # optional, full check
+      packer stage /data/packed/train /dev/shm/train          # optional, copy to RAM
+      # in training: packer.PackedDataset("/dev/shm/train", transform=...)
+
+    Run `packer COMMAND --help` for each command's options, and `packer doctor` to see
+    which PIL (Pillow or Pillow-SIMD) this environment decodes with.
+    """
+
+
+@main.command()
+@click.argument("src", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--list", "list_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Take images from FILE's 'relative/path<TAB>label' lines (paths relative to SRC) "
+                   "instead of SRC's class folders. Labels: all integers, or all class names.")
+@click.option("--shard-size", type=Size(), default="1G", show_default=True,
+              help="Target bytes per shard file (e.g. 512M, 2G).")
+@click.option("--workers", "-j", type=int, default=None,
+              help="Processes that read and check images [default: all usable cores].")
+@click.option("--max-side", type=int, help="Transcode: downscale so the longer side is at most N px.")
+@click.option("--short-side", type=int, help="Transcode: downscale so the shorter side is at most N px.")
+@click.option("--quality", type=click.IntRange(1, 100),
+              help="Transcode: re-encode every image as a baseline JPEG of this quality "
+                   "[default 90 when --max-side/--short-side is given].")
+@click.option("--shuffle", is_flag=True, help="Store records in a random order (see --seed).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --shuffle.")
+@click.option("--part", metavar="K/N",
+              help="Build only part K of N (K = 0..N-1, e.g. $SLURM_ARRAY_TASK_ID/8); "
+                   "join the parts with `packer merge`.")
+@click.option("--strict", is_flag=True, help="Fail (exit 1, no dataset) on the first bad image "
+                                             "instead of skipping it.")
+@click.option("--max-pixels", type=int, default=None,
+              help="Skip images with more pixels than this (decompression bombs) "
+                   "[default: PIL's limit, 89,478,485].")
+@click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
+@library_errors
+def build(src, dst, list_file, shard_size, workers, max_side, short_side, quality, shuffle,
+          seed, part, strict, max_pixels, overwrite, quiet):
+    """Pack the image folder SRC into LMDB shards in DST.
+
+    SRC is laid out as torchvision's ImageFolder expects (SRC/CLASS/.../IMAGE): classes are
+    SRC's subfolders in ImageFolder's order, so labels match it exactly. Every image is
+    decoded once to check it; unreadable, truncated, empty and non-image files are skipped
+    and listed in the manifest (see `packer info DST`).
+
+    Image bytes are stored unchanged unless --max-side/--short-side/--quality ask for
+    smaller JPEGs, which decode several times faster in training.
+
+    An interrupted build (Ctrl-C, kill, power loss) leaves no dataset that readers accept;
+    re-run the same command to resume after the last finished shard.
+    """
+    from .build import build as run_build
+    from .imaging import DEFAULT_MAX_PIXELS, Transcode
+    transcode = None
+    if max_side or short_side or quality:
+        transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
+    result = run_build(src, dst, list_file=list_file, shard_size=shard_size, workers=workers,
+                       transcode=transcode, shuffle=shuffle, seed=seed, part=part, strict=strict,
+                       overwrite=overwrite, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                       progress=not quiet)
+    if result.resumed_shards:
+        click.echo(f"resumed after {result.resumed_shards} finished shard(s)")
+    click.echo(f"{result.summary()} -> {dst}")
+    skipped = result.manifest["skipped"]
+    if skipped:
+        click.echo(f"{len(skipped)} file(s) skipped, e.g. {skipped[0]['path']}: {skipped[0]['reason']} "
+                   f"(all listed by `packer info {dst}`)", err=True)
+
+
+@main.command()
+@click.argument("parts", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
+@library_errors
+def merge(parts, dst, overwrite):
+    """Join datasets built with --part K/N into one dataset DST, without copying shards.
+
+    DST's manifest refers to the parts' shard files by relative path: keep the parts where
+    they are, or `packer stage DST ...` to make a self-contained copy.
+    """
+    from .build import merge as run_merge
+    m = run_merge(list(parts), dst, overwrite=overwrite)
+    click.echo(f"merged {len(parts)} parts: {m['count']} images, {len(m['shards'])} shards -> {dst}")
+
+
+@main.command()
+@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (count, classes, shards, "
+                                                      "bytes, skipped, format_version, ...).")
+@library_errors
+def info(dst, as_json):
+    """Summarize dataset DST: classes with counts, shards, sizes, build options, skipped files."""
+    from .inspect import format_info, info as get_info
+    i = get_info(dst)
+    click.echo(json.dumps(i, indent=1, ensure_ascii=False) if as_json else format_info(i))
+
+
+@main.command()
+@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--quick", is_flag=True, help="Check structure and shard checksums only, not every record.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@library_errors
+def verify(dst, quick, quiet):
+    """Check dataset DST: every shard's checksum, then every record (unpacks, checksum,
+    decodes, label). Exits 1 and lists what is wrong if anything is."""
+    from .inspect import verify as run_verify
+    rep = run_verify(dst, quick=quick, progress=not quiet)
+    if rep.ok:
+        what = "shards" if quick else f"shards and {rep.checked_records} records"
+        click.echo(f"OK: {rep.checked_shards} {what} verified in {dst}")
+        return
+    for p in rep.problems:
+        click.echo(p, err=True)
+    raise click.ClickException(f"{len(rep.problems)} problem(s) in {dst}")
+
+
+@main.command()
+@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@library_errors
+def ls(dst):
+    """List records of DST, one per line: INDEX<TAB>LABEL<TAB>PATH, in record order."""
+    from .inspect import ls as run_ls
+    out = click.get_text_stream("stdout")
+    for i, label, path in run_ls(dst):
+        out.write(f"{i}\t{label}\t{path}\n")
+
+
+@main.command()
+@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("index", type=int)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the bytes to this file instead of stdout.")
+@library_errors
+def cat(dst, index, output):
+    """Write the stored image bytes of record INDEX of DST (to stdout, or -o FILE)."""
+    from .inspect import cat as run_cat
+    try:
+        data = run_cat(dst, index)
+    except IndexError as e:
+        raise click.ClickException(str(e)) from None
+    if output:
+        output.write_bytes(data)
+    else:
+        click.get_binary_stream("stdout").write(data)
+
+
+@main.command()
+def doctor():
+    """Show the environment packer runs in: PIL flavour (Pillow-SIMD or Pillow), libjpeg-turbo,
+    torch and CUDA, cores."""
+    import os
+    import torch
+    from .build import default_workers
+    from .imaging import pil_info, pil_summary
+    click.echo(f"packer   {__version__}")
+    click.echo(f"python   {sys.version.split()[0]}")
+    click.echo(f"PIL      {pil_summary()}")
+    if not pil_info()["simd"]:
+        click.echo("         Pillow-SIMD resizes several times faster: scripts/install_pillow_simd.sh")
+    cuda = torch.cuda.is_available()
+    click.echo(f"torch    {torch.__version__}; CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'not available'}")
+    click.echo(f"cores    {default_workers()} usable of {os.cpu_count()}")

@@ -1,0 +1,344 @@
+"""Feeding the training loop: ``make_loader`` (a DataLoader tuned for throughput), the uint8
+collate, and a thread prefetcher for any iterable.
+
+Images stay uint8 from decode to the GPU: a float32 batch is 4x the bytes to collate, to pass
+between processes, to pin and to send over PCIe, and the conversion is nearly free on the
+GPU (``CUDAPrefetcher`` does it there).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import queue
+import threading
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, default_collate, get_worker_info
+
+try:  # the extensible collate (torch >= 2.0); older torch falls back to default_collate
+    from torch.utils.data._utils.collate import collate as _collate
+    from torch.utils.data._utils.collate import collate_tensor_fn as _collate_tensor
+    from torch.utils.data._utils.collate import default_collate_fn_map as _default_map
+except ImportError:  # pragma: no cover
+    _collate = None
+
+__all__ = ["BackgroundIterator", "background", "collate_uint8", "default_num_workers",
+           "make_loader"]
+
+TOTAL_PREFETCH = 8  # batches in flight across all workers, see make_loader
+
+
+def default_num_workers() -> int:
+    """Cores this process may use (affinity mask and cgroup CPU quota), shared among the
+    training processes of this host (``LOCAL_WORLD_SIZE``, set by torchrun): one worker per
+    core keeps decoding saturated without oversubscribing when 8 ranks share a machine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cores // local)
+
+
+def _cgroup_cpu_quota() -> Optional[float]:
+    """CPUs allowed by a container's cgroup v2 ``cpu.max`` (None when unlimited or unknown)."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+# -- collate ---------------------------------------------------------------------------------
+
+def collate_uint8(batch, *, channels_last: bool = True):
+    """Collate samples whose images are uint8 ``(C, H, W)`` tensors into one uint8 batch.
+
+    Images become one ``(N, C, H, W)`` uint8 tensor, in channels_last memory when asked (the
+    layout convolutions on GPU prefer; decoders that hand out HWC buffers make it a plain
+    copy). Integer labels become an int64 tensor. Any nesting of tuples, lists and dicts is
+    handled; other tensors and values are collated by ``default_collate``'s rules. In a
+    worker process the batch is written straight into shared memory, as default_collate does,
+    so it crosses to the main process without another copy.
+
+    PIL images are refused with a pointer to ``decode=``: they vary in size and must be
+    decoded to tensors in the worker anyway, and decoding straight to a cropped uint8 tensor
+    is the fast path.
+    """
+    if _collate is None:  # pragma: no cover - torch < 2.0
+        return default_collate(batch)
+    fn_map = dict(_default_map)
+    fn_map[torch.Tensor] = functools.partial(_collate_images, channels_last=channels_last)
+    try:
+        from PIL import Image
+        fn_map[Image.Image] = _refuse_pil
+    except ImportError:  # pragma: no cover
+        pass
+    return _collate(batch, collate_fn_map=fn_map)
+
+
+def _collate_images(batch, *, channels_last: bool, collate_fn_map=None):
+    elem = batch[0]
+    if elem.dtype != torch.uint8 or elem.dim() != 3 or elem.is_cuda:
+        return _collate_tensor(batch, collate_fn_map=collate_fn_map)
+    shape = elem.shape
+    for t in batch:
+        if t.shape != shape or t.dtype != torch.uint8:
+            raise ValueError(f"cannot batch images of different sizes/dtypes ({tuple(shape)} "
+                             f"uint8 and {tuple(t.shape)} {t.dtype}): decode to a fixed size, "
+                             f"e.g. PackedDataset(root, decode=DecodeRandomResizedCrop(224))")
+    c, h, w = shape
+    n = len(batch)
+    size = (n, h, w, c) if channels_last else (n, c, h, w)
+    if get_worker_info() is not None:  # shared memory: the batch is passed, not copied, to the parent
+        storage = torch.UntypedStorage._new_shared(n * c * h * w)
+        out = torch.empty(0, dtype=torch.uint8).set_(storage, 0, size, _contiguous_strides(size))
+    else:
+        out = torch.empty(size, dtype=torch.uint8)
+    if channels_last:
+        torch.stack([t.permute(1, 2, 0) for t in batch], out=out)
+        return out.permute(0, 3, 1, 2)  # logical NCHW, channels_last strides
+    torch.stack(batch, out=out)
+    return out
+
+
+def _contiguous_strides(size):
+    strides, acc = [], 1
+    for s in reversed(size):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def _refuse_pil(batch, *, collate_fn_map=None):
+    raise TypeError("make_loader batches uint8 tensors, but the dataset returns PIL images: build "
+                    "it with a tensor decoder, e.g. PackedDataset(root, decode=DecodeRandomResizedCrop"
+                    "(224)) for training or decode=DecodeCenterCrop(224) for evaluation, or end its "
+                    "transform with torchvision.transforms.PILToTensor() (uint8, not ToTensor)")
+
+
+# -- the DataLoader --------------------------------------------------------------------------
+
+def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] = None,
+                sampler=None, num_workers: Optional[int] = None, drop_last: bool = False,
+                channels_last: bool = True, pin_memory: Optional[bool] = None,
+                prefetch_factor: Optional[int] = None, persistent_workers: bool = True,
+                multiprocessing_context=None, collate_fn: Optional[Callable] = None,
+                **kwargs) -> DataLoader:
+    """A ``DataLoader`` set up for throughput; every choice can be overridden.
+
+    Args:
+        dataset: any map-style or iterable dataset whose images are uint8 ``(C, H, W)``
+            tensors, e.g. ``PackedDataset(root, decode=DecodeRandomResizedCrop(224))``.
+        batch_size: samples per batch (``None`` with ``batch_sampler=`` in kwargs).
+        shuffle: default True, or False when a ``sampler`` is given (they are exclusive).
+        sampler: e.g. ``DistributedSampler``; call ``set_epoch`` on it (or on a
+            ``CUDAPrefetcher``) each epoch.
+        num_workers: default ``default_num_workers()``: the usable cores of this process,
+            divided among the ranks on this host. Decoding is the bottleneck; the main
+            process mostly waits on the GPU.
+        channels_last: collate images into channels_last memory (convolution's fast layout;
+            a free copy from HWC decoders).
+        pin_memory: default True when CUDA is available: page-locked batches copy to the GPU
+            asynchronously (``non_blocking=True``) and at full PCIe speed.
+        prefetch_factor: batches each worker keeps ready. Default: enough for about
+            ``TOTAL_PREFETCH`` (8) batches in flight overall, at least 2 per worker, to
+            absorb jitter in decode and step times without holding many batches of shared
+            memory (each is ``batch_size * 3 * H * W`` bytes).
+        persistent_workers: keep workers (and their open shards, warm page cache and
+            imported modules) across epochs instead of re-forking each epoch. Workers hold a
+            copy of the dataset, so changes to it after the first epoch do not reach them.
+        multiprocessing_context: None (the platform default: fork on Linux, cheap and safe
+            since shards open lazily per process), or "spawn"/"forkserver" if the main
+            process has threads or CUDA state that must not be forked.
+        collate_fn: default ``collate_uint8`` with ``channels_last``.
+        **kwargs: passed to ``DataLoader`` (``worker_init_fn``, ``generator``, ``timeout``,
+            ``batch_sampler``, ...).
+    """
+    if kwargs.get("batch_sampler") is not None:
+        if batch_size is not None or sampler is not None or shuffle or drop_last:
+            raise ValueError("batch_sampler= decides batches itself: pass batch_size=None and no "
+                             "shuffle, sampler or drop_last")
+        batch_size, shuffle = 1, False  # DataLoader's defaults, required with batch_sampler
+    elif not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    if shuffle is None:
+        shuffle = sampler is None and kwargs.get("batch_sampler") is None and not iterable
+    elif shuffle and sampler is not None:
+        raise ValueError("shuffle=True and sampler= are exclusive: the sampler decides the order "
+                         "(DistributedSampler shuffles by itself; call its set_epoch each epoch)")
+    _check_decoded(dataset)
+    if num_workers is None:
+        num_workers = default_num_workers()
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process), "
+                         f"got {num_workers!r}")
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    if num_workers == 0:
+        if prefetch_factor is not None:
+            raise ValueError("prefetch_factor needs num_workers > 0 (it counts batches per worker)")
+        persistent_workers = False
+    else:
+        if prefetch_factor is None:
+            prefetch_factor = max(2, math.ceil(TOTAL_PREFETCH / num_workers))
+        if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
+        kwargs["prefetch_factor"] = prefetch_factor
+        kwargs["multiprocessing_context"] = multiprocessing_context
+    if collate_fn is None:
+        collate_fn = functools.partial(collate_uint8, channels_last=channels_last)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                      num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+                      drop_last=drop_last, persistent_workers=persistent_workers, **kwargs)
+
+
+def _check_decoded(dataset) -> None:
+    """Fail now, not in a worker, for a PackedDataset that would hand out PIL images."""
+    from .dataset import PackedDataset
+    if isinstance(dataset, PackedDataset) and dataset.decode is None and dataset.transform is None:
+        raise ValueError("this PackedDataset returns PIL images; make_loader needs uint8 tensors: "
+                         "pass decode=DecodeRandomResizedCrop(224) (training) or "
+                         "decode=DecodeCenterCrop(224) (evaluation) to PackedDataset, or a "
+                         "transform ending in torchvision.transforms.PILToTensor()")
+
+
+# -- thread prefetcher -----------------------------------------------------------------------
+
+_END = object()
+
+
+class _Raised:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class BackgroundIterator:
+    """Iterate ``iterable`` in a thread, keeping up to ``depth`` items ready.
+
+    The prefetch_generator idea: while the consumer works on one item (a training step,
+    which releases the GIL in torch kernels), the thread produces the next ones. Useful for
+    producers that wait or release the GIL (I/O, decoding, a DataLoader's queue). An
+    exception in the thread is re-raised by the consumer as the same object, so its type
+    and its traceback into the producer survive. If the consumer stops early (``close()``,
+    ``with``, or dropping the iterator), the thread stops and the source iterator is closed.
+    One pass: wrap the iterable again for the next epoch.
+    """
+
+    def __init__(self, iterable: Iterable, depth: int = 2):
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1 (items kept ready), got {depth!r}")
+        self._len = _length(iterable)
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        # The thread must not reference self, or an abandoned iterator could never be freed.
+        self._thread = threading.Thread(target=_produce, args=(iter(iterable), self._queue, self._stop),
+                                        name=f"packer-background-{id(self):x}", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> "BackgroundIterator":
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _END:
+            self._finish()
+            raise StopIteration
+        if isinstance(item, _Raised):
+            self._finish()
+            exc = item.exc
+            if hasattr(exc, "add_note"):
+                exc.add_note("(raised in the producer thread of packer.loader.BackgroundIterator)")
+            raise exc
+        return item
+
+    def __len__(self) -> int:
+        if self._len is None:
+            raise TypeError("the wrapped iterable has no len()")
+        return self._len
+
+    def close(self, timeout: Optional[float] = 10.0) -> None:
+        """Stop the thread (it finishes the item it is producing) and release queued items."""
+        self._done = True
+        self._stop.set()
+        while self._thread.is_alive():
+            _drain(self._queue)  # unblock a put() waiting on a full queue
+            self._thread.join(0.01)
+            if timeout is not None:
+                timeout -= 0.01
+                if timeout <= 0:
+                    break  # the source is stuck in its own next(); the daemon thread is left
+        _drain(self._queue)
+
+    def _finish(self) -> None:
+        self._done = True
+        self._thread.join()
+
+    def __enter__(self) -> "BackgroundIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def background(iterable: Iterable, depth: int = 2) -> BackgroundIterator:
+    """``for batch in background(loader):`` — the next items are produced in a thread."""
+    return BackgroundIterator(iterable, depth)
+
+
+def _produce(it: Iterator, q: queue.Queue, stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            try:
+                item = next(it)
+            except StopIteration:
+                q.put(_END)
+                return
+            except BaseException as e:  # noqa: B902 - everything reaches the consumer
+                q.put(_Raised(e))
+                return
+            q.put(item)
+            del item
+    finally:
+        close = getattr(it, "close", None)  # run a generator's finally blocks, here, not in GC
+        if close is not None and stop.is_set():
+            try:
+                close()
+            except Exception:
+                pass
+
+
+def _drain(q: queue.Queue) -> None:
+    try:
+        while True:
+            q.get_nowait()
+    except queue.Empty:
+        pass
+
+
+def _length(iterable) -> Optional[int]:
+    try:
+        return len(iterable)
+    except TypeError:
+        return None

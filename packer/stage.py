@@ -1,0 +1,625 @@
+"""Staging: copy a finished dataset to fast storage (a tmpfs, ``/dev/shm``) and undo it.
+
+The copy is crash safe by the same rule as the build: each file is copied whole under a
+temporary name (``.NAME.staging``), hashed while it is copied and verified against the
+manifest, then renamed into place; the manifest — the one file readers require — goes
+last. TARGET is therefore either a complete dataset or one that nothing accepts as
+complete, and re-running the same command checks what is there (size and checksum) and
+recopies only what differs or is missing.
+
+Shard paths in a manifest may point outside the dataset folder (``packer merge`` refers to
+its parts' files); staging copies every referenced file into TARGET under a flat name and
+writes a manifest with rewritten paths, so TARGET is self-contained and
+``PackedDataset(TARGET)`` works with no other change.
+"""
+from __future__ import annotations
+
+import copy
+import errno
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from tqdm.auto import tqdm
+
+from . import __version__
+from .errors import FormatError, PackerError
+from .format import (HASH_CHUNK, LABELS, MANIFEST, file_sha256, fsync_dir, read_manifest,
+                     write_json_atomic)
+
+STAGE_MARKER = ".packer-stage.json"   # written first, kept: says "packer staged this folder"
+STAGE_LOCK = ".packer-stage.lock"     # flock'ed while staging, so concurrent stagers take turns
+TMP_SUFFIX = ".staging"
+RAM_FS = frozenset({"tmpfs", "ramfs"})
+MOUNT_SCRIPT = "scripts/mount_tmpfs.sh"
+
+
+def space_margin(need: int) -> int:
+    """Headroom kept free on TARGET beyond the bytes to copy: 1% + 1 MiB."""
+    return need // 100 + (1 << 20)
+
+
+def ram_margin(mem_total: int) -> int:
+    """RAM left for everything else when staging into a RAM filesystem: 5%, at least 256 MiB."""
+    return max(256 << 20, mem_total // 20)
+
+
+@dataclass
+class StageResult:
+    """What ``stage`` did. ``message()`` says where the data is and how to train from it."""
+    source: Path
+    target: Path
+    copied: List[str] = field(default_factory=list)    # names written in TARGET by this run
+    kept: List[str] = field(default_factory=list)      # names already there and verified
+    removed: List[str] = field(default_factory=list)   # stale or damaged files deleted first
+    bytes_copied: int = 0
+    bytes_total: int = 0                               # every file of the staged dataset
+    seconds: float = 0.0
+    fstype: str = ""
+    swap: bool = False                                 # the machine has swap enabled
+    waited: bool = False                               # another rank staged; this one waited
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.copied or self.removed)
+
+    def message(self) -> str:
+        t = str(self.target)
+        n = len(self.copied) + len(self.kept)
+        if self.waited:
+            head = f"{t} was staged by this node's local rank 0 ({_human(self.bytes_total)})"
+        elif not self.changed:
+            head = (f"{t} already holds a complete copy of {self.source} "
+                    f"({n} files, {_human(self.bytes_total)}, checked): nothing to do")
+        else:
+            rate = self.bytes_copied / max(self.seconds, 1e-9)
+            head = (f"staged {self.source} -> {t}: copied {len(self.copied)} file(s), "
+                    f"{_human(self.bytes_copied)} in {self.seconds:.1f} s ({_human(rate)}/s)"
+                    + (f", kept {len(self.kept)} already there" if self.kept else "")
+                    + (f", replaced {len(self.removed)} damaged or stale" if self.removed else ""))
+        lines = [head]
+        if self.fstype in RAM_FS:
+            lines.append(f"The data is in RAM ({self.fstype}).")
+            if self.swap:
+                lines.append("Note: this machine has swap, and tmpfs pages can be swapped out under "
+                             "memory pressure; check `vmstat 1` (si/so) stays at 0 while training "
+                             "(docs/staging.md).")
+        elif self.fstype:
+            lines.append(f"Note: {t} is on {self.fstype}, not in RAM; stage to /dev/shm or a "
+                         f"tmpfs mount ({MOUNT_SCRIPT}) to read from memory.")
+        lines.append(f"Train from it with no other change: PackedDataset({t!r})")
+        lines.append(f"Free the space when done: packer unstage {_shell_quote(t)}")
+        return "\n".join(lines)
+
+
+@dataclass
+class UnstageResult:
+    target: Path
+    removed: List[str]
+    bytes_freed: int
+    removed_dir: bool
+
+    def message(self) -> str:
+        where = "and the folder" if self.removed_dir else "(the folder holds other files: kept)"
+        return (f"removed {len(self.removed)} staged file(s) from {self.target} {where}; "
+                f"freed {_human(self.bytes_freed)}")
+
+
+# -- stage -----------------------------------------------------------------------------------
+
+def stage(dst: os.PathLike, target: os.PathLike, *, progress: bool = True,
+          verify: bool = True) -> StageResult:
+    """Copy the dataset ``dst`` (shards, labels, manifest) into ``target`` and verify it.
+
+    Args:
+        dst: a finished dataset (built or merged).
+        target: where to put the copy, typically ``/dev/shm/NAME`` or a tmpfs mount; created
+            if missing. It may hold other files, but not a dataset that was not staged.
+        progress: show a bytes progress bar (tqdm).
+        verify: hash files already in ``target`` before keeping them, and re-read each copied
+            file from ``target`` to check it against the manifest. With ``verify=False``
+            files already there are checked by size only, and copies are checked by the hash
+            computed while copying (which still catches a source that changed or rotted).
+
+    Returns a ``StageResult``; ``print(result.message())`` tells the user where the data is.
+    Raises ``PackerError`` for an incomplete source, a target that is not safe to write, or
+    not enough free space (checked before anything is written).
+    """
+    t0 = time.perf_counter()
+    dst, target = Path(dst), Path(target)
+    man = read_manifest(dst)
+    plan = _plan(dst, man)
+    if target.exists() and not target.is_dir():
+        raise PackerError(f"{target} exists and is not a folder; pick a folder to stage into")
+    _refuse_unsafe_target(dst, target, plan)
+    target.mkdir(parents=True, exist_ok=True)
+    with _lock(target):
+        return _stage_locked(dst, target, man, plan, progress, verify, t0)
+
+
+def _stage_locked(dst: Path, target: Path, man: dict, plan: List["_File"], progress: bool,
+                  verify: bool, t0: float) -> StageResult:
+    _refuse_unsafe_target(dst, target, plan)  # again, under the lock
+    result = StageResult(source=dst, target=target, fstype=fs_type(target),
+                         swap=_meminfo().get("SwapTotal", 0) > 0)
+    staged_manifest = _staged_manifest(dst, man, plan)
+    previous = _previous_names(target)
+    wanted = {f.name for f in plan} | {MANIFEST}
+
+    # What is already there and right, what must be (re)copied, what must go.
+    stale = sorted(n for n in previous - wanted if (target / n).exists())
+    temps = sorted(p.name for p in target.glob("." + "*" + TMP_SUFFIX))
+    todo: List[_File] = []
+    doomed: List[str] = []
+    check_bar = _bar(progress, sum(f.bytes for f in plan if _size(target / f.name) == f.bytes)
+                     if verify else 0, f"checking {target.name or target}")
+    try:
+        for f in plan:
+            size = _size(target / f.name)
+            if size is None:
+                todo.append(f)
+                continue
+            ok = size == f.bytes and (not verify or f.sha256 is None or
+                                      file_sha256(target / f.name, check_bar.update) == f.sha256)
+            if ok:
+                result.kept.append(f.name)
+            else:
+                todo.append(f)
+                doomed.append(f.name)
+    finally:
+        check_bar.close()
+    manifest_ok = not todo and not stale and _same_manifest(target, staged_manifest)
+    result.bytes_total = sum(f.bytes for f in plan)
+    if manifest_ok and not temps:
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    need = sum(f.bytes for f in todo) + _json_size(staged_manifest)
+    freeable = sum(_size(target / n) or 0 for n in doomed + stale + temps)
+    _check_space(dst, target, need, freeable, result.fstype)
+
+    # From here on TARGET changes: first make sure nothing accepts it as complete.
+    _write_marker(target, dst, sorted(wanted | previous))
+    if (target / MANIFEST).exists():
+        (target / MANIFEST).unlink()
+        fsync_dir(target)
+    for name in temps + doomed + stale:
+        (target / name).unlink(missing_ok=True)
+    result.removed = sorted(set(doomed + stale))
+
+    bar = _bar(progress, sum(f.bytes for f in todo) * (2 if verify else 1),
+               f"staging to {target.name or target}")
+    try:
+        for f in todo:
+            _copy_verified(f, target, bar.update, verify)
+            result.copied.append(f.name)
+            result.bytes_copied += f.bytes
+    finally:
+        bar.close()
+    fsync_dir(target)
+    with _disk_full(target / MANIFEST, dst):
+        write_json_atomic(target / MANIFEST, staged_manifest)
+    _write_marker(target, dst, sorted(wanted))
+    result.copied.append(MANIFEST) if MANIFEST not in result.copied else None
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+@dataclass
+class _File:
+    name: str                 # flat name in TARGET
+    src: Path                 # where it is now
+    bytes: int
+    sha256: Optional[str]
+    kind: str                 # "shard" or "labels"
+
+
+def _plan(dst: Path, man: dict) -> List[_File]:
+    """Every file the dataset needs, with the flat name it gets in TARGET."""
+    shards = man.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise FormatError(f"{dst / MANIFEST} lists no shards; rebuild the dataset")
+    bases = [os.path.basename(str(s["path"]).replace("\\", "/")) for s in shards]
+    reserved = {MANIFEST, LABELS, STAGE_MARKER, STAGE_LOCK}
+    flat = (len(set(bases)) == len(bases) and
+            all(b and not b.startswith(".") and b not in reserved for b in bases))
+    width = max(5, len(str(len(shards) - 1)))
+    files = []
+    for i, (s, base) in enumerate(zip(shards, bases)):
+        name = base if flat else f"shard-{i:0{width}d}.lmdb"
+        files.append(_File(name, dst / s["path"], int(s["bytes"]), s.get("sha256"), "shard"))
+    lab = man.get("labels") or {}
+    lab_src = dst / lab.get("path", LABELS)
+    lab_bytes = lab.get("bytes")
+    if lab_bytes is None:
+        lab_bytes = _size(lab_src) or 0
+    files.append(_File(LABELS, lab_src, int(lab_bytes), lab.get("sha256"), "labels"))
+    for f in files:
+        if not f.src.is_file():
+            raise FormatError(f"{f.src}, listed in {dst / MANIFEST}, is missing; "
+                              f"{'keep the parts of a merged dataset where they are, or ' if f.kind == 'shard' else ''}"
+                              f"rebuild the dataset")
+    return files
+
+
+def _staged_manifest(dst: Path, man: dict, plan: List[_File]) -> dict:
+    out = copy.deepcopy(man)
+    names = iter(f.name for f in plan if f.kind == "shard")
+    out["shards"] = [dict(s, path=next(names)) for s in man["shards"]]
+    out["labels"] = dict(man.get("labels") or {}, path=LABELS)
+    out["staged"] = {"from": str(dst.resolve()), "packer_version": __version__}
+    return out
+
+
+def _refuse_unsafe_target(dst: Path, target: Path, plan: List[_File]) -> None:
+    if not target.exists():
+        return
+    if target.resolve() == dst.resolve():
+        raise PackerError(f"TARGET {target} is the dataset itself; stage to another folder "
+                          f"(e.g. /dev/shm/{dst.resolve().name})")
+    for f in plan:
+        there = target / f.name
+        if there.exists() and os.path.samefile(there, f.src):
+            raise PackerError(f"staging to {target} would overwrite the source file {f.src}; "
+                              f"pick an empty folder")
+    if (target / ".packer-build.json").exists():
+        raise PackerError(f"{target} holds an unfinished `packer build`; pick another folder")
+    if (target / MANIFEST).exists():
+        try:
+            existing = read_manifest(target)
+        except PackerError:
+            existing = None
+        if existing is not None and "staged" not in existing and not (target / STAGE_MARKER).exists():
+            raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
+                              f"output?); staging would overwrite it. Pick an empty folder")
+        if existing is None and not (target / STAGE_MARKER).exists():
+            raise PackerError(f"{target} holds a {MANIFEST} that is not a staged packer dataset; "
+                              f"pick an empty folder")
+
+
+def _previous_names(target: Path) -> set:
+    """Names a previous staging run put in TARGET (from its marker and manifest)."""
+    names = set()
+    marker = _read_json(target / STAGE_MARKER)
+    if isinstance(marker, dict):
+        names.update(n for n in marker.get("files", []) if _plain_name(n))
+    try:
+        man = read_manifest(target)
+    except PackerError:
+        man = None
+    if man is not None and "staged" in man:
+        names.update(s["path"] for s in man.get("shards", []) if _plain_name(s.get("path")))
+        lab = (man.get("labels") or {}).get("path")
+        if _plain_name(lab):
+            names.add(lab)
+    names.discard(STAGE_MARKER)
+    names.discard(STAGE_LOCK)
+    return names
+
+
+def _copy_verified(f: _File, target: Path, progress, verify: bool) -> None:
+    """Copy ``f`` whole to a temporary name, hashing on the way; rename it when it checks out."""
+    final = target / f.name
+    tmp = target / ("." + f.name + TMP_SUFFIX)
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    try:
+        with _disk_full(final, f.src), open(f.src, "rb", buffering=0) as src, \
+                open(tmp, "wb", buffering=0) as out:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while True:
+                n = src.readinto(buf)
+                if not n:
+                    break
+                chunk = view[:n]
+                h.update(chunk)
+                written = 0
+                while written < n:
+                    written += out.write(chunk[written:])
+                size += n
+                progress(n)
+            out.flush()
+            os.fsync(out.fileno())
+        if size != f.bytes or (f.sha256 is not None and h.hexdigest() != f.sha256):
+            raise FormatError(f"{f.src} does not match its manifest entry (size {size} for "
+                              f"{f.bytes}, or a checksum mismatch): the source dataset is damaged; "
+                              f"run `packer verify` on it, and rebuild it")
+        if verify and f.sha256 is not None and file_sha256(tmp, progress) != f.sha256:
+            raise PackerError(f"the copy of {f.src} in {target} reads back differently from what "
+                              f"was written (failing memory or storage?); re-run the same command")
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _check_space(dst: Path, target: Path, need: int, freeable: int, fstype: str) -> None:
+    usage = shutil.disk_usage(target)
+    free = usage.free + freeable
+    margin = space_margin(need)
+    if need + margin > free:
+        raise PackerError(
+            f"{target} has {_human(free)} free, the dataset needs {_human(need)} "
+            f"(+{_human(margin)} margin); free some space or mount a bigger tmpfs: "
+            f"{MOUNT_SCRIPT} --for {_shell_quote(str(dst))} MOUNTPOINT")
+    if fstype in RAM_FS:
+        info = _meminfo()
+        if "MemAvailable" in info:
+            avail = info["MemAvailable"]
+            keep = ram_margin(info.get("MemTotal", 0))
+            if need + keep > avail:
+                raise PackerError(
+                    f"{target} is in RAM ({fstype}) and the dataset needs {_human(need)}, but "
+                    f"only {_human(avail)} of RAM is available (keeping {_human(keep)} for "
+                    f"everything else); staging would push the machine into swap or the OOM "
+                    f"killer. Free memory, or train from the disk copy")
+
+
+class _disk_full:
+    """ENOSPC while staging -> a PackerError that says a re-run resumes."""
+
+    def __init__(self, path: Path, dst: Path):
+        self.path, self.dst = path, dst
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            free = shutil.disk_usage(self.path.parent).free
+            raise PackerError(
+                f"{self.path.parent} filled up while staging {self.path.name} ({_human(free)} "
+                f"free); files already copied are kept. Make room (a bigger tmpfs: "
+                f"{MOUNT_SCRIPT} --for {_shell_quote(str(self.dst))} MOUNTPOINT) and re-run "
+                f"the same command to resume") from exc
+        return False
+
+
+# -- unstage ---------------------------------------------------------------------------------
+
+def unstage(target: os.PathLike) -> UnstageResult:
+    """Remove what ``stage`` put in ``target`` (then the folder, if that leaves it empty).
+
+    Refuses a folder that is not a staged packer dataset: a build output, or anything else,
+    is never deleted by this function.
+    """
+    target = Path(target)
+    if not target.is_dir():
+        raise PackerError(f"{target} is not a folder; nothing to unstage")
+    marker = target / STAGE_MARKER
+    staged_manifest = False
+    if (target / MANIFEST).exists():
+        try:
+            staged_manifest = "staged" in read_manifest(target)
+        except PackerError:
+            staged_manifest = False
+    if not marker.exists() and not staged_manifest:
+        raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER} and no "
+                          f"staged {MANIFEST}); refusing to delete anything there")
+    with _lock(target):
+        names = _previous_names(target)
+        removed, freed = [], 0
+        # The manifest goes first, so a half-removed dataset is never taken for a whole one.
+        ordered = [MANIFEST] + sorted(names - {MANIFEST})
+        ordered += sorted(p.name for p in target.glob("." + "*" + TMP_SUFFIX))
+        ordered += [MANIFEST + ".tmp", STAGE_MARKER + ".tmp", STAGE_MARKER]
+        for name in ordered:
+            p = target / name
+            if p.is_file():
+                freed += p.stat().st_size
+                p.unlink()
+                removed.append(name)
+        (target / STAGE_LOCK).unlink(missing_ok=True)
+    removed_dir = False
+    try:
+        target.rmdir()
+        removed_dir = True
+    except OSError:
+        pass
+    return UnstageResult(target=target, removed=removed, bytes_freed=freed, removed_dir=removed_dir)
+
+
+# -- several GPUs per node -------------------------------------------------------------------
+
+def local_rank_from_env() -> Optional[int]:
+    """This process's rank within its node, from torchrun, SLURM or Open MPI variables."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        value = os.environ.get(var)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise PackerError(f"{var}={value!r} is not an integer") from None
+    return None
+
+
+def stage_once_per_node(dst: os.PathLike, target: os.PathLike, *, local_rank: Optional[int] = None,
+                        timeout: float = 4 * 3600, **kwargs) -> StageResult:
+    """Stage once per node under ``torch.distributed``: local rank 0 copies, the others wait.
+
+    Call it on every rank (it is a collective when torch.distributed is initialised), before
+    building the dataset, with a node-local ``target`` such as ``/dev/shm/train``::
+
+        res = stage_once_per_node("/data/packed/train", "/dev/shm/train")
+        ds = PackedDataset(res.target, transform=...)
+
+    The wait is an all-reduce over a gloo group created with ``timeout`` seconds (default
+    4 h, since copying a big dataset can outlast the default collective timeout); it also
+    carries failure, so if staging fails on any node every rank raises instead of hanging.
+    Without torch.distributed (or with one process) it simply stages. ``local_rank`` defaults
+    to LOCAL_RANK (torchrun), SLURM_LOCALID or OMPI_COMM_WORLD_LOCAL_RANK. Other keyword
+    arguments go to ``stage``; non-zero local ranks return a result with ``waited=True``.
+    """
+    import datetime
+
+    try:
+        import torch
+        import torch.distributed as dist
+        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except ImportError:  # pragma: no cover - torch is a dependency
+        active = False
+    if not active:
+        return stage(dst, target, **kwargs)
+    if local_rank is None:
+        local_rank = local_rank_from_env()
+    if local_rank is None:
+        raise PackerError("stage_once_per_node needs this process's rank within its node: "
+                          "launch with torchrun (sets LOCAL_RANK) or pass local_rank=")
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    try:
+        result: Optional[StageResult] = None
+        error: Optional[BaseException] = None
+        if local_rank == 0:
+            try:
+                result = stage(dst, target, **kwargs)
+            except Exception as e:  # reported to every rank below, re-raised here
+                error = e
+        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    finally:
+        dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    if int(flag.item()) == 0:
+        raise PackerError(f"staging {dst} to {target} failed on another node's local rank 0 "
+                          f"(see its log); fix that and restart the job")
+    if result is not None:
+        return result
+    target = Path(target)
+    man = read_manifest(target)  # cheap: local rank 0 just verified every byte
+    waited = StageResult(source=Path(dst), target=target, waited=True, fstype=fs_type(target),
+                         swap=_meminfo().get("SwapTotal", 0) > 0)
+    waited.kept = [s["path"] for s in man["shards"]] + [man["labels"]["path"], MANIFEST]
+    waited.bytes_total = sum(s["bytes"] for s in man["shards"]) + int(man["labels"].get("bytes", 0))
+    return waited
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+class _lock:
+    """An exclusive flock on TARGET/.packer-stage.lock: concurrent stagers take turns."""
+
+    def __init__(self, target: Path):
+        self.path = target / STAGE_LOCK
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        return False
+
+
+def _write_marker(target: Path, dst: Path, files: List[str]) -> None:
+    with _disk_full(target / STAGE_MARKER, dst):
+        write_json_atomic(target / STAGE_MARKER, {
+            "what": "packer staged dataset; `packer unstage` removes the files listed here",
+            "from": str(dst.resolve()), "files": files, "packer_version": __version__})
+
+
+def _same_manifest(target: Path, staged: dict) -> bool:
+    try:
+        return read_manifest(target) == staged
+    except PackerError:
+        return False
+
+
+def _read_json(path: Path):
+    import json
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _json_size(obj) -> int:
+    import json
+    return len(json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")) + 1
+
+
+def _plain_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name)
+
+
+def _size(path: Path) -> Optional[int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size if path.is_file() else None
+
+
+def _bar(progress: bool, total: int, desc: str):
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=not progress or total == 0, dynamic_ncols=True, leave=False)
+
+
+def _meminfo() -> Dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    out: Dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def fs_type(path: os.PathLike) -> str:
+    """The type of the filesystem holding ``path`` ("tmpfs", "ext4"...), "" if unknown."""
+    best: Tuple[int, str] = (-1, "")
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = _unescape_mount(fields[1])
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best[0]:
+                    best = (len(mnt), fields[2])
+    except OSError:
+        pass
+    return best[1]
+
+
+def _unescape_mount(field_: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
+    out, i = [], 0
+    while i < len(field_):
+        if field_[i] == "\\" and i + 3 < len(field_) + 0 and field_[i + 1:i + 4].isdigit():
+            out.append(chr(int(field_[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field_[i])
+            i += 1
+    return "".join(out)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _shell_quote(s: str) -> str:
+    import shlex
+    return shlex.quote(s)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Replace stock Pillow with Pillow-SIMD: the same `PIL` package, with SIMD (SSE4/AVX2)
+# resize, convert and filters. Both install into site-packages/PIL, so only one may be
+# present; installing torchvision (which requires "pillow") brings stock Pillow back:
+# run this script again afterwards. `packer doctor` says which one is active.
+#
+# usage: scripts/install_pillow_simd.sh [--check]
+#   PYTHON=python3.11 scripts/install_pillow_simd.sh   # pick the interpreter
+# Needs a C compiler and the libjpeg-turbo + zlib headers
+# (Debian/Ubuntu: apt-get install -y gcc libjpeg62-turbo-dev zlib1g-dev).
+# If the build fails, stock Pillow is (re)installed so packer keeps working, and the
+# script exits 1 with the reason.
+set -euo pipefail
+
+PYTHON="${PYTHON:-python3}"
+VERSION_SPEC="${PILLOW_SIMD_SPEC:-pillow-simd>=9.1}"
+
+is_simd() {
+  "$PYTHON" - <<'PY' 2>/dev/null
+import sys
+from importlib import metadata
+try:
+    metadata.distribution("pillow-simd")
+    import PIL
+    sys.exit(0 if ".post" in PIL.__version__ else 1)
+except Exception:
+    sys.exit(1)
+PY
+}
+
+if [[ "${1:-}" == "--check" ]]; then
+  if is_simd; then echo "Pillow-SIMD is active"; exit 0; fi
+  echo "Pillow-SIMD is not active"; exit 1
+fi
+
+if is_simd; then
+  echo "Pillow-SIMD already active: $("$PYTHON" -c 'import PIL; print(PIL.__version__)')"
+  exit 0
+fi
+
+cc_flags=""
+if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+  cc_flags="-mavx2"  # Pillow-SIMD uses AVX2 paths only when compiled for them
+fi
+
+echo "Removing stock Pillow (if any) and building Pillow-SIMD from source (about a minute)..."
+"$PYTHON" -m pip uninstall -y -q pillow pillow-simd >/dev/null 2>&1 || true
+if CC="${CC:-cc} ${cc_flags}" "$PYTHON" -m pip install -q --no-cache-dir --no-binary pillow-simd "$VERSION_SPEC"; then
+  echo "Pillow-SIMD installed: $("$PYTHON" -c 'import PIL; print(PIL.__version__)')"
+  exit 0
+fi
+
+echo "Pillow-SIMD failed to build (missing compiler or libjpeg/zlib headers?);" \
+     "installing stock Pillow instead so packer still works." >&2
+"$PYTHON" -m pip install -q "Pillow>=9.1"
+exit 1

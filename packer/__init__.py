@@ -14,6 +14,7 @@ _EXPORTS = {
     "DecodeCenterCrop": "imaging", "DecodeRandomResizedCrop": "imaging", "Transcode": "imaging",
     "FormatError": "errors", "PackerError": "errors",
     "PackedDataset": "dataset", "ShardReader": "reader",
+    "PackedIterableDataset": "streaming", "PackedSampler": "sampler",
     "make_image_folder": "demo",
 }
 

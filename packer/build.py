@@ -12,6 +12,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from array import array
@@ -24,9 +25,9 @@ from tqdm.auto import tqdm
 from . import __version__
 from .errors import PackerError
 from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, SHARD_PATTERN,
-                     file_sha256, pack_record, read_manifest, write_json_atomic)
+                     file_sha256, fsync_dir, pack_record, read_manifest, write_json_atomic)
 from .imaging import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image, pil_summary
-from .source import Source, parse_part, read_list, scan_folder, select
+from .source import IMG_EXTENSIONS, Source, parse_part, read_list, scan_folder, select
 from .writer import ShardWriter, disk_errors, existing_shard_ok
 
 JOURNAL = ".packer-build.json"
@@ -62,7 +63,13 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
     workers = default_workers() if workers is None else workers
     if workers < 0:
         raise PackerError("--workers must be >= 0 (0 checks images in this process)")
+    if not list_file and _is_within(dst, src):
+        raise PackerError(f"DST {dst} is inside the source folder {src}: it would become a class "
+                          f"of its own source; put the dataset outside SRC")
     source = read_list(src, list_file) if list_file else scan_folder(src)
+    if not source.entries:
+        raise PackerError(f"found no images in {src} (extensions: "
+                          f"{', '.join(IMG_EXTENSIONS)}, any case); nothing to pack")
     source = select(source, part=parse_part(part), shuffle=shuffle, seed=seed)
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, "strict": strict,
@@ -118,8 +125,13 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
         bar.close()
 
     manifest = _finish(dst, source, shards, skipped, labels, options)
-    (dst / JOURNAL).unlink(missing_ok=True)
+    _remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
 
 
 def default_workers() -> int:
@@ -148,6 +160,12 @@ def _work(task) -> Tuple[int, str, object, int, int]:
     return i, "ok", rec, label, len(data)
 
 
+def _worker_init() -> None:
+    # Ctrl-C reaches the whole process group: only the parent handles it (and terminates the
+    # pool). A worker dying of KeyboardInterrupt mid-queue-operation can hang Pool.terminate().
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _process(source: Source, start: int, workers: int, transcode, max_pixels) -> Iterator:
     root = str(source.root)
     tasks = ((i, root, rel, label, transcode, max_pixels)
@@ -156,7 +174,7 @@ def _process(source: Source, start: int, workers: int, transcode, max_pixels) ->
         yield from map(_work, tasks)
         return
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    pool = ctx.Pool(workers)
+    pool = ctx.Pool(workers, initializer=_worker_init)
     try:
         while True:
             window = [t for _, t in zip(range(WINDOW), tasks)]
@@ -211,19 +229,32 @@ def _load_journal(dst: Path, fingerprint: str) -> dict:
 def _save_journal(dst: Path, fingerprint: str, shards: List[dict], skipped: List[dict],
                   next_entry: int) -> None:
     shards[-1]["next_entry"] = next_entry
-    write_json_atomic(dst / JOURNAL, {"fingerprint": fingerprint, "shards": shards,
-                                      "skipped": skipped, "next_entry": next_entry})
+    with disk_errors(dst / JOURNAL):
+        write_json_atomic(dst / JOURNAL, {"fingerprint": fingerprint, "shards": shards,
+                                          "skipped": skipped, "next_entry": next_entry})
+
+
+def _remove_leftovers(dst: Path, keep: set) -> None:
+    """After the manifest: the journal, temp files, and shard files it does not list (left by
+    an interrupted earlier attempt whose shards came out differently)."""
+    for pattern in (JOURNAL, JOURNAL + ".tmp", "shard-*.lmdb", ".shard-*"):
+        for p in dst.glob(pattern):
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
 
 
 def _labels_so_far(source: Source, start: int, skipped: List[dict]) -> array:
-    gone = {s["path"] for s in skipped}
-    return array("i", (lab for rel, lab in source.entries[:start] if rel not in gone))
+    gone = {s["entry"] for s in skipped}
+    return array("i", (lab for i, (_, lab) in enumerate(source.entries[:start]) if i not in gone))
 
 
 def remove_dataset_files(dst: Path) -> None:
     """Remove what a build writes (and nothing else a user may keep in the folder)."""
-    for pattern in ("shard-*.lmdb", ".shard-*", LABELS, LABELS + ".tmp", MANIFEST,
-                    MANIFEST + ".tmp", JOURNAL, JOURNAL + ".tmp"):
+    if (dst / MANIFEST).exists():  # first, durably: a half-removed dataset must not look finished
+        (dst / MANIFEST).unlink()
+        fsync_dir(dst)
+    for pattern in (MANIFEST + ".tmp", "shard-*.lmdb", ".shard-*", LABELS, LABELS + ".tmp",
+                    JOURNAL, JOURNAL + ".tmp"):
         for p in dst.glob(pattern):
             p.unlink()
 
@@ -283,6 +314,14 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
     if not parts:
         raise PackerError("merge needs at least one part")
     mans = [(Path(p), read_manifest(p)) for p in parts]
+    seen: dict = {}
+    for p, m in mans:  # the same folder twice, or the same part built twice: duplicate records
+        same_part = json.dumps([m.get("source"), m.get("options")], sort_keys=True)
+        for ident in (str(p.resolve()), same_part if m.get("options", {}).get("part") else None):
+            if ident is not None and ident in seen:
+                raise PackerError(f"{p} is the same part as {seen[ident]} (given more than once); "
+                                  f"merging it twice would duplicate its records")
+            seen[ident] = p
     classes = mans[0][1]["classes"]
     for p, m in mans[1:]:
         if m["classes"] != classes:

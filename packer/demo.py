@@ -6,11 +6,13 @@ shipped with packer into ImageNet-like files (shorter side 300-500 px, quality 7
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from PIL import Image, ImageChops, ImageEnhance, ImageFilter
 
@@ -90,3 +92,258 @@ def _make_one(job) -> None:
     if not _PHOTOS:
         _PHOTOS.extend(_photos())
     Path(path).write_bytes(make_image(random.Random(seed * 1_000_003 + i), _PHOTOS))
+
+
+# -- the demo run --------------------------------------------------------------------------------
+
+DEMO_IMAGES = 640   # ~45 MB of JPEGs (10 batches of 64): made in ~12 s on 2 idle cores
+DEMO_CLASSES = 10
+DEMO_MARKER = ".packer-demo"  # says "packer demo made this folder": a re-run may replace it
+
+
+@dataclass
+class DemoStep:
+    name: str
+    seconds: float
+    detail: str
+
+
+@dataclass
+class DemoResult:
+    """What ``run_demo`` did and measured. ``report()`` is the text ``packer demo`` prints."""
+    dir: Optional[Path]                 # the kept folder (None: a temporary one, removed)
+    images: int
+    classes: int
+    workers: int
+    batch_size: int
+    size: int
+    device: str                         # "cuda:0 (NAME)" or "cpu"
+    steps: List[DemoStep] = field(default_factory=list)
+    folder_images_per_s: float = 0.0
+    packed_images_per_s: float = 0.0
+    staged_to: Optional[Path] = None    # the RAM copy read by the packed loader (removed at the end)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """Packed loader images/s over folder loader images/s."""
+        return self.packed_images_per_s / self.folder_images_per_s if self.folder_images_per_s else float("nan")
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    def report(self) -> str:
+        lines = [f"packer demo: {self.images} images in {self.classes} classes; {self.workers} "
+                 f"loader workers, batch {self.batch_size}, crop {self.size}; {self.device}"]
+        w = max(len(s.name) for s in self.steps) if self.steps else 0
+        lines += [f"  {s.name:<{w}}  {s.seconds:6.1f} s  {s.detail}" for s in self.steps]
+        lines.append(f"  {'total':<{w}}  {self.seconds:6.1f} s")
+        lines.append(f"packed loader {self.packed_images_per_s:,.0f} images/s vs folder loader "
+                     f"{self.folder_images_per_s:,.0f} images/s: {self.ratio:.2f}x")
+        lines.append("Both decode the same JPEGs (DecodeRandomResizedCrop) through the same "
+                     "make_loader settings; here every byte is in RAM, so decoding bounds both "
+                     "and about 1x is expected. Packing pays where reading is the limit (cold "
+                     "or network disks, millions of files): measure yours with "
+                     "`packer bench DST --folder SRC` (docs/tuning.md).")
+        lines += [f"Note: {n}" for n in self.notes]
+        if self.dir is None:
+            lines.append("Nothing was kept (temporary folder and staged copy removed). Keep the data "
+                         "with `packer demo DIR`.")
+        else:
+            d = self.dir
+            lines.append(f"Kept in {d}: images/ (the source folder) and packed/ (the dataset); "
+                         f"the staged RAM copy was removed.")
+            lines.append(f"Inspect it: packer info {d / 'packed'}")
+            lines.append(f"Train from it (scripts/ in packer's repository): python "
+                         f"scripts/train_example.py --data {d / 'packed'} --epochs 2"
+                         + ("" if self.device.startswith("cuda") else " --cpu --model tiny --image-size 128 --batch-size 32"))
+        return "\n".join(lines)
+
+
+def run_demo(dir: Optional[os.PathLike] = None, *, images: int = DEMO_IMAGES,
+             classes: int = DEMO_CLASSES, workers: Optional[int] = None, batch_size: int = 64,
+             size: int = 224, stage_dir: Optional[os.PathLike] = "/dev/shm", seed: int = 0,
+             progress: bool = True,
+             on_step: Optional[Callable[[str], None]] = None) -> DemoResult:
+    """The whole job on generated data, no downloads: make, build, verify, stage, read.
+
+    Makes ``images`` photo-like JPEGs, packs them, verifies every record, stages the dataset
+    to ``stage_dir`` (``/dev/shm`` when it exists; ``None`` skips staging), then reads one
+    epoch through the plain folder loader and one through the packed loader
+    (``PackedDataset`` + ``PackedSampler`` + ``make_loader``, + ``CUDAPrefetcher`` for both
+    when a GPU is present) and returns their rates with each step's time.
+
+    Args:
+        dir: keep everything here (``images/``, ``packed/``); it must be new, empty, or an
+            earlier demo's folder. ``None``: a temporary folder, removed at the end.
+        workers: processes for making/building and DataLoader workers [default: usable cores].
+        on_step: called with each step's name as it starts (the CLI echoes it).
+
+    The temporary folder and the staged copy are removed however the run ends (error,
+    Ctrl-C). Raises ``PackerError`` for an unusable ``dir`` or a dataset that fails to verify.
+    """
+    import shutil
+    import tempfile
+    import time
+
+    import torch
+
+    from .bench import FolderDataset
+    from .build import build, default_workers
+    from .dataset import PackedDataset
+    from .errors import PackerError
+    from .imaging import DecodeRandomResizedCrop
+    from .inspect import verify
+    from .loader import default_num_workers
+    from .sampler import PackedSampler
+    from .stage import fs_type, stage, unstage
+
+    if images < classes or classes < 1:
+        raise PackerError(f"the demo needs at least one image per class, got {images} images "
+                          f"for {classes} classes")
+    if batch_size < 1 or size < 16:
+        raise PackerError(f"batch size must be >= 1 and crop size >= 16, got {batch_size}, {size}")
+    make_workers = workers if workers is not None else default_workers()
+    load_workers = workers if workers is not None else default_num_workers()
+    cuda = torch.cuda.is_available()
+    res = DemoResult(dir=Path(dir) if dir is not None else None, images=images, classes=classes,
+                     workers=load_workers, batch_size=batch_size, size=size,
+                     device=f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+                     if cuda else "cpu (no CUDA)")
+    work = _demo_dir(res.dir) if res.dir is not None else Path(tempfile.mkdtemp(prefix="packer-demo-"))
+    staged: Optional[Path] = None
+
+    def step(name: str):
+        if on_step is not None:
+            on_step(name)
+        return time.perf_counter()
+
+    try:
+        t = step("make images")
+        with _one_thread_children():
+            src = make_image_folder(work / "images", images=images, classes=classes, seed=seed,
+                                    workers=make_workers, progress=progress)
+        nbytes = sum(p.stat().st_size for p in src.glob("*/*.jpg"))
+        res.steps.append(DemoStep("make images", time.perf_counter() - t,
+                                  f"{images} photo-like JPEGs, {nbytes / 1e6:.1f} MB "
+                                  f"({nbytes / images / 1e3:.0f} KB each) in {src}"))
+
+        t = step("build")
+        built = build(src, work / "packed", workers=make_workers, progress=progress)
+        res.steps.append(DemoStep("build", time.perf_counter() - t, f"{built.summary()}"))
+
+        t = step("verify")
+        rep = verify(work / "packed", progress=progress)
+        if not rep.ok:
+            raise PackerError(f"the demo dataset failed to verify: {rep.problems[0]} "
+                              f"({len(rep.problems)} problem(s))")
+        res.steps.append(DemoStep("verify", time.perf_counter() - t,
+                                  f"OK: {rep.checked_shards} shard(s), {rep.checked_records} records"))
+
+        read_from = work / "packed"
+        if stage_dir is not None and os.path.isdir(stage_dir) and os.access(stage_dir, os.W_OK):
+            t = step("stage")
+            staged = Path(tempfile.mkdtemp(prefix="packer-demo-", dir=stage_dir))
+            try:
+                sres = stage(work / "packed", staged, progress=progress)
+            except PackerError as e:  # e.g. too little RAM: the demo goes on from the disk copy
+                res.notes.append(f"not staged: {e}")
+            else:
+                read_from = staged
+                res.staged_to = staged
+                res.steps.append(DemoStep("stage", time.perf_counter() - t,
+                                          f"{sres.bytes_total / 1e6:.1f} MB -> {staged} "
+                                          f"({sres.fstype or 'unknown filesystem'}, verified)"))
+        elif stage_dir is not None:
+            res.notes.append(f"{stage_dir} is missing or not writable: not staged")
+
+        decode = DecodeRandomResizedCrop(size)
+        t = step("folder loader")
+        n, sec = _epoch(FolderDataset(src, decode=decode), None, batch_size, load_workers, cuda,
+                        progress, "folder loader")
+        res.folder_images_per_s = n / sec
+        res.steps.append(DemoStep("folder loader", time.perf_counter() - t,
+                                  f"{n / sec:,.0f} images/s: ImageFolder-style, a file per image"
+                                  f"{', + CUDAPrefetcher' if cuda else ''}"))
+
+        t = step("packed loader")
+        ds = PackedDataset(read_from, decode=decode)
+        n, sec = _epoch(ds, PackedSampler(ds, seed=seed), batch_size, load_workers, cuda,
+                        progress, "packed loader")
+        ds.reader.close()
+        res.packed_images_per_s = n / sec
+        where = "staged copy" if staged is not None and read_from == staged else "shards"
+        res.steps.append(DemoStep("packed loader", time.perf_counter() - t,
+                                  f"{n / sec:,.0f} images/s: PackedDataset ({where}) + "
+                                  f"PackedSampler{' + CUDAPrefetcher' if cuda else ''}"))
+        return res
+    finally:
+        if staged is not None:
+            try:
+                unstage(staged)
+            except PackerError:
+                pass
+            shutil.rmtree(staged, ignore_errors=True)  # stage failed early: whatever is there is ours
+        if res.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _one_thread_children():
+    """Processes spawned inside start with one OpenMP thread (unless the user chose a number).
+
+    Image makers run torch ops on small arrays; with a thread per core in each of N
+    processes, OpenMP's spinning threads burn about as much CPU as the work itself."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def _demo_dir(d: Path) -> Path:
+    """``d`` ready for a demo: new, empty, or an earlier demo's (whose outputs are replaced)."""
+    import shutil
+    from .errors import PackerError
+    if d.exists() and not d.is_dir():
+        raise PackerError(f"{d} is not a folder; give the demo a new or empty folder")
+    if d.is_dir() and any(d.iterdir()):
+        if not (d / DEMO_MARKER).is_file():
+            raise PackerError(f"{d} is not empty and was not made by `packer demo`; give the demo "
+                              f"a new or empty folder (it writes images/ and packed/ there)")
+        for sub in ("images", "packed"):
+            shutil.rmtree(d / sub, ignore_errors=True)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / DEMO_MARKER).write_text("made by `packer demo`; a re-run replaces images/ and packed/\n")
+    return d
+
+
+def _epoch(dataset, sampler, batch_size: int, workers: int, cuda: bool, progress: bool,
+           desc: str) -> Tuple[int, float]:
+    """Images read and seconds taken for one epoch of ``make_loader`` over ``dataset``
+    (through ``CUDAPrefetcher`` onto the GPU when there is one), worker start-up included."""
+    import time
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from .loader import make_loader
+    loader = make_loader(dataset, batch_size, sampler=sampler, num_workers=workers,
+                         persistent_workers=False)
+    batches = loader
+    if cuda:
+        from .prefetch import CUDAPrefetcher
+        batches = CUDAPrefetcher(loader)
+    n = 0
+    t0 = time.perf_counter()
+    with tqdm(total=len(dataset), unit="img", desc=desc, disable=not progress, leave=False) as bar:
+        for images, _ in batches:
+            n += images.shape[0]
+            bar.update(images.shape[0])
+        if cuda:
+            torch.cuda.synchronize()
+    return n, time.perf_counter() - t0

@@ -100,7 +100,7 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
     """
     if not data:
         raise BadImage("empty file")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _pil_pixel_limit(max_pixels):
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             with Image.open(io.BytesIO(data)) as im:
@@ -113,11 +113,36 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                 if fmt == "JPEG" and mode in ("RGB", "L", "CMYK"):
                     im.draft(mode, (max(1, w // 8), max(1, h // 8)))
                 im.load()  # multi-frame files (TIFF pages) train on frame 0, as in ImageFolder
+                if im.mode != "RGB":  # training calls convert("RGB"): some modes cannot
+                    try:
+                        im.convert("RGB")
+                    except Exception as e:
+                        raise BadImage(f"cannot be converted to RGB as training does "
+                                       f"(mode {im.mode}): {str(e).strip() or type(e).__name__}") from None
         except BadImage:
             raise
         except Exception as e:  # PIL raises a zoo of types on bad data; all mean "skip this file"
             raise BadImage(_reason(e)) from None
     return Checked(data, w, h, fmt, mode)
+
+
+class _pil_pixel_limit:
+    """PIL's own bomb check (warn above ``Image.MAX_IMAGE_PIXELS``, refuse above twice that)
+    would skip images that ``--max-pixels`` allows: align it with ``max_pixels`` meanwhile.
+    (Build workers are processes, so the module global is not shared with other threads.)"""
+
+    def __init__(self, max_pixels: int):
+        self.max_pixels = max_pixels
+
+    def __enter__(self):
+        self.saved = Image.MAX_IMAGE_PIXELS
+        if self.saved is not None and self.max_pixels > self.saved:
+            Image.MAX_IMAGE_PIXELS = self.max_pixels
+        return self
+
+    def __exit__(self, *exc):
+        Image.MAX_IMAGE_PIXELS = self.saved
+        return False
 
 
 def _reason(e: BaseException) -> str:

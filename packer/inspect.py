@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from .errors import FormatError
 from .format import crc32, file_sha256, read_manifest, unpack_record
 from .imaging import BadImage, check_image
-from .reader import ShardReader, read_labels
+from .reader import ShardReader, _Shard, read_labels
 
 
 def info(root: os.PathLike) -> dict:
@@ -79,52 +79,83 @@ class Report:
 
 
 def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> Report:
-    """Check every shard's size and checksum, then (unless ``quick``) every record:
-    it unpacks, its image checksum matches, it decodes, and its label matches labels.i32."""
+    """Check every shard's size, checksum and record count, then (unless ``quick``) every
+    record: it unpacks, its image checksum matches, it decodes, and its label matches labels.i32.
+
+    A shard whose checksum is wrong still has its records checked, so the report names the
+    damaged records; a missing or wrong-sized one does not (it cannot be read safely).
+    """
     root = Path(root)
     m = read_manifest(root)
     rep = Report()
+    unreadable = False
     total = sum(s["bytes"] for s in m["shards"])
     with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress) as bar:
         for s in m["shards"]:
             p = root / s["path"]
             if not p.is_file():
                 rep.problems.append(f"{s['path']}: missing")
+                unreadable = True
                 continue
             if p.stat().st_size != s["bytes"]:
                 rep.problems.append(f"{s['path']}: size {p.stat().st_size} != manifest {s['bytes']}")
+                unreadable = True
                 continue
             if file_sha256(p, bar.update) != s["sha256"]:
                 rep.problems.append(f"{s['path']}: sha256 does not match the manifest")
+            problem = _entries_problem(p, s["count"])
+            if problem:
+                rep.problems.append(f"{s['path']}: {problem}")
             rep.checked_shards += 1
     lab = m.get("labels", {})
     if lab and (root / lab["path"]).is_file() and file_sha256(root / lab["path"]) != lab["sha256"]:
         rep.problems.append(f"{lab['path']}: sha256 does not match the manifest")
     if sum(s["count"] for s in m["shards"]) != m["count"]:
         rep.problems.append("manifest count differs from the sum of its shards' counts")
-    if quick or rep.problems:
+    if quick or unreadable:
         return rep
-    labels = read_labels(root, m)
+    try:
+        labels = read_labels(root, m)
+    except FormatError as e:
+        rep.problems.append(str(e))
+        return rep
     reader = ShardReader(root, m)
-    for i in tqdm(range(len(reader)), unit="rec", desc="records", disable=not progress):
-        where = f"record {i} ({reader.paths[reader.locate(i)[0]].name})"
-        try:
-            rec = unpack_record(reader.read(i))
-        except Exception as e:
-            rep.problems.append(f"{where}: unreadable: {e}")
-            continue
-        if crc32(rec["image"]) != rec.get("crc32"):
-            rep.problems.append(f"{where} {rec.get('path')}: image checksum mismatch")
-        elif rec.get("label") != labels[i]:
-            rep.problems.append(f"{where} {rec.get('path')}: label {rec.get('label')} != labels.i32 {labels[i]}")
-        else:
+    try:
+        for i in tqdm(range(len(reader)), unit="rec", desc="records", disable=not progress):
+            where = f"record {i} ({reader.paths[reader.locate(i)[0]].name})"
+            rep.checked_records += 1
             try:
-                check_image(rec["image"], max_pixels=1 << 62)
-            except BadImage as e:
-                rep.problems.append(f"{where} {rec.get('path')}: does not decode: {e}")
-        rep.checked_records += 1
-    reader.close()
+                rec = unpack_record(reader.read(i))
+            except Exception as e:
+                rep.problems.append(f"{where}: unreadable: {e}")
+                continue
+            if crc32(rec["image"]) != rec.get("crc32"):
+                rep.problems.append(f"{where} {rec.get('path')}: image checksum mismatch")
+            elif rec.get("label") != labels[i]:
+                rep.problems.append(f"{where} {rec.get('path')}: label {rec.get('label')} != labels.i32 {labels[i]}")
+            else:
+                try:
+                    check_image(rec["image"], max_pixels=1 << 62)
+                except BadImage as e:
+                    rep.problems.append(f"{where} {rec.get('path')}: does not decode: {e}")
+    finally:
+        reader.close()
     return rep
+
+
+def _entries_problem(path: Path, count: int) -> Optional[str]:
+    """None if the shard holds exactly ``count`` records, else what is wrong with it."""
+    try:
+        sh = _Shard.get(path)
+    except Exception as e:  # lmdb.Error: not an LMDB file, damaged header
+        return f"cannot be opened as LMDB ({e})"
+    try:
+        entries = sh.env.stat()["entries"]
+    finally:
+        sh.release()
+    if entries != count:
+        return f"holds {entries} records, the manifest says {count}"
+    return None
 
 
 def ls(root: os.PathLike) -> Iterator[Tuple[int, int, str]]:

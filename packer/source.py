@@ -73,6 +73,9 @@ def scan_folder(root: os.PathLike) -> Source:
 def read_list(root: os.PathLike, list_file: os.PathLike) -> Source:
     """``relative/path<TAB>label`` lines; labels are all integers or all class names."""
     root = Path(root)
+    if not root.is_dir():
+        raise PackerError(f"source folder {root} does not exist or is not a folder "
+                          f"(--list paths are relative to it)")
     rows: List[Tuple[str, str]] = []
     with open(list_file, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

@@ -21,6 +21,7 @@ import hashlib
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -63,22 +64,23 @@ class StageResult:
     fstype: str = ""
     swap: bool = False                                 # the machine has swap enabled
     waited: bool = False                               # another rank staged; this one waited
+    wrote_manifest: bool = False                       # manifest written last by this run
 
     @property
     def changed(self) -> bool:
-        return bool(self.copied or self.removed)
+        return bool(self.copied or self.removed or self.wrote_manifest)
 
     def message(self) -> str:
-        t = str(self.target)
+        t = os.path.abspath(self.target)
         n = len(self.copied) + len(self.kept)
         if self.waited:
             head = f"{t} was staged by this node's local rank 0 ({_human(self.bytes_total)})"
         elif not self.changed:
             head = (f"{t} already holds a complete copy of {self.source} "
-                    f"({n} files, {_human(self.bytes_total)}, checked): nothing to do")
+                    f"({n} files + manifest, {_human(self.bytes_total)}, checked): nothing to do")
         else:
             rate = self.bytes_copied / max(self.seconds, 1e-9)
-            head = (f"staged {self.source} -> {t}: copied {len(self.copied)} file(s), "
+            head = (f"staged {self.source} -> {t}: copied {len(self.copied)} file(s) + manifest, "
                     f"{_human(self.bytes_copied)} in {self.seconds:.1f} s ({_human(rate)}/s)"
                     + (f", kept {len(self.kept)} already there" if self.kept else "")
                     + (f", replaced {len(self.removed)} damaged or stale" if self.removed else ""))
@@ -137,9 +139,20 @@ def stage(dst: os.PathLike, target: os.PathLike, *, progress: bool = True,
     if target.exists() and not target.is_dir():
         raise PackerError(f"{target} exists and is not a folder; pick a folder to stage into")
     _refuse_unsafe_target(dst, target, plan)
+    created = not target.exists()
     target.mkdir(parents=True, exist_ok=True)
-    with _lock(target):
-        return _stage_locked(dst, target, man, plan, progress, verify, t0)
+    try:
+        with _lock(target):
+            return _stage_locked(dst, target, man, plan, progress, verify, t0)
+    except BaseException:
+        if not (target / STAGE_MARKER).exists():  # refused before writing anything: tidy up
+            (target / STAGE_LOCK).unlink(missing_ok=True)
+            if created:
+                try:
+                    target.rmdir()
+                except OSError:
+                    pass
+        raise
 
 
 def _stage_locked(dst: Path, target: Path, man: dict, plan: List["_File"], progress: bool,
@@ -156,23 +169,23 @@ def _stage_locked(dst: Path, target: Path, man: dict, plan: List["_File"], progr
     temps = sorted(p.name for p in target.glob("." + "*" + TMP_SUFFIX))
     todo: List[_File] = []
     doomed: List[str] = []
-    check_bar = _bar(progress, sum(f.bytes for f in plan if _size(target / f.name) == f.bytes)
-                     if verify else 0, f"checking {target.name or target}")
-    try:
-        for f in plan:
-            size = _size(target / f.name)
-            if size is None:
-                todo.append(f)
-                continue
-            ok = size == f.bytes and (not verify or f.sha256 is None or
-                                      file_sha256(target / f.name, check_bar.update) == f.sha256)
-            if ok:
-                result.kept.append(f.name)
-            else:
-                todo.append(f)
-                doomed.append(f.name)
+    sizes = {f.name: _size(target / f.name) for f in plan}
+    to_hash = [f for f in plan if sizes[f.name] == f.bytes and verify and f.sha256 is not None]
+    check_bar = _bar(progress, sum(f.bytes for f in to_hash), f"checking {target.name or target}")
+    try:  # hashing releases the GIL: check several files at once
+        with ThreadPoolExecutor(_threads(len(to_hash))) as pool:
+            digests = dict(zip((f.name for f in to_hash),
+                               pool.map(lambda f: file_sha256(target / f.name, check_bar.update), to_hash)))
     finally:
         check_bar.close()
+    for f in plan:
+        if sizes[f.name] is None:
+            todo.append(f)
+        elif sizes[f.name] == f.bytes and digests.get(f.name, f.sha256) == f.sha256:
+            result.kept.append(f.name)
+        else:
+            todo.append(f)
+            doomed.append(f.name)
     manifest_ok = not todo and not stale and _same_manifest(target, staged_manifest)
     result.bytes_total = sum(f.bytes for f in plan)
     if manifest_ok and not temps:
@@ -194,18 +207,30 @@ def _stage_locked(dst: Path, target: Path, man: dict, plan: List["_File"], progr
 
     bar = _bar(progress, sum(f.bytes for f in todo) * (2 if verify else 1),
                f"staging to {target.name or target}")
+    # Copy file k+1 while a second thread re-reads and checks file k. If a copy fails (or
+    # Ctrl-C), the checks already queued still finish, so a re-run keeps those files.
+    checks: List[Tuple[_File, Future]] = []
     try:
-        for f in todo:
-            _copy_verified(f, target, bar.update, verify)
-            result.copied.append(f.name)
-            result.bytes_copied += f.bytes
+        with ThreadPoolExecutor(1) as checker:
+            for f in todo:
+                tmp = _copy_file(f, target, dst, bar.update)
+                checks.append((f, checker.submit(_check_and_rename, f, tmp, target,
+                                                 bar.update if verify else None)))
+            for f, fut in checks:
+                fut.result()
+                result.copied.append(f.name)
+                result.bytes_copied += f.bytes
+    except BaseException:
+        for p in target.glob("." + "*" + TMP_SUFFIX):
+            p.unlink(missing_ok=True)
+        raise
     finally:
         bar.close()
     fsync_dir(target)
     with _disk_full(target / MANIFEST, dst):
         write_json_atomic(target / MANIFEST, staged_manifest)
     _write_marker(target, dst, sorted(wanted))
-    result.copied.append(MANIFEST) if MANIFEST not in result.copied else None
+    result.wrote_manifest = True
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -274,7 +299,7 @@ def _refuse_unsafe_target(dst: Path, target: Path, plan: List[_File]) -> None:
             existing = read_manifest(target)
         except PackerError:
             existing = None
-        if existing is not None and "staged" not in existing and not (target / STAGE_MARKER).exists():
+        if existing is not None and "staged" not in existing:
             raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
                               f"output?); staging would overwrite it. Pick an empty folder")
         if existing is None and not (target / STAGE_MARKER).exists():
@@ -302,40 +327,57 @@ def _previous_names(target: Path) -> set:
     return names
 
 
-def _copy_verified(f: _File, target: Path, progress, verify: bool) -> None:
-    """Copy ``f`` whole to a temporary name, hashing on the way; rename it when it checks out."""
-    final = target / f.name
+def _copy_file(f: _File, target: Path, dst: Path, progress) -> Path:
+    """Copy ``f`` whole to a temporary name in TARGET, hashing on the way; returns that name.
+
+    Reading, hashing and writing overlap (hashlib and file I/O release the GIL): chunk i is
+    hashed in a second thread while it is written and chunk i+1 is read.
+    """
     tmp = target / ("." + f.name + TMP_SUFFIX)
     h = hashlib.sha256()
     size = 0
-    buf = bytearray(HASH_CHUNK)
-    view = memoryview(buf)
     try:
-        with _disk_full(final, f.src), open(f.src, "rb", buffering=0) as src, \
-                open(tmp, "wb", buffering=0) as out:
+        with _disk_full(target / f.name, dst), ThreadPoolExecutor(1) as hasher, \
+                open(f.src, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as out:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            pending: List[Future] = []
             while True:
-                n = src.readinto(buf)
-                if not n:
+                chunk = src.read(HASH_CHUNK)  # a new buffer each time: the hasher may hold the last
+                if not chunk:
                     break
-                chunk = view[:n]
-                h.update(chunk)
-                written = 0
-                while written < n:
-                    written += out.write(chunk[written:])
-                size += n
-                progress(n)
+                pending.append(hasher.submit(h.update, chunk))  # one worker: in order
+                view, written = memoryview(chunk), 0
+                while written < len(chunk):
+                    written += out.write(view[written:])
+                size += len(chunk)
+                progress(len(chunk))
+                if len(pending) > 2:  # bound the memory held by chunks waiting to be hashed
+                    pending.pop(0).result()
+            for fut in pending:
+                fut.result()
             out.flush()
             os.fsync(out.fileno())
         if size != f.bytes or (f.sha256 is not None and h.hexdigest() != f.sha256):
             raise FormatError(f"{f.src} does not match its manifest entry (size {size} for "
                               f"{f.bytes}, or a checksum mismatch): the source dataset is damaged; "
                               f"run `packer verify` on it, and rebuild it")
-        if verify and f.sha256 is not None and file_sha256(tmp, progress) != f.sha256:
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _check_and_rename(f: _File, tmp: Path, target: Path, progress) -> None:
+    """Re-read the copy (when ``progress`` is given: verify=True) and rename it into place."""
+    try:
+        if tmp.stat().st_size != f.bytes:
+            raise PackerError(f"the copy of {f.src} in {target} has the wrong size; re-run the "
+                              f"same command")
+        if progress is not None and f.sha256 is not None and file_sha256(tmp, progress) != f.sha256:
             raise PackerError(f"the copy of {f.src} in {target} reads back differently from what "
                               f"was written (failing memory or storage?); re-run the same command")
-        os.replace(tmp, final)
+        os.replace(tmp, target / f.name)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -355,7 +397,7 @@ def _check_space(dst: Path, target: Path, need: int, freeable: int, fstype: str)
         if "MemAvailable" in info:
             avail = info["MemAvailable"]
             keep = ram_margin(info.get("MemTotal", 0))
-            if need + keep > avail:
+            if need - freeable + keep > avail:  # files replaced in a tmpfs free their RAM
                 raise PackerError(
                     f"{target} is in RAM ({fstype}) and the dataset needs {_human(need)}, but "
                     f"only {_human(avail)} of RAM is available (keeping {_human(keep)} for "
@@ -401,6 +443,10 @@ def unstage(target: os.PathLike) -> UnstageResult:
             staged_manifest = "staged" in read_manifest(target)
         except PackerError:
             staged_manifest = False
+        else:
+            if not staged_manifest:
+                raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
+                                  f"output?); unstage removes staged copies only")
     if not marker.exists() and not staged_manifest:
         raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER} and no "
                           f"staged {MANIFEST}); refusing to delete anything there")
@@ -408,7 +454,8 @@ def unstage(target: os.PathLike) -> UnstageResult:
         names = _previous_names(target)
         removed, freed = [], 0
         # The manifest goes first, so a half-removed dataset is never taken for a whole one.
-        ordered = [MANIFEST] + sorted(names - {MANIFEST})
+        ordered = [MANIFEST] if staged_manifest or MANIFEST in names else []
+        ordered += sorted(names - {MANIFEST})
         ordered += sorted(p.name for p in target.glob("." + "*" + TMP_SUFFIX))
         ordered += [MANIFEST + ".tmp", STAGE_MARKER + ".tmp", STAGE_MARKER]
         for name in ordered:
@@ -489,15 +536,15 @@ def stage_once_per_node(dst: os.PathLike, target: os.PathLike, *, local_rank: Op
     if error is not None:
         raise error
     if int(flag.item()) == 0:
-        raise PackerError(f"staging {dst} to {target} failed on another node's local rank 0 "
-                          f"(see its log); fix that and restart the job")
+        raise PackerError(f"staging {dst} to {target} failed on local rank 0 of this or another "
+                          f"node (see that rank's error); fix it and restart the job")
     if result is not None:
         return result
     target = Path(target)
     man = read_manifest(target)  # cheap: local rank 0 just verified every byte
     waited = StageResult(source=Path(dst), target=target, waited=True, fstype=fs_type(target),
                          swap=_meminfo().get("SwapTotal", 0) > 0)
-    waited.kept = [s["path"] for s in man["shards"]] + [man["labels"]["path"], MANIFEST]
+    waited.kept = [s["path"] for s in man["shards"]] + [man["labels"]["path"]]
     waited.bytes_total = sum(s["bytes"] for s in man["shards"]) + int(man["labels"].get("bytes", 0))
     return waited
 
@@ -561,6 +608,10 @@ def _size(path: Path) -> Optional[int]:
     return st.st_size if path.is_file() else None
 
 
+def _threads(jobs: int) -> int:
+    return max(1, min(jobs, 8, os.cpu_count() or 1))
+
+
 def _bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                 disable=not progress or total == 0, dynamic_ncols=True, leave=False)
@@ -603,7 +654,7 @@ def _unescape_mount(field_: str) -> str:
     # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
     out, i = [], 0
     while i < len(field_):
-        if field_[i] == "\\" and i + 3 < len(field_) + 0 and field_[i + 1:i + 4].isdigit():
+        if field_[i] == "\\" and i + 3 < len(field_) and field_[i + 1:i + 4].isdigit():
             out.append(chr(int(field_[i + 1:i + 4], 8)))
             i += 4
         else:

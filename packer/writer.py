@@ -30,9 +30,12 @@ class ShardWriter:
         for p in (self.partial, Path(str(self.partial) + "-lock")):
             p.unlink(missing_ok=True)
         self.map_size = max(MIN_MAP, int(expected_bytes * 1.25))
-        self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
-                             sync=False, metasync=False, readahead=False, meminit=False,
-                             max_dbs=0, lock=False)
+        # meminit=True: zero page tails before writing them. Without it LMDB writes stale heap
+        # bytes into the file, so shards differ from build to build (and leak memory contents).
+        with disk_errors(self.path):
+            self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
+                                 sync=False, metasync=False, readahead=False, meminit=True,
+                                 max_dbs=0, lock=False)
         self.count = 0
         self.bytes = 0  # record bytes appended (payload, not file size)
         self._pending: List[Tuple[bytes, bytes]] = []

@@ -1,0 +1,216 @@
+"""``PackedSampler``: a seeded global order, split exactly across DDP ranks, resumable in O(1).
+
+Why not ``DistributedSampler``: resuming mid-epoch there means replaying (or skipping) every
+index already seen, and a checkpoint taken at world size 4 cannot continue at world size 2.
+Here the whole state is three integers: (seed, epoch, global samples consumed). The order is
+a pure function of (seed, epoch) and the dataset length; rank ``r`` of ``W`` takes global
+positions ``consumed + r, consumed + r + W, ...``, so any world size continues the same
+global sequence of batches as long as the global batch size is unchanged.
+
+``order="block"`` is for data larger than RAM on HDDs or network disks: it permutes blocks of
+consecutive records, then interleaves the records of a window of blocks at random while
+keeping each block's records ascending, so the disk sees ``window`` sequential streams
+instead of one random offset per sample (the gain depends on the device: docs/sampling.md).
+Unlike FFCV's QUASI_RANDOM it is split across ranks like the random order, so it works
+with DDP.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, Iterator, Optional, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+ORDERS = ("random", "block")
+_CHUNK = 8192  # indices converted to Python ints at a time: never a whole-epoch list
+
+
+def seed_for(seed: int, epoch: int, *salt: int) -> int:
+    """A 63-bit generator seed from (seed, epoch, ...): the same on every machine and Python.
+
+    Not ``hash()`` (salted per process for str, and not promised stable) and not
+    ``seed + epoch`` (seed 0 epoch 1 would equal seed 1 epoch 0).
+    """
+    text = ":".join(str(int(v)) for v in (seed, epoch) + salt).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
+                 order: str = "random", block_size: int = 256, window: int = 16) -> torch.Tensor:
+    """The epoch's global order: an int64 tensor holding a permutation of ``range(n)``.
+
+    A pure function of its arguments (CPU ``torch.Generator`` + ``torch.randperm``, whose
+    Mersenne-Twister stream is the same on every platform).
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if block_size < 1 or window < 1:
+        raise ValueError(f"block_size and window must be >= 1, got {block_size} and {window}")
+    if not shuffle or n == 0:
+        return torch.arange(n, dtype=torch.int64)
+    g = torch.Generator().manual_seed(seed_for(seed, epoch))
+    if order == "random":
+        return torch.randperm(n, generator=g)
+    # Block order. Records of the permuted blocks, concatenated (each block ascending); the
+    # last block may be short, so lay out full blocks and drop what lies past the end.
+    nblocks = -(-n // block_size)
+    blocks = torch.randperm(nblocks, generator=g)
+    grid = blocks[:, None] * block_size + torch.arange(block_size)
+    slot = torch.arange(nblocks)[:, None].expand(nblocks, block_size)  # block slot of each element
+    keep = grid < n
+    seq, slot = grid[keep], slot[keep]
+    if window == 1:
+        return seq
+    # Which block each output position draws from: a random shuffle within each window...
+    shuffled = slot[torch.argsort((slot // window) * n + torch.randperm(n, generator=g))]
+    # ...and each block's records go out in ascending order at the positions drawn for it.
+    out = torch.empty_like(seq)
+    out[torch.sort(shuffled, stable=True).indices] = seq
+    return out
+
+
+def _world(num_replicas: Optional[int], rank: Optional[int]):
+    if num_replicas is None or rank is None:
+        dist = torch.distributed
+        ready = dist.is_available() and dist.is_initialized()
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if ready else 1
+        if rank is None:
+            rank = dist.get_rank() if ready else 0
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, "
+                         f"got {rank}")
+    return num_replicas, rank
+
+
+def rank_count(n: int, start: int, num_replicas: int, drop_last: bool) -> int:
+    """Samples each rank gets for the global positions ``start..`` of an ``n``-sample epoch."""
+    left = max(0, n - start)
+    return left // num_replicas if drop_last else -(-left // num_replicas)
+
+
+class PackedSampler(Sampler[int]):
+    """Seeded, DDP-exact, O(1)-resumable sampler for ``PackedDataset`` (any ``Sized`` works).
+
+    Args:
+        dataset: anything with ``len()``; only its length is used.
+        shuffle: ``False`` gives ``0, 1, 2, ...`` (still split across ranks).
+        seed: with the epoch, fixes the order on every machine. Use the same on all ranks.
+        num_replicas / rank: default to torch.distributed's world size and rank (1 and 0 when
+            it is not initialised).
+        drop_last: drop the tail of the order so every rank gets ``n // W`` samples; otherwise
+            pad by repeating the start of the order up to ``ceil(n / W)`` (as
+            ``DistributedSampler`` does).
+        order: ``"random"`` (a true global permutation) or ``"block"`` (slow-disk order).
+        block_size / window: block order only: records per block, blocks mixed together.
+
+    Each epoch: call ``set_epoch(epoch)`` before iterating (the sampler lives in the main
+    process, so this works with persistent workers too). Without it every epoch repeats.
+
+    Resume: ``state_dict()`` is ``{"seed", "epoch", "consumed", "size"}`` where ``consumed``
+    counts samples consumed globally (all ranks) in the epoch. ``load_state_dict()`` makes
+    the next iteration start at the first unseen position: nothing is read or skipped.
+    The sampler counts the indices it has handed out, which is *ahead* of the training loop
+    when a ``DataLoader`` prefetches. So either:
+
+    * use ``torchdata.stateful_dataloader.StatefulDataLoader``: it snapshots the sampler's
+      ``state_dict()`` when each batch is drawn and reports the snapshot of the last batch
+      actually yielded, so its ``state_dict()`` is exact; or
+    * pass the count yourself: ``sampler.state_dict(consumed=steps * batch_size * W)``,
+      where ``steps`` counts batches received this epoch (including those before a resume).
+
+    After ``load_state_dict``, ``set_epoch`` with the restored epoch keeps the position;
+    another epoch starts that epoch from its beginning.
+    """
+
+    def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
+                 num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 drop_last: bool = False, order: str = "random", *,
+                 block_size: int = 256, window: int = 16):
+        self.size = len(dataset)
+        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.order, self.block_size, self.window = order, int(block_size), int(window)
+        global_order(0, order=order, block_size=self.block_size, window=self.window)  # validate
+        self.epoch = 0
+        self._start = 0     # global position the next __iter__ starts at (set by a resume)
+        self._consumed = 0  # global position reached by the live iterator (for state_dict)
+        self._cache = None  # (epoch, seed, order tensor)
+
+    def set_epoch(self, epoch: int) -> None:
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch, self._start, self._consumed = epoch, 0, 0
+
+    def permutation(self) -> torch.Tensor:
+        """This epoch's global order (cached; int64 tensor)."""
+        if self._cache is None or self._cache[:2] != (self.epoch, self.seed):
+            perm = global_order(self.size, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
+                                order=self.order, block_size=self.block_size, window=self.window)
+            self._cache = (self.epoch, self.seed, perm)
+        return self._cache[2]
+
+    def __len__(self) -> int:
+        return rank_count(self.size, self._start, self.num_replicas, self.drop_last)
+
+    def __iter__(self) -> Iterator[int]:
+        # Positions and counts are fixed now, eagerly: the iterator is independent of
+        # whatever load_state_dict/set_epoch does to the sampler afterwards.
+        start, w = self._start, self.num_replicas
+        count = len(self)
+        perm = self.permutation() if self.size else None
+        self._consumed = start
+        return self._iterate(perm, start, w, count)
+
+    def _iterate(self, perm, start: int, w: int, count: int) -> Iterator[int]:
+        first = start + self.rank
+        for lo in range(0, count, _CHUNK):
+            hi = min(count, lo + _CHUNK)
+            pos = torch.arange(first + lo * w, first + hi * w, w) % self.size
+            for i, index in enumerate(perm[pos].tolist(), lo + 1):
+                self._consumed = start + i * w
+                yield index
+        self._start = 0  # a finished pass: the next one starts the (next) epoch from the top
+
+    def state_dict(self, consumed: Optional[int] = None) -> Dict[str, int]:
+        """``{"seed", "epoch", "consumed", "size"}``; ``consumed`` overrides the sampler's count.
+
+        Pass ``consumed`` (global samples the training loop received this epoch) with a plain
+        ``DataLoader``; omit it with ``StatefulDataLoader`` or ``num_workers=0``.
+        """
+        if consumed is None:
+            consumed = self._consumed
+        elif consumed < 0:
+            raise ValueError(f"consumed must be >= 0 (global samples seen this epoch), got {consumed}")
+        return {"seed": self.seed, "epoch": self.epoch, "consumed": int(consumed), "size": self.size}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from ``state`` (possibly saved at another world size) at the next unseen sample.
+
+        The state's seed and epoch replace this sampler's; rank and world size stay this
+        process's own.
+        """
+        missing = {"seed", "epoch", "consumed"} - set(state)
+        if missing:
+            raise ValueError(f"not a PackedSampler state (missing {sorted(missing)}): pass what "
+                             f"PackedSampler.state_dict() returned")
+        if state.get("size", self.size) != self.size:
+            raise ValueError(f"the state was saved for a dataset of {state['size']} samples, this one "
+                             f"has {self.size}; resume on the same dataset or start a new run")
+        consumed = int(state["consumed"])
+        if consumed < 0:
+            raise ValueError(f"consumed must be >= 0, got {consumed}")
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        self._consumed = consumed
+        # A finished epoch restarts from the top, as an uninterrupted run's next pass would.
+        self._start = consumed if rank_count(self.size, consumed, self.num_replicas,
+                                             self.drop_last) else 0
+
+    def __repr__(self) -> str:
+        extra = f", block_size={self.block_size}, window={self.window}" if self.order == "block" else ""
+        return (f"PackedSampler(size={self.size}, rank={self.rank}/{self.num_replicas}, "
+                f"order={self.order!r}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"epoch={self.epoch}, drop_last={self.drop_last}{extra})")

@@ -1,0 +1,471 @@
+#!/usr/bin/env python3
+"""Benchmark packer's GPU decode path against the CPU path, in one run (GPU machine).
+
+Makes ImageNet-like JPEGs, packs them as stored and transcoded, then measures images/s
+to 224x224 for: the CPU path (Pillow in DataLoader workers on all cores), nvJPEG decode
+alone, the batched augment alone, the whole GPUDecoder pipeline (inline, one thread, two
+threads; train and eval), the same on transcoded data, whether the hardware JPEG engine
+works (NVML's JPG utilization), ResNet-18 steps fed by the GPU path vs synthetic batches,
+and pixel agreement with PIL. Prints a table; writes results.json and results.md to --out.
+
+    python3 scripts/bench_gpu_decode.py --images 10240 --out "$OUT"
+    python3 scripts/bench_gpu_decode.py --dry-run       # tiny, CPU, PIL stands in for nvJPEG
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from packer.build import build  # noqa: E402
+from packer.dataset import PackedDataset  # noqa: E402
+from packer.demo import make_image_folder  # noqa: E402
+from packer.gpu_decode import (GPUDecoder, center_crop_boxes, jpeg_info, make_gpu_loader,  # noqa: E402
+                               random_resized_crop_boxes, resample_crops)
+from packer.imaging import (DecodeCenterCrop, DecodeRandomResizedCrop, Transcode,  # noqa: E402
+                            pil_summary)
+from packer.loader import make_loader  # noqa: E402
+
+RESULTS: dict = {}
+ROWS: list = []
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+@contextmanager
+def section(name):
+    """One failing measurement must not cost the others (device time is scarce)."""
+    t0 = time.perf_counter()
+    log(f"\n== {name}")
+    try:
+        yield
+    except Exception:
+        log(f"!! {name} failed:\n{traceback.format_exc()}")
+        RESULTS.setdefault("errors", []).append({"section": name, "error": traceback.format_exc()})
+    log(f"   ({time.perf_counter() - t0:.1f} s)")
+
+
+def row(step, what, ips, note=""):
+    ROWS.append((step, what, ips, note))
+    log(f"   {step:<6} {what:<58} {ips:>10,.0f} img/s  {note}")
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def median_rate(fn, images, repeats, dev):
+    """fn() processes ``images`` images; median images/s over ``repeats`` timed calls."""
+    rates = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        rates.append(images / (time.perf_counter() - t0))
+    return statistics.median(rates), rates
+
+
+def epoch_rate(iterable, dev, skip=2):
+    """images/s over one pass, timed from the end of batch ``skip`` (pipelines filled)."""
+    n, t0 = 0, None
+    for k, (x, y) in enumerate(iterable):
+        if k == skip - 1:
+            sync(dev)
+            t0 = time.perf_counter()
+        elif k >= skip:
+            n += len(y)
+    sync(dev)
+    return n / (time.perf_counter() - t0)
+
+
+def epochs_rate(make_iter, dev, epochs):
+    rates = [epoch_rate(make_iter(e), dev) for e in range(epochs)]
+    return statistics.median(rates[1:] if len(rates) > 1 else rates), rates
+
+
+def pil_decoder(datas, device):
+    from PIL import Image
+    out = []
+    for d in datas:
+        im = Image.open(io.BytesIO(ctypes.string_at(d.data_ptr(), d.numel()))).convert("RGB")
+        t = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3)
+        out.append(t.permute(2, 0, 1).to(device))
+    return out
+
+
+class JpgSampler:
+    """NVML's JPG (nvJPG hardware engine) and NVDEC utilization, sampled in a thread."""
+
+    def __init__(self, dev):
+        self.samples, self.err, self._stop = [], None, threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.nv = pynvml
+            self.h = pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
+        except Exception as e:
+            self.nv, self.err = None, repr(e)
+
+    def __enter__(self):
+        if self.nv is not None:
+            self.t = threading.Thread(target=self._run, daemon=True)
+            self.t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                jpg = self.nv.nvmlDeviceGetJpgUtilization(self.h)[0]
+            except Exception as e:
+                jpg, self.err = None, repr(e)
+            try:
+                dec = self.nv.nvmlDeviceGetDecoderUtilization(self.h)[0]
+                sm = self.nv.nvmlDeviceGetUtilizationRates(self.h).gpu
+            except Exception:
+                dec = sm = None
+            self.samples.append((jpg, dec, sm))
+            time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.nv is not None:
+            self.t.join()
+
+    def summary(self):
+        def mx(k):
+            v = [s[k] for s in self.samples if s[k] is not None]
+            return (max(v), round(statistics.mean(v), 1)) if v else None
+        return {"samples": len(self.samples), "jpg_max_mean": mx(0), "nvdec_max_mean": mx(1),
+                "sm_max_mean": mx(2), "error": self.err}
+
+
+# -- sections -------------------------------------------------------------------------------
+
+def make_data(a):
+    root = Path(a.root)
+    src = root / "src"
+    sets = {"stored": root / "stored", "max512": root / "max512", "short256": root / "short256"}
+    if not (src / ".done").exists():
+        t0 = time.perf_counter()
+        make_image_folder(src, images=a.images, classes=a.classes, workers=a.cpus)
+        (src / ".done").write_text("")
+        log(f"   made {a.images} JPEGs in {time.perf_counter() - t0:.1f} s")
+    opts = {"stored": None, "max512": Transcode(max_side=512, quality=90),
+            "short256": Transcode(short_side=256, quality=90)}
+    for name, dst in sets.items():
+        if (dst / "manifest.json").exists():
+            continue
+        r = build(src, dst, workers=a.cpus, progress=False, transcode=opts[name])
+        log(f"   {name}: {r.summary()}")
+    info = {}
+    for name, dst in sets.items():
+        m = json.loads((dst / "manifest.json").read_text())
+        info[name] = {"bytes_per_image": m["bytes"] / m["count"], "count": m["count"]}
+    RESULTS["data"] = info
+    log(f"   {info}")
+    return sets
+
+
+def cpu_path(a, path, dev):
+    for train in (True, False):
+        dec = DecodeRandomResizedCrop(224) if train else DecodeCenterCrop(224)
+        loader = make_loader(PackedDataset(path, decode=dec), a.batch, num_workers=a.cpus,
+                             drop_last=True, pin_memory=False)
+        rate, rates = epochs_rate(lambda e: loader, torch.device("cpu"), a.epochs)
+        mode = "train (RandomResizedCrop+flip)" if train else "eval (resize+center crop)"
+        RESULTS[f"cpu_{'train' if train else 'eval'}"] = rates
+        row("1", f"CPU path, Pillow in {a.cpus} workers, {mode}", rate, pil_summary().split(",")[0])
+        del loader
+
+
+def preload(loader, n):
+    batches = []
+    for b in loader:
+        batches.append(b)
+        if len(batches) == n:
+            break
+    return batches
+
+
+def decode_only(a, name, loader, dev, decoder):
+    batches = preload(loader, a.preload)
+    views = [[v for v in b.images() if v.dim() == 1] for b in batches]
+    images = sum(len(v) for v in views)
+    run = lambda: [decoder(v, dev) for v in views]  # noqa: E731
+    run()
+    with JpgSampler(dev) as js:
+        rate, rates = median_rate(run, images, a.repeats, dev)
+    RESULTS[f"decode_only_{name}"] = {"rates": rates, "nvml": js.summary()}
+    row("2" if name == "stored" else "4", f"nvJPEG decode only, batches in memory [{name}]", rate,
+        f"JPG engine util max/mean {js.summary()['jpg_max_mean']}")
+    return batches
+
+
+def augment_only(a, name, batches, dev, decoder):
+    decoded = [decoder([v for v in b.images() if v.dim() == 1], dev) for b in batches[:4]]
+    sizes = [torch.tensor([tuple(im.shape[-2:]) for im in d]) for d in decoded]
+    g = torch.Generator().manual_seed(0)
+    scale = torch.ones(1, 3, 1, 1, device=dev)
+    for train in (True, False):
+        def run():
+            for imgs, sz in zip(decoded, sizes):
+                boxes = random_resized_crop_boxes(sz, generator=g) if train else \
+                    center_crop_boxes(sz, (224, 224))
+                flips = torch.rand(len(imgs), generator=g) < 0.5 if train else None
+                out = torch.empty(len(imgs), 3, 224, 224, dtype=torch.bfloat16, device=dev,
+                                  memory_format=torch.channels_last)
+                resample_crops(imgs, boxes, (224, 224), flips, out=out, scale=scale, shift=scale * 0)
+        run()
+        rate, rates = median_rate(run, sum(len(d) for d in decoded), a.repeats, dev)
+        RESULTS[f"augment_only_{name}_{'train' if train else 'eval'}"] = rates
+        row("3a", f"batched crop+resize+flip+normalize only, {'train' if train else 'eval'} [{name}]", rate)
+
+
+def pipeline(a, name, loader, dev, decoder, overlaps=(0, 1, 2), modes=(True, False)):
+    for train in modes:
+        for overlap in overlaps:
+            g = GPUDecoder(loader, train=train, overlap=overlap, device=dev, decoder=decoder, seed=0)
+
+            def it(e):
+                g.set_epoch(e)
+                return g
+            with JpgSampler(dev) as js:
+                rate, rates = epochs_rate(it, dev, a.epochs)
+            key = f"pipeline_{name}_{'train' if train else 'eval'}_overlap{overlap}"
+            RESULTS[key] = {"rates": rates, "stats": g.stats.as_dict(), "nvml": js.summary()}
+            what = {0: "inline", 1: "1 thread", 2: "2 threads+streams"}[overlap]
+            per = {k: f"{1e3 * v / g.stats.batches:.1f}" for k, v in g.stats.seconds.items()}
+            row("3" if name == "stored" else "4",
+                f"GPUDecoder {'train' if train else 'eval'}, {what} [{name}]", rate,
+                f"ms/batch {per}; JPG util max/mean {js.summary()['jpg_max_mean']}")
+
+
+def progressive_vs_baseline(a, path, dev, decoder):
+    """torchvision decodes baseline JPEGs in one batched call (hardware engine where there is
+    one) and others one by one, Huffman on the CPU: the gap shows which path ran."""
+    from PIL import Image
+    ds = PackedDataset(path)
+    base, prog = [], []
+    for i in range(min(a.batch, len(ds))):
+        data = ds.load(i)["image"]
+        im = Image.open(io.BytesIO(data))
+        out = io.BytesIO()
+        im.save(out, "JPEG", quality=90, progressive=True)
+        base.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        prog.append(torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8))
+    ds.reader.close()
+    for name, batch in (("baseline", base), ("progressive", prog)):
+        decoder(batch, dev)
+        rate, rates = median_rate(lambda: decoder(batch, dev), len(batch), a.repeats, dev)
+        RESULTS[f"torchvision_{name}"] = rates
+        row("5", f"decode_jpeg batch of {len(batch)} {name} JPEGs (1 call)", rate)
+
+
+def dmon(seconds, out):
+    """nvidia-smi dmon's utilization columns (sm mem enc dec jpg ofa on recent drivers)."""
+    try:
+        return subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-c", str(seconds)],
+                                stdout=open(out, "w"), stderr=subprocess.STDOUT)
+    except OSError as e:
+        log(f"   nvidia-smi dmon unavailable: {e}")
+        return None
+
+
+def resnet(a, loader, dev, decoder, name):
+    import torch.nn.functional as F
+    import torchvision
+    torch.backends.cudnn.benchmark = True
+    model = torchvision.models.resnet18(num_classes=1000).to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    x = torch.randn(a.batch, 3, 224, 224, device=dev).to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (a.batch,), device=dev)
+    for _ in range(a.warmup):
+        step(x, y)
+
+    def synthetic():
+        for _ in range(a.steps):
+            step(x, y)
+    syn, syn_all = median_rate(synthetic, a.steps * a.batch, 3, dev)
+    g = GPUDecoder(loader, device=dev, decoder=decoder, seed=0)
+
+    def batches():
+        e = 0
+        while True:
+            g.set_epoch(e)
+            yield from g
+            e += 1
+    src = batches()
+    for _ in range(a.warmup):
+        step(*next(src))
+
+    def fed():
+        for _ in range(a.steps):
+            step(*next(src))
+    real, real_all = median_rate(fed, a.steps * a.batch, 3, dev)
+    src.close()
+    RESULTS[f"resnet18_{name}"] = {"synthetic": syn_all, "gpu_path": real_all,
+                                   "ratio": real / syn}
+    row("6", "ResNet-18 step (bf16, channels_last, SGD) on a synthetic on-GPU batch", syn)
+    row("6", f"ResNet-18 step fed by GPUDecoder [{name}]", real, f"{real / syn:.1%} of synthetic")
+
+
+def agreement(a, path, dev, decoder):
+    """nvJPEG pixels vs PIL's full decode; eval output vs the CPU decoders; labels."""
+    from PIL import Image
+    ds = PackedDataset(path)
+    n = min(a.batch, len(ds))
+    diffs = []
+    for i in range(n):
+        data = ds.load(i)["image"]
+        gpu = decoder([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dev)[0].cpu()
+        im = Image.open(io.BytesIO(data)).convert("RGB")
+        ref = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3)
+        d = (gpu.permute(1, 2, 0).int() - ref.int()).abs()
+        diffs.append((int(d.max()), float(d.float().mean())))
+    dec = {"max_abs": max(d[0] for d in diffs), "mean_abs": statistics.mean(d[1] for d in diffs),
+           "images": n}
+    # Eval pipeline (uint8) vs DecodeCenterCrop (draft decode) and vs PIL full decode + same box.
+    loader = make_gpu_loader(ds, 64, shuffle=False, num_workers=0)
+    g = GPUDecoder(loader, train=False, dtype=torch.uint8, device=dev, decoder=decoder, overlap=0)
+    labels, d_draft, d_full, k = [], [], [], 0
+    ref_dec = DecodeCenterCrop(224)
+    for x, y in g:
+        labels += y.tolist()
+        if k < n:
+            for j in range(min(len(y), n - k)):
+                data = ds.load(k + j)["image"]
+                d_draft.append((x[j].cpu().int() - ref_dec(data).int()).abs())
+                im = Image.open(io.BytesIO(data)).convert("RGB")
+                box = ref_dec.box(*im.size)
+                r = im.resize((224, 224), Image.BILINEAR, box=box, reducing_gap=None)
+                rt = torch.frombuffer(bytearray(r.tobytes()), dtype=torch.uint8).view(224, 224, 3)
+                d_full.append((x[j].cpu().int() - rt.permute(2, 0, 1).int()).abs())
+            k += len(y)
+    cat = lambda ds_: torch.stack(ds_)  # noqa: E731
+    res = {"nvjpeg_vs_pil_full_decode": dec,
+           "eval_vs_pil_full_decode_same_resize": {"max_abs": int(cat(d_full).max()),
+                                                   "mean_abs": float(cat(d_full).float().mean())},
+           "eval_vs_DecodeCenterCrop_draft": {"max_abs": int(cat(d_draft).max()),
+                                              "mean_abs": float(cat(d_draft).float().mean())},
+           "labels_match": labels == ds.targets, "stats": g.stats.as_dict()}
+    RESULTS["agreement"] = res
+    log(f"   {json.dumps(res)}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=int, default=10240)
+    p.add_argument("--classes", type=int, default=100)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--cpus", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--loader-workers", type=int, default=None,
+                   help="workers feeding the GPU path (default: cores - 4)")
+    p.add_argument("--epochs", type=int, default=3, help="passes per pipeline measurement")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--preload", type=int, default=8, help="batches kept in memory for 'only' runs")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--root", default="/tmp/packer-gpu-bench")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--skip", default="", help="comma list of: cpu,pipeline,transcoded,resnet,agreement")
+    p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
+    a = p.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    if a.loader_workers is None:
+        a.loader_workers = max(2, a.cpus - 4)
+    if a.dry_run:
+        a.images, a.classes, a.batch, a.epochs, a.repeats, a.preload = 96, 4, 16, 2, 2, 2
+        a.cpus, a.loader_workers, a.steps, a.warmup = 2, 1, 2, 1
+        dev, decoder = torch.device("cpu"), pil_decoder
+        skip.add("resnet")
+    else:
+        from packer.gpu_decode import _nvjpeg
+        dev, decoder = torch.device("cuda", torch.cuda.current_device()), _nvjpeg
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"torch": torch.__version__, "pil": pil_summary(), "cpus": a.cpus, "args": vars(a)}
+    try:
+        import torchvision
+        env["torchvision"] = torchvision.__version__
+    except ImportError:
+        env["torchvision"] = None
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev)
+    RESULTS["env"] = env
+    log(json.dumps(env))
+
+    with section("data"):
+        sets = make_data(a)
+    # Loaders first: their workers fork before this process opens any shard (py-lmdb refuses
+    # to open a file a forked parent still has open).
+    loaders = {n: make_gpu_loader(sets[n], a.batch, num_workers=a.loader_workers, drop_last=True)
+               for n in sets}
+    if "cpu" not in skip:
+        with section("1: CPU path"):
+            cpu_path(a, sets["stored"], dev)
+    for name in ("stored", "max512", "short256"):
+        if name != "stored" and "transcoded" in skip:
+            continue
+        with section(f"2/4: decode only [{name}]"):
+            mon = dmon(8, out / f"dmon_{name}.txt") if dev.type == "cuda" and name == "stored" else None
+            batches = decode_only(a, name, loaders[name], dev, decoder)
+            if mon is not None:
+                mon.wait(timeout=20)
+                RESULTS["dmon_stored"] = (out / "dmon_stored.txt").read_text()
+                log(RESULTS["dmon_stored"])
+        with section(f"3a: augment only [{name}]"):
+            augment_only(a, name, batches, dev, decoder)
+        del batches
+        if "pipeline" not in skip:
+            with section(f"3/4: pipeline [{name}]"):
+                pipeline(a, name, loaders[name], dev, decoder,
+                         overlaps=(0, 1, 2) if name == "stored" else (2,))
+    if "resnet" not in skip:
+        for name in ("stored", "short256"):
+            with section(f"6: ResNet-18 [{name}]"):
+                resnet(a, loaders[name], dev, decoder, name)
+    with section("5: baseline vs progressive through torchvision"):
+        progressive_vs_baseline(a, sets["stored"], dev, decoder)
+    if "agreement" not in skip:
+        with section("correctness"):
+            agreement(a, sets["stored"], dev, decoder)
+
+    lines = ["| step | what | images/s | note |", "|---|---|---:|---|"]
+    lines += [f"| {s} | {w} | {r:,.0f} | {n} |" for s, w, r, n in ROWS]
+    table = "\n".join(lines)
+    (out / "results.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    log("\n" + table)
+    if "agreement" in RESULTS:
+        log(json.dumps(RESULTS["agreement"]))
+
+
+if __name__ == "__main__":
+    main()

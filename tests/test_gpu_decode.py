@@ -1,0 +1,475 @@
+"""GPU decoding (packer.gpu_decode).
+
+Everything that needs neither CUDA nor torchvision runs in CI: JPEG header parsing, the
+worker hook and collate, routing to the CPU fallback, crop-box maths, the batched resample
+(against PIL), the thread pipeline (with a PIL stand-in for nvJPEG) and the errors when
+torchvision or CUDA is missing. Tests marked ``gpu`` run nvJPEG itself on a CUDA machine.
+"""
+import ctypes
+import io
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from packer.build import build
+from packer.dataset import PackedDataset
+from packer.demo import make_image, make_image_folder
+from packer.errors import PackerError
+from packer.gpu_decode import (EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, JpegInfo,
+                               center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info,
+                               make_gpu_loader, random_resized_crop_boxes, resample_crops)
+from packer.imaging import DecodeCenterCrop, DecodeRandomResizedCrop
+
+from conftest import encode, small_photo
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _rgb_tensor(im: Image.Image) -> torch.Tensor:
+    im = im.convert("RGB")
+    return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3).permute(2, 0, 1)
+
+
+def pil_decoder(datas, device):
+    """nvJPEG's contract with PIL behind it: (3, h, w) uint8 per 1-D byte tensor."""
+    return [_rgb_tensor(Image.open(io.BytesIO(ctypes.string_at(d.data_ptr(), d.numel())))).to(device)
+            for d in datas]
+
+
+# -- fixtures --------------------------------------------------------------------------------
+
+KINDS = {  # file name -> (what, expected to go to the GPU)
+    "baseline.jpg": ("baseline 4:2:0", True),
+    "q444.jpg": ("baseline 4:4:4", True),
+    "gray.jpg": ("grayscale", True),
+    "progressive.jpg": ("progressive", False),
+    "cmyk.jpg": ("CMYK", False),
+    "image.png": ("PNG", False),
+}
+
+
+def kind_bytes(photos, name, seed=0):
+    rng = random.Random(seed)
+    im = small_photo(rng, photos, (200, 150))
+    return {
+        "baseline.jpg": lambda: encode(im, "JPEG", quality=90),
+        "q444.jpg": lambda: encode(im, "JPEG", quality=95, subsampling=0),
+        "gray.jpg": lambda: encode(im.convert("L"), "JPEG", quality=90),
+        "progressive.jpg": lambda: encode(im, "JPEG", quality=90, progressive=True),
+        "cmyk.jpg": lambda: encode(im.convert("CMYK"), "JPEG", quality=90),
+        "image.png": lambda: encode(im, "PNG"),
+    }[name]()
+
+
+@pytest.fixture(scope="module")
+def mixed_built(tmp_path_factory, photos):
+    tmp = tmp_path_factory.mktemp("gpu_decode")
+    src = make_image_folder(tmp / "src", images=20, classes=2, seed=3)
+    for k, name in enumerate(KINDS):
+        (src / "class_01" / f"odd_{name}").write_bytes(kind_bytes(photos, name, seed=k))
+    build(src, tmp / "packed", workers=0, progress=False)
+    return tmp / "packed"
+
+
+@pytest.fixture
+def mixed(mixed_built, tmp_path):
+    """A packed dataset of 20 photo JPEGs in 2 classes plus one file of each odd kind.
+
+    A fresh copy per test (1.5 MB): DataLoader workers forked while the parent process has
+    a shard of the same file open cannot open it (py-lmdb refuses a second open).
+    """
+    return Path(shutil.copytree(mixed_built, tmp_path / "packed"))
+
+
+# -- JPEG headers ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_jpeg_info_and_routing(photos, name):
+    data = kind_bytes(photos, name)
+    info = jpeg_info(data)
+    what, on_gpu = KINDS[name]
+    assert gpu_decodable(info) is on_gpu, what
+    if name == "image.png":
+        assert info is None
+        return
+    im = Image.open(io.BytesIO(data))
+    assert (info.width, info.height) == im.size == (200, 150)
+    assert info.precision == 8 and not info.arithmetic
+    assert info.process == ("progressive" if name == "progressive.jpg" else "baseline")
+    assert info.components == {"gray.jpg": 1, "cmyk.jpg": 4}.get(name, 3)
+    assert info.subsampling == {"gray.jpg": "gray", "q444.jpg": "4:4:4", "cmyk.jpg": "other"}.get(name, "4:2:0")
+    if name == "cmyk.jpg":
+        assert info.adobe_transform is not None  # PIL writes an Adobe marker for CMYK
+
+
+def test_jpeg_info_odd_streams(photos):
+    base = kind_bytes(photos, "baseline.jpg")
+    sof = base.index(b"\xff\xc0")
+    arith = base[:sof + 1] + b"\xc9" + base[sof + 2:]
+    assert jpeg_info(arith).arithmetic and not gpu_decodable(jpeg_info(arith))
+    twelve = base[:sof + 4] + b"\x0c" + base[sof + 5:]
+    assert jpeg_info(twelve).precision == 12 and not gpu_decodable(jpeg_info(twelve))
+    rgb_coded = base[:2] + b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00\x00" + base[2:]
+    info = jpeg_info(rgb_coded)
+    assert info.adobe_transform == 0 and not gpu_decodable(info)  # RGB-coded, not YCbCr
+    filled = base[:2] + b"\xff\xff" + base[2:]  # fill bytes before a marker are legal
+    assert jpeg_info(filled) == jpeg_info(base)
+    for bad in (b"", b"\xff\xd8", base[:sof], b"\xff\xd8\xff\xda\x00\x02", b"GIF89a" + base):
+        assert jpeg_info(bad) is None and not gpu_decodable(jpeg_info(bad))
+    assert jpeg_info(memoryview(base)) == jpeg_info(bytearray(base)) == jpeg_info(base)
+    assert isinstance(jpeg_info(base), JpegInfo)
+
+
+# -- worker side -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_encoded_image_hook(photos, name):
+    data = kind_bytes(photos, name)
+    s = EncodedImage()(data)
+    assert isinstance(s, EncodedSample) and (s.height, s.width) == (150, 200)
+    if KINDS[name][1]:
+        assert not s.decoded and s.data == data  # the stored bytes, untouched
+    else:  # decoded exactly as ImageFolder would
+        assert s.decoded and s.data == Image.open(io.BytesIO(data)).convert("RGB").tobytes()
+
+
+def test_collate_encoded(photos):
+    samples = [(EncodedImage()(kind_bytes(photos, n)), k) for k, n in enumerate(KINDS)]
+    b = collate_encoded(samples)
+    assert isinstance(b, EncodedBatch)
+    assert b.labels.tolist() == list(range(len(KINDS)))
+    assert b.sizes.tolist() == [[150, 200]] * len(KINDS)
+    assert b.decoded.tolist() == [not on_gpu for _, on_gpu in KINDS.values()]
+    assert b.offsets[0] == 0 and b.offsets[-1] == b.data.numel()
+    for (s, _), v in zip(samples, b.images()):
+        if s.decoded:
+            assert v.shape == (150, 200, 3) and bytes(v.flatten().numpy()) == s.data
+        else:
+            assert v.dim() == 1 and bytes(v.numpy()) == s.data
+    with pytest.raises(TypeError, match="EncodedImage"):
+        collate_encoded([(torch.zeros(3, 2, 2, dtype=torch.uint8), 0)])
+
+
+def test_make_gpu_loader_routes_fallbacks_in_workers(mixed):
+    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
+    ds = loader.dataset
+    assert isinstance(ds.decode, EncodedImage) and not loader.pin_memory
+    seen = {}
+    for batch in loader:
+        assert isinstance(batch, EncodedBatch) and batch.data.is_shared()
+        for i, (lab, dec, v) in enumerate(zip(batch.labels.tolist(), batch.decoded.tolist(), batch.images())):
+            seen[len(seen)] = (lab, dec, v.shape)
+    paths = [ds.load(i)["path"] for i in range(len(ds))]
+    assert [seen[i][0] for i in range(len(ds))] == ds.targets
+    for i, p in enumerate(paths):
+        name = p.split("odd_")[-1]
+        assert seen[i][1] is (not KINDS[name][1] if "odd_" in p else False), p
+    # A dataset made for the CPU path is copied with the hook, not changed.
+    cpu_ds = PackedDataset(mixed, decode=DecodeCenterCrop(224))
+    gl = make_gpu_loader(cpu_ds, 4, num_workers=0)
+    assert isinstance(gl.dataset.decode, EncodedImage) and isinstance(cpu_ds.decode, DecodeCenterCrop)
+    with pytest.raises(ValueError, match="transform"):
+        make_gpu_loader(PackedDataset(mixed, transform=lambda x: x), 4)
+
+
+# -- crop boxes --------------------------------------------------------------------------------
+
+def test_random_resized_crop_boxes_match_torchvision_rules():
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([[375, 500], [500, 333], [300, 300], [480, 640]] * 500)
+    b = random_resized_crop_boxes(sizes, (0.08, 1.0), (3 / 4, 4 / 3), generator=g)
+    w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
+    assert torch.equal(b, b.round()) and (b[:, :2] >= 0).all()
+    assert (b[:, 2] <= sizes[:, 1]).all() and (b[:, 3] <= sizes[:, 0]).all()
+    frac = w * h / (sizes[:, 0] * sizes[:, 1])
+    assert frac.min() >= 0.07 and frac.max() <= 1.0
+    ar = w / h
+    assert ar.min() > 0.7 and ar.max() < 1.43  # ratio range, widened by integer rounding
+    # Same distribution as the CPU decoder's per-image sampler.
+    random.seed(0)
+    ref = DecodeRandomResizedCrop(224)
+    cpu = torch.tensor([ref.box(int(s[1]), int(s[0])) for s in sizes.tolist()], dtype=torch.float64)
+    cfrac = (cpu[:, 2] - cpu[:, 0]) * (cpu[:, 3] - cpu[:, 1]) / (sizes[:, 0] * sizes[:, 1])
+    assert abs(frac.mean() - cfrac.mean()) < 0.03
+    # Centre of crops: uniform placement, so about the image centre on average.
+    cx = ((b[:, 0] + b[:, 2]) / 2 / sizes[:, 1]).mean()
+    assert abs(cx - 0.5) < 0.02
+
+
+def test_random_resized_crop_fallback_is_torchvisions():
+    sizes = torch.tensor([[20, 1000], [1000, 20], [300, 300]])
+    g = torch.Generator().manual_seed(1)
+    b = random_resized_crop_boxes(sizes, (0.9, 1.0), (3 / 4, 4 / 3), generator=g)
+    for (hh, ww), box in zip(sizes.tolist()[:2], b.tolist()[:2]):
+        ref = DecodeRandomResizedCrop(224, scale=(0.9, 1.0)).box(ww, hh)  # no try fits
+        assert tuple(box) == tuple(float(v) for v in ref)
+
+
+@pytest.mark.parametrize("size,frac", [((224, 224), 0.875), ((160, 128), 0.9), ((224, 224), 1.0)])
+def test_center_crop_boxes_match_cpu_decoder(size, frac):
+    sizes = torch.tensor([[375, 500], [500, 333], [100, 1000], [224, 224]])
+    b = center_crop_boxes(sizes, size, frac)
+    ref = DecodeCenterCrop(size, crop_fraction=frac)
+    for (hh, ww), box in zip(sizes.tolist(), b.tolist()):
+        assert box == pytest.approx(ref.box(ww, hh))
+
+
+# -- the batched resample --------------------------------------------------------------------
+
+def _photo_images(photos, n, seed=0):
+    rng = random.Random(seed)
+    return [Image.open(io.BytesIO(make_image(rng, photos))).convert("RGB") for _ in range(n)]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_resample_crops_matches_pil(photos, train):
+    pil = _photo_images(photos, 6)
+    imgs = [_rgb_tensor(im) for im in pil]
+    sizes = torch.tensor([[im.height, im.width] for im in pil])
+    g = torch.Generator().manual_seed(2)
+    if train:
+        boxes = random_resized_crop_boxes(sizes, generator=g)
+        flips = torch.tensor([True, False] * 3)
+    else:
+        boxes, flips = center_crop_boxes(sizes, (224, 224)), None
+    out = resample_crops(imgs, boxes, (224, 224), flips,
+                         out=torch.empty(6, 3, 224, 224, dtype=torch.uint8))
+    worst, total = 0, 0.0
+    for k, im in enumerate(pil):
+        ref = im.resize((224, 224), Image.BILINEAR, box=tuple(boxes[k].tolist()), reducing_gap=None)
+        if flips is not None and flips[k]:
+            ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
+        d = (_rgb_tensor(ref).int() - out[k].int()).abs()
+        worst, total = max(worst, int(d.max())), total + float(d.float().mean())
+    assert worst <= 1 and total / 6 < 0.3  # PIL rounds between its two passes; we do not
+    # Grouping (padding budget) and memory format change nothing.
+    small = resample_crops(imgs, boxes, (224, 224), flips, budget=1 << 20,
+                           out=torch.empty(6, 3, 224, 224, dtype=torch.uint8).contiguous(
+                               memory_format=torch.channels_last))
+    assert torch.equal(small, out)
+    # Normalisation: x * scale + shift on the unrounded values.
+    scale = (1 / (255 * torch.tensor(STD))).view(1, 3, 1, 1)
+    shift = (-torch.tensor(MEAN) / torch.tensor(STD)).view(1, 3, 1, 1)
+    f = resample_crops(imgs, boxes, (224, 224), flips, scale=scale, shift=shift)
+    expect = (out.float() / 255 - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    assert (f - expect).abs().max() < 0.6 / 255 / min(STD)
+
+
+def test_resample_crops_upscale_and_rectangular(photos):
+    im = _photo_images(photos, 1, seed=5)[0]
+    box = torch.tensor([[10.0, 20.0, 50.0, 40.0]])  # 40 x 20 -> 96 x 128 (upscaling)
+    out = resample_crops([_rgb_tensor(im)], box, (96, 128),
+                         out=torch.empty(1, 3, 96, 128, dtype=torch.uint8))
+    ref = _rgb_tensor(im.resize((128, 96), Image.BILINEAR, box=(10, 20, 50, 40), reducing_gap=None))
+    assert (ref.int() - out[0].int()).abs().max() <= 1
+
+
+# -- the GPU stage, with PIL standing in for nvJPEG --------------------------------------------
+
+def _cpu_decoder(loader, **kw):
+    kw.setdefault("decoder", pil_decoder)
+    kw.setdefault("device", "cpu")
+    return GPUDecoder(loader, **kw)
+
+
+@pytest.mark.parametrize("overlap", [0, 1, 2])
+def test_pipeline_labels_order_and_fallback_counts(mixed, overlap):
+    loader = make_gpu_loader(mixed, 5, shuffle=False, num_workers=1)
+    dec = _cpu_decoder(loader, overlap=overlap, seed=0, dtype=torch.float32)
+    assert len(dec) == len(loader) and dec.dataset is loader.dataset and dec.sampler is loader.sampler
+    labels, shapes = [], set()
+    for x, y in dec:
+        assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
+        shapes.add(tuple(x.shape[1:]))
+        labels += y.tolist()
+        assert torch.isfinite(x).all() and -2.2 < float(x.min()) and float(x.max()) < 2.7
+    assert labels == loader.dataset.targets and shapes == {(3, 224, 224)}
+    n_cpu = sum(not on for _, on in KINDS.values())
+    stats = dec.stats.as_dict()
+    seconds = stats.pop("seconds")
+    assert stats == {"gpu": len(labels) - n_cpu, "cpu": n_cpu, "retried": 0, "batches": len(loader)}
+    stages = {0: {"loader", "decode", "augment"}, 1: {"loader", "decode+augment", "consumer"},
+              2: {"loader", "decode", "augment", "consumer"}}[overlap]
+    assert set(seconds) == stages and all(v >= 0 for v in seconds.values())
+
+
+def test_pipeline_same_result_for_every_overlap_and_epoch_seeding(mixed):
+    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
+    runs = []
+    for overlap in (0, 1, 2):
+        dec = _cpu_decoder(loader, overlap=overlap, seed=7)
+        dec.set_epoch(3)
+        runs.append([x for x, _ in dec])
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    dec = _cpu_decoder(loader, seed=7)
+    dec.set_epoch(4)
+    assert not torch.equal(next(iter(dec))[0], runs[0][0])  # another epoch, other crops
+
+
+def test_eval_mode_matches_cpu_center_crop_maths(mixed):
+    loader = make_gpu_loader(mixed, 6, shuffle=False, num_workers=0)
+    dec = _cpu_decoder(loader, train=False, dtype=torch.uint8, size=(200, 160), crop_fraction=0.9)
+    ds = PackedDataset(mixed)
+    x, y = next(iter(dec))
+    assert x.shape == (6, 3, 200, 160)
+    for k in range(6):
+        im = ds[k][0]
+        box = DecodeCenterCrop((200, 160), crop_fraction=0.9).box(*im.size)
+        ref = _rgb_tensor(im.resize((160, 200), Image.BILINEAR, box=box, reducing_gap=None))
+        assert (ref.int() - x[k].int()).abs().max() <= 1
+    x2, _ = next(iter(dec))
+    assert torch.equal(x, x2)  # evaluation is deterministic
+
+
+def test_decoder_refusing_a_batch_retries_images_alone(mixed):
+    calls = []
+
+    def picky(datas, device):
+        calls.append(len(datas))
+        if len(datas) > 1:
+            raise RuntimeError("nvjpeg: unsupported")
+        if calls.count(1) == 2:
+            raise RuntimeError("nvjpeg: this one too")  # -> PIL in the decode thread
+        return pil_decoder(datas, device)
+    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=0)
+    dec = _cpu_decoder(loader, decoder=picky, overlap=0)  # inline: no batch decoded ahead
+    x, y = next(iter(dec))
+    assert x.shape[0] == 4 and dec.stats.retried == 4 and calls[:5] == [4, 1, 1, 1, 1]
+
+
+def test_errors_reach_the_consumer_and_threads_stop(mixed):
+    def broken(datas, device):
+        raise ValueError("decoder exploded")
+    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=0)
+    for overlap in (1, 2):
+        with pytest.raises(ValueError, match="decoder exploded") as e:
+            list(_cpu_decoder(loader, decoder=broken, overlap=overlap))
+        assert any("GPU decode" in n for n in getattr(e.value, "__notes__", ["GPU decode"]))
+    with pytest.raises(TypeError, match="EncodedBatch"):
+        list(_cpu_decoder([torch.zeros(2)], overlap=2))
+    # Leaving a loop early stops the threads; the next pass starts cleanly.
+    fresh = shutil.copytree(mixed, mixed.parent / "fresh")  # not opened in this process yet
+    dec = _cpu_decoder(make_gpu_loader(fresh, 2, shuffle=False, num_workers=1), overlap=2)
+    for _ in range(2):
+        it = iter(dec)
+        next(it)
+        it.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("packer-gpu")]
+    assert sum(len(y) for _, y in dec) == len(dec.dataset)
+
+
+def test_constructor_errors(mixed, monkeypatch):
+    loader = make_gpu_loader(mixed, 4, num_workers=0)
+    for kw, match in [({"size": 0}, "size"), ({"dtype": torch.int32}, "dtype"),
+                      ({"scale": (0.5, 0.1)}, "scale"), ({"overlap": 3}, "overlap"),
+                      ({"crop_fraction": 1.5}, "crop_fraction"), ({"mean": (0.5,)}, "mean")]:
+        with pytest.raises(ValueError, match=match):
+            _cpu_decoder(loader, **kw)
+    if "torchvision" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "torchvision", None)  # import fails even if installed
+        with pytest.raises(PackerError, match="pip install torchvision.*DecodeRandomResizedCrop"):
+            GPUDecoder(loader)
+    fake = types.ModuleType("torchvision")
+    fake.io = types.ModuleType("torchvision.io")
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    monkeypatch.setitem(sys.modules, "torchvision.io", fake.io)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(PackerError, match="CUDA.*CUDAPrefetcher"):
+        GPUDecoder(loader)
+
+
+# -- on a GPU: nvJPEG itself -------------------------------------------------------------------
+
+def _report(name, value):
+    """Numbers the GPU tests measure go to $PACKER_GPU_REPORT (JSON lines), if set."""
+    path = os.environ.get("PACKER_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, **value}) + "\n")
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_nvjpeg_pixels_match_cpu_decode(mixed):
+    pytest.importorskip("torchvision")
+    from packer.gpu_decode import _nvjpeg
+    ds = PackedDataset(mixed)
+    worst, means = 0, []
+    for i in range(len(ds)):
+        rec = ds.load(i)
+        if not gpu_decodable(jpeg_info(rec["image"])):
+            continue
+        data = torch.frombuffer(bytearray(rec["image"]), dtype=torch.uint8)
+        gpu = _nvjpeg([data], torch.device("cuda"))[0].cpu()
+        d = (gpu.int() - _rgb_tensor(ds[i][0]).int()).abs()
+        worst, means = max(worst, int(d.max())), means + [float(d.float().mean())]
+    mean = sum(means) / len(means)
+    _report("nvjpeg_vs_pil", {"images": len(means), "max_abs": worst, "mean_abs": mean})
+    assert mean < 3.0 and worst <= 128  # different IDCT and chroma upsampling, same picture
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_gpu_decoder_labels_fallbacks_and_eval(mixed, overlap):
+    pytest.importorskip("torchvision")
+    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=2)
+    dec = GPUDecoder(loader, overlap=overlap, train=False, dtype=torch.uint8, seed=0)
+    labels = []
+    for x, y in dec:
+        assert x.is_cuda and y.is_cuda and x.shape[1:] == (3, 224, 224)
+        labels += y.tolist()
+    assert labels == loader.dataset.targets
+    n_cpu = sum(not on for _, on in KINDS.values())
+    assert (dec.stats.cpu, dec.stats.gpu, dec.stats.retried) == (n_cpu, len(labels) - n_cpu, 0)
+    # Evaluation output against the CPU reference: PIL full decode + the same box resize.
+    gpu = [x.cpu() for x, _ in dec]  # one pass at a time: persistent workers serve one iterator
+    ref = [x for x, _ in _cpu_decoder(loader, train=False, dtype=torch.uint8)]
+    d = torch.cat([(a.int() - b.int()).abs().flatten() for a, b in zip(gpu, ref)])
+    _report("eval_vs_pil_resize", {"overlap": overlap, "max_abs": int(d.max()),
+                                   "mean_abs": float(d.float().mean())})
+    assert float(d.float().mean()) < 2.0
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_decoder_train_bf16_and_memory_bounded(mixed):
+    pytest.importorskip("torchvision")
+    loader = make_gpu_loader(mixed, 8, shuffle=True, num_workers=2, drop_last=True)
+    dec = GPUDecoder(loader, seed=1)
+    allocated = []
+    for epoch in range(6):
+        dec.set_epoch(epoch)
+        for x, y in dec:
+            assert x.dtype == torch.bfloat16 and x.is_contiguous(memory_format=torch.channels_last)
+            assert torch.isfinite(x.float()).all()
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    _report("memory", {"allocated_per_epoch": allocated,
+                       "max_allocated": torch.cuda.max_memory_allocated()})
+    assert max(allocated[2:]) <= allocated[1] + (1 << 20)  # no growth over epochs
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_overlap_modes_agree(mixed):
+    pytest.importorskip("torchvision")
+    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
+    out = []
+    for overlap in (0, 1, 2):
+        dec = GPUDecoder(loader, overlap=overlap, seed=5, dtype=torch.float32)
+        out.append(torch.cat([x.cpu() for x, _ in dec]))
+    assert torch.allclose(out[0], out[1], atol=1e-3) and torch.allclose(out[0], out[2], atol=1e-3)
+    assert math.isfinite(float(out[0].sum()))

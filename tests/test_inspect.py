@@ -1,0 +1,141 @@
+"""Looking inside a dataset: info, verify (full and quick), ls, cat."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import lmdb
+import pytest
+
+from conftest import imagefolder_rule
+from packer.errors import FormatError
+from packer.format import FORMAT_VERSION, file_sha256, read_manifest, write_json_atomic
+from packer.inspect import cat, format_info, info, ls, verify
+
+
+@pytest.fixture
+def copy(odd_built, tmp_path):
+    dst = tmp_path / "d"
+    shutil.copytree(odd_built, dst)
+    return dst
+
+
+def locate_image_bytes(dst, rel_src: bytes):
+    """(shard path, offset) where a slice of a source file's bytes sits inside a shard."""
+    m = read_manifest(dst)
+    probe = rel_src[len(rel_src) // 2: len(rel_src) // 2 + 64]
+    for s in m["shards"]:
+        data = (dst / s["path"]).read_bytes()
+        at = data.find(probe)
+        if at >= 0:
+            return dst / s["path"], at
+    raise AssertionError("image bytes not found in any shard")
+
+
+def test_info_object(odd_tree, odd_built):
+    i = info(odd_built)
+    m = read_manifest(odd_built)
+    assert i["count"] == m["count"] == len(odd_tree.good)
+    assert i["classes"] == imagefolder_rule(odd_tree.root)[0]
+    assert i["format_version"] == FORMAT_VERSION
+    assert i["bytes"] == sum(s["bytes"] for s in i["shards"])
+    assert [{k: s[k] for k in ("path", "count", "bytes")} for s in i["shards"]] == \
+        [{k: s[k] for k in ("path", "count", "bytes")} for s in m["shards"]]
+    assert sorted(s["path"] for s in i["skipped"]) == sorted(odd_tree.bad)
+    assert all(set(s) == {"path", "reason"} for s in i["skipped"])
+    json.dumps(i)  # JSON-ready as is
+
+
+def test_format_info_lines(odd_built):
+    text = format_info(info(odd_built))
+    lines = text.splitlines()
+    m = read_manifest(odd_built)
+    assert lines[0].startswith(f"{odd_built}: {m['count']} images, 10 classes, 1 shard(s), ")
+    assert lines[1].startswith("build: source ") and "bytes stored unchanged" in lines[1]
+    assert "      0  B  6" in lines
+    assert "      5  empty  0" in lines
+    assert f"skipped: {len(m['skipped'])}" in lines
+    assert any(line.startswith("  with space/bomb.png: decompression bomb") for line in lines)
+
+
+def test_verify_ok(odd_built):
+    rep = verify(odd_built, progress=False)
+    assert rep.ok and rep.problems == []
+    assert rep.checked_records == read_manifest(odd_built)["count"]
+    quick = verify(odd_built, quick=True, progress=False)
+    assert quick.ok and quick.checked_records == 0 and quick.checked_shards == 1
+
+
+def test_verify_names_a_tampered_record(odd_tree, copy):
+    rel = "Z10/progressive.jpg"
+    index = [p for _, _, p in ls(copy)].index(rel)
+    shard, at = locate_image_bytes(copy, (odd_tree.root / rel).read_bytes())
+    data = bytearray(shard.read_bytes())
+    data[at + 10] ^= 0x01
+    shard.write_bytes(bytes(data))
+    quick = verify(copy, quick=True, progress=False)
+    assert quick.problems == [f"{shard.name}: sha256 does not match the manifest"]
+    rep = verify(copy, progress=False)
+    assert f"{shard.name}: sha256 does not match the manifest" in rep.problems
+    assert f"record {index} ({shard.name}) {rel}: image checksum mismatch" in rep.problems
+    assert len(rep.problems) == 2  # only that record
+    assert rep.checked_records == read_manifest(copy)["count"]
+
+
+def test_verify_catches_a_wrong_label_and_a_bad_labels_file(copy):
+    m = read_manifest(copy)
+    labels = bytearray((copy / "labels.i32").read_bytes())
+    labels[4 * 3:4 * 4] = struct.pack("<i", 7)
+    (copy / "labels.i32").write_bytes(bytes(labels))
+    rep = verify(copy, quick=True, progress=False)
+    assert rep.problems == ["labels.i32: sha256 does not match the manifest"]
+    m["labels"]["sha256"] = file_sha256(copy / "labels.i32")  # a consistent lie: records catch it
+    write_json_atomic(copy / "manifest.json", m)
+    rep = verify(copy, progress=False)
+    assert len(rep.problems) == 1 and rep.problems[0].startswith("record 3 ")
+    assert "label 0 != labels.i32 7" in rep.problems[0]
+
+
+def test_verify_catches_missing_and_truncated_shards(copy):
+    shard = copy / "shard-00000.lmdb"
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    rep = verify(copy, progress=False)
+    assert not rep.ok and rep.problems[0].startswith("shard-00000.lmdb: size ")
+    shard.unlink()
+    rep = verify(copy, quick=True, progress=False)
+    assert rep.problems == ["shard-00000.lmdb: missing"]
+
+
+def test_verify_catches_extra_records(copy):
+    """A shard holding more records than its manifest entry says is damaged too."""
+    m = read_manifest(copy)
+    shard = copy / m["shards"][0]["path"]
+    env = lmdb.open(str(shard), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(struct.pack(">Q", m["shards"][0]["count"]), b"\x80")
+    env.close()
+    m["shards"][0]["bytes"] = shard.stat().st_size
+    m["shards"][0]["sha256"] = file_sha256(shard)
+    write_json_atomic(copy / "manifest.json", m)
+    rep = verify(copy, progress=False)
+    assert any("records" in p and str(m["shards"][0]["count"]) in p for p in rep.problems), rep.problems
+
+
+def test_verify_refuses_what_is_not_a_dataset(tmp_path):
+    with pytest.raises(FormatError, match="not a packer dataset"):
+        verify(tmp_path, progress=False)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(FormatError, match="is damaged"):
+        verify(tmp_path, progress=False)
+
+
+def test_ls_and_cat(odd_tree, odd_built):
+    rows = list(ls(odd_built))
+    _, _, samples = imagefolder_rule(odd_tree.root)
+    assert rows == [(i, lab, p) for i, (p, lab) in enumerate(s for s in samples if s[0] in odd_tree.good)]
+    for i, _, p in rows:
+        assert cat(odd_built, i) == (odd_tree.root / p).read_bytes()
+    assert cat(odd_built, -1) == (odd_tree.root / rows[-1][2]).read_bytes()
+    with pytest.raises(IndexError, match=f"record {len(rows)} out of range for a dataset of {len(rows)}"):
+        cat(odd_built, len(rows))

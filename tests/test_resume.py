@@ -1,0 +1,331 @@
+"""Crash safety and resume: killed builds never look finished; re-running finishes them."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import image_files, run_packer
+from packer import build as build_mod
+from packer.build import JOURNAL, build
+from packer.cli import main
+from packer.errors import FormatError, PackerError
+from packer.format import read_manifest
+from packer.inspect import ls, verify
+from packer.reader import ShardReader
+from packer.writer import ShardWriter
+
+
+def quiet_build(src, dst, **kw):
+    kw.setdefault("progress", False)
+    kw.setdefault("workers", 0)
+    kw.setdefault("shard_size", 1 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build(src, dst, **kw)
+
+
+def assert_not_finished(dst: Path) -> None:
+    """Nothing accepts ``dst`` as a dataset."""
+    assert not (dst / "manifest.json").exists()
+    for open_it in (read_manifest, ShardReader, lambda d: verify(d, progress=False)):
+        with pytest.raises(FormatError):
+            open_it(dst)
+
+
+def assert_one_record_per_image(dst: Path, src: Path) -> None:
+    got = [p for _, _, p in ls(dst)]
+    assert got == image_files(src), "not exactly one record per source image, in order"
+    rep = verify(dst, progress=False)
+    assert rep.ok, rep.problems
+
+
+def big_tree(base: Path, photo_src: Path, copies: int) -> Path:
+    """``copies`` x the photo folder, as symlinked class folders: a big source for free."""
+    src = base / "big"
+    src.mkdir()
+    for k in range(copies):
+        for cls in sorted(photo_src.iterdir()):
+            (src / f"{cls.name}_{k}").symlink_to(cls, target_is_directory=True)
+    return src
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_on_finish(monkeypatch, after: int, exc=KeyboardInterrupt):
+    """Make the ``after+1``-th shard finish raise (after the first ``after`` finished)."""
+    real = ShardWriter.finish
+    calls = {"n": 0}
+
+    def finish(self):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise exc()
+        return real(self)
+    monkeypatch.setattr(ShardWriter, "finish", finish)
+
+
+# -- in-process failure injection --------------------------------------------------------------
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_interrupted_build_resumes_after_finished_shards(photo_src, tmp_path, monkeypatch, shuffle):
+    dst = tmp_path / "d"
+    with monkeypatch.context() as mp:
+        crash_on_finish(mp, after=2)
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(photo_src, dst, shuffle=shuffle, seed=5, workers=2)
+    assert_not_finished(dst)
+    with pytest.raises(FormatError, match="unfinished build .* re-run the same `packer build`"):
+        read_manifest(dst)
+    assert sorted(p.name for p in dst.glob("shard-*")) == ["shard-00000.lmdb", "shard-00001.lmdb"]
+    assert not list(dst.glob(".shard-*"))  # the interrupted shard's temp files are gone
+    r = quiet_build(photo_src, dst, shuffle=shuffle, seed=5, workers=2)
+    assert r.resumed_shards == 2
+    if shuffle:
+        ref = quiet_build(photo_src, tmp_path / "ref", shuffle=True, seed=5)
+        assert [p for _, _, p in ls(dst)] == [p for _, _, p in ls(tmp_path / "ref")]
+        assert [s["sha256"] for s in r.manifest["shards"]] == [s["sha256"] for s in ref.manifest["shards"]]
+        assert sorted(p for _, _, p in ls(dst)) == image_files(photo_src)
+        assert verify(dst, progress=False).ok
+    else:
+        assert_one_record_per_image(dst, photo_src)
+    assert not (dst / JOURNAL).exists()
+
+
+def test_skips_before_the_crash_are_kept_once(odd_tree, tmp_path, monkeypatch):
+    dst = tmp_path / "d"
+    with monkeypatch.context() as mp:
+        crash_on_finish(mp, after=0, exc=Crash)
+        with pytest.raises(Crash):
+            quiet_build(odd_tree.root, dst, shard_size=1 << 20)
+    m = quiet_build(odd_tree.root, dst).manifest
+    assert sorted(s["path"] for s in m["skipped"]) == sorted(odd_tree.bad)
+    assert m["count"] == len(odd_tree.good)
+
+
+def test_crash_between_labels_and_manifest(photo_src, tmp_path, monkeypatch):
+    dst = tmp_path / "d"
+    real = build_mod.write_json_atomic
+
+    def no_manifest(path, obj):
+        if Path(path).name == "manifest.json":
+            raise Crash()
+        return real(path, obj)
+    with monkeypatch.context() as mp:
+        mp.setattr(build_mod, "write_json_atomic", no_manifest)
+        with pytest.raises(Crash):
+            quiet_build(photo_src, dst)
+    assert (dst / "labels.i32").exists()
+    assert_not_finished(dst)
+    quiet_build(photo_src, dst)
+    assert_one_record_per_image(dst, photo_src)
+
+
+def test_damaged_finished_shard_is_rebuilt(photo_src, tmp_path, monkeypatch):
+    dst = tmp_path / "d"
+    with monkeypatch.context() as mp:
+        crash_on_finish(mp, after=3)
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(photo_src, dst)
+    p = dst / "shard-00001.lmdb"
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    (dst / "shard-00007.lmdb").write_bytes(b"left by some earlier attempt")
+    r = quiet_build(photo_src, dst)
+    assert r.resumed_shards == 1  # shard 0 kept, everything from the damaged one redone
+    assert_one_record_per_image(dst, photo_src)
+    assert sorted(p.name for p in dst.iterdir()) == sorted(
+        ["manifest.json", "labels.i32"] + [s["path"] for s in r.manifest["shards"]])
+
+
+def test_different_command_restarts_cleanly(photo_src, tmp_path, monkeypatch):
+    dst = tmp_path / "d"
+    with monkeypatch.context() as mp:
+        crash_on_finish(mp, after=2)
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(photo_src, dst)
+    r = quiet_build(photo_src, dst, shard_size=2 << 20)  # other options: not a resume
+    assert r.resumed_shards == 0
+    assert_one_record_per_image(dst, photo_src)
+    assert all(s["bytes"] > (2 << 20) for s in r.manifest["shards"][:-1])
+
+
+def test_changed_source_restarts_cleanly(photo_src, tmp_path, monkeypatch):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(photo_src, src)
+    dst = tmp_path / "d"
+    with monkeypatch.context() as mp:
+        crash_on_finish(mp, after=2)
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(src, dst)
+    shutil.copy(src / "class_00/img_00000.jpg", src / "class_01/new.jpg")
+    assert quiet_build(src, dst).resumed_shards == 0
+    assert_one_record_per_image(dst, src)
+
+
+def test_interrupted_overwrite_leaves_no_finished_dataset(photo_src, tmp_path, monkeypatch):
+    dst = tmp_path / "d"
+    quiet_build(photo_src, dst)
+    with monkeypatch.context() as mp:
+        crash_on_finish(mp, after=1)
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(photo_src, dst, overwrite=True, shard_size=2 << 20)
+    assert_not_finished(dst)
+    quiet_build(photo_src, dst, shard_size=2 << 20)  # the same command as the interrupted one resumes
+    assert_one_record_per_image(dst, photo_src)
+
+
+def test_overwrite_removes_the_manifest_before_anything_else(photo_src, tmp_path, monkeypatch):
+    """Killed while removing the old dataset: the old manifest must already be gone."""
+    dst = tmp_path / "d"
+    quiet_build(photo_src, dst)
+    real_unlink = Path.unlink
+
+    def unlink(self, *a, **kw):
+        if self.parent == dst and self.name.startswith("shard-"):
+            raise Crash()
+        return real_unlink(self, *a, **kw)
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "unlink", unlink)
+        with pytest.raises(Crash):
+            quiet_build(photo_src, dst, overwrite=True)
+    assert_not_finished(dst)
+
+
+# -- real kills ----------------------------------------------------------------------------------
+
+def start_build(src, dst, *extra):
+    return subprocess.Popen([sys.executable, "-m", "packer", "build", str(src), str(dst),
+                             "--shard-size", "1M", "-q", *map(str, extra)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def kill_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_then_rerun(photo_src, tmp_path):
+    src = big_tree(tmp_path, photo_src, copies=5)  # 240 images, ~17 shards of 1 MiB
+    ref = tmp_path / "ref"
+    t0 = time.perf_counter()
+    run_packer("build", src, ref, "--shard-size", "1M", "-q")
+    full = time.perf_counter() - t0
+    want = [p for _, _, p in ls(ref)]
+    assert want == image_files(src)
+    outcomes = []
+    for seed in range(6):
+        rng = random.Random(seed)
+        dst = tmp_path / f"d{seed}"
+        extra = ["-j", "0"] if seed % 2 else []
+        for attempt in range(1 + seed % 3):  # kill some builds more than once before finishing
+            proc = start_build(src, dst, *extra)
+            time.sleep(rng.uniform(0.1, 1.0) * full)
+            if rng.random() < 0.5:
+                os.kill(proc.pid, signal.SIGKILL)  # the main process only; workers orphaned
+            else:
+                kill_group(proc, signal.SIGKILL)   # everything at once, like a power cut
+            proc.communicate(timeout=60)
+            kill_group(proc, signal.SIGKILL)       # reap orphaned workers we started
+            finished = (dst / "manifest.json").exists()
+            outcomes.append((proc.returncode, finished))
+            if finished:  # the kill came too late: the dataset must then be whole
+                assert verify(dst, progress=False).ok
+                break
+            assert_not_finished(dst)
+        rerun = run_packer("build", src, dst, "--shard-size", "1M", "-q", *extra, check=False)
+        if finished:
+            assert rerun.returncode == 1 and "already holds a finished dataset" in rerun.stderr
+        else:
+            assert rerun.returncode == 0, rerun.stderr
+            assert rerun.stdout.strip().splitlines()[-1].startswith(f"packed {len(want)} images")
+        assert [p for _, _, p in ls(dst)] == want
+        assert verify(dst, progress=False).ok
+        assert not list(dst.glob(".*")), "temp files left in a finished dataset"
+        sizes = sorted(s["sha256"] for s in read_manifest(dst)["shards"])
+        assert sizes == sorted(s["sha256"] for s in read_manifest(ref)["shards"])  # reproducible
+    assert any(rc == -signal.SIGKILL and not fin for rc, fin in outcomes), outcomes
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_and_resumes(photo_src, tmp_path):
+    src = big_tree(tmp_path, photo_src, copies=8)
+    dst = tmp_path / "d"
+    proc = start_build(src, dst)
+    deadline = time.time() + 30
+    while not (dst / JOURNAL).exists() and time.time() < deadline:  # after a finished shard
+        time.sleep(0.01)
+    kill_group(proc, signal.SIGINT)  # Ctrl-C goes to the whole foreground process group
+    out, err = proc.communicate(timeout=60)
+    kill_group(proc, signal.SIGKILL)
+    if proc.returncode == 0:
+        pytest.fail("the build finished before Ctrl-C could interrupt it; make the source bigger")
+    assert proc.returncode == 130, err
+    assert err.strip().endswith("Interrupted. Re-run the same command to resume."), err
+    assert "Traceback" not in err
+    assert_not_finished(dst)
+    rerun = run_packer("build", src, dst, "--shard-size", "1M", "-q")
+    assert rerun.stdout.startswith("resumed after ")
+    assert_one_record_per_image(dst, src)
+
+
+# -- a full disk -----------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 3 MiB tmpfs in tmp_path (needs root; CI must run it, so there it fails instead)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the disk-full test needs root (to mount a tmpfs) and CI must run it")
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_stops_clearly_keeps_shards_and_resumes(photo_src, tiny_disk):
+    dst = tiny_disk / "dst"
+    args = ["build", str(photo_src), str(dst), "--shard-size", "1M", "-q"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1, res.output
+    assert res.stderr.startswith("Error: disk full while writing "), res.stderr
+    assert "re-run the same command to resume" in res.stderr
+    assert "Traceback" not in res.output
+    kept = sorted(p.name for p in dst.glob("shard-*.lmdb"))
+    journal = json.loads((dst / JOURNAL).read_text())
+    assert kept and [s["path"] for s in journal["shards"]] == kept
+    assert not list(dst.glob(".shard-*"))  # the unfinished shard's temp files are removed
+    assert_not_finished(dst)
+    # more space (the same tmpfs, grown), the same command: resumes after the kept shards
+    subprocess.run(["mount", "-o", "remount,size=64m", str(tiny_disk)], check=True)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert lines[0] == f"resumed after {len(kept)} finished shard(s)", lines
+    assert lines[1].startswith(f"packed {len(image_files(photo_src))} images in 4 classes")
+    assert_one_record_per_image(dst, photo_src)
+
+
+def test_disk_full_is_a_packer_error_in_the_library(photo_src, tiny_disk):
+    with pytest.raises(PackerError, match=r"disk full while writing .*MiB free\)\. Shards finished "
+                                          r"before this one are kept"):
+        quiet_build(photo_src, tiny_disk / "dst")

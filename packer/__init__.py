@@ -15,6 +15,8 @@ _EXPORTS = {
     "FormatError": "errors", "PackerError": "errors",
     "PackedDataset": "dataset", "ShardReader": "reader",
     "PackedIterableDataset": "streaming", "PackedSampler": "sampler",
+    "BackgroundIterator": "loader", "background": "loader", "collate_uint8": "loader",
+    "make_loader": "loader", "CUDAPrefetcher": "prefetch",
     "make_image_folder": "demo",
 }
 

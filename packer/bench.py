@@ -174,6 +174,9 @@ class BenchReport:
                  f"runs: median of {c['repeats']} interleaved repeats, {c['seconds_per_variant']:g} s "
                  f"each after warm-up; batch {c['batch_size']}, crop {c['size']}; "
                  f"page cache: {e['cache']}"]
+        if any(r["kind"] == "decode" for r in self.results):
+            lines.append("decode: images per CPU-second of one thread (time the scheduler gives "
+                         "other processes excluded); x cores = the CPU ceiling for any loader")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def table(self) -> str:
@@ -354,6 +357,12 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
         and train_device.type == "cuda" else None,
         "cache": "cold" if cold_cache else "warm (not dropped: --warm)", "storage": {s.name: storage(s.root) for s in sources}}
 
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5 * cores:
+        report.environment["busy"] = (f"the machine was busy before the bench started (load "
+                                      f"{load:.1f} on {cores} cores): CPU-bound rates are "
+                                      f"understated and noisy")
+        report.notes.append(report.environment["busy"])
     rng = random.Random(seed)
     orders = {s.name: _order(rng, s.count, max_images) for s in sources}
     n_runs = repeats * (len(sources) * (1 + len(workers)) + 3) + (repeats * 6 if cuda else 0)
@@ -430,7 +439,7 @@ class _Runner:
             return {}
         res = {"name": name, "kind": kind, "images_per_s": statistics.median(vals),
                "repeats": len(vals), "spread": [min(vals), max(vals)], "values": vals}
-        for k in ("mb_per_s", "data_wait_ms", "host_wait_ms"):
+        for k in ("mb_per_s", "data_wait_ms", "host_wait_ms", "wall_images_per_s"):
             got = [r[k] for r in runs if r.get(k) is not None]
             if got:
                 res[k] = statistics.median(got)
@@ -443,6 +452,10 @@ class _Runner:
     def read_phase(self, sources: List[_Source], orders: Dict[str, List[int]], repeats: int) -> None:
         runs: Dict[str, List[dict]] = {s.name: [] for s in sources}
         cache: Dict[str, Optional[str]] = {}
+        if not self.cold_cache:  # warm means warm: one untimed pass fills the page cache
+            for s in sources:
+                self._begin(f"read {s.name} (warm-up)")
+                self._read(s, orders[s.name])
         for _ in range(repeats):
             for s in sources:
                 self._begin(f"read {s.name}")
@@ -516,19 +529,24 @@ class _Runner:
                 res["ceiling_images_per_s"] = res["images_per_s"] * cores
 
     def _decode(self, fn: Callable, blobs: List[bytes]) -> dict:
-        """One core's rate: decode ``blobs`` in turn (after 5 untimed) for the time allowed."""
+        """One core's rate: decode ``blobs`` in turn (after 5 untimed) for the time allowed.
+
+        The rate is per CPU-second of this thread (decoding is single-threaded and CPU-bound),
+        so time the scheduler gives to other processes does not count: it is what one core
+        of one's own does. The wall-clock rate is kept as ``wall_images_per_s``."""
         if not blobs:
             return {}
         for data in blobs[:5]:
             fn(data)
-        n, t0 = 0, time.perf_counter()
+        n, t0, c0 = 0, time.perf_counter(), time.thread_time()
         limit = self.max_images or float("inf")
         while n < limit:
             fn(blobs[n % len(blobs)])
             n += 1
             if n % 8 == 0 and time.perf_counter() - t0 >= self.seconds:
                 break
-        return {"images_per_s": n / (time.perf_counter() - t0)}
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+        return {"images_per_s": n / max(cpu, 1e-9), "wall_images_per_s": n / wall}
 
     # -- loader ------------------------------------------------------------------------------
 
@@ -544,7 +562,7 @@ class _Runner:
                     ds = s.dataset(size)
                     loader = make_loader(ds, batch_size, sampler=orders[s.name], num_workers=w,
                                          pin_memory=False, persistent_workers=False, drop_last=True,
-                                         worker_init_fn=_seed_worker(r))
+                                         worker_init_fn=_SeedWorker(r))
                     runs[(s.name, w)].append(self._time_loader(loader, w))
                     del loader, ds
                     self._tick()
@@ -592,8 +610,16 @@ class _Runner:
         net = make_model(model, max(1000, classes) if model != "tiny" else max(10, classes))
         net = net.to(device, memory_format=torch.channels_last)
         step = _Step(net, device)
-        if device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
+        benchmark_before = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True  # fixed shapes: let cudnn pick its fastest kernels
+        try:
+            self._train_variants(source, orders, batch_size, size, model, device, repeats, w,
+                                 classes, step)
+        finally:
+            torch.backends.cudnn.benchmark = benchmark_before
+
+    def _train_variants(self, source, orders, batch_size, size, model, device, repeats, w,
+                        classes, step) -> None:
         x_syn = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, device=device)
         x_syn = step.normalize(x_syn)
         y_syn = torch.randint(0, classes, (batch_size,), device=device)
@@ -672,10 +698,6 @@ class _Runner:
                 "host_wait_ms": 1e3 * host_wait / steps}
 
 
-def _seed_worker(r: int):
-    return _SeedWorker(r)
-
-
 class _SeedWorker:
     """Per-worker, per-repeat seed for the random crops (picklable for spawn)."""
 
@@ -735,7 +757,7 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: _Step,
     gpu = device.type == "cuda"
     pin = gpu and name != "plain"
     loader = make_loader(ds, batch_size, sampler=order, num_workers=w, pin_memory=pin,
-                         persistent_workers=False, drop_last=True, worker_init_fn=_seed_worker(r))
+                         persistent_workers=False, drop_last=True, worker_init_fn=_SeedWorker(r))
     closers: List[Callable] = []
     if name in ("plain", "pin_memory + non_blocking", "thread prefetcher"):
         src = loader
@@ -840,89 +862,104 @@ def resnet50(num_classes: int = 1000) -> nn.Module:
 # -- verdict ---------------------------------------------------------------------------------
 
 def _verdict(rep: BenchReport) -> str:
+    """Rules, in order: what bounds the loader (decode ceiling vs reads vs loader overhead),
+    worker count, reduced-size decoding, pack-time resize, packing and staging gains, GPU
+    starvation. Each sentence quotes the numbers it rests on."""
     out: List[str] = []
-    cores = rep.environment.get("cores", 1)
-    dec = {r["name"]: r for r in rep.of("decode")}
-    full = next((r for n, r in dec.items() if n.startswith("decode full")), None)
-    red = next((r for n, r in dec.items() if n.startswith("decode reduced-size")), None)
-    small = next((r for n, r in dec.items() if "--short-side" in n), None)
+    env = rep.environment
+    cores = env.get("cores", 1)
+    dec = rep.of("decode")
+    full = next((r for r in dec if r["name"].startswith("decode full")), None)
+    red = next((r for r in dec if r["name"].startswith("decode reduced-size")), None)
+    small = next((r for r in dec if "--short-side" in r["name"]), None)
     ceiling = red["ceiling_images_per_s"] if red else None
-    train_src = "staged" if rep.of("loader", "staged") else "packed"
-    loaders = rep.of("loader", train_src)
-    best = max(loaders, key=lambda r: r["images_per_s"]) if loaders else None
     reads = {r["source"]: r for r in rep.of("read")}
+    best_of = {src: max(rep.of("loader", src), key=lambda r: r["images_per_s"])
+               for src in ("packed", "folder", "staged") if rep.of("loader", src)}
+    top = max((best_of[s] for s in ("packed", "staged") if s in best_of),
+              key=lambda r: r["images_per_s"], default=None)
 
-    if best and ceiling:
-        eff = best["images_per_s"] / ceiling
-        lead = (f"The {train_src} loader peaks at {best['images_per_s']:,.0f} images/s "
-                f"({_n_workers(best['workers'])}), {eff:.0%} of the CPU decode ceiling "
-                f"({cores} cores x {red['images_per_s']:,.0f} images/s reduced-size decode = {ceiling:,.0f})")
-        rd = reads.get(train_src)
+    if top and ceiling:
+        eff = top["images_per_s"] / ceiling
+        text = (f"The best loader ({top['source']}, {_n_workers(top['workers'])}) delivers "
+                f"{top['images_per_s']:,.0f} images/s, {eff:.0%} of the CPU decode ceiling ({cores} "
+                f"cores x {red['images_per_s']:,.0f} images/s reduced-size decode = {ceiling:,.0f})")
         if eff >= 0.7:
-            out.append(lead + ": it is decode-bound, so more or faster CPU decoding is the only lever.")
-        elif rd and rd["images_per_s"] < 1.5 * ceiling:
-            out.append(lead + f"; reading is the limit ({rd['images_per_s']:,.0f} records/s, "
-                       f"{rd.get('mb_per_s', 0):,.0f} MB/s {rd.get('cache', '')}): stage the shards to RAM "
-                       f"(`packer stage DST /dev/shm/NAME`) or pack smaller images.")
+            text += ": it is decode-bound; only less decoding per image or more cores raise it."
         else:
-            out.append(lead + "; storage reads faster than that, so the loss is in the loader itself "
-                       "(worker count, batch hand-over): try the worker counts below.")
-        by_w = sorted(loaders, key=lambda r: r["workers"])
-        if best is by_w[-1] and best["workers"] < cores:
-            out.append(f"The rate still rises at {_n_workers(best['workers'])}: try --workers up to {cores}.")
-        elif len(by_w) > 1 and best is not by_w[-1]:
-            out.append(f"More than {_n_workers(best['workers'])} did not help (the cores are shared with "
-                       f"the main process and the GPU feeding).")
+            rp = reads.get(top["source"])
+            causes = (["waiting on reads"] if rp and rp["images_per_s"] < 1.5 * ceiling else []) + [
+                "loader overhead (collating, handing batches to the main process, whose work "
+                "shares the cores)"] + (["the other processes on this machine"] if env.get("busy") else [])
+            text += "; the rest is lost to " + ", ".join(causes[:-1]) + (" and " if len(causes) > 1 else "") + causes[-1] + "."
+        out.append(text)
+        rp = reads.get("packed")
+        if rp and rp["images_per_s"] < 1.5 * ceiling and not rp.get("cache", "").startswith("RAM"):
+            text = (f"Reads from {env['storage'].get('packed', 'the shards')} ({rp['cache']}) deliver "
+                    f"{rp['images_per_s']:,.0f} records/s ({rp['mb_per_s']:,.0f} MB/s), "
+                    f"{'below' if rp['images_per_s'] < ceiling else 'not much above'} "
+                    f"what the cores decode: when the data is not in the page cache, I/O bounds the "
+                    f"loader; stage the shards to RAM (`packer stage DST /dev/shm/NAME`)")
+            text += ", or pack smaller images"
+            if "staged" in best_of and "packed" in best_of:
+                bp, bs = best_of["packed"]["images_per_s"], best_of["staged"]["images_per_s"]
+                text += (f"; staging here took the best loader from {bp:,.0f} to {bs:,.0f} images/s"
+                         if bs > 1.15 * bp else
+                         f"; staging moved the best loader only from {bp:,.0f} to {bs:,.0f} "
+                         f"images/s in this run, so reads are not what limits it now")
+            out.append(text + ".")
+        for src in ("staged", "packed"):
+            by_w = sorted(rep.of("loader", src), key=lambda r: r["workers"])
+            if len(by_w) > 1:
+                b = best_of[src]
+                if b is by_w[-1] and b["workers"] < cores:
+                    out.append(f"The {src} loader still speeds up at {_n_workers(b['workers'])}: "
+                               f"try --workers up to {cores}.")
+                elif b is not by_w[-1]:
+                    out.append(f"More than {_n_workers(b['workers'])} did not help the {src} loader "
+                               f"(workers compete with the main process for {cores} cores).")
+                break
     if full and red and red["images_per_s"] > 1.15 * full["images_per_s"]:
-        out.append(f"Reduced-size decoding (DecodeRandomResizedCrop) is {red['images_per_s'] / full['images_per_s']:.1f}x "
-                   f"a full decode per core; keep it in the loader.")
+        out.append(f"Reduced-size decoding (DecodeRandomResizedCrop) is "
+                   f"{red['images_per_s'] / full['images_per_s']:.1f}x a full decode per core: keep it.")
     if small and red and small["images_per_s"] > 1.15 * red["images_per_s"]:
         side = small["name"].split("--short-side ")[1].split()[0]
         out.append(f"Packing with `packer build --short-side {side}` would decode "
-                   f"{small['images_per_s'] / red['images_per_s']:.1f}x faster per core "
-                   f"(ceiling {small['ceiling_images_per_s']:,.0f} images/s), at the cost of "
-                   f"re-encoding once.")
+                   f"{small['images_per_s'] / red['images_per_s']:.1f}x faster per core (ceiling "
+                   f"{small['ceiling_images_per_s']:,.0f} images/s) for one re-encode at build time.")
     if "folder" in reads and "packed" in reads:
         rp, rf = reads["packed"], reads["folder"]
-        lp = {r["workers"]: r for r in rep.of("loader", "packed")}
-        lf = {r["workers"]: r for r in rep.of("loader", "folder")}
-        common = [w for w in lp if w in lf]
-        text = (f"Packing: raw reads {rp['images_per_s'] / rf['images_per_s']:.1f}x the folder's "
-                f"({rp['images_per_s']:,.0f} vs {rf['images_per_s']:,.0f} records/s)")
-        if common:
-            w = max(common, key=lambda w: lp[w]["images_per_s"])
-            text += (f", loader {lp[w]['images_per_s'] / lf[w]['images_per_s']:.2f}x at {_n_workers(w)} "
-                     f"({lp[w]['images_per_s']:,.0f} vs {lf[w]['images_per_s']:,.0f} images/s)")
+        text = (f"Packed vs folder: raw reads {rp['images_per_s'] / rf['images_per_s']:.2f}x "
+                f"({rp['images_per_s']:,.0f} vs {rf['images_per_s']:,.0f} records/s, {rp['cache']})")
+        if "packed" in best_of and "folder" in best_of:
+            bp, bf = best_of["packed"], best_of["folder"]
+            text += (f", best loader {bp['images_per_s'] / bf['images_per_s']:.2f}x "
+                     f"({bp['images_per_s']:,.0f} vs {bf['images_per_s']:,.0f} images/s)")
         out.append(text + ".")
     if "staged" in reads and "packed" in reads:
         rs, rp = reads["staged"], reads["packed"]
-        ls = rep.of("loader", "staged")
-        lp = rep.of("loader", "packed")
-        text = f"Staging to RAM: raw reads {rs['images_per_s'] / rp['images_per_s']:.1f}x the packed shards'"
-        if ls and lp:
-            bs = max(ls, key=lambda r: r["images_per_s"])["images_per_s"]
-            bp = max(lp, key=lambda r: r["images_per_s"])["images_per_s"]
-            text += f", best loader {bs / bp:.2f}x"
-        out.append(text + ".")
+        out.append(f"Staged vs packed: raw reads {rs['images_per_s'] / rp['images_per_s']:.1f}x.")
     train = rep.of("train")
     syn = next((r for r in train if r.get("feed") == "synthetic"), None)
     fed = [r for r in train if r.get("feed") != "synthetic"]
     if syn and fed:
-        top = max(fed, key=lambda r: r["images_per_s"])
+        best = max(fed, key=lambda r: r["images_per_s"])
         text = (f"Training: the model steps at {syn['images_per_s']:,.0f} images/s on a resident batch; "
-                f"the best feeding ({top['feed']}) reaches {top['images_per_s']:,.0f} "
-                f"({top['starvation_pct']:.0f}% starved, {top['data_wait_ms']:.1f} ms data wait per step)")
-        if top["starvation_pct"] <= 10:
+                f"the best feeding ({best['feed']}) reaches {best['images_per_s']:,.0f} "
+                f"({best['starvation_pct']:.0f}% starved, {best['data_wait_ms']:.1f} ms data wait per step)")
+        if best["starvation_pct"] <= 10:
             text += ": the model bounds this pipeline, not the input."
         elif ceiling and ceiling < syn["images_per_s"]:
-            gpu_decode = _has_module("packer.gpu_decode")
-            text += (f": the GPU is starved and even all {cores} cores decoding at full speed "
-                     f"({ceiling:,.0f} images/s) could not keep up; pack smaller images "
-                     f"(--short-side) or decode on the GPU"
-                     + (" (packer.gpu_decode)." if gpu_decode else " (nvJPEG, e.g. DALI or torchvision.io.decode_jpeg on cuda)."))
+            text += (f": the GPU starves, and even {cores} cores decoding flat out ({ceiling:,.0f} "
+                     f"images/s) could not keep up; pack smaller images (--short-side) or decode on "
+                     f"the GPU" + (f" (packer.gpu_decode; the '{GPU_DECODE}' row above)."
+                                   if _has_module("packer.gpu_decode") else " (nvJPEG)."))
         else:
-            text += ": the GPU is starved though the cores could decode fast enough; use more workers and the best feeding variant above."
+            text += (": the GPU starves though the cores could decode fast enough: use the best "
+                     "feeding variant and more workers.")
         out.append(text)
+    if env.get("busy"):
+        out.append(f"Caution: {env['busy']}.")
     return " ".join(out) if out else "Not enough measurements for a verdict."
 
 

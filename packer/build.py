@@ -27,7 +27,8 @@ from .errors import PackerError
 from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, SHARD_PATTERN,
                      file_sha256, fsync_dir, pack_record, read_manifest, write_json_atomic)
 from .imaging import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image, pil_summary
-from .source import IMG_EXTENSIONS, Source, parse_part, read_list, scan_folder, select
+from .source import (IMG_EXTENSIONS, Source, is_utf8, parse_part, printable, read_list,
+                     scan_folder, select)
 from .writer import ShardWriter, disk_errors, existing_shard_ok
 
 JOURNAL = ".packer-build.json"
@@ -98,9 +99,9 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
             in_bytes += nbytes
             if status == "skip":
                 if strict:
-                    raise PackerError(f"--strict: {source.entries[i][0]}: {payload}; "
+                    raise PackerError(f"--strict: {printable(source.entries[i][0])}: {payload}; "
                                       f"no dataset was written (fix or remove the file, then re-run)")
-                skipped.append({"path": source.entries[i][0], "reason": payload, "entry": i})
+                skipped.append({"path": printable(source.entries[i][0]), "reason": payload, "entry": i})
                 bar.set_postfix(skipped=len(skipped), refresh=False)
                 continue
             if writer is None:
@@ -146,6 +147,9 @@ def default_workers() -> int:
 def _work(task) -> Tuple[int, str, object, int, int]:
     """Runs in a worker: read, check (and maybe transcode) one image, return a packed record."""
     i, root, rel, label, transcode, max_pixels = task
+    if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
+        return i, "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
+                           "-t utf8 --notest SRC`)"), label, 0
     try:
         with open(os.path.join(root, rel), "rb") as f:
             data = f.read()

@@ -326,8 +326,9 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
 
 @main.command()
 @click.argument("dir", required=False, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--images", type=click.IntRange(min=1), default=640, show_default=True,
-              help="Photo-like JPEGs to generate (about 70 KB each).")
+@click.option("--images", type=click.IntRange(min=1),
+              help="Photo-like JPEGs to generate, about 70 KB each [default: 640, or enough "
+                   "for 4 batches per loader worker on many cores].")
 @click.option("--classes", type=click.IntRange(min=1), default=10, show_default=True,
               help="Class folders to spread them over.")
 @click.option("--workers", "-j", type=click.IntRange(min=0),

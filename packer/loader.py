@@ -276,6 +276,8 @@ class BackgroundIterator:
         """Stop the thread (it finishes the item it is producing) and release queued items."""
         self._done = True
         self._stop.set()
+        if threading.current_thread() is self._thread:  # collected by GC inside the thread
+            return
         while self._thread.is_alive():
             _drain(self._queue)  # unblock a put() waiting on a full queue
             self._thread.join(0.01)

@@ -45,6 +45,10 @@ class CUDAPrefetcher:
     current step: the overlap this class exists for would be lost. record_stream's cost is
     that freed batches return to the pool a little later (two or three batches of memory).
 
+    Tensors already on the GPU (decoded there, say) were made on the consumer's stream: the
+    side stream waits for that stream before reading them, which is correct but gives up the
+    overlap for such batches.
+
     Batches should come from pinned memory (``make_loader`` pins when CUDA is available):
     from pageable memory the copy blocks the CPU; a warning says so once per pass.
     """
@@ -130,6 +134,11 @@ class CUDAPrefetcher:
                 warnings.warn("CUDAPrefetcher got a batch in pageable memory: each copy blocks "
                               "the CPU; use make_loader (or DataLoader(pin_memory=True))",
                               stacklevel=3)
+        on_gpu = [t for t in _tensors(batch) if t.device.type == "cuda"]
+        if on_gpu:  # made on the consumer's stream (GPU decoding, say): wait for it, hold it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in on_gpu:
+                t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             return self._convert(batch)
 

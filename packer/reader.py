@@ -39,6 +39,10 @@ class ShardReader:
             if not p.is_file():
                 raise FormatError(f"shard {p} listed in {self.root / 'manifest.json'} is missing; "
                                   f"re-stage or rebuild the dataset")
+            size = p.stat().st_size
+            if size != s["bytes"]:  # a short file would be mapped and read past its end: SIGBUS
+                raise FormatError(f"shard {p} is {size} bytes but {self.root / 'manifest.json'} says "
+                                  f"{s['bytes']} (an incomplete copy?); re-stage or rebuild the dataset")
         self._pid: Optional[int] = None
         self._open: List[Optional[_Shard]] = []
 
@@ -118,13 +122,37 @@ class _Shard:
 
     @classmethod
     def get(cls, path: Path) -> "_Shard":
+        pid = os.getpid()
+        if any(k[0] != pid for k in cls._cache):
+            cls._drop_inherited(pid)
         st = os.stat(path)
-        ident = (os.getpid(), st.st_dev, st.st_ino)
+        ident = (pid, st.st_dev, st.st_ino)
         sh = cls._cache.get(ident)
         if sh is None:
             sh = cls._cache[ident] = cls(path, ident)
         sh.refs += 1
         return sh
+
+    @classmethod
+    def _drop_inherited(cls, pid: int) -> None:
+        """In a forked child, close this process's copies of the parent's environments.
+
+        py-lmdb's "already open in this process" registry survives fork, so the child could
+        not open those shards again; and the inherited mapping of the same file would also
+        confuse ``_map_base``. Closing the copies here leaves the parent's untouched.
+        """
+        for ident in [k for k in cls._cache if k[0] != pid]:
+            sh = cls._cache.pop(ident)
+            try:
+                sh.env.close()  # also ends its read transaction
+            except Exception:
+                pass
+            try:
+                st = os.fstat(sh.fd)
+                if (st.st_dev, st.st_ino) == ident[1:]:  # still the inherited descriptor
+                    os.close(sh.fd)
+            except OSError:
+                pass
 
     def release(self) -> None:
         self.refs -= 1

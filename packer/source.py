@@ -41,11 +41,30 @@ def find_classes(root: os.PathLike) -> List[str]:
     if not root.is_dir():
         raise PackerError(f"source folder {root} does not exist or is not a folder")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    for c in classes:
+        if not is_utf8(c):
+            raise PackerError(f"class folder '{printable(c)}' in {root} has a name that is not valid "
+                              f"UTF-8, so it cannot be a class name in the manifest: rename it "
+                              f"(e.g. `convmv -r -f latin1 -t utf8 --notest {root}`)")
     if not classes:
         raise PackerError(
             f"no class folders in {root}: expected ImageFolder layout ROOT/CLASS/IMAGE "
             f"(or pass --list FILE with 'relative/path<TAB>label' lines)")
     return classes
+
+
+def is_utf8(name: str) -> bool:
+    """False for names holding bytes that are not UTF-8 (surrogate-escaped by os.fsdecode)."""
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def printable(name: str) -> str:
+    """``name`` as UTF-8-safe text: undecodable bytes shown as ``\\xNN`` escapes."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def is_image_file(name: str) -> bool:
@@ -77,19 +96,22 @@ def read_list(root: os.PathLike, list_file: os.PathLike) -> Source:
         raise PackerError(f"source folder {root} does not exist or is not a folder "
                           f"(--list paths are relative to it)")
     rows: List[Tuple[str, str]] = []
-    with open(list_file, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip() or line.startswith("#"):
-                continue
-            parts = line.rsplit("\t", 1)
-            if len(parts) != 2 or not parts[0] or not parts[1].strip():
-                raise PackerError(f"{list_file}:{n}: expected 'relative/path<TAB>label', got {line!r}")
-            rel = parts[0]
-            if os.path.isabs(rel) or ".." in Path(rel).parts:
-                raise PackerError(f"{list_file}:{n}: path {rel!r} must be relative to {root} "
-                                  f"and stay inside it")
-            rows.append((Path(rel).as_posix(), parts[1].strip()))
+    try:
+        text = Path(list_file).read_text(encoding="utf-8")  # newlines: \n, \r\n or \r
+    except UnicodeDecodeError as e:
+        raise PackerError(f"{list_file} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                          f"save it as UTF-8") from None
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        parts = line.rsplit("\t", 1)
+        if len(parts) != 2 or not parts[0] or not parts[1].strip():
+            raise PackerError(f"{list_file}:{n}: expected 'relative/path<TAB>label', got {line!r}")
+        rel = parts[0]
+        if os.path.isabs(rel) or ".." in Path(rel).parts:
+            raise PackerError(f"{list_file}:{n}: path {rel!r} must be relative to {root} "
+                              f"and stay inside it")
+        rows.append((Path(rel).as_posix(), parts[1].strip()))
     if not rows:
         raise PackerError(f"{list_file} lists no images")
     labels = [lab for _, lab in rows]

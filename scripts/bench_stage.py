@@ -49,24 +49,27 @@ def child(spec: dict) -> dict:
         return {"seconds": time.perf_counter() - t, "bytes": res.bytes_copied,
                 "records": None}
     order = spec["order"]
+    total = 0
     if spec["variant"] == "folder":
         files = spec["files"]
+        reads0 = read_count(spec.get("counter"), spec.get("majmin"))
         t = time.perf_counter()
-        total = 0
         for i in order:
             with open(files[i], "rb", buffering=0) as f:
                 total += len(f.read())
         seconds = time.perf_counter() - t
     else:
         from packer.reader import ShardReader
-        reader = ShardReader(spec["path"])
+        reader = ShardReader(spec["path"])  # reads the manifest: set-up, not timed
+        reads0 = read_count(spec.get("counter"), spec.get("majmin"))
         t = time.perf_counter()
-        total = 0
         for i in order:
             total += len(reader.read(i))
         seconds = time.perf_counter() - t
         reader.close()
-    return {"seconds": seconds, "bytes": total, "records": len(order)}
+    reads = read_count(spec.get("counter"), spec.get("majmin"))
+    return {"seconds": seconds, "bytes": total, "records": len(order),
+            "disk_reads": None if reads is None or reads0 is None else reads - reads0}
 
 
 def run_child(spec: dict) -> dict:
@@ -104,26 +107,33 @@ def whole_disk(path: Path) -> Tuple[Optional[str], str]:
     return majmin, f"/dev/{real.name} ({majmin})"
 
 
-class Throttle:
-    """A cgroup whose processes' reads from one disk are limited; ``procs`` is the file to join."""
+class IoGroup:
+    """A cgroup for the reading processes: limits their reads from one disk (``limit``) and
+    counts them. ``procs`` is the file a process writes its pid to, to join; None if no
+    cgroup could be made (``why`` says why)."""
 
-    def __init__(self, majmin: str, iops: int, bps: int):
+    def __init__(self, majmin: str, iops: int, bps: int, limit: bool):
+        self.majmin = majmin
         self.path: Optional[Path] = None
         self.procs: Optional[str] = None
+        self.counter: Optional[str] = None  # file with this group's completed reads
         self.how, self.why = "none", ""
         name = f"packer-bench-{uuid.uuid4().hex[:8]}"
         if CGROUP_V1.is_dir() and (CGROUP_V1 / "blkio.throttle.read_iops_device").exists():
             cg = CGROUP_V1 / name
             try:
                 cg.mkdir()
-                (cg / "blkio.throttle.read_iops_device").write_text(f"{majmin} {iops}\n")
-                (cg / "blkio.throttle.read_bps_device").write_text(f"{majmin} {bps}\n")
+                if limit:
+                    (cg / "blkio.throttle.read_iops_device").write_text(f"{majmin} {iops}\n")
+                    (cg / "blkio.throttle.read_bps_device").write_text(f"{majmin} {bps}\n")
             except OSError as e:
                 self._rmdir(cg)
                 self.why = f"cgroup v1 blkio present but not usable ({e})"
             else:
                 self.path, self.procs = cg, str(cg / "cgroup.procs")
-                self.how = f"cgroup v1 blkio.throttle: {majmin} {iops} read IOPS, {bps} read B/s"
+                self.counter = f"v1:{cg / 'blkio.throttle.io_serviced'}"
+                self.how = (f"cgroup v1 blkio.throttle: {majmin} {iops} read IOPS, {bps} read B/s"
+                            if limit else "no throttle (--no-throttle)")
                 return
         else:
             self.why = "no cgroup v1 blkio controller mounted"
@@ -134,13 +144,16 @@ class Throttle:
                 if "io" not in (v2 / "cgroup.subtree_control").read_text().split():
                     (v2 / "cgroup.subtree_control").write_text("+io\n")
                 cg.mkdir()
-                (cg / "io.max").write_text(f"{majmin} riops={iops} rbps={bps}\n")
+                if limit:
+                    (cg / "io.max").write_text(f"{majmin} riops={iops} rbps={bps}\n")
             except OSError as e:
                 self._rmdir(cg)
                 self.why += f"; cgroup v2 io.max not usable ({e})"
             else:
                 self.path, self.procs = cg, str(cg / "cgroup.procs")
-                self.how = f"cgroup v2 io.max: {majmin} riops={iops} rbps={bps}"
+                self.counter = f"v2:{cg / 'io.stat'}"
+                self.how = (f"cgroup v2 io.max: {majmin} riops={iops} rbps={bps}"
+                            if limit else "no throttle (--no-throttle)")
                 return
         else:
             self.why += "; no cgroup v2 with the io controller"
@@ -155,6 +168,27 @@ class Throttle:
     def close(self) -> None:
         if self.path is not None:
             self._rmdir(self.path)
+
+
+def read_count(counter: Optional[str], majmin: Optional[str]) -> Optional[int]:
+    """Reads from ``majmin`` completed so far: by the cgroup (``v1:``/``v2:`` files) or, for
+    ``disk:`` (no cgroup), by the whole disk, other processes included."""
+    if not counter or not majmin:
+        return None
+    kind, _, path = counter.partition(":")
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        f = line.split()
+        if kind == "v1" and len(f) == 3 and f[0] == majmin and f[1] == "Read":
+            return int(f[2])
+        if kind == "v2" and f and f[0] == majmin:
+            return int(dict(x.split("=", 1) for x in f[1:] if "=" in x).get("rios", 0))
+    if kind == "disk":
+        return int(text.split()[0])
+    return 0 if kind in ("v1", "v2") else None
 
 
 def _cgroup2_root() -> Optional[Path]:
@@ -224,35 +258,38 @@ def main(argv=None) -> int:
 
     disk, disk_name = whole_disk(packed)
     src_disk, _ = whole_disk(src)
-    throttle = None
-    note = "no throttle (--no-throttle)"
-    if not args.no_throttle:
-        if not root:
-            note = "no throttle (needs root)"
-        elif disk is None:
-            note = f"no throttle: {packed} is on {disk_name}"
+    group = None
+    note = "no throttle (--no-throttle)" if args.no_throttle else "no throttle"
+    counter = None
+    if not root:
+        note += " (not root)"
+    elif disk is None:
+        note = f"no throttle: {packed} is on {disk_name}"
+    else:
+        group = IoGroup(disk, args.iops, args.bps, limit=not args.no_throttle)
+        if group.procs:
+            note, counter = group.how, group.counter
         else:
-            throttle = Throttle(disk, args.iops, args.bps)
-            note = throttle.how if throttle.procs else f"no throttle: {throttle.why}"
-            if throttle.procs and src_disk != disk:
-                note += f" (warning: {src} is on another device, {src_disk}, not throttled)"
-    procs = throttle.procs if throttle else None
+            note += f": {group.why}"
+        if group.procs and not args.no_throttle and src_disk != disk:
+            note += f" (warning: {src} is on another device, {src_disk}, not throttled)"
+    procs = group.procs if group else None
+    if counter is None and disk is not None:
+        counter = f"disk:/sys/dev/block/{disk}/stat"
+    io = {"order": order, "counter": counter, "majmin": disk, "cgroup_procs": procs}
     target = args.shm / f"packer-bench-{uuid.uuid4().hex[:8]}"
     results = {}
     try:
         results["stage"] = run_child({"variant": "stage", "path": str(packed), "target": str(target),
                                       "cgroup_procs": procs})
-        results["folder"] = run_child({"variant": "folder", "files": files, "order": order,
-                                       "cgroup_procs": procs})
-        results["shards/disk"] = run_child({"variant": "disk", "path": str(packed), "order": order,
-                                            "cgroup_procs": procs})
-        results["shards/RAM"] = run_child({"variant": "shm", "path": str(target), "order": order,
-                                           "cgroup_procs": procs})
+        results["folder"] = run_child(dict(io, variant="folder", files=files))
+        results["shards/disk"] = run_child(dict(io, variant="disk", path=str(packed)))
+        results["shards/RAM"] = run_child(dict(io, variant="shm", path=str(target)))
     finally:
         if target.exists():
             unstage(target)
-        if throttle is not None:
-            throttle.close()
+        if group is not None:
+            group.close()
 
     mb = sum(f["bytes"] for f in man["shards"]) / 1e6
     print(f"\n{n} images ({mb:.0f} MB packed, {len(man['shards'])} shard(s)), {len(order)} read "
@@ -261,16 +298,21 @@ def main(argv=None) -> int:
     print(f"machine: {platform.node()}, Linux {platform.release()}, {os.cpu_count()} CPUs, "
           f"python {platform.python_version()}")
     base = results["folder"]["records"] / results["folder"]["seconds"]
-    print("\n| variant | records | seconds | records/s | MB/s | vs folder |")
-    print("|---|---|---|---|---|---|")
+    print("\n| variant | records | seconds | records/s | MB/s | vs folder | disk reads/record |")
+    print("|---|---|---|---|---|---|---|")
     for name in ("folder", "shards/disk", "shards/RAM"):
         r = results[name]
         rate = r["records"] / r["seconds"]
+        ios = "?" if r["disk_reads"] is None else f"{r['disk_reads'] / r['records']:.1f}"
         print(f"| {name} | {r['records']} | {r['seconds']:.2f} | {rate:,.0f} | "
-              f"{r['bytes'] / 1e6 / r['seconds']:,.1f} | {rate / base:.1f}x |")
+              f"{r['bytes'] / 1e6 / r['seconds']:,.1f} | {rate / base:.1f}x | {ios} |")
     s = results["stage"]
     print(f"\nstaging (one-off, same disk conditions): {s['bytes'] / 1e6:.0f} MB in {s['seconds']:.2f} s "
           f"({s['bytes'] / 1e6 / s['seconds']:.0f} MB/s, copy + sha256 + read-back check)")
+    print("disk reads/record: read requests completed for the reading process (its cgroup's "
+          "counter)" if counter and not counter.startswith("disk:") else
+          "disk reads/record: read requests the whole disk completed meanwhile (no cgroup: "
+          "other processes' reads included)")
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     return 0
 

@@ -19,8 +19,9 @@ CPU. Rank 0 logs and writes checkpoints. The last line is machine-parsable:
 without each epoch's first steps, which pay for worker start-up, cuDNN autotuning and
 torch.compile).
 
-Uses a torchvision model (``--model resnet50``, the GPU default) when torchvision is
-installed, and the small built-in CNN ``tiny`` otherwise (the CPU default).
+Models: any torchvision model by name when torchvision is installed; built in, the small CNN
+``tiny`` (the CPU default) and a ResNet-50 with torchvision's layout (the GPU default, used
+when torchvision is missing).
 """
 from __future__ import annotations
 
@@ -67,22 +68,19 @@ class TinyNet(nn.Module):
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
+    """``tiny``; a torchvision model by name; or, without torchvision, packer's built-in
+    ResNet-50 (torchvision's architecture), so GPU runs measure a real model anywhere."""
     if name == "tiny":
         return TinyNet(num_classes)
     try:
         import torchvision
     except ImportError:
+        if name == "resnet50":
+            from packer.bench import resnet50
+            return resnet50(num_classes)
         raise SystemExit(f"--model {name} needs torchvision (pip install torchvision, then "
-                         f"scripts/install_pillow_simd.sh again); or use --model tiny") from None
+                         f"scripts/install_pillow_simd.sh again); built in: resnet50, tiny") from None
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-
-
-def default_model(cuda: bool) -> str:
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        return "tiny"
-    return "resnet50" if cuda else "tiny"
 
 
 # -- distributed set-up ------------------------------------------------------------------------
@@ -175,41 +173,46 @@ def loaders(args, d: Dist):
 # -- training ----------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", required=True, help="packed training dataset (packer build)")
-    p.add_argument("--val", help="packed validation dataset (same classes)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, metavar="DST", help="packed training dataset (packer build)")
+    p.add_argument("--val", metavar="DST", help="packed validation dataset (same classes)")
     p.add_argument("--stage-to", metavar="DIR",
                    help="copy the datasets to DIR/train and DIR/val first, once per node "
-                        "(e.g. /dev/shm/packer), and read them there")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in all")
-    p.add_argument("--batch-size", type=int, default=256, help="images per step per process")
-    p.add_argument("--lr", type=float,
-                   help="peak learning rate [default: 0.1 x global batch / 256, the linear "
-                        "scaling rule]; SGD with momentum 0.9, warm-up then cosine decay")
-    p.add_argument("--weight-decay", type=float, default=5e-5)
-    p.add_argument("--label-smoothing", type=float, default=0.1)
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--workers", type=int,
-                   help="DataLoader workers per process [default: usable cores / processes per node]")
-    p.add_argument("--model", help="torchvision model name, or 'tiny' (built in) "
-                                    "[default: resnet50 on GPU with torchvision, else tiny]")
+                        "(e.g. /dev/shm/packer), and read them there; `packer unstage` frees them")
+    p.add_argument("--epochs", type=int, default=1, metavar="N", help="default: 1")
+    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps in all")
+    p.add_argument("--batch-size", type=int, default=256, metavar="N",
+                   help="images per step per process (default: 256)")
+    p.add_argument("--lr", type=float, metavar="X",
+                   help="peak learning rate (default: 0.1 x global batch / 256, the linear "
+                        "scaling rule); SGD, Nesterov momentum 0.9, warm-up then cosine decay")
+    p.add_argument("--weight-decay", type=float, default=5e-5, metavar="X",
+                   help="on weights, not on BatchNorm or biases (default: 5e-5)")
+    p.add_argument("--label-smoothing", type=float, default=0.1, metavar="X", help="default: 0.1")
+    p.add_argument("--image-size", type=int, default=224, metavar="N",
+                   help="training crop and validation center crop (default: 224)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="DataLoader workers per process (default: usable cores / processes per node)")
+    p.add_argument("--model", metavar="NAME",
+                   help="a torchvision model, or built in: tiny, resnet50 (used without "
+                        "torchvision) (default: resnet50 on GPU, tiny on CPU)")
     p.add_argument("--amp", choices=("bf16", "fp16", "none"),
-                   help="autocast dtype [default: bf16 on GPUs that support it, else none]")
+                   help="autocast dtype (default: bf16 on GPUs that support it, else none)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="NHWC memory format for model and batches [default: on with CUDA]")
+                   help="NHWC memory format for model and batches (default: on with CUDA)")
     p.add_argument("--sync-bn", action="store_true",
-                   help="SyncBatchNorm across GPUs (small per-GPU batches; costs a sync per BN layer)")
+                   help="SyncBatchNorm across GPUs (for small per-GPU batches; a collective per BN layer)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels, no cuDNN autotuning (slower; for debugging)")
-    p.add_argument("--checkpoint", metavar="PATH", help="rank 0 saves here after every epoch "
-                                                        "and at the end")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--checkpoint", metavar="PATH",
+                   help="rank 0 saves here after every epoch, every 1000 steps and at the end")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint (at the exact sample) if it exists")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is available")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="data order and init (default: 0)")
+    p.add_argument("--log-every", type=int, default=50, metavar="N",
+                   help="steps between progress lines (default: 50)")
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint PATH")
@@ -228,7 +231,7 @@ def main(argv=None) -> int:
 def train(args, d: Dist) -> int:
     torch.manual_seed(args.seed + d.rank)
     if args.model is None:
-        args.model = default_model(d.cuda)
+        args.model = "resnet50" if d.cuda else "tiny"
     if args.channels_last is None:
         args.channels_last = d.cuda
     if args.amp is None:
@@ -316,9 +319,9 @@ def train(args, d: Dist) -> int:
         loss_sum = torch.zeros((), device=d.device)
         t_epoch = time.perf_counter()
         t_window = None
-        i = 0
-        for i, (images, labels) in enumerate(train_iter):
-            if i == skip:
+        ran = 0  # steps this pass
+        for images, labels in train_iter:
+            if ran == skip:
                 _sync(d)
                 t_window = time.perf_counter()
             with autocast():
@@ -330,9 +333,10 @@ def train(args, d: Dist) -> int:
             sched.step()
             loss_sum += loss.detach()
             step += 1
+            ran += 1
             done_in_epoch += 1
-            if (i + 1) % args.log_every == 0:
-                d.log(f"epoch {epoch + 1} step {i + 1}/{n_steps}: loss {loss.item():.3f}, "
+            if ran % args.log_every == 0:
+                d.log(f"epoch {epoch + 1} step {ran}/{n_steps}: loss {loss.item():.3f}, "
                       f"lr {sched.get_last_lr()[0]:.4f}")
             if step >= total_steps:
                 stop = True
@@ -340,19 +344,18 @@ def train(args, d: Dist) -> int:
             if args.checkpoint and step % 1000 == 0:  # mid-epoch: resumable at this exact sample
                 save(args, d, model, opt, sched, scaler,
                      sampler.state_dict(consumed=done_in_epoch * global_batch), step)
-        ran = i + 1
         _sync(d)
         now = time.perf_counter()
-        seconds = d.max(now - t_epoch)
+        seconds = d.max(now - t_epoch)  # the slowest rank's time: all ranks' images are done
         timed = ran - skip if t_window is not None else 0
-        if timed > 0:
-            timed_images += timed * global_batch
-            timed_seconds += d.max(now - t_window)
         (loss_total,) = d.sum(loss_sum.item())
         msg = (f"epoch {epoch + 1}/{args.epochs}: {ran} steps, loss {loss_total / d.world / max(1, ran):.3f}, "
                f"{ran * global_batch / seconds:.0f} images/s (global, whole epoch, {seconds:.1f} s)")
         if timed > 0:
-            msg += f", {timed * global_batch / d.max(now - t_window):.0f} images/s after {skip} start-up steps"
+            window = d.max(now - t_window)
+            timed_images += timed * global_batch
+            timed_seconds += window
+            msg += f", {timed * global_batch / window:.0f} images/s after {skip} start-up steps"
         if val_iter is not None:
             msg += f", val top-1 {evaluate(net, val_iter, d, autocast):.2%}"
         d.log(msg)

@@ -63,8 +63,8 @@ def test_table_verdict_and_json(report):
     assert len(lines) == 2 + len(report.results)
     assert "(n=2)" in table
     verdict = report.verdict()
-    assert "decode ceiling" in verdict and "Packing: raw reads" in verdict
-    assert "Staging to RAM" in verdict
+    assert "of the CPU decode ceiling" in verdict and "Packed vs folder: raw reads" in verdict
+    assert "Staged vs packed: raw reads" in verdict
     doc = json.loads(json.dumps(report.to_json()))
     assert doc["verdict"] == verdict
     assert doc["config"]["repeats"] == 2

@@ -29,6 +29,7 @@ def locate_image_bytes(dst, rel_src: bytes):
         data = (dst / s["path"]).read_bytes()
         at = data.find(probe)
         if at >= 0:
+            assert data.count(probe) == 1
             return dst / s["path"], at
     raise AssertionError("image bytes not found in any shard")
 
@@ -139,3 +140,21 @@ def test_ls_and_cat(odd_tree, odd_built):
     assert cat(odd_built, -1) == (odd_tree.root / rows[-1][2]).read_bytes()
     with pytest.raises(IndexError, match=f"record {len(rows)} out of range for a dataset of {len(rows)}"):
         cat(odd_built, len(rows))
+
+
+def test_verify_decodes_every_record(odd_tree, tmp_path, monkeypatch):
+    """Records whose bytes are intact (checksum fine) but do not decode are reported too."""
+    import warnings
+    from packer import build as build_mod
+    from packer.imaging import Checked
+
+    monkeypatch.setattr(build_mod, "check_image",  # a build that validated nothing
+                        lambda data, **kw: Checked(data, 1, 1, "JPEG", "RGB"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_mod.build(odd_tree.root, tmp_path / "d", workers=0, progress=False)
+    rep = verify(tmp_path / "d", progress=False)
+    # everything broken that could be read; the bomb is a valid image (verify has no pixel limit)
+    broken = {rel for rel, kind in odd_tree.bad.items() if kind not in ("unreadable", "decompression bomb")}
+    assert all(": does not decode: " in p for p in rep.problems), rep.problems
+    assert {p.split(": does not decode")[0].split(") ", 1)[1] for p in rep.problems} == broken

@@ -1,7 +1,6 @@
 """make_loader, the uint8 collate and the thread prefetcher (CPU; runs in CI)."""
 import gc
 import math
-import os
 import pickle
 import shutil
 import threading
@@ -103,11 +102,8 @@ def test_batches_equal_decoding_the_source_files(packed, context):
     assert seen == list(range(len(ds))) * 2
 
 
-@pytest.mark.xfail(strict=True, reason="reader.py: a forked child inherits py-lmdb's registry of "
-                   "environments open in the parent, so reopening a shard there raises "
-                   "lmdb.Error 'already open in this process' (fix: close inherited envs "
-                   "in the child before opening)")
 def test_fork_workers_after_the_parent_read(packed):
+    """py-lmdb's registry of open environments survives fork: the reader must cope."""
     ds = PackedDataset(packed[1], decode=DecodeCenterCrop(16))
     try:
         first = ds[0][0]  # e.g. a look at one sample before training
@@ -115,7 +111,7 @@ def test_fork_workers_after_the_parent_read(packed):
                              pin_memory=False)
         assert torch.equal(next(iter(loader))[0][0], first)
     finally:
-        ds.reader.close()  # or the open shard breaks every later test's fork
+        ds.reader.close()
 
 
 def test_pil_path_pixels_equal_imagefolder_loader(packed):

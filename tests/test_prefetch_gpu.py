@@ -150,6 +150,22 @@ def free_while_in_use(cls) -> int:
     return int(sum(w.item() for w in wrong))
 
 
+def test_batches_made_on_the_gpu_are_waited_for():
+    """Inputs written on the consumer stream (late, behind a long kernel) must be complete
+    before the side stream normalizes them."""
+    vals = [(next(_values) * 37) % 251 + 1 for _ in range(3)]
+
+    def made_on_gpu():
+        for v in vals:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            yield torch.full((8, 3, 128, 128), v, dtype=torch.uint8, device="cuda"), v
+
+    pf = CUDAPrefetcher(made_on_gpu(), mean=None, std=None)
+    wrong = [_wrong(x, v) for x, v in pf]
+    torch.cuda.synchronize()
+    assert len(wrong) == 3 and sum(w.item() for w in wrong) == 0
+
+
 @pytest.mark.parametrize("scenario", [read_at_once, free_while_in_use])
 def test_no_cross_stream_race(scenario):
     assert scenario(CUDAPrefetcher) == 0

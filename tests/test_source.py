@@ -186,3 +186,25 @@ def test_shuffle_is_a_seeded_permutation():
     assert a != select(src, shuffle=True, seed=2).entries
     assert a != src.entries and sorted(a) == sorted(src.entries)
     assert select(src).entries == src.entries
+
+
+def test_list_keeps_unusual_characters_and_newline_styles(tmp_path):
+    lst = tmp_path / "l.txt"
+    lst.write_bytes("a\u2028b.jpg\t0\r\nc\x0cd.jpg\t1\re.jpg\t1\n".encode("utf-8"))
+    assert read_list(tmp_path, lst).entries == [("a\u2028b.jpg", 0), ("c\x0cd.jpg", 1), ("e.jpg", 1)]
+
+
+def test_list_that_is_not_utf8(tmp_path):
+    lst = tmp_path / "l.txt"
+    lst.write_bytes(b"caf\xe9.jpg\t0\n")
+    with pytest.raises(PackerError, match=r"l\.txt is not UTF-8 text \(invalid continuation byte "
+                                          r"at byte 3\); save it as UTF-8"):
+        read_list(tmp_path, lst)
+
+
+def test_class_folder_name_that_is_not_utf8(tmp_path):
+    import os
+    touch(tmp_path, "a/1.jpg")
+    os.mkdir(os.path.join(os.fsencode(tmp_path), b"caf\xe9"))
+    with pytest.raises(PackerError, match=r"class folder 'caf\\xe9' in .* not valid UTF-8.*rename it"):
+        scan_folder(tmp_path)

@@ -1,0 +1,126 @@
+"""PackedDataset: an ImageFolder drop-in (same classes, targets and pixels), safe across
+pickling, fork and spawn."""
+from __future__ import annotations
+
+import gc
+import pickle
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from conftest import imagefolder_rule
+from packer.dataset import PackedDataset
+from packer.errors import FormatError
+from packer.imaging import DecodeCenterCrop
+
+
+def good_samples(odd_tree):
+    _, _, samples = imagefolder_rule(odd_tree.root)
+    return [(p, lab) for p, lab in samples if p in odd_tree.good]
+
+
+def test_same_pixels_as_imagefolder_for_every_file(odd_tree, odd_built):
+    ds = PackedDataset(odd_built)
+    samples = good_samples(odd_tree)
+    assert len(ds) == len(samples)
+    for i, (rel, label) in enumerate(samples):
+        img, target = ds[i]
+        with open(odd_tree.root / rel, "rb") as f:
+            ref = Image.open(f).convert("RGB")  # torchvision's pil_loader
+        assert img.mode == "RGB" and img.size == ref.size, rel
+        assert img.tobytes() == ref.tobytes(), rel
+        assert target == label
+
+
+def test_classes_and_targets_follow_imagefolder(odd_tree, odd_built):
+    ds = PackedDataset(odd_built)
+    classes, class_to_idx, _ = imagefolder_rule(odd_tree.root)
+    assert ds.classes == classes
+    assert ds.class_to_idx == class_to_idx
+    assert ds.targets == [lab for _, lab in good_samples(odd_tree)]
+    assert [ds.target(i) for i in range(len(ds))] == ds.targets
+    assert [ds.load(i)["path"] for i in range(len(ds))] == [p for p, _ in good_samples(odd_tree)]
+
+
+def test_transforms_exif_and_indexing(odd_tree, odd_built):
+    rel = "Z10/exif_rotated.jpg"
+    i = [p for p, _ in good_samples(odd_tree)].index(rel)
+    assert PackedDataset(odd_built)[i][0].size == (180, 100)  # ImageFolder ignores EXIF
+    assert PackedDataset(odd_built, exif_orientation=True)[i][0].size == (100, 180)
+    ds = PackedDataset(odd_built, transform=lambda im: im.size, target_transform=lambda t: -t)
+    assert ds[i] == ((180, 100), -1)
+    assert ds[-1] == ds[len(ds) - 1]
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    assert len(list(iter(PackedDataset(odd_built, transform=lambda im: 0)))) == len(ds)
+    assert repr(ds) == f"PackedDataset({str(odd_built)!r}, {len(ds)} records, 10 classes, 1 shards)"
+
+
+def test_pickle_after_reading(odd_built):
+    ds = PackedDataset(odd_built)
+    first = ds[0][0].tobytes()
+    data = pickle.dumps(ds)
+    assert len(data) < 64 << 10  # no image data, no environments
+    clone = pickle.loads(data)
+    assert clone[0][0].tobytes() == first
+    assert clone.targets == ds.targets
+    del ds
+    gc.collect()
+    assert clone[1][1] == clone.targets[1]
+    assert pickle.loads(pickle.dumps(clone))[2][1] == clone.targets[2]
+
+
+def test_two_datasets_over_one_root(odd_built):
+    a, b = PackedDataset(odd_built), PackedDataset(odd_built)
+    assert a[0][0].tobytes() == b[0][0].tobytes()
+    assert a[3][1] == b[3][1]
+    del a
+    gc.collect()
+    assert b[4][0].size  # b's shard stays open after a is gone
+    c = PackedDataset(odd_built)
+    assert c[5][0].tobytes() == b[5][0].tobytes()
+
+
+def check_loader(root, context):
+    ds = PackedDataset(root, decode=DecodeCenterCrop(32))
+    ds[0]  # opened in the parent first: workers must not reuse its environments
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=context)
+    labels, shapes = [], set()
+    for x, y in loader:
+        assert x.dtype == torch.uint8
+        shapes.add(tuple(x.shape[1:]))
+        labels += y.tolist()
+    assert shapes == {(3, 32, 32)}
+    assert labels == ds.targets
+
+
+def test_dataloader_fork(odd_built):
+    check_loader(odd_built, "fork")
+
+
+@pytest.mark.slow
+def test_dataloader_spawn(odd_built):
+    check_loader(odd_built, "spawn")
+
+
+def test_refuses_unfinished_or_missing(tmp_path, odd_built):
+    with pytest.raises(FormatError, match="not a packer dataset"):
+        PackedDataset(tmp_path)
+    import shutil
+    shutil.copytree(odd_built, tmp_path / "d")
+    (tmp_path / "d" / "shard-00000.lmdb").unlink()
+    with pytest.raises(FormatError, match=r"shard .*shard-00000\.lmdb listed in .* is missing"):
+        PackedDataset(tmp_path / "d")
+
+
+def test_truncated_shard_is_refused_not_a_crash(tmp_path, odd_built):
+    """A short shard (an interrupted copy) would be mapped and read past its end: SIGBUS."""
+    import shutil
+    shutil.copytree(odd_built, tmp_path / "d")
+    shard = tmp_path / "d" / "shard-00000.lmdb"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(FormatError, match=r"shard-00000\.lmdb is \d+ bytes but .*manifest\.json says "
+                                          r"\d+ \(an incomplete copy\?\); re-stage or rebuild"):
+        PackedDataset(tmp_path / "d")

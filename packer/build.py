@@ -16,25 +16,29 @@ import signal
 import sys
 import time
 from array import array
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from itertools import islice
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Deque, Iterator, List, Optional, Sequence, Tuple
 
 from tqdm.auto import tqdm
 
 from . import __version__
 from .errors import PackerError
-from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, SHARD_PATTERN,
+from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, SHARD_PATTERN,
                      file_sha256, fsync_dir, pack_record, read_manifest, write_json_atomic)
 from .imaging import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image, pil_summary
 from .source import (IMG_EXTENSIONS, Source, is_utf8, parse_part, printable, read_list,
                      scan_folder, select)
+from .reader import read_labels, read_offsets, shard_offsets
 from .writer import ShardWriter, disk_errors, existing_shard_ok
 
 JOURNAL = ".packer-build.json"
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
-WINDOW = 2048  # entries in flight at once: bounds the memory held by finished-but-unwritten records
+CHUNK = 8  # entries per task sent to a worker: amortizes the IPC, keeps the order fine-grained
 
 
 @dataclass
@@ -125,6 +129,10 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
     finally:
         bar.close()
 
+    if not labels:
+        first = skipped[0]
+        raise PackerError(f"all {len(skipped)} images were skipped (e.g. {first['path']}: "
+                          f"{first['reason']}); no dataset was written")
     manifest = _finish(dst, source, shards, skipped, labels, options)
     _remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
@@ -171,6 +179,12 @@ def _worker_init() -> None:
 
 
 def _process(source: Source, start: int, workers: int, transcode, max_pixels) -> Iterator:
+    """Results in entry order, with at most a few chunks per worker in flight.
+
+    On an error (a full disk, Ctrl-C) queued chunks are cancelled and running ones finish
+    (milliseconds). Workers are never killed: one killed while sending its results leaves
+    the parent blocked reading half a message, forever — what ``Pool.terminate`` did here.
+    """
     root = str(source.root)
     tasks = ((i, root, rel, label, transcode, max_pixels)
              for i, (rel, label) in enumerate(source.entries) if i >= start)
@@ -178,17 +192,24 @@ def _process(source: Source, start: int, workers: int, transcode, max_pixels) ->
         yield from map(_work, tasks)
         return
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    pool = ctx.Pool(workers, initializer=_worker_init)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
+    pending: Deque[Future] = deque()
     try:
         while True:
-            window = [t for _, t in zip(range(WINDOW), tasks)]
-            if not window:
+            while len(pending) < 4 * workers:
+                chunk = list(islice(tasks, CHUNK))
+                if not chunk:
+                    break
+                pending.append(pool.submit(_work_chunk, chunk))
+            if not pending:
                 break
-            yield from pool.imap(_work, window, chunksize=max(1, min(16, len(window) // (4 * workers))))
-        pool.close()
+            yield from pending.popleft().result()
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _work_chunk(chunk):
+    return [_work(t) for t in chunk]
 
 
 # -- journal, labels, manifest ---------------------------------------------------------------
@@ -258,50 +279,66 @@ def remove_dataset_files(dst: Path) -> None:
         (dst / MANIFEST).unlink()
         fsync_dir(dst)
     for pattern in (MANIFEST + ".tmp", "shard-*.lmdb", ".shard-*", LABELS, LABELS + ".tmp",
-                    JOURNAL, JOURNAL + ".tmp"):
+                    OFFSETS, OFFSETS + ".tmp", JOURNAL, JOURNAL + ".tmp"):
         for p in dst.glob(pattern):
             p.unlink()
 
 
-def write_labels(dst: Path, labels: array) -> dict:
+def write_table(dst: Path, name: str, table: array) -> dict:
+    """Write a per-record table (labels, offsets) little-endian, atomically; its manifest entry."""
     if sys.byteorder != "little":
-        labels = array("i", labels)
-        labels.byteswap()
-    tmp = dst / (LABELS + ".tmp")
-    with open(tmp, "wb") as f:
-        labels.tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, dst / LABELS)
-    return {"path": LABELS, "bytes": (dst / LABELS).stat().st_size, "sha256": file_sha256(dst / LABELS)}
+        table = array(table.typecode, table)
+        table.byteswap()
+    tmp = dst / (name + ".tmp")
+    with disk_errors(dst / name):
+        with open(tmp, "wb") as f:
+            table.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst / name)
+    return {"path": name, "bytes": (dst / name).stat().st_size, "sha256": file_sha256(dst / name)}
+
+
+def _offsets(dst: Path, shards: List[dict]) -> Optional[array]:
+    """Every record's byte range in its shard, read once now so readers never walk LMDB."""
+    table = array("Q")
+    for s in shards:
+        part = shard_offsets(dst / s["path"])
+        if part is None:
+            return None
+        table.extend(part)
+    return table
 
 
 def _finish(dst: Path, source: Source, shards: List[dict], skipped: List[dict],
             labels: array, options: dict) -> dict:
     count = sum(s["count"] for s in shards)
     assert count == len(labels), (count, len(labels))
-    with disk_errors(dst / LABELS):
-        label_entry = write_labels(dst, labels)
+    label_entry = write_table(dst, LABELS, labels)
+    offsets = _offsets(dst, shards)
+    offsets_entry = write_table(dst, OFFSETS, offsets) if offsets is not None else None
     class_counts = [0] * len(source.classes)
     for lab in labels:
         class_counts[lab] += 1
     manifest = new_manifest(
         classes=source.classes, class_counts=class_counts,
         shards=[{k: s[k] for k in ("path", "count", "bytes", "sha256")} for s in shards],
-        labels=label_entry, skipped=[{"path": s["path"], "reason": s["reason"]} for s in skipped],
+        labels=label_entry, offsets=offsets_entry,
+        skipped=[{"path": s["path"], "reason": s["reason"]} for s in skipped],
         source=str(source.root.resolve()), options=options)
     with disk_errors(dst / MANIFEST):
         write_json_atomic(dst / MANIFEST, manifest)
     return manifest
 
 
-def new_manifest(*, classes, class_counts, shards, labels, skipped, source, options) -> dict:
+def new_manifest(*, classes, class_counts, shards, labels, offsets, skipped, source, options) -> dict:
+    extra = {"offsets": offsets} if offsets is not None else {}
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "packer_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "count": sum(s["count"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
         "classes": list(classes), "class_to_idx": {c: i for i, c in enumerate(classes)},
-        "class_counts": list(class_counts), "shards": shards, "labels": labels,
+        "class_counts": list(class_counts), "shards": shards, "labels": labels, **extra,
         "skipped": skipped, "source": source, "options": options, "pil": pil_summary(),
     }
 
@@ -334,20 +371,21 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
     dst.mkdir(parents=True, exist_ok=True)
     if (dst / MANIFEST).exists() and not overwrite:
         raise PackerError(f"{dst} already holds a finished dataset; pass --overwrite to replace it")
-    from .reader import read_labels
-    shards, skipped, labels = [], [], array("i")
+    shards, skipped, labels, offsets = [], [], array("i"), array("Q")
     for p, m in mans:
         rel = os.path.relpath(p.resolve(), dst.resolve())
         for s in m["shards"]:
             shards.append(dict(s, path=os.path.normpath(os.path.join(rel, s["path"])).replace(os.sep, "/")))
         skipped.extend(m["skipped"])
         labels.extend(read_labels(p, m))
+        part_offsets = read_offsets(p, m) if offsets is not None else None
+        offsets = None if part_offsets is None else offsets + part_offsets  # per shard: they concatenate
     counts = [0] * len(classes)
     for lab in labels:
         counts[lab] += 1
     manifest = new_manifest(
-        classes=classes, class_counts=counts, shards=shards, labels=write_labels(dst, labels),
-        skipped=skipped, source=mans[0][1].get("source", ""),
+        classes=classes, class_counts=counts, shards=shards, labels=write_table(dst, LABELS, labels),
+        offsets=write_table(dst, OFFSETS, offsets) if offsets is not None else None, skipped=skipped, source=mans[0][1].get("source", ""),
         options=dict(mans[0][1]["options"], part=None, merged_from=[str(p) for p, _ in mans]))
     write_json_atomic(dst / MANIFEST, manifest)
     return manifest

@@ -231,6 +231,50 @@ def cat(dst, index, output):
 
 
 @main.command()
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("target", type=click.Path(file_okay=False, path_type=Path), required=False)
+@click.option("--remove", is_flag=True, help="Free a staged copy instead: `packer stage --remove TARGET` "
+                                             "(same as `packer unstage TARGET`).")
+@click.option("--no-verify", is_flag=True, help="Trust files already in TARGET whose size matches "
+                                                "(each new copy is still checked as it is written).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@library_errors
+def stage(dst, target, remove, no_verify, quiet):
+    """Copy dataset DST to fast storage TARGET (a tmpfs mount, or /dev/shm/NAME) and verify it.
+
+    Each shard is copied under a temporary name and renamed once its checksum matches; the
+    manifest goes last, so TARGET is complete or not a dataset at all. Re-running repairs an
+    interrupted or damaged copy, recopying only what differs. Train with
+    PackedDataset(TARGET): nothing else changes.
+
+    \b
+    Examples:
+      packer stage /data/packed/train /dev/shm/train
+      scripts/mount_tmpfs.sh --for /data/packed/train /mnt/ram && packer stage /data/packed/train /mnt/ram/train
+      packer stage --remove /dev/shm/train
+    """
+    from .stage import stage as run_stage, unstage as run_unstage
+    if remove:
+        if target is not None:
+            raise click.UsageError("--remove takes only the staged folder: packer stage --remove TARGET")
+        click.echo(run_unstage(dst).message())
+        return
+    if target is None:
+        raise click.UsageError("missing TARGET: packer stage DST TARGET")
+    click.echo(run_stage(dst, target, progress=not quiet, verify=not no_verify).message())
+
+
+@main.command()
+@click.argument("target", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@library_errors
+def unstage(target):
+    """Remove a staged copy made by `packer stage` and free its RAM. Only files that staging
+    wrote are removed; a folder holding a built (unstaged) dataset is refused."""
+    from .stage import unstage as run_unstage
+    click.echo(run_unstage(target).message())
+
+
+@main.command()
 def doctor():
     """Show the environment packer runs in: PIL flavour (Pillow-SIMD or Pillow), libjpeg-turbo,
     torch and CUDA, cores."""
@@ -341,8 +385,9 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars; print only the report.")
 def demo(dir, images, classes, workers, batch_size, no_stage, quiet):
     """Run the whole job on generated data, no downloads: make photo-like JPEGs, build,
-    verify, stage to /dev/shm, then read an epoch through the folder loader and the packed
-    loader and compare their images/s. About half a minute on 2 cores.
+    verify, stage to /dev/shm, then read epochs through the plain folder loader and the
+    packed loader in turn (same decode, same DataLoader settings) and compare their
+    images/s. About 10-20 seconds on 2 cores.
 
     With DIR, the images (DIR/images) and the dataset (DIR/packed) are kept there; without
     it nothing is left behind. The staged RAM copy is always removed.

@@ -22,6 +22,8 @@ FORMAT_NAME = "packer"
 FORMAT_VERSION = "1.0"  # major.minor: readers refuse a newer major, accept a newer minor
 MANIFEST = "manifest.json"
 LABELS = "labels.i32"  # little-endian int32, one per record, in global record order
+OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) per record: where its value sits in its shard
+TABLES = (("labels", LABELS), ("offsets", OFFSETS))  # per-record side tables: manifest key, file name
 SHARD_PATTERN = "shard-{:05d}.lmdb"
 KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
 RECORD_FIELDS = ("image", "label", "path", "width", "height", "format", "mode", "crc32")

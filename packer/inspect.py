@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional, Tuple
 from tqdm.auto import tqdm
 
 from .errors import FormatError
-from .format import crc32, file_sha256, read_manifest, unpack_record
+from .format import TABLES, crc32, file_sha256, read_manifest, unpack_record
 from .imaging import BadImage, check_image
 from .reader import ShardReader, _Shard, read_labels
 
@@ -107,9 +107,10 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> 
             if problem:
                 rep.problems.append(f"{s['path']}: {problem}")
             rep.checked_shards += 1
-    lab = m.get("labels", {})
-    if lab and (root / lab["path"]).is_file() and file_sha256(root / lab["path"]) != lab["sha256"]:
-        rep.problems.append(f"{lab['path']}: sha256 does not match the manifest")
+    for kind, _ in TABLES:
+        t = m.get(kind, {})
+        if t and (root / t["path"]).is_file() and file_sha256(root / t["path"]) != t["sha256"]:
+            rep.problems.append(f"{t['path']}: sha256 does not match the manifest")
     if sum(s["count"] for s in m["shards"]) != m["count"]:
         rep.problems.append("manifest count differs from the sum of its shards' counts")
     if quick or unreadable:
@@ -150,7 +151,7 @@ def _entries_problem(path: Path, count: int) -> Optional[str]:
     except Exception as e:  # lmdb.Error: not an LMDB file, damaged header
         return f"cannot be opened as LMDB ({e})"
     try:
-        entries = sh.env.stat()["entries"]
+        entries = sh.lmdb().stat()["entries"]
     finally:
         sh.release()
     if entries != count:

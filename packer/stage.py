@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .errors import FormatError, PackerError
-from .format import (HASH_CHUNK, LABELS, MANIFEST, file_sha256, fsync_dir, read_manifest,
+from .format import (HASH_CHUNK, LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, fsync_dir, read_manifest,
                      write_json_atomic)
 
 STAGE_MARKER = ".packer-stage.json"   # written first, kept: says "packer staged this folder"
@@ -241,7 +241,7 @@ class _File:
     src: Path                 # where it is now
     bytes: int
     sha256: Optional[str]
-    kind: str                 # "shard" or "labels"
+    kind: str                 # "shard", "labels" or "offsets"
 
 
 def _plan(dst: Path, man: dict) -> List[_File]:
@@ -250,7 +250,7 @@ def _plan(dst: Path, man: dict) -> List[_File]:
     if not isinstance(shards, list) or not shards:
         raise FormatError(f"{dst / MANIFEST} lists no shards; rebuild the dataset")
     bases = [os.path.basename(str(s["path"]).replace("\\", "/")) for s in shards]
-    reserved = {MANIFEST, LABELS, STAGE_MARKER, STAGE_LOCK}
+    reserved = {MANIFEST, LABELS, OFFSETS, STAGE_MARKER, STAGE_LOCK}
     flat = (len(set(bases)) == len(bases) and
             all(b and not b.startswith(".") and b not in reserved for b in bases))
     width = max(5, len(str(len(shards) - 1)))
@@ -258,12 +258,14 @@ def _plan(dst: Path, man: dict) -> List[_File]:
     for i, (s, base) in enumerate(zip(shards, bases)):
         name = base if flat else f"shard-{i:0{width}d}.lmdb"
         files.append(_File(name, dst / s["path"], int(s["bytes"]), s.get("sha256"), "shard"))
-    lab = man.get("labels") or {}
-    lab_src = dst / lab.get("path", LABELS)
-    lab_bytes = lab.get("bytes")
-    if lab_bytes is None:
-        lab_bytes = _size(lab_src) or 0
-    files.append(_File(LABELS, lab_src, int(lab_bytes), lab.get("sha256"), "labels"))
+    for kind, name in TABLES:
+        if kind not in man and kind != "labels":
+            continue  # offsets are optional (datasets built off Linux have none)
+        entry = man.get(kind) or {}
+        src = dst / entry.get("path", name)
+        size = entry.get("bytes")
+        files.append(_File(name, src, int(size if size is not None else (_size(src) or 0)),
+                           entry.get("sha256"), kind))
     for f in files:
         if not f.src.is_file():
             raise FormatError(f"{f.src}, listed in {dst / MANIFEST}, is missing; "
@@ -276,7 +278,9 @@ def _staged_manifest(dst: Path, man: dict, plan: List[_File]) -> dict:
     out = copy.deepcopy(man)
     names = iter(f.name for f in plan if f.kind == "shard")
     out["shards"] = [dict(s, path=next(names)) for s in man["shards"]]
-    out["labels"] = dict(man.get("labels") or {}, path=LABELS)
+    for kind, name in TABLES:
+        if kind in man or kind == "labels":
+            out[kind] = dict(man.get(kind) or {}, path=name)
     out["staged"] = {"from": str(dst.resolve()), "packer_version": __version__}
     return out
 
@@ -319,9 +323,10 @@ def _previous_names(target: Path) -> set:
         man = None
     if man is not None and "staged" in man:
         names.update(s["path"] for s in man.get("shards", []) if _plain_name(s.get("path")))
-        lab = (man.get("labels") or {}).get("path")
-        if _plain_name(lab):
-            names.add(lab)
+        for kind, _ in TABLES:
+            name = (man.get(kind) or {}).get("path")
+            if _plain_name(name):
+                names.add(name)
     names.discard(STAGE_MARKER)
     names.discard(STAGE_LOCK)
     return names
@@ -544,8 +549,9 @@ def stage_once_per_node(dst: os.PathLike, target: os.PathLike, *, local_rank: Op
     man = read_manifest(target)  # cheap: local rank 0 just verified every byte
     waited = StageResult(source=Path(dst), target=target, waited=True, fstype=fs_type(target),
                          swap=_meminfo().get("SwapTotal", 0) > 0)
-    waited.kept = [s["path"] for s in man["shards"]] + [man["labels"]["path"]]
-    waited.bytes_total = sum(s["bytes"] for s in man["shards"]) + int(man["labels"].get("bytes", 0))
+    tables = [man[kind] for kind, _ in TABLES if kind in man]
+    waited.kept = [s["path"] for s in man["shards"]] + [t["path"] for t in tables]
+    waited.bytes_total = sum(s["bytes"] for s in man["shards"]) + sum(int(t.get("bytes", 0)) for t in tables)
     return waited
 
 

@@ -8,7 +8,7 @@ threads; train and eval), the same on transcoded data, whether the hardware JPEG
 works (NVML's JPG utilization), ResNet-18 steps fed by the GPU path vs synthetic batches,
 and pixel agreement with PIL. Prints a table; writes results.json and results.md to --out.
 
-    python3 scripts/bench_gpu_decode.py --images 10240 --out "$OUT"
+    python3 scripts/bench_gpu_decode.py --images 8192 --out "$OUT"
     python3 scripts/bench_gpu_decode.py --dry-run       # tiny, CPU, PIL stands in for nvJPEG
 """
 from __future__ import annotations
@@ -159,13 +159,37 @@ class JpgSampler:
 
 # -- sections -------------------------------------------------------------------------------
 
+def _one_thread():
+    torch.set_num_threads(1)  # 16 processes x 16 OpenMP threads each would thrash
+
+
+def _make(job):
+    from packer.demo import _make_one
+    _make_one(job)
+
+
+def make_folder(root: Path, images: int, classes: int, cpus: int, seed: int = 0):
+    """``make_image_folder``'s files (same names and bytes), made by a fork pool of
+    single-threaded processes, with progress: the demo's spawn pool leaves torch's thread
+    pool at one thread per core in every process."""
+    import multiprocessing as mp
+    make_image_folder(root, images=0, classes=classes)  # the class folders
+    jobs = [(str(root / f"class_{i % classes:02d}" / f"img_{i:05d}.jpg"), seed, i)
+            for i in range(images)]
+    t0 = time.perf_counter()
+    with mp.get_context("fork").Pool(cpus, initializer=_one_thread) as pool:
+        for k, _ in enumerate(pool.imap_unordered(_make, jobs, chunksize=32), 1):
+            if k % 2048 == 0:
+                log(f"   {k} images, {k / (time.perf_counter() - t0):.0f}/s")
+
+
 def make_data(a):
     root = Path(a.root)
     src = root / "src"
     sets = {"stored": root / "stored", "max512": root / "max512", "short256": root / "short256"}
     if not (src / ".done").exists():
         t0 = time.perf_counter()
-        make_image_folder(src, images=a.images, classes=a.classes, workers=a.cpus)
+        make_folder(src, a.images, a.classes, a.cpus)
         (src / ".done").write_text("")
         log(f"   made {a.images} JPEGs in {time.perf_counter() - t0:.1f} s")
     opts = {"stored": None, "max512": Transcode(max_side=512, quality=90),
@@ -205,17 +229,18 @@ def preload(loader, n):
     return batches
 
 
-def decode_only(a, name, loader, dev, decoder):
+def decode_only(a, name, loader, dev, decoders):
     batches = preload(loader, a.preload)
     views = [[v for v in b.images() if v.dim() == 1] for b in batches]
     images = sum(len(v) for v in views)
-    run = lambda: [decoder(v, dev) for v in views]  # noqa: E731
-    run()
-    with JpgSampler(dev) as js:
-        rate, rates = median_rate(run, images, a.repeats, dev)
-    RESULTS[f"decode_only_{name}"] = {"rates": rates, "nvml": js.summary()}
-    row("2" if name == "stored" else "4", f"nvJPEG decode only, batches in memory [{name}]", rate,
-        f"JPG engine util max/mean {js.summary()['jpg_max_mean']}")
+    for dname, decoder in decoders.items():
+        run = lambda: [decoder(v, dev) for v in views]  # noqa: E731
+        run()
+        with JpgSampler(dev) as js:
+            rate, rates = median_rate(run, images, a.repeats, dev)
+        RESULTS[f"decode_only_{name}_{dname}"] = {"rates": rates, "nvml": js.summary()}
+        row("2" if name == "stored" else "4", f"decode only ({dname}), batches in memory [{name}]",
+            rate, f"JPG engine util max/mean {js.summary()['jpg_max_mean']}")
     return batches
 
 
@@ -239,7 +264,8 @@ def augment_only(a, name, batches, dev, decoder):
         row("3a", f"batched crop+resize+flip+normalize only, {'train' if train else 'eval'} [{name}]", rate)
 
 
-def pipeline(a, name, loader, dev, decoder, overlaps=(0, 1, 2), modes=(True, False)):
+def pipeline(a, name, loader, dev, decoder, overlaps=(0, 1, 2), modes=(True, False), dname=""):
+    pinned = getattr(loader, "pin_memory", False)
     for train in modes:
         for overlap in overlaps:
             g = GPUDecoder(loader, train=train, overlap=overlap, device=dev, decoder=decoder, seed=0)
@@ -249,9 +275,10 @@ def pipeline(a, name, loader, dev, decoder, overlaps=(0, 1, 2), modes=(True, Fal
                 return g
             with JpgSampler(dev) as js:
                 rate, rates = epochs_rate(it, dev, a.epochs)
-            key = f"pipeline_{name}_{'train' if train else 'eval'}_overlap{overlap}"
+            key = f"pipeline_{name}_{'train' if train else 'eval'}_overlap{overlap}_pin{int(pinned)}_{dname}"
             RESULTS[key] = {"rates": rates, "stats": g.stats.as_dict(), "nvml": js.summary()}
             what = {0: "inline", 1: "1 thread", 2: "2 threads+streams"}[overlap]
+            what += ("" if pinned else ", loader unpinned") + (f", {dname}" if dname else "")
             per = {k: f"{1e3 * v / g.stats.batches:.1f}" for k, v in g.stats.seconds.items()}
             row("3" if name == "stored" else "4",
                 f"GPUDecoder {'train' if train else 'eval'}, {what} [{name}]", rate,
@@ -279,6 +306,96 @@ def progressive_vs_baseline(a, path, dev, decoder):
         row("5", f"decode_jpeg batch of {len(batch)} {name} JPEGs (1 call)", rate)
 
 
+def contention(a, loader, dev, decoders):
+    """Why decoding slows while a model trains: nvJPEG on in-memory batches in a thread,
+    with the main thread idle, running large matmuls (GPU busy, Python idle), or training
+    ResNet-18 (GPU and Python busy), also with a shorter GIL switch interval."""
+    import torch.nn.functional as F
+    import torchvision
+    views = [[v for v in b.images() if v.dim() == 1] for b in preload(loader, a.preload)]
+    per = sum(len(v) for v in views)
+    model = torchvision.models.resnet18(num_classes=1000).to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(a.batch, 3, 224, 224, device=dev).to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (a.batch,), device=dev)
+    m = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def train():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize(dev)
+        return run
+    loads = {"idle": lambda: time.sleep(0.01), "matmul": lambda: (m @ m, m @ m),
+             "matmul, sync each step": synced(lambda: (m @ m, m @ m)),
+             "resnet18": train, "resnet18, sync each step": synced(train)}
+    train(), train()
+    for (name, work), (dname, decoder) in ((x, d) for d in decoders.items() for x in loads.items()):
+        for switch in (sys.getswitchinterval(),):
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(switch)
+            done, stop, steps = [], threading.Event(), [0]
+
+            def run():
+                s = torch.cuda.Stream(dev)
+                with torch.cuda.stream(s):
+                    decoder(views[0], dev)
+                    t0 = time.perf_counter()
+                    while not stop.is_set():
+                        for v in views:
+                            decoder(v, dev)
+                        done.append(per)
+                    s.synchronize()
+                    done.append(time.perf_counter() - t0)
+            th = threading.Thread(target=run)
+            th.start()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 3:
+                work()
+                steps[0] += 1
+            sync(dev)
+            busy = time.perf_counter() - t0
+            stop.set()
+            th.join()
+            sys.setswitchinterval(old)
+            rate = sum(done[:-1]) / done[-1]
+            note = f"main: {steps[0] / busy:.1f} {name} steps/s; GIL switch {switch * 1e3:g} ms"
+            RESULTS[f"contention_{dname}_{name}"] = {"decode_rate": rate, "main_steps_s": steps[0] / busy}
+            row("2b", f"decode ({dname}) in a thread, main thread: {name}", rate, note)
+
+
+def nvjpeg_probe():
+    """Can libnvjpeg be called directly (ctypes), e.g. to decode on a high-priority stream?"""
+    import ctypes.util
+    import glob
+    import site
+    roots = site.getsitepackages() + [os.path.dirname(os.path.dirname(torch.__file__))]
+    cands = sorted({p for r in roots for p in glob.glob(os.path.join(r, "**", "libnvjpeg*.so*"),
+                                                           recursive=True)})
+    cands += [c for c in (ctypes.util.find_library("nvjpeg"),) if c]
+    found = {}
+    for c in cands:
+        try:
+            lib = ctypes.CDLL(c)
+            v = [ctypes.c_int(), ctypes.c_int(), ctypes.c_int()]
+            for k in range(3):
+                lib.nvjpegGetProperty(k, ctypes.byref(v[k]))
+            found[c] = ".".join(str(x.value) for x in v)
+        except OSError as e:
+            found[c] = f"not loadable: {e}"
+    RESULTS["libnvjpeg"] = found
+    log(f"   libnvjpeg: {found}")
+    lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (None, None)
+    log(f"   CUDA stream priority range (least, greatest): {lo, hi}")
+
+
 def dmon(seconds, out):
     """nvidia-smi dmon's utilization columns (sm mem enc dec jpg ofa on recent drivers)."""
     try:
@@ -289,7 +406,7 @@ def dmon(seconds, out):
         return None
 
 
-def resnet(a, loader, dev, decoder, name):
+def resnet(a, loader, dev, decoders, name, cpu_loader=None):
     import torch.nn.functional as F
     import torchvision
     torch.backends.cudnn.benchmark = True
@@ -313,44 +430,73 @@ def resnet(a, loader, dev, decoder, name):
         for _ in range(a.steps):
             step(x, y)
     syn, syn_all = median_rate(synthetic, a.steps * a.batch, 3, dev)
-    g = GPUDecoder(loader, device=dev, decoder=decoder, seed=0)
-
-    def batches():
-        e = 0
-        while True:
-            g.set_epoch(e)
-            yield from g
-            e += 1
-    src = batches()
-    for _ in range(a.warmup):
-        step(*next(src))
-
-    def fed():
-        for _ in range(a.steps):
-            step(*next(src))
-    real, real_all = median_rate(fed, a.steps * a.batch, 3, dev)
-    src.close()
-    RESULTS[f"resnet18_{name}"] = {"synthetic": syn_all, "gpu_path": real_all,
-                                   "ratio": real / syn}
+    RESULTS[f"resnet18_{name}"] = {"synthetic": syn_all}
     row("6", "ResNet-18 step (bf16, channels_last, SGD) on a synthetic on-GPU batch", syn)
-    row("6", f"ResNet-18 step fed by GPUDecoder [{name}]", real, f"{real / syn:.1%} of synthetic")
+    variants = [(d, dec, 1) for d, dec in decoders.items()]
+    variants.append((next(iter(decoders)), next(iter(decoders.values())), None))
+    for dname, decoder, ahead in variants:
+        g = GPUDecoder(loader, device=dev, decoder=decoder, seed=0, max_ahead=ahead)
+        dname = dname if ahead else f"{dname}, max_ahead=None"
+
+        def batches():
+            e = 0
+            while True:
+                g.set_epoch(e)
+                yield from g
+                e += 1
+        src = batches()
+        for _ in range(a.warmup):
+            step(*next(src))
+
+        def fed():
+            for _ in range(a.steps):
+                step(*next(src))
+        real, real_all = median_rate(fed, a.steps * a.batch, 3, dev)
+        src.close()
+        RESULTS[f"resnet18_{name}"][dname] = {"rates": real_all, "ratio": real / syn,
+                                              "stats": g.stats.as_dict()}
+        log(f"   pipeline stats while training ({dname}): {g.stats.as_dict()}")
+        wait = 1e3 * g.stats.seconds.get('consumer', 0) / max(1, g.stats.batches)
+        row("6", f"ResNet-18 step fed by GPUDecoder ({dname}) [{name}]", real,
+            f"{real / syn:.1%} of synthetic; waited {wait:.1f} ms/batch")
+    if cpu_loader is not None:  # the CPU path into the same step, for comparison
+        from packer.prefetch import CUDAPrefetcher
+        pf = CUDAPrefetcher(cpu_loader, device=dev, dtype=torch.bfloat16)
+
+        def cpu_batches():
+            while True:
+                yield from pf
+        src = cpu_batches()
+        for _ in range(a.warmup):
+            step(*next(src))
+
+        def fed_cpu():
+            for _ in range(a.steps):
+                step(*next(src))
+        cpu, cpu_all = median_rate(fed_cpu, a.steps * a.batch, 3, dev)
+        src.close()
+        RESULTS[f"resnet18_{name}"]["cpu_path"] = {"rates": cpu_all, "ratio": cpu / syn}
+        row("6", f"ResNet-18 step fed by the CPU path ({a.cpus} workers + CUDAPrefetcher) [{name}]",
+            cpu, f"{cpu / syn:.1%} of synthetic")
 
 
-def agreement(a, path, dev, decoder):
+def agreement(a, path, dev, decoders):
     """nvJPEG pixels vs PIL's full decode; eval output vs the CPU decoders; labels."""
     from PIL import Image
     ds = PackedDataset(path)
     n = min(a.batch, len(ds))
-    diffs = []
-    for i in range(n):
-        data = ds.load(i)["image"]
-        gpu = decoder([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dev)[0].cpu()
+    datas = [ds.load(i)["image"] for i in range(n)]
+    refs = []
+    for data in datas:
         im = Image.open(io.BytesIO(data)).convert("RGB")
-        ref = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3)
-        d = (gpu.permute(1, 2, 0).int() - ref.int()).abs()
-        diffs.append((int(d.max()), float(d.float().mean())))
-    dec = {"max_abs": max(d[0] for d in diffs), "mean_abs": statistics.mean(d[1] for d in diffs),
-           "images": n}
+        refs.append(torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3))
+    dec = {}
+    for dname, decoder in decoders.items():
+        out = decoder([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas], dev)
+        diffs = [(o.cpu().permute(1, 2, 0).int() - r.int()).abs() for o, r in zip(out, refs)]
+        dec[dname] = {"max_abs": max(int(d.max()) for d in diffs), "images": n,
+                      "mean_abs": statistics.mean(float(d.float().mean()) for d in diffs)}
+    decoder = next(iter(decoders.values()))
     # Eval pipeline (uint8) vs DecodeCenterCrop (draft decode) and vs PIL full decode + same box.
     loader = make_gpu_loader(ds, 64, shuffle=False, num_workers=0)
     g = GPUDecoder(loader, train=False, dtype=torch.uint8, device=dev, decoder=decoder, overlap=0)
@@ -369,7 +515,7 @@ def agreement(a, path, dev, decoder):
                 d_full.append((x[j].cpu().int() - rt.permute(2, 0, 1).int()).abs())
             k += len(y)
     cat = lambda ds_: torch.stack(ds_)  # noqa: E731
-    res = {"nvjpeg_vs_pil_full_decode": dec,
+    res = {"decoder_vs_pil_full_decode": dec,
            "eval_vs_pil_full_decode_same_resize": {"max_abs": int(cat(d_full).max()),
                                                    "mean_abs": float(cat(d_full).float().mean())},
            "eval_vs_DecodeCenterCrop_draft": {"max_abs": int(cat(d_draft).max()),
@@ -381,7 +527,7 @@ def agreement(a, path, dev, decoder):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", type=int, default=10240)
+    p.add_argument("--images", type=int, default=8192)
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--cpus", type=int, default=len(os.sched_getaffinity(0)))
@@ -394,7 +540,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--root", default="/tmp/packer-gpu-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--skip", default="", help="comma list of: cpu,pipeline,transcoded,resnet,agreement")
+    p.add_argument("--skip", default="", help="comma list of: cpu,pipeline,transcoded,contention,resnet,agreement")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
     a = p.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -403,13 +549,26 @@ def main():
     if a.dry_run:
         a.images, a.classes, a.batch, a.epochs, a.repeats, a.preload = 96, 4, 16, 2, 2, 2
         a.cpus, a.loader_workers, a.steps, a.warmup = 2, 1, 2, 1
-        dev, decoder = torch.device("cpu"), pil_decoder
         skip.add("resnet")
-    else:
-        from packer.gpu_decode import _nvjpeg
-        dev, decoder = torch.device("cuda", torch.cuda.current_device()), _nvjpeg
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    with section("data"):  # before CUDA starts: the pools fork
+        sets = make_data(a)
+    if a.dry_run:
+        dev, decoders = torch.device("cpu"), {"pil": pil_decoder}
+    else:
+        from packer.gpu_decode import NvjpegDecoder, _nvjpeg
+        dev, decoders = torch.device("cuda", torch.cuda.current_device()), {}
+        try:
+            if os.environ.get("PACKER_BENCH_NO_NVJPEG"):
+                raise RuntimeError("PACKER_BENCH_NO_NVJPEG is set")
+            nv = NvjpegDecoder(dev)
+            decoders[f"nvjpeg-{nv.backend}"] = nv
+        except Exception as e:
+            log(f"   NvjpegDecoder unavailable: {e!r}")
+        decoders["torchvision"] = _nvjpeg
+    (dname, decoder), = list(decoders.items())[:1]
+    log(f"   decoders: {list(decoders)}; GPUDecoder runs use {dname}")
     env = {"torch": torch.__version__, "pil": pil_summary(), "cpus": a.cpus, "args": vars(a)}
     try:
         import torchvision
@@ -421,12 +580,15 @@ def main():
     RESULTS["env"] = env
     log(json.dumps(env))
 
-    with section("data"):
-        sets = make_data(a)
     # Loaders first: their workers fork before this process opens any shard (py-lmdb refuses
     # to open a file a forked parent still has open).
     loaders = {n: make_gpu_loader(sets[n], a.batch, num_workers=a.loader_workers, drop_last=True)
                for n in sets}
+    unpinned = make_gpu_loader(sets["stored"], a.batch, num_workers=a.loader_workers,
+                               drop_last=True, pin_memory=False)
+    cpu_loaders = {n: make_loader(PackedDataset(sets[n], decode=DecodeRandomResizedCrop(224)),
+                                  a.batch, num_workers=a.cpus, drop_last=True)
+                   for n in ("stored", "short256")}
     if "cpu" not in skip:
         with section("1: CPU path"):
             cpu_path(a, sets["stored"], dev)
@@ -435,7 +597,7 @@ def main():
             continue
         with section(f"2/4: decode only [{name}]"):
             mon = dmon(8, out / f"dmon_{name}.txt") if dev.type == "cuda" and name == "stored" else None
-            batches = decode_only(a, name, loaders[name], dev, decoder)
+            batches = decode_only(a, name, loaders[name], dev, decoders)
             if mon is not None:
                 mon.wait(timeout=20)
                 RESULTS["dmon_stored"] = (out / "dmon_stored.txt").read_text()
@@ -447,15 +609,25 @@ def main():
             with section(f"3/4: pipeline [{name}]"):
                 pipeline(a, name, loaders[name], dev, decoder,
                          overlaps=(0, 1, 2) if name == "stored" else (2,))
+                if name == "stored":  # the pin thread's and the decoder's contributions
+                    pipeline(a, name, unpinned, dev, decoder, overlaps=(2,), modes=(True,))
+                    for other, dec in list(decoders.items())[1:]:
+                        pipeline(a, name, loaders[name], dev, dec, overlaps=(2,), dname=other)
+    if "contention" not in skip and dev.type == "cuda":
+        with section("2b: decode under load"):
+            contention(a, loaders["stored"], dev, decoders)
     if "resnet" not in skip:
         for name in ("stored", "short256"):
             with section(f"6: ResNet-18 [{name}]"):
-                resnet(a, loaders[name], dev, decoder, name)
+                resnet(a, loaders[name], dev, decoders, name, cpu_loaders.get(name))
+    if dev.type == "cuda":
+        with section("probe: libnvjpeg"):
+            nvjpeg_probe()
     with section("5: baseline vs progressive through torchvision"):
-        progressive_vs_baseline(a, sets["stored"], dev, decoder)
+        progressive_vs_baseline(a, sets["stored"], dev, decoders.get("torchvision", decoder))
     if "agreement" not in skip:
         with section("correctness"):
-            agreement(a, sets["stored"], dev, decoder)
+            agreement(a, sets["stored"], dev, decoders)
 
     lines = ["| step | what | images/s | note |", "|---|---|---:|---|"]
     lines += [f"| {s} | {w} | {r:,.0f} | {n} |" for s, w, r, n in ROWS]

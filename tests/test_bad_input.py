@@ -194,3 +194,15 @@ def test_file_name_that_is_not_utf8_is_skipped_and_reported(photo_src, tmp_path)
     json.loads((tmp_path / "d" / "manifest.json").read_text("utf-8"))
     with pytest.raises(PackerError, match=r"--strict: c/caf\\xe9\.jpg: file name is not valid UTF-8"):
         quiet_build(src, tmp_path / "e", strict=True)
+
+
+def test_all_images_bad_is_an_error_not_an_empty_dataset(tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.jpg").write_bytes(b"not a jpeg")
+    (src / "a" / "y.png").write_bytes(b"")
+    from packer.build import build
+    from packer.errors import PackerError
+    with pytest.raises(PackerError, match="all 2 images were skipped"):
+        build(src, tmp_path / "dst", workers=0, progress=False)
+    assert not (tmp_path / "dst" / "manifest.json").exists()

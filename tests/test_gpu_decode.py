@@ -24,6 +24,7 @@ from PIL import Image
 from packer.build import build
 from packer.dataset import PackedDataset
 from packer.demo import make_image, make_image_folder
+from packer import gpu_decode
 from packer.errors import PackerError
 from packer.gpu_decode import (EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, JpegInfo,
                                center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info,
@@ -164,10 +165,10 @@ def test_collate_encoded(photos):
 def test_make_gpu_loader_routes_fallbacks_in_workers(mixed):
     loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
     ds = loader.dataset
-    assert isinstance(ds.decode, EncodedImage) and not loader.pin_memory
+    assert isinstance(ds.decode, EncodedImage) and loader.pin_memory == torch.cuda.is_available()
     seen = {}
     for batch in loader:
-        assert isinstance(batch, EncodedBatch) and batch.data.is_shared()
+        assert isinstance(batch, EncodedBatch) and (batch.data.is_shared() or batch.data.is_pinned())
         for i, (lab, dec, v) in enumerate(zip(batch.labels.tolist(), batch.decoded.tolist(), batch.images())):
             seen[len(seen)] = (lab, dec, v.shape)
     paths = [ds.load(i)["path"] for i in range(len(ds))]
@@ -377,10 +378,15 @@ def test_constructor_errors(mixed, monkeypatch):
                       ({"crop_fraction": 1.5}, "crop_fraction"), ({"mean": (0.5,)}, "mean")]:
         with pytest.raises(ValueError, match=match):
             _cpu_decoder(loader, **kw)
+    def no_lib():
+        raise OSError("libnvjpeg not found")
     if "torchvision" not in sys.modules:
         monkeypatch.setitem(sys.modules, "torchvision", None)  # import fails even if installed
+        monkeypatch.setattr(gpu_decode, "_load_nvjpeg", no_lib)
         with pytest.raises(PackerError, match="pip install torchvision.*DecodeRandomResizedCrop"):
             GPUDecoder(loader)
+    with pytest.raises(ValueError, match="backend"):
+        _cpu_decoder(loader, backend="dali")
     fake = types.ModuleType("torchvision")
     fake.io = types.ModuleType("torchvision.io")
     monkeypatch.setitem(sys.modules, "torchvision", fake)
@@ -400,11 +406,21 @@ def _report(name, value):
             f.write(json.dumps({"test": name, **value}) + "\n")
 
 
+def _backend(name):
+    if name == "torchvision":
+        pytest.importorskip("torchvision")
+        return gpu_decode._nvjpeg
+    try:
+        return gpu_decode.NvjpegDecoder(torch.device("cuda"))
+    except OSError:
+        pytest.skip("libnvjpeg not found")
+
+
 @pytest.mark.gpu
 @cuda
-def test_gpu_nvjpeg_pixels_match_cpu_decode(mixed):
-    pytest.importorskip("torchvision")
-    from packer.gpu_decode import _nvjpeg
+@pytest.mark.parametrize("backend", ["torchvision", "nvjpeg"])
+def test_gpu_nvjpeg_pixels_match_cpu_decode(mixed, backend):
+    decode = _backend(backend)
     ds = PackedDataset(mixed)
     worst, means = 0, []
     for i in range(len(ds)):
@@ -412,11 +428,12 @@ def test_gpu_nvjpeg_pixels_match_cpu_decode(mixed):
         if not gpu_decodable(jpeg_info(rec["image"])):
             continue
         data = torch.frombuffer(bytearray(rec["image"]), dtype=torch.uint8)
-        gpu = _nvjpeg([data], torch.device("cuda"))[0].cpu()
+        gpu = decode([data], torch.device("cuda"))[0].cpu()
         d = (gpu.int() - _rgb_tensor(ds[i][0]).int()).abs()
         worst, means = max(worst, int(d.max())), means + [float(d.float().mean())]
     mean = sum(means) / len(means)
-    _report("nvjpeg_vs_pil", {"images": len(means), "max_abs": worst, "mean_abs": mean})
+    _report("nvjpeg_vs_pil", {"backend": backend, "images": len(means), "max_abs": worst,
+                              "mean_abs": mean})
     assert mean < 3.0 and worst <= 128  # different IDCT and chroma upsampling, same picture
 
 
@@ -427,6 +444,7 @@ def test_gpu_decoder_labels_fallbacks_and_eval(mixed, overlap):
     pytest.importorskip("torchvision")
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=2)
     dec = GPUDecoder(loader, overlap=overlap, train=False, dtype=torch.uint8, seed=0)
+    assert dec.backend in ("nvjpeg-hardware", "nvjpeg-default", "torchvision")
     labels = []
     for x, y in dec:
         assert x.is_cuda and y.is_cuda and x.shape[1:] == (3, 224, 224)
@@ -438,7 +456,7 @@ def test_gpu_decoder_labels_fallbacks_and_eval(mixed, overlap):
     gpu = [x.cpu() for x, _ in dec]  # one pass at a time: persistent workers serve one iterator
     ref = [x for x, _ in _cpu_decoder(loader, train=False, dtype=torch.uint8)]
     d = torch.cat([(a.int() - b.int()).abs().flatten() for a, b in zip(gpu, ref)])
-    _report("eval_vs_pil_resize", {"overlap": overlap, "max_abs": int(d.max()),
+    _report("eval_vs_pil_resize", {"overlap": overlap, "backend": dec.backend, "max_abs": int(d.max()),
                                    "mean_abs": float(d.float().mean())})
     assert float(d.float().mean()) < 2.0
 

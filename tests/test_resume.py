@@ -147,7 +147,7 @@ def test_damaged_finished_shard_is_rebuilt(photo_src, tmp_path, monkeypatch):
     assert r.resumed_shards == 1  # shard 0 kept, everything from the damaged one redone
     assert_one_record_per_image(dst, photo_src)
     assert sorted(p.name for p in dst.iterdir()) == sorted(
-        ["manifest.json", "labels.i32"] + [s["path"] for s in r.manifest["shards"]])
+        ["manifest.json", "labels.i32", "offsets.u64"] + [s["path"] for s in r.manifest["shards"]])
 
 
 def test_different_command_restarts_cleanly(photo_src, tmp_path, monkeypatch):

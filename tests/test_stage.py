@@ -73,7 +73,7 @@ def test_stage_to_folder_is_complete_and_readable(dst, tmp_path):
     res = stage(dst, target, progress=False)
     man = read_manifest(target)
     assert man["staged"]["from"] == str(dst.resolve())
-    assert res.copied == shard_names(target) + ["labels.i32"]
+    assert res.copied == shard_names(target) + ["labels.i32", "offsets.u64"]
     assert res.kept == [] and res.removed == [] and res.wrote_manifest
     assert res.bytes_copied == res.bytes_total == sum(
         s["bytes"] for s in man["shards"]) + man["labels"]["bytes"]
@@ -94,7 +94,7 @@ def test_rerun_is_a_noop(dst, tmp_path):
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in target.iterdir()}
     res = stage(dst, target, progress=True)  # progress bar path too
     assert res.copied == [] and res.removed == [] and not res.changed
-    assert sorted(res.kept) == sorted(shard_names(target) + ["labels.i32"])
+    assert sorted(res.kept) == sorted(shard_names(target) + ["labels.i32", "offsets.u64"])
     assert "nothing to do" in res.message()
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in target.iterdir()}
     assert {k: v for k, v in after.items() if not k.startswith(".packer-stage")} == \
@@ -191,7 +191,7 @@ def test_merged_dataset_stages_self_contained(built, tmp_path):
     names = shard_names(target)
     assert len(set(names)) == len(names) == len(read_manifest(merged)["shards"])
     assert all("/" not in n and (target / n).is_file() for n in names)
-    assert res.copied == names + ["labels.i32"]
+    assert res.copied == names + ["labels.i32", "offsets.u64"]
     same_records(merged, target)
     # TARGET depends on nothing outside it
     moved = tmp_path / "elsewhere"

@@ -443,14 +443,15 @@ class _Image(ctypes.Structure):  # nvjpegImage_t (nvJPEG >= 11: size_t pitches)
 
 
 class NvjpegDecoder:
-    """nvJPEG's batched decoder called directly (ctypes), on a high-priority CUDA stream.
+    """nvJPEG's batched decoder called directly (ctypes): GPU decoding without torchvision.
 
-    Why not only torchvision: its decoder queues its GPU work on a default-priority stream,
-    behind whatever the training step has queued, and while a model trains it decodes 10x
-    slower (measured on an H200: 22,000 -> 1,400 images/s beside ResNet-18). Here the
-    work goes on a stream of the highest priority, whose blocks the GPU schedules first.
-    The hardware engine (A100/H100/H200) is used when nvJPEG has it, else its GPU/hybrid
-    backend. Raises OSError/RuntimeError when libnvjpeg cannot be loaded or set up.
+    Same library and hardware engine as torchvision's decoder (pixels are identical), one
+    output allocation per batch instead of one per image, and the work on a stream of
+    ``priority`` (default: the highest). The priority was meant to let decoding overtake a
+    training step's queued kernels; measured on an H200 it does not (docs/gpu_decode.md),
+    so torchvision stays the default where installed. The hardware engine (A100/H100/H200)
+    is used when nvJPEG has it, else its default backend. Raises OSError/RuntimeError when
+    libnvjpeg cannot be loaded or set up.
     """
 
     def __init__(self, device: torch.device, *, hardware: bool = True, priority: Optional[int] = None):
@@ -461,6 +462,8 @@ class NvjpegDecoder:
         lib.nvjpegDecodeBatchedInitialize.argtypes = [vp, vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.nvjpegDecodeBatched.argtypes = [vp, vp, pp, ctypes.POINTER(ctypes.c_size_t),
                                             ctypes.POINTER(_Image), vp]
+        ip = ctypes.POINTER(ctypes.c_int)
+        lib.nvjpegGetImageInfo.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
         self.handle, self.state = vp(), vp()
         self.backend = "hardware"
         status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(self.handle)) if hardware else -1
@@ -479,7 +482,7 @@ class NvjpegDecoder:
         n = len(datas)
         if n == 0:
             return []
-        shapes = [_jpeg_size(d) for d in datas]
+        shapes = [self._size(d) for d in datas]
         offs = [0]
         for h, w in shapes:
             offs.append(offs[-1] + 3 * h * w)
@@ -509,13 +512,13 @@ class NvjpegDecoder:
         return [out[offs[i]:offs[i + 1]].view(3, h, w) for i, (h, w) in enumerate(shapes)]
 
 
-def _jpeg_size(data: torch.Tensor) -> Tuple[int, int]:
-    info = jpeg_info(memoryview(ctypes.string_at(data.data_ptr(), min(data.numel(), 1 << 16))))
-    if info is None:  # header beyond 64 KiB (huge EXIF): read it all
-        info = jpeg_info(ctypes.string_at(data.data_ptr(), data.numel()))
-    if info is None:
-        raise RuntimeError("not a JPEG nvJPEG can take (no frame header)")
-    return info.height, info.width
+    def _size(self, data: torch.Tensor) -> Tuple[int, int]:
+        comps, sub = ctypes.c_int(), ctypes.c_int()
+        w, h = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
+        _check(self.lib.nvjpegGetImageInfo(self.handle, data.data_ptr(), data.numel(),
+                                           ctypes.byref(comps), ctypes.byref(sub), w, h),
+               "nvjpegGetImageInfo")
+        return h[0], w[0]
 
 
 def _check(status: int, what: str) -> None:
@@ -584,9 +587,9 @@ class GPUDecoder:
     ``prefetch`` bounds the batches waiting between stages (GPU memory stays bounded).
     ``max_ahead``: training steps the consumer may queue on the GPU beyond the last one
     finished (None: no limit); see ``_throttle`` for why a limit keeps decoding fast.
-    ``backend``: "nvjpeg" calls nvJPEG directly on a high-priority stream
-    (:class:`NvjpegDecoder`), "torchvision" uses ``torchvision.io.decode_jpeg``, "auto"
-    (default) the first that works; ``self.backend`` says which ran. ``decoder``, if
+    ``backend``: "torchvision" uses ``torchvision.io.decode_jpeg``; "nvjpeg" calls libnvjpeg
+    directly (:class:`NvjpegDecoder`, no torchvision needed); "auto" (default) the first
+    that is installed; ``self.backend`` says which runs. ``decoder``, if
     given, replaces both: ``(list of 1-D uint8 CPU tensors, device) -> list of (3, h, w)
     uint8 tensors``.
     """
@@ -619,15 +622,16 @@ class GPUDecoder:
             raise ValueError(f"backend must be 'auto', 'nvjpeg' or 'torchvision', got {backend!r}")
         self.device = _gpu_device(device, decoder is None, backend)
         self.backend = "custom" if decoder is not None else backend
-        if decoder is None and backend in ("auto", "nvjpeg"):
+        if decoder is None and backend in ("auto", "torchvision"):
             try:
-                decoder = NvjpegDecoder(self.device)
-                self.backend = f"nvjpeg-{decoder.backend}"
-            except (OSError, RuntimeError, AttributeError):
-                if backend == "nvjpeg":
+                import torchvision.io  # noqa: F401
+                decoder, self.backend = _nvjpeg, "torchvision"
+            except ImportError:
+                if backend == "torchvision":
                     raise
-        if decoder is None:
-            decoder, self.backend = _nvjpeg, "torchvision"
+        if decoder is None:  # "nvjpeg", or "auto" without torchvision
+            decoder = NvjpegDecoder(self.device)
+            self.backend = f"nvjpeg-{decoder.backend}"
         self.decoder = decoder
         self.loader = loader
         self.train, self.flip, self.dtype = bool(train), bool(flip), dtype
@@ -681,9 +685,11 @@ class GPUDecoder:
     def __iter__(self):
         it = iter(self.loader)
         clock, st = time.perf_counter, self.stats
+        ahead: list = []
         if self.overlap == 0:
             while True:
                 t0 = clock()
+                self._throttle(ahead)
                 batch = next(it, _END)
                 if batch is _END:
                     return
@@ -696,7 +702,7 @@ class GPUDecoder:
                 st.add_time("decode", t2 - t1)
                 st.add_time("augment", t3 - t2)
                 yield out
-        pipe, ahead = _Pipeline(self, it), []
+        pipe = _Pipeline(self, it)
         try:
             while True:
                 t0 = clock()

@@ -558,7 +558,8 @@ def main():
         dev, decoders = torch.device("cpu"), {"pil": pil_decoder}
     else:
         from packer.gpu_decode import NvjpegDecoder, _nvjpeg
-        dev, decoders = torch.device("cuda", torch.cuda.current_device()), {}
+        dev = torch.device("cuda", torch.cuda.current_device())
+        decoders = {"torchvision": _nvjpeg}  # GPUDecoder's default where installed
         try:
             if os.environ.get("PACKER_BENCH_NO_NVJPEG"):
                 raise RuntimeError("PACKER_BENCH_NO_NVJPEG is set")
@@ -566,7 +567,6 @@ def main():
             decoders[f"nvjpeg-{nv.backend}"] = nv
         except Exception as e:
             log(f"   NvjpegDecoder unavailable: {e!r}")
-        decoders["torchvision"] = _nvjpeg
     (dname, decoder), = list(decoders.items())[:1]
     log(f"   decoders: {list(decoders)}; GPUDecoder runs use {dname}")
     env = {"torch": torch.__version__, "pil": pil_summary(), "cpus": a.cpus, "args": vars(a)}

@@ -76,7 +76,7 @@ def test_stage_to_folder_is_complete_and_readable(dst, tmp_path):
     assert res.copied == shard_names(target) + ["labels.i32", "offsets.u64"]
     assert res.kept == [] and res.removed == [] and res.wrote_manifest
     assert res.bytes_copied == res.bytes_total == sum(
-        s["bytes"] for s in man["shards"]) + man["labels"]["bytes"]
+        s["bytes"] for s in man["shards"]) + man["labels"]["bytes"] + man["offsets"]["bytes"]
     assert all("/" not in p for p in shard_names(target))
     same_records(dst, target)
     msg = res.message()
@@ -213,7 +213,7 @@ def test_restage_from_another_dataset_replaces_it(built, dst, tmp_path):
     res = stage(part, target, progress=False)
     assert res.removed  # the previous dataset's extra shards are gone
     assert sorted(p.name for p in target.iterdir() if not p.name.startswith(".")) == \
-        sorted(shard_names(target) + ["labels.i32", MANIFEST])
+        sorted(shard_names(target) + ["labels.i32", "offsets.u64", MANIFEST])
     same_records(part, target)
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from packer.build import build  # noqa: E402
 from packer.dataset import PackedDataset  # noqa: E402
 from packer.demo import make_image_folder  # noqa: E402
-from packer.gpu_decode import (GPUDecoder, center_crop_boxes, jpeg_info, make_gpu_loader,  # noqa: E402
+from packer.gpu_decode import (GPUDecoder, center_crop_boxes, make_gpu_loader,  # noqa: E402
                                random_resized_crop_boxes, resample_crops)
 from packer.imaging import (DecodeCenterCrop, DecodeRandomResizedCrop, Transcode,  # noqa: E402
                             pil_summary)
@@ -392,7 +392,8 @@ def nvjpeg_probe():
             found[c] = f"not loadable: {e}"
     RESULTS["libnvjpeg"] = found
     log(f"   libnvjpeg: {found}")
-    lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (None, None)
+    rng = getattr(torch.cuda.Stream, "priority_range", None)
+    lo, hi = rng() if rng else (None, None)
     log(f"   CUDA stream priority range (least, greatest): {lo, hi}")
 
 
@@ -540,7 +541,8 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--root", default="/tmp/packer-gpu-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--skip", default="", help="comma list of: cpu,pipeline,transcoded,contention,resnet,agreement")
+    p.add_argument("--skip", default="",
+                   help="comma list of: cpu,pipeline,transcoded,contention,resnet,agreement")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
     a = p.parse_args()
     skip = set(filter(None, a.skip.split(",")))

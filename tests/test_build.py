@@ -365,3 +365,19 @@ def test_merge_refuses_mismatched_or_repeated_parts(photo_src, odd_built, tmp_pa
     with pytest.raises(FormatError, match="not a packer dataset"):
         merge([p0, tmp_path], tmp_path / "m")
     assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_bytes_that_change_after_the_check_are_not_stored(tmp_path):
+    # The writer re-reads unchanged bytes instead of piping them from the worker; a file that
+    # changed in between must not be stored unchecked.
+    from packer.build import _stored
+    from packer.format import crc32, unpack_record
+    f = tmp_path / "a.jpg"
+    f.write_bytes(b"checked bytes")
+    checked = (crc32(b"checked bytes"), 4, 3, "JPEG", "RGB")
+    rec = unpack_record(_stored(tmp_path, "a.jpg", 7, checked))
+    assert rec["image"] == b"checked bytes" and rec["label"] == 7 and rec["width"] == 4
+    f.write_bytes(b"replaced meanwhile")
+    assert _stored(tmp_path, "a.jpg", 7, checked) is None
+    f.unlink()
+    assert _stored(tmp_path, "a.jpg", 7, checked) is None

@@ -39,7 +39,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 def _rgb_tensor(im: Image.Image) -> torch.Tensor:
     im = im.convert("RGB")
-    return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3).permute(2, 0, 1)
+    px = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+    return px.view(im.height, im.width, 3).permute(2, 0, 1)
 
 
 def pil_decoder(datas, device):
@@ -109,7 +110,8 @@ def test_jpeg_info_and_routing(photos, name):
     assert info.precision == 8 and not info.arithmetic
     assert info.process == ("progressive" if name == "progressive.jpg" else "baseline")
     assert info.components == {"gray.jpg": 1, "cmyk.jpg": 4}.get(name, 3)
-    assert info.subsampling == {"gray.jpg": "gray", "q444.jpg": "4:4:4", "cmyk.jpg": "other"}.get(name, "4:2:0")
+    expect = {"gray.jpg": "gray", "q444.jpg": "4:4:4", "cmyk.jpg": "other"}.get(name, "4:2:0")
+    assert info.subsampling == expect
     if name == "cmyk.jpg":
         assert info.adobe_transform is not None  # PIL writes an Adobe marker for CMYK
 
@@ -439,11 +441,15 @@ def test_gpu_nvjpeg_pixels_match_cpu_decode(mixed, backend):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("overlap", [0, 2])
-def test_gpu_decoder_labels_fallbacks_and_eval(mixed, overlap):
+@pytest.mark.parametrize("overlap,backend", [(0, "auto"), (2, "auto"), (2, "nvjpeg")])
+def test_gpu_decoder_labels_fallbacks_and_eval(mixed, overlap, backend):
     pytest.importorskip("torchvision")
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=2)
-    dec = GPUDecoder(loader, overlap=overlap, train=False, dtype=torch.uint8, seed=0)
+    try:
+        dec = GPUDecoder(loader, overlap=overlap, train=False, dtype=torch.uint8, seed=0,
+                         backend=backend)
+    except OSError:
+        pytest.skip("libnvjpeg not found")
     assert dec.backend in ("nvjpeg-hardware", "nvjpeg-default", "torchvision")
     labels = []
     for x, y in dec:

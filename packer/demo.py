@@ -90,6 +90,8 @@ _PHOTOS: List[Image.Image] = []
 def _make_one(job) -> None:
     path, seed, i = job
     if not _PHOTOS:
+        import torch
+        torch.set_num_threads(1)  # one pool process per core: torch's own threads only contend
         _PHOTOS.extend(_photos())
     Path(path).write_bytes(make_image(random.Random(seed * 1_000_003 + i), _PHOTOS))
 
@@ -202,7 +204,7 @@ def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
 
     import torch
 
-    from .bench import FolderDataset
+    from .benchphases import FolderDataset
     from .build import build, default_workers
     from .dataset import PackedDataset
     from .errors import PackerError

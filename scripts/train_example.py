@@ -76,7 +76,7 @@ def build_model(name: str, num_classes: int) -> nn.Module:
         import torchvision
     except ImportError:
         if name == "resnet50":
-            from packer.bench import resnet50
+            from packer.trainbench import resnet50
             return resnet50(num_classes)
         raise SystemExit(f"--model {name} needs torchvision (pip install torchvision, then "
                          f"scripts/install_pillow_simd.sh again); built in: resnet50, tiny") from None

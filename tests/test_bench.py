@@ -7,12 +7,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from packer.bench import (BenchReport, FolderDataset, drop_page_cache, make_model, resnet50,
-                          run_bench)
+from packer.bench import BenchReport, run_bench
+from packer.benchphases import FolderDataset
 from packer.build import build
 from packer.cli import main
+from packer.coldread import drop_page_cache
 from packer.dataset import PackedDataset
 from packer.demo import make_image_folder
+from packer.trainbench import make_model, resnet50
 
 QUICK = dict(workers=[0], batch_size=8, repeats=2, seconds_per_variant=0.2, max_images=24,
              progress=False)

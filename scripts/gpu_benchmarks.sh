@@ -22,7 +22,7 @@ python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -n 25 | tee "$out/gp
 
 echo "== packer bench --cuda"
 python3 -m packer bench "$work/packed" --folder "$work/src" --staged /dev/shm/packer-bench \
-  --cuda -j "$((cores / 2)),$cores" --seconds 2 --repeats 3 --json "$out/bench.json" \
+  --cuda -j "$((cores / 2)),$cores" --seconds 2 --repeats 2 --json "$out/bench.json" \
   2>&1 | tee "$out/bench.txt"
 python3 -m packer unstage /dev/shm/packer-bench >/dev/null 2>&1 || true
 

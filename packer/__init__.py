@@ -17,6 +17,7 @@ _EXPORTS = {
     "PackedIterableDataset": "streaming", "PackedSampler": "sampler",
     "BackgroundIterator": "loader", "background": "loader", "collate_uint8": "loader",
     "make_loader": "loader", "CUDAPrefetcher": "prefetch",
+    "GPUDecoder": "gpu_decode", "make_gpu_loader": "gpu_decode",
     "make_image_folder": "demo",
 }
 

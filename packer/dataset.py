@@ -60,19 +60,26 @@ class PackedDataset(Dataset):
         return unpack_record(self.reader.read(index))
 
     def __getitem__(self, index: int) -> Tuple[Any, Any]:
-        rec = self.load(index)
-        data = rec["image"]
-        if self.decode is not None:
-            sample = self.decode(data)
-        else:
-            sample = open_image(data, exif_orientation=self.exif_orientation)
-        target = rec["label"]
-        if self.transform is not None:
-            sample = self.transform(sample)
-        if self.target_transform is not None:
-            target = self.target_transform(target)
-        return sample, target
+        return to_sample(self.load(index), self.decode, self.transform, self.target_transform,
+                         self.exif_orientation)
 
     def __repr__(self) -> str:
         return (f"PackedDataset({self.root!r}, {len(self)} records, {len(self.classes)} classes, "
                 f"{len(self.reader.paths)} shards)")
+
+
+def to_sample(rec: dict, decode: Optional[Callable] = None, transform: Optional[Callable] = None,
+              target_transform: Optional[Callable] = None,
+              exif_orientation: bool = False) -> Tuple[Any, Any]:
+    """(sample, target) from a record: decode (ImageFolder's PIL RGB by default), then the
+    transforms. Shared by the map-style and the streaming datasets."""
+    if decode is not None:
+        sample = decode(rec["image"])
+    else:
+        sample = open_image(rec["image"], exif_orientation=exif_orientation)
+    target = rec["label"]
+    if transform is not None:
+        sample = transform(sample)
+    if target_transform is not None:
+        target = target_transform(target)
+    return sample, target

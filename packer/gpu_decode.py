@@ -35,7 +35,8 @@ from torch.utils.data import default_collate, get_worker_info
 
 from .errors import PackerError
 from .imaging import open_image
-from .prefetch import IMAGENET_MEAN, IMAGENET_STD, _affine
+from .loader import _drain
+from .prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, _affine
 
 __all__ = ["DecodeStats", "EncodedBatch", "EncodedImage", "EncodedSample", "GPUDecoder",
            "JpegInfo", "NvjpegDecoder", "center_crop_boxes", "collate_encoded", "gpu_decodable",
@@ -581,7 +582,7 @@ class _Raised:
         self.exc, self.where = exc, where
 
 
-class GPUDecoder:
+class GPUDecoder(LoaderView):
     """Iterate a :func:`make_gpu_loader` loader as ``(images, labels)`` ready on the GPU.
 
     ``images``: ``(B, 3, *size)`` in ``dtype``, normalized as ``(x / 255 - mean) / std``
@@ -662,34 +663,10 @@ class GPUDecoder:
             for st in self._streams:  # the constants were written on the current stream
                 st.wait_stream(torch.cuda.current_stream(self.device))
 
-    # -- pass-through (CUDAPrefetcher's protocol) ----------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
-    @property
-    def sampler(self):
-        return self.loader.sampler
-
-    @property
-    def batch_sampler(self):
-        return self.loader.batch_sampler
-
     def set_epoch(self, epoch: int) -> None:
         """``set_epoch`` on the loader's sampler(s) and dataset where they have one; with a
         ``seed``, crops and flips become a function of (seed, epoch) too."""
-        seen = set()
-        for obj in (self.loader, getattr(self.loader, "sampler", None),
-                    getattr(self.loader, "batch_sampler", None), getattr(self.loader, "dataset", None),
-                    getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
-            fn = getattr(obj, "set_epoch", None)
-            if obj is not None and callable(fn) and id(obj) not in seen:
-                seen.add(id(obj))
-                fn(epoch)
+        super().set_epoch(epoch)
         if self.seed is not None:
             self._gen.manual_seed(self.seed * 1_000_003 + epoch)
 
@@ -954,11 +931,3 @@ class _Forward(Exception):
     def __init__(self, raised: _Raised):
         super().__init__(raised.where)
         self.raised = raised
-
-
-def _drain(q: queue.Queue) -> None:
-    try:
-        while True:
-            q.get_nowait()
-    except queue.Empty:
-        pass

@@ -20,7 +20,43 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-class CUDAPrefetcher:
+class LoaderView:
+    """What a wrapper around a loader passes through, so it stands in for the loader:
+    ``len()``, ``.dataset``, ``.sampler``, ``.batch_sampler`` and ``set_epoch``."""
+
+    loader: Iterable
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    @property
+    def sampler(self):
+        return self.loader.sampler
+
+    @property
+    def batch_sampler(self):
+        return self.loader.batch_sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call ``set_epoch(epoch)`` on the loader, its sampler(s) and its dataset, where they
+        have one (DistributedSampler needs it to reshuffle each epoch)."""
+        seen = set()
+        candidates = [self.loader]
+        for name in ("sampler", "batch_sampler", "dataset"):
+            candidates.append(getattr(self.loader, name, None))
+        candidates.append(getattr(getattr(self.loader, "batch_sampler", None), "sampler", None))
+        for obj in candidates:
+            fn = getattr(obj, "set_epoch", None)
+            if obj is not None and obj is not self and callable(fn) and id(obj) not in seen:
+                seen.add(id(obj))
+                fn(epoch)
+
+
+class CUDAPrefetcher(LoaderView):
     """Iterate ``loader`` with each batch already on ``device``, images normalized.
 
     ``for x, y in CUDAPrefetcher(loader):`` works every epoch (each ``iter()`` is a new pass,
@@ -74,37 +110,6 @@ class CUDAPrefetcher:
             self.stream = torch.cuda.Stream(self.device)
             # The constants were written on the current stream; the side stream reads them.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    # -- pass-through ------------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
-    @property
-    def sampler(self):
-        return self.loader.sampler
-
-    @property
-    def batch_sampler(self):
-        return self.loader.batch_sampler
-
-    def set_epoch(self, epoch: int) -> None:
-        """Call ``set_epoch(epoch)`` on the loader, its sampler(s) and its dataset, where they
-        have one (DistributedSampler needs it to reshuffle each epoch)."""
-        seen = set()
-        candidates = [self.loader]
-        for name in ("sampler", "batch_sampler", "dataset"):
-            candidates.append(getattr(self.loader, name, None))
-        candidates.append(getattr(getattr(self.loader, "batch_sampler", None), "sampler", None))
-        for obj in candidates:
-            fn = getattr(obj, "set_epoch", None)
-            if obj is not None and obj is not self and callable(fn) and id(obj) not in seen:
-                seen.add(id(obj))
-                fn(epoch)
 
     # -- iteration ---------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .format import unpack_record
-from .imaging import open_image
+from .dataset import to_sample
 from .reader import ShardReader
 from .sampler import _world, global_order, rank_count, seed_for
 
@@ -102,14 +102,7 @@ class PackedIterableDataset(IterableDataset):
             yield self._sample(data)
 
     def _sample(self, data: bytes) -> Tuple[Any, Any]:
-        rec = unpack_record(data)
-        sample = self.decode(rec["image"]) if self.decode is not None else open_image(rec["image"])
-        target = rec["label"]
-        if self.transform is not None:
-            sample = self.transform(sample)
-        if self.target_transform is not None:
-            target = self.target_transform(target)
-        return sample, target
+        return to_sample(unpack_record(data), self.decode, self.transform, self.target_transform)
 
     def __repr__(self) -> str:
         return (f"PackedIterableDataset({self.root!r}, {len(self.reader)} records, "

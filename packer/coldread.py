@@ -18,7 +18,7 @@ import uuid
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 CGROUP_V1 = Path("/sys/fs/cgroup/blkio")
 
@@ -111,11 +111,7 @@ def whole_disk(path: os.PathLike) -> Tuple[Optional[str], str]:
 def storage(path: os.PathLike) -> str:
     """Filesystem type and, for block devices, sysfs's rotational flag (1 = HDD, or unknown
     to a virtual disk), e.g. ``"ext4 on vda, rotational"`` or ``"tmpfs (RAM)"``."""
-    try:
-        from .stage import fs_type
-        fs = fs_type(path) or "?"
-    except ImportError:  # pragma: no cover - stage.py not in this tree
-        fs = "?"
+    fs = fs_type(path) or "?"
     if fs in ("tmpfs", "ramfs"):
         return f"{fs} (RAM)"
     try:
@@ -127,6 +123,54 @@ def storage(path: os.PathLike) -> str:
     except (OSError, ValueError):
         pass
     return fs
+
+
+# -- filesystem type, memory ----------------------------------------------------------------
+
+def _meminfo() -> Dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    out: Dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def fs_type(path: os.PathLike) -> str:
+    """The type of the filesystem holding ``path`` ("tmpfs", "ext4"...), "" if unknown."""
+    best: Tuple[int, str] = (-1, "")
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = _unescape_mount(fields[1])
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best[0]:
+                    best = (len(mnt), fields[2])
+    except OSError:
+        pass
+    return best[1]
+
+
+def _unescape_mount(field_: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
+    out, i = [], 0
+    while i < len(field_):
+        if field_[i] == "\\" and i + 3 < len(field_) and field_[i + 1:i + 4].isdigit():
+            out.append(chr(int(field_[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field_[i])
+            i += 1
+    return "".join(out)
 
 
 # -- the throttle ----------------------------------------------------------------------------

@@ -15,29 +15,28 @@ writes a manifest with rewritten paths, so TARGET is self-contained and
 from __future__ import annotations
 
 import copy
-import errno
 import fcntl
-import hashlib
 import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from tqdm.auto import tqdm
 
 from . import __version__
+from .coldread import _meminfo, fs_type  # noqa: F401 - fs_type: also importable from here
 from .errors import FormatError, PackerError
-from .format import (HASH_CHUNK, LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, fsync_dir, read_manifest,
+from .format import (LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, fsync_dir, read_manifest,
                      write_json_atomic)
+from .stage_copy import (MOUNT_SCRIPT, TMP_SUFFIX, _check_and_rename, _copy_file, _disk_full,  # noqa: F401
+                         _human, _shell_quote)
 
 STAGE_MARKER = ".packer-stage.json"   # written first, kept: says "packer staged this folder"
 STAGE_LOCK = ".packer-stage.lock"     # flock'ed while staging, so concurrent stagers take turns
-TMP_SUFFIX = ".staging"
 RAM_FS = frozenset({"tmpfs", "ramfs"})
-MOUNT_SCRIPT = "scripts/mount_tmpfs.sh"
 
 
 def space_margin(need: int) -> int:
@@ -332,62 +331,6 @@ def _previous_names(target: Path) -> set:
     return names
 
 
-def _copy_file(f: _File, target: Path, dst: Path, progress) -> Path:
-    """Copy ``f`` whole to a temporary name in TARGET, hashing on the way; returns that name.
-
-    Reading, hashing and writing overlap (hashlib and file I/O release the GIL): chunk i is
-    hashed in a second thread while it is written and chunk i+1 is read.
-    """
-    tmp = target / ("." + f.name + TMP_SUFFIX)
-    h = hashlib.sha256()
-    size = 0
-    try:
-        with _disk_full(target / f.name, dst), ThreadPoolExecutor(1) as hasher, \
-                open(f.src, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as out:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            pending: List[Future] = []
-            while True:
-                chunk = src.read(HASH_CHUNK)  # a new buffer each time: the hasher may hold the last
-                if not chunk:
-                    break
-                pending.append(hasher.submit(h.update, chunk))  # one worker: in order
-                view, written = memoryview(chunk), 0
-                while written < len(chunk):
-                    written += out.write(view[written:])
-                size += len(chunk)
-                progress(len(chunk))
-                if len(pending) > 2:  # bound the memory held by chunks waiting to be hashed
-                    pending.pop(0).result()
-            for fut in pending:
-                fut.result()
-            out.flush()
-            os.fsync(out.fileno())
-        if size != f.bytes or (f.sha256 is not None and h.hexdigest() != f.sha256):
-            raise FormatError(f"{f.src} does not match its manifest entry (size {size} for "
-                              f"{f.bytes}, or a checksum mismatch): the source dataset is damaged; "
-                              f"run `packer verify` on it, and rebuild it")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def _check_and_rename(f: _File, tmp: Path, target: Path, progress) -> None:
-    """Re-read the copy (when ``progress`` is given: verify=True) and rename it into place."""
-    try:
-        if tmp.stat().st_size != f.bytes:
-            raise PackerError(f"the copy of {f.src} in {target} has the wrong size; re-run the "
-                              f"same command")
-        if progress is not None and f.sha256 is not None and file_sha256(tmp, progress) != f.sha256:
-            raise PackerError(f"the copy of {f.src} in {target} reads back differently from what "
-                              f"was written (failing memory or storage?); re-run the same command")
-        os.replace(tmp, target / f.name)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _check_space(dst: Path, target: Path, need: int, freeable: int, fstype: str) -> None:
     usage = shutil.disk_usage(target)
     free = usage.free + freeable
@@ -408,26 +351,6 @@ def _check_space(dst: Path, target: Path, need: int, freeable: int, fstype: str)
                     f"only {_human(avail)} of RAM is available (keeping {_human(keep)} for "
                     f"everything else); staging would push the machine into swap or the OOM "
                     f"killer. Free memory, or train from the disk copy")
-
-
-class _disk_full:
-    """ENOSPC while staging -> a PackerError that says a re-run resumes."""
-
-    def __init__(self, path: Path, dst: Path):
-        self.path, self.dst = path, dst
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            free = shutil.disk_usage(self.path.parent).free
-            raise PackerError(
-                f"{self.path.parent} filled up while staging {self.path.name} ({_human(free)} "
-                f"free); files already copied are kept. Make room (a bigger tmpfs: "
-                f"{MOUNT_SCRIPT} --for {_shell_quote(str(self.dst))} MOUNTPOINT) and re-run "
-                f"the same command to resume") from exc
-        return False
 
 
 # -- unstage ---------------------------------------------------------------------------------
@@ -477,82 +400,6 @@ def unstage(target: os.PathLike) -> UnstageResult:
     except OSError:
         pass
     return UnstageResult(target=target, removed=removed, bytes_freed=freed, removed_dir=removed_dir)
-
-
-# -- several GPUs per node -------------------------------------------------------------------
-
-def local_rank_from_env() -> Optional[int]:
-    """This process's rank within its node, from torchrun, SLURM or Open MPI variables."""
-    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
-        value = os.environ.get(var)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                raise PackerError(f"{var}={value!r} is not an integer") from None
-    return None
-
-
-def stage_once_per_node(dst: os.PathLike, target: os.PathLike, *, local_rank: Optional[int] = None,
-                        timeout: float = 4 * 3600, **kwargs) -> StageResult:
-    """Stage once per node under ``torch.distributed``: local rank 0 copies, the others wait.
-
-    Call it on every rank (it is a collective when torch.distributed is initialised), before
-    building the dataset, with a node-local ``target`` such as ``/dev/shm/train``::
-
-        res = stage_once_per_node("/data/packed/train", "/dev/shm/train")
-        ds = PackedDataset(res.target, transform=...)
-
-    The wait is an all-reduce over a gloo group created with ``timeout`` seconds (default
-    4 h, since copying a big dataset can outlast the default collective timeout); it also
-    carries failure, so if staging fails on any node every rank raises instead of hanging.
-    Without torch.distributed (or with one process) it simply stages. ``local_rank`` defaults
-    to LOCAL_RANK (torchrun), SLURM_LOCALID or OMPI_COMM_WORLD_LOCAL_RANK. Other keyword
-    arguments go to ``stage``; non-zero local ranks return a result with ``waited=True``.
-    """
-    import datetime
-
-    try:
-        import torch
-        import torch.distributed as dist
-        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    except ImportError:  # pragma: no cover - torch is a dependency
-        active = False
-    if not active:
-        return stage(dst, target, **kwargs)
-    if local_rank is None:
-        local_rank = local_rank_from_env()
-    if local_rank is None:
-        raise PackerError("stage_once_per_node needs this process's rank within its node: "
-                          "launch with torchrun (sets LOCAL_RANK) or pass local_rank=")
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-    try:
-        result: Optional[StageResult] = None
-        error: Optional[BaseException] = None
-        if local_rank == 0:
-            try:
-                result = stage(dst, target, **kwargs)
-            except Exception as e:  # reported to every rank below, re-raised here
-                error = e
-        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    finally:
-        dist.destroy_process_group(group)
-    if error is not None:
-        raise error
-    if int(flag.item()) == 0:
-        raise PackerError(f"staging {dst} to {target} failed on local rank 0 of this or another "
-                          f"node (see that rank's error); fix it and restart the job")
-    if result is not None:
-        return result
-    target = Path(target)
-    man = read_manifest(target)  # cheap: local rank 0 just verified every byte
-    waited = StageResult(source=Path(dst), target=target, waited=True, fstype=fs_type(target),
-                         swap=_meminfo().get("SwapTotal", 0) > 0)
-    tables = [man[kind] for kind, _ in TABLES if kind in man]
-    waited.kept = [s["path"] for s in man["shards"]] + [t["path"] for t in tables]
-    waited.bytes_total = sum(s["bytes"] for s in man["shards"]) + sum(int(t.get("bytes", 0)) for t in tables)
-    return waited
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -623,60 +470,5 @@ def _bar(progress: bool, total: int, desc: str):
                 disable=not progress or total == 0, dynamic_ncols=True, leave=False)
 
 
-def _meminfo() -> Dict[str, int]:
-    """/proc/meminfo in bytes (empty where there is none)."""
-    out: Dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except (OSError, ValueError):
-        pass
-    return out
-
-
-def fs_type(path: os.PathLike) -> str:
-    """The type of the filesystem holding ``path`` ("tmpfs", "ext4"...), "" if unknown."""
-    best: Tuple[int, str] = (-1, "")
-    try:
-        real = os.path.realpath(path)
-        with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mnt = _unescape_mount(fields[1])
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best[0]:
-                    best = (len(mnt), fields[2])
-    except OSError:
-        pass
-    return best[1]
-
-
-def _unescape_mount(field_: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
-    out, i = [], 0
-    while i < len(field_):
-        if field_[i] == "\\" and i + 3 < len(field_) and field_[i + 1:i + 4].isdigit():
-            out.append(chr(int(field_[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field_[i])
-            i += 1
-    return "".join(out)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def _shell_quote(s: str) -> str:
-    import shlex
-    return shlex.quote(s)
+# Staging once per node lives in stage_node.py; importable from here as before.
+from .stage_node import local_rank_from_env, stage_once_per_node  # noqa: E402,F401

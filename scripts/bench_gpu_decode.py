@@ -559,7 +559,7 @@ def main():
     if a.dry_run:
         dev, decoders = torch.device("cpu"), {"pil": pil_decoder}
     else:
-        from packer.gpu_decode import NvjpegDecoder, _nvjpeg
+        from packer.nvjpeg import NvjpegDecoder, _nvjpeg
         dev = torch.device("cuda", torch.cuda.current_device())
         decoders = {"torchvision": _nvjpeg}  # GPUDecoder's default where installed
         try:

@@ -1,0 +1,183 @@
+"""GPU augmentation maths for ``packer.gpu_decode``: crop boxes (torchvision's
+RandomResizedCrop / CenterCrop maths, vectorised) and :func:`resample_crops` (crop +
+antialiased bilinear resize + flip of a whole batch as two batched matmuls).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["center_crop_boxes", "random_resized_crop_boxes", "resample_crops"]
+
+# -- crop boxes (torchvision's maths, vectorised; CPU float64) ------------------------------
+
+def random_resized_crop_boxes(sizes: torch.Tensor, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), *,
+                              generator: Optional[torch.Generator] = None,
+                              tries: int = 10) -> torch.Tensor:
+    """RandomResizedCrop boxes ``(x0, y0, x1, y1)`` for images of ``sizes`` ``(B, 2)`` (h, w):
+    torchvision's 10 tries of (area, log-ratio), the first that fits, else its central
+    fallback; the same maths as ``DecodeRandomResizedCrop.box``, for a batch at once."""
+    h, w = sizes[:, 0].double(), sizes[:, 1].double()
+    b = len(h)
+    u = torch.rand(b, tries, 4, dtype=torch.float64, generator=generator)
+    target = (h * w)[:, None] * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    r = torch.exp(lo + (hi - lo) * u[..., 1])
+    cw, ch = torch.round(torch.sqrt(target * r)), torch.round(torch.sqrt(target / r))
+    ok = (cw > 0) & (cw <= w[:, None]) & (ch > 0) & (ch <= h[:, None])
+    k = ok.to(torch.uint8).argmax(1, keepdim=True)  # first try that fits
+    pick = lambda t: t.gather(1, k).squeeze(1)  # noqa: E731
+    cw, ch = pick(cw), pick(ch)
+    x = torch.floor(pick(u[..., 2]) * (w - cw + 1))
+    y = torch.floor(pick(u[..., 3]) * (h - ch + 1))
+    # Fallback: the whole image, clamped to the ratio range, centred.
+    ar = w / h
+    fw = torch.where(ar > ratio[1], torch.round(h * ratio[1]), w)
+    fh = torch.where(ar < ratio[0], torch.round(w / ratio[0]), h)
+    has = ok.any(1)
+    cw, ch = torch.where(has, cw, fw), torch.where(has, ch, fh)
+    x = torch.where(has, x, torch.floor((w - fw) / 2))
+    y = torch.where(has, y, torch.floor((h - fh) / 2))
+    return torch.stack([x, y, x + cw, y + ch], 1)
+
+
+def center_crop_boxes(sizes: torch.Tensor, size: Tuple[int, int],
+                      crop_fraction: float = 0.875) -> torch.Tensor:
+    """Evaluation boxes: ``DecodeCenterCrop.box`` (Resize(size/crop_fraction) + CenterCrop)."""
+    h, w = sizes[:, 0].double(), sizes[:, 1].double()
+    oh, ow = size
+    s = torch.minimum(w, h) * crop_fraction / min(oh, ow)
+    cw, ch = torch.minimum(w, ow * s), torch.minimum(h, oh * s)
+    x, y = (w - cw) / 2, (h - ch) / 2
+    return torch.stack([x, y, x + cw, y + ch], 1)
+
+
+# -- batched crop + resize ------------------------------------------------------------------
+
+def resample_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Tuple[int, int],
+                   flips: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
+                   scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
+                   sizes: Optional[torch.Tensor] = None, budget: int = 512 << 20) -> torch.Tensor:
+    """Crop ``boxes`` out of ``images`` (uint8 (3, h, w), any sizes and strides, one device),
+    resize each to ``size`` (h, w), flip where ``flips``, write ``x * scale + shift``.
+
+    The filter is PIL's BILINEAR with a box (triangle, support widened by the downscale
+    factor, so antialiased), the one the CPU decoders use: outputs match PIL to rounding.
+    Being separable, it is two matrix products per image, ``Wy @ image @ Wx^T``, done as
+    two batched matmuls (float16 on the GPU, float32 on the CPU). Images are zero-padded to
+    a common size with nested tensors (one C++ call and one kernel, not a Python loop:
+    per-image Python work would hold the GIL the decode thread needs), in groups of similar
+    size and orientation so padding stays under ``budget`` bytes. Flipping walks ``Wx``
+    backwards. ``sizes`` ((B, 2) h, w) saves reading the shapes. ``out`` (default float32)
+    may be any dtype and memory format; for uint8 the result is rounded, scale/shift unused.
+    """
+    b = len(images)
+    oh, ow = size
+    device = boxes.device if not images else images[0].device
+    if out is None:
+        out = torch.empty((b, 3, oh, ow), dtype=torch.float32, device=device)
+    if b == 0:
+        return out
+    cdt = torch.float16 if device.type == "cuda" else torch.float32
+    if sizes is None:
+        sizes = torch.tensor([tuple(im.shape[-2:]) for im in images])
+    hw = sizes.to("cpu", torch.float64)
+    boxes = boxes.to("cpu", torch.float64)
+    flips = torch.zeros(b, dtype=torch.bool) if flips is None else flips.to("cpu", torch.bool)
+    # Per axis: centre of output pixel i is start + (i + 0.5) * step; filter scale
+    # max(step, 1); pixels at or past the image's size get no weight (padding).
+    x0, y0, x1, y1 = boxes.unbind(1)
+    sy, sx = (y1 - y0) / oh, (x1 - x0) / ow
+    params = torch.stack([y0, sy, sy.clamp(min=1), hw[:, 0], torch.where(flips, x1, x0),
+                          torch.where(flips, -sx, sx), sx.clamp(min=1), hw[:, 1]], 1)
+    params = _to(params.float(), device)
+    # Greedy groups in (orientation, area) order, so portrait and landscape images do not
+    # pad each other to a square.
+    h_l, w_l = sizes[:, 0].tolist(), sizes[:, 1].tolist()
+    order = sorted(range(b), key=lambda i: (h_l[i] > w_l[i], h_l[i] * w_l[i]), reverse=True)
+    el = 2 if cdt == torch.float16 else 4
+    chunks, cur, mh, mw = [], [], 0, 0
+    for i in order:
+        nh, nw = max(mh, h_l[i]), max(mw, w_l[i])
+        if cur and (len(cur) + 1) * 3 * _up8(nh) * _up8(nw) * el > budget:
+            chunks.append(cur)
+            cur, nh, nw = [], h_l[i], w_l[i]
+        cur.append(i)
+        mh, mw = nh, nw
+    chunks.append(cur)
+    whole = len(chunks) == 1
+    if whole:
+        chunks = [list(range(b))]  # one group: keep the batch order, no index_copy
+    uint8 = out.dtype == torch.uint8
+    if not uint8:
+        scale = torch.ones(1, 3, 1, 1, device=device) if scale is None else scale
+        shift = torch.zeros(1, 3, 1, 1, device=device) if shift is None else shift
+    for idx in chunks:
+        n = len(idx)
+        x = _pad([images[i] for i in idx], cdt)                  # (n, 3, hc, wc)
+        hc, wc = x.shape[-2:]
+        p = params if whole else params[_to(torch.tensor(idx), device)]
+        wy, sy_ = _weights(p[:, 0:4], oh, hc, cdt)               # (n, oh, hc), (n, oh)
+        wx, sx_ = _weights(p[:, 4:8], ow, wc, cdt)               # (n, ow, wc), (n, ow)
+        t = torch.bmm(x.view(n, 3 * hc, wc), wx.transpose(1, 2))  # (n, 3 * hc, ow)
+        del x
+        t = t.view(n, 3, hc, ow).transpose(1, 2).reshape(n, hc, 3 * ow)
+        o = torch.bmm(wy, t)                                     # (n, oh, 3 * ow)
+        o = o.view(n, oh, 3, ow).permute(0, 2, 1, 3)             # (n, 3, oh, ow)
+        norm = (sy_[:, :, None] * sx_[:, None, :]).reciprocal_()[:, None]  # (n, 1, oh, ow)
+        if uint8:
+            res = (o * norm).round_().clamp_(0, 255)
+        else:
+            res = torch.addcmul(shift, o, norm * scale)              # (n, 3, oh, ow) float32
+        if whole:
+            out.copy_(res)
+        else:
+            out.index_copy_(0, _to(torch.tensor(idx), device), res.to(out.dtype))
+    return out
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor to ``device`` without waiting for the stream's queued work (a
+    copy from pageable memory would block this thread until the GPU catches up)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _up8(v: int) -> int:
+    return (v + 7) // 8 * 8  # tensor-core friendly matmul sizes
+
+
+_NESTED_WARNING = [False]
+
+
+def _pad(images: List[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """(n, 3, H, W) ``dtype``, each image top-left, zeros elsewhere; H, W multiples of 8."""
+    if not _NESTED_WARNING[0]:  # torch warns once that nested tensors are a prototype API
+        _NESTED_WARNING[0] = True
+        warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors", category=UserWarning)
+    hm, wm = max(im.shape[-2] for im in images), max(im.shape[-1] for im in images)
+    nt = torch.nested.nested_tensor(list(images), dtype=dtype)
+    return nt.to_padded_tensor(0.0, (len(images), 3, _up8(hm), _up8(wm)))
+
+
+def _weights(p: torch.Tensor, n_out: int, width: int, dtype: torch.dtype):
+    """Resampling matrices (B, n_out, width) in ``dtype`` from per-image (start, step,
+    filter scale, valid width): PIL's triangle filter, unnormalised, plus each row's sum
+    over the valid pixels (B, n_out) to divide the result by. Five passes over the matrix,
+    in ``dtype`` but for the first: it is the largest temporary of the resample."""
+    start, step, fs, valid = (p[:, k:k + 1] for k in range(4))
+    inv = 1.0 / fs
+    centre = (start + (torch.arange(n_out, device=p.device, dtype=p.dtype) + 0.5) * step) * inv
+    j = torch.arange(width, device=p.device, dtype=p.dtype) + 0.5
+    w = torch.empty((len(p), n_out, width), dtype=dtype, device=p.device)
+    torch.addcmul(-centre[:, :, None], j, inv[:, :, None], out=w)  # (j - centre) / fs
+    w.abs_().neg_().add_(1).clamp_(min=0)
+    mask = (j < valid).to(dtype)[:, :, None]                       # (B, width, 1)
+    return w, torch.bmm(w, mask).squeeze(2).float().clamp_(min=1e-12)
+
+
+# -- the GPU stage ---------------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""The decode and augment threads behind ``packer.gpu_decode.GPUDecoder``: each on its own
+CUDA stream, joined by bounded queues; errors travel to the consumer.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+
+from .loader import _drain
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .gpu_decode import GPUDecoder
+
+
+_END = object()
+
+
+class _Raised:
+    __slots__ = ("exc", "where")
+
+    def __init__(self, exc: BaseException, where: str):
+        self.exc, self.where = exc, where
+
+
+class _Pipeline:
+    """The decode and augment threads (one for ``overlap=1``), joined by bounded queues.
+
+    Threads hold no reference to the consumer's generator, so an abandoned loop can be
+    collected; ``close`` stops them, drains the queues and joins, before the loader's
+    iterator may be reused (persistent workers reset the same iterator object).
+    """
+
+    def __init__(self, dec: GPUDecoder, it):
+        self.stop, self.stats = threading.Event(), dec.stats
+        self.out: queue.Queue = queue.Queue(dec.prefetch)
+        self.queues = [self.out]
+        s_dec, s_aug = dec._streams
+        src = lambda: next(it)  # noqa: E731
+        if dec.overlap == 1:
+            stages = [("decode+augment", src, lambda b: dec._augment(dec._decode(b)), s_dec, self.out)]
+        else:
+            mid: queue.Queue = queue.Queue(dec.prefetch)
+            self.queues.append(mid)
+
+            def handoff(item):  # decoded on s_dec, augmented on s_aug
+                (images, sizes, labels), event = item
+                if event is not None:
+                    s_aug.wait_event(event)
+                    for t in images:
+                        t.record_stream(s_aug)
+                    labels.record_stream(s_aug)
+                return dec._augment((images, sizes, labels))
+            stages = [("decode", src, dec._decode, s_dec, mid),
+                      ("augment", self._getter(mid), handoff, s_aug, self.out)]
+        self.threads = [threading.Thread(target=self._run, args=st, daemon=True,
+                                         name=f"packer-gpu-{st[0]}") for st in stages]
+        for t in self.threads:
+            t.start()
+
+    def _getter(self, q):
+        def get():
+            item = self._get(q)
+            if item is _END:
+                raise StopIteration
+            if isinstance(item, _Raised):
+                raise _Forward(item)
+            return item
+        return get
+
+    def _run(self, where, source, fn, stream, q) -> None:
+        try:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                clock, wait = time.perf_counter, "loader" if where.startswith("decode") else None
+                while not self.stop.is_set():
+                    t0 = clock()
+                    try:
+                        item = source()
+                    except StopIteration:
+                        break
+                    t1 = clock()
+                    res = fn(item)
+                    if wait:
+                        self.stats.add_time(wait, t1 - t0)
+                    self.stats.add_time(where, clock() - t1)
+                    event = None
+                    if stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                    self._put(q, (res, event))
+                    del item, res
+            self._put(q, _END)
+        except _Forward as f:
+            self._put(q, f.raised)
+        except BaseException as e:  # noqa: B902 - everything reaches the consumer
+            self._put(q, _Raised(e, where))
+
+    def _put(self, q, item) -> None:
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                pass
+
+    def _get(self, q):
+        while True:
+            try:
+                return q.get(timeout=0.05)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return _END
+
+    def get(self):
+        item = self._get(self.out)
+        if isinstance(item, _Raised):
+            exc = item.exc
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised in packer's GPU {item.where} thread)")
+            raise exc
+        return item
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.stop.set()
+        for t in self.threads:
+            waited = 0.0
+            while t.is_alive() and waited < timeout:  # a stuck loader leaves a daemon thread
+                for q in self.queues:
+                    _drain(q)
+                t.join(0.05)
+                waited += 0.05
+        for q in self.queues:
+            _drain(q)
+
+
+class _Forward(Exception):
+    def __init__(self, raised: _Raised):
+        super().__init__(raised.where)
+        self.raised = raised

@@ -1,0 +1,152 @@
+"""nvJPEG decoders for ``packer.gpu_decode``: torchvision's batched ``decode_jpeg``
+(``_nvjpeg``) and :class:`NvjpegDecoder`, libnvjpeg called directly through ctypes.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import List, Optional, Tuple
+
+import torch
+
+__all__ = ["NvjpegDecoder"]
+
+
+def _nvjpeg(datas: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+    """torchvision's batched nvJPEG decode (the ``backend="torchvision"`` decoder)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    return decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
+
+
+class _Image(ctypes.Structure):  # nvjpegImage_t (nvJPEG >= 11: size_t pitches)
+    _fields_ = [("channel", ctypes.c_void_p * 4), ("pitch", ctypes.c_size_t * 4)]
+
+
+class NvjpegDecoder:
+    """nvJPEG's batched decoder called directly (ctypes): GPU decoding without torchvision.
+
+    Same library and hardware engine as torchvision's decoder (pixels are identical), one
+    output allocation per batch instead of one per image, and the work on a stream of
+    ``priority`` (default: the highest). The priority was meant to let decoding overtake a
+    training step's queued kernels; measured on an H200 it does not (docs/gpu_decode.md),
+    so torchvision stays the default where installed. The hardware engine (A100/H100/H200)
+    is used when nvJPEG has it, else its default backend. Raises OSError/RuntimeError when
+    libnvjpeg cannot be loaded or set up. Calls are serialised by a lock (one nvJPEG state);
+    :meth:`shared` gives one instance per device, as nvJPEG handles are never freed here
+    (freeing them at interpreter exit can run after CUDA has shut down).
+    """
+    _shared: dict = {}
+
+    @classmethod
+    def shared(cls, device: torch.device) -> "NvjpegDecoder":
+        if device not in cls._shared:
+            cls._shared[device] = cls(device)
+        return cls._shared[device]
+
+    def __init__(self, device: torch.device, *, hardware: bool = True, priority: Optional[int] = None):
+        self.lib = lib = _load_nvjpeg()
+        vp, pp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+        lib.nvjpegCreateEx.argtypes = [ctypes.c_int, vp, vp, ctypes.c_uint, pp]
+        lib.nvjpegJpegStateCreate.argtypes = [vp, pp]
+        lib.nvjpegDecodeBatchedInitialize.argtypes = [vp, vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.nvjpegDecodeBatched.argtypes = [vp, vp, pp, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(_Image), vp]
+        ip = ctypes.POINTER(ctypes.c_int)
+        lib.nvjpegGetImageInfo.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
+        self.handle, self.state = vp(), vp()
+        self.backend = "hardware"
+        status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(self.handle)) if hardware else -1
+        if status != 0:  # no hardware engine (status 8: arch mismatch): nvJPEG picks a backend
+            self.backend = "default"
+            status = lib.nvjpegCreateEx(0, None, None, 0, ctypes.byref(self.handle))
+        _check(status, "nvjpegCreateEx")
+        _check(lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
+        if priority is None:
+            priority = torch.cuda.Stream.priority_range()[1]  # the highest
+        self.device = device
+        self.stream = torch.cuda.Stream(device, priority=priority)
+        self._batch = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, datas: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+        with self._lock:
+            return self._decode(datas, device)
+
+    def _decode(self, datas: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+        n = len(datas)
+        if n == 0:
+            return []
+        shapes = [self._size(d) for d in datas]
+        offs = [0]
+        for h, w in shapes:
+            offs.append(offs[-1] + 3 * h * w)
+        out = torch.empty(offs[-1], dtype=torch.uint8, device=device)
+        base = out.data_ptr()
+        images = (_Image * n)()
+        for i, (h, w) in enumerate(shapes):
+            for c in range(3):  # planar RGB straight into (3, h, w) tensors
+                images[i].channel[c] = base + offs[i] + c * h * w
+                images[i].pitch[c] = w
+        ptrs = (ctypes.c_void_p * n)(*[d.data_ptr() for d in datas])
+        lens = (ctypes.c_size_t * n)(*[d.numel() for d in datas])
+        # The allocation above belongs to the caller's stream; make ours wait for it.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        if self._batch != n:
+            _check(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, 3),
+                   "nvjpegDecodeBatchedInitialize")
+            self._batch = n
+        status = self.lib.nvjpegDecodeBatched(self.handle, self.state, ptrs, lens, images,
+                                              ctypes.c_void_p(self.stream.cuda_stream))
+        if status != 0:
+            self._batch = 0  # nvJPEG asks for a fresh initialize after a failed batch
+            _check(status, "nvjpegDecodeBatched")
+        # Wait here (GIL released): the host bitstreams and nvJPEG's state are free again,
+        # and the images are complete whatever stream reads them next.
+        self.stream.synchronize()
+        return [out[offs[i]:offs[i + 1]].view(3, h, w) for i, (h, w) in enumerate(shapes)]
+
+    def _size(self, data: torch.Tensor) -> Tuple[int, int]:
+        comps, sub = ctypes.c_int(), ctypes.c_int()
+        w, h = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
+        _check(self.lib.nvjpegGetImageInfo(self.handle, data.data_ptr(), data.numel(),
+                                           ctypes.byref(comps), ctypes.byref(sub), w, h),
+               "nvjpegGetImageInfo")
+        return h[0], w[0]
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with nvJPEG status {status}")
+
+
+_NVJPEG_LIB = []
+
+
+def _load_nvjpeg():
+    """libnvjpeg: torchvision's bundled copy first (it matches torch's CUDA), then the
+    system's (CUDA toolkit, nvidia-nvjpeg wheels)."""
+    if _NVJPEG_LIB:
+        return _NVJPEG_LIB[0]
+    import ctypes.util
+    import glob
+    import importlib.util
+    names = []
+    try:
+        spec = importlib.util.find_spec("torchvision")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        root = os.path.dirname(os.path.dirname(spec.origin))
+        names += sorted(glob.glob(os.path.join(root, "torchvision.libs", "libnvjpeg*.so*")))
+    names += [n for n in (ctypes.util.find_library("nvjpeg"),) if n]
+    names += ["libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so.11", "libnvjpeg.so"]
+    errors = []
+    for name in names:
+        try:
+            _NVJPEG_LIB.append(ctypes.CDLL(name))
+            return _NVJPEG_LIB[0]
+        except OSError as e:
+            errors.append(str(e))
+    raise OSError("libnvjpeg not found (install torchvision, or the CUDA toolkit's nvJPEG): "
+                  + "; ".join(errors[-2:]))

@@ -7,6 +7,7 @@ shipped with packer into ImageNet-like files (shorter side 300-500 px, quality 7
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import random
@@ -55,7 +56,7 @@ def _noise(w: int, h: int, sigma: float, seed: int) -> Image.Image:
     import torch
     g = torch.Generator().manual_seed(seed)
     n = (torch.randn(h, w, generator=g) * sigma + 128).clamp_(0, 255).to(torch.uint8)
-    return Image.frombytes("L", (w, h), n.numpy().tobytes())
+    return Image.frombytes("L", (w, h), ctypes.string_at(n.data_ptr(), n.numel()))  # no numpy needed
 
 
 def make_image_folder(root: os.PathLike, *, images: int = 200, classes: int = 10,

@@ -181,9 +181,9 @@ def _work(task) -> Tuple[int, str, object, int, int]:
 def _stored(root: Path, rel: str, label: int, checked) -> Optional[bytes]:
     """The record of a file a worker checked, its bytes read again here, from the page cache.
 
-    Cheaper than shipping them back through a pipe (pickle, two copies, many syscalls): on a
-    2-core machine that IPC cost the writer a fifth of the build's speed. The checksum makes
-    sure the bytes stored are the bytes checked; None if the file changed in between.
+    Cheaper than shipping them back through a pipe (pickle, two copies, many syscalls) on
+    machines where the writer shares few cores with the workers. The checksum makes sure
+    the bytes stored are the bytes checked; None if the file changed in between.
     """
     crc, width, height, fmt, mode = checked
     try:

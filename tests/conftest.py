@@ -250,3 +250,13 @@ def run_packer(*args, check=True, **kw) -> subprocess.CompletedProcess:
         raise AssertionError(f"packer {' '.join(map(str, args))} exited {proc.returncode}:\n"
                              f"{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def quiet_build(src, dst, **kw):
+    """``build`` in this process, no progress bar, warnings (empty classes...) silenced."""
+    from packer.build import build
+    kw.setdefault("progress", False)
+    kw.setdefault("workers", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build(src, dst, **kw)

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import io
 import json
-import warnings
 
 import pytest
 from PIL import Image
 
-from conftest import bomb_png, corrupt_header_jpeg, corrupt_png, encode, small_photo
-from packer.build import build
+from conftest import bomb_png, corrupt_header_jpeg, corrupt_png, encode, quiet_build, small_photo
 from packer.errors import FormatError, PackerError
 from packer.format import read_manifest
 from packer.imaging import DEFAULT_MAX_PIXELS, BadImage, check_image
@@ -24,14 +22,6 @@ REASON_PREFIX = {  # what each kind of broken file is reported as
     "decompression bomb": "decompression bomb: ",
     "unreadable": "unreadable: No such file or directory",
 }
-
-
-def quiet_build(src, dst, **kw):
-    kw.setdefault("progress", False)
-    kw.setdefault("workers", 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build(src, dst, **kw)
 
 
 def test_every_broken_file_is_skipped_with_its_reason(odd_tree, odd_built):

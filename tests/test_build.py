@@ -8,7 +8,6 @@ import re
 import struct
 import subprocess
 import sys
-import warnings
 import zlib
 from pathlib import Path
 
@@ -18,10 +17,10 @@ import pytest
 from PIL import Image
 
 import packer
-from conftest import encode, image_files, imagefolder_rule
+from conftest import encode, image_files, imagefolder_rule, quiet_build
 from packer import format as fmt
 from packer import writer as writer_mod
-from packer.build import build, merge
+from packer.build import merge
 from packer.errors import FormatError, PackerError
 from packer.imaging import Transcode
 from packer.inspect import ls, verify
@@ -29,14 +28,6 @@ from packer.reader import ShardReader, read_labels
 from packer.writer import ShardWriter
 
 PACKER_DIR = Path(packer.__file__).parent
-
-
-def quiet_build(src, dst, **kw):
-    kw.setdefault("progress", False)
-    kw.setdefault("workers", 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build(src, dst, **kw)
 
 
 def records(root):
@@ -235,7 +226,7 @@ def test_finished_dst_needs_overwrite(photo_src, tmp_path):
 
 def test_shuffle_seed_is_reproducible_and_a_permutation(photo_src, tmp_path):
     order = lambda d: [p for _, _, p in ls(d)]  # noqa: E731
-    plain = quiet_build(photo_src, tmp_path / "plain", shard_size=1 << 20)
+    quiet_build(photo_src, tmp_path / "plain", shard_size=1 << 20)
     a = quiet_build(photo_src, tmp_path / "a", shuffle=True, seed=3, shard_size=1 << 20).manifest
     b = quiet_build(photo_src, tmp_path / "b", shuffle=True, seed=3, shard_size=1 << 20, workers=2).manifest
     quiet_build(photo_src, tmp_path / "c", shuffle=True, seed=4, shard_size=1 << 20)

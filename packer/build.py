@@ -65,6 +65,8 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
     if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
         raise PackerError(f"--shard-size must be between 1 MiB and 64 GiB, got {shard_size}: "
                           f"shards are mapped whole into each reader's address space")
+    if max_pixels < 1:
+        raise PackerError(f"--max-pixels must be a positive pixel count, got {max_pixels}")
     workers = default_workers() if workers is None else workers
     if workers < 0:
         raise PackerError("--workers must be >= 0 (0 checks images in this process)")

@@ -52,13 +52,14 @@ def library_errors(fn):
 def _warnings_as_lines():
     """Show packer's warnings (e.g. an empty class folder) as one ``Warning: ...`` line each
     on stderr when they happen, instead of Python's ``file:line: Category: ...`` form."""
-    from .source import EmptyClassWarning
+    from .source import EmptyClassWarning, SymlinkLoopWarning
     with warnings.catch_warnings():
         warnings.simplefilter("always", EmptyClassWarning)
+        warnings.simplefilter("always", SymlinkLoopWarning)
         show = warnings.showwarning
 
         def showwarning(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, EmptyClassWarning):
+            if issubclass(category, (EmptyClassWarning, SymlinkLoopWarning)):
                 click.echo(f"Warning: {message}", err=True)
             else:
                 show(message, category, filename, lineno, file, line)
@@ -113,7 +114,7 @@ def main():
                    "join the parts with `packer merge`.")
 @click.option("--strict", is_flag=True, help="Fail (exit 1, no dataset) on the first bad image "
                                              "instead of skipping it.")
-@click.option("--max-pixels", type=int, default=None,
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Skip images with more pixels than this (decompression bombs) "
                    "[default: PIL's limit, 89,478,485].")
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")

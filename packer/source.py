@@ -23,6 +23,10 @@ class EmptyClassWarning(UserWarning):
     """A class folder holds no image: it keeps its label (as in ImageFolder) but has no samples."""
 
 
+class SymlinkLoopWarning(UserWarning):
+    """A folder links back to one of its ancestors; walking it would never end."""
+
+
 @dataclass(frozen=True)
 class Source:
     """What to pack: ``entries`` are ``(path relative to root, label)`` in build order."""
@@ -78,7 +82,7 @@ def scan_folder(root: os.PathLike) -> Source:
     entries: List[Tuple[str, int]] = []
     for label, cls in enumerate(classes):
         before = len(entries)
-        for dirpath, _, fnames in sorted(os.walk(root / cls, followlinks=True)):
+        for dirpath, _, fnames in sorted(_walk(root / cls)):
             rel_dir = os.path.relpath(dirpath, root)
             for fname in sorted(fnames):
                 if is_image_file(fname):
@@ -87,6 +91,23 @@ def scan_folder(root: os.PathLike) -> Source:
             warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "
                           f"but contributes no samples", EmptyClassWarning, stacklevel=2)
     return Source(root, classes, entries)
+
+
+def _walk(top: Path):
+    """``os.walk(top, followlinks=True)`` (ImageFolder's walk), minus symlink loops.
+
+    A link back to a folder's own ancestor would make os.walk descend until paths grow too
+    long, packing the same images hundreds of times; such links are skipped with a warning.
+    """
+    for dirpath, dirnames, fnames in os.walk(top, followlinks=True):
+        here = os.path.realpath(dirpath)
+        for d in list(dirnames):
+            there = os.path.realpath(os.path.join(dirpath, d))
+            if here == there or here.startswith(there.rstrip(os.sep) + os.sep):
+                dirnames.remove(d)
+                warnings.warn(f"skipping {os.path.join(dirpath, d)}: a symlink back to its own "
+                              f"ancestor {there} (a loop)", SymlinkLoopWarning, stacklevel=3)
+        yield dirpath, dirnames, fnames
 
 
 def read_list(root: os.PathLike, list_file: os.PathLike) -> Source:

@@ -250,3 +250,11 @@ def test_size_param(text, want):
 def test_size_param_rejects_garbage():
     with pytest.raises(click.BadParameter, match="is not a size"):
         Size().convert("M", None, None)
+
+
+def test_max_pixels_must_be_positive(tmp_path):
+    from click.testing import CliRunner
+    from packer.cli import main
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "src"), str(tmp_path / "dst"), "--max-pixels", "0"])
+    assert r.exit_code == 2 and "--max-pixels" in r.output

@@ -208,3 +208,14 @@ def test_class_folder_name_that_is_not_utf8(tmp_path):
     os.mkdir(os.path.join(os.fsencode(tmp_path), b"caf\xe9"))
     with pytest.raises(PackerError, match=r"class folder 'caf\\xe9' in .* not valid UTF-8.*rename it"):
         scan_folder(tmp_path)
+
+
+def test_symlink_loop_is_skipped_with_a_warning_not_walked_forever(tmp_path):
+    from packer.source import SymlinkLoopWarning, scan_folder
+    (tmp_path / "cat" / "sub").mkdir(parents=True)
+    (tmp_path / "cat" / "a.jpg").write_bytes(b"x")
+    (tmp_path / "cat" / "sub" / "b.jpg").write_bytes(b"x")
+    (tmp_path / "cat" / "sub" / "loop").symlink_to(tmp_path / "cat", target_is_directory=True)
+    with pytest.warns(SymlinkLoopWarning, match="loop"):
+        src = scan_folder(tmp_path)
+    assert [p for p, _ in src.entries] == ["cat/a.jpg", "cat/sub/b.jpg"]

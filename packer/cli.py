@@ -130,7 +130,8 @@ def build(src, dst, list_file, shard_size, workers, max_side, short_side, qualit
     and listed in the manifest (see `packer info DST`).
 
     Image bytes are stored unchanged unless --max-side/--short-side/--quality ask for
-    smaller JPEGs, which decode several times faster in training.
+    smaller JPEGs, which decode faster in training (--short-side 256: 1.6-2.1x per
+    core, docs/benchmarks.md).
 
     An interrupted build (Ctrl-C, kill, power loss) leaves no dataset that readers accept;
     re-run the same command to resume after the last finished shard.
@@ -287,7 +288,7 @@ def doctor():
     click.echo(f"python   {sys.version.split()[0]}")
     click.echo(f"PIL      {pil_summary()}")
     if not pil_info()["simd"]:
-        click.echo("         Pillow-SIMD resizes several times faster: scripts/install_pillow_simd.sh")
+        click.echo("         Pillow-SIMD has SIMD resize and convert: scripts/install_pillow_simd.sh")
     cuda = torch.cuda.is_available()
     click.echo(f"torch    {torch.__version__}; CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'not available'}")
     click.echo(f"cores    {default_workers()} usable of {os.cpu_count()}")

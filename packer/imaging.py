@@ -47,7 +47,7 @@ def pil_info() -> Dict[str, object]:
 def pil_summary() -> str:
     i = pil_info()
     jpeg = f"libjpeg-turbo {i['jpeg_version']}" if i["libjpeg_turbo"] else f"libjpeg {i['jpeg_version']}"
-    hint = "" if i["simd"] else " (install Pillow-SIMD for faster resizes: scripts/install_pillow_simd.sh)"
+    hint = "" if i["simd"] else " (Pillow-SIMD adds SIMD resizes: scripts/install_pillow_simd.sh)"
     return f"{i['flavour']} {i['version']}, {jpeg}{hint}"
 
 

@@ -7,7 +7,7 @@ Each record is fetched with one ``pread`` at the byte range that ``offsets.u64``
 at build time) gives, not through LMDB's map: py-lmdb touches every page of a value it
 returns, and with ``readahead=False`` (right for random access, or the page cache fills
 with neighbours never read) each touch is one 4 KiB disk read — ~17 I/Os for a 70 KB JPEG,
-measured 4-6x slower than reading the image files from a cold cache. The pread is one I/O,
+measured 0.07x the image folder's speed on a throttled disk (docs/benchmarks.md). The pread is one I/O,
 and sequential preads get the kernel's per-file readahead for free. Datasets without the
 offsets table (built off Linux) are read through LMDB.
 """

@@ -3,6 +3,8 @@ CUDA stream, joined by bounded queues; errors travel to the consumer.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import queue
 import threading
 import time
@@ -28,58 +30,80 @@ class _Raised:
 
 
 class _Pipeline:
-    """The decode and augment threads (one for ``overlap=1``), joined by bounded queues.
+    """The decode thread(s) and the augment thread (one thread for ``overlap=1``), joined by
+    bounded queues.
 
-    Threads hold no reference to the consumer's generator, so an abandoned loop can be
-    collected; ``close`` stops them, drains the queues and joins, before the loader's
-    iterator may be reused (persistent workers reset the same iterator object).
+    Several decode threads take batches from the loader in turn, numbered; the augment
+    thread puts them back in that order. Threads hold no reference to the consumer's
+    generator, so an abandoned loop can be collected; ``close`` stops them, drains the
+    queues and joins, before the loader's iterator may be reused (persistent workers reset
+    the same iterator object).
     """
 
     def __init__(self, dec: GPUDecoder, it):
         self.stop, self.stats = threading.Event(), dec.stats
         self.out: queue.Queue = queue.Queue(dec.prefetch)
         self.queues = [self.out]
-        s_dec, s_aug = dec._streams
-        src = lambda: next(it)  # noqa: E731
-        if dec.overlap == 1:
-            stages = [("decode+augment", src, lambda b: dec._augment(dec._decode(b)), s_dec, self.out)]
-        else:
-            mid: queue.Queue = queue.Queue(dec.prefetch)
-            self.queues.append(mid)
+        streams, lock, count = dec._streams, threading.Lock(), itertools.count()
 
-            def handoff(item):  # decoded on s_dec, augmented on s_aug
-                (images, sizes, labels), event = item
+        def src():  # one batch and its number, atomically
+            with lock:
+                return next(count), next(it)
+        if dec.overlap == 1:
+            stages = [("decode+augment", src, lambda b: dec._augment(dec._decode(b)), streams[0], self.out, False)]
+        else:
+            mid: queue.Queue = queue.Queue(dec.prefetch + dec.decode_threads - 1)
+            self.queues.append(mid)
+            s_aug = streams[-1]
+
+            def handoff(item):  # decoded on a decode stream, augmented on s_aug
+                (images, sizes, final, labels), event = item
                 if event is not None:
                     s_aug.wait_event(event)
                     for t in images:
                         t.record_stream(s_aug)
                     labels.record_stream(s_aug)
-                return dec._augment((images, sizes, labels))
-            stages = [("decode", src, dec._decode, s_dec, mid),
-                      ("augment", self._getter(mid), handoff, s_aug, self.out)]
+                return dec._augment((images, sizes, final, labels))
+            stages = [("decode", src, functools.partial(dec._decode, decoder=dec.decoders[k]),
+                       streams[k], mid, True) for k in range(dec.decode_threads)]
+            stages.append(("augment", self._in_order(mid, dec.decode_threads), handoff, s_aug,
+                           self.out, False))
         self.threads = [threading.Thread(target=self._run, args=st, daemon=True,
-                                         name=f"packer-gpu-{st[0]}") for st in stages]
+                                         name=f"packer-gpu-{st[0]}-{k}") for k, st in enumerate(stages)]
         for t in self.threads:
             t.start()
 
-    def _getter(self, q):
+    def _in_order(self, q, producers: int):
+        """The source of the augment thread: items of ``q`` in their numbers' order; the end
+        once every producer has ended and nothing is left."""
+        held, want, ended = {}, [0], [0]
+
         def get():
-            item = self._get(q)
-            if item is _END:
-                raise StopIteration
-            if isinstance(item, _Raised):
-                raise _Forward(item)
-            return item
+            while want[0] not in held:
+                item = self._get(q)
+                if isinstance(item, _Raised):
+                    raise _Forward(item)
+                if item is _END:
+                    ended[0] += 1
+                    if ended[0] == producers:
+                        if held:
+                            raise RuntimeError("packer GPU pipeline: batches lost between threads")
+                        raise StopIteration
+                    continue
+                n, rest = item
+                held[n] = rest
+            want[0] += 1
+            return None, held.pop(want[0] - 1)
         return get
 
-    def _run(self, where, source, fn, stream, q) -> None:
+    def _run(self, where, source, fn, stream, q, numbered) -> None:
         try:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 clock, wait = time.perf_counter, "loader" if where.startswith("decode") else None
                 while not self.stop.is_set():
                     t0 = clock()
                     try:
-                        item = source()
+                        n, item = source()
                     except StopIteration:
                         break
                     t1 = clock()
@@ -91,7 +115,7 @@ class _Pipeline:
                     if stream is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
-                    self._put(q, (res, event))
+                    self._put(q, (n, (res, event)) if numbered else (res, event))
                     del item, res
             self._put(q, _END)
         except _Forward as f:

@@ -33,16 +33,17 @@ class NvjpegDecoder:
     so torchvision stays the default where installed. The hardware engine (A100/H100/H200)
     is used when nvJPEG has it, else its default backend. Raises OSError/RuntimeError when
     libnvjpeg cannot be loaded or set up. Calls are serialised by a lock (one nvJPEG state);
-    :meth:`shared` gives one instance per device, as nvJPEG handles are never freed here
-    (freeing them at interpreter exit can run after CUDA has shut down).
+    :meth:`shared` gives one instance per (device, slot), as nvJPEG handles are never freed
+    here (freeing them at interpreter exit can run after CUDA has shut down); threads that
+    decode at once use one slot each.
     """
     _shared: dict = {}
 
     @classmethod
-    def shared(cls, device: torch.device) -> "NvjpegDecoder":
-        if device not in cls._shared:
-            cls._shared[device] = cls(device)
-        return cls._shared[device]
+    def shared(cls, device: torch.device, slot: int = 0) -> "NvjpegDecoder":
+        if (device, slot) not in cls._shared:
+            cls._shared[device, slot] = cls(device)
+        return cls._shared[device, slot]
 
     def __init__(self, device: torch.device, *, hardware: bool = True, priority: Optional[int] = None):
         self.lib = lib = _load_nvjpeg()

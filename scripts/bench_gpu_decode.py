@@ -42,6 +42,7 @@ from packer.loader import make_loader  # noqa: E402
 
 RESULTS: dict = {}
 ROWS: list = []
+OUT = Path(".")
 
 
 def log(*a):
@@ -59,6 +60,17 @@ def section(name):
         log(f"!! {name} failed:\n{traceback.format_exc()}")
         RESULTS.setdefault("errors", []).append({"section": name, "error": traceback.format_exc()})
     log(f"   ({time.perf_counter() - t0:.1f} s)")
+    write_results()
+
+
+def write_results():
+    """After every section: a run cut short by a time limit still leaves its rows."""
+    lines = ["| step | what | images/s | note |", "|---|---|---:|---|"]
+    lines += [f"| {s} | {w} | {r:,.0f} | {n} |" for s, w, r, n in ROWS]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "results.md").write_text("\n".join(lines) + "\n")
+    (OUT / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    return "\n".join(lines)
 
 
 def row(step, what, ips, note=""):
@@ -244,6 +256,53 @@ def decode_only(a, name, loader, dev, decoders):
     return batches
 
 
+def decode_parallel(a, name, batches, dev, threads=(1, 2, 3)):
+    """NvjpegDecoder instances (one handle each) decoding in-memory batches from several
+    threads at once: does a second handle overlap one batch's host work with another's?"""
+    from packer.nvjpeg import NvjpegDecoder
+    views = [[v for v in b.images() if v.dim() == 1] for b in batches]
+    per = sum(len(v) for v in views)
+    for n in threads:
+        decs = [NvjpegDecoder.shared(dev, k) for k in range(n)]
+
+        def work(d):
+            with torch.cuda.stream(torch.cuda.Stream(dev)):
+                for v in views:
+                    d(v, dev)
+
+        def run():
+            ts = [threading.Thread(target=work, args=(d,)) for d in decs]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        run()
+        with JpgSampler(dev) as js:
+            rate, rates = median_rate(run, per * n, a.repeats, dev)
+        RESULTS[f"decode_parallel_{name}_{n}"] = {"rates": rates, "nvml": js.summary()}
+        row("2c", f"decode only, {n} NvjpegDecoder thread(s) at once [{name}]", rate,
+            f"JPG engine util max/mean {js.summary()['jpg_max_mean']}")
+
+
+def pipeline_variants(a, name, path, dev, variants, train=True):
+    """GPUDecoder with other settings (``decode_threads``, ``cpu_share``, backend), each on a
+    fresh loader: persistent workers keep the collate that a cpu_share installs."""
+    for label, kw in variants:
+        loader = make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True)
+        g = GPUDecoder(loader, train=train, device=dev, seed=0, **kw)
+
+        def it(e):
+            g.set_epoch(e)
+            return g
+        with JpgSampler(dev) as js:
+            rate, rates = epochs_rate(it, dev, a.epochs)
+        RESULTS[f"variant_{name}_{'train' if train else 'eval'}_{label}"] = {
+            "rates": rates, "stats": g.stats.as_dict(), "nvml": js.summary(), "kwargs": repr(kw)}
+        per = {k: f"{1e3 * v / g.stats.batches:.1f}" for k, v in g.stats.seconds.items()}
+        row("7", f"GPUDecoder {'train' if train else 'eval'}, {label} [{name}]", rate,
+            f"{g.backend}; ms/batch {per}; JPG util {js.summary()['jpg_max_mean']}")
+
+
 def augment_only(a, name, batches, dev, decoder):
     decoded = [decoder([v for v in b.images() if v.dim() == 1], dev) for b in batches[:4]]
     sizes = [torch.tensor([tuple(im.shape[-2:]) for im in d]) for d in decoded]
@@ -333,9 +392,17 @@ def contention(a, loader, dev, decoders):
             fn()
             torch.cuda.synchronize(dev)
         return run
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+
+    def on_side():  # is it the legacy default stream that nvJPEG's work waits behind?
+        with torch.cuda.stream(side):
+            train()
     loads = {"idle": lambda: time.sleep(0.01), "matmul": lambda: (m @ m, m @ m),
              "matmul, sync each step": synced(lambda: (m @ m, m @ m)),
-             "resnet18": train, "resnet18, sync each step": synced(train)}
+             "resnet18": train, "resnet18, sync each step": synced(train),
+             "resnet18 on a non-default stream": on_side,
+             "resnet18 on a non-default stream, sync each step": synced(on_side)}
     train(), train()
     for (name, work), (dname, decoder) in ((x, d) for d in decoders.items() for x in loads.items()):
         for switch in (sys.getswitchinterval(),):
@@ -407,7 +474,7 @@ def dmon(seconds, out):
         return None
 
 
-def resnet(a, loader, dev, decoders, name, cpu_loader=None):
+def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=None):
     import torch.nn.functional as F
     import torchvision
     torch.backends.cudnn.benchmark = True
@@ -433,11 +500,12 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None):
     syn, syn_all = median_rate(synthetic, a.steps * a.batch, 3, dev)
     RESULTS[f"resnet18_{name}"] = {"synthetic": syn_all}
     row("6", "ResNet-18 step (bf16, channels_last, SGD) on a synthetic on-GPU batch", syn)
-    variants = [(d, dec, 1) for d, dec in decoders.items()]
-    variants.append((next(iter(decoders)), next(iter(decoders.values())), None))
-    for dname, decoder, ahead in variants:
-        g = GPUDecoder(loader, device=dev, decoder=decoder, seed=0, max_ahead=ahead)
-        dname = dname if ahead else f"{dname}, max_ahead=None"
+    runs = [(d, lambda: loader, {"decoder": dec}) for d, dec in decoders.items()]
+    fresh = lambda: make_gpu_loader(path, a.batch, num_workers=a.loader_workers,  # noqa: E731
+                                    drop_last=True)  # a cpu_share sets the workers' collate
+    runs += [(label, fresh, kw) for label, kw in variants]
+    for dname, make, kw in runs:
+        g = GPUDecoder(make(), device=dev, seed=0, **kw)
 
         def batches():
             e = 0
@@ -455,7 +523,7 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None):
         real, real_all = median_rate(fed, a.steps * a.batch, 3, dev)
         src.close()
         RESULTS[f"resnet18_{name}"][dname] = {"rates": real_all, "ratio": real / syn,
-                                              "stats": g.stats.as_dict()}
+                                              "stats": g.stats.as_dict(), "backend": g.backend}
         log(f"   pipeline stats while training ({dname}): {g.stats.as_dict()}")
         wait = 1e3 * g.stats.seconds.get('consumer', 0) / max(1, g.stats.batches)
         row("6", f"ResNet-18 step fed by GPUDecoder ({dname}) [{name}]", real,
@@ -541,6 +609,8 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--root", default="/tmp/packer-gpu-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--sets", default="stored,max512,short256",
+                   help="packed sets to measure (stored is always made)")
     p.add_argument("--skip", default="",
                    help="comma list of: cpu,pipeline,transcoded,contention,resnet,agreement")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
@@ -552,7 +622,8 @@ def main():
         a.images, a.classes, a.batch, a.epochs, a.repeats, a.preload = 96, 4, 16, 2, 2, 2
         a.cpus, a.loader_workers, a.steps, a.warmup = 2, 1, 2, 1
         skip.add("resnet")
-    out = Path(a.out)
+    global OUT
+    out = OUT = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     with section("data"):  # before CUDA starts: the pools fork
         sets = make_data(a)
@@ -595,7 +666,7 @@ def main():
         with section("1: CPU path"):
             cpu_path(a, sets["stored"], dev)
     for name in ("stored", "max512", "short256"):
-        if name != "stored" and "transcoded" in skip:
+        if name != "stored" and ("transcoded" in skip or name not in a.sets.split(",")):
             continue
         with section(f"2/4: decode only [{name}]"):
             mon = dmon(8, out / f"dmon_{name}.txt") if dev.type == "cuda" and name == "stored" else None
@@ -604,6 +675,9 @@ def main():
                 mon.wait(timeout=20)
                 RESULTS["dmon_stored"] = (out / "dmon_stored.txt").read_text()
                 log(RESULTS["dmon_stored"])
+        if dev.type == "cuda" and "parallel" not in skip:
+            with section(f"2c: parallel decoders [{name}]"):
+                decode_parallel(a, name, batches, dev)
         with section(f"3a: augment only [{name}]"):
             augment_only(a, name, batches, dev, decoder)
         del batches
@@ -615,13 +689,31 @@ def main():
                     pipeline(a, name, unpinned, dev, decoder, overlaps=(2,), modes=(True,))
                     for other, dec in list(decoders.items())[1:]:
                         pipeline(a, name, loaders[name], dev, dec, overlaps=(2,), dname=other)
+    if "variants" not in skip:
+        with section("7: decode threads and cpu_share [stored]"):
+            nv = [] if dev.type != "cuda" else [
+                ("nvjpeg, 1 decode thread", {"backend": "nvjpeg"}),
+                ("nvjpeg, 2 decode threads", {"backend": "nvjpeg", "decode_threads": 2}),
+                ("nvjpeg, 3 decode threads", {"backend": "nvjpeg", "decode_threads": 3}),
+                ("torchvision, 2 decode threads", {"decode_threads": 2})]
+            best = {"backend": "nvjpeg", "decode_threads": 2} if nv else {"decoder": decoder}
+            share = [(f"{nv[1][0] if nv else dname}, cpu_share {c}", {**best, "cpu_share": c})
+                     for c in (0.2, 0.35)]
+            pipeline_variants(a, "stored", sets["stored"], dev, nv + share)
+            pipeline_variants(a, "stored", sets["stored"], dev, share[:1], train=False)
     if "contention" not in skip and dev.type == "cuda":
         with section("2b: decode under load"):
             contention(a, loaders["stored"], dev, decoders)
     if "resnet" not in skip:
         for name in ("stored", "short256"):
             with section(f"6: ResNet-18 [{name}]"):
-                resnet(a, loaders[name], dev, decoders, name, cpu_loaders.get(name))
+                tv = {"decoder": decoder}
+                nv2 = {"backend": "nvjpeg", "decode_threads": 2} if dev.type == "cuda" else tv
+                variants = [("nvjpeg, 2 decode threads", nv2)] + [
+                    (f"{lab}, cpu_share {c}", {**kw, "cpu_share": c})
+                    for c in (0.25, 0.4) for lab, kw in (("torchvision", tv), ("nvjpeg x2", nv2))]
+                resnet(a, loaders[name], dev, decoders, name, cpu_loaders.get(name),
+                       variants, sets[name])
     if dev.type == "cuda":
         with section("probe: libnvjpeg"):
             nvjpeg_probe()
@@ -631,12 +723,7 @@ def main():
         with section("correctness"):
             agreement(a, sets["stored"], dev, decoders)
 
-    lines = ["| step | what | images/s | note |", "|---|---|---:|---|"]
-    lines += [f"| {s} | {w} | {r:,.0f} | {n} |" for s, w, r, n in ROWS]
-    table = "\n".join(lines)
-    (out / "results.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    log("\n" + table)
+    log("\n" + write_results())
     if "agreement" in RESULTS:
         log(json.dumps(RESULTS["agreement"]))
 

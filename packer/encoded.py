@@ -14,8 +14,8 @@ from torch.utils.data import default_collate, get_worker_info
 
 from .imaging import open_image
 
-__all__ = ["EncodedBatch", "EncodedCollate", "EncodedImage", "EncodedSample", "JpegInfo",
-           "collate_encoded", "gpu_decodable", "jpeg_info"]
+__all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",
+           "gpu_decodable", "jpeg_info"]
 
 
 # SOFn marker -> (process, arithmetic coding). 0xC4 (DHT), 0xC8 (JPG), 0xCC (DAC) are not SOFs.
@@ -145,7 +145,6 @@ class EncodedBatch(NamedTuple):
     sizes: torch.Tensor    # int64 (B, 2): (height, width)
     decoded: torch.Tensor  # bool (B,)
     labels: torch.Tensor   # (B,) as default_collate makes them
-    final: Optional[torch.Tensor] = None  # bool (B,): pixels already cropped (cpu_share)
 
     def images(self) -> List[torch.Tensor]:
         """Per-image views: 1-D JPEG bytes, or (H, W, 3) pixels where ``decoded``."""
@@ -163,63 +162,12 @@ def collate_encoded(batch) -> EncodedBatch:
     In a worker the byte buffer is allocated in shared memory directly (as default_collate
     does for tensors), so the batch reaches the main process without another copy.
     """
-    samples, targets = _unzip(batch)
-    return _collate(samples, targets, None)
-
-
-class EncodedCollate:
-    """``collate_encoded`` that also decodes and augments a share of each batch in the worker.
-
-    ``GPUDecoder(cpu_share=...)`` installs it: while the GPU decodes the rest, workers turn
-    the ``round(share * n)`` largest GPU-bound JPEGs into final pixels with ``cpu_decode``
-    (``DecodeRandomResizedCrop`` or ``DecodeCenterCrop``, the CPU path's decoders), so both
-    decoders work at once, as DALI's ``hw_decoder_load`` splits work. The largest go to the
-    CPU because nvJPEG's cost grows with pixels while the CPU's draft decoding shrinks big
-    images for free, and because they set the padded size of the GPU's batched resize.
-    """
-
-    def __init__(self, cpu_share: float, cpu_decode):
-        if not 0 <= cpu_share <= 1:
-            raise ValueError(f"cpu_share must be within [0, 1], got {cpu_share!r}")
-        self.cpu_share, self.cpu_decode = float(cpu_share), cpu_decode
-
-    def __call__(self, batch) -> EncodedBatch:
-        samples, targets = _unzip(batch)
-        gpu = [i for i, s in enumerate(samples) if not s.decoded]
-        k = round(self.cpu_share * len(gpu))
-        final = [False] * len(samples)
-        if k:
-            samples = list(samples)
-            for i in sorted(gpu, key=lambda i: samples[i].height * samples[i].width)[-k:]:
-                px = self.cpu_decode(samples[i].data)  # (3, h, w) view of an HWC buffer
-                h, w = px.shape[1:]
-                samples[i] = EncodedSample(px.permute(1, 2, 0).contiguous().numpy().tobytes(),
-                                           h, w, True)
-                final[i] = True
-        return _collate(samples, targets, final)
-
-    def __eq__(self, other) -> bool:  # same share, same decoder settings
-        return (isinstance(other, EncodedCollate) and self.cpu_share == other.cpu_share
-                and type(self.cpu_decode) is type(other.cpu_decode)
-                and vars(self.cpu_decode) == vars(other.cpu_decode))
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"EncodedCollate(cpu_share={self.cpu_share}, cpu_decode={self.cpu_decode!r})"
-
-
-def _unzip(batch):
     if not batch:
         raise ValueError("collate_encoded got an empty batch")
     samples, targets = zip(*batch)
     if not isinstance(samples[0], EncodedSample):
         raise TypeError(f"collate_encoded needs samples from PackedDataset(root, decode="
                         f"EncodedImage()) (use make_gpu_loader), got {type(samples[0]).__name__}")
-    return samples, targets
-
-
-def _collate(samples, targets, final) -> EncodedBatch:
     offsets = [0]
     for s in samples:
         offsets.append(offsets[-1] + len(s.data))
@@ -230,8 +178,7 @@ def _collate(samples, targets, final) -> EncodedBatch:
     return EncodedBatch(data, torch.tensor(offsets, dtype=torch.int64),
                         torch.tensor([(s.height, s.width) for s in samples], dtype=torch.int64),
                         torch.tensor([s.decoded for s in samples], dtype=torch.bool),
-                        default_collate(list(targets)),
-                        None if final is None else torch.tensor(final, dtype=torch.bool))
+                        default_collate(list(targets)))
 
 
 def _empty_u8(n: int) -> torch.Tensor:

@@ -30,16 +30,16 @@ import torch
 
 # The worker side, the augmentation maths and the nvJPEG bindings live in their own modules;
 # their public names are re-exported here, where they were first importable.
-from .encoded import (EncodedBatch, EncodedCollate, EncodedImage, EncodedSample,  # noqa: F401
-                      JpegInfo, collate_encoded, gpu_decodable, jpeg_info)
+from .encoded import (EncodedBatch, EncodedImage, EncodedSample, JpegInfo,  # noqa: F401
+                      collate_encoded, gpu_decodable, jpeg_info)
 from .errors import PackerError
-from .gpu_augment import _to, center_crop_boxes, random_resized_crop_boxes, resample_crops  # noqa: F401
+from .gpu_augment import center_crop_boxes, random_resized_crop_boxes, resample_crops  # noqa: F401
 from .gpu_pipeline import _END, _Pipeline
-from .imaging import DecodeCenterCrop, DecodeRandomResizedCrop, open_image
+from .imaging import open_image
 from .nvjpeg import NvjpegDecoder, _load_nvjpeg, _nvjpeg  # noqa: F401
 from .prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, _affine
 
-__all__ = ["DecodeStats", "EncodedBatch", "EncodedCollate", "EncodedImage", "EncodedSample", "GPUDecoder",
+__all__ = ["DecodeStats", "EncodedBatch", "EncodedImage", "EncodedSample", "GPUDecoder",
            "JpegInfo", "NvjpegDecoder", "center_crop_boxes", "collate_encoded", "gpu_decodable",
            "jpeg_info", "make_gpu_loader", "random_resized_crop_boxes", "resample_crops"]
 
@@ -76,7 +76,6 @@ class DecodeStats:
     """Where images were decoded, and where the time went.
 
     ``cpu``: decoded in workers (not JPEG, or a JPEG nvJPEG does not take well);
-    ``worker_augmented``: decoded and augmented in workers, the ``cpu_share`` of batches;
     ``retried``: nvJPEG refused a batch and the image was decoded alone (PIL if nvJPEG
     refused it again). ``seconds``: wall time per stage, host side: ``loader`` (waiting for
     the DataLoader), ``decode``, ``augment`` (or ``decode+augment`` with ``overlap=1``; GPU
@@ -88,7 +87,6 @@ class DecodeStats:
     retried: int = 0
     batches: int = 0
     seconds: dict = field(default_factory=dict)
-    worker_augmented: int = 0
 
     def __post_init__(self):
         self._lock = threading.Lock()  # several decode threads count at once
@@ -134,11 +132,6 @@ class GPUDecoder(LoaderView):
     for "nvjpeg", its own nvJPEG handle, so one batch's host work (parsing, setup) overlaps
     another's decoding; batches still come out in the loader's order. torchvision decodes
     behind one global lock, so more threads help it little.
-    ``cpu_share``: the share of each batch's JPEGs that DataLoader workers decode and augment
-    themselves (with the CPU path's ``DecodeRandomResizedCrop``/``DecodeCenterCrop``, the
-    largest images first) while the GPU decodes the rest: both decoders work at once. It
-    sets the loader's ``collate_fn`` to an :class:`EncodedCollate`. Their crops come from
-    the workers' ``random``, not from ``seed``.
     """
 
     def __init__(self, loader, *, size=224, train: bool = True,
@@ -148,7 +141,7 @@ class GPUDecoder(LoaderView):
                  scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True,
                  crop_fraction: float = 0.875, prefetch: int = 2, overlap: int = 2,
                  seed: Optional[int] = None, backend: str = "auto", max_ahead: Optional[int] = 1,
-                 decode_threads: int = 1, cpu_share: float = 0.0,
+                 decode_threads: int = 1,
                  decoder: Optional[Callable[[List[torch.Tensor], torch.device], List[torch.Tensor]]] = None):
         self.size = (size, size) if isinstance(size, int) else tuple(int(s) for s in size)
         if len(self.size) != 2 or min(self.size) < 1:
@@ -190,7 +183,6 @@ class GPUDecoder(LoaderView):
         self.loader = loader
         self.train, self.flip, self.dtype = bool(train), bool(flip), dtype
         self.scale, self.ratio, self.crop_fraction = tuple(scale), tuple(ratio), crop_fraction
-        self.cpu_share = self._set_cpu_share(loader, cpu_share)
         self.channels_last, self.prefetch, self.overlap = bool(channels_last), prefetch, overlap
         s, t = _affine(mean, std)
         self._scale, self._shift = s.to(self.device), t.to(self.device)
@@ -203,26 +195,6 @@ class GPUDecoder(LoaderView):
             self._streams = [torch.cuda.Stream(self.device) for _ in self._streams]
             for st in self._streams:  # the constants were written on the current stream
                 st.wait_stream(torch.cuda.current_stream(self.device))
-
-    def _set_cpu_share(self, loader, share: float) -> float:
-        """Install the worker-side collate that takes ``share`` of each batch (see __init__)."""
-        if not 0 <= share <= 1:
-            raise ValueError(f"cpu_share must be within [0, 1], got {share!r}")
-        collate = getattr(loader, "collate_fn", None)
-        if collate is not collate_encoded and not isinstance(collate, EncodedCollate):
-            if share:
-                raise ValueError("cpu_share needs a loader made by make_gpu_loader (collate_fn="
-                                 f"collate_encoded), got collate_fn={collate!r}")
-            return 0.0
-        want = collate_encoded
-        if share:
-            want = EncodedCollate(share, DecodeRandomResizedCrop(self.size, self.scale, self.ratio, self.flip)
-                                  if self.train else DecodeCenterCrop(self.size, self.crop_fraction))
-        if want != collate and getattr(loader, "_iterator", None) is not None:
-            raise ValueError("cpu_share (or train/size with a cpu_share) cannot change once the "
-                             "loader's persistent workers have started: make another loader")
-        loader.collate_fn = want
-        return float(share)
 
     def set_epoch(self, epoch: int) -> None:
         """``set_epoch`` on the loader's sampler(s) and dataset where they have one; with a
@@ -314,11 +286,8 @@ class GPUDecoder(LoaderView):
         for i, v in enumerate(views):
             if out[i] is None:
                 out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
-        final = batch.final if batch.final is not None else torch.zeros(len(views), dtype=torch.bool)
-        n_final = int(final.sum())
-        self.stats.add(gpu=len(on_gpu), cpu=len(views) - len(on_gpu) - n_final,
-                       worker_augmented=n_final, retried=retried, batches=1)
-        return out, batch.sizes, final, batch.labels.to(self.device, non_blocking=True)
+        self.stats.add(gpu=len(on_gpu), cpu=len(views) - len(on_gpu), retried=retried, batches=1)
+        return out, batch.sizes, batch.labels.to(self.device, non_blocking=True)
 
     def _decode_alone(self, data: torch.Tensor, decoder) -> torch.Tensor:
         try:
@@ -329,32 +298,17 @@ class GPUDecoder(LoaderView):
             return px.view(im.height, im.width, 3).to(self.device).permute(2, 0, 1)
 
     def _augment(self, item):
-        images, sizes, final, labels = item
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        out = torch.empty((len(images), 3, *self.size), dtype=self.dtype, device=self.device,
-                          memory_format=fmt)
-        todo = (~final).nonzero().flatten()
-        if len(todo) < len(images):  # cropped in the workers (cpu_share): only normalize
-            done = final.nonzero().flatten()
-            px = torch.stack([images[i] for i in done.tolist()])
-            dev_done = _to(done, self.device)
-            out.index_copy_(0, dev_done, px if self.dtype == torch.uint8 else
-                            torch.addcmul(self._shift, px.float(), self._scale).to(self.dtype))
-            if not len(todo):
-                return out, labels
-            images, sizes = [images[i] for i in todo.tolist()], sizes[todo]
+        images, sizes, labels = item
         if self.train:
             boxes = random_resized_crop_boxes(sizes, self.scale, self.ratio, generator=self._gen)
             flips = torch.rand(len(images), generator=self._gen) < 0.5 if self.flip else None
         else:
             boxes, flips = center_crop_boxes(sizes, self.size, self.crop_fraction), None
-        if len(todo) == len(out):
-            return resample_crops(images, boxes, self.size, flips, out=out, scale=self._scale,
-                                  shift=self._shift, sizes=sizes), labels
-        part = resample_crops(images, boxes, self.size, flips, out=out.new_empty(
-            (len(images), *out.shape[1:])), scale=self._scale, shift=self._shift, sizes=sizes)
-        out.index_copy_(0, _to(todo, self.device), part)
-        return out, labels
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        out = torch.empty((len(images), 3, *self.size), dtype=self.dtype, device=self.device,
+                          memory_format=fmt)
+        return resample_crops(images, boxes, self.size, flips, out=out, scale=self._scale,
+                              shift=self._shift, sizes=sizes), labels
 
     def __repr__(self) -> str:
         return (f"GPUDecoder({self.loader!r}, size={self.size}, train={self.train}, "

@@ -57,13 +57,13 @@ class _Pipeline:
             s_aug = streams[-1]
 
             def handoff(item):  # decoded on a decode stream, augmented on s_aug
-                (images, sizes, final, labels), event = item
+                (images, sizes, labels), event = item
                 if event is not None:
                     s_aug.wait_event(event)
                     for t in images:
                         t.record_stream(s_aug)
                     labels.record_stream(s_aug)
-                return dec._augment((images, sizes, final, labels))
+                return dec._augment((images, sizes, labels))
             stages = [("decode", src, functools.partial(dec._decode, decoder=dec.decoders[k]),
                        streams[k], mid, True) for k in range(dec.decode_threads)]
             stages.append(("augment", self._in_order(mid, dec.decode_threads), handoff, s_aug,

@@ -365,6 +365,70 @@ def progressive_vs_baseline(a, path, dev, decoder):
         row("5", f"decode_jpeg batch of {len(batch)} {name} JPEGs (1 call)", rate)
 
 
+class YuvDecoder:
+    """NvjpegDecoder asking for the engine's own planes (NVJPEG_OUTPUT_YUV: Y, Cb, Cr at their
+    subsampled sizes) instead of planar RGB: a probe of whether the colour conversion and
+    chroma upsampling, not the decode, is the GPU work that waits behind training."""
+
+    def __init__(self, nv):
+        self.nv, self.n = nv, 0
+
+    def __call__(self, datas, dev):
+        nv, lib = self.nv, self.nv.lib
+        n, planes = len(datas), []
+        for d in datas:
+            c, sub = ctypes.c_int(), ctypes.c_int()
+            w, h = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
+            lib.nvjpegGetImageInfo(nv.handle, d.data_ptr(), d.numel(), ctypes.byref(c),
+                                   ctypes.byref(sub), w, h)
+            planes.append([(max(1, h[k]), max(1, w[k])) for k in range(3)])
+        total = sum(hh * ww for p in planes for hh, ww in p)
+        out = torch.empty(total, dtype=torch.uint8, device=dev)
+        from packer.nvjpeg import _check, _Image
+        images, off = (_Image * n)(), out.data_ptr()
+        for i, p in enumerate(planes):
+            for k, (hh, ww) in enumerate(p):
+                images[i].channel[k], images[i].pitch[k] = off, ww
+                off += hh * ww
+        ptrs = (ctypes.c_void_p * n)(*[d.data_ptr() for d in datas])
+        lens = (ctypes.c_size_t * n)(*[d.numel() for d in datas])
+        nv.stream.wait_stream(torch.cuda.current_stream(dev))
+        if self.n != n:
+            _check(lib.nvjpegDecodeBatchedInitialize(nv.handle, nv.state, n, 1, 1), "init")
+            self.n = n
+        _check(lib.nvjpegDecodeBatched(nv.handle, nv.state, ptrs, lens, images,
+                                       ctypes.c_void_p(nv.stream.cuda_stream)), "decode")
+        nv.stream.synchronize()
+        return out
+
+
+def kernel_profile(a, loader, dev, decoders):
+    """torch.profiler (CUPTI) over one batch of 256: the kernels, copies and CUDA calls each
+    decoder makes. Per-image kernels would each wait behind a training kernel."""
+    from packer.nvjpeg import NvjpegDecoder
+    from torch.profiler import ProfilerActivity, profile
+    views = [v for v in preload(loader, 1)[0].images() if v.dim() == 1]
+    decs = dict(decoders)
+    try:
+        decs["nvjpeg-yuv"] = YuvDecoder(NvjpegDecoder(dev))
+    except Exception as e:
+        log(f"   YUV decoder unavailable: {e!r}")
+    for dname, decoder in decs.items():
+        decoder(views, dev)
+        sync(dev)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            decoder(views, dev)
+            sync(dev)
+        events = [{"name": e.key[:80], "count": e.count,
+                   "device_us": round(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0), 1),
+                   "cpu_us": round(e.cpu_time_total, 1)} for e in prof.key_averages()]
+        events.sort(key=lambda e: -e["count"])
+        RESULTS[f"profile_{dname}"] = events[:40]
+        log(f"   {dname}: {len(views)} images")
+        for e in events[:25]:
+            log(f"      {e['count']:>6} x {e['name']:<80} device {e['device_us']:>10} us  cpu {e['cpu_us']:>10} us")
+
+
 def contention(a, loader, dev, decoders):
     """Why decoding slows while a model trains: nvJPEG on in-memory batches in a thread,
     with the main thread idle, running large matmuls (GPU busy, Python idle), or training
@@ -614,8 +678,15 @@ def main():
     p.add_argument("--skip", default="",
                    help="comma list of: cpu,pipeline,transcoded,contention,resnet,agreement")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
+    p.add_argument("--only", default="", help="comma list of sections to run (as --skip names), "
+                   "skipping the others: cpu,parallel,pipeline,variants,probe,contention,resnet,"
+                   "progressive,agreement")
     a = p.parse_args()
     skip = set(filter(None, a.skip.split(",")))
+    if a.only:
+        every = {"cpu", "parallel", "pipeline", "variants", "probe", "contention", "resnet",
+                 "progressive", "agreement"}
+        skip |= every - set(a.only.split(","))
     if a.loader_workers is None:
         a.loader_workers = max(2, a.cpus - 4)
     if a.dry_run:
@@ -690,35 +761,37 @@ def main():
                     for other, dec in list(decoders.items())[1:]:
                         pipeline(a, name, loaders[name], dev, dec, overlaps=(2,), dname=other)
     if "variants" not in skip:
-        with section("7: decode threads and cpu_share [stored]"):
-            nv = [] if dev.type != "cuda" else [
-                ("nvjpeg, 1 decode thread", {"backend": "nvjpeg"}),
-                ("nvjpeg, 2 decode threads", {"backend": "nvjpeg", "decode_threads": 2}),
-                ("nvjpeg, 3 decode threads", {"backend": "nvjpeg", "decode_threads": 3}),
-                ("torchvision, 2 decode threads", {"decode_threads": 2})]
-            best = {"backend": "nvjpeg", "decode_threads": 2} if nv else {"decoder": decoder}
-            share = [(f"{nv[1][0] if nv else dname}, cpu_share {c}", {**best, "cpu_share": c})
-                     for c in (0.2, 0.35)]
-            pipeline_variants(a, "stored", sets["stored"], dev, nv + share)
-            pipeline_variants(a, "stored", sets["stored"], dev, share[:1], train=False)
+        with section("7: decode threads [stored]"):
+            variants = [(f"{dname}, {k} decode thread(s)", {"decoder": decoder, "decode_threads": k})
+                        for k in (1, 2, 3)]
+            if dev.type == "cuda":
+                variants.append(("nvjpeg, 3 decode threads", {"backend": "nvjpeg", "decode_threads": 3}))
+            pipeline_variants(a, "stored", sets["stored"], dev, variants)
+            pipeline_variants(a, "stored", sets["stored"], dev, variants[:2], train=False)
+    if "probe" not in skip and dev.type == "cuda":
+        with section("probe: what nvJPEG launches per batch"):
+            kernel_profile(a, loaders["stored"], dev, decoders)
     if "contention" not in skip and dev.type == "cuda":
         with section("2b: decode under load"):
-            contention(a, loaders["stored"], dev, decoders)
+            more = {}
+            try:
+                more["nvjpeg-yuv"] = YuvDecoder(NvjpegDecoder(dev))
+            except Exception as e:
+                log(f"   YUV decoder unavailable: {e!r}")
+            contention(a, loaders["stored"], dev, {**decoders, **more})
     if "resnet" not in skip:
         for name in ("stored", "short256"):
             with section(f"6: ResNet-18 [{name}]"):
-                tv = {"decoder": decoder}
-                nv2 = {"backend": "nvjpeg", "decode_threads": 2} if dev.type == "cuda" else tv
-                variants = [("nvjpeg, 2 decode threads", nv2)] + [
-                    (f"{lab}, cpu_share {c}", {**kw, "cpu_share": c})
-                    for c in (0.25, 0.4) for lab, kw in (("torchvision", tv), ("nvjpeg x2", nv2))]
+                variants = [(f"{dname}, {k} decode threads", {"decoder": decoder, "decode_threads": k})
+                            for k in (2, 3)]
                 resnet(a, loaders[name], dev, decoders, name, cpu_loaders.get(name),
                        variants, sets[name])
     if dev.type == "cuda":
         with section("probe: libnvjpeg"):
             nvjpeg_probe()
-    with section("5: baseline vs progressive through torchvision"):
-        progressive_vs_baseline(a, sets["stored"], dev, decoders.get("torchvision", decoder))
+    if "progressive" not in skip:
+      with section("5: baseline vs progressive through torchvision"):
+          progressive_vs_baseline(a, sets["stored"], dev, decoders.get("torchvision", decoder))
     if "agreement" not in skip:
         with section("correctness"):
             agreement(a, sets["stored"], dev, decoders)

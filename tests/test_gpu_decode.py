@@ -26,8 +26,7 @@ from packer.dataset import PackedDataset
 from packer.demo import make_image, make_image_folder
 from packer import gpu_decode
 from packer.errors import PackerError
-from packer.gpu_decode import (EncodedBatch, EncodedCollate, EncodedImage, EncodedSample, GPUDecoder,
-                               JpegInfo,
+from packer.gpu_decode import (EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, JpegInfo,
                                center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info,
                                make_gpu_loader, random_resized_crop_boxes, resample_crops)
 from packer.imaging import DecodeCenterCrop, DecodeRandomResizedCrop
@@ -310,8 +309,7 @@ def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads):
     n_cpu = sum(not on for _, on in KINDS.values())
     stats = dec.stats.as_dict()
     seconds = stats.pop("seconds")
-    assert stats == {"gpu": len(labels) - n_cpu, "cpu": n_cpu, "retried": 0, "batches": len(loader),
-                     "worker_augmented": 0}
+    assert stats == {"gpu": len(labels) - n_cpu, "cpu": n_cpu, "retried": 0, "batches": len(loader)}
     stages = {0: {"loader", "decode", "augment"}, 1: {"loader", "decode+augment", "consumer"},
               2: {"loader", "decode", "augment", "consumer"}}[overlap]
     assert set(seconds) == stages and all(v >= 0 for v in seconds.values())
@@ -344,65 +342,6 @@ def test_eval_mode_matches_cpu_center_crop_maths(mixed):
         assert (ref.int() - x[k].int()).abs().max() <= 1
     x2, _ = next(iter(dec))
     assert torch.equal(x, x2)  # evaluation is deterministic
-
-
-def test_encoded_collate_takes_the_largest_gpu_bound_images(photos):
-    rng = random.Random(1)
-    sizes = [(120, 90), (300, 200), (160, 240), (200, 150), (90, 90)]
-    batch = [(EncodedImage()(encode(small_photo(rng, photos, wh), "JPEG", quality=90)), k)
-             for k, wh in enumerate(sizes)]
-    batch.append((EncodedImage()(kind_bytes(photos, "image.png")), 5))  # fallback: not counted
-    b = EncodedCollate(0.5, DecodeCenterCrop((64, 48)))(batch)
-    assert b.final.tolist() == [False, True, True, False, False, False]  # 2 of 5, the largest
-    assert b.decoded.tolist() == [False, True, True, False, False, True]
-    assert b.labels.tolist() == list(range(6))
-    views = b.images()
-    for i in (1, 2):
-        ref = DecodeCenterCrop((64, 48))(batch[i][0].data)
-        assert b.sizes[i].tolist() == [64, 48] and torch.equal(views[i].permute(2, 0, 1), ref)
-    assert bytes(views[0].numpy()) == batch[0][0].data  # the others travel as they were
-    assert collate_encoded(batch).final is None
-    assert EncodedCollate(0.0, None)(batch).final.tolist() == [False] * 6
-    with pytest.raises(ValueError, match="cpu_share"):
-        EncodedCollate(1.5, None)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_cpu_share_eval_is_the_cpu_decoders_output(mixed, threads):
-    loader = make_gpu_loader(mixed, 7, shuffle=False, num_workers=1)
-    dec = _cpu_decoder(loader, train=False, dtype=torch.uint8, cpu_share=0.5,
-                       decode_threads=threads)
-    assert isinstance(loader.collate_fn, EncodedCollate) and dec.cpu_share == 0.5
-    assert isinstance(loader.collate_fn.cpu_decode, DecodeCenterCrop)
-    ds = PackedDataset(mixed)
-    gpu_only = _cpu_decoder(make_gpu_loader(mixed, 7, shuffle=False, num_workers=0),
-                            train=False, dtype=torch.uint8)
-    k, exact, near = 0, 0, 0
-    for (x, y), (g, _) in zip(dec, gpu_only):
-        for j in range(len(y)):
-            ref = DecodeCenterCrop(224)(ds.load(k + j)["image"])
-            if torch.equal(x[j], ref):
-                exact += 1  # decoded and cropped in a worker, exactly the CPU path
-            else:
-                assert torch.equal(x[j], g[j])  # decoded on the "GPU": as without cpu_share
-                near += 1
-        k += len(y)
-    st = dec.stats
-    assert k == len(ds) and st.worker_augmented == exact >= 10 and st.gpu + st.cpu == near
-    assert st.gpu + st.worker_augmented == gpu_only.stats.gpu
-    # The persistent workers hold that collate: another setting needs another loader.
-    _cpu_decoder(loader, train=False, cpu_share=0.5)  # the same: fine
-    with pytest.raises(ValueError, match="persistent workers"):
-        _cpu_decoder(loader, train=True, cpu_share=0.5)
-    # Training: normalized float output, every image accounted for; off again with 0.
-    loader = make_gpu_loader(mixed, 7, shuffle=False, num_workers=0)
-    train = _cpu_decoder(loader, cpu_share=0.3, dtype=torch.float32)
-    xs = [x for x, _ in train]
-    assert all(torch.isfinite(x).all() and x.shape[1:] == (3, 224, 224) for x in xs)
-    assert isinstance(loader.collate_fn.cpu_decode, DecodeRandomResizedCrop)
-    assert train.stats.worker_augmented > 0 and sum(len(x) for x in xs) == len(ds)
-    _cpu_decoder(loader)
-    assert loader.collate_fn is collate_encoded
 
 
 def test_decoder_refusing_a_batch_retries_images_alone(mixed):
@@ -447,13 +386,10 @@ def test_constructor_errors(mixed, monkeypatch):
     for kw, match in [({"size": 0}, "size"), ({"dtype": torch.int32}, "dtype"),
                       ({"scale": (0.5, 0.1)}, "scale"), ({"overlap": 3}, "overlap"),
                       ({"crop_fraction": 1.5}, "crop_fraction"), ({"mean": (0.5,)}, "mean"),
-                      ({"cpu_share": -0.1}, "cpu_share"), ({"decode_threads": 0}, "decode_threads"),
+                      ({"decode_threads": 0}, "decode_threads"),
                       ({"decode_threads": 2, "overlap": 1}, "decode_threads")]:
         with pytest.raises(ValueError, match=match):
             _cpu_decoder(loader, **kw)
-    custom = torch.utils.data.DataLoader(loader.dataset, 4, collate_fn=lambda b: collate_encoded(b))
-    with pytest.raises(ValueError, match="cpu_share needs a loader made by make_gpu_loader"):
-        _cpu_decoder(custom, cpu_share=0.5)
 
     def no_lib():
         raise OSError("libnvjpeg not found")
@@ -577,15 +513,14 @@ def test_gpu_overlap_modes_agree(mixed):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("backend", ["auto", "nvjpeg"])
-def test_gpu_decode_threads_and_cpu_share(mixed, backend):
+def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend):
     pytest.importorskip("torchvision")
-    plain = GPUDecoder(make_gpu_loader(mixed, 8, shuffle=False, num_workers=0), train=False,
+    plain = GPUDecoder(make_gpu_loader(mixed, 4, shuffle=False, num_workers=0), train=False,
                        dtype=torch.uint8)
     ref = torch.cat([x.cpu() for x, _ in plain])
-    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=2)
+    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
     try:
-        dec = GPUDecoder(loader, train=False, dtype=torch.uint8, decode_threads=2, cpu_share=0.4,
-                         backend=backend)
+        dec = GPUDecoder(loader, train=False, dtype=torch.uint8, decode_threads=3, backend=backend)
     except OSError:
         pytest.skip("libnvjpeg not found")
     for _ in range(2):  # twice: the threads' handles and streams are reused
@@ -593,10 +528,5 @@ def test_gpu_decode_threads_and_cpu_share(mixed, backend):
         for x, y in dec:
             xs.append(x.cpu())
             labels += y.tolist()
-        assert labels == loader.dataset.targets
-    got, ds = torch.cat(xs), PackedDataset(mixed)
-    cpu_made = [i for i in range(len(ds)) if torch.equal(got[i], DecodeCenterCrop(224)(ds.load(i)["image"]))]
-    st = dec.stats
-    assert st.worker_augmented == 2 * len(cpu_made) > 0 and st.gpu + st.worker_augmented == 2 * plain.stats.gpu
-    others = [i for i in range(len(ds)) if i not in cpu_made]
-    assert (got[others].int() - ref[others].int()).abs().max() <= 1  # same decode, own padding
+        assert labels == loader.dataset.targets and torch.equal(torch.cat(xs), ref)
+    assert dec.stats.gpu == 2 * plain.stats.gpu and dec.stats.retried == 0

@@ -23,6 +23,7 @@ import ctypes
 import os
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
 
@@ -39,9 +40,40 @@ from .imaging import open_image
 from .nvjpeg import NvjpegDecoder, _load_nvjpeg, _nvjpeg  # noqa: F401
 from .prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, _affine
 
-__all__ = ["DecodeStats", "EncodedBatch", "EncodedImage", "EncodedSample", "GPUDecoder",
+__all__ = ["ConnectionsWarning", "DecodeStats", "EncodedBatch", "EncodedImage", "EncodedSample", "GPUDecoder",
            "JpegInfo", "NvjpegDecoder", "center_crop_boxes", "collate_encoded", "gpu_decodable",
            "jpeg_info", "make_gpu_loader", "random_resized_crop_boxes", "resample_crops"]
+
+# nvJPEG works image by image on the GPU (a bitstream copy, a colour-conversion kernel and
+# an event wait per image). The GPU feeds its streams through CUDA_DEVICE_MAX_CONNECTIONS
+# hardware queues, 8 by default; streams that share one queue are serialised, so each of
+# those per-image steps waited behind a training kernel: decoding beside a ResNet-18 step
+# fell from ~21,000 to 1,300-10,000 images/s. With 32 queues it stayed at 12,000-20,000
+# (docs/gpu_decode.md). The variable is read when the CUDA context is created, so it is set
+# here, on import, if the user has not set it and CUDA has not started yet.
+CONNECTIONS = 32
+if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not torch.cuda.is_initialized():
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(CONNECTIONS)
+
+
+class ConnectionsWarning(UserWarning):
+    """GPU decoding will wait behind training kernels: too few CUDA hardware queues."""
+
+
+def connections_advice() -> Optional[str]:
+    """Why GPU decoding beside training may be slow in this process, or None."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    try:
+        low = value is None or int(value) < 16
+    except ValueError:
+        low = True
+    if not low:
+        return None
+    now = "unset (8)" if value is None else value
+    return (f"CUDA_DEVICE_MAX_CONNECTIONS is {now}: GPU decoding shares the GPU's hardware "
+            f"queues with training kernels and waits behind them (measured 2-6x slower beside a "
+            f"ResNet-18 step). Set CUDA_DEVICE_MAX_CONNECTIONS={CONNECTIONS} before CUDA starts "
+            f"(or import packer.gpu_decode before any CUDA work); see docs/gpu_decode.md")
 
 
 def make_gpu_loader(dataset, batch_size: int = 256, **kwargs):
@@ -166,6 +198,9 @@ class GPUDecoder(LoaderView):
         if backend not in ("auto", "nvjpeg", "torchvision"):
             raise ValueError(f"backend must be 'auto', 'nvjpeg' or 'torchvision', got {backend!r}")
         self.device = _gpu_device(device, decoder is None, backend)
+        advice = connections_advice() if self.device.type == "cuda" else None
+        if advice:
+            warnings.warn(advice, ConnectionsWarning, stacklevel=2)
         self.backend = "custom" if decoder is not None else backend
         if decoder is None and backend in ("auto", "torchvision"):
             try:

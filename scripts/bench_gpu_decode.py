@@ -713,7 +713,8 @@ def main():
             log(f"   NvjpegDecoder unavailable: {e!r}")
     (dname, decoder), = list(decoders.items())[:1]
     log(f"   decoders: {list(decoders)}; GPUDecoder runs use {dname}")
-    env = {"torch": torch.__version__, "pil": pil_summary(), "cpus": a.cpus, "args": vars(a)}
+    env = {"torch": torch.__version__, "pil": pil_summary(), "cpus": a.cpus, "args": vars(a),
+           "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
     try:
         import torchvision
         env["torchvision"] = torchvision.__version__
@@ -774,10 +775,8 @@ def main():
     if "contention" not in skip and dev.type == "cuda":
         with section("2b: decode under load"):
             more = {}
-            try:
+            if os.environ.get("PACKER_BENCH_YUV"):  # the probe: planes instead of RGB
                 more["nvjpeg-yuv"] = YuvDecoder(NvjpegDecoder(dev))
-            except Exception as e:
-                log(f"   YUV decoder unavailable: {e!r}")
             contention(a, loaders["stored"], dev, {**decoders, **more})
     if "resnet" not in skip:
         for name in ("stored", "short256"):

@@ -530,3 +530,20 @@ def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend):
             labels += y.tolist()
         assert labels == loader.dataset.targets and torch.equal(torch.cat(xs), ref)
     assert dec.stats.gpu == 2 * plain.stats.gpu and dec.stats.retried == 0
+
+
+def test_cuda_device_max_connections_default_and_advice(tmp_path):
+    """Importing packer.gpu_decode raises the hardware queues to 32 unless the user chose;
+    GPUDecoder explains a low value (nvJPEG then waits behind training kernels)."""
+    import subprocess
+    code = ("import os, packer.gpu_decode as g; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS']);"
+            "print(g.connections_advice())")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["32", "None"]
+    for value in ("1", "8", "lots"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": value}).stdout.splitlines()
+        assert out[0] == value and f"CUDA_DEVICE_MAX_CONNECTIONS is {value}" in out[1]
+        assert "CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts" in out[1]

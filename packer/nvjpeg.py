@@ -52,7 +52,7 @@ class NvjpegDecoder:
         lib.nvjpegJpegStateCreate.argtypes = [vp, pp]
         lib.nvjpegDecodeBatchedInitialize.argtypes = [vp, vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.nvjpegDecodeBatched.argtypes = [vp, vp, pp, ctypes.POINTER(ctypes.c_size_t),
-                                            ctypes.POINTER(_Image), vp]
+                                            ctypes.POINTER(_Image), vp]  # as (n, 8) int64 tables
         ip = ctypes.POINTER(ctypes.c_int)
         lib.nvjpegGetImageInfo.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
         self.handle, self.state = vp(), vp()
@@ -69,49 +69,67 @@ class NvjpegDecoder:
         self.stream = torch.cuda.Stream(device, priority=priority)
         self._batch = 0
         self._lock = threading.Lock()
+        self._w, self._h = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()  # reused by _size
+        self._comps, self._sub = ctypes.byref(ctypes.c_int()), ctypes.byref(ctypes.c_int())
 
     def __call__(self, datas: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
-        with self._lock:
-            return self._decode(datas, device)
-
-    def _decode(self, datas: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
-        n = len(datas)
-        if n == 0:
+        """Decode 1-D uint8 CPU tensors of JPEG bytes to (3, h, w) uint8 tensors on ``device``."""
+        if not datas:
             return []
-        shapes = [self._size(d) for d in datas]
-        offs = [0]
-        for h, w in shapes:
-            offs.append(offs[-1] + 3 * h * w)
-        out = torch.empty(offs[-1], dtype=torch.uint8, device=device)
-        base = out.data_ptr()
-        images = (_Image * n)()
-        for i, (h, w) in enumerate(shapes):
-            for c in range(3):  # planar RGB straight into (3, h, w) tensors
-                images[i].channel[c] = base + offs[i] + c * h * w
-                images[i].pitch[c] = w
-        ptrs = (ctypes.c_void_p * n)(*[d.data_ptr() for d in datas])
-        lens = (ctypes.c_size_t * n)(*[d.numel() for d in datas])
+        ptrs = torch.tensor([d.data_ptr() for d in datas], dtype=torch.int64)
+        lens = torch.tensor([d.numel() for d in datas], dtype=torch.int64)
+        with self._lock:
+            return self._decode(ptrs, lens, device)[0]
+
+    def decode_packed(self, data: torch.Tensor, offsets: torch.Tensor, index: Optional[torch.Tensor],
+                      device: torch.device):
+        """Decode images ``index`` (all if None) of a flat buffer laid out by ``offsets``
+        (an ``EncodedBatch``'s), with no per-image Python but one header read each.
+        Returns the (3, h, w) images and their (n, 2) sizes."""
+        starts, lens = offsets[:-1], offsets[1:] - offsets[:-1]
+        if index is not None:
+            starts, lens = starts[index], lens[index]
+        if not len(lens):
+            return [], torch.zeros((0, 2), dtype=torch.int64)
+        with self._lock:
+            return self._decode(starts + data.data_ptr(), lens.contiguous(), device)
+
+    def _decode(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device):
+        n = len(ptrs)
+        # Sizes from nvJPEG's own header parser: the buffers must be what it will write.
+        hw = torch.tensor([self._size(p, k) for p, k in zip(ptrs.tolist(), lens.tolist())],
+                          dtype=torch.int64)
+        planes = hw[:, 0] * hw[:, 1]
+        ends = torch.cumsum(3 * planes, 0)
+        out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=device)
+        # nvjpegImage_t[n] as an (n, 8) int64 table: channel pointers (planar RGB straight
+        # into (3, h, w) tensors), then pitches.
+        c0 = out.data_ptr() + ends - 3 * planes
+        w, zero = hw[:, 1], torch.zeros_like(planes)
+        table = torch.stack([c0, c0 + planes, c0 + 2 * planes, zero, w, w, w, zero], 1).contiguous()
         # The allocation above belongs to the caller's stream; make ours wait for it.
         self.stream.wait_stream(torch.cuda.current_stream(device))
         if self._batch != n:
             _check(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, 3),
                    "nvjpegDecodeBatchedInitialize")
             self._batch = n
-        status = self.lib.nvjpegDecodeBatched(self.handle, self.state, ptrs, lens, images,
-                                              ctypes.c_void_p(self.stream.cuda_stream))
+        status = self.lib.nvjpegDecodeBatched(
+            self.handle, self.state, ctypes.cast(ptrs.data_ptr(), ctypes.POINTER(ctypes.c_void_p)),
+            ctypes.cast(lens.data_ptr(), ctypes.POINTER(ctypes.c_size_t)),
+            ctypes.cast(table.data_ptr(), ctypes.POINTER(_Image)), ctypes.c_void_p(self.stream.cuda_stream))
         if status != 0:
             self._batch = 0  # nvJPEG asks for a fresh initialize after a failed batch
             _check(status, "nvjpegDecodeBatched")
         # Wait here (GIL released): the host bitstreams and nvJPEG's state are free again,
         # and the images are complete whatever stream reads them next.
         self.stream.synchronize()
-        return [out[offs[i]:offs[i + 1]].view(3, h, w) for i, (h, w) in enumerate(shapes)]
+        images = [t.view(3, h, w_) for t, (h, w_) in
+                  zip(torch.split(out, (3 * planes).tolist()), hw.tolist())]
+        return images, hw
 
-    def _size(self, data: torch.Tensor) -> Tuple[int, int]:
-        comps, sub = ctypes.c_int(), ctypes.c_int()
-        w, h = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
-        _check(self.lib.nvjpegGetImageInfo(self.handle, data.data_ptr(), data.numel(),
-                                           ctypes.byref(comps), ctypes.byref(sub), w, h),
+    def _size(self, ptr: int, length: int) -> Tuple[int, int]:
+        w, h = self._w, self._h
+        _check(self.lib.nvjpegGetImageInfo(self.handle, ptr, length, self._comps, self._sub, w, h),
                "nvjpegGetImageInfo")
         return h[0], w[0]
 

@@ -557,6 +557,7 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
     y = torch.randint(0, 1000, (a.batch,), device=dev)
     for _ in range(a.warmup):
         step(x, y)
+    eager_step = step
 
     def synthetic():
         for _ in range(a.steps):
@@ -569,7 +570,17 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
                                     drop_last=True)  # a cpu_share sets the workers' collate
     runs += [(label, fresh, kw) for label, kw in variants]
     for dname, make, kw in runs:
+        kw = dict(kw)
+        switch, graphed = kw.pop("switch", None), kw.pop("graphed", False)
         g = GPUDecoder(make(), device=dev, seed=0, **kw)
+        old_switch = sys.getswitchinterval()
+        if switch:
+            sys.setswitchinterval(switch)
+        if graphed:  # the whole step captured as one CUDA graph: the loop launches 1 graph
+            step = graphed_step(a, dev, x, y)
+            syn_g, _ = median_rate(lambda: [step(x, y) for _ in range(a.steps)],
+                                   a.steps * a.batch, 3, dev)
+            row("6", "ResNet-18 step as one CUDA graph, synthetic on-GPU batch", syn_g)
 
         def batches():
             e = 0
@@ -586,12 +597,16 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
                 step(*next(src))
         real, real_all = median_rate(fed, a.steps * a.batch, 3, dev)
         src.close()
-        RESULTS[f"resnet18_{name}"][dname] = {"rates": real_all, "ratio": real / syn,
+        sys.setswitchinterval(old_switch)
+        base = syn_g if graphed else syn
+        if graphed:
+            step = eager_step
+        RESULTS[f"resnet18_{name}"][dname] = {"rates": real_all, "ratio": real / base,
                                               "stats": g.stats.as_dict(), "backend": g.backend}
         log(f"   pipeline stats while training ({dname}): {g.stats.as_dict()}")
         wait = 1e3 * g.stats.seconds.get('consumer', 0) / max(1, g.stats.batches)
         row("6", f"ResNet-18 step fed by GPUDecoder ({dname}) [{name}]", real,
-            f"{real / syn:.1%} of synthetic; waited {wait:.1f} ms/batch")
+            f"{real / base:.1%} of synthetic{' (graphed)' if graphed else ''}; waited {wait:.1f} ms/batch")
     if cpu_loader is not None:  # the CPU path into the same step, for comparison
         from packer.prefetch import CUDAPrefetcher
         pf = CUDAPrefetcher(cpu_loader, device=dev, dtype=torch.bfloat16)
@@ -611,6 +626,39 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
         RESULTS[f"resnet18_{name}"]["cpu_path"] = {"rates": cpu_all, "ratio": cpu / syn}
         row("6", f"ResNet-18 step fed by the CPU path ({a.cpus} workers + CUDAPrefetcher) [{name}]",
             cpu, f"{cpu / syn:.1%} of synthetic")
+
+
+def graphed_step(a, dev, x, y):
+    """A ResNet-18 training step (forward, backward, SGD) captured whole as one CUDA graph
+    (PyTorch's whole-network capture recipe): the training thread then launches one graph per
+    step instead of ~hundreds of kernels, leaving the GIL and the CPU to the decode threads."""
+    import torch.nn.functional as F
+    import torchvision
+    model = torchvision.models.resnet18(num_classes=1000).to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    sx, sy = x.clone(), y.clone()
+
+    def body():
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            loss = F.cross_entropy(model(sx), sy)
+        loss.backward()
+        opt.step()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(5):
+            body()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+
+    def step(xb, yb):
+        sx.copy_(xb, non_blocking=True)
+        sy.copy_(yb, non_blocking=True)
+        graph.replay()
+    return step
 
 
 def agreement(a, path, dev, decoders):
@@ -766,7 +814,8 @@ def main():
             variants = [(f"{dname}, {k} decode thread(s)", {"decoder": decoder, "decode_threads": k})
                         for k in (1, 2, 3)]
             if dev.type == "cuda":
-                variants.append(("nvjpeg, 3 decode threads", {"backend": "nvjpeg", "decode_threads": 3}))
+                variants += [(f"nvjpeg, {k} decode thread(s)", {"backend": "nvjpeg", "decode_threads": k})
+                             for k in (1, 2, 3)]
             pipeline_variants(a, "stored", sets["stored"], dev, variants)
             pipeline_variants(a, "stored", sets["stored"], dev, variants[:2], train=False)
     if "probe" not in skip and dev.type == "cuda":
@@ -783,6 +832,12 @@ def main():
             with section(f"6: ResNet-18 [{name}]"):
                 variants = [(f"{dname}, {k} decode threads", {"decoder": decoder, "decode_threads": k})
                             for k in (2, 3)]
+                variants += [(f"{dname}, GIL switch interval {ms} ms", {"decoder": decoder, "switch": ms / 1e3})
+                             for ms in (1, 0.2)]
+                if dev.type == "cuda":
+                    variants.append((f"{dname}, step as one CUDA graph", {"decoder": decoder, "graphed": True}))
+                    variants += [(f"nvjpeg, {k} decode threads", {"backend": "nvjpeg", "decode_threads": k})
+                                 for k in (2, 3)]
                 resnet(a, loaders[name], dev, decoders, name, cpu_loaders.get(name),
                        variants, sets[name])
     if dev.type == "cuda":

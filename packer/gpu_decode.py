@@ -302,17 +302,8 @@ class GPUDecoder(LoaderView):
                             f"PackedDataset(decode=EncodedImage()) with collate_fn="
                             f"collate_encoded), got {type(batch).__name__}")
         decoder = decoder or self.decoder
-        n, mixed = len(batch.decoded), bool(batch.decoded.any())
-        if not mixed and hasattr(decoder, "decode_packed"):  # NvjpegDecoder: no per-image Python
-            try:
-                out, got = decoder.decode_packed(batch.data, batch.offsets, None, self.device)
-            except RuntimeError:
-                pass  # nvJPEG refused the batch: the path below retries image by image
-            else:
-                self._check_sizes(got, batch.sizes)
-                self.stats.add(gpu=n, batches=1)
-                return out, batch.sizes, batch.labels.to(self.device, non_blocking=True)
         views = batch.images()
+        n = len(views)
         on_gpu = (~batch.decoded).nonzero().flatten().tolist()
         out: List[Optional[torch.Tensor]] = [None] * n
         retried = 0
@@ -325,20 +316,14 @@ class GPUDecoder(LoaderView):
             for i, im in zip(on_gpu, decoded):
                 out[i] = im
             got = torch.tensor([im.shape for im in decoded])
-            if bool((got[:, 0] != 3).any()):
-                raise RuntimeError("the decoder returned images of other than 3 channels")
-            self._check_sizes(got[:, 1:], batch.sizes[on_gpu])
+            if not torch.equal(got[:, 1:], batch.sizes[on_gpu]) or bool((got[:, 0] != 3).any()):
+                raise RuntimeError("the decoder returned images of other sizes than their JPEG "
+                                   "headers say (or not 3 channels)")
         for i, v in enumerate(views):
             if out[i] is None:
                 out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
         self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
         return out, batch.sizes, batch.labels.to(self.device, non_blocking=True)
-
-    @staticmethod
-    def _check_sizes(got: torch.Tensor, want: torch.Tensor) -> None:
-        if not torch.equal(got, want):
-            raise RuntimeError("the decoder returned images of other sizes than their JPEG "
-                               "headers say")
 
     def _decode_alone(self, data: torch.Tensor, decoder) -> torch.Tensor:
         try:

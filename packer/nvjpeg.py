@@ -79,22 +79,9 @@ class NvjpegDecoder:
         ptrs = torch.tensor([d.data_ptr() for d in datas], dtype=torch.int64)
         lens = torch.tensor([d.numel() for d in datas], dtype=torch.int64)
         with self._lock:
-            return self._decode(ptrs, lens, device)[0]
+            return self._decode(ptrs, lens, device)
 
-    def decode_packed(self, data: torch.Tensor, offsets: torch.Tensor, index: Optional[torch.Tensor],
-                      device: torch.device):
-        """Decode images ``index`` (all if None) of a flat buffer laid out by ``offsets``
-        (an ``EncodedBatch``'s), with no per-image Python but one header read each.
-        Returns the (3, h, w) images and their (n, 2) sizes."""
-        starts, lens = offsets[:-1], offsets[1:] - offsets[:-1]
-        if index is not None:
-            starts, lens = starts[index], lens[index]
-        if not len(lens):
-            return [], torch.zeros((0, 2), dtype=torch.int64)
-        with self._lock:
-            return self._decode(starts + data.data_ptr(), lens.contiguous(), device)
-
-    def _decode(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device):
+    def _decode(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device) -> List[torch.Tensor]:
         n = len(ptrs)
         # Sizes from nvJPEG's own header parser: the buffers must be what it will write.
         hw = torch.tensor([self._size(p, k) for p, k in zip(ptrs.tolist(), lens.tolist())],
@@ -123,9 +110,8 @@ class NvjpegDecoder:
         # Wait here (GIL released): the host bitstreams and nvJPEG's state are free again,
         # and the images are complete whatever stream reads them next.
         self.stream.synchronize()
-        images = [t.view(3, h, w_) for t, (h, w_) in
-                  zip(torch.split(out, (3 * planes).tolist()), hw.tolist())]
-        return images, hw
+        return [t.view(3, h, w_) for t, (h, w_) in
+                zip(torch.split(out, (3 * planes).tolist()), hw.tolist())]
 
     def _size(self, ptr: int, length: int) -> Tuple[int, int]:
         w, h = self._w, self._h

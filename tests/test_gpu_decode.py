@@ -344,36 +344,6 @@ def test_eval_mode_matches_cpu_center_crop_maths(mixed):
     assert torch.equal(x, x2)  # evaluation is deterministic
 
 
-class PackedPIL:
-    """NvjpegDecoder's two entry points with PIL behind them (CPU): the list one, and
-    ``decode_packed`` that reads straight from a batch's flat buffer."""
-
-    def __init__(self, lie=False):
-        self.packed_calls, self.lie = 0, lie
-
-    def __call__(self, datas, device):
-        return pil_decoder(datas, device)
-
-    def decode_packed(self, data, offsets, index, device):
-        self.packed_calls += 1
-        views = torch.split(data, torch.diff(offsets).tolist())
-        out = pil_decoder(views if index is None else [views[i] for i in index], device)
-        hw = torch.tensor([im.shape[1:] for im in out], dtype=torch.int64)
-        return out, hw + 1 if self.lie else hw
-
-
-def test_packed_decoder_path_matches_the_list_path(mixed):
-    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=0)
-    packed = PackedPIL()
-    a = [x for x, _ in _cpu_decoder(loader, decoder=packed, train=False, dtype=torch.uint8)]
-    b = [x for x, _ in _cpu_decoder(loader, train=False, dtype=torch.uint8)]
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    mixed_batches = sum(1 for batch in loader if bool(batch.decoded.any()))
-    assert packed.packed_calls == len(loader) - mixed_batches > 0  # batches with fallbacks: list path
-    with pytest.raises(RuntimeError, match="other sizes"):
-        list(_cpu_decoder(loader, decoder=PackedPIL(lie=True), overlap=0))
-
-
 def test_decoder_refusing_a_batch_retries_images_alone(mixed):
     calls = []
 

@@ -10,7 +10,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["center_crop_boxes", "random_resized_crop_boxes", "resample_crops"]
+__all__ = ["PaddedBatch", "center_crop_boxes", "plan_groups", "random_resized_crop_boxes",
+           "resample_crops"]
 
 # -- crop boxes (torchvision's maths, vectorised; CPU float64) ------------------------------
 
@@ -70,18 +71,22 @@ def resample_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Tu
     two batched matmuls (float16 on the GPU, float32 on the CPU). Images are zero-padded to
     a common size with nested tensors (one C++ call and one kernel, not a Python loop:
     per-image Python work would hold the GIL the decode thread needs), in groups of similar
-    size and orientation so padding stays under ``budget`` bytes. Flipping walks ``Wx``
+    size and orientation so padding stays under ``budget`` bytes (:func:`plan_groups`);
+    a :class:`PaddedBatch` arrives padded already. Flipping walks ``Wx``
     backwards. ``sizes`` ((B, 2) h, w) saves reading the shapes. ``out`` (default float32)
     may be any dtype and memory format; for uint8 the result is rounded, scale/shift unused.
     """
     b = len(images)
     oh, ow = size
-    device = boxes.device if not images else images[0].device
+    device = boxes.device if not b else (images.groups[0] if isinstance(images, PaddedBatch)
+                                         else images[0]).device
     if out is None:
         out = torch.empty((b, 3, oh, ow), dtype=torch.float32, device=device)
     if b == 0:
         return out
     cdt = torch.float16 if device.type == "cuda" else torch.float32
+    if sizes is None and isinstance(images, PaddedBatch):
+        raise ValueError("resample_crops needs sizes= with a PaddedBatch")
     if sizes is None:
         sizes = torch.tensor([tuple(im.shape[-2:]) for im in images])
     hw = sizes.to("cpu", torch.float64)
@@ -94,30 +99,19 @@ def resample_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Tu
     params = torch.stack([y0, sy, sy.clamp(min=1), hw[:, 0], torch.where(flips, x1, x0),
                           torch.where(flips, -sx, sx), sx.clamp(min=1), hw[:, 1]], 1)
     params = _to(params.float(), device)
-    # Greedy groups in (orientation, area) order, so portrait and landscape images do not
-    # pad each other to a square.
-    h_l, w_l = sizes[:, 0].tolist(), sizes[:, 1].tolist()
-    order = sorted(range(b), key=lambda i: (h_l[i] > w_l[i], h_l[i] * w_l[i]), reverse=True)
-    el = 2 if cdt == torch.float16 else 4
-    chunks, cur, mh, mw = [], [], 0, 0
-    for i in order:
-        nh, nw = max(mh, h_l[i]), max(mw, w_l[i])
-        if cur and (len(cur) + 1) * 3 * _up8(nh) * _up8(nw) * el > budget:
-            chunks.append(cur)
-            cur, nh, nw = [], h_l[i], w_l[i]
-        cur.append(i)
-        mh, mw = nh, nw
-    chunks.append(cur)
-    whole = len(chunks) == 1
-    if whole:
-        chunks = [list(range(b))]  # one group: keep the batch order, no index_copy
+    padded = isinstance(images, PaddedBatch)
+    if padded:  # decoded straight into padded groups (NvjpegDecoder.decode_padded)
+        chunks = images.index
+    else:
+        chunks = plan_groups(sizes, budget, 2 if cdt == torch.float16 else 4)
+    whole = len(chunks) == 1 and chunks[0] == list(range(b))
     uint8 = out.dtype == torch.uint8
     if not uint8:
         scale = torch.ones(1, 3, 1, 1, device=device) if scale is None else scale
         shift = torch.zeros(1, 3, 1, 1, device=device) if shift is None else shift
-    for idx in chunks:
+    for g, idx in enumerate(chunks):
         n = len(idx)
-        x = _pad([images[i] for i in idx], cdt)                  # (n, 3, hc, wc)
+        x = images.groups[g].to(cdt) if padded else _pad([images[i] for i in idx], cdt)  # (n, 3, hc, wc)
         hc, wc = x.shape[-2:]
         p = params if whole else params[_to(torch.tensor(idx), device)]
         wy, sy_ = _weights(p[:, 0:4], oh, hc, cdt)               # (n, oh, hc), (n, oh)
@@ -137,6 +131,43 @@ def resample_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Tu
         else:
             out.index_copy_(0, _to(torch.tensor(idx), device), res.to(out.dtype))
     return out
+
+
+class PaddedBatch:
+    """A batch decoded straight into padded groups: ``groups[g]`` is ``(k, 3, H, W)`` uint8
+    holding the images ``index[g]`` (batch positions) top-left, anything in the padding
+    (it gets zero weight). The groups are :func:`plan_groups`'s, so :func:`resample_crops`
+    uses them as they are: no nested tensor, no copy."""
+    __slots__ = ("groups", "index")
+
+    def __init__(self, groups: List[torch.Tensor], index: List[List[int]]):
+        self.groups, self.index = groups, index
+
+    def __len__(self) -> int:
+        return sum(len(i) for i in self.index)
+
+    def tensors(self) -> List[torch.Tensor]:
+        return self.groups
+
+
+def plan_groups(sizes: torch.Tensor, budget: int = 512 << 20, el: int = 2) -> List[List[int]]:
+    """Batch positions grouped for padding: greedy in (orientation, area) order, so portrait
+    and landscape images do not pad each other to a square, each group's padded
+    ``(k, 3, H8, W8)`` tensor of ``el``-byte elements under ``budget`` bytes. One group
+    (the common case) keeps the batch order."""
+    h_l, w_l = sizes[:, 0].tolist(), sizes[:, 1].tolist()
+    b = len(h_l)
+    order = sorted(range(b), key=lambda i: (h_l[i] > w_l[i], h_l[i] * w_l[i]), reverse=True)
+    chunks, cur, mh, mw = [], [], 0, 0
+    for i in order:
+        nh, nw = max(mh, h_l[i]), max(mw, w_l[i])
+        if cur and (len(cur) + 1) * 3 * _up8(nh) * _up8(nw) * el > budget:
+            chunks.append(cur)
+            cur, nh, nw = [], h_l[i], w_l[i]
+        cur.append(i)
+        mh, mw = nh, nw
+    chunks.append(cur)
+    return [list(range(b))] if len(chunks) == 1 else chunks
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -302,6 +302,17 @@ class GPUDecoder(LoaderView):
                             f"PackedDataset(decode=EncodedImage()) with collate_fn="
                             f"collate_encoded), got {type(batch).__name__}")
         decoder = decoder or self.decoder
+        if hasattr(decoder, "decode_padded") and not bool(batch.decoded.any()):
+            try:  # NvjpegDecoder: straight into the resize's padded groups
+                padded, got = decoder.decode_padded(batch.data, batch.offsets, self.device)
+            except RuntimeError:
+                pass  # nvJPEG refused the batch: the path below retries image by image
+            else:
+                if not torch.equal(got, batch.sizes):
+                    raise RuntimeError("the decoder returned images of other sizes than their "
+                                       "JPEG headers say")
+                self.stats.add(gpu=len(got), batches=1)
+                return padded, batch.sizes, batch.labels.to(self.device, non_blocking=True)
         views = batch.images()
         n = len(views)
         on_gpu = (~batch.decoded).nonzero().flatten().tolist()

@@ -60,7 +60,7 @@ class _Pipeline:
                 (images, sizes, labels), event = item
                 if event is not None:
                     s_aug.wait_event(event)
-                    for t in images:
+                    for t in (images.tensors() if hasattr(images, "tensors") else images):
                         t.record_stream(s_aug)
                     labels.record_stream(s_aug)
                 return dec._augment((images, sizes, labels))

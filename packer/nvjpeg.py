@@ -81,19 +81,49 @@ class NvjpegDecoder:
         with self._lock:
             return self._decode(ptrs, lens, device)
 
+    def decode_padded(self, data: torch.Tensor, offsets: torch.Tensor, device: torch.device,
+                      budget: int = 512 << 20):
+        """Decode every image of a flat buffer laid out by ``offsets`` (an ``EncodedBatch``'s)
+        straight into zero-padded groups (:func:`~packer.gpu_augment.plan_groups`, via
+        nvJPEG's row pitch), ready for the batched resize: no per-image tensors, no padding
+        copy. Returns a :class:`~packer.gpu_augment.PaddedBatch` and the (n, 2) sizes."""
+        from .gpu_augment import PaddedBatch, plan_groups
+        ptrs, lens = offsets[:-1] + data.data_ptr(), (offsets[1:] - offsets[:-1]).contiguous()
+        with self._lock:
+            hw = self._sizes(ptrs, lens)
+            index = plan_groups(hw, budget)
+            groups, c0, plane, pitch = [], *torch.empty((3, len(hw)), dtype=torch.int64)
+            for idx in index:  # zeros: the resize's filter reaches a little into the padding
+                hg, wg = (int(hw[idx, k].max() + 7) // 8 * 8 for k in (0, 1))
+                groups.append(torch.zeros((len(idx), 3, hg, wg), dtype=torch.uint8, device=device))
+                at = torch.tensor(idx)
+                c0[at] = groups[-1].data_ptr() + torch.arange(len(idx)) * (3 * hg * wg)
+                plane[at], pitch[at] = hg * wg, wg
+            self._run(ptrs, lens, c0, plane, pitch, device)
+        return PaddedBatch(groups, index), hw
+
+    def _sizes(self, ptrs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """(n, 2) heights and widths from nvJPEG's own header parser: the buffers must be
+        what it will write."""
+        return torch.tensor([self._size(p, k) for p, k in zip(ptrs.tolist(), lens.tolist())],
+                            dtype=torch.int64).view(-1, 2)
+
     def _decode(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device) -> List[torch.Tensor]:
-        n = len(ptrs)
-        # Sizes from nvJPEG's own header parser: the buffers must be what it will write.
-        hw = torch.tensor([self._size(p, k) for p, k in zip(ptrs.tolist(), lens.tolist())],
-                          dtype=torch.int64)
+        hw = self._sizes(ptrs, lens)
         planes = hw[:, 0] * hw[:, 1]
         ends = torch.cumsum(3 * planes, 0)
         out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=device)
-        # nvjpegImage_t[n] as an (n, 8) int64 table: channel pointers (planar RGB straight
-        # into (3, h, w) tensors), then pitches.
-        c0 = out.data_ptr() + ends - 3 * planes
-        w, zero = hw[:, 1], torch.zeros_like(planes)
-        table = torch.stack([c0, c0 + planes, c0 + 2 * planes, zero, w, w, w, zero], 1).contiguous()
+        self._run(ptrs, lens, out.data_ptr() + ends - 3 * planes, planes, hw[:, 1], device)
+        return [t.view(3, h, w_) for t, (h, w_) in
+                zip(torch.split(out, (3 * planes).tolist()), hw.tolist())]
+
+    def _run(self, ptrs, lens, c0, plane, pitch, device) -> None:
+        """One batched decode: image i's R, G, B planes at c0[i] + k * plane[i], rows
+        ``pitch[i]`` bytes apart (planar RGB straight into (3, h, w)-shaped memory)."""
+        n = len(ptrs)
+        zero = torch.zeros_like(c0)  # nvjpegImage_t[n] as an (n, 8) int64 table
+        table = torch.stack([c0, c0 + plane, c0 + 2 * plane, zero, pitch, pitch, pitch, zero],
+                            1).contiguous()
         # The allocation above belongs to the caller's stream; make ours wait for it.
         self.stream.wait_stream(torch.cuda.current_stream(device))
         if self._batch != n:
@@ -110,8 +140,6 @@ class NvjpegDecoder:
         # Wait here (GIL released): the host bitstreams and nvJPEG's state are free again,
         # and the images are complete whatever stream reads them next.
         self.stream.synchronize()
-        return [t.view(3, h, w_) for t, (h, w_) in
-                zip(torch.split(out, (3 * planes).tolist()), hw.tolist())]
 
     def _size(self, ptr: int, length: int) -> Tuple[int, int]:
         w, h = self._w, self._h

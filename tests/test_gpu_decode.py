@@ -29,6 +29,7 @@ from packer.errors import PackerError
 from packer.gpu_decode import (EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, JpegInfo,
                                center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info,
                                make_gpu_loader, random_resized_crop_boxes, resample_crops)
+from packer.gpu_augment import PaddedBatch, plan_groups
 from packer.imaging import DecodeCenterCrop, DecodeRandomResizedCrop
 
 from conftest import encode, small_photo
@@ -344,6 +345,50 @@ def test_eval_mode_matches_cpu_center_crop_maths(mixed):
     assert torch.equal(x, x2)  # evaluation is deterministic
 
 
+class PaddedPIL:
+    """NvjpegDecoder's two entry points with PIL behind them: the list one, and
+    ``decode_padded``, which writes each image top-left into zeroed padded groups."""
+
+    def __init__(self, lie=False, budget=512 << 20):
+        self.padded_calls, self.lie, self.budget = 0, lie, budget
+
+    def __call__(self, datas, device):
+        return pil_decoder(datas, device)
+
+    def decode_padded(self, data, offsets, device):
+        self.padded_calls += 1
+        images = pil_decoder(torch.split(data, torch.diff(offsets).tolist()), device)
+        hw = torch.tensor([im.shape[1:] for im in images], dtype=torch.int64)
+        index = plan_groups(hw, self.budget, 4)
+        groups = []
+        for idx in index:
+            g = torch.zeros((len(idx), 3, *((int(hw[idx, k].max()) + 7) // 8 * 8 for k in (0, 1))),
+                            dtype=torch.uint8)
+            for slot, i in enumerate(idx):
+                g[slot, :, :hw[i, 0], :hw[i, 1]] = images[i]
+            groups.append(g)
+        return PaddedBatch(groups, index), hw + 1 if self.lie else hw
+
+
+@pytest.mark.parametrize("budget", [512 << 20, 600_000])  # one group; several (out of order)
+def test_padded_decode_path_matches_the_list_path(mixed, budget):
+    loader = make_gpu_loader(mixed, 5, shuffle=False, num_workers=0)
+    padded = PaddedPIL(budget=budget)
+    for train in (False, True):
+        a = [x for x, _ in _cpu_decoder(loader, decoder=padded, train=train, seed=3, dtype=torch.uint8)]
+        b = [x for x, _ in _cpu_decoder(loader, train=train, seed=3, dtype=torch.uint8)]
+        d = max(int((x.int() - y.int()).abs().max()) for x, y in zip(a, b))
+        # One group: the same matmuls. Several: other padded shapes, other float rounding.
+        assert d == 0 if budget > 1 << 20 else d <= 1
+    mixed_batches = sum(1 for batch in loader if bool(batch.decoded.any()))
+    assert padded.padded_calls == 2 * (len(loader) - mixed_batches) > 0  # fallbacks: list path
+    with pytest.raises(RuntimeError, match="other sizes"):
+        list(_cpu_decoder(loader, decoder=PaddedPIL(lie=True), overlap=0))
+    with pytest.raises(ValueError, match="sizes="):
+        resample_crops(PaddedBatch([torch.zeros(1, 3, 8, 8, dtype=torch.uint8)], [[0]]),
+                       torch.tensor([[0.0, 0, 8, 8]]), (4, 4))
+
+
 def test_decoder_refusing_a_batch_retries_images_alone(mixed):
     calls = []
 
@@ -547,3 +592,21 @@ def test_cuda_device_max_connections_default_and_advice(tmp_path):
                              env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": value}).stdout.splitlines()
         assert out[0] == value and f"CUDA_DEVICE_MAX_CONNECTIONS is {value}" in out[1]
         assert "CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts" in out[1]
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_nvjpeg_decode_padded_layout(mixed):
+    nv = _backend("nvjpeg")
+    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
+    batch = next(b for b in loader if not bool(b.decoded.any()))
+    dev = torch.device("cuda")
+    for budget in (512 << 20, 2_000_000):  # one group, then several
+        padded, hw = nv.decode_padded(batch.data, batch.offsets, dev, budget)
+        assert torch.equal(hw, batch.sizes) and sorted(sum(padded.index, [])) == list(range(8))
+        alone = nv([v for v in batch.images()], dev)
+        for g, idx in zip(padded.groups, padded.index):
+            for slot, i in enumerate(idx):
+                h, w = hw[i].tolist()
+                assert torch.equal(g[slot, :, :h, :w], alone[i])
+                assert int(g[slot, :, h:].abs().sum()) == 0 and int(g[slot, :, :, w:].abs().sum()) == 0

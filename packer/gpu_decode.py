@@ -155,15 +155,15 @@ class GPUDecoder(LoaderView):
     ``prefetch`` bounds the batches waiting between stages (GPU memory stays bounded).
     ``max_ahead``: training steps the consumer may queue on the GPU beyond the last one
     finished (None: no limit); see ``_throttle`` for why a limit keeps decoding fast.
-    ``backend``: "torchvision" uses ``torchvision.io.decode_jpeg``; "nvjpeg" calls libnvjpeg
-    directly (:class:`NvjpegDecoder`, no torchvision needed); "auto" (default) the first
-    that is installed; ``self.backend`` says which runs. ``decoder``, if
-    given, replaces both: ``(list of 1-D uint8 CPU tensors, device) -> list of (3, h, w)
-    uint8 tensors``.
-    ``decode_threads`` (with ``overlap=2``): decode threads, each with its own stream and,
-    for "nvjpeg", its own nvJPEG handle, so one batch's host work (parsing, setup) overlaps
-    another's decoding; batches still come out in the loader's order. torchvision decodes
-    behind one global lock, so more threads help it little.
+    ``backend``: "nvjpeg" calls libnvjpeg directly (:class:`NvjpegDecoder`: it decodes each
+    batch straight into the padded groups the resize works on, and needs no torchvision);
+    "torchvision" uses ``torchvision.io.decode_jpeg``; "auto" (default) the first of the two
+    that loads; ``self.backend`` says which runs. ``decoder``, if given, replaces both:
+    ``(list of 1-D uint8 CPU tensors, device) -> list of (3, h, w) uint8 tensors``.
+    ``decode_threads`` (with ``overlap=2``): decode threads, each with its own stream and
+    nvJPEG handle, so one batch's host work (header parsing, setup, per-image waits)
+    overlaps another's decoding; batches still come out in the loader's order. None
+    (default): 2 for "nvjpeg", 1 otherwise (torchvision decodes behind one global lock).
     """
 
     def __init__(self, loader, *, size=224, train: bool = True,
@@ -173,7 +173,7 @@ class GPUDecoder(LoaderView):
                  scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True,
                  crop_fraction: float = 0.875, prefetch: int = 2, overlap: int = 2,
                  seed: Optional[int] = None, backend: str = "auto", max_ahead: Optional[int] = 1,
-                 decode_threads: int = 1,
+                 decode_threads: Optional[int] = None,
                  decoder: Optional[Callable[[List[torch.Tensor], torch.device], List[torch.Tensor]]] = None):
         self.size = (size, size) if isinstance(size, int) else tuple(int(s) for s in size)
         if len(self.size) != 2 or min(self.size) < 1:
@@ -191,10 +191,10 @@ class GPUDecoder(LoaderView):
         if overlap not in (0, 1, 2) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"overlap must be 0, 1 or 2 and prefetch an int >= 1, got "
                              f"{overlap!r}, {prefetch!r}")
-        if not isinstance(decode_threads, int) or decode_threads < 1 or (decode_threads > 1 and overlap != 2):
-            raise ValueError(f"decode_threads must be an int >= 1, and 1 unless overlap=2, got "
-                             f"{decode_threads!r}")
-        self.decode_threads = decode_threads
+        if decode_threads is not None and (not isinstance(decode_threads, int) or decode_threads < 1
+                                           or (decode_threads > 1 and overlap != 2)):
+            raise ValueError(f"decode_threads must be None or an int >= 1, and 1 unless overlap=2, "
+                             f"got {decode_threads!r}")
         if backend not in ("auto", "nvjpeg", "torchvision"):
             raise ValueError(f"backend must be 'auto', 'nvjpeg' or 'torchvision', got {backend!r}")
         self.device = _gpu_device(device, decoder is None, backend)
@@ -202,18 +202,20 @@ class GPUDecoder(LoaderView):
         if advice:
             warnings.warn(advice, ConnectionsWarning, stacklevel=2)
         self.backend = "custom" if decoder is not None else backend
-        if decoder is None and backend in ("auto", "torchvision"):
+        if decoder is None and backend in ("auto", "nvjpeg"):  # a handle per decode thread
+            threads = decode_threads or (2 if overlap == 2 else 1)
             try:
-                import torchvision.io  # noqa: F401
-                decoder, self.backend = _nvjpeg, "torchvision"
-            except ImportError:
-                if backend == "torchvision":
+                self.decoders = [NvjpegDecoder.shared(self.device, k) for k in range(threads)]
+                self.backend = f"nvjpeg-{self.decoders[0].backend}"
+            except (OSError, RuntimeError):
+                if backend == "nvjpeg":
                     raise
-        if decoder is None:  # "nvjpeg", or "auto" without torchvision: a handle per thread
-            self.decoders = [NvjpegDecoder.shared(self.device, k) for k in range(decode_threads)]
-            self.backend = f"nvjpeg-{self.decoders[0].backend}"
-        else:
-            self.decoders = [decoder] * decode_threads
+        if self.backend in ("auto", "torchvision"):
+            import torchvision.io  # noqa: F401  (_gpu_device checked that one of the two loads)
+            decoder, self.backend = _nvjpeg, "torchvision"
+        if decoder is not None:
+            self.decoders = [decoder] * (decode_threads or 1)
+        self.decode_threads = len(self.decoders)
         self.decoder = self.decoders[0]
         self.loader = loader
         self.train, self.flip, self.dtype = bool(train), bool(flip), dtype
@@ -225,7 +227,7 @@ class GPUDecoder(LoaderView):
         self._gen = torch.Generator()
         self._gen.manual_seed(seed if seed is not None else int(torch.randint(1 << 62, ()).item()))
         self.stats = DecodeStats()
-        self._streams = [None] * (decode_threads + 1)  # decode thread(s), then augment
+        self._streams = [None] * (self.decode_threads + 1)  # decode thread(s), then augment
         if self.device.type == "cuda":
             self._streams = [torch.cuda.Stream(self.device) for _ in self._streams]
             for st in self._streams:  # the constants were written on the current stream

@@ -557,7 +557,7 @@ def test_gpu_overlap_modes_agree(mixed):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("backend", ["auto", "nvjpeg"])
+@pytest.mark.parametrize("backend", ["torchvision", "nvjpeg"])
 def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend):
     pytest.importorskip("torchvision")
     plain = GPUDecoder(make_gpu_loader(mixed, 4, shuffle=False, num_workers=0), train=False,

@@ -816,8 +816,13 @@ def main():
             if dev.type == "cuda":
                 variants += [(f"nvjpeg, {k} decode thread(s)", {"backend": "nvjpeg", "decode_threads": k})
                              for k in (1, 2, 3)]
+            if dev.type == "cuda":
+                variants.append(("default settings", {}))
             pipeline_variants(a, "stored", sets["stored"], dev, variants)
-            pipeline_variants(a, "stored", sets["stored"], dev, variants[:2], train=False)
+            pipeline_variants(a, "stored", sets["stored"], dev, variants[:2] + variants[-1:], train=False)
+            if dev.type == "cuda" and "short256" in sets:
+                pipeline_variants(a, "short256", sets["short256"], dev, variants[-1:])
+                pipeline_variants(a, "short256", sets["short256"], dev, variants[-1:], train=False)
     if "probe" not in skip and dev.type == "cuda":
         with section("probe: what nvJPEG launches per batch"):
             kernel_profile(a, loaders["stored"], dev, decoders)
@@ -838,6 +843,7 @@ def main():
                     variants.append((f"{dname}, step as one CUDA graph", {"decoder": decoder, "graphed": True}))
                     variants += [(f"nvjpeg, {k} decode threads", {"backend": "nvjpeg", "decode_threads": k})
                                  for k in (2, 3)]
+                    variants.append(("default settings, step as one CUDA graph", {"graphed": True}))
                 resnet(a, loaders[name], dev, decoders, name, cpu_loaders.get(name),
                        variants, sets[name])
     if dev.type == "cuda":

@@ -190,6 +190,7 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
         raise PackerError(f"--max-images must be at least 2, got {max_images}")
     train_device = None
     if cuda:
+        from . import gpu_decode  # noqa: F401  - before CUDA starts: its hardware-queue setting
         train_device = torch.device(device or "cuda")
         if train_device.type == "cuda" and not torch.cuda.is_available():
             raise PackerError(f"--cuda needs a CUDA GPU, but torch {torch.__version__} sees none "

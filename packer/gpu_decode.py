@@ -6,10 +6,11 @@ headers (microseconds), and the GPU does the rest in whole batches:
 
     workers   EncodedImage: header parse; CPU decode only for what nvJPEG can't take
               collate_encoded: one flat byte buffer per batch (one shared-memory block)
-    thread 1  torchvision.io.decode_jpeg(list, device="cuda"): nvJPEG, hardware engine for
-              baseline JPEGs on A100/H100/H200 (torchvision is the optional ``gpu`` extra)
-    thread 2  crop boxes, then crop + antialiased bilinear resize + flip of the whole batch
-              as two batched matmuls, normalize, dtype, channels_last
+    decode    2 threads, batches in turn: NvjpegDecoder (libnvjpeg via ctypes, hardware
+              engine on A100/H100/H200) writes each batch straight into padded groups;
+              torchvision.io.decode_jpeg is the fallback
+    augment   crop boxes, then crop + antialiased bilinear resize + flip of the whole batch
+              as two batched matmuls, normalize, dtype, channels_last; batches in order
     consumer  ``for x, y in GPUDecoder(make_gpu_loader(root, 256)):``
 
 Each thread has its own CUDA stream; batches cross with events and ``record_stream``, as in

@@ -26,12 +26,13 @@ class _Image(ctypes.Structure):  # nvjpegImage_t (nvJPEG >= 11: size_t pitches)
 class NvjpegDecoder:
     """nvJPEG's batched decoder called directly (ctypes): GPU decoding without torchvision.
 
-    Same library and hardware engine as torchvision's decoder (pixels are identical), one
-    output allocation per batch instead of one per image, and the work on a stream of
-    ``priority`` (default: the highest). The priority was meant to let decoding overtake a
-    training step's queued kernels; measured on an H200 it does not (docs/gpu_decode.md),
-    so torchvision stays the default where installed. The hardware engine (A100/H100/H200)
-    is used when nvJPEG has it, else its default backend. Raises OSError/RuntimeError when
+    Same library and hardware engine as torchvision's decoder (pixels are identical), but
+    one output allocation per batch, no global lock (one handle per decode thread), and
+    :meth:`decode_padded`, which writes a batch straight into the padded groups the GPU
+    resize works on: GPUDecoder's default (docs/gpu_decode.md). Work runs on a stream of
+    ``priority`` (default: the highest; measured, it does not let decoding overtake
+    training kernels). The hardware engine (A100/H100/H200) is used when nvJPEG has it,
+    else its default backend. Raises OSError/RuntimeError when
     libnvjpeg cannot be loaded or set up. Calls are serialised by a lock (one nvJPEG state);
     :meth:`shared` gives one instance per (device, slot), as nvJPEG handles are never freed
     here (freeing them at interpreter exit can run after CUDA has shut down); threads that

@@ -55,12 +55,7 @@ class NvjpegDecoder:
         lib.nvjpegDecodeBatched.argtypes = [vp, vp, pp, ctypes.POINTER(ctypes.c_size_t),
                                             ctypes.POINTER(_Image), vp]  # as (n, 8) int64 tables
         ip = ctypes.POINTER(ctypes.c_int)
-        # The header read (~1 µs, 256 per batch) is called without releasing the GIL: each
-        # release would mean waiting to get it back from the training loop or the augment
-        # thread (up to sys.getswitchinterval(), 5 ms) 256 times per batch.
-        self._info = (lib if os.environ.get("PACKER_NVJPEG_INFO_RELEASES_GIL")  # A/B knob
-                      else ctypes.PyDLL(lib._name)).nvjpegGetImageInfo
-        self._info.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
+        lib.nvjpegGetImageInfo.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
         self.handle, self.state = vp(), vp()
         self.backend = "hardware"
         status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(self.handle)) if hardware else -1
@@ -149,7 +144,8 @@ class NvjpegDecoder:
 
     def _size(self, ptr: int, length: int) -> Tuple[int, int]:
         w, h = self._w, self._h
-        _check(self._info(self.handle, ptr, length, self._comps, self._sub, w, h), "nvjpegGetImageInfo")
+        _check(self.lib.nvjpegGetImageInfo(self.handle, ptr, length, self._comps, self._sub, w, h),
+               "nvjpegGetImageInfo")
         return h[0], w[0]
 
 

@@ -20,7 +20,6 @@ def main():
     p.add_argument("--data", required=True)
     p.add_argument("--batches", type=int, default=8)
     a = p.parse_args()
-    dev = torch.device("cuda")
     loader = make_gpu_loader(a.data, 256, num_workers=8, drop_last=True)
     g = GPUDecoder(loader, overlap=0, seed=0)
     batches = []

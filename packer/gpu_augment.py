@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -58,32 +58,45 @@ def center_crop_boxes(sizes: torch.Tensor, size: Tuple[int, int],
 
 # -- batched crop + resize ------------------------------------------------------------------
 
-def resample_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Tuple[int, int],
+def resample_crops(images, boxes: torch.Tensor, size: Tuple[int, int],
                    flips: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
                    scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
-                   sizes: Optional[torch.Tensor] = None, budget: int = 512 << 20) -> torch.Tensor:
-    """Crop ``boxes`` out of ``images`` (uint8 (3, h, w), any sizes and strides, one device),
-    resize each to ``size`` (h, w), flip where ``flips``, write ``x * scale + shift``.
+                   sizes: Optional[torch.Tensor] = None, budget: int = 512 << 20,
+                   method: str = "auto") -> torch.Tensor:
+    """Crop ``boxes`` out of ``images`` (uint8 (3, h, w), any sizes and strides, one device:
+    a list, a :class:`PaddedBatch` or an :class:`~packer.gpu_resample.ImageTable`), resize
+    each to ``size`` (h, w), flip where ``flips``, write ``x * scale + shift``.
 
     The filter is PIL's BILINEAR with a box (triangle, support widened by the downscale
     factor, so antialiased), the one the CPU decoders use: outputs match PIL to rounding.
-    Being separable, it is two matrix products per image, ``Wy @ image @ Wx^T``, done as
-    two batched matmuls (float16 on the GPU, float32 on the CPU). Images are zero-padded to
-    a common size with nested tensors (one C++ call and one kernel, not a Python loop:
-    per-image Python work would hold the GIL the decode thread needs), in groups of similar
-    size and orientation so padding stays under ``budget`` bytes (:func:`plan_groups`);
-    a :class:`PaddedBatch` arrives padded already. Flipping walks ``Wx``
-    backwards. ``sizes`` ((B, 2) h, w) saves reading the shapes. ``out`` (default float32)
-    may be any dtype and memory format; for uint8 the result is rounded, scale/shift unused.
+    ``method``: "triton" runs the fused kernel (:mod:`packer.gpu_resample`: one launch per
+    batch, images read where they lie); "matmul" does the filter, being separable, as two
+    matrix products per image, ``Wy @ image @ Wx^T``, two batched matmuls (float16 on the
+    GPU, float32 on the CPU) over images zero-padded to a common size with nested tensors,
+    in groups of similar size and orientation so padding stays under ``budget`` bytes
+    (:func:`plan_groups`; a :class:`PaddedBatch` arrives padded already), flipping by
+    walking ``Wx`` backwards; "auto" is "triton" on a CUDA device where Triton imports.
+    ``sizes`` ((B, 2) h, w) saves reading the shapes. ``out`` (default float32) may be any
+    dtype and memory format; for uint8 the result is rounded, scale/shift unused.
     """
+    from .gpu_resample import ImageTable, fused_resample, triton_available
+    if method not in ("auto", "triton", "matmul"):
+        raise ValueError(f"method must be 'auto', 'triton' or 'matmul', got {method!r}")
     b = len(images)
     oh, ow = size
-    device = boxes.device if not b else (images.groups[0] if isinstance(images, PaddedBatch)
-                                         else images[0]).device
+    table = isinstance(images, ImageTable)
+    device = boxes.device if not b else (images.base if table else images.groups[0] if
+                                         isinstance(images, PaddedBatch) else images[0]).device
     if out is None:
         out = torch.empty((b, 3, oh, ow), dtype=torch.float32, device=device)
     if b == 0:
         return out
+    if method == "auto":
+        method = "triton" if device.type == "cuda" and triton_available() else "matmul"
+    if table:
+        sizes = images.sizes if sizes is None else sizes
+        if method == "matmul":
+            images = images.views()
     cdt = torch.float16 if device.type == "cuda" else torch.float32
     if sizes is None and isinstance(images, PaddedBatch):
         raise ValueError("resample_crops needs sizes= with a PaddedBatch")
@@ -98,6 +111,17 @@ def resample_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Tu
     sy, sx = (y1 - y0) / oh, (x1 - x0) / ow
     params = torch.stack([y0, sy, sy.clamp(min=1), hw[:, 0], torch.where(flips, x1, x0),
                           torch.where(flips, -sx, sx), sx.clamp(min=1), hw[:, 1]], 1)
+    uint8 = out.dtype == torch.uint8
+    if method == "triton":
+        if not table:
+            images = ImageTable.from_images(images.slices(sizes) if isinstance(images, PaddedBatch)
+                                            else images)
+        affine = None
+        if not uint8:  # (6,): scale then shift per channel
+            sc = torch.ones(3) if scale is None else scale.flatten().expand(3)
+            sh = torch.zeros(3) if shift is None else shift.flatten().expand(3)
+            affine = torch.cat([sc.to(device), sh.to(device)]).float()
+        return fused_resample(images, params, size, out, affine)
     params = _to(params.float(), device)
     padded = isinstance(images, PaddedBatch)
     if padded:  # decoded straight into padded groups (NvjpegDecoder.decode_padded)
@@ -105,7 +129,6 @@ def resample_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Tu
     else:
         chunks = plan_groups(sizes, budget, 2 if cdt == torch.float16 else 4)
     whole = len(chunks) == 1 and chunks[0] == list(range(b))
-    uint8 = out.dtype == torch.uint8
     if not uint8:
         scale = torch.ones(1, 3, 1, 1, device=device) if scale is None else scale
         shift = torch.zeros(1, 3, 1, 1, device=device) if shift is None else shift
@@ -148,6 +171,15 @@ class PaddedBatch:
 
     def tensors(self) -> List[torch.Tensor]:
         return self.groups
+
+    def slices(self, sizes: torch.Tensor) -> List[torch.Tensor]:
+        """The images in batch order as (3, h, w) views of their groups."""
+        out: List[Optional[torch.Tensor]] = [None] * len(self)
+        hw = sizes.tolist()
+        for group, idx in zip(self.groups, self.index):
+            for k, i in enumerate(idx):
+                out[i] = group[k, :, :hw[i][0], :hw[i][1]]
+        return out
 
 
 def plan_groups(sizes: torch.Tensor, budget: int = 512 << 20, el: int = 2) -> List[List[int]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import itertools
 import os
 import threading
 import time
@@ -37,6 +38,7 @@ from .encoded import (EncodedBatch, EncodedImage, EncodedSample, JpegInfo,  # no
 from .errors import PackerError
 from .gpu_augment import center_crop_boxes, random_resized_crop_boxes, resample_crops  # noqa: F401
 from .gpu_pipeline import _END, _Pipeline
+from .gpu_resample import ImageTable, triton_available
 from .imaging import open_image
 from .nvjpeg import NvjpegDecoder, _load_nvjpeg, _nvjpeg  # noqa: F401
 from .prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, _affine
@@ -110,10 +112,13 @@ class DecodeStats:
 
     ``cpu``: decoded in workers (not JPEG, or a JPEG nvJPEG does not take well);
     ``retried``: nvJPEG refused a batch and the image was decoded alone (PIL if nvJPEG
-    refused it again). ``seconds``: wall time per stage, host side: ``loader`` (waiting for
-    the DataLoader), ``decode``, ``augment`` (or ``decode+augment`` with ``overlap=1``; GPU
-    work is asynchronous, so this is launch time), and ``consumer`` (the training loop
-    waiting for a batch: near zero when decoding keeps up).
+    refused it again). ``seconds``: wall time per stage, host side, summed over a stage's
+    threads: ``loader`` (decode threads waiting for the DataLoader), ``decode``,
+    ``augment`` (or ``decode+augment`` with ``overlap=1``; GPU work is asynchronous, so
+    this is launch time), ``augment waits`` (for decoded batches), ``<stage> blocked``
+    (waiting for room in the next queue), ``consumer`` (the training loop waiting for a
+    batch: near zero when decoding keeps up) and ``throttle`` (the training loop waiting for
+    its own GPU work, ``max_ahead``: large when the model is the limit).
     """
     gpu: int = 0
     cpu: int = 0
@@ -165,6 +170,10 @@ class GPUDecoder(LoaderView):
     nvJPEG handle, so one batch's host work (header parsing, setup, per-image waits)
     overlaps another's decoding; batches still come out in the loader's order. None
     (default): 2 for "nvjpeg", 1 otherwise (torchvision decodes behind one global lock).
+    ``resample``: "triton" crops, resizes, flips and normalizes a batch in one fused kernel
+    (:mod:`packer.gpu_resample`) reading each image where nvJPEG wrote it; "matmul" pads the
+    images into groups and runs batched matmuls (no Triton needed); "auto" (default) is
+    "triton" wherever Triton imports. ``self.resample`` says which runs.
     """
 
     def __init__(self, loader, *, size=224, train: bool = True,
@@ -173,8 +182,9 @@ class GPUDecoder(LoaderView):
                  dtype: torch.dtype = torch.bfloat16, channels_last: bool = True, device=None,
                  scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True,
                  crop_fraction: float = 0.875, prefetch: int = 2, overlap: int = 2,
-                 seed: Optional[int] = None, backend: str = "auto", max_ahead: Optional[int] = 1,
-                 decode_threads: Optional[int] = None,
+                 seed: Optional[int] = None, backend: str = "auto", max_ahead: Optional[int] = 3,
+                 decode_threads: Optional[int] = None, resample: str = "auto",
+                 augment_thread: Optional[bool] = None,
                  decoder: Optional[Callable[[List[torch.Tensor], torch.device], List[torch.Tensor]]] = None):
         self.size = (size, size) if isinstance(size, int) else tuple(int(s) for s in size)
         if len(self.size) != 2 or min(self.size) < 1:
@@ -198,7 +208,18 @@ class GPUDecoder(LoaderView):
                              f"got {decode_threads!r}")
         if backend not in ("auto", "nvjpeg", "torchvision"):
             raise ValueError(f"backend must be 'auto', 'nvjpeg' or 'torchvision', got {backend!r}")
+        if resample not in ("auto", "triton", "matmul"):
+            raise ValueError(f"resample must be 'auto', 'triton' or 'matmul', got {resample!r}")
         self.device = _gpu_device(device, decoder is None, backend)
+        if resample == "auto":
+            resample = "triton" if self.device.type == "cuda" and triton_available() else "matmul"
+        elif resample == "triton" and not triton_available():
+            raise PackerError("resample='triton' needs Triton (it comes with PyTorch's CUDA "
+                              "wheels on Linux: pip install triton); resample='matmul' needs none")
+        self.resample = resample
+        # The fused kernel takes ~0.5 ms of host time per batch: the decode threads launch it
+        # themselves. The matmul form takes ~10: it gets a thread of its own.
+        self.augment_thread = resample != "triton" if augment_thread is None else bool(augment_thread)
         advice = connections_advice() if self.device.type == "cuda" else None
         if advice:
             warnings.warn(advice, ConnectionsWarning, stacklevel=2)
@@ -245,10 +266,11 @@ class GPUDecoder(LoaderView):
 
     def __iter__(self):
         it = iter(self.loader)
+        base = int(torch.randint(1 << 62, (), generator=self._gen))  # this pass's crops
         clock, st = time.perf_counter, self.stats
         ahead: list = []
         if self.overlap == 0:
-            while True:
+            for k in itertools.count():
                 t0 = clock()
                 self._throttle(ahead)
                 batch = next(it, _END)
@@ -257,19 +279,21 @@ class GPUDecoder(LoaderView):
                 t1 = clock()
                 item = self._decode(batch)
                 t2 = clock()
-                out = self._augment(item)
+                out = self._augment(item, base + k)
                 t3 = clock()
                 st.add_time("loader", t1 - t0)
                 st.add_time("decode", t2 - t1)
                 st.add_time("augment", t3 - t2)
                 yield out
-        pipe = _Pipeline(self, it)
+        pipe = _Pipeline(self, it, base)
         try:
             while True:
                 t0 = clock()
                 self._throttle(ahead)
+                t1 = clock()
                 item = pipe.get()
-                st.add_time("consumer", clock() - t0)
+                st.add_time("throttle", t1 - t0)
+                st.add_time("consumer", clock() - t1)
                 if item is _END:
                     return
                 (images, labels), event = item
@@ -305,9 +329,13 @@ class GPUDecoder(LoaderView):
                             f"PackedDataset(decode=EncodedImage()) with collate_fn="
                             f"collate_encoded), got {type(batch).__name__}")
         decoder = decoder or self.decoder
-        if hasattr(decoder, "decode_padded") and not bool(batch.decoded.any()):
-            try:  # NvjpegDecoder: straight into the resize's padded groups
-                padded, got = decoder.decode_padded(batch.data, batch.offsets, self.device)
+        fused = self.resample == "triton"
+        # NvjpegDecoder: the whole batch into one buffer (fused resize) or straight into the
+        # matmul resize's padded groups.
+        whole = getattr(decoder, "decode_flat" if fused else "decode_padded", None)
+        if whole is not None and not bool(batch.decoded.any()):
+            try:
+                images, got = whole(batch.data, batch.offsets, self.device)
             except RuntimeError:
                 pass  # nvJPEG refused the batch: the path below retries image by image
             else:
@@ -315,7 +343,7 @@ class GPUDecoder(LoaderView):
                     raise RuntimeError("the decoder returned images of other sizes than their "
                                        "JPEG headers say")
                 self.stats.add(gpu=len(got), batches=1)
-                return padded, batch.sizes, batch.labels.to(self.device, non_blocking=True)
+                return images, batch.sizes, batch.labels.to(self.device, non_blocking=True)
         views = batch.images()
         n = len(views)
         on_gpu = (~batch.decoded).nonzero().flatten().tolist()
@@ -337,7 +365,8 @@ class GPUDecoder(LoaderView):
             if out[i] is None:
                 out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
         self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
-        return out, batch.sizes, batch.labels.to(self.device, non_blocking=True)
+        images = ImageTable.from_images(out) if fused else out
+        return images, batch.sizes, batch.labels.to(self.device, non_blocking=True)
 
     def _decode_alone(self, data: torch.Tensor, decoder) -> torch.Tensor:
         try:
@@ -347,23 +376,26 @@ class GPUDecoder(LoaderView):
             px = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
             return px.view(im.height, im.width, 3).to(self.device).permute(2, 0, 1)
 
-    def _augment(self, item):
+    def _augment(self, item, seed: int):
+        """Crop, resize, flip, normalize one decoded batch; its randomness comes from
+        ``seed`` alone, so threads that augment batches at once give the same crops."""
         images, sizes, labels = item
         if self.train:
-            boxes = random_resized_crop_boxes(sizes, self.scale, self.ratio, generator=self._gen)
-            flips = torch.rand(len(images), generator=self._gen) < 0.5 if self.flip else None
+            gen = torch.Generator().manual_seed(seed)
+            boxes = random_resized_crop_boxes(sizes, self.scale, self.ratio, generator=gen)
+            flips = torch.rand(len(images), generator=gen) < 0.5 if self.flip else None
         else:
             boxes, flips = center_crop_boxes(sizes, self.size, self.crop_fraction), None
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         out = torch.empty((len(images), 3, *self.size), dtype=self.dtype, device=self.device,
                           memory_format=fmt)
         return resample_crops(images, boxes, self.size, flips, out=out, scale=self._scale,
-                              shift=self._shift, sizes=sizes), labels
+                              shift=self._shift, sizes=sizes, method=self.resample), labels
 
     def __repr__(self) -> str:
         return (f"GPUDecoder({self.loader!r}, size={self.size}, train={self.train}, "
                 f"dtype={self.dtype}, device={self.device}, overlap={self.overlap}, "
-                f"backend={self.backend!r})")
+                f"backend={self.backend!r}, resample={self.resample!r})")
 
 
 def _gpu_device(device, need_nvjpeg: bool, backend: str = "auto") -> torch.device:

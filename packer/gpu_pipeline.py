@@ -40,7 +40,8 @@ class _Pipeline:
     the same iterator object).
     """
 
-    def __init__(self, dec: GPUDecoder, it):
+    def __init__(self, dec: GPUDecoder, it, base: int):
+        # Batch n's crops come from seed base + n, whichever thread augments it.
         self.stop, self.stats = threading.Event(), dec.stats
         self.out: queue.Queue = queue.Queue(dec.prefetch)
         self.queues = [self.out]
@@ -49,22 +50,28 @@ class _Pipeline:
         def src():  # one batch and its number, atomically
             with lock:
                 return next(count), next(it)
+        self._ordered = None
         if dec.overlap == 1:
-            stages = [("decode+augment", src, lambda b: dec._augment(dec._decode(b)), streams[0], self.out, False)]
+            stages = [("decode+augment", src, functools.partial(_both, dec, dec.decoder, base),
+                       streams[0], self.out, False)]
+        elif not dec.augment_thread:  # each decode thread augments its own batches
+            stages = [("decode+augment", src, functools.partial(_both, dec, dec.decoders[k], base),
+                       streams[k], self.out, True) for k in range(dec.decode_threads)]
+            self._ordered = self._in_order(self.out, dec.decode_threads)
         else:
             mid: queue.Queue = queue.Queue(dec.prefetch + dec.decode_threads - 1)
             self.queues.append(mid)
             s_aug = streams[-1]
 
-            def handoff(item):  # decoded on a decode stream, augmented on s_aug
+            def handoff(n, item):  # decoded on a decode stream, augmented on s_aug
                 (images, sizes, labels), event = item
                 if event is not None:
                     s_aug.wait_event(event)
                     for t in (images.tensors() if hasattr(images, "tensors") else images):
                         t.record_stream(s_aug)
                     labels.record_stream(s_aug)
-                return dec._augment((images, sizes, labels))
-            stages = [("decode", src, functools.partial(dec._decode, decoder=dec.decoders[k]),
+                return dec._augment((images, sizes, labels), base + n)
+            stages = [("decode", src, functools.partial(_decode_only, dec, dec.decoders[k]),
                        streams[k], mid, True) for k in range(dec.decode_threads)]
             stages.append(("augment", self._in_order(mid, dec.decode_threads), handoff, s_aug,
                            self.out, False))
@@ -74,8 +81,8 @@ class _Pipeline:
             t.start()
 
     def _in_order(self, q, producers: int):
-        """The source of the augment thread: items of ``q`` in their numbers' order; the end
-        once every producer has ended and nothing is left."""
+        """Items of ``q`` in their numbers' order (the augment thread's source, or the
+        consumer's); the end once every producer has ended and nothing is left."""
         held, want, ended = {}, [0], [0]
 
         def get():
@@ -93,13 +100,18 @@ class _Pipeline:
                 n, rest = item
                 held[n] = rest
             want[0] += 1
-            return None, held.pop(want[0] - 1)
+            return want[0] - 1, held.pop(want[0] - 1)
         return get
 
     def _run(self, where, source, fn, stream, q, numbered) -> None:
+        # Seconds per stage: waiting for input ("loader" for the decode threads, "<stage>
+        # waits" for the augment thread), working ("<stage>"), and waiting for room in the
+        # next queue ("<stage> blocked"): the stage that neither waits nor is blocked is
+        # the bottleneck.
+        wait = "loader" if where.startswith("decode") else f"{where} waits"
         try:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                clock, wait = time.perf_counter, "loader" if where.startswith("decode") else None
+                clock, add = time.perf_counter, self.stats.add_time
                 while not self.stop.is_set():
                     t0 = clock()
                     try:
@@ -107,15 +119,16 @@ class _Pipeline:
                     except StopIteration:
                         break
                     t1 = clock()
-                    res = fn(item)
-                    if wait:
-                        self.stats.add_time(wait, t1 - t0)
-                    self.stats.add_time(where, clock() - t1)
+                    res = fn(n, item)
+                    t2 = clock()
                     event = None
                     if stream is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
                     self._put(q, (n, (res, event)) if numbered else (res, event))
+                    add(wait, t1 - t0)
+                    add(where, t2 - t1)
+                    add(f"{where} blocked", clock() - t2)
                     del item, res
             self._put(q, _END)
         except _Forward as f:
@@ -140,7 +153,15 @@ class _Pipeline:
                     return _END
 
     def get(self):
-        item = self._get(self.out)
+        if self._ordered is None:
+            item = self._get(self.out)
+        else:  # several threads put finished batches: hand them out in the loader's order
+            try:
+                item = self._ordered()[1]
+            except StopIteration:
+                item = _END
+            except _Forward as f:
+                item = f.raised
         if isinstance(item, _Raised):
             exc = item.exc
             if hasattr(exc, "add_note"):
@@ -159,6 +180,17 @@ class _Pipeline:
                 waited += 0.05
         for q in self.queues:
             _drain(q)
+        self._ordered = None  # its closure holds batches and this object: no cycle left for
+        # the garbage collector, which could run in a DataLoader worker forked later and
+        # free CUDA memory there (CUDA cannot be used in a forked child: the worker aborts)
+
+
+def _decode_only(dec, decoder, n, batch):
+    return dec._decode(batch, decoder=decoder)
+
+
+def _both(dec, decoder, base, n, batch):
+    return dec._augment(dec._decode(batch, decoder=decoder), base + n)
 
 
 class _Forward(Exception):

@@ -27,9 +27,10 @@ class NvjpegDecoder:
     """nvJPEG's batched decoder called directly (ctypes): GPU decoding without torchvision.
 
     Same library and hardware engine as torchvision's decoder (pixels are identical), but
-    one output allocation per batch, no global lock (one handle per decode thread), and
-    :meth:`decode_padded`, which writes a batch straight into the padded groups the GPU
-    resize works on: GPUDecoder's default (docs/gpu_decode.md). Work runs on a stream of
+    one output allocation per batch, no global lock (one handle per decode thread),
+    :meth:`decode_flat` (a whole batch into one buffer, for the fused resize: GPUDecoder's
+    default) and :meth:`decode_padded` (straight into the padded groups the matmul resize
+    works on; docs/gpu_decode.md). Work runs on a stream of
     ``priority`` (default: the highest; measured, it does not let decoding overtake
     training kernels). The hardware engine (A100/H100/H200) is used when nvJPEG has it,
     else its default backend. Raises OSError/RuntimeError when
@@ -55,7 +56,10 @@ class NvjpegDecoder:
         lib.nvjpegDecodeBatched.argtypes = [vp, vp, pp, ctypes.POINTER(ctypes.c_size_t),
                                             ctypes.POINTER(_Image), vp]  # as (n, 8) int64 tables
         ip = ctypes.POINTER(ctypes.c_int)
-        lib.nvjpegGetImageInfo.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
+        # The header read (~1 µs, one per image) keeps the GIL (PyDLL): releasing it would
+        # mean waiting to get it back from the other threads once per image.
+        self._info = ctypes.PyDLL(lib._name).nvjpegGetImageInfo
+        self._info.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
         self.handle, self.state = vp(), vp()
         self.backend = "hardware"
         status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(self.handle)) if hardware else -1
@@ -103,6 +107,26 @@ class NvjpegDecoder:
             self._run(ptrs, lens, c0, plane, pitch, device)
         return PaddedBatch(groups, index), hw
 
+    def decode_flat(self, data: torch.Tensor, offsets: torch.Tensor, device: torch.device):
+        """Decode every image of a flat buffer laid out by ``offsets`` (an ``EncodedBatch``'s)
+        into one allocation, planar RGB back to back: nothing zeroed, nothing padded, for the
+        fused resize that reads each image where it lies. Returns an
+        :class:`~packer.gpu_resample.ImageTable` and the (n, 2) sizes."""
+        ptrs, lens = offsets[:-1] + data.data_ptr(), (offsets[1:] - offsets[:-1]).contiguous()
+        with self._lock:
+            table = self._flat(ptrs, lens, device)
+        return table, table.sizes
+
+    def _flat(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device):
+        from .gpu_resample import ImageTable
+        hw = self._sizes(ptrs, lens)
+        planes = hw[:, 0] * hw[:, 1]
+        ends = torch.cumsum(3 * planes, 0)
+        out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=device)
+        starts = ends - 3 * planes
+        self._run(ptrs, lens, out.data_ptr() + starts, planes, hw[:, 1], device)
+        return ImageTable.planar(out, starts, hw)
+
     def _sizes(self, ptrs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """(n, 2) heights and widths from nvJPEG's own header parser: the buffers must be
         what it will write."""
@@ -110,13 +134,7 @@ class NvjpegDecoder:
                             dtype=torch.int64).view(-1, 2)
 
     def _decode(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device) -> List[torch.Tensor]:
-        hw = self._sizes(ptrs, lens)
-        planes = hw[:, 0] * hw[:, 1]
-        ends = torch.cumsum(3 * planes, 0)
-        out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=device)
-        self._run(ptrs, lens, out.data_ptr() + ends - 3 * planes, planes, hw[:, 1], device)
-        return [t.view(3, h, w_) for t, (h, w_) in
-                zip(torch.split(out, (3 * planes).tolist()), hw.tolist())]
+        return self._flat(ptrs, lens, device).views()
 
     def _run(self, ptrs, lens, c0, plane, pitch, device) -> None:
         """One batched decode: image i's R, G, B planes at c0[i] + k * plane[i], rows
@@ -144,8 +162,7 @@ class NvjpegDecoder:
 
     def _size(self, ptr: int, length: int) -> Tuple[int, int]:
         w, h = self._w, self._h
-        _check(self.lib.nvjpegGetImageInfo(self.handle, ptr, length, self._comps, self._sub, w, h),
-               "nvjpegGetImageInfo")
+        _check(self._info(self.handle, ptr, length, self._comps, self._sub, w, h), "nvjpegGetImageInfo")
         return h[0], w[0]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import io
 import json
 import os
@@ -225,11 +226,11 @@ def cpu_path(a, path, dev):
         dec = DecodeRandomResizedCrop(224) if train else DecodeCenterCrop(224)
         loader = make_loader(PackedDataset(path, decode=dec), a.batch, num_workers=a.cpus,
                              drop_last=True, pin_memory=False)
-        rate, rates = epochs_rate(lambda e: loader, torch.device("cpu"), a.epochs)
+        rate, rates = epochs_rate(lambda e, ld=loader: ld, torch.device("cpu"), a.epochs)
         mode = "train (RandomResizedCrop+flip)" if train else "eval (resize+center crop)"
         RESULTS[f"cpu_{'train' if train else 'eval'}"] = rates
         row("1", f"CPU path, Pillow in {a.cpus} workers, {mode}", rate, pil_summary().split(",")[0])
-        del loader
+        del loader  # its workers end before the next loader's start
 
 
 def preload(loader, n):
@@ -285,10 +286,13 @@ def decode_parallel(a, name, batches, dev, threads=(1, 2, 3)):
 
 
 def pipeline_variants(a, name, path, dev, variants, train=True):
-    """GPUDecoder with other settings (``decode_threads``, ``cpu_share``, backend), each on a
-    fresh loader: persistent workers keep the collate that a cpu_share installs."""
+    """GPUDecoder with other settings (``decode_threads``, backend), each on a fresh loader
+    (no worker state shared between rows)."""
     for label, kw in variants:
-        loader = make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True)
+        kw = dict(kw)
+        gc.collect()  # nothing of the last row left to be collected in a forked worker
+        loader = make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True,
+                                 **kw.pop("loader", {}))
         g = GPUDecoder(loader, train=train, device=dev, seed=0, **kw)
 
         def it(e):
@@ -304,23 +308,74 @@ def pipeline_variants(a, name, path, dev, variants, train=True):
 
 
 def augment_only(a, name, batches, dev, decoder):
+    """The batched crop+resize+flip+normalize alone on decoded batches in memory, per method
+    (and, for the fused kernel, per tile shape): images/s, and the GPU time it takes from
+    the GPU per batch (kernel time summed by the profiler: what a training step beside it
+    loses)."""
+    from packer.gpu_resample import CONFIG, ImageTable, triton_available
     decoded = [decoder([v for v in b.images() if v.dim() == 1], dev) for b in batches[:4]]
     sizes = [torch.tensor([tuple(im.shape[-2:]) for im in d]) for d in decoded]
-    g = torch.Generator().manual_seed(0)
+    tables = [ImageTable.from_images(d) for d in decoded]
     scale = torch.ones(1, 3, 1, 1, device=dev)
+    shift = scale * 0
+    methods = [("matmul", None)]
+    if dev.type == "cuda" and triton_available():
+        methods += [("triton", cfg) for cfg in ({"rows": 8, "num_warps": 4}, {"rows": 4, "num_warps": 4},
+                                                  {"rows": 8, "num_warps": 2}, {"rows": 16, "num_warps": 4})]
+    default = dict(CONFIG)
     for train in (True, False):
-        def run():
-            for imgs, sz in zip(decoded, sizes):
-                boxes = random_resized_crop_boxes(sz, generator=g) if train else \
-                    center_crop_boxes(sz, (224, 224))
-                flips = torch.rand(len(imgs), generator=g) < 0.5 if train else None
-                out = torch.empty(len(imgs), 3, 224, 224, dtype=torch.bfloat16, device=dev,
-                                  memory_format=torch.channels_last)
-                resample_crops(imgs, boxes, (224, 224), flips, out=out, scale=scale, shift=scale * 0)
+        for method, cfg in methods:
+            if cfg:
+                CONFIG.update(cfg)
+            g = torch.Generator().manual_seed(0)
+
+            def run():
+                for imgs, tab, sz in zip(decoded, tables, sizes):
+                    boxes = random_resized_crop_boxes(sz, generator=g) if train else \
+                        center_crop_boxes(sz, (224, 224))
+                    flips = torch.rand(len(imgs), generator=g) < 0.5 if train else None
+                    out = torch.empty(len(imgs), 3, 224, 224, dtype=torch.bfloat16, device=dev,
+                                      memory_format=torch.channels_last)
+                    resample_crops(tab if method == "triton" else imgs, boxes, (224, 224), flips,
+                                   out=out, scale=scale, shift=shift, sizes=sz, method=method)
+            run()
+            rate, rates = median_rate(run, sum(len(d) for d in decoded), a.repeats, dev)
+            gpu_ms = gpu_time(run, dev) / len(decoded)
+            CONFIG.clear()
+            CONFIG.update(default)
+            label = method + (f" rows={cfg['rows']} warps={cfg['num_warps']}" if cfg else "")
+            RESULTS[f"augment_only_{name}_{'train' if train else 'eval'}_{label}"] = {
+                "rates": rates, "gpu_ms_per_batch": gpu_ms}
+            row("3a", f"crop+resize+flip+normalize only, {label}, {'train' if train else 'eval'} [{name}]",
+                rate, f"GPU time {gpu_ms:.2f} ms/batch")
+
+
+def gpu_time(fn, dev) -> float:
+    """Milliseconds of GPU work (kernels and copies, summed by the profiler) that fn() queues."""
+    if dev.type != "cuda":
+        return 0.0
+    from torch.profiler import ProfilerActivity, profile
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(dev)
+    total = 0.0
+    for e in prof.key_averages():
+        total += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    return total / 1e3
+
+
+def pipeline_gpu_time(a, name, batches, dev, methods=("triton", "matmul")):
+    """GPU time per batch of the whole GPU stage (nvJPEG + augment), by resample method: the
+    share of a training step's GPU that decoding beside it takes."""
+    for method in methods:
+        g = GPUDecoder([], device=dev, seed=0, resample=method, backend="nvjpeg", overlap=0)
+        run = lambda: [g._augment(g._decode(b), 0) for b in batches[:4]]  # noqa: E731
         run()
-        rate, rates = median_rate(run, sum(len(d) for d in decoded), a.repeats, dev)
-        RESULTS[f"augment_only_{name}_{'train' if train else 'eval'}"] = rates
-        row("3a", f"batched crop+resize+flip+normalize only, {'train' if train else 'eval'} [{name}]", rate)
+        ms = gpu_time(run, dev) / 4
+        RESULTS[f"gpu_time_{name}_{method}"] = ms
+        row("3g", f"GPU time of decode+augment per batch of {a.batch}, {method} [{name}]",
+            1e3 * a.batch / ms, f"{ms:.2f} ms/batch of GPU work (images/s if alone on the GPU)")
 
 
 def pipeline(a, name, loader, dev, decoder, overlaps=(0, 1, 2), modes=(True, False), dname=""):
@@ -557,7 +612,6 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
     y = torch.randint(0, 1000, (a.batch,), device=dev)
     for _ in range(a.warmup):
         step(x, y)
-    eager_step = step
 
     def synthetic():
         for _ in range(a.steps):
@@ -567,7 +621,7 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
     row("6", "ResNet-18 step (bf16, channels_last, SGD) on a synthetic on-GPU batch", syn)
     runs = [(d, lambda: loader, {"decoder": dec}) for d, dec in decoders.items()]
     fresh = lambda: make_gpu_loader(path, a.batch, num_workers=a.loader_workers,  # noqa: E731
-                                    drop_last=True)  # a cpu_share sets the workers' collate
+                                    drop_last=True)  # no worker state shared between rows
     runs += [(label, fresh, kw) for label, kw in variants]
     for dname, make, kw in runs:
         kw = dict(kw)
@@ -576,11 +630,12 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
         old_switch = sys.getswitchinterval()
         if switch:
             sys.setswitchinterval(switch)
+        run_step, base = step, syn
         if graphed:  # the whole step captured as one CUDA graph: the loop launches 1 graph
-            step = graphed_step(a, dev, x, y)
-            syn_g, _ = median_rate(lambda: [step(x, y) for _ in range(a.steps)],
-                                   a.steps * a.batch, 3, dev)
-            row("6", "ResNet-18 step as one CUDA graph, synthetic on-GPU batch", syn_g)
+            run_step = graphed_step(a, dev, x, y)
+            base, _ = median_rate(lambda: [run_step(x, y) for _ in range(a.steps)],
+                                  a.steps * a.batch, 3, dev)
+            row("6", "ResNet-18 step as one CUDA graph, synthetic on-GPU batch", base)
 
         def batches():
             e = 0
@@ -588,25 +643,16 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
                 g.set_epoch(e)
                 yield from g
                 e += 1
-        src = batches()
-        for _ in range(a.warmup):
-            step(*next(src))
-
-        def fed():
-            for _ in range(a.steps):
-                step(*next(src))
-        real, real_all = median_rate(fed, a.steps * a.batch, 3, dev)
-        src.close()
+        real, real_all = fed_rate(a, dev, run_step, batches())
         sys.setswitchinterval(old_switch)
-        base = syn_g if graphed else syn
-        if graphed:
-            step = eager_step
         RESULTS[f"resnet18_{name}"][dname] = {"rates": real_all, "ratio": real / base,
                                               "stats": g.stats.as_dict(), "backend": g.backend}
         log(f"   pipeline stats while training ({dname}): {g.stats.as_dict()}")
-        wait = 1e3 * g.stats.seconds.get('consumer', 0) / max(1, g.stats.batches)
+        wait, throttle = (1e3 * g.stats.seconds.get(k, 0) / max(1, g.stats.batches)
+                          for k in ("consumer", "throttle"))
         row("6", f"ResNet-18 step fed by GPUDecoder ({dname}) [{name}]", real,
-            f"{real / base:.1%} of synthetic{' (graphed)' if graphed else ''}; waited {wait:.1f} ms/batch")
+            f"{real / base:.1%} of synthetic{' (graphed)' if graphed else ''}; waited for batches {wait:.1f}, "
+            f"for its own GPU work {throttle:.1f} ms/batch")
     if cpu_loader is not None:  # the CPU path into the same step, for comparison
         from packer.prefetch import CUDAPrefetcher
         pf = CUDAPrefetcher(cpu_loader, device=dev, dtype=torch.bfloat16)
@@ -614,18 +660,190 @@ def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=No
         def cpu_batches():
             while True:
                 yield from pf
-        src = cpu_batches()
-        for _ in range(a.warmup):
-            step(*next(src))
-
-        def fed_cpu():
-            for _ in range(a.steps):
-                step(*next(src))
-        cpu, cpu_all = median_rate(fed_cpu, a.steps * a.batch, 3, dev)
-        src.close()
+        cpu, cpu_all = fed_rate(a, dev, step, cpu_batches())
         RESULTS[f"resnet18_{name}"]["cpu_path"] = {"rates": cpu_all, "ratio": cpu / syn}
         row("6", f"ResNet-18 step fed by the CPU path ({a.cpus} workers + CUDAPrefetcher) [{name}]",
             cpu, f"{cpu / syn:.1%} of synthetic")
+
+
+def beside(a, path, dev):
+    """What the GPU stage costs a training step that shares the GPU: the step (ResNet-18,
+    captured as one CUDA graph, so the training thread needs no CPU) runs on synthetic
+    batches while a thread runs one part of the GPU stage flat out; both rates are measured
+    over the same seconds. The step's loss is the GPU time that part takes from it."""
+    from packer.nvjpeg import NvjpegDecoder
+    x = torch.randn(a.batch, 3, 224, 224, device=dev).to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (a.batch,), device=dev)
+    step = graphed_step(a, dev, x, y)
+    steps = 4 * a.steps
+
+    def train_rate():  # synced every step: a loop that runs ahead fills the driver's launch
+        for _ in range(5):  # queue and blocks the other threads' CUDA calls (GPUDecoder's
+            step(x, y)      # max_ahead exists for that)
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(x, y)
+            sync(dev)
+        return steps * a.batch / (time.perf_counter() - t0)
+    alone = statistics.median(train_rate() for _ in range(3))
+    row("8", "ResNet-18 step as one CUDA graph, synthetic batch, nothing beside it", alone)
+    loader = make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True)
+    batches = preload(loader, a.preload)
+    nv = NvjpegDecoder.shared(dev, 7)
+    yuv = YuvDecoder(NvjpegDecoder.shared(dev, 8))
+    g = GPUDecoder([], device=dev, seed=0, backend="nvjpeg", overlap=0)
+    decoded = [g._decode(b) for b in batches]
+
+    def loop(fn, items, count):
+        def run(stop):
+            with torch.cuda.stream(torch.cuda.Stream(dev)):
+                while not stop.is_set():
+                    for it in items:
+                        n = fn(it)
+                        torch.cuda.current_stream(dev).synchronize()
+                        count[0] += n
+                        if stop.is_set():
+                            return
+        return run
+    count = [0]
+    parts = {
+        "nvJPEG decode (RGB, decode_flat)": loop(lambda b: len(nv.decode_flat(b.data, b.offsets, dev)[1]),
+                                                 batches, count),
+        "nvJPEG decode (YUV planes)": loop(lambda b: (yuv([v for v in b.images()], dev), len(b.labels))[1],
+                                           batches, count),
+        "fused augment (triton)": loop(lambda it: len(g._augment(it, 0)[1]), decoded, count),
+        "matmul augment": loop(lambda it: len(GPUDecoder._augment(_with(g, "matmul"), (it[0].views(), *it[1:]), 0)[1]),
+                               decoded, count),
+    }
+    for kw in ({}, {"resample": "matmul"}, {"decode_threads": 3}):
+        parts[f"whole GPUDecoder {kw or 'default'}"] = pipeline_loop(a, path, dev, kw, count)
+
+    def loader_only(stop):  # the DataLoader (12 workers + pin thread) and nothing else
+        ld = make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True)
+        while not stop.is_set():
+            for b in ld:
+                count[0] += len(b.labels)
+                if stop.is_set():
+                    break
+    parts["DataLoader alone (pinned)"] = loader_only
+    for label, run in parts.items():
+        stop = threading.Event()
+        th = threading.Thread(target=run, args=(stop,), daemon=True)
+        th.start()
+        time.sleep(1.5)
+        c0, t0 = count[0], time.perf_counter()
+        rate = train_rate()
+        side = (count[0] - c0) / (time.perf_counter() - t0)
+        stop.set()
+        th.join(30)
+        count[0] = 0
+        RESULTS[f"beside_{label}"] = {"train": rate, "train_alone": alone, "side_rate": side}
+        row("8", f"ResNet-18 graphed step beside: {label}", rate,
+            f"{rate / alone:.1%} of alone; beside it {side:,.0f} images/s")
+
+
+def eager_step(dev):
+    """The ResNet-18 training step (bf16 autocast, channels_last, SGD), eager."""
+    import torch.nn.functional as F
+    import torchvision
+    torch.backends.cudnn.benchmark = True
+    model = torchvision.models.resnet18(num_classes=1000).to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def fed_diagnostics(a, name, path, dev, variants, graphed=True):
+    """The fed loop under settings that move one part each, with where each stage's time
+    went; the step eager or captured as one CUDA graph (no training-side host work)."""
+    x = torch.randn(a.batch, 3, 224, 224, device=dev).to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (a.batch,), device=dev)
+    step = graphed_step(a, dev, x, y) if graphed else eager_step(dev)
+    for _ in range(a.warmup):
+        step(x, y)
+    how = "as one CUDA graph" if graphed else "eager"
+    base, _ = median_rate(lambda: [step(x, y) for _ in range(a.steps)], a.steps * a.batch, 3, dev)
+    row("9", f"ResNet-18 step {how}, synthetic on-GPU batch", base)
+    for label, kw, lkw in variants:
+        kw = dict(kw)
+        switch, urgent = kw.pop("switch", None), kw.pop("urgent", False)
+        releases = kw.pop("info_releases_gil", False)
+        old = sys.getswitchinterval()
+        if switch:
+            sys.setswitchinterval(switch)
+        lkw = {"num_workers": a.loader_workers, "drop_last": True, **lkw}
+        gc.collect()  # nothing of the last row left to be collected in a forked worker
+        g = GPUDecoder(make_gpu_loader(path, a.batch, **lkw), device=dev, seed=0, **kw)
+        if urgent:  # the augment stream at the highest priority
+            s = torch.cuda.Stream(dev, priority=torch.cuda.Stream.priority_range()[1])
+            s.wait_stream(torch.cuda.current_stream(dev))
+            g._streams[-1] = s
+
+        def batches():
+            e = 0
+            while True:
+                g.set_epoch(e)
+                yield from g
+                e += 1
+        saved = [(d, d._info) for d in g.decoders if hasattr(d, "_info")]
+        if releases:  # the A/B of NvjpegDecoder's PyDLL header reads
+            for d, info in saved:
+                d._info = d.lib.nvjpegGetImageInfo
+                d._info.argtypes = info.argtypes
+        torch.cuda.reset_peak_memory_stats(dev)
+        real, real_all = fed_rate(a, dev, step, batches())
+        for d, info in saved:
+            d._info = info
+        peak = torch.cuda.max_memory_allocated(dev) / 2**30
+        sys.setswitchinterval(old)
+        per = {k: round(1e3 * v / max(1, g.stats.batches), 1) for k, v in g.stats.seconds.items()}
+        RESULTS.setdefault(f"fed_{name}_{how}_{label}", []).append(
+            {"rates": real_all, "ratio": real / base, "ms_per_batch": per, "peak_gib": peak})
+        row("9", f"ResNet-18 {how}, fed by GPUDecoder: {label} [{name}]", real,
+            f"{real / base:.1%}; peak {peak:.1f} GiB; ms/batch {per}")
+
+
+def _with(g, resample):
+    h = __import__("copy").copy(g)
+    h.resample = resample
+    return h
+
+
+def pipeline_loop(a, path, dev, kw, count):
+    def run(stop):
+        g = GPUDecoder(make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True),
+                       device=dev, seed=0, max_ahead=None, **kw)
+        e = 0
+        while not stop.is_set():
+            g.set_epoch(e)
+            for _, y in g:
+                count[0] += len(y)
+                if stop.is_set():
+                    break
+            e += 1
+    return run
+
+
+def fed_rate(a, dev, step, source):
+    """images/s of ``step`` fed from the endless iterator ``source``, after a warm-up."""
+    for _ in range(a.warmup):
+        step(*next(source))
+
+    def fed():
+        for _ in range(a.steps):
+            step(*next(source))
+    rate, rates = median_rate(fed, a.steps * a.batch, 3, dev)
+    source.close()
+    return rate, rates
 
 
 def graphed_step(a, dev, x, y):
@@ -724,16 +942,16 @@ def main():
     p.add_argument("--sets", default="stored,max512,short256",
                    help="packed sets to measure (stored is always made)")
     p.add_argument("--skip", default="",
-                   help="comma list of: cpu,pipeline,transcoded,contention,resnet,agreement")
+                   help="comma list of: cpu,pipeline,transcoded,contention,resnet,agreement,beside,diag")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
     p.add_argument("--only", default="", help="comma list of sections to run (as --skip names), "
                    "skipping the others: cpu,parallel,pipeline,variants,probe,contention,resnet,"
-                   "progressive,agreement")
+                   "progressive,agreement,beside,diag")
     a = p.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     if a.only:
         every = {"cpu", "parallel", "pipeline", "variants", "probe", "contention", "resnet",
-                 "progressive", "agreement"}
+                 "progressive", "agreement", "beside", "diag"}
         skip |= every - set(a.only.split(","))
     if a.loader_workers is None:
         a.loader_workers = max(2, a.cpus - 4)
@@ -800,6 +1018,9 @@ def main():
                 decode_parallel(a, name, batches, dev)
         with section(f"3a: augment only [{name}]"):
             augment_only(a, name, batches, dev, decoder)
+        if dev.type == "cuda":
+            with section(f"3g: GPU time per batch [{name}]"):
+                pipeline_gpu_time(a, name, batches, dev)
         del batches
         if "pipeline" not in skip:
             with section(f"3/4: pipeline [{name}]"):
@@ -811,17 +1032,18 @@ def main():
                         pipeline(a, name, loaders[name], dev, dec, overlaps=(2,), dname=other)
     if "variants" not in skip:
         with section("7: decode threads [stored]"):
-            variants = [(f"{dname}, {k} decode thread(s)", {"decoder": decoder, "decode_threads": k})
-                        for k in (1, 2, 3)]
+            variants = [(f"{dname}, 1 decode thread", {"decoder": decoder, "decode_threads": 1})]
             if dev.type == "cuda":
-                variants += [(f"nvjpeg, {k} decode thread(s)", {"backend": "nvjpeg", "decode_threads": k})
-                             for k in (1, 2, 3)]
-            if dev.type == "cuda":
-                variants.append(("default settings", {}))
+                variants += [(f"decode_threads={k}", {"decode_threads": k}) for k in (1, 3, 4)]
+                variants += [("augment thread", {"augment_thread": True}),
+                             ("resample matmul (padded groups, augment thread)", {"resample": "matmul"}),
+                             ("loader pinned", {"loader": {"pin_memory": True}}),
+                             ("loader unpinned", {"loader": {"pin_memory": False}}),
+                             ("default settings", {})]
             pipeline_variants(a, "stored", sets["stored"], dev, variants)
-            pipeline_variants(a, "stored", sets["stored"], dev, variants[:2] + variants[-1:], train=False)
+            pipeline_variants(a, "stored", sets["stored"], dev, variants[-3:], train=False)
             if dev.type == "cuda" and "short256" in sets:
-                pipeline_variants(a, "short256", sets["short256"], dev, variants[-1:])
+                pipeline_variants(a, "short256", sets["short256"], dev, variants[-3:])
                 pipeline_variants(a, "short256", sets["short256"], dev, variants[-1:], train=False)
     if "probe" not in skip and dev.type == "cuda":
         with section("probe: what nvJPEG launches per batch"):
@@ -832,18 +1054,29 @@ def main():
             if os.environ.get("PACKER_BENCH_YUV"):  # the probe: planes instead of RGB
                 more["nvjpeg-yuv"] = YuvDecoder(NvjpegDecoder(dev))
             contention(a, loaders["stored"], dev, {**decoders, **more})
+    if "beside" not in skip and dev.type == "cuda":
+        with section("8: what the GPU stage costs a training step beside it [stored]"):
+            beside(a, sets["stored"], dev)
+    if "diag" not in skip and dev.type == "cuda":
+        pinned, unpinned = ("loader pinned", {}, {"pin_memory": True}), ("loader unpinned", {}, {"pin_memory": False})
+        for graphed in (True, False):
+            with section(f"9: the fed loop, {'graphed' if graphed else 'eager'} [stored]"):
+                fed_diagnostics(a, "stored", sets["stored"], dev, [pinned, unpinned] * (3 if graphed else 2),
+                                graphed)
+            with section(f"9: the fed loop, {'graphed' if graphed else 'eager'} [short256]"):
+                fed_diagnostics(a, "short256", sets["short256"], dev, [pinned, unpinned], graphed)
     if "resnet" not in skip:
         for name in ("stored", "short256"):
             with section(f"6: ResNet-18 [{name}]"):
-                variants = [(f"{dname}, {k} decode threads", {"decoder": decoder, "decode_threads": k})
-                            for k in (2, 3)]
-                variants += [(f"{dname}, GIL switch interval {ms} ms", {"decoder": decoder, "switch": ms / 1e3})
-                             for ms in (1, 0.2)]
+                variants = []
                 if dev.type == "cuda":
-                    variants.append((f"{dname}, step as one CUDA graph", {"decoder": decoder, "graphed": True}))
                     variants += [(f"nvjpeg, {k} decode threads", {"backend": "nvjpeg", "decode_threads": k})
-                                 for k in (2, 3)]
-                    variants.append(("default settings, step as one CUDA graph", {"graphed": True}))
+                                 for k in (3,)]
+                    variants += [(f"max_ahead={m}", {"max_ahead": m}) for m in (2, None)]
+                    variants += [("resample matmul", {"resample": "matmul"}),
+                                 ("default settings", {}),
+                                 ("default settings, step as one CUDA graph", {"graphed": True}),
+                                 ("resample matmul, step as one CUDA graph", {"resample": "matmul", "graphed": True})]
                 resnet(a, loaders[name], dev, decoders, name, cpu_loaders.get(name),
                        variants, sets[name])
     if dev.type == "cuda":

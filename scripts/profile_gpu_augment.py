@@ -33,11 +33,11 @@ def main():
             print("groups", [tuple(t.shape) for t in imgs.groups])
     for _ in range(2):
         for item in batches:
-            g._augment(item)
+            g._augment(item, 0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for item in batches:
-        g._augment(item)
+        g._augment(item, 0)
     host = time.perf_counter() - t0
     torch.cuda.synchronize()
     total = time.perf_counter() - t0
@@ -45,7 +45,7 @@ def main():
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for item in batches:
-            g._augment(item)
+            g._augment(item, 0)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))

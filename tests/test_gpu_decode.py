@@ -257,11 +257,13 @@ def test_resample_crops_matches_pil(photos, train):
         d = (_rgb_tensor(ref).int() - out[k].int()).abs()
         worst, total = max(worst, int(d.max())), total + float(d.float().mean())
     assert worst <= 1 and total / 6 < 0.3  # PIL rounds between its two passes; we do not
-    # Grouping (padding budget) and memory format change nothing.
+    # Grouping (padding budget) and memory format change nothing but float rounding (the
+    # CPU's matmul kernels sum in an order that depends on the padded width).
     small = resample_crops(imgs, boxes, (224, 224), flips, budget=1 << 20,
                            out=torch.empty(6, 3, 224, 224, dtype=torch.uint8).contiguous(
                                memory_format=torch.channels_last))
-    assert torch.equal(small, out)
+    diff = (small.int() - out.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
     # Normalisation: x * scale + shift on the unrounded values.
     scale = (1 / (255 * torch.tensor(STD))).view(1, 3, 1, 1)
     shift = (-torch.tensor(MEAN) / torch.tensor(STD)).view(1, 3, 1, 1)
@@ -294,11 +296,13 @@ def _slow_pil(datas, device):
     return pil_decoder(datas, device)
 
 
-@pytest.mark.parametrize("overlap,threads", [(0, 1), (1, 1), (2, 1), (2, 3)])
-def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads):
+@pytest.mark.parametrize("overlap,threads,augment_thread",
+                         [(0, 1, None), (1, 1, None), (2, 1, True), (2, 3, True), (2, 3, False)])
+def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads, augment_thread):
     loader = make_gpu_loader(mixed, 5, shuffle=False, num_workers=1)
     dec = _cpu_decoder(loader, overlap=overlap, seed=0, dtype=torch.float32,
-                       decode_threads=threads, decoder=_slow_pil if threads > 1 else pil_decoder)
+                       decode_threads=threads, decoder=_slow_pil if threads > 1 else pil_decoder,
+                       augment_thread=augment_thread)
     assert len(dec) == len(loader) and dec.dataset is loader.dataset and dec.sampler is loader.sampler
     labels, shapes = [], set()
     for x, y in dec:
@@ -311,23 +315,54 @@ def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads):
     stats = dec.stats.as_dict()
     seconds = stats.pop("seconds")
     assert stats == {"gpu": len(labels) - n_cpu, "cpu": n_cpu, "retried": 0, "batches": len(loader)}
-    stages = {0: {"loader", "decode", "augment"}, 1: {"loader", "decode+augment", "consumer"},
-              2: {"loader", "decode", "augment", "consumer"}}[overlap]
+    stages = {0: {"loader", "decode", "augment"},
+              1: {"loader", "decode+augment", "decode+augment blocked", "consumer", "throttle"},
+              2: {"loader", "decode", "decode blocked", "augment waits", "augment",
+                  "augment blocked", "consumer", "throttle"}}[overlap]
+    if augment_thread is False:
+        stages = {"loader", "decode+augment", "decode+augment blocked", "consumer", "throttle"}
     assert set(seconds) == stages and all(v >= 0 for v in seconds.values())
 
 
 def test_pipeline_same_result_for_every_overlap_and_epoch_seeding(mixed):
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
     runs = []
-    for overlap, threads in ((0, 1), (1, 1), (2, 1), (2, 2)):
-        dec = _cpu_decoder(loader, overlap=overlap, seed=7, decode_threads=threads)
+    for overlap, threads, augment_thread in ((0, 1, None), (1, 1, None), (2, 1, True),
+                                             (2, 2, True), (2, 3, False)):
+        dec = _cpu_decoder(loader, overlap=overlap, seed=7, decode_threads=threads,
+                           augment_thread=augment_thread,
+                           decoder=_slow_pil if threads > 1 else pil_decoder)
         dec.set_epoch(3)
         runs.append([x for x, _ in dec])
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
     dec = _cpu_decoder(loader, seed=7)
     dec.set_epoch(4)
-    assert not torch.equal(next(iter(dec))[0], runs[0][0])  # another epoch, other crops
+    first = next(iter(dec))[0]
+    assert not torch.equal(first, runs[0][0])  # another epoch, other crops
+    assert not torch.equal(next(iter(dec))[0], first)  # another pass, no set_epoch: other crops
+
+
+@pytest.mark.parametrize("augment_thread", [True, False])
+def test_abandoned_pipeline_is_freed_without_the_garbage_collector(mixed, augment_thread):
+    """A loop left mid-epoch frees its pipeline (and the batches it held) by reference
+    counting alone: a cycle would wait for a garbage collection, which may run in a
+    DataLoader worker forked later and free CUDA memory there (the worker aborts)."""
+    import gc
+    import weakref
+    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=0)
+    dec = _cpu_decoder(loader, decode_threads=2, augment_thread=augment_thread,
+                       decoder=_slow_pil)
+    it = iter(dec)
+    next(it)
+    pipe = weakref.ref(it.gi_frame.f_locals["pipe"])
+    gc.disable()
+    try:
+        it.close()
+        del it
+        assert pipe() is None
+    finally:
+        gc.enable()
 
 
 def test_eval_mode_matches_cpu_center_crop_maths(mixed):

@@ -1,0 +1,169 @@
+"""The fused crop + resize kernel (packer.gpu_resample, Triton).
+
+On a CPU machine the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set in a
+subprocess because Triton reads it when the kernel is defined): the same source the GPU
+compiles, checked against PIL and against the matmul form on real photo crops. Tests
+marked ``gpu`` run it compiled, on nvJPEG's output, and inside GPUDecoder.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from PIL import Image
+
+from packer.gpu_decode import (GPUDecoder, center_crop_boxes, make_gpu_loader,
+                               random_resized_crop_boxes, resample_crops)
+from packer.gpu_resample import ImageTable
+
+from test_gpu_decode import _photo_images, _rgb_tensor, cuda
+from test_gpu_decode import mixed, mixed_built  # noqa: F401  (fixtures)
+
+# Runs in a subprocess under the interpreter; prints one JSON line per case.
+_INTERPRETED = textwrap.dedent("""
+    import json, random, sys
+    import torch
+    from PIL import Image
+    from packer.demo import _photos
+    from packer.gpu_augment import center_crop_boxes, random_resized_crop_boxes, resample_crops
+    from packer.gpu_resample import ImageTable
+
+    def rgb(im):
+        px = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+        return px.view(im.height, im.width, 3).permute(2, 0, 1)      # HWC memory, like a CPU decode
+
+    rng, photos = random.Random(7), _photos()
+    pil = []
+    for w, h in [(96, 72), (64, 80), (50, 50), (120, 40)]:
+        base = rng.choice(photos)
+        x, y = rng.randint(0, base.width - 2 * w), rng.randint(0, base.height - 2 * h)
+        pil.append(base.crop((x, y, x + 2 * w, y + 2 * h)).resize((w, h), Image.BICUBIC))
+    imgs = [rgb(im) for im in pil]
+    imgs[1] = imgs[1].contiguous()                                   # planar, like nvJPEG's
+    sizes = torch.tensor([[im.height, im.width] for im in pil])
+    g = torch.Generator().manual_seed(3)
+    size = (20, 24)
+    cases = {"train": (random_resized_crop_boxes(sizes, generator=g), torch.tensor([1, 0, 1, 0]).bool()),
+             "eval": (center_crop_boxes(sizes, size), None),
+             "upscale": (torch.tensor([[4.0, 6.0, 14.0, 13.0]] * 4), torch.tensor([0, 1, 0, 1]).bool())}
+    for name, (boxes, flips) in cases.items():
+        out = lambda: torch.empty(4, 3, *size, dtype=torch.uint8)
+        fused = resample_crops(imgs, boxes, size, flips, out=out(), method="triton")
+        table = ImageTable.from_images(imgs)
+        again = resample_crops(table, boxes, size, flips, out=out(), method="triton")
+        mm = resample_crops(imgs, boxes, size, flips, out=out(), method="matmul")
+        pil_max = 0
+        for k, im in enumerate(pil):
+            ref = im.resize(size[::-1], Image.BILINEAR, box=tuple(boxes[k].tolist()), reducing_gap=None)
+            if flips is not None and flips[k]:
+                ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
+            pil_max = max(pil_max, int((rgb(ref).int() - fused[k].int()).abs().max()))
+        scale, shift = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([1.0, -2.0, 3.0])
+        f = resample_crops(imgs, boxes, size, flips, method="triton", scale=scale, shift=shift,
+                           out=torch.empty(4, 3, *size).contiguous(memory_format=torch.channels_last))
+        fm = resample_crops(imgs, boxes, size, flips, method="matmul", scale=scale.view(1, 3, 1, 1),
+                            shift=shift.view(1, 3, 1, 1))
+        print(json.dumps({"case": name, "vs_pil_max": pil_max,
+                          "vs_matmul_max": int((fused.int() - mm.int()).abs().max()),
+                          "table_equal": bool(torch.equal(fused, again)),
+                          "float_vs_matmul_max": float((f - fm).abs().max()),
+                          "float_channels_last": f.is_contiguous(memory_format=torch.channels_last)}))
+""")
+
+
+def test_kernel_matches_pil_and_matmul_in_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = {c["case"]: c for c in map(json.loads, run.stdout.splitlines())}
+    assert set(cases) == {"train", "eval", "upscale"}
+    for name, c in cases.items():
+        # PIL rounds to uint8 between its two passes, the kernel does not: at most 1 level.
+        assert c["vs_pil_max"] <= 1, (name, c)
+        assert c["vs_matmul_max"] <= 1 and c["table_equal"], (name, c)
+        assert c["float_vs_matmul_max"] < 1e-2 and c["float_channels_last"], (name, c)
+
+
+def test_image_table_layouts():
+    planar = torch.arange(2 * 3 * 4 * 5, dtype=torch.uint8)
+    t = ImageTable.planar(planar, torch.tensor([0, 60]), torch.tensor([[4, 5], [4, 5]]))
+    assert len(t) == 2 and t.layout.tolist() == [[0, 20, 5, 1], [60, 20, 5, 1]]
+    assert torch.equal(t.views()[1], planar[60:].view(3, 4, 5)) and t.tensors()[0] is planar
+    hwc = torch.arange(4 * 5 * 3, dtype=torch.uint8).view(4, 5, 3)
+    other = torch.zeros(3, 2, 2, dtype=torch.uint8)
+    t = ImageTable.from_images([hwc.permute(2, 0, 1), other])
+    assert t.sizes.tolist() == [[4, 5], [2, 2]]
+    assert t.layout[0, 1:].tolist() == [1, 15, 3] and t.layout[1, 1:].tolist() == [4, 2, 1]
+    assert int(t.layout[:, 0].min()) == 0  # offsets from the lowest address
+    with pytest.raises(TypeError, match="uint8"):
+        ImageTable(torch.zeros(3), t.layout, t.sizes)
+    with pytest.raises(ValueError, match="method"):
+        resample_crops([other], torch.tensor([[0.0, 0.0, 2.0, 2.0]]), (2, 2), method="cuda")
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("train", [True, False])
+def test_gpu_kernel_matches_pil_and_matmul(photos, train):
+    pytest.importorskip("triton")
+    pil = _photo_images(photos, 12, seed=4)
+    imgs = [_rgb_tensor(im).cuda() for im in pil]   # HWC memory, as CPU-decoded fallbacks
+    imgs[::2] = [im.contiguous() for im in imgs[::2]]  # planar, as nvJPEG writes them
+    sizes = torch.tensor([[im.height, im.width] for im in pil])
+    g = torch.Generator().manual_seed(9)
+    if train:
+        boxes = random_resized_crop_boxes(sizes, generator=g)
+        flips = torch.rand(12, generator=g) < 0.5
+    else:
+        boxes, flips = center_crop_boxes(sizes, (224, 224)), None
+    u8 = lambda: torch.empty(12, 3, 224, 224, dtype=torch.uint8, device="cuda")  # noqa: E731
+    fused = resample_crops(imgs, boxes, (224, 224), flips, out=u8(), method="triton").cpu()
+    mm = resample_crops(imgs, boxes, (224, 224), flips, out=u8(), method="matmul").cpu()
+    worst = 0
+    for k, im in enumerate(pil):
+        ref = im.resize((224, 224), Image.BILINEAR, box=tuple(boxes[k].tolist()), reducing_gap=None)
+        if flips is not None and flips[k]:
+            ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
+        worst = max(worst, int((_rgb_tensor(ref).int() - fused[k].int()).abs().max()))
+    assert worst <= 1 and int((fused.int() - mm.int()).abs().max()) <= 1
+    scale = torch.tensor([0.01, 0.02, 0.03], device="cuda").view(1, 3, 1, 1)
+    shift = torch.tensor([-1.0, 0.0, 1.0], device="cuda").view(1, 3, 1, 1)
+    bf = torch.empty(12, 3, 224, 224, dtype=torch.bfloat16, device="cuda",
+                     memory_format=torch.channels_last)
+    resample_crops(imgs, boxes, (224, 224), flips, out=bf, scale=scale, shift=shift, method="triton")
+    expect = fused.cuda().float() * scale + shift
+    # uint8 rounding (half a level x scale) + bf16's 8-bit mantissa
+    assert bool(((bf.float() - expect).abs() <= 0.5 * 0.03 + expect.abs() / 128).all())
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_decode_flat_layout_and_fused_decoder(mixed):
+    pytest.importorskip("triton")
+    from packer.nvjpeg import NvjpegDecoder
+    try:
+        nv = NvjpegDecoder(torch.device("cuda"))
+    except OSError:
+        pytest.skip("libnvjpeg not found")
+    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
+    batch = next(b for b in loader if not bool(b.decoded.any()))
+    dev = torch.device("cuda")
+    table, hw = nv.decode_flat(batch.data, batch.offsets, dev)
+    assert torch.equal(hw, batch.sizes) and len(table) == 8
+    alone = nv([v for v in batch.images()], dev)
+    assert all(torch.equal(a, b) for a, b in zip(table.views(), alone))
+    # GPUDecoder: fused (flat decode) and matmul (padded decode) give the same pixels.
+    out = {}
+    for method in ("triton", "matmul"):
+        dec = GPUDecoder(make_gpu_loader(mixed, 8, shuffle=False, num_workers=0), train=False,
+                         dtype=torch.uint8, resample=method, backend="nvjpeg")
+        assert dec.resample == method
+        out[method] = torch.cat([x.cpu() for x, _ in dec])
+    assert int((out["triton"].int() - out["matmul"].int()).abs().max()) <= 1

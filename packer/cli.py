@@ -279,7 +279,7 @@ def unstage(target):
 @main.command()
 def doctor():
     """Show the environment packer runs in: PIL flavour (Pillow-SIMD or Pillow), libjpeg-turbo,
-    torch and CUDA, cores."""
+    torch and CUDA, Triton, cores."""
     import os
     import torch
     from .build import default_workers
@@ -291,6 +291,12 @@ def doctor():
         click.echo("         Pillow-SIMD has SIMD resize and convert: scripts/install_pillow_simd.sh")
     cuda = torch.cuda.is_available()
     click.echo(f"torch    {torch.__version__}; CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'not available'}")
+    try:
+        import triton
+        click.echo(f"triton   {triton.__version__}: GPU decoding augments in one fused kernel")
+    except Exception:  # ImportError, or a Triton that cannot set itself up
+        click.echo("triton   not available: GPU decoding augments with batched matmuls "
+                   "(pip install triton for the fused kernel)")
     click.echo(f"cores    {default_workers()} usable of {os.cpu_count()}")
 
 

@@ -7,11 +7,12 @@ headers (microseconds), and the GPU does the rest in whole batches:
     workers   EncodedImage: header parse; CPU decode only for what nvJPEG can't take
               collate_encoded: one flat byte buffer per batch (one shared-memory block)
     decode    2 threads, batches in turn: NvjpegDecoder (libnvjpeg via ctypes, hardware
-              engine on A100/H100/H200) writes each batch straight into padded groups;
+              engine on A100/H100/H200) writes each batch into one buffer;
               torchvision.io.decode_jpeg is the fallback
-    augment   crop boxes, then crop + antialiased bilinear resize + flip of the whole batch
-              as two batched matmuls, normalize, dtype, channels_last; batches in order
-    consumer  ``for x, y in GPUDecoder(make_gpu_loader(root, 256)):``
+    augment   in the same thread: crop boxes, then ONE Triton kernel crops, resizes
+              (antialiased bilinear), flips, normalizes and writes bf16 channels_last,
+              reading each image where it lies (packer.gpu_resample)
+    consumer  ``for x, y in GPUDecoder(make_gpu_loader(root, 256)):``, batches in order
 
 Each thread has its own CUDA stream; batches cross with events and ``record_stream``, as in
 ``CUDAPrefetcher``, so the training stream waits for a batch only until it is ready.
@@ -83,12 +84,14 @@ def make_gpu_loader(dataset, batch_size: int = 256, **kwargs):
     """``make_loader`` for the GPU path: ``dataset`` (a path or a ``PackedDataset``) hands
     out :class:`EncodedSample` and batches are :class:`EncodedBatch`.
 
-    ``pin_memory`` stays make_loader's default (True with CUDA), though nvJPEG reads the
-    bytes on the host: DataLoader's pin thread then receives each batch from the workers
-    and first-touches its freshly mapped shared memory, work that otherwise lands on the
-    decode thread (measured on an H200: 15,886 images/s pinned, 10,882 not). Others go to
-    ``make_loader`` (``shuffle``, ``sampler``, ``num_workers``, ``drop_last``...). A
-    dataset with a ``decode``/``transform`` of its own is copied with ``decode=EncodedImage()``.
+    ``pin_memory`` defaults to False here (make_loader's is True with CUDA): nvJPEG reads
+    the bytes on the host, and measured on an H200 (docs/gpu_decode.md), a ResNet-18 step
+    fed by GPUDecoder kept 94-97 % of its synthetic-data speed unpinned against 87-92 %
+    pinned (DataLoader's pin thread and its copy compete with the training process), while
+    the pipeline alone ran 20-26k images/s unpinned and 25-34k pinned. Pass
+    ``pin_memory=True`` when decoding throughput matters more than the step beside it.
+    Others go to ``make_loader`` (``shuffle``, ``sampler``, ``num_workers``, ``drop_last``...).
+    A dataset with a ``decode``/``transform`` of its own is copied with ``decode=EncodedImage()``.
     """
     from .dataset import PackedDataset
     from .loader import make_loader
@@ -102,6 +105,7 @@ def make_gpu_loader(dataset, batch_size: int = 256, **kwargs):
             dataset = copy.copy(dataset)
             dataset.decode = EncodedImage()
     kwargs.setdefault("collate_fn", collate_encoded)
+    kwargs.setdefault("pin_memory", False)
     return make_loader(dataset, batch_size, **kwargs)
 
 
@@ -155,14 +159,17 @@ class GPUDecoder(LoaderView):
     (sampler, and the crop generator when ``seed`` is given), ``.sampler``,
     ``.batch_sampler``, ``.dataset``. ``stats`` counts GPU- and CPU-decoded images.
 
-    ``overlap``: 2 (default) decodes in one thread and augments in another, each on its own
-    stream, so decoding batch k+2, augmenting k+1 and training on k overlap; 1 does both in
-    one thread; 0 works inline on the current stream (debugging, measurements).
+    ``overlap``: 2 (default) works in background threads, each on its own stream, so the
+    next batches decode (and augment) while the current one trains; 1 does it all in one
+    thread; 0 works inline on the current stream (debugging, measurements).
+    ``augment_thread`` (with ``overlap=2``): augment in a thread of its own rather than in
+    the decode threads; None (default): only for ``resample="matmul"``, whose ~10 ms of
+    host work per batch would slow decoding (the fused kernel takes under 1 ms).
     ``prefetch`` bounds the batches waiting between stages (GPU memory stays bounded).
     ``max_ahead``: training steps the consumer may queue on the GPU beyond the last one
-    finished (None: no limit); see ``_throttle`` for why a limit keeps decoding fast.
+    finished (None: no limit; see ``_throttle``).
     ``backend``: "nvjpeg" calls libnvjpeg directly (:class:`NvjpegDecoder`: it decodes each
-    batch straight into the padded groups the resize works on, and needs no torchvision);
+    batch into one buffer that the fused resize reads in place, and needs no torchvision);
     "torchvision" uses ``torchvision.io.decode_jpeg``; "auto" (default) the first of the two
     that loads; ``self.backend`` says which runs. ``decoder``, if given, replaces both:
     ``(list of 1-D uint8 CPU tensors, device) -> list of (3, h, w) uint8 tensors``.
@@ -172,8 +179,9 @@ class GPUDecoder(LoaderView):
     (default): 2 for "nvjpeg", 1 otherwise (torchvision decodes behind one global lock).
     ``resample``: "triton" crops, resizes, flips and normalizes a batch in one fused kernel
     (:mod:`packer.gpu_resample`) reading each image where nvJPEG wrote it; "matmul" pads the
-    images into groups and runs batched matmuls (no Triton needed); "auto" (default) is
-    "triton" wherever Triton imports. ``self.resample`` says which runs.
+    images into groups and runs batched matmuls (no Triton needed; 10x the GPU time); "auto"
+    (default) is "triton" wherever Triton imports. ``self.resample`` says which runs.
+    docs/gpu_decode.md has the measurements behind every default.
     """
 
     def __init__(self, loader, *, size=224, train: bool = True,
@@ -217,8 +225,8 @@ class GPUDecoder(LoaderView):
             raise PackerError("resample='triton' needs Triton (it comes with PyTorch's CUDA "
                               "wheels on Linux: pip install triton); resample='matmul' needs none")
         self.resample = resample
-        # The fused kernel takes ~0.5 ms of host time per batch: the decode threads launch it
-        # themselves. The matmul form takes ~10: it gets a thread of its own.
+        # The fused kernel takes under 1 ms per batch: the decode threads launch it
+        # themselves. The matmul form takes ~10 ms of host time: it gets a thread of its own.
         self.augment_thread = resample != "triton" if augment_thread is None else bool(augment_thread)
         advice = connections_advice() if self.device.type == "cuda" else None
         if advice:
@@ -311,8 +319,11 @@ class GPUDecoder(LoaderView):
 
         A training loop that never synchronizes runs ahead until the driver's launch queue
         is full, then blocks inside a launch, holding the driver's lock: every CUDA call of
-        the decode thread (several per image in nvJPEG) then waits about one kernel. The
-        event recorded at each request marks the end of the previous step's work.
+        the decode threads (several per image in nvJPEG) then waits about one kernel, and
+        every batch handed out holds its memory. Too tight a limit idles the GPU whenever a
+        batch comes a little late (measured, ResNet-18 as one CUDA graph: 76.6 % of the
+        synthetic speed with 1, 89.3 % with 3, 91.2 % with 4). The event recorded at each
+        request marks the end of the previous step's work.
         """
         if self.max_ahead is None or self.device.type != "cuda":
             return

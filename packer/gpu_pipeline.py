@@ -1,5 +1,6 @@
-"""The decode and augment threads behind ``packer.gpu_decode.GPUDecoder``: each on its own
-CUDA stream, joined by bounded queues; errors travel to the consumer.
+"""The threads behind ``packer.gpu_decode.GPUDecoder``: each on its own CUDA stream,
+joined by bounded queues; batches come out in the loader's order; errors travel to the
+consumer.
 """
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ class _Raised:
 
 
 class _Pipeline:
-    """The decode thread(s) and the augment thread (one thread for ``overlap=1``), joined by
-    bounded queues.
+    """The decode thread(s), each augmenting its own batches, or feeding an augment thread
+    (``augment_thread``); one thread for ``overlap=1``; joined by bounded queues.
 
-    Several decode threads take batches from the loader in turn, numbered; the augment
-    thread puts them back in that order. Threads hold no reference to the consumer's
-    generator, so an abandoned loop can be collected; ``close`` stops them, drains the
-    queues and joins, before the loader's iterator may be reused (persistent workers reset
-    the same iterator object).
+    Several decode threads take batches from the loader in turn, numbered; the consumer
+    (or the augment thread) puts them back in that order. Threads hold no reference to the
+    consumer's generator, so an abandoned loop can be collected; ``close`` stops them,
+    drains the queues and joins, before the loader's iterator may be reused (persistent
+    workers reset the same iterator object).
     """
 
     def __init__(self, dec: GPUDecoder, it, base: int):

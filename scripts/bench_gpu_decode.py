@@ -291,8 +291,8 @@ def pipeline_variants(a, name, path, dev, variants, train=True):
     for label, kw in variants:
         kw = dict(kw)
         gc.collect()  # nothing of the last row left to be collected in a forked worker
-        loader = make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True,
-                                 **kw.pop("loader", {}))
+        loader = make_gpu_loader(path, a.batch, **{"num_workers": a.loader_workers, "drop_last": True,
+                                                   **kw.pop("loader", {})})
         g = GPUDecoder(loader, train=train, device=dev, seed=0, **kw)
 
         def it(e):
@@ -392,7 +392,7 @@ def pipeline(a, name, loader, dev, decoder, overlaps=(0, 1, 2), modes=(True, Fal
             key = f"pipeline_{name}_{'train' if train else 'eval'}_overlap{overlap}_pin{int(pinned)}_{dname}"
             RESULTS[key] = {"rates": rates, "stats": g.stats.as_dict(), "nvml": js.summary()}
             what = {0: "inline", 1: "1 thread", 2: "2 threads+streams"}[overlap]
-            what += ("" if pinned else ", loader unpinned") + (f", {dname}" if dname else "")
+            what += (", loader pinned" if pinned else "") + (f", {dname}" if dname else "")
             per = {k: f"{1e3 * v / g.stats.batches:.1f}" for k, v in g.stats.seconds.items()}
             row("3" if name == "stored" else "4",
                 f"GPUDecoder {'train' if train else 'eval'}, {what} [{name}]", rate,
@@ -434,7 +434,7 @@ class YuvDecoder:
         for d in datas:
             c, sub = ctypes.c_int(), ctypes.c_int()
             w, h = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
-            lib.nvjpegGetImageInfo(nv.handle, d.data_ptr(), d.numel(), ctypes.byref(c),
+            nv._info(nv.handle, d.data_ptr(), d.numel(), ctypes.byref(c),
                                    ctypes.byref(sub), w, h)
             planes.append([(max(1, h[k]), max(1, w[k])) for k in range(3)])
         total = sum(hh * ww for p in planes for hh, ww in p)
@@ -593,66 +593,42 @@ def dmon(seconds, out):
         return None
 
 
-def resnet(a, loader, dev, decoders, name, cpu_loader=None, variants=(), path=None):
-    import torch.nn.functional as F
-    import torchvision
-    torch.backends.cudnn.benchmark = True
-    model = torchvision.models.resnet18(num_classes=1000).to(dev, memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-
-    def step(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
+def resnet(a, dev, name, cpu_loader=None, variants=(), path=None):
+    """ResNet-18 training steps fed by GPUDecoder (one fresh loader per row), against the
+    same step on a batch already on the GPU; eager, and captured as one CUDA graph (the
+    training thread then needs no CPU: what remains is the pipeline)."""
+    step = eager_step(dev)
     x = torch.randn(a.batch, 3, 224, 224, device=dev).to(torch.bfloat16).contiguous(
         memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (a.batch,), device=dev)
     for _ in range(a.warmup):
         step(x, y)
-
-    def synthetic():
-        for _ in range(a.steps):
-            step(x, y)
-    syn, syn_all = median_rate(synthetic, a.steps * a.batch, 3, dev)
+    syn, syn_all = median_rate(lambda: [step(x, y) for _ in range(a.steps)], a.steps * a.batch, 3, dev)
     RESULTS[f"resnet18_{name}"] = {"synthetic": syn_all}
     row("6", "ResNet-18 step (bf16, channels_last, SGD) on a synthetic on-GPU batch", syn)
-    runs = [(d, lambda: loader, {"decoder": dec}) for d, dec in decoders.items()]
-    fresh = lambda: make_gpu_loader(path, a.batch, num_workers=a.loader_workers,  # noqa: E731
-                                    drop_last=True)  # no worker state shared between rows
-    runs += [(label, fresh, kw) for label, kw in variants]
-    for dname, make, kw in runs:
+    graph = None
+    for label, kw in variants:
         kw = dict(kw)
-        switch, graphed = kw.pop("switch", None), kw.pop("graphed", False)
-        g = GPUDecoder(make(), device=dev, seed=0, **kw)
-        old_switch = sys.getswitchinterval()
-        if switch:
-            sys.setswitchinterval(switch)
-        run_step, base = step, syn
-        if graphed:  # the whole step captured as one CUDA graph: the loop launches 1 graph
-            run_step = graphed_step(a, dev, x, y)
-            base, _ = median_rate(lambda: [run_step(x, y) for _ in range(a.steps)],
-                                  a.steps * a.batch, 3, dev)
-            row("6", "ResNet-18 step as one CUDA graph, synthetic on-GPU batch", base)
-
-        def batches():
-            e = 0
-            while True:
-                g.set_epoch(e)
-                yield from g
-                e += 1
-        real, real_all = fed_rate(a, dev, run_step, batches())
-        sys.setswitchinterval(old_switch)
-        RESULTS[f"resnet18_{name}"][dname] = {"rates": real_all, "ratio": real / base,
+        graphed = kw.pop("graphed", False)
+        if graphed and graph is None:  # the whole step as one CUDA graph
+            graph = graphed_step(a, dev, x, y)
+            graph_syn, _ = median_rate(lambda: [graph(x, y) for _ in range(a.steps)],
+                                       a.steps * a.batch, 3, dev)
+            row("6", "ResNet-18 step as one CUDA graph, synthetic on-GPU batch", graph_syn)
+        run_step, base = (graph, graph_syn) if graphed else (step, syn)
+        gc.collect()  # nothing of the last row left to be collected in a forked worker
+        loader = make_gpu_loader(path, a.batch, **{"num_workers": a.loader_workers, "drop_last": True,
+                                                   **kw.pop("loader", {})})
+        g = GPUDecoder(loader, device=dev, seed=0, **kw)
+        real, real_all = fed_rate(a, dev, run_step, endless(g))
+        RESULTS[f"resnet18_{name}"][label] = {"rates": real_all, "ratio": real / base,
                                               "stats": g.stats.as_dict(), "backend": g.backend}
-        log(f"   pipeline stats while training ({dname}): {g.stats.as_dict()}")
+        log(f"   pipeline stats while training ({label}): {g.stats.as_dict()}")
         wait, throttle = (1e3 * g.stats.seconds.get(k, 0) / max(1, g.stats.batches)
                           for k in ("consumer", "throttle"))
-        row("6", f"ResNet-18 step fed by GPUDecoder ({dname}) [{name}]", real,
-            f"{real / base:.1%} of synthetic{' (graphed)' if graphed else ''}; waited for batches {wait:.1f}, "
-            f"for its own GPU work {throttle:.1f} ms/batch")
+        row("6", f"ResNet-18 fed by GPUDecoder, {label} [{name}]", real,
+            f"{real / base:.1%} of synthetic{' (graphed)' if graphed else ''}; waited for batches "
+            f"{wait:.1f}, for its own GPU work {throttle:.1f} ms/batch")
     if cpu_loader is not None:  # the CPU path into the same step, for comparison
         from packer.prefetch import CUDAPrefetcher
         pf = CUDAPrefetcher(cpu_loader, device=dev, dtype=torch.bfloat16)
@@ -717,8 +693,9 @@ def beside(a, path, dev):
         "matmul augment": loop(lambda it: len(GPUDecoder._augment(_with(g, "matmul"), (it[0].views(), *it[1:]), 0)[1]),
                                decoded, count),
     }
-    for kw in ({}, {"resample": "matmul"}, {"decode_threads": 3}):
-        parts[f"whole GPUDecoder {kw or 'default'}"] = pipeline_loop(a, path, dev, kw, count)
+    for label, kw, lkw in (("default settings", {}, {}), ("loader pinned", {}, {"pin_memory": True}),
+                           ("resample matmul", {"resample": "matmul"}, {})):
+        parts[f"whole GPUDecoder, {label}"] = pipeline_loop(a, path, dev, kw, lkw, count)
 
     def loader_only(stop):  # the DataLoader (12 workers + pin thread) and nothing else
         ld = make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True)
@@ -729,6 +706,7 @@ def beside(a, path, dev):
                     break
     parts["DataLoader alone (pinned)"] = loader_only
     for label, run in parts.items():
+        gc.collect()  # nothing of the last part left to be collected in a forked worker
         stop = threading.Event()
         th = threading.Thread(target=run, args=(stop,), daemon=True)
         th.start()
@@ -763,7 +741,8 @@ def eager_step(dev):
 
 def fed_diagnostics(a, name, path, dev, variants, graphed=True):
     """The fed loop under settings that move one part each, with where each stage's time
-    went; the step eager or captured as one CUDA graph (no training-side host work)."""
+    went; the step eager or captured as one CUDA graph (no training-side host work).
+    Variants are (label, GPUDecoder kwargs, make_gpu_loader kwargs)."""
     x = torch.randn(a.batch, 3, 224, 224, device=dev).to(torch.bfloat16).contiguous(
         memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (a.batch,), device=dev)
@@ -774,42 +753,27 @@ def fed_diagnostics(a, name, path, dev, variants, graphed=True):
     base, _ = median_rate(lambda: [step(x, y) for _ in range(a.steps)], a.steps * a.batch, 3, dev)
     row("9", f"ResNet-18 step {how}, synthetic on-GPU batch", base)
     for label, kw, lkw in variants:
-        kw = dict(kw)
-        switch, urgent = kw.pop("switch", None), kw.pop("urgent", False)
-        releases = kw.pop("info_releases_gil", False)
-        old = sys.getswitchinterval()
-        if switch:
-            sys.setswitchinterval(switch)
-        lkw = {"num_workers": a.loader_workers, "drop_last": True, **lkw}
         gc.collect()  # nothing of the last row left to be collected in a forked worker
-        g = GPUDecoder(make_gpu_loader(path, a.batch, **lkw), device=dev, seed=0, **kw)
-        if urgent:  # the augment stream at the highest priority
-            s = torch.cuda.Stream(dev, priority=torch.cuda.Stream.priority_range()[1])
-            s.wait_stream(torch.cuda.current_stream(dev))
-            g._streams[-1] = s
-
-        def batches():
-            e = 0
-            while True:
-                g.set_epoch(e)
-                yield from g
-                e += 1
-        saved = [(d, d._info) for d in g.decoders if hasattr(d, "_info")]
-        if releases:  # the A/B of NvjpegDecoder's PyDLL header reads
-            for d, info in saved:
-                d._info = d.lib.nvjpegGetImageInfo
-                d._info.argtypes = info.argtypes
+        g = GPUDecoder(make_gpu_loader(path, a.batch, **{"num_workers": a.loader_workers,
+                                                         "drop_last": True, **lkw}),
+                       device=dev, seed=0, **kw)
         torch.cuda.reset_peak_memory_stats(dev)
-        real, real_all = fed_rate(a, dev, step, batches())
-        for d, info in saved:
-            d._info = info
+        real, real_all = fed_rate(a, dev, step, endless(g))
         peak = torch.cuda.max_memory_allocated(dev) / 2**30
-        sys.setswitchinterval(old)
         per = {k: round(1e3 * v / max(1, g.stats.batches), 1) for k, v in g.stats.seconds.items()}
         RESULTS.setdefault(f"fed_{name}_{how}_{label}", []).append(
             {"rates": real_all, "ratio": real / base, "ms_per_batch": per, "peak_gib": peak})
         row("9", f"ResNet-18 {how}, fed by GPUDecoder: {label} [{name}]", real,
             f"{real / base:.1%}; peak {peak:.1f} GiB; ms/batch {per}")
+
+
+def endless(g):
+    """A GPUDecoder's batches over epoch after epoch."""
+    e = 0
+    while True:
+        g.set_epoch(e)
+        yield from g
+        e += 1
 
 
 def _with(g, resample):
@@ -818,9 +782,10 @@ def _with(g, resample):
     return h
 
 
-def pipeline_loop(a, path, dev, kw, count):
+def pipeline_loop(a, path, dev, kw, lkw, count):
     def run(stop):
-        g = GPUDecoder(make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True),
+        g = GPUDecoder(make_gpu_loader(path, a.batch, **{"num_workers": a.loader_workers,
+                                                         "drop_last": True, **lkw}),
                        device=dev, seed=0, max_ahead=None, **kw)
         e = 0
         while not stop.is_set():
@@ -995,8 +960,8 @@ def main():
     # to open a file a forked parent still has open).
     loaders = {n: make_gpu_loader(sets[n], a.batch, num_workers=a.loader_workers, drop_last=True)
                for n in sets}
-    unpinned = make_gpu_loader(sets["stored"], a.batch, num_workers=a.loader_workers,
-                               drop_last=True, pin_memory=False)
+    pinned = make_gpu_loader(sets["stored"], a.batch, num_workers=a.loader_workers,
+                             drop_last=True, pin_memory=True)
     cpu_loaders = {n: make_loader(PackedDataset(sets[n], decode=DecodeRandomResizedCrop(224)),
                                   a.batch, num_workers=a.cpus, drop_last=True)
                    for n in ("stored", "short256")}
@@ -1027,23 +992,24 @@ def main():
                 pipeline(a, name, loaders[name], dev, decoder,
                          overlaps=(0, 1, 2) if name == "stored" else (2,))
                 if name == "stored":  # the pin thread's and the decoder's contributions
-                    pipeline(a, name, unpinned, dev, decoder, overlaps=(2,), modes=(True,))
+                    pipeline(a, name, pinned, dev, decoder, overlaps=(2,), modes=(True,))
                     for other, dec in list(decoders.items())[1:]:
                         pipeline(a, name, loaders[name], dev, dec, overlaps=(2,), dname=other)
     if "variants" not in skip:
         with section("7: decode threads [stored]"):
             variants = [(f"{dname}, 1 decode thread", {"decoder": decoder, "decode_threads": 1})]
+            pinned = {"loader": {"pin_memory": True}}
             if dev.type == "cuda":
-                variants += [(f"decode_threads={k}", {"decode_threads": k}) for k in (1, 3, 4)]
+                variants += [(f"decode_threads={k}", {"decode_threads": k}) for k in (1, 3)]
                 variants += [("augment thread", {"augment_thread": True}),
                              ("resample matmul (padded groups, augment thread)", {"resample": "matmul"}),
-                             ("loader pinned", {"loader": {"pin_memory": True}}),
-                             ("loader unpinned", {"loader": {"pin_memory": False}}),
+                             ("loader pinned, decode_threads=3", {**pinned, "decode_threads": 3}),
+                             ("loader pinned", pinned),
                              ("default settings", {})]
             pipeline_variants(a, "stored", sets["stored"], dev, variants)
-            pipeline_variants(a, "stored", sets["stored"], dev, variants[-3:], train=False)
+            pipeline_variants(a, "stored", sets["stored"], dev, variants[-2:], train=False)
             if dev.type == "cuda" and "short256" in sets:
-                pipeline_variants(a, "short256", sets["short256"], dev, variants[-3:])
+                pipeline_variants(a, "short256", sets["short256"], dev, variants[-2:])
                 pipeline_variants(a, "short256", sets["short256"], dev, variants[-1:], train=False)
     if "probe" not in skip and dev.type == "cuda":
         with section("probe: what nvJPEG launches per batch"):
@@ -1058,27 +1024,22 @@ def main():
         with section("8: what the GPU stage costs a training step beside it [stored]"):
             beside(a, sets["stored"], dev)
     if "diag" not in skip and dev.type == "cuda":
-        pinned, unpinned = ("loader pinned", {}, {"pin_memory": True}), ("loader unpinned", {}, {"pin_memory": False})
+        how = [("default settings", {}, {}), ("loader pinned", {}, {"pin_memory": True}),
+               ("augment thread", {"augment_thread": True}, {}), ("max_ahead=1", {"max_ahead": 1}, {})]
         for graphed in (True, False):
             with section(f"9: the fed loop, {'graphed' if graphed else 'eager'} [stored]"):
-                fed_diagnostics(a, "stored", sets["stored"], dev, [pinned, unpinned] * (3 if graphed else 2),
-                                graphed)
-            with section(f"9: the fed loop, {'graphed' if graphed else 'eager'} [short256]"):
-                fed_diagnostics(a, "short256", sets["short256"], dev, [pinned, unpinned], graphed)
+                fed_diagnostics(a, "stored", sets["stored"], dev, how * 2, graphed)
     if "resnet" not in skip:
         for name in ("stored", "short256"):
             with section(f"6: ResNet-18 [{name}]"):
-                variants = []
+                variants = [("default settings", {})]
                 if dev.type == "cuda":
-                    variants += [(f"nvjpeg, {k} decode threads", {"backend": "nvjpeg", "decode_threads": k})
-                                 for k in (3,)]
-                    variants += [(f"max_ahead={m}", {"max_ahead": m}) for m in (2, None)]
-                    variants += [("resample matmul", {"resample": "matmul"}),
-                                 ("default settings", {}),
-                                 ("default settings, step as one CUDA graph", {"graphed": True}),
-                                 ("resample matmul, step as one CUDA graph", {"resample": "matmul", "graphed": True})]
-                resnet(a, loaders[name], dev, decoders, name, cpu_loaders.get(name),
-                       variants, sets[name])
+                    more = [("loader pinned", {"loader": {"pin_memory": True}}),
+                            ("resample matmul", {"resample": "matmul"})] if name == "stored" else []
+                    variants += more
+                    variants += [(f"{label}, step as one CUDA graph", {**kw, "graphed": True})
+                                 for label, kw in variants]
+                resnet(a, dev, name, cpu_loaders.get(name), variants, sets[name])
     if dev.type == "cuda":
         with section("probe: libnvjpeg"):
             nvjpeg_probe()

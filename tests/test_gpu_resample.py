@@ -167,3 +167,19 @@ def test_gpu_decode_flat_layout_and_fused_decoder(mixed):
         assert dec.resample == method
         out[method] = torch.cat([x.cpu() for x, _ in dec])
     assert int((out["triton"].int() - out["matmul"].int()).abs().max()) <= 1
+
+
+def test_gpu_bench_script_dry_run(tmp_path):
+    """scripts/bench_gpu_decode.py end to end on the CPU (PIL stands in for nvJPEG): data,
+    decode, augment, the GPUDecoder and the correctness section run and write their rows."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gpu_decode.py")
+    run = subprocess.run([sys.executable, script, "--dry-run", "--only", "agreement",
+                          "--root", str(tmp_path / "data"), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "errors" not in results, results["errors"]
+    assert results["agreement"]["labels_match"] is True
+    assert results["agreement"]["eval_vs_pil_full_decode_same_resize"]["max_abs"] <= 1
+    rows = (tmp_path / "out" / "results.md").read_text()
+    assert "crop+resize+flip+normalize only, matmul, train [stored]" in rows

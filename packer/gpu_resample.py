@@ -3,8 +3,8 @@ whole batch in ONE Triton kernel that reads every decoded image where it lies.
 
 The matmul form (:func:`packer.gpu_augment.resample_crops` with ``method="matmul"``) needs
 images zero-padded to a common size, dense weight matrices and some twenty launches per
-group, and its GPU time (~3 ms per batch of 256 stored-size images on an H200) is taken from
-the training step it runs beside. Here the batch is described by an :class:`ImageTable` (a
+group, and its GPU time (3.9 ms per batch of 256 stored-size images on an H200, against
+0.38 ms here) is taken from the training step it runs beside. Here the batch is described by an :class:`ImageTable` (a
 base tensor, and per image a byte offset and strides), so nvJPEG's flat output, a list of
 tensors or CPU-decoded HWC pixels all work without a copy; each program computes a tile of
 output rows of one image, filtering the source rows it needs horizontally and accumulating
@@ -20,8 +20,8 @@ import torch
 __all__ = ["ImageTable", "fused_resample", "triton_available"]
 
 # Output rows per program and warps. Measured on an H200 (scripts/bench_gpu_decode.py, 3a),
-# GPU time per batch of 256 stored-size images: 8 rows/4 warps 0.38 ms, 16/8 0.53, 16/4 0.61,
-# 32/8 0.96.
+# GPU time per batch of 256 stored-size images: 8 rows/4 warps 0.38 ms, 4/4 0.34-0.35, 8/2
+# 0.45, 16/8 0.53, 16/4 0.61, 32/8 0.96 (the pipeline and training rows ran with 8/4).
 CONFIG = {"rows": 8, "num_warps": 4}
 
 
@@ -50,6 +50,9 @@ class ImageTable:
         images = list(images)
         if not images:
             raise ValueError("ImageTable.from_images needs at least one image")
+        if {(t.dtype, t.device) for t in images} != {(torch.uint8, images[0].device)}:
+            raise TypeError("ImageTable.from_images needs uint8 images on one device, got "
+                            f"{sorted({f'{t.dtype} on {t.device}' for t in images})}")
         base = min(images, key=lambda t: t.data_ptr())
         p0 = base.data_ptr()
         layout = torch.tensor([[t.data_ptr() - p0, *t.stride()] for t in images], dtype=torch.int64)

@@ -102,6 +102,8 @@ def test_image_table_layouts():
     assert int(t.layout[:, 0].min()) == 0  # offsets from the lowest address
     with pytest.raises(TypeError, match="uint8"):
         ImageTable(torch.zeros(3), t.layout, t.sizes)
+    with pytest.raises(TypeError, match="uint8 images on one device.*float32"):
+        ImageTable.from_images([other, torch.zeros(3, 2, 2)])
     with pytest.raises(ValueError, match="method"):
         resample_crops([other], torch.tensor([[0.0, 0.0, 2.0, 2.0]]), (2, 2), method="cuda")
 

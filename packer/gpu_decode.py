@@ -86,7 +86,7 @@ def make_gpu_loader(dataset, batch_size: int = 256, **kwargs):
 
     ``pin_memory`` defaults to False here (make_loader's is True with CUDA): nvJPEG reads
     the bytes on the host, and measured on an H200 (docs/gpu_decode.md), a ResNet-18 step
-    fed by GPUDecoder kept 94-97 % of its synthetic-data speed unpinned against 87-92 %
+    fed by GPUDecoder kept 93-97 % of its synthetic-data speed unpinned against 87-93 %
     pinned (DataLoader's pin thread and its copy compete with the training process), while
     the pipeline alone ran 20-26k images/s unpinned and 25-34k pinned. Pass
     ``pin_memory=True`` when decoding throughput matters more than the step beside it.
@@ -224,6 +224,10 @@ class GPUDecoder(LoaderView):
         elif resample == "triton" and not triton_available():
             raise PackerError("resample='triton' needs Triton (it comes with PyTorch's CUDA "
                               "wheels on Linux: pip install triton); resample='matmul' needs none")
+        elif (resample == "triton" and self.device.type != "cuda"
+              and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise ValueError(f"resample='triton' runs on a CUDA device, got {self.device}; "
+                             f"use resample='matmul' (or TRITON_INTERPRET=1 to debug the kernel)")
         self.resample = resample
         # The fused kernel takes under 1 ms per batch: the decode threads launch it
         # themselves. The matmul form takes ~10 ms of host time: it gets a thread of its own.

@@ -480,6 +480,16 @@ def test_constructor_errors(mixed, monkeypatch):
             GPUDecoder(loader)
     with pytest.raises(ValueError, match="backend"):
         _cpu_decoder(loader, backend="dali")
+    with pytest.raises(ValueError, match="resample must be"):
+        _cpu_decoder(loader, resample="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(gpu_decode, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="resample='triton' runs on a CUDA device"):
+        _cpu_decoder(loader, resample="triton")
+    monkeypatch.setattr(gpu_decode, "triton_available", lambda: False)
+    with pytest.raises(PackerError, match="needs Triton.*pip install triton"):
+        _cpu_decoder(loader, resample="triton")
+    assert _cpu_decoder(loader).resample == "matmul"  # auto, on the CPU
     fake = types.ModuleType("torchvision")
     fake.io = types.ModuleType("torchvision.io")
     monkeypatch.setitem(sys.modules, "torchvision", fake)

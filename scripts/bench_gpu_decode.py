@@ -697,14 +697,14 @@ def beside(a, path, dev):
                            ("resample matmul", {"resample": "matmul"}, {})):
         parts[f"whole GPUDecoder, {label}"] = pipeline_loop(a, path, dev, kw, lkw, count)
 
-    def loader_only(stop):  # the DataLoader (12 workers + pin thread) and nothing else
+    def loader_only(stop):  # make_gpu_loader's DataLoader (unpinned) and nothing else
         ld = make_gpu_loader(path, a.batch, num_workers=a.loader_workers, drop_last=True)
         while not stop.is_set():
             for b in ld:
                 count[0] += len(b.labels)
                 if stop.is_set():
                     break
-    parts["DataLoader alone (pinned)"] = loader_only
+    parts["DataLoader alone (make_gpu_loader, unpinned)"] = loader_only
     for label, run in parts.items():
         gc.collect()  # nothing of the last part left to be collected in a forked worker
         stop = threading.Event()

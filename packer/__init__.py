@@ -1,35 +1,65 @@
 """packer: pack image folders into LMDB shards once, then feed GPUs without waiting on input.
 
-Public names load lazily (PEP 562), so ``packer --help`` does not pay for importing torch.
-The CLI's library functions live in their modules (``packer.build.build``,
-``packer.build.merge``, ``packer.inspect.verify``...): a top-level ``packer.build``
-function would be shadowed by the ``packer.build`` module as soon as it is imported.
+The public API is listed below for editors and type checkers; at run time each name is
+imported on first use (PEP 562), so ``import packer`` and ``packer --help`` do not pay for
+importing torch. ``docs/architecture.md`` maps the modules. No submodule shares a name
+with a function exported here (``packer.build`` is the function; the module is ``builder``).
 """
-from importlib import import_module as _import
+from importlib import import_module as _import_module
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "BuildResult": "build",
-    "DecodeCenterCrop": "imaging", "DecodeRandomResizedCrop": "imaging", "Transcode": "imaging",
+if TYPE_CHECKING:  # the names of __all__ (tests/test_layout.py checks that the three lists agree)
+    from .builder import BuildResult, build
+    from .check import Transcode
+    from .decode import DecodeCenterCrop, DecodeRandomResizedCrop
+    from .errors import FormatError, PackerError
+    from .dataset import PackedDataset
+    from .gpu import GPUDecoder, GPUOptions, make_gpu_loader
+    from .info import verify
+    from .loader import collate_uint8, default_num_workers, make_loader
+    from .merging import merge
+    from .prefetch import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
+    from .reader import ShardReader
+    from .sampler import PackedSampler
+    from .staging import stage, stage_once_per_node, unstage
+    from .streaming import PackedIterableDataset
+    from .threaded import BackgroundIterator, background
+
+_LAZY = {
+    "BuildResult": "builder", "build": "builder",
+    "Transcode": "check",
+    "DecodeCenterCrop": "decode", "DecodeRandomResizedCrop": "decode",
     "FormatError": "errors", "PackerError": "errors",
-    "PackedDataset": "dataset", "ShardReader": "reader",
-    "PackedIterableDataset": "streaming", "PackedSampler": "sampler",
-    "BackgroundIterator": "loader", "background": "loader", "collate_uint8": "loader",
-    "make_loader": "loader", "CUDAPrefetcher": "prefetch",
-    "GPUDecoder": "gpu_decode", "make_gpu_loader": "gpu_decode",
-    "make_image_folder": "demo",
+    "PackedDataset": "dataset",
+    "GPUDecoder": "gpu", "GPUOptions": "gpu", "make_gpu_loader": "gpu",
+    "verify": "info",
+    "collate_uint8": "loader", "default_num_workers": "loader", "make_loader": "loader",
+    "merge": "merging",
+    "CUDAPrefetcher": "prefetch", "IMAGENET_MEAN": "prefetch", "IMAGENET_STD": "prefetch",
+    "ShardReader": "reader",
+    "PackedSampler": "sampler",
+    "stage": "staging", "stage_once_per_node": "staging", "unstage": "staging",
+    "PackedIterableDataset": "streaming",
+    "BackgroundIterator": "threaded", "background": "threaded",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = ["BackgroundIterator", "BuildResult", "CUDAPrefetcher", "DecodeCenterCrop",
+           "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "GPUOptions",
+           "IMAGENET_MEAN", "IMAGENET_STD", "PackedDataset", "PackedIterableDataset",
+           "PackedSampler", "PackerError", "ShardReader", "Transcode", "background", "build",
+           "collate_uint8", "default_num_workers", "make_gpu_loader", "make_loader", "merge",
+           "stage", "stage_once_per_node", "unstage", "verify", "__version__"]
 
 
 def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(_import(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'packer' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'packer' has no attribute {name!r}")
+    value = getattr(_import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__():

@@ -34,8 +34,11 @@ class Size(click.ParamType):
             self.fail(f"{value!r} is not a size (examples: 512M, 1G, 1073741824)", param, ctx)
 
 
-def library_errors(fn):
+def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command to resume."):
     """Show a PackerError as ``Error: ...`` (exit 1) and Ctrl-C as a short note (exit 130)."""
+    if fn is None:
+        return functools.partial(library_errors, interrupted=interrupted)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -43,7 +46,7 @@ def library_errors(fn):
         except PackerError as e:
             raise click.ClickException(str(e)) from e
         except KeyboardInterrupt:
-            click.echo("\nInterrupted. Re-run the same command to resume.", err=True)
+            click.echo(f"\n{interrupted}", err=True)
             sys.exit(130)
     return wrapper
 
@@ -53,13 +56,14 @@ def _warnings_as_lines():
     """Show packer's warnings (e.g. an empty class folder) as one ``Warning: ...`` line each
     on stderr when they happen, instead of Python's ``file:line: Category: ...`` form."""
     from .source import EmptyClassWarning, SymlinkLoopWarning
+    ours = (EmptyClassWarning, SymlinkLoopWarning)
     with warnings.catch_warnings():
-        warnings.simplefilter("always", EmptyClassWarning)
-        warnings.simplefilter("always", SymlinkLoopWarning)
+        for category in ours:
+            warnings.simplefilter("always", category)
         show = warnings.showwarning
 
         def showwarning(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, (EmptyClassWarning, SymlinkLoopWarning)):
+            if issubclass(category, ours):
                 click.echo(f"Warning: {message}", err=True)
             else:
                 show(message, category, filename, lineno, file, line)
@@ -68,7 +72,7 @@ def _warnings_as_lines():
 
 
 def _version_line() -> str:
-    from .imaging import pil_summary
+    from ._system import pil_summary
     return f"packer {__version__} (python {sys.version.split()[0]}; PIL: {pil_summary()})"
 
 
@@ -102,8 +106,10 @@ def main():
               help="Target bytes per shard file (e.g. 512M, 2G).")
 @click.option("--workers", "-j", type=int, default=None,
               help="Processes that read and check images [default: all usable cores].")
-@click.option("--max-side", type=int, help="Transcode: downscale so the longer side is at most N px.")
-@click.option("--short-side", type=int, help="Transcode: downscale so the shorter side is at most N px.")
+@click.option("--max-side", type=click.IntRange(min=16),
+              help="Transcode: downscale so the longer side is at most N px.")
+@click.option("--short-side", type=click.IntRange(min=16),
+              help="Transcode: downscale so the shorter side is at most N px.")
 @click.option("--quality", type=click.IntRange(1, 100),
               help="Transcode: re-encode every image as a baseline JPEG of this quality "
                    "[default 90 when --max-side/--short-side is given].")
@@ -136,8 +142,8 @@ def build(src, dst, list_file, shard_size, workers, max_side, short_side, qualit
     An interrupted build (Ctrl-C, kill, power loss) leaves no dataset that readers accept;
     re-run the same command to resume after the last finished shard.
     """
-    from .build import build as run_build
-    from .imaging import DEFAULT_MAX_PIXELS, Transcode
+    from .builder import build as run_build
+    from .check import DEFAULT_MAX_PIXELS, Transcode
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
@@ -166,7 +172,7 @@ def merge(parts, dst, overwrite):
     DST's manifest refers to the parts' shard files by relative path: keep the parts where
     they are, or `packer stage DST ...` to make a self-contained copy.
     """
-    from .build import merge as run_merge
+    from .merging import merge as run_merge
     m = run_merge(list(parts), dst, overwrite=overwrite)
     click.echo(f"merged {len(parts)} parts: {m['count']} images, {len(m['shards'])} shards -> {dst}")
 
@@ -178,7 +184,7 @@ def merge(parts, dst, overwrite):
 @library_errors
 def info(dst, as_json):
     """Summarize dataset DST: classes with counts, shards, sizes, build options, skipped files."""
-    from .inspect import format_info, info as get_info
+    from .info import format_info, info as get_info
     i = get_info(dst)
     click.echo(json.dumps(i, indent=1, ensure_ascii=False) if as_json else format_info(i))
 
@@ -191,7 +197,7 @@ def info(dst, as_json):
 def verify(dst, quick, quiet):
     """Check dataset DST: every shard's checksum, then every record (unpacks, checksum,
     decodes, label). Exits 1 and lists what is wrong if anything is."""
-    from .inspect import verify as run_verify
+    from .info import verify as run_verify
     rep = run_verify(dst, quick=quick, progress=not quiet)
     if rep.ok:
         what = "shards" if quick else f"shards and {rep.checked_records} records"
@@ -207,8 +213,8 @@ def verify(dst, quick, quiet):
 @library_errors
 def ls(dst):
     """List records of DST, one per line: INDEX<TAB>LABEL<TAB>PATH, in record order."""
-    from .inspect import ls as run_ls
-    out = click.get_text_stream("stdout")
+    from .info import ls as run_ls
+    out = sys.stdout
     for i, label, path in run_ls(dst):
         out.write(f"{i}\t{label}\t{path}\n")
 
@@ -221,7 +227,7 @@ def ls(dst):
 @library_errors
 def cat(dst, index, output):
     """Write the stored image bytes of record INDEX of DST (to stdout, or -o FILE)."""
-    from .inspect import cat as run_cat
+    from .info import cat as run_cat
     try:
         data = run_cat(dst, index)
     except IndexError as e:
@@ -229,7 +235,7 @@ def cat(dst, index, output):
     if output:
         output.write_bytes(data)
     else:
-        click.get_binary_stream("stdout").write(data)
+        sys.stdout.buffer.write(data)
 
 
 @main.command()
@@ -252,10 +258,10 @@ def stage(dst, target, remove, no_verify, quiet):
     \b
     Examples:
       packer stage /data/packed/train /dev/shm/train
-      scripts/mount_tmpfs.sh --for /data/packed/train /mnt/ram && packer stage /data/packed/train /mnt/ram/train
+      sudo mount -t tmpfs -o size=200G tmpfs /mnt/ram && packer stage /data/packed/train /mnt/ram/train
       packer stage --remove /dev/shm/train
     """
-    from .stage import stage as run_stage, unstage as run_unstage
+    from .staging import stage as run_stage, unstage as run_unstage
     if remove:
         if target is not None:
             raise click.UsageError("--remove takes only the staged folder: packer stage --remove TARGET")
@@ -272,7 +278,7 @@ def stage(dst, target, remove, no_verify, quiet):
 def unstage(target):
     """Remove a staged copy made by `packer stage` and free its RAM. Only files that staging
     wrote are removed; a folder holding a built (unstaged) dataset is refused."""
-    from .stage import unstage as run_unstage
+    from .staging import unstage as run_unstage
     click.echo(run_unstage(target).message())
 
 
@@ -280,24 +286,8 @@ def unstage(target):
 def doctor():
     """Show the environment packer runs in: PIL flavour (Pillow-SIMD or Pillow), libjpeg-turbo,
     torch and CUDA, Triton, cores."""
-    import os
-    import torch
-    from .build import default_workers
-    from .imaging import pil_info, pil_summary
-    click.echo(f"packer   {__version__}")
-    click.echo(f"python   {sys.version.split()[0]}")
-    click.echo(f"PIL      {pil_summary()}")
-    if not pil_info()["simd"]:
-        click.echo("         Pillow-SIMD has SIMD resize and convert: scripts/install_pillow_simd.sh")
-    cuda = torch.cuda.is_available()
-    click.echo(f"torch    {torch.__version__}; CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'not available'}")
-    try:
-        import triton
-        click.echo(f"triton   {triton.__version__}: GPU decoding augments in one fused kernel")
-    except Exception:  # ImportError, or a Triton that cannot set itself up
-        click.echo("triton   not available: GPU decoding augments with batched matmuls "
-                   "(pip install triton for the fused kernel)")
-    click.echo(f"cores    {default_workers()} usable of {os.cpu_count()}")
+    from .doctor import doctor as get_doctor, format_doctor
+    click.echo(format_doctor(get_doctor()))
 
 
 @main.command()
@@ -348,7 +338,7 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
     With the default 3 repeats of 3 s, 2 worker counts, --folder and --staged this takes
     about 2-3 minutes on 2 cores.
     """
-    from . import bench as lib
+    from .bench import run as lib
     if workers is not None:
         try:
             workers = [int(w) for w in workers.split(",") if w.strip()]
@@ -391,6 +381,7 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
 @click.option("--no-stage", is_flag=True, help="Read the packed shards where they are built "
                                                "instead of a copy staged to /dev/shm.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars; print only the report.")
+@library_errors(interrupted="Interrupted; the demo's temporary files were removed.")
 def demo(dir, images, classes, workers, batch_size, no_stage, quiet):
     """Run the whole job on generated data, no downloads: make photo-like JPEGs, build,
     verify, stage to /dev/shm, then read epochs through the plain folder loader and the
@@ -401,17 +392,7 @@ def demo(dir, images, classes, workers, batch_size, no_stage, quiet):
     it nothing is left behind. The staged RAM copy is always removed.
     """
     from .demo import run_demo
-
-    def on_step(name):
-        if not quiet:
-            click.echo(f"==> {name}", err=True)
-    try:
-        res = run_demo(dir, images=images, classes=classes, workers=workers,
-                       batch_size=batch_size, stage_dir=None if no_stage else "/dev/shm",
-                       progress=not quiet, on_step=on_step)
-    except PackerError as e:
-        raise click.ClickException(str(e)) from e
-    except KeyboardInterrupt:
-        click.echo("\nInterrupted; the demo's temporary files were removed.", err=True)
-        sys.exit(130)
+    on_step = None if quiet else (lambda name: click.echo(f"==> {name}", err=True))
+    res = run_demo(dir, images=images, classes=classes, workers=workers, batch_size=batch_size,
+                   stage_dir=None if no_stage else "/dev/shm", progress=not quiet, on_step=on_step)
     click.echo(res.report())

@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from torch.utils.data import Dataset
 
 from .format import unpack_record
-from .imaging import open_image
+from .decode import open_image
 from .reader import ShardReader, read_labels
 
 

@@ -1,5 +1,5 @@
-"""Feeding the training loop: ``make_loader`` (a DataLoader tuned for throughput), the uint8
-collate, and a thread prefetcher for any iterable.
+"""Feeding the training loop: ``make_loader`` (a DataLoader tuned for throughput) and the
+uint8 collate.
 
 Images stay uint8 from decode to the GPU: a float32 batch is 4x the bytes to collate, to pass
 between processes, to pin and to send over PCIe, and the conversion is nearly free on the
@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-import queue
-import threading
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils.data import DataLoader, default_collate, get_worker_info
+
+from ._system import usable_cores
 
 try:  # the extensible collate (torch >= 2.0); older torch falls back to default_collate
     from torch.utils.data._utils.collate import collate as _collate
@@ -24,8 +24,7 @@ try:  # the extensible collate (torch >= 2.0); older torch falls back to default
 except ImportError:  # pragma: no cover
     _collate = None
 
-__all__ = ["BackgroundIterator", "background", "collate_uint8", "default_num_workers",
-           "make_loader"]
+__all__ = ["collate_uint8", "default_num_workers", "make_loader"]
 
 TOTAL_PREFETCH = 8  # batches in flight across all workers, see make_loader
 
@@ -35,27 +34,10 @@ def default_num_workers() -> int:
     training processes of this host (``LOCAL_WORLD_SIZE``, set by torchrun): one worker per
     core keeps decoding saturated without oversubscribing when 8 ranks share a machine."""
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
-    if quota is not None:
-        cores = min(cores, max(1, math.ceil(quota)))
-    try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
-    return max(1, cores // local)
-
-
-def _cgroup_cpu_quota() -> Optional[float]:
-    """CPUs allowed by a container's cgroup v2 ``cpu.max`` (None when unlimited or unknown)."""
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        return None
+    return max(1, usable_cores() // local)
 
 
 # -- collate ---------------------------------------------------------------------------------
@@ -211,136 +193,3 @@ def _check_decoded(dataset) -> None:
                          "pass decode=DecodeRandomResizedCrop(224) (training) or "
                          "decode=DecodeCenterCrop(224) (evaluation) to PackedDataset, or a "
                          "transform ending in torchvision.transforms.PILToTensor()")
-
-
-# -- thread prefetcher -----------------------------------------------------------------------
-
-_END = object()
-
-
-class _Raised:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-class BackgroundIterator:
-    """Iterate ``iterable`` in a thread, keeping up to ``depth`` items ready.
-
-    The prefetch_generator idea: while the consumer works on one item (a training step,
-    which releases the GIL in torch kernels), the thread produces the next ones. Useful for
-    producers that wait or release the GIL (I/O, decoding, a DataLoader's queue). An
-    exception in the thread is re-raised by the consumer as the same object, so its type
-    and its traceback into the producer survive. If the consumer stops early (``close()``,
-    ``with``, or dropping the iterator), the thread stops and the source iterator is closed.
-    One pass: wrap the iterable again for the next epoch.
-    """
-
-    def __init__(self, iterable: Iterable, depth: int = 2):
-        if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be an int >= 1 (items kept ready), got {depth!r}")
-        self._len = _length(iterable)
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._done = False
-        # The thread must not reference self, or an abandoned iterator could never be freed.
-        self._thread = threading.Thread(target=_produce, args=(iter(iterable), self._queue, self._stop),
-                                        name=f"packer-background-{id(self):x}", daemon=True)
-        self._thread.start()
-
-    def __iter__(self) -> "BackgroundIterator":
-        return self
-
-    def __next__(self):
-        if self._done:
-            raise StopIteration
-        item = self._queue.get()
-        if item is _END:
-            self._finish()
-            raise StopIteration
-        if isinstance(item, _Raised):
-            self._finish()
-            exc = item.exc
-            if hasattr(exc, "add_note"):
-                exc.add_note("(raised in the producer thread of packer.loader.BackgroundIterator)")
-            raise exc
-        return item
-
-    def __len__(self) -> int:
-        if self._len is None:
-            raise TypeError("the wrapped iterable has no len()")
-        return self._len
-
-    def close(self, timeout: Optional[float] = 10.0) -> None:
-        """Stop the thread (it finishes the item it is producing) and release queued items."""
-        self._done = True
-        self._stop.set()
-        if threading.current_thread() is self._thread:  # collected by GC inside the thread
-            return
-        while self._thread.is_alive():
-            _drain(self._queue)  # unblock a put() waiting on a full queue
-            self._thread.join(0.01)
-            if timeout is not None:
-                timeout -= 0.01
-                if timeout <= 0:
-                    break  # the source is stuck in its own next(); the daemon thread is left
-        _drain(self._queue)
-
-    def _finish(self) -> None:
-        self._done = True
-        self._thread.join()
-
-    def __enter__(self) -> "BackgroundIterator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-def background(iterable: Iterable, depth: int = 2) -> BackgroundIterator:
-    """``for batch in background(loader):`` — the next items are produced in a thread."""
-    return BackgroundIterator(iterable, depth)
-
-
-def _produce(it: Iterator, q: queue.Queue, stop: threading.Event) -> None:
-    try:
-        while not stop.is_set():
-            try:
-                item = next(it)
-            except StopIteration:
-                q.put(_END)
-                return
-            except BaseException as e:  # noqa: B902 - everything reaches the consumer
-                q.put(_Raised(e))
-                return
-            q.put(item)
-            del item
-    finally:
-        close = getattr(it, "close", None)  # run a generator's finally blocks, here, not in GC
-        if close is not None and stop.is_set():
-            try:
-                close()
-            except Exception:
-                pass
-
-
-def _drain(q: queue.Queue) -> None:
-    try:
-        while True:
-            q.get_nowait()
-    except queue.Empty:
-        pass
-
-
-def _length(iterable) -> Optional[int]:
-    try:
-        return len(iterable)
-    except TypeError:
-        return None

@@ -13,7 +13,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["CUDAPrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "normalize_uint8"]
+from ._threads import END
+
+__all__ = ["CUDAPrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "LoaderView", "normalize_affine",
+           "normalize_uint8"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -100,7 +103,7 @@ class CUDAPrefetcher(LoaderView):
         self.dtype = dtype
         self.channels_last = bool(channels_last)
         self.device = _resolve_device(device)
-        scale, shift = _affine(mean, std)
+        scale, shift = normalize_affine(mean, std)
         self.mean, self.std = (None, None) if mean is None else (tuple(mean), tuple(std))
         self._scale = scale.to(self.device)
         self._shift = shift.to(self.device)
@@ -120,7 +123,7 @@ class CUDAPrefetcher(LoaderView):
             return
         it = iter(self.loader)
         nxt = self._preload(it)
-        while nxt is not _END:
+        while nxt is not END:
             cur = nxt  # (drops our reference to the previous batch before the next copy)
             self._handoff(cur, torch.cuda.current_stream(self.device))
             nxt = self._preload(it)
@@ -131,15 +134,15 @@ class CUDAPrefetcher(LoaderView):
         try:
             batch = next(it)
         except StopIteration:
-            return _END
+            return END
         if not self._warned:
             self._warned = True
-            t = next(_tensors(batch), None)
+            t = next(iter_tensors(batch), None)
             if t is not None and t.device.type == "cpu" and not t.is_pinned():
                 warnings.warn("CUDAPrefetcher got a batch in pageable memory: each copy blocks "
                               "the CPU; use make_loader (or DataLoader(pin_memory=True))",
                               stacklevel=3)
-        on_gpu = [t for t in _tensors(batch) if t.device.type == "cuda"]
+        on_gpu = [t for t in iter_tensors(batch) if t.device.type == "cuda"]
         if on_gpu:  # made on the consumer's stream (GPU decoding, say): wait for it, hold it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             for t in on_gpu:
@@ -150,7 +153,7 @@ class CUDAPrefetcher(LoaderView):
     def _handoff(self, batch, stream: torch.cuda.Stream) -> None:
         """Make ``batch`` safe to use on ``stream``: see the class docstring."""
         stream.wait_stream(self.stream)
-        for t in _tensors(batch):
+        for t in iter_tensors(batch):
             if t.device.type == "cuda":
                 t.record_stream(stream)
 
@@ -169,9 +172,6 @@ class CUDAPrefetcher(LoaderView):
                 f"device={self.device}, dtype={self.dtype}, channels_last={self.channels_last})")
 
 
-_END = object()
-
-
 def normalize_uint8(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
                     dtype: torch.dtype = torch.float32, channels_last: bool = True) -> torch.Tensor:
     """``x * scale + shift`` for a uint8 (N, C, H, W) batch, in one kernel: read as uint8,
@@ -184,7 +184,7 @@ def normalize_uint8(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *
     return torch.addcmul(shift, x, scale, out=out)
 
 
-def _affine(mean, std):
+def normalize_affine(mean, std):
     """(scale, shift) of shape (1, C, 1, 1) with x * scale + shift == (x / 255 - mean) / std."""
     if (mean is None) != (std is None):
         raise ValueError("give both mean and std (0..1 scale, e.g. IMAGENET_MEAN/IMAGENET_STD), "
@@ -240,12 +240,12 @@ def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]):
     return obj
 
 
-def _tensors(obj: Any):
+def iter_tensors(obj: Any):
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Mapping):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from iter_tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from iter_tensors(v)

@@ -185,6 +185,17 @@ class _Shard:
             os.close(self.fd)
 
 
+def shard_entry_count(path: os.PathLike) -> int:
+    """How many records the LMDB file at ``path`` holds (raises ``lmdb.Error`` if it is not
+    one). Shares the process's open environment of that file, if any: py-lmdb refuses a
+    second one."""
+    sh = _Shard.get(Path(path))
+    try:
+        return sh.lmdb().stat()["entries"]
+    finally:
+        sh.release()
+
+
 def open_env(path: os.PathLike) -> lmdb.Environment:
     """A shard's LMDB environment, read-only, with no lock file and no readahead."""
     return lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False,

@@ -70,7 +70,8 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
     return out
 
 
-def _world(num_replicas: Optional[int], rank: Optional[int]):
+def resolve_world(num_replicas: Optional[int], rank: Optional[int]):
+    """(world size, rank): the given values, else torch.distributed's, else (1, 0); checked."""
     if num_replicas is None or rank is None:
         dist = torch.distributed
         ready = dist.is_available() and dist.is_initialized()
@@ -131,7 +132,7 @@ class PackedSampler(Sampler[int]):
                  drop_last: bool = False, order: str = "random", *,
                  block_size: int = 256, window: int = 16):
         self.size = len(dataset)
-        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.order, self.block_size, self.window = order, int(block_size), int(window)
         global_order(0, order=order, block_size=self.block_size, window=self.window)  # validate

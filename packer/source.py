@@ -28,7 +28,7 @@ class SymlinkLoopWarning(UserWarning):
 
 
 @dataclass(frozen=True)
-class Source:
+class ImageList:
     """What to pack: ``entries`` are ``(path relative to root, label)`` in build order."""
     root: Path
     classes: List[str]
@@ -75,7 +75,7 @@ def is_image_file(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS)
 
 
-def scan_folder(root: os.PathLike) -> Source:
+def scan_folder(root: os.PathLike) -> ImageList:
     """Walk ``root`` in ImageFolder order: classes sorted, files found recursively and sorted."""
     root = Path(root)
     classes = find_classes(root)
@@ -90,7 +90,7 @@ def scan_folder(root: os.PathLike) -> Source:
         if len(entries) == before:
             warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "
                           f"but contributes no samples", EmptyClassWarning, stacklevel=2)
-    return Source(root, classes, entries)
+    return ImageList(root, classes, entries)
 
 
 def _walk(top: Path):
@@ -110,7 +110,7 @@ def _walk(top: Path):
         yield dirpath, dirnames, fnames
 
 
-def read_list(root: os.PathLike, list_file: os.PathLike) -> Source:
+def read_list(root: os.PathLike, list_file: os.PathLike) -> ImageList:
     """``relative/path<TAB>label`` lines; labels are all integers or all class names."""
     root = Path(root)
     if not root.is_dir():
@@ -141,10 +141,10 @@ def read_list(root: os.PathLike, list_file: os.PathLike) -> Source:
         if min(ints) < 0:
             raise PackerError(f"{list_file}: labels must be >= 0")
         classes = [str(i) for i in range(max(ints) + 1)]
-        return Source(root, classes, [(p, i) for (p, _), i in zip(rows, ints)])
+        return ImageList(root, classes, [(p, i) for (p, _), i in zip(rows, ints)])
     classes = sorted(set(labels))
     idx = {c: i for i, c in enumerate(classes)}
-    return Source(root, classes, [(p, idx[lab]) for p, lab in rows])
+    return ImageList(root, classes, [(p, idx[lab]) for p, lab in rows])
 
 
 def _is_int(s: str) -> bool:
@@ -168,8 +168,8 @@ def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:
     return k, n
 
 
-def select(source: Source, *, part: Optional[Tuple[int, int]] = None,
-           shuffle: bool = False, seed: int = 0) -> Source:
+def select(source: ImageList, *, part: Optional[Tuple[int, int]] = None,
+           shuffle: bool = False, seed: int = 0) -> ImageList:
     """Take one strided part (balanced across classes) and/or shuffle, reproducibly."""
     entries: Sequence[Tuple[str, int]] = source.entries
     if shuffle:
@@ -178,4 +178,4 @@ def select(source: Source, *, part: Optional[Tuple[int, int]] = None,
     if part is not None:
         k, n = part
         entries = entries[k::n]
-    return Source(source.root, source.classes, list(entries))
+    return ImageList(source.root, source.classes, list(entries))

@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .format import unpack_record
 from .dataset import to_sample
 from .reader import ShardReader
-from .sampler import _world, global_order, rank_count, seed_for
+from .sampler import global_order, rank_count, resolve_world, seed_for
 
 
 class PackedIterableDataset(IterableDataset):
@@ -60,7 +60,7 @@ class PackedIterableDataset(IterableDataset):
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.shuffle_buffer, self.block_size = bool(shuffle), int(shuffle_buffer), int(block_size)
         self.seed, self.drop_last = int(seed), bool(drop_last)
-        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     @property

@@ -1,4 +1,5 @@
-"""One shard: append records to an LMDB file in big transactions, finish it atomically.
+"""Writing a dataset's files: one shard (append records to an LMDB file in big transactions,
+finish it atomically), and the per-record side tables.
 
 While writing, the shard is ``.NAME.partial`` (a sparse file with a generous map); a
 finished shard is a compacted copy — only its data, safe to copy or sync — renamed into
@@ -7,13 +8,15 @@ place only after it is fsynced and hashed. A crash therefore leaves either nothi
 """
 from __future__ import annotations
 
-import errno
 import os
+import sys
+from array import array
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import lmdb
 
+from ._system import free_bytes, is_disk_full
 from .errors import PackerError
 from .format import file_sha256, fsync_dir, key
 
@@ -106,28 +109,13 @@ class disk_errors:
     def __exit__(self, exc_type, exc, tb):
         if exc is None:
             return False
-        if isinstance(exc, (OSError, lmdb.Error)) and _is_enospc(exc):
-            free = _free_bytes(self.path.parent)
+        if isinstance(exc, (OSError, lmdb.Error)) and is_disk_full(exc):
+            free = free_bytes(self.path.parent)
             raise PackerError(
                 f"disk full while writing {self.path} ({free / 2**20:.1f} MiB free). Shards "
                 f"finished before this one are kept; free some space (or pick another DST) "
                 f"and re-run the same command to resume") from exc
         return False
-
-
-def _is_enospc(exc: BaseException) -> bool:
-    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return True
-    text = str(exc).lower()
-    return "no space left" in text or "quota exceeded" in text or "file too large" in text
-
-
-def _free_bytes(path: Path) -> int:
-    try:
-        st = os.statvfs(path)
-        return st.f_bavail * st.f_frsize
-    except OSError:
-        return 0
 
 
 def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optional[str]:
@@ -141,3 +129,18 @@ def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optio
     if check_hash and file_sha256(p) != entry["sha256"]:
         return "checksum mismatch"
     return None
+
+
+def write_table(dst: Path, name: str, table: array) -> dict:
+    """Write a per-record table (labels, offsets) little-endian, atomically; its manifest entry."""
+    if sys.byteorder != "little":
+        table = array(table.typecode, table)
+        table.byteswap()
+    tmp = dst / (name + ".tmp")
+    with disk_errors(dst / name):
+        with open(tmp, "wb") as f:
+            table.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst / name)
+    return {"path": name, "bytes": (dst / name).stat().st_size, "sha256": file_sha256(dst / name)}

@@ -26,7 +26,7 @@ when torchvision is missing).
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib.util
 import math
 import os
 import sys
@@ -36,51 +36,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import packer
+from packer.bench.models import TrainStep, make_model
+from packer.errors import PackerError
 from packer.loader import make_loader
 from packer.prefetch import CUDAPrefetcher
 from packer.sampler import PackedSampler
-from packer.stage import stage_once_per_node
+from packer.staging import stage_once_per_node
 
 
 # -- model -------------------------------------------------------------------------------------
 
-class TinyNet(nn.Module):
-    """A small CNN (4 stride-2 conv-BN-ReLU stages, ~0.4M parameters): CPU runs and CI.
-
-    It has BatchNorm on purpose, so ``--sync-bn`` and ``--channels-last`` exercise the same
-    code as with a real model."""
-
-    def __init__(self, num_classes: int, width: int = 32):
-        super().__init__()
-        layers, c_in = [], 3
-        for c_out in (width, width * 2, width * 4, width * 8):
-            layers += [nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False),
-                       nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
-            c_in = c_out
-        self.features = nn.Sequential(*layers)
-        self.head = nn.Linear(c_in, num_classes)
-
-    def forward(self, x):
-        return self.head(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))
-
-
 def build_model(name: str, num_classes: int) -> nn.Module:
-    """``tiny``; a torchvision model by name; or, without torchvision, packer's built-in
-    ResNet-50 (torchvision's architecture), so GPU runs measure a real model anywhere."""
-    if name == "tiny":
-        return TinyNet(num_classes)
+    """``tiny`` (a small CNN with BatchNorm); a torchvision model by name; or, without
+    torchvision, packer's built-in ResNet-50 (torchvision's architecture), so GPU runs
+    measure a real model anywhere. The models ``packer bench`` trains: one copy."""
     try:
-        import torchvision
-    except ImportError:
-        if name == "resnet50":
-            from packer.trainbench import resnet50
-            return resnet50(num_classes)
-        raise SystemExit(f"--model {name} needs torchvision (pip install torchvision, then "
-                         f"scripts/install_pillow_simd.sh again); built in: resnet50, tiny") from None
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        return make_model(name, num_classes)
+    except PackerError as e:
+        hint = ("" if importlib.util.find_spec("torchvision") else
+                "; after installing torchvision, run scripts/install_pillow_simd.sh again")
+        raise SystemExit(f"--model {name}: {e}{hint}") from None
 
 
 # -- distributed set-up ------------------------------------------------------------------------
@@ -298,7 +275,10 @@ def train(args, d: Dist) -> int:
         net = torch.compile(net)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    autocast = (lambda: torch.autocast(d.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
+    # Forward under autocast, loss, backward (scaled for fp16), SGD update, LR schedule step:
+    # the training step packer's benchmarks time, with this script's optimizer and schedule.
+    train_step = TrainStep(net, d.device, optimizer=opt, criterion=criterion, amp=amp_dtype,
+                           scaler=scaler, scheduler=sched)
 
     d.log(f"{args.data}: {len(train_ds)} images, {num_classes} classes | model {args.model}, "
           f"{d.world} process(es) on {d.device.type}"
@@ -324,14 +304,8 @@ def train(args, d: Dist) -> int:
             if ran == skip:
                 _sync(d)
                 t_window = time.perf_counter()
-            with autocast():
-                loss = criterion(net(images), labels)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            loss_sum += loss.detach()
+            loss = train_step(images, labels)
+            loss_sum += loss
             step += 1
             ran += 1
             done_in_epoch += 1
@@ -357,7 +331,7 @@ def train(args, d: Dist) -> int:
             timed_seconds += window
             msg += f", {timed * global_batch / window:.0f} images/s after {skip} start-up steps"
         if val_iter is not None:
-            msg += f", val top-1 {evaluate(net, val_iter, d, autocast):.2%}"
+            msg += f", val top-1 {evaluate(net, val_iter, d, train_step.autocast):.2%}"
         d.log(msg)
         if args.checkpoint:
             state = sampler.state_dict(consumed=done_in_epoch * global_batch)

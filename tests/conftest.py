@@ -23,7 +23,7 @@ from typing import Dict, List, Tuple
 import pytest
 from PIL import Image, features
 
-from packer.demo import _photos, make_image, make_image_folder
+from packer.demo import load_photos, make_image, make_image_folder
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, copied here on purpose (not from packer).
 TV_IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -212,7 +212,7 @@ def make_odd_tree(base: Path, photos, seed: int = 0) -> OddTree:
 
 @pytest.fixture(scope="session")
 def photos():
-    return _photos()
+    return load_photos()
 
 
 @pytest.fixture(scope="session")
@@ -223,7 +223,7 @@ def odd_tree(tmp_path_factory, photos) -> OddTree:
 @pytest.fixture(scope="session")
 def odd_built(odd_tree, tmp_path_factory) -> Path:
     """``odd_tree`` built with default options (read-only: copy before changing it)."""
-    from packer.build import build
+    from packer import build
     dst = tmp_path_factory.mktemp("odd_built") / "dst"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -254,7 +254,7 @@ def run_packer(*args, check=True, **kw) -> subprocess.CompletedProcess:
 
 def quiet_build(src, dst, **kw):
     """``build`` in this process, no progress bar, warnings (empty classes...) silenced."""
-    from packer.build import build
+    from packer import build
     kw.setdefault("progress", False)
     kw.setdefault("workers", 0)
     with warnings.catch_warnings():

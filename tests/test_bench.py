@@ -7,14 +7,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from packer.bench import BenchReport, run_bench
-from packer.benchphases import FolderDataset
-from packer.build import build
+from packer.bench.run import BenchReport, run_bench
+from packer.demo import FolderDataset
+from packer import build
 from packer.cli import main
-from packer.coldread import drop_page_cache
+from packer.bench.coldread import drop_page_cache
 from packer.dataset import PackedDataset
 from packer.demo import make_image_folder
-from packer.trainbench import make_model, resnet50
+from packer.bench.models import make_model, resnet50
 
 QUICK = dict(workers=[0], batch_size=8, repeats=2, seconds_per_variant=0.2, max_images=24,
              progress=False)
@@ -83,7 +83,7 @@ def test_cli_prints_table_and_writes_json(data, tmp_path):
     assert res.exit_code == 0, res.output
     assert "| variant | images/s | spread |" in res.output
     assert "\nVerdict: " in res.output
-    assert "page cache: warm (not dropped: --warm)" in res.output
+    assert "page cache: warm (not dropped)" in res.output
     assert res.output.rstrip().endswith(f"wrote {out}")
     doc = json.loads(out.read_text())
     names = [r["name"] for r in doc["results"]]
@@ -107,14 +107,14 @@ def test_cuda_without_a_gpu_fails_at_once(data):
     _, dst = data
     res = CliRunner().invoke(main, ["bench", str(dst), "--cuda", "-q"])
     assert res.exit_code == 1
-    assert res.output.startswith("Error: --cuda needs a CUDA GPU, but torch ")
-    assert "run without --cuda" in res.output
+    assert res.output.startswith("Error: cuda=True needs a CUDA GPU, but torch ")
+    assert "measure reading, decoding and loading only (cuda=False)" in res.output
 
 
 def test_plot_without_matplotlib_fails_before_measuring(data, tmp_path, monkeypatch):
     _, dst = data
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    monkeypatch.setattr("packer.bench.run_bench", lambda *a, **k: pytest.fail("measured first"))
+    monkeypatch.setattr("packer.bench.run.run_bench", lambda *a, **k: pytest.fail("measured first"))
     res = CliRunner().invoke(main, ["bench", str(dst), "--plot", str(tmp_path / "p.png")])
     assert res.exit_code == 1
     assert "Error: --plot needs matplotlib: pip install 'packer[plot]'" in res.output
@@ -157,7 +157,7 @@ def test_training_harness_on_cpu(data, one_thread):
 
 def test_folder_dataset_matches_packed(data):
     src, dst = data
-    from packer.imaging import DecodeCenterCrop
+    from packer.decode import DecodeCenterCrop
     folder = FolderDataset(src, decode=DecodeCenterCrop(64))
     packed = PackedDataset(dst, decode=DecodeCenterCrop(64))
     assert folder.classes == packed.classes and len(folder) == len(packed)
@@ -176,7 +176,7 @@ def test_builtin_resnet50_is_resnet50_sized():
 def test_unknown_model_fails_before_measuring(data):
     _, dst = data
     from packer.errors import PackerError
-    with pytest.raises(PackerError, match="--model"):
+    with pytest.raises(PackerError, match="no_such_net"):
         run_bench(dst, cuda=True, device="cpu", model="no_such_net", **QUICK)
 
 

@@ -20,10 +20,10 @@ import packer
 from conftest import encode, image_files, imagefolder_rule, quiet_build
 from packer import format as fmt
 from packer import writer as writer_mod
-from packer.build import merge
+from packer import merge
 from packer.errors import FormatError, PackerError
-from packer.imaging import Transcode
-from packer.inspect import ls, verify
+from packer.check import Transcode
+from packer.info import ls, verify
 from packer.reader import ShardReader, read_labels
 from packer.writer import ShardWriter
 
@@ -106,7 +106,7 @@ def test_records_are_plain_msgpack_with_big_endian_keys(odd_built):
 
 
 def test_no_pickle_anywhere_in_the_format():
-    for mod in ("format.py", "reader.py", "writer.py", "build.py", "inspect.py", "dataset.py"):
+    for mod in ("format.py", "reader.py", "writer.py", "builder.py", "merging.py", "info.py", "dataset.py"):
         text = (PACKER_DIR / mod).read_text("utf-8")
         assert not re.search(r"^\s*(import|from)\s+(c?[pP]ickle|dill|cloudpickle)\b", text, re.M), mod
         assert "torch.load" not in text and "marshal" not in text, mod
@@ -175,9 +175,9 @@ def test_build_survives_a_tiny_initial_map(photo_src, tmp_path, monkeypatch):
 
 
 def test_shard_size_bounds_are_checked(photo_src, tmp_path):
-    with pytest.raises(PackerError, match="--shard-size must be between 1 MiB and 64 GiB"):
+    with pytest.raises(PackerError, match="shard_size must be between 1 MiB and 64 GiB"):
         quiet_build(photo_src, tmp_path / "d", shard_size=1000)
-    with pytest.raises(PackerError, match="--workers must be >= 0"):
+    with pytest.raises(PackerError, match="workers must be >= 0"):
         quiet_build(photo_src, tmp_path / "d", workers=-1)
 
 
@@ -212,7 +212,7 @@ def test_finished_dst_needs_overwrite(photo_src, tmp_path):
     quiet_build(photo_src, dst, shard_size=1 << 20)
     (dst / "README.txt").write_text("mine")
     before = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
-    with pytest.raises(PackerError, match=r"already holds a finished dataset; pass --overwrite"):
+    with pytest.raises(PackerError, match=r"already holds a finished dataset; replace it with overwrite=True"):
         quiet_build(photo_src, dst, shard_size=2 << 20)
     assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == before
     m = quiet_build(photo_src, dst, shard_size=2 << 20, overwrite=True).manifest
@@ -316,9 +316,9 @@ def test_transcode_odd_modes_to_sensible_rgb(odd_tree, tmp_path):
 
 
 def test_transcode_options_are_checked():
-    with pytest.raises(PackerError, match="--max-side must be at least 16"):
+    with pytest.raises(PackerError, match="max_side must be at least 16"):
         Transcode(max_side=8)
-    with pytest.raises(PackerError, match="--quality must be in 1..100"):
+    with pytest.raises(PackerError, match="quality must be in 1..100"):
         Transcode(quality=0)
 
 
@@ -361,14 +361,14 @@ def test_merge_refuses_mismatched_or_repeated_parts(photo_src, odd_built, tmp_pa
 def test_bytes_that_change_after_the_check_are_not_stored(tmp_path):
     # The writer re-reads unchanged bytes instead of piping them from the worker; a file that
     # changed in between must not be stored unchecked.
-    from packer.build import _stored
+    from packer.builder import stored_record
     from packer.format import crc32, unpack_record
     f = tmp_path / "a.jpg"
     f.write_bytes(b"checked bytes")
     checked = (crc32(b"checked bytes"), 4, 3, "JPEG", "RGB")
-    rec = unpack_record(_stored(tmp_path, "a.jpg", 7, checked))
+    rec = unpack_record(stored_record(tmp_path, "a.jpg", 7, checked))
     assert rec["image"] == b"checked bytes" and rec["label"] == 7 and rec["width"] == 4
     f.write_bytes(b"replaced meanwhile")
-    assert _stored(tmp_path, "a.jpg", 7, checked) is None
+    assert stored_record(tmp_path, "a.jpg", 7, checked) is None
     f.unlink()
-    assert _stored(tmp_path, "a.jpg", 7, checked) is None
+    assert stored_record(tmp_path, "a.jpg", 7, checked) is None

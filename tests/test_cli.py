@@ -62,15 +62,15 @@ def test_build_errors(photo_src, built, tmp_path):
     res = invoke("build", tmp_path / "nope", tmp_path / "d", code=1)
     assert res.stderr == f"Error: source folder {tmp_path / 'nope'} does not exist or is not a folder\n"
     res = invoke("build", photo_src, dst, "-q", code=1)
-    assert res.stderr == f"Error: {dst} already holds a finished dataset; pass --overwrite to replace it\n"
+    assert res.stderr == f"Error: {dst} already holds a finished dataset; replace it with overwrite=True (--overwrite)\n"
     assert invoke("build", photo_src, tmp_path / "d", "--part", "4/4", code=1).stderr == \
         "Error: --part 4/4: K must be in 0..N-1 (parts are numbered from 0)\n"
-    assert "Error: --shard-size must be between 1 MiB and 64 GiB" in \
+    assert "Error: shard_size must be between 1 MiB and 64 GiB" in \
         invoke("build", photo_src, tmp_path / "d", "--shard-size", "10K", code=1).stderr
     assert "'lots' is not a size (examples: 512M, 1G, 1073741824)" in \
         invoke("build", photo_src, tmp_path / "d", "--shard-size", "lots", code=2).stderr
-    assert "Error: --max-side must be at least 16 pixels, got 8" in \
-        invoke("build", photo_src, tmp_path / "d", "--max-side", "8", code=1).stderr
+    assert "Invalid value for '--max-side': 8 is not in the range x>=16" in \
+        invoke("build", photo_src, tmp_path / "d", "--max-side", "8", code=2).stderr
     invoke("build", photo_src, tmp_path / "d", "--quality", "101", code=2)
     invoke("build", photo_src, tmp_path / "d", "--list", tmp_path / "no-such-list", code=2)
     assert not (tmp_path / "d" / "manifest.json").exists()
@@ -86,7 +86,7 @@ def test_build_overwrite(photo_src, tmp_path):
 
 def test_build_strict(odd_tree, tmp_path):
     res = invoke("build", odd_tree.root, tmp_path / "d", "--strict", "-q", code=1)
-    assert res.stderr.splitlines()[-1].startswith("Error: --strict: with space/bomb.png: decompression bomb")
+    assert res.stderr.splitlines()[-1].startswith("Error: strict: with space/bomb.png: decompression bomb")
     assert res.stderr.rstrip().endswith("no dataset was written (fix or remove the file, then re-run)")
     assert not (tmp_path / "d" / "manifest.json").exists()
     assert invoke("verify", tmp_path / "d", code=1).stderr.startswith("Error: ")

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from conftest import imagefolder_rule
 from packer.dataset import PackedDataset
 from packer.errors import FormatError
-from packer.imaging import DecodeCenterCrop
+from packer.decode import DecodeCenterCrop
 
 
 def good_samples(odd_tree):

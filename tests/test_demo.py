@@ -59,7 +59,7 @@ def test_kept_dir_holds_source_and_dataset_and_can_be_reused(tmp_path, sandbox):
     assert list(shm.iterdir()) == []  # the staged copy is removed even when DIR is kept
     text = res.report()
     assert f"packer info {d / 'packed'}" in text
-    assert f"scripts/train_example.py --data {d / 'packed'}" in text
+    assert f"PackedDataset({str(d / 'packed')!r}" in text
     # An earlier demo's folder is replaced, not refused.
     res2 = run_demo(d, stage_dir=shm, **dict(SMALL, images=12))
     assert len(PackedDataset(d / "packed")) == 12 and res2.images == 12

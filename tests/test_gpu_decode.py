@@ -1,4 +1,4 @@
-"""GPU decoding (packer.gpu_decode).
+"""GPU decoding (packer.gpu).
 
 Everything that needs neither CUDA nor torchvision runs in CI: JPEG header parsing, the
 worker hook and collate, routing to the CPU fallback, crop-box maths, the batched resample
@@ -8,6 +8,7 @@ torchvision or CUDA is missing. Tests marked ``gpu`` run nvJPEG itself on a CUDA
 import ctypes
 import io
 import json
+import dataclasses
 import math
 import os
 import random
@@ -21,16 +22,17 @@ import pytest
 import torch
 from PIL import Image
 
-from packer.build import build
+from packer import build
 from packer.dataset import PackedDataset
 from packer.demo import make_image, make_image_folder
-from packer import gpu_decode
 from packer.errors import PackerError
-from packer.gpu_decode import (EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, JpegInfo,
-                               center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info,
-                               make_gpu_loader, random_resized_crop_boxes, resample_crops)
-from packer.gpu_augment import PaddedBatch, plan_groups
-from packer.imaging import DecodeCenterCrop, DecodeRandomResizedCrop
+from packer.gpu import (EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, GPUOptions, JpegInfo,
+                        NvjpegDecoder, center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info,
+                        make_gpu_loader, random_resized_crop_boxes, resample_crops)
+from packer.gpu import decoder as decoder_module
+from packer.gpu.nvjpeg import torchvision_decode
+from packer.gpu.augment import PaddedBatch, plan_groups
+from packer.decode import DecodeCenterCrop, DecodeRandomResizedCrop
 
 from conftest import encode, small_photo
 
@@ -283,10 +285,17 @@ def test_resample_crops_upscale_and_rectangular(photos):
 
 # -- the GPU stage, with PIL standing in for nvJPEG --------------------------------------------
 
+def make_decoder(loader, **kw):
+    """GPUDecoder with its GPUOptions given as keywords too (the tests vary both)."""
+    names = {f.name for f in dataclasses.fields(GPUOptions)}
+    opts = {k: kw.pop(k) for k in list(kw) if k in names}
+    return GPUDecoder(loader, options=GPUOptions(**opts), **kw)
+
+
 def _cpu_decoder(loader, **kw):
     kw.setdefault("decoder", pil_decoder)
     kw.setdefault("device", "cpu")
-    return GPUDecoder(loader, **kw)
+    return make_decoder(loader, **kw)
 
 
 def _slow_pil(datas, device):
@@ -475,7 +484,7 @@ def test_constructor_errors(mixed, monkeypatch):
         raise OSError("libnvjpeg not found")
     if "torchvision" not in sys.modules:
         monkeypatch.setitem(sys.modules, "torchvision", None)  # import fails even if installed
-        monkeypatch.setattr(gpu_decode, "_load_nvjpeg", no_lib)
+        monkeypatch.setattr(decoder_module, "load_nvjpeg", no_lib)
         with pytest.raises(PackerError, match="pip install torchvision.*DecodeRandomResizedCrop"):
             GPUDecoder(loader)
     with pytest.raises(ValueError, match="backend"):
@@ -483,10 +492,10 @@ def test_constructor_errors(mixed, monkeypatch):
     with pytest.raises(ValueError, match="resample must be"):
         _cpu_decoder(loader, resample="cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(gpu_decode, "triton_available", lambda: True)
+    monkeypatch.setattr(decoder_module, "triton_available", lambda: True)
     with pytest.raises(ValueError, match="resample='triton' runs on a CUDA device"):
         _cpu_decoder(loader, resample="triton")
-    monkeypatch.setattr(gpu_decode, "triton_available", lambda: False)
+    monkeypatch.setattr(decoder_module, "triton_available", lambda: False)
     with pytest.raises(PackerError, match="needs Triton.*pip install triton"):
         _cpu_decoder(loader, resample="triton")
     assert _cpu_decoder(loader).resample == "matmul"  # auto, on the CPU
@@ -512,9 +521,9 @@ def _report(name, value):
 def _backend(name):
     if name == "torchvision":
         pytest.importorskip("torchvision")
-        return gpu_decode._nvjpeg
+        return torchvision_decode
     try:
-        return gpu_decode.NvjpegDecoder(torch.device("cuda"))
+        return NvjpegDecoder(torch.device("cuda"))
     except OSError:
         pytest.skip("libnvjpeg not found")
 
@@ -547,7 +556,7 @@ def test_gpu_decoder_labels_fallbacks_and_eval(mixed, overlap, backend):
     pytest.importorskip("torchvision")
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=2)
     try:
-        dec = GPUDecoder(loader, overlap=overlap, train=False, dtype=torch.uint8, seed=0,
+        dec = make_decoder(loader, overlap=overlap, train=False, dtype=torch.uint8, seed=0,
                          backend=backend)
     except OSError:
         pytest.skip("libnvjpeg not found")
@@ -594,7 +603,7 @@ def test_gpu_overlap_modes_agree(mixed):
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
     out = []
     for overlap in (0, 1, 2):
-        dec = GPUDecoder(loader, overlap=overlap, seed=5, dtype=torch.float32)
+        dec = make_decoder(loader, overlap=overlap, seed=5, dtype=torch.float32)
         out.append(torch.cat([x.cpu() for x, _ in dec]))
     assert torch.allclose(out[0], out[1], atol=1e-3) and torch.allclose(out[0], out[2], atol=1e-3)
     assert math.isfinite(float(out[0].sum()))
@@ -610,7 +619,7 @@ def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend):
     ref = torch.cat([x.cpu() for x, _ in plain])
     loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
     try:
-        dec = GPUDecoder(loader, train=False, dtype=torch.uint8, decode_threads=3, backend=backend)
+        dec = make_decoder(loader, train=False, dtype=torch.uint8, decode_threads=3, backend=backend)
     except OSError:
         pytest.skip("libnvjpeg not found")
     for _ in range(2):  # twice: the threads' handles and streams are reused
@@ -622,21 +631,24 @@ def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend):
     assert dec.stats.gpu == 2 * plain.stats.gpu and dec.stats.retried == 0
 
 
-def test_cuda_device_max_connections_default_and_advice(tmp_path):
-    """Importing packer.gpu_decode raises the hardware queues to 32 unless the user chose;
-    GPUDecoder explains a low value (nvJPEG then waits behind training kernels)."""
+def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):
+    """Importing packer.gpu leaves the environment alone; reserve_cuda_queues() (which
+    make_gpu_loader calls) raises the hardware queues to 32 unless the user chose; a low
+    value gets advice (nvJPEG then waits behind training kernels)."""
     import subprocess
-    code = ("import os, packer.gpu_decode as g; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS']);"
+    code = ("import os, packer.gpu as g; print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'));"
+            "print(g.reserve_cuda_queues()); print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS']);"
             "print(g.connections_advice())")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["32", "None"]
+    assert out == ["None", "True", "32", "None"]
     for value in ("1", "8", "lots"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": value}).stdout.splitlines()
-        assert out[0] == value and f"CUDA_DEVICE_MAX_CONNECTIONS is {value}" in out[1]
-        assert "CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts" in out[1]
+        assert out[:3] == [value, "False", value]  # the user's choice stays
+        assert f"CUDA_DEVICE_MAX_CONNECTIONS is {value}" in out[3]
+        assert "packer.gpu.reserve_cuda_queues()" in out[3]
 
 
 @pytest.mark.gpu

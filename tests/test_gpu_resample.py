@@ -1,4 +1,4 @@
-"""The fused crop + resize kernel (packer.gpu_resample, Triton).
+"""The fused crop + resize kernel (packer.gpu.resample, Triton).
 
 On a CPU machine the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set in a
 subprocess because Triton reads it when the kernel is defined): the same source the GPU
@@ -15,9 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
-from packer.gpu_decode import (GPUDecoder, center_crop_boxes, make_gpu_loader,
-                               random_resized_crop_boxes, resample_crops)
-from packer.gpu_resample import ImageTable
+from packer.gpu import (GPUDecoder, GPUOptions, center_crop_boxes, make_gpu_loader,
+                        random_resized_crop_boxes, resample_crops)
+from packer.gpu.resample import ImageTable
 
 from test_gpu_decode import _photo_images, _rgb_tensor, cuda
 from test_gpu_decode import mixed, mixed_built  # noqa: F401  (fixtures)
@@ -27,15 +27,15 @@ _INTERPRETED = textwrap.dedent("""
     import json, random, sys
     import torch
     from PIL import Image
-    from packer.demo import _photos
-    from packer.gpu_augment import center_crop_boxes, random_resized_crop_boxes, resample_crops
-    from packer.gpu_resample import ImageTable
+    from packer.demo import load_photos
+    from packer.gpu.augment import center_crop_boxes, random_resized_crop_boxes, resample_crops
+    from packer.gpu.resample import ImageTable
 
     def rgb(im):
         px = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
         return px.view(im.height, im.width, 3).permute(2, 0, 1)      # HWC memory, like a CPU decode
 
-    rng, photos = random.Random(7), _photos()
+    rng, photos = random.Random(7), load_photos()
     pil = []
     for w, h in [(96, 72), (64, 80), (50, 50), (120, 40)]:
         base = rng.choice(photos)
@@ -149,7 +149,7 @@ def test_gpu_kernel_matches_pil_and_matmul(photos, train):
 @cuda
 def test_gpu_decode_flat_layout_and_fused_decoder(mixed):
     pytest.importorskip("triton")
-    from packer.nvjpeg import NvjpegDecoder
+    from packer.gpu.nvjpeg import NvjpegDecoder
     try:
         nv = NvjpegDecoder(torch.device("cuda"))
     except OSError:
@@ -165,7 +165,7 @@ def test_gpu_decode_flat_layout_and_fused_decoder(mixed):
     out = {}
     for method in ("triton", "matmul"):
         dec = GPUDecoder(make_gpu_loader(mixed, 8, shuffle=False, num_workers=0), train=False,
-                         dtype=torch.uint8, resample=method, backend="nvjpeg")
+                         dtype=torch.uint8, options=GPUOptions(resample=method, backend="nvjpeg"))
         assert dec.resample == method
         out[method] = torch.cat([x.cpu() for x, _ in dec])
     assert int((out["triton"].int() - out["matmul"].int()).abs().max()) <= 1

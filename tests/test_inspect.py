@@ -11,7 +11,7 @@ import pytest
 from conftest import imagefolder_rule
 from packer.errors import FormatError
 from packer.format import FORMAT_VERSION, file_sha256, read_manifest, write_json_atomic
-from packer.inspect import cat, format_info, info, ls, verify
+from packer.info import cat, format_info, info, ls, verify
 
 
 @pytest.fixture
@@ -145,8 +145,8 @@ def test_ls_and_cat(odd_tree, odd_built):
 def test_verify_decodes_every_record(odd_tree, tmp_path, monkeypatch):
     """Records whose bytes are intact (checksum fine) but do not decode are reported too."""
     import warnings
-    from packer import build as build_mod
-    from packer.imaging import Checked
+    from packer import builder as build_mod
+    from packer.check import Checked
 
     monkeypatch.setattr(build_mod, "check_image",  # a build that validated nothing
                         lambda data, **kw: Checked(data, 1, 1, "JPEG", "RGB"))

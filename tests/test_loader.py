@@ -11,12 +11,12 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler
 
-from packer.build import build
+from packer import build
 from packer.dataset import PackedDataset
 from packer.demo import make_image_folder
-from packer.imaging import DecodeCenterCrop, DecodeRandomResizedCrop
-from packer.loader import (TOTAL_PREFETCH, BackgroundIterator, background, collate_uint8,
-                           default_num_workers, make_loader)
+from packer.decode import DecodeCenterCrop, DecodeRandomResizedCrop
+from packer.loader import TOTAL_PREFETCH, collate_uint8, default_num_workers, make_loader
+from packer.threaded import BackgroundIterator, background
 
 UNIQUE, COPIES, CLASSES = 48, 4, 4
 

@@ -84,7 +84,7 @@ def test_for_sizes_from_the_manifest(tmp_path):
 
 
 def test_for_a_real_dataset(tmp_path):
-    from packer.build import build
+    from packer import build
     from packer.demo import make_image_folder
     src = make_image_folder(tmp_path / "src", images=8, classes=2)
     dst = tmp_path / ODD / "packed"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from packer.loader import make_loader
-from packer.prefetch import CUDAPrefetcher, _tensors
+from packer.prefetch import CUDAPrefetcher, iter_tensors
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -62,10 +62,10 @@ def test_unpinned_batches_work_with_a_warning():
 
 
 def test_packed_dataset_through_make_loader(tmp_path):
-    from packer.build import build
+    from packer import build
     from packer.dataset import PackedDataset
     from packer.demo import make_image_folder
-    from packer.imaging import DecodeCenterCrop
+    from packer.decode import DecodeCenterCrop
 
     make_image_folder(tmp_path / "src", images=24, classes=3)
     build(tmp_path / "src", tmp_path / "packed", workers=0, progress=False)
@@ -93,7 +93,7 @@ class NoWait(CUDAPrefetcher):
     """Broken on purpose: the consumer stream does not wait for the copy."""
 
     def _handoff(self, batch, stream):
-        for t in _tensors(batch):
+        for t in iter_tensors(batch):
             t.record_stream(stream)
 
 

@@ -15,12 +15,12 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import image_files, run_packer
-from packer import build as build_mod
-from packer.build import JOURNAL, build
+from packer import builder as build_mod
+from packer.builder import JOURNAL, build
 from packer.cli import main
 from packer.errors import FormatError, PackerError
 from packer.format import read_manifest
-from packer.inspect import ls, verify
+from packer.info import ls, verify
 from packer.reader import ShardReader
 from packer.writer import ShardWriter
 

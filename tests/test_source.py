@@ -8,7 +8,7 @@ import pytest
 
 from conftest import TV_IMG_EXTENSIONS, imagefolder_rule
 from packer.errors import PackerError
-from packer.source import (IMG_EXTENSIONS, EmptyClassWarning, Source, find_classes, parse_part,
+from packer.source import (IMG_EXTENSIONS, EmptyClassWarning, ImageList, find_classes, parse_part,
                            read_list, scan_folder, select)
 
 
@@ -164,8 +164,8 @@ def test_parse_part_errors(text, match):
         parse_part(text)
 
 
-def make_source(n=23, classes=3) -> Source:
-    return Source(Path("/x"), [str(c) for c in range(classes)],
+def make_source(n=23, classes=3) -> ImageList:
+    return ImageList(Path("/x"), [str(c) for c in range(classes)],
                   [(f"{i % classes}/{i:03d}.jpg", i % classes) for i in range(n)])
 
 

@@ -11,7 +11,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import packer.streaming as streaming
-from packer.build import build
+from packer import build
 from packer.reader import ShardReader
 from packer.sampler import PackedSampler, global_order
 from packer.streaming import PackedIterableDataset
@@ -133,7 +133,7 @@ def test_bad_arguments(packed):
 
 def test_packed_sampler_with_packed_dataset_and_make_loader(packed):
     from packer.dataset import PackedDataset
-    from packer.imaging import DecodeCenterCrop
+    from packer.decode import DecodeCenterCrop
     from packer.loader import make_loader
     ds = PackedDataset(packed, decode=DecodeCenterCrop(16))
     order = global_order(N, seed=4, epoch=1, order="block", block_size=4, window=2).tolist()

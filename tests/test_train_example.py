@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packer.build import build
+from packer import build
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_example.py"
 QUICK = ["--cpu", "--model", "tiny", "--image-size", "64", "--batch-size", "8", "--workers", "1",

@@ -1,0 +1,150 @@
+"""Facts about the machine that several modules need: usable cores, memory, filesystem type,
+free space, full-disk errors, human-readable sizes, and which PIL is imported.
+
+Private to packer (the names are public so modules can share them without crossing a
+private boundary); nothing here changes the process.
+"""
+from __future__ import annotations
+
+import errno
+import math
+import os
+from typing import Dict, Optional, Tuple
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+# -- cores -----------------------------------------------------------------------------------
+
+def usable_cores() -> int:
+    """Cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def cpu_quota() -> Optional[float]:
+    """CPUs allowed by a container's cgroup v2 ``cpu.max`` (None when unlimited or unknown)."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+# -- memory and filesystems -----------------------------------------------------------------
+
+def meminfo() -> Dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    out: Dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def fs_type(path: os.PathLike) -> str:
+    """The type of the filesystem holding ``path`` ("tmpfs", "ext4"...), "" if unknown."""
+    best: Tuple[int, str] = (-1, "")
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = _unescape_mount(fields[1])
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best[0]:
+                    best = (len(mnt), fields[2])
+    except OSError:
+        pass
+    return best[1]
+
+
+def _unescape_mount(text: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 3 < len(text) and text[i + 1:i + 4].isdigit():
+            out.append(chr(int(text[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def free_bytes(path: os.PathLike) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (0 if unknown)."""
+    try:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for a full disk, a quota or a file-size limit, however the error reached us
+    (``OSError`` with an errno, or an ``lmdb.Error`` that only says it in words)."""
+    if getattr(exc, "errno", None) in DISK_FULL_ERRNOS:
+        return True
+    text = str(exc).lower()
+    return "no space left" in text or "quota exceeded" in text or "file too large" in text
+
+
+def human_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: powers of 1024, one decimal (whole bytes below 1 KiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# -- PIL -------------------------------------------------------------------------------------
+
+def pil_info() -> Dict[str, object]:
+    """Which PIL is imported: Pillow-SIMD or stock Pillow, and whether libjpeg-turbo backs it."""
+    from importlib import metadata
+
+    from PIL import Image, features
+    flavour = "unknown"
+    for dist in ("Pillow-SIMD", "pillow-simd", "Pillow", "pillow"):
+        try:
+            metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        flavour = "Pillow-SIMD" if "simd" in dist.lower() else "Pillow"
+        break
+    if flavour == "unknown" and ".post" in Image.__version__:
+        flavour = "Pillow-SIMD"  # pillow-simd versions are X.Y.Z.postN
+    return {
+        "flavour": flavour,
+        "version": Image.__version__,
+        "simd": flavour == "Pillow-SIMD",
+        "libjpeg_turbo": bool(features.check_feature("libjpeg_turbo")),
+        "jpeg_version": features.version("libjpeg_turbo") or features.version("jpg"),
+    }
+
+
+PILLOW_SIMD_HINT = "pip uninstall -y pillow && pip install pillow-simd"
+
+
+def pil_summary() -> str:
+    """One line for manifests, ``--version`` and reports: flavour, version, JPEG library."""
+    i = pil_info()
+    jpeg = f"libjpeg-turbo {i['jpeg_version']}" if i["libjpeg_turbo"] else f"libjpeg {i['jpeg_version']}"
+    hint = "" if i["simd"] else f" (Pillow-SIMD adds SIMD resizes: {PILLOW_SIMD_HINT})"
+    return f"{i['flavour']} {i['version']}, {jpeg}{hint}"

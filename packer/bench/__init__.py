@@ -1,0 +1,10 @@
+"""Benchmark machinery: what ``packer bench`` and ``scripts/bench_*.py`` measure.
+
+    run.py       run_bench / BenchReport: the ``packer bench`` run, its table, JSON and plot
+    phases.py    the read, decode and loader phases; train.py: the training-step phase
+    verdict.py   what bounds the pipeline, in sentences quoting the numbers
+    models.py    the models and the training step every benchmark times
+    coldread.py  cold reads: drop the page cache, throttle a disk (cgroup blkio), count reads
+
+Only benchmarks use this package; the library never imports it.
+"""

@@ -1,0 +1,286 @@
+"""The measuring runs of ``packer bench``: raw reads, one-core decode and the loader, each
+over the packed data and the ImageFolder-style baseline (``FolderDataset``).
+
+``Runner`` holds the phases; ``run_bench`` (``run.py``) drives them, and ``TrainRunner``
+(``train.py``) adds the training-step phase.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+
+from ..check import Transcode, check_image
+from ..dataset import PackedDataset
+from ..decode import DecodeRandomResizedCrop, image_to_tensor
+from ..loader import make_loader
+from ..reader import ShardReader
+from ..demo import FolderDataset
+from .coldread import drop_page_cache, storage
+
+DECODE_SAMPLE = 200      # images held in memory for the one-core decode runs
+
+
+# -- the baselines ----------------------------------------------------------------------------
+
+class DecodeFullRandomResizedCrop(DecodeRandomResizedCrop):
+    """The same crop and flip as ``DecodeRandomResizedCrop``, but decoding every pixel first
+    (what torchvision's RandomResizedCrop after ``Image.open().convert("RGB")`` costs)."""
+
+    def __call__(self, data: bytes):
+        import io
+        from PIL import Image
+        im = Image.open(io.BytesIO(data)).convert("RGB")
+        oh, ow = self.size
+        im = im.resize((ow, oh), Image.BILINEAR, box=self.box(*im.size), reducing_gap=None)
+        if self.flip():
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        return image_to_tensor(im)
+
+
+# -- the sources -----------------------------------------------------------------------------
+
+@dataclass
+class BenchInput:
+    """One thing a bench run reads: the packed dataset, its source folder, or a staged copy."""
+    name: str       # packed / folder / staged
+    root: Path
+    count: int
+    folder: Optional[FolderDataset] = None  # scanned once: a big tree takes seconds to walk
+
+    @property
+    def in_ram(self) -> bool:
+        """RAM filesystems: their pages are the data, there is no cache to drop."""
+        return storage(self.root).endswith("(RAM)")
+
+    def files(self, order: Sequence[int]) -> List[str]:
+        """The files a run over ``order`` reads (what to evict before it)."""
+        if self.folder is not None:
+            return [self.folder.samples[i][0] for i in order]
+        return [str(p) for p in ShardReader(self.root).paths]
+
+    def dataset(self, size: int):
+        decode = DecodeRandomResizedCrop(size)
+        if self.folder is not None:
+            view = copy.copy(self.folder)  # shares the scanned sample list
+            view.decode = decode
+            return view
+        return PackedDataset(self.root, decode=decode)
+
+
+class Runner:
+    """The phases; each appends its results to the report."""
+
+    def __init__(self, report, bar, seconds: float, max_images: Optional[int],
+                 cold_cache: bool):
+        self.report, self.bar, self.seconds, self.max_images = report, bar, seconds, max_images
+        self.cold_cache = cold_cache
+
+    def _begin(self, name: str) -> None:
+        self.bar.set_postfix_str(name)
+
+    def _tick(self) -> None:
+        self.bar.update(1)
+
+    def _evict(self, source: BenchInput, order: Sequence[int]) -> Optional[str]:
+        if not self.cold_cache:
+            return None
+        if source.in_ram:
+            return "RAM filesystem: always in memory"
+        how = drop_page_cache(source.files(order))
+        self.report.environment["cache"] = how
+        return how
+
+    def _add(self, name: str, kind: str, runs: List[dict], **extra) -> dict:
+        vals = [r["images_per_s"] for r in runs if r.get("images_per_s")]
+        if not vals:
+            self.report.notes.append(f"{name}: no complete measurement (too few images for "
+                                     f"a batch after warm-up?)")
+            return {}
+        res = {"name": name, "kind": kind, "images_per_s": statistics.median(vals),
+               "repeats": len(vals), "spread": [min(vals), max(vals)], "values": vals}
+        for k in ("mb_per_s", "data_wait_ms", "host_wait_ms", "wall_images_per_s"):
+            got = [r[k] for r in runs if r.get(k) is not None]
+            if got:
+                res[k] = statistics.median(got)
+        res.update(extra)
+        self.report.results.append(res)
+        return res
+
+    # -- raw read ----------------------------------------------------------------------------
+
+    def read_phase(self, sources: List[BenchInput], orders: Dict[str, List[int]], repeats: int) -> None:
+        runs: Dict[str, List[dict]] = {s.name: [] for s in sources}
+        cache: Dict[str, Optional[str]] = {}
+        if not self.cold_cache:  # warm means warm: one untimed pass fills the page cache
+            for s in sources:
+                self._begin(f"read {s.name} (warm-up)")
+                self._read(s, orders[s.name])
+        for _ in range(repeats):
+            for s in sources:
+                self._begin(f"read {s.name}")
+                cache[s.name] = self._evict(s, orders[s.name])
+                runs[s.name].append(self._read(s, orders[s.name]))
+                self._tick()
+        for s in sources:
+            how = cache[s.name] or "warm"
+            label = "tmpfs" if how.startswith("RAM") else how.split(" (")[0]
+            self._add(f"read {s.name} ({label})", "read", runs[s.name], source=s.name,
+                      cache=how, storage=storage(s.root))
+
+    def _read(self, s: BenchInput, order: List[int]) -> dict:
+        """Records (or files) per second and MB/s, reading whole values in ``order``."""
+        if s.name == "folder":
+            paths = [p for p in s.files(order)]
+
+            def read(k):
+                with open(paths[k], "rb") as f:
+                    return len(f.read())
+            close = None
+        else:
+            reader = ShardReader(s.root)
+
+            def read(k):
+                return len(reader.read(order[k]))
+            close = reader.close
+        try:
+            read(0)  # warm-up: opens the environment / directory, first seek
+            n = nbytes = 0
+            t0 = time.perf_counter()
+            for k in range(1, len(order)):
+                nbytes += read(k)
+                n += 1
+                if n % 8 == 0 and time.perf_counter() - t0 >= self.seconds:
+                    break
+            el = time.perf_counter() - t0
+        finally:
+            if close is not None:
+                close()
+        return {"images_per_s": n / el, "mb_per_s": nbytes / el / 1e6}
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def decode_phase(self, packed: PackedDataset, order: List[int], size: int, cores: int,
+                     repeats: int) -> None:
+        sample = [packed.load(i)["image"] for i in order[:DECODE_SAMPLE]]
+        packed.reader.close()  # no shard stays mapped here: later runs must be able to evict it
+        short = max(16, math.ceil(size * 8 / 7))  # 256 for 224: Resize(256) + crop(224)'s rule
+        small = []
+        for data in sample:
+            try:
+                small.append(check_image(data, transcode=Transcode(short_side=short)).data)
+            except Exception:  # not decodable here: the dataset's verify reports it, not us
+                pass
+        variants = [("decode full-size + crop (1 core)", DecodeFullRandomResizedCrop(size), sample),
+                    ("decode reduced-size + crop (1 core)", DecodeRandomResizedCrop(size), sample),
+                    (f"decode reduced, packed --short-side {short} (1 core)",
+                     DecodeRandomResizedCrop(size), small)]
+        runs: Dict[str, List[dict]] = {v[0]: [] for v in variants}
+        for r in range(repeats):
+            for name, fn, blobs in variants:
+                self._begin(name)
+                random.seed(r)
+                runs[name].append(self._decode(fn, blobs))
+                self._tick()
+        for name, _, blobs in variants:
+            res = self._add(name, "decode", runs[name], cores=cores,
+                            mean_kb=sum(map(len, blobs)) / max(1, len(blobs)) / 1e3)
+            if res:
+                res["ceiling_images_per_s"] = res["images_per_s"] * cores
+
+    def _decode(self, fn: Callable, blobs: List[bytes]) -> dict:
+        """One core's rate: decode ``blobs`` in turn (after 5 untimed) for the time allowed.
+
+        The rate is per CPU-second of this thread (decoding is single-threaded and CPU-bound),
+        so time the scheduler gives to other processes does not count: it is what one core
+        of one's own does. The wall-clock rate is kept as ``wall_images_per_s``."""
+        if not blobs:
+            return {}
+        for data in blobs[:5]:
+            fn(data)
+        n, t0, c0 = 0, time.perf_counter(), time.thread_time()
+        limit = self.max_images or float("inf")
+        while n < limit:
+            fn(blobs[n % len(blobs)])
+            n += 1
+            if n % 8 == 0 and time.perf_counter() - t0 >= self.seconds:
+                break
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+        return {"images_per_s": n / max(cpu, 1e-9), "wall_images_per_s": n / wall}
+
+    # -- loader ------------------------------------------------------------------------------
+
+    def loader_phase(self, sources: List[BenchInput], orders: Dict[str, List[int]],
+                     workers: List[int], batch_size: int, size: int, repeats: int) -> None:
+        runs: Dict[Tuple[str, int], List[dict]] = {(s.name, w): [] for w in workers for s in sources}
+        for r in range(repeats):
+            for w in workers:
+                for s in sources:
+                    self._begin(f"loader {s.name}, {n_workers(w)}")
+                    self._evict(s, orders[s.name])
+                    ds = s.dataset(size)
+                    loader = make_loader(ds, batch_size, sampler=orders[s.name], num_workers=w,
+                                         pin_memory=False, persistent_workers=False, drop_last=True,
+                                         worker_init_fn=SeedWorker(r))
+                    runs[(s.name, w)].append(self._time_loader(loader, w))
+                    del loader, ds
+                    self._tick()
+        for w in workers:
+            for s in sources:
+                self._add(f"loader {s.name}, {n_workers(w)}", "loader",
+                          runs[(s.name, w)], source=s.name, workers=w, storage=storage(s.root))
+
+    def _time_loader(self, loader, w: int) -> dict:
+        """images/s in steady state: the first ``w`` batches (one per worker, which all arrive
+        together after start-up) are warm-up; timing then stops on whole rounds of ``w``."""
+        group = max(1, w)
+        it = iter(loader)
+        try:
+            for _ in range(group):
+                next(it)
+            t0 = time.perf_counter()
+            n = k = n_end = 0
+            t_end = t0
+            limit = self.max_images or float("inf")
+            for x, _ in it:
+                n += len(x)
+                k += 1
+                if k % group == 0:
+                    t_end, n_end = time.perf_counter(), n
+                    if t_end - t0 >= self.seconds or n >= limit:
+                        break
+        except StopIteration:
+            return {}
+        finally:
+            del it
+        if n_end == 0:  # the data ran out before one whole round: use what there is
+            t_end, n_end = time.perf_counter(), n
+        return {"images_per_s": n_end / (t_end - t0)} if n_end else {}
+
+
+class SeedWorker:
+    """Per-worker, per-repeat seed for the random crops (picklable for spawn)."""
+
+    def __init__(self, r: int):
+        self.r = r
+
+    def __call__(self, worker_id: int) -> None:
+        random.seed(self.r * 1009 + worker_id)
+
+
+def n_workers(w: int) -> str:
+    return f"{w} worker" if w == 1 else f"{w} workers"
+
+
+def has_module(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

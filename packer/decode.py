@@ -1,0 +1,130 @@
+"""Train-time decoding: stored bytes to what the model's transforms expect.
+
+The default is exactly torchvision's ImageFolder loader (``Image.open(f).convert("RGB")``),
+so switching to packer changes no pixel. The ``Decode*`` classes fuse decode, crop, resize
+and flip into one PIL pass that ends in a uint8 tensor (JPEG draft decoding skips most of
+the work when the crop is large relative to the output).
+"""
+from __future__ import annotations
+
+import io
+import math
+import random
+from typing import Optional, Tuple
+
+from PIL import Image, ImageOps
+
+
+def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
+               exif_orientation: bool = False) -> Image.Image:
+    """Decode stored bytes to a PIL RGB image, as torchvision's default loader would.
+
+    ``size_hint`` (w, h) allows JPEG draft decoding to the smallest DCT scale whose result is
+    still at least that large: pixels then differ from a full decode, so it is opt-in.
+    """
+    im = Image.open(io.BytesIO(data))
+    if size_hint is not None and im.format == "JPEG":
+        im.draft("RGB", size_hint)
+    if exif_orientation:
+        im = ImageOps.exif_transpose(im)
+    return im.convert("RGB")
+
+
+# -- uint8 decoders: decode + crop + resize + flip in one PIL pass, no float tensors ----------
+
+class CropDecoder:
+    """Base for ``bytes -> uint8 tensor (3, H, W)`` decoders used via ``PackedDataset(decode=)``.
+
+    The tensor is a (3, H, W) view of a contiguous (H, W, 3) buffer: a batch stacked in HWC
+    order is a channels_last NCHW batch with no copy.
+    """
+
+    def __init__(self, size):
+        self.size = (size, size) if isinstance(size, int) else tuple(size)  # (h, w)
+
+    def box(self, w: int, h: int) -> Tuple[float, float, float, float]:
+        raise NotImplementedError
+
+    def __call__(self, data: bytes):
+        im = Image.open(io.BytesIO(data))
+        w, h = im.size
+        x0, y0, x1, y1 = self.box(w, h)
+        oh, ow = self.size
+        if im.format == "JPEG":
+            # Ask for the smallest DCT scale that keeps the crop at least output-sized.
+            s = max(ow / (x1 - x0), oh / (y1 - y0))
+            im.draft("RGB", (max(1, math.ceil(w * s)), max(1, math.ceil(h * s))))
+            sx, sy = im.size[0] / w, im.size[1] / h
+            x0, x1, y0, y1 = x0 * sx, x1 * sx, y0 * sy, y1 * sy
+        im = im.convert("RGB").resize((ow, oh), Image.BILINEAR, box=(x0, y0, x1, y1),
+                                      reducing_gap=None)
+        if self.flip():
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        return image_to_tensor(im)
+
+    def flip(self) -> bool:
+        return False
+
+
+def image_to_tensor(im: Image.Image):
+    import torch
+    w, h = im.size
+    buf = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+    return buf.view(h, w, 3).permute(2, 0, 1)
+
+
+class DecodeRandomResizedCrop(CropDecoder):
+    """torchvision's RandomResizedCrop + RandomHorizontalFlip, fused into the decode.
+
+    Drawing the crop box before decoding lets JPEGs decode at 1/2-1/8 scale when the crop
+    is large relative to the output: most of a training decode's cost, skipped.
+    Random numbers come from ``random``, which DataLoader seeds per worker.
+    """
+
+    def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True):
+        super().__init__(size)
+        if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
+            raise ValueError(f"scale must be within (0, 1] and ratio positive, got {scale}, {ratio}")
+        self.scale, self.ratio, self.random_flip = tuple(scale), tuple(ratio), flip
+
+    def box(self, w, h):
+        area = w * h
+        log_r = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):  # torchvision's rejection sampling, then its fallback
+            target = area * random.uniform(*self.scale)
+            r = math.exp(random.uniform(*log_r))
+            cw, ch = round(math.sqrt(target * r)), round(math.sqrt(target / r))
+            if 0 < cw <= w and 0 < ch <= h:
+                x, y = random.randint(0, w - cw), random.randint(0, h - ch)
+                return x, y, x + cw, y + ch
+        r = w / h
+        if r < self.ratio[0]:
+            cw, ch = w, round(w / self.ratio[0])
+        elif r > self.ratio[1]:
+            cw, ch = round(h * self.ratio[1]), h
+        else:
+            cw, ch = w, h
+        x, y = (w - cw) // 2, (h - ch) // 2
+        return x, y, x + cw, y + ch
+
+    def flip(self):
+        return self.random_flip and random.random() < 0.5
+
+
+class DecodeCenterCrop(CropDecoder):
+    """Evaluation: resize the shorter side to ``size / crop_fraction`` then center-crop ``size``
+    (torchvision's Resize(256) + CenterCrop(224) for the default 0.875), fused into the decode."""
+
+    def __init__(self, size, crop_fraction: float = 0.875):
+        super().__init__(size)
+        if not 0 < crop_fraction <= 1:
+            raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction}")
+        self.crop_fraction = crop_fraction
+
+    def box(self, w, h):
+        oh, ow = self.size
+        # The crop covers crop_fraction of the shorter side (at the output aspect ratio).
+        s = min(w, h) * self.crop_fraction / min(ow, oh)
+        cw, ch = min(w, ow * s), min(h, oh * s)
+        x, y = (w - cw) / 2, (h - ch) / 2
+        return x, y, x + cw, y + ch

@@ -1,0 +1,316 @@
+"""``packer demo``: the whole job on generated data, timed step by step, with a comparison of
+the packed loader and the plain folder loader."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from tqdm.auto import tqdm
+
+from .._system import usable_cores
+from ..builder import build
+from ..dataset import PackedDataset
+from ..decode import DecodeRandomResizedCrop
+from ..errors import PackerError
+from ..info import verify
+from ..loader import default_num_workers, make_loader
+from ..prefetch import CUDAPrefetcher
+from ..sampler import PackedSampler
+from ..staging import stage, unstage
+from .folder import FolderDataset
+from .images import make_image_folder
+
+DEMO_IMAGES = 640   # the least: ~45 MB of JPEGs (10 batches of 64), made in ~12 s on 2 idle cores
+DEMO_BATCHES_PER_WORKER = 4  # enough images for every loader worker to make this many batches
+DEMO_CLASSES = 10
+DEMO_MARKER = ".packer-demo"  # says "packer demo made this folder": a re-run may replace it
+
+
+@dataclass
+class DemoStep:
+    name: str
+    seconds: float
+    detail: str
+
+
+@dataclass
+class DemoResult:
+    """What ``run_demo`` did and measured. ``report()`` is the text ``packer demo`` prints."""
+    dir: Optional[Path]                 # the kept folder (None: a temporary one, removed)
+    images: int
+    classes: int
+    workers: int
+    batch_size: int
+    size: int
+    device: str                         # "cuda:0 (NAME)" or "cpu"
+    steps: List[DemoStep] = field(default_factory=list)
+    folder_images_per_s: float = 0.0
+    packed_images_per_s: float = 0.0
+    staged_to: Optional[Path] = None    # the RAM copy read by the packed loader (removed at the end)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """Packed loader images/s over folder loader images/s."""
+        return self.packed_images_per_s / self.folder_images_per_s if self.folder_images_per_s else float("nan")
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    def report(self) -> str:
+        lines = [f"packer demo: {self.images} images in {self.classes} classes; {self.workers} "
+                 f"loader worker{'' if self.workers == 1 else 's'}, batch {self.batch_size}, "
+                 f"crop {self.size}; {self.device}"]
+        w = max(len(s.name) for s in self.steps) if self.steps else 0
+        lines += [f"  {s.name:<{w}}  {s.seconds:6.1f} s  {s.detail}" for s in self.steps]
+        lines.append(f"  {'total':<{w}}  {self.seconds:6.1f} s")
+        lines.append(f"packed loader {self.packed_images_per_s:,.0f} images/s vs folder loader "
+                     f"{self.folder_images_per_s:,.0f} images/s: {self.ratio:.2f}x (after each "
+                     f"worker's first batch)")
+        lines.append("Both decode the same JPEGs (DecodeRandomResizedCrop) through the same "
+                     "make_loader settings; here every byte is in RAM, so decoding bounds both "
+                     "and about 1x is expected. Packing pays where reading is the limit (cold "
+                     "or network disks, millions of files): measure yours with "
+                     "`packer bench DST --folder SRC` (docs/tuning.md).")
+        lines += [f"Note: {n}" for n in self.notes]
+        if self.dir is None:
+            lines.append("Nothing was kept (temporary folder and staged copy removed). Keep the data "
+                         "with `packer demo DIR`.")
+        else:
+            d = self.dir
+            lines.append(f"Kept in {d}: images/ (the source folder) and packed/ (the dataset); "
+                         f"the staged RAM copy was removed.")
+            lines.append(f"Inspect it: packer info {d / 'packed'}")
+            lines.append(f"Train from it: PackedDataset({str(d / 'packed')!r}, "
+                         f"decode=DecodeRandomResizedCrop(224)) and packer.make_loader")
+        return "\n".join(lines)
+
+
+def demo_images(workers: int, batch_size: int = 64) -> int:
+    """The default image count: ``DEMO_IMAGES``, or more on many cores, so that each loader
+    worker makes several batches (a rate measured over one wave of batches is start-up)."""
+    return max(DEMO_IMAGES, DEMO_BATCHES_PER_WORKER * batch_size * max(1, workers))
+
+
+def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
+             classes: int = DEMO_CLASSES, workers: Optional[int] = None, batch_size: int = 64,
+             size: int = 224, stage_dir: Optional[os.PathLike] = "/dev/shm", rounds: int = 2,
+             seed: int = 0, progress: bool = True,
+             on_step: Optional[Callable[[str], None]] = None) -> DemoResult:
+    """The whole job on generated data, no downloads: make, build, verify, stage, read.
+
+    Makes ``images`` photo-like JPEGs, packs them, verifies every record, stages the dataset
+    to ``stage_dir`` (``/dev/shm`` when it exists; ``None`` skips staging), then reads
+    epochs through the plain folder loader and the packed loader in turn (``PackedDataset``
+    + ``PackedSampler`` + ``make_loader``, + ``CUDAPrefetcher`` for both when a GPU is
+    present) and returns their rates with each step's time. Both loaders decode the same
+    files with the same decoder and DataLoader settings: only the source of the bytes
+    differs.
+
+    Args:
+        images: default ``demo_images(workers, batch_size)``: 640 on a few cores, more on many.
+        dir: keep everything here (``images/``, ``packed/``); it must be new, empty, or an
+            earlier demo's folder. ``None``: a temporary folder, removed at the end.
+        workers: processes for making/building and DataLoader workers [default: usable cores].
+        rounds: epochs per loader, interleaved; the best rate of each is reported.
+        on_step: called with each step's name as it starts (the CLI echoes it).
+
+    The temporary folder and the staged copy are removed however the run ends (error,
+    Ctrl-C). Raises ``PackerError`` for an unusable ``dir`` or a dataset that fails to verify.
+    """
+    make_workers = workers if workers is not None else usable_cores()
+    load_workers = workers if workers is not None else default_num_workers()
+    if images is None:
+        images = demo_images(load_workers, batch_size)
+    if images < classes or classes < 1:
+        raise PackerError(f"the demo needs at least one image per class, got {images} images "
+                          f"for {classes} classes")
+    if batch_size < 1 or size < 16 or rounds < 1:
+        raise PackerError(f"batch size and rounds must be >= 1 and crop size >= 16, got "
+                          f"{batch_size}, {rounds}, {size}")
+    cuda = torch.cuda.is_available()
+    res = DemoResult(dir=Path(dir) if dir is not None else None, images=images, classes=classes,
+                     workers=load_workers, batch_size=batch_size, size=size,
+                     device=f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+                     if cuda else "cpu (no CUDA)")
+    work = _demo_dir(res.dir) if res.dir is not None else Path(tempfile.mkdtemp(prefix="packer-demo-"))
+    steps = _Steps(res, on_step)
+    try:
+        src = _make_build_verify(steps, work, images, classes, seed, make_workers, progress)
+        read_from = work / "packed"
+        if stage_dir is not None and os.path.isdir(stage_dir) and os.access(stage_dir, os.W_OK):
+            read_from = _stage(steps, work / "packed", stage_dir, progress)
+        elif stage_dir is not None:
+            res.notes.append(f"{stage_dir} is missing or not writable: not staged")
+        _compare_loaders(steps, src, read_from, rounds, seed, load_workers, cuda, progress)
+        return res
+    finally:
+        if res.staged_to is not None:
+            try:
+                unstage(res.staged_to)
+            except PackerError:
+                pass
+            shutil.rmtree(res.staged_to, ignore_errors=True)  # ours, whatever is left
+        if res.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+class _Steps:
+    """Announces each step as it starts and records its time and outcome in the result."""
+
+    def __init__(self, res: DemoResult, on_step: Optional[Callable[[str], None]]):
+        self.res, self.on_step = res, on_step
+
+    def start(self, name: str) -> float:
+        if self.on_step is not None:
+            self.on_step(name)
+        return time.perf_counter()
+
+    def done(self, name: str, t0: float, detail: str) -> None:
+        self.res.steps.append(DemoStep(name, time.perf_counter() - t0, detail))
+
+
+def _make_build_verify(steps: _Steps, work: Path, images: int, classes: int, seed: int,
+                       workers: int, progress: bool) -> Path:
+    t = steps.start("make images")
+    with _one_thread_children():
+        src = make_image_folder(work / "images", images=images, classes=classes, seed=seed,
+                                workers=workers, progress=progress)
+    nbytes = sum(p.stat().st_size for p in src.glob("*/*.jpg"))
+    steps.done("make images", t, f"{images} photo-like JPEGs, {nbytes / 1e6:.1f} MB "
+                                 f"({nbytes / images / 1e3:.0f} KB each) in {src}")
+    t = steps.start("build")
+    built = build(src, work / "packed", workers=workers, progress=progress)
+    steps.done("build", t, built.summary())
+    t = steps.start("verify")
+    rep = verify(work / "packed", progress=progress)
+    if not rep.ok:
+        raise PackerError(f"the demo dataset failed to verify: {rep.problems[0]} "
+                          f"({len(rep.problems)} problem(s))")
+    steps.done("verify", t, f"OK: {rep.checked_shards} shard(s), {rep.checked_records} records")
+    return src
+
+
+def _stage(steps: _Steps, packed: Path, stage_dir: os.PathLike, progress: bool) -> Path:
+    """Stage into a new folder under ``stage_dir``; the disk copy if that fails (e.g. RAM)."""
+    t = steps.start("stage")
+    staged = Path(tempfile.mkdtemp(prefix="packer-demo-", dir=stage_dir))
+    steps.res.staged_to = staged  # removed at the end, whatever happens now
+    try:
+        sres = stage(packed, staged, progress=progress)
+    except PackerError as e:  # e.g. too little RAM: the demo goes on from the disk copy
+        steps.res.notes.append(f"not staged: {e}")
+        steps.res.staged_to = None
+        shutil.rmtree(staged, ignore_errors=True)
+        return packed
+    steps.done("stage", t, f"{sres.bytes_total / 1e6:.1f} MB -> {staged} "
+                           f"({sres.fstype or 'unknown filesystem'}, verified)")
+    return staged
+
+
+def _compare_loaders(steps: _Steps, src: Path, read_from: Path, rounds: int, seed: int,
+                     workers: int, cuda: bool, progress: bool) -> None:
+    """Interleaved epochs, best of ``rounds`` per loader: other work on the machine slows
+    one epoch or another, and the least disturbed one is closest to the real rate."""
+    res = steps.res
+    decode = DecodeRandomResizedCrop(res.size)
+    folder = FolderDataset(src, decode=decode)
+    packed = PackedDataset(read_from, decode=decode)
+    sampler = PackedSampler(packed, seed=seed)
+    took = {"folder loader": 0.0, "packed loader": 0.0}
+    best = {"folder loader": 0.0, "packed loader": 0.0}
+    try:
+        for r in range(rounds):
+            for name, ds, smp in (("folder loader", folder, None), ("packed loader", packed, sampler)):
+                t = steps.start(name) if r == 0 else time.perf_counter()
+                if smp is not None:
+                    smp.set_epoch(r)
+                n, sec = _epoch(ds, smp, res.batch_size, workers, cuda, progress,
+                                f"{name} {r + 1}/{rounds}")
+                best[name] = max(best[name], n / sec)
+                took[name] += time.perf_counter() - t
+    finally:
+        packed.reader.close()
+    res.folder_images_per_s = best["folder loader"]
+    res.packed_images_per_s = best["packed loader"]
+    to_gpu = " + CUDAPrefetcher" if cuda else ""
+    where = "staged copy" if read_from == res.staged_to else "shards"
+    runs = f"best of {rounds} epochs" if rounds > 1 else "one epoch"
+    res.steps.append(DemoStep("folder loader", took["folder loader"],
+                              f"{best['folder loader']:,.0f} images/s ({runs}): ImageFolder-"
+                              f"style, a file per image{to_gpu}"))
+    res.steps.append(DemoStep("packed loader", took["packed loader"],
+                              f"{best['packed loader']:,.0f} images/s ({runs}): PackedDataset "
+                              f"({where}) + PackedSampler{to_gpu}"))
+
+
+@contextlib.contextmanager
+def _one_thread_children():
+    """Processes spawned inside start with one OpenMP thread (unless the user chose a number).
+
+    Image makers run torch ops on small arrays; with a thread per core in each of N
+    processes, OpenMP's spinning threads burn about as much CPU as the work itself."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def _demo_dir(d: Path) -> Path:
+    """``d`` ready for a demo: new, empty, or an earlier demo's (whose outputs are replaced)."""
+    if d.exists() and not d.is_dir():
+        raise PackerError(f"{d} is not a folder; give the demo a new or empty folder")
+    if d.is_dir() and any(d.iterdir()):
+        if not (d / DEMO_MARKER).is_file():
+            raise PackerError(f"{d} is not empty and was not made by `packer demo`; give the demo "
+                              f"a new or empty folder (it writes images/ and packed/ there)")
+        for sub in ("images", "packed"):
+            shutil.rmtree(d / sub, ignore_errors=True)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / DEMO_MARKER).write_text("made by `packer demo`; a re-run replaces images/ and packed/\n")
+    return d
+
+
+def _epoch(dataset, sampler, batch_size: int, workers: int, cuda: bool, progress: bool,
+           desc: str) -> Tuple[int, float]:
+    """(images, seconds) of one epoch of ``make_loader`` over ``dataset`` (through
+    ``CUDAPrefetcher`` onto the GPU when there is one), in the steady state.
+
+    The first wave of batches (one per worker) is read but not timed: it pays for starting
+    the workers, which would otherwise dominate a short epoch on a many-core machine. An
+    epoch too short for that is timed whole."""
+    loader = make_loader(dataset, batch_size, sampler=sampler, num_workers=workers,
+                         persistent_workers=False)
+    batches = loader
+    if cuda:
+        batches = CUDAPrefetcher(loader)
+    skip = max(1, workers) if len(loader) > max(1, workers) else 0
+    total = timed = seen = 0
+    t0 = t_start = time.perf_counter()
+    with tqdm(total=len(dataset), unit="img", desc=desc, disable=not progress, leave=False) as bar:
+        for images, _ in batches:
+            seen += 1
+            total += images.shape[0]
+            if seen > skip:
+                timed += images.shape[0]
+            elif seen == skip:
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            bar.update(images.shape[0])
+        if cuda:
+            torch.cuda.synchronize()
+    end = time.perf_counter()
+    return (timed, end - t0) if skip else (total, end - t_start)

@@ -1,0 +1,188 @@
+"""The CPU side of GPU decoding: what DataLoader workers do (see ``packer.gpu``).
+
+JPEG header parsing (:func:`jpeg_info`, :func:`gpu_decodable`), the ``decode=`` hook
+(:class:`EncodedImage`) that hands out :class:`EncodedSample`, and the collate
+(:func:`collate_encoded`) that packs a batch into one flat byte buffer (:class:`EncodedBatch`).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import List, NamedTuple, Optional
+
+import torch
+from torch.utils.data import default_collate, get_worker_info
+
+from ..decode import open_image
+
+__all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",
+           "gpu_decodable", "jpeg_info"]
+
+
+# SOFn marker -> (process, arithmetic coding). 0xC4 (DHT), 0xC8 (JPG), 0xCC (DAC) are not SOFs.
+_SOF = {0xC0: ("baseline", False), 0xC1: ("extended", False), 0xC2: ("progressive", False),
+        0xC3: ("lossless", False), 0xC5: ("hierarchical", False), 0xC6: ("hierarchical", False),
+        0xC7: ("hierarchical", False), 0xC9: ("extended", True), 0xCA: ("progressive", True),
+        0xCB: ("lossless", True), 0xCD: ("hierarchical", True), 0xCE: ("hierarchical", True),
+        0xCF: ("hierarchical", True)}
+_CHROMA = {(1, 1): "4:4:4", (2, 1): "4:2:2", (2, 2): "4:2:0", (1, 2): "4:4:0", (4, 1): "4:1:1",
+           (4, 2): "4:1:0"}
+
+
+class JpegInfo(NamedTuple):
+    """What the frame header (SOFn) says; enough to choose the GPU or the CPU decoder."""
+    width: int
+    height: int
+    components: int            # 1 grey, 3 YCbCr (or RGB), 4 CMYK/YCCK
+    precision: int             # bits per sample (8, or 12 in extended/lossless files)
+    process: str               # baseline | extended | progressive | lossless | hierarchical
+    arithmetic: bool           # arithmetic instead of Huffman entropy coding
+    subsampling: str           # 4:4:4, 4:2:2, 4:2:0, 4:4:0, 4:1:1, 4:1:0, gray or other
+    adobe_transform: Optional[int]  # APP14 "Adobe" colour transform (0: no YCbCr), or None
+
+
+def jpeg_info(data) -> Optional[JpegInfo]:
+    """Parse the markers up to the frame header: a few segments, microseconds in Python.
+
+    Returns None for anything that is not a well-formed JPEG up to its SOF (PNG, WEBP,
+    truncated headers): the caller then lets PIL decide what the bytes are.
+    """
+    n = len(data)
+    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return None
+    i, adobe = 2, None
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        m = data[i + 1]
+        if m == 0xFF:  # fill byte
+            i += 1
+            continue
+        if m == 0x01 or 0xD0 <= m <= 0xD7:  # standalone markers
+            i += 2
+            continue
+        if m in (0xD8, 0xD9, 0xDA):  # SOI again, EOI or scan data before any frame header
+            return None
+        length = (data[i + 2] << 8) | data[i + 3]
+        if length < 2 or i + 2 + length > n:
+            return None
+        seg = data[i + 4:i + 2 + length]
+        if m == 0xEE and len(seg) >= 12 and bytes(seg[:5]) == b"Adobe":
+            adobe = seg[11]
+        elif m in _SOF:
+            if len(seg) < 6 or len(seg) < 6 + 3 * seg[5]:
+                return None
+            nf = seg[5]
+            factors = [(seg[7 + 3 * k] >> 4, seg[7 + 3 * k] & 15) for k in range(nf)]
+            process, arithmetic = _SOF[m]
+            return JpegInfo((seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2], nf, seg[0],
+                            process, arithmetic, _subsampling(factors), adobe)
+        i += 2 + length
+    return None
+
+
+def _subsampling(factors) -> str:
+    if len(factors) == 1:
+        return "gray"
+    if len(factors) == 3 and factors[1] == factors[2] == (1, 1):
+        return _CHROMA.get(factors[0], "other")
+    return "other"
+
+
+def gpu_decodable(info: Optional[JpegInfo]) -> bool:
+    """True for what nvJPEG's batched path takes well: 8-bit baseline Huffman JPEGs, grey
+    or YCbCr in a common subsampling. Everything else is decoded on the CPU, in workers:
+
+    - progressive: nvJPEG decodes it, but torchvision does so one image at a time with the
+      Huffman decoding on the decode thread's CPU, stalling the whole batch;
+    - CMYK/YCCK and Adobe RGB-coded files: PIL's ``convert("RGB")`` is the reference colour;
+    - 12-bit, arithmetic, lossless, hierarchical, 4:1:1/4:1:0 (not on the hardware
+      engine) and odd subsamplings: not supported, or slow.
+    """
+    return (info is not None and info.process == "baseline" and not info.arithmetic
+            and info.precision == 8 and info.width > 0 and info.height > 0
+            and (info.components == 1 or (info.components == 3 and info.adobe_transform != 0))
+            and info.subsampling in ("4:4:4", "4:2:2", "4:2:0", "4:4:0", "gray"))
+
+
+# -- worker side: the decode= hook and the collate -----------------------------------------
+
+class EncodedSample(NamedTuple):
+    """One image as it leaves a worker: JPEG bytes for the GPU, or, when ``decoded``, the
+    RGB pixels (``height x width x 3`` uint8, row-major) that the CPU decoded instead."""
+    data: bytes
+    height: int
+    width: int
+    decoded: bool
+
+
+class EncodedImage:
+    """``PackedDataset(root, decode=EncodedImage())``: no decoding for JPEGs nvJPEG takes.
+
+    The hook sees only the stored bytes, so it reads the JPEG frame header itself (cheaper
+    than passing records around, and right whatever wrote the file). Files that
+    :func:`gpu_decodable` refuses (PNG, CMYK, progressive...) are decoded here, in the
+    worker, exactly as ImageFolder does (``Image.open(f).convert("RGB")``), and travel as
+    pixels: the GPU stage then crops and resizes them like the others. EXIF orientation is
+    ignored on both paths, as in ImageFolder.
+    """
+
+    def __call__(self, data: bytes) -> EncodedSample:
+        info = jpeg_info(data)
+        if gpu_decodable(info):
+            return EncodedSample(bytes(data), info.height, info.width, False)
+        im = open_image(data)
+        return EncodedSample(im.tobytes(), im.height, im.width, True)
+
+    def __repr__(self) -> str:
+        return "EncodedImage()"
+
+
+class EncodedBatch(NamedTuple):
+    """A collated batch: every image's bytes back to back in ``data`` (one tensor, so one
+    shared-memory block crosses from the worker instead of one per image)."""
+    data: torch.Tensor     # uint8 (total,): JPEG bytes, or HWC RGB pixels where ``decoded``
+    offsets: torch.Tensor  # int64 (B + 1,): image i is data[offsets[i]:offsets[i + 1]]
+    sizes: torch.Tensor    # int64 (B, 2): (height, width)
+    decoded: torch.Tensor  # bool (B,)
+    labels: torch.Tensor   # (B,) as default_collate makes them
+
+    def images(self) -> List[torch.Tensor]:
+        """Per-image views: 1-D JPEG bytes, or (H, W, 3) pixels where ``decoded``."""
+        views = list(torch.split(self.data, torch.diff(self.offsets).tolist()))
+        if bool(self.decoded.any()):
+            for i in self.decoded.nonzero().flatten().tolist():
+                h, w = self.sizes[i].tolist()
+                views[i] = views[i].view(h, w, 3)
+        return views
+
+
+def collate_encoded(batch) -> EncodedBatch:
+    """Collate ``(EncodedSample, label)`` pairs into an :class:`EncodedBatch`.
+
+    In a worker the byte buffer is allocated in shared memory directly (as default_collate
+    does for tensors), so the batch reaches the main process without another copy.
+    """
+    if not batch:
+        raise ValueError("collate_encoded got an empty batch")
+    samples, targets = zip(*batch)
+    if not isinstance(samples[0], EncodedSample):
+        raise TypeError(f"collate_encoded needs samples from PackedDataset(root, decode="
+                        f"EncodedImage()) (use make_gpu_loader), got {type(samples[0]).__name__}")
+    offsets = [0]
+    for s in samples:
+        offsets.append(offsets[-1] + len(s.data))
+    data = _empty_u8(offsets[-1])
+    base = data.data_ptr()
+    for s, o in zip(samples, offsets):
+        ctypes.memmove(base + o, s.data, len(s.data))
+    return EncodedBatch(data, torch.tensor(offsets, dtype=torch.int64),
+                        torch.tensor([(s.height, s.width) for s in samples], dtype=torch.int64),
+                        torch.tensor([s.decoded for s in samples], dtype=torch.bool),
+                        default_collate(list(targets)))
+
+
+def _empty_u8(n: int) -> torch.Tensor:
+    if get_worker_info() is not None and n > 0:
+        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n), 0, (n,))
+    return torch.empty(n, dtype=torch.uint8)
+

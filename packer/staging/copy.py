@@ -1,0 +1,110 @@
+"""Copying one dataset file for ``stage``: whole, to a temporary name, hashing on the way;
+then checked and renamed into place. A full disk becomes a PackerError saying how to resume.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from .._system import DISK_FULL_ERRNOS, human_size
+from ..errors import FormatError, PackerError
+from ..format import HASH_CHUNK, file_sha256
+
+TMP_SUFFIX = ".staging"
+
+
+@dataclass
+class StagedFile:
+    """One file of the dataset to stage: its flat name in TARGET and where it is now."""
+    name: str
+    src: Path
+    bytes: int
+    sha256: Optional[str]
+    kind: str                 # "shard", "labels" or "offsets"
+
+
+def tmpfs_advice(need: Optional[int] = None) -> str:
+    """How to make a RAM filesystem big enough (``need`` bytes, if known)."""
+    size = f"{max(1, math.ceil(need * 1.05 / 2**30))}G" if need else "SIZE"
+    return f"sudo mount -t tmpfs -o size={size} tmpfs MOUNTPOINT"
+
+
+def copy_file(f: StagedFile, target: Path, progress) -> Path:
+    """Copy ``f`` whole to a temporary name in TARGET, hashing on the way; returns that name.
+
+    Reading, hashing and writing overlap (hashlib and file I/O release the GIL): chunk i is
+    hashed in a second thread while it is written and chunk i+1 is read.
+    """
+    tmp = target / ("." + f.name + TMP_SUFFIX)
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with disk_full(target / f.name), ThreadPoolExecutor(1) as hasher, \
+                open(f.src, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as out:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            pending: List[Future] = []
+            while True:
+                chunk = src.read(HASH_CHUNK)  # a new buffer each time: the hasher may hold the last
+                if not chunk:
+                    break
+                pending.append(hasher.submit(h.update, chunk))  # one worker: in order
+                view, written = memoryview(chunk), 0
+                while written < len(chunk):
+                    written += out.write(view[written:])
+                size += len(chunk)
+                progress(len(chunk))
+                if len(pending) > 2:  # bound the memory held by chunks waiting to be hashed
+                    pending.pop(0).result()
+            for fut in pending:
+                fut.result()
+            out.flush()
+            os.fsync(out.fileno())
+        if size != f.bytes or (f.sha256 is not None and h.hexdigest() != f.sha256):
+            raise FormatError(f"{f.src} does not match its manifest entry (size {size} for "
+                              f"{f.bytes}, or a checksum mismatch): the source dataset is damaged; "
+                              f"run `packer verify` on it, and rebuild it")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def check_and_rename(f: StagedFile, tmp: Path, target: Path, progress) -> None:
+    """Re-read the copy (when ``progress`` is given: verify=True) and rename it into place."""
+    try:
+        if tmp.stat().st_size != f.bytes:
+            raise PackerError(f"the copy of {f.src} in {target} has the wrong size; re-run the "
+                              f"same command")
+        if progress is not None and f.sha256 is not None and file_sha256(tmp, progress) != f.sha256:
+            raise PackerError(f"the copy of {f.src} in {target} reads back differently from what "
+                              f"was written (failing memory or storage?); re-run the same command")
+        os.replace(tmp, target / f.name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class disk_full:
+    """ENOSPC while staging -> a PackerError that says a re-run resumes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            free = shutil.disk_usage(self.path.parent).free
+            raise PackerError(
+                f"{self.path.parent} filled up while staging {self.path.name} ({human_size(free)} "
+                f"free); files already copied are kept. Make room (a bigger tmpfs: "
+                f"{tmpfs_advice()}) and re-run the same command to resume") from exc
+        return False

@@ -1,0 +1,397 @@
+"""Staging: copy a finished dataset to fast storage (a tmpfs, ``/dev/shm``) and undo it.
+
+The copy is crash safe by the same rule as the build: each file is copied whole under a
+temporary name (``.NAME.staging``), hashed while it is copied and verified against the
+manifest, then renamed into place; the manifest — the one file readers require — goes
+last. TARGET is therefore either a complete dataset or one that nothing accepts as
+complete, and re-running the same command checks what is there (size and checksum) and
+recopies only what differs or is missing.
+
+Shard paths in a manifest may point outside the dataset folder (``packer merge`` refers to
+its parts' files); staging copies every referenced file into TARGET under a flat name and
+writes a manifest with rewritten paths, so TARGET is self-contained and
+``PackedDataset(TARGET)`` works with no other change.
+"""
+from __future__ import annotations
+
+import copy
+import fcntl
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from tqdm.auto import tqdm
+
+from .. import __version__
+from .._system import fs_type, human_size, meminfo
+from ..errors import FormatError, PackerError
+from ..format import (LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, fsync_dir, read_manifest,
+                      write_json_atomic)
+from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
+from .results import RAM_FS, StageResult, UnstageResult
+
+STAGE_MARKER = ".packer-stage.json"   # written first, kept: says "packer staged this folder"
+STAGE_LOCK = ".packer-stage.lock"     # flock'ed while staging, so concurrent stagers take turns
+
+
+def space_margin(need: int) -> int:
+    """Headroom kept free on TARGET beyond the bytes to copy: 1% + 1 MiB."""
+    return need // 100 + (1 << 20)
+
+
+def ram_margin(mem_total: int) -> int:
+    """RAM left for everything else when staging into a RAM filesystem: 5%, at least 256 MiB."""
+    return max(256 << 20, mem_total // 20)
+
+
+# -- stage -----------------------------------------------------------------------------------
+
+def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
+          verify: bool = True) -> StageResult:
+    """Copy the dataset ``src`` (shards, tables, manifest) into ``target`` and verify it.
+
+    Args:
+        src: a finished dataset (built or merged).
+        target: where to put the copy, typically ``/dev/shm/NAME`` or a tmpfs mount; created
+            if missing. It may hold other files, but not a dataset that was not staged.
+        progress: show a bytes progress bar (tqdm).
+        verify: hash files already in ``target`` before keeping them, and re-read each copied
+            file from ``target`` to check it against the manifest. With ``verify=False``
+            files already there are checked by size only, and copies are checked by the hash
+            computed while copying (which still catches a source that changed or rotted).
+
+    Returns a ``StageResult``; ``print(result.message())`` tells the user where the data is.
+    Raises ``PackerError`` for an incomplete source, a target that is not safe to write, or
+    not enough free space (checked before anything is written).
+    """
+    t0 = time.perf_counter()
+    src, target = Path(src), Path(target)
+    man = read_manifest(src)
+    plan = staging_plan(src, man)
+    if target.exists() and not target.is_dir():
+        raise PackerError(f"{target} exists and is not a folder; pick a folder to stage into")
+    _refuse_unsafe_target(src, target, plan)
+    created = not target.exists()
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        with _lock(target):
+            return _stage_locked(src, target, man, plan, progress, verify, t0)
+    except BaseException:
+        if not (target / STAGE_MARKER).exists():  # refused before writing anything: tidy up
+            (target / STAGE_LOCK).unlink(missing_ok=True)
+            if created:
+                try:
+                    target.rmdir()
+                except OSError:
+                    pass
+        raise
+
+
+def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], progress: bool,
+                  verify: bool, t0: float) -> StageResult:
+    _refuse_unsafe_target(src, target, plan)  # again, under the lock
+    result = StageResult(source=src, target=target, fstype=fs_type(target),
+                         swap=meminfo().get("SwapTotal", 0) > 0)
+    staged_manifest = _staged_manifest(src, man, plan)
+    previous = _previous_names(target)
+    wanted = {f.name for f in plan} | {MANIFEST}
+
+    # What is already there and right, what must be (re)copied, what must go.
+    stale = sorted(n for n in previous - wanted if (target / n).exists())
+    temps = sorted(p.name for p in target.glob("." + "*" + TMP_SUFFIX))
+    todo: List[StagedFile] = []
+    doomed: List[str] = []
+    sizes = {f.name: _size(target / f.name) for f in plan}
+    to_hash = [f for f in plan if sizes[f.name] == f.bytes and verify and f.sha256 is not None]
+    check_bar = _bar(progress, sum(f.bytes for f in to_hash), f"checking {target.name or target}")
+    try:  # hashing releases the GIL: check several files at once
+        with ThreadPoolExecutor(_threads(len(to_hash))) as pool:
+            digests = dict(zip((f.name for f in to_hash),
+                               pool.map(lambda f: file_sha256(target / f.name, check_bar.update), to_hash)))
+    finally:
+        check_bar.close()
+    for f in plan:
+        if sizes[f.name] is None:
+            todo.append(f)
+        elif sizes[f.name] == f.bytes and digests.get(f.name, f.sha256) == f.sha256:
+            result.kept.append(f.name)
+        else:
+            todo.append(f)
+            doomed.append(f.name)
+    manifest_ok = not todo and not stale and _same_manifest(target, staged_manifest)
+    result.bytes_total = sum(f.bytes for f in plan)
+    if manifest_ok and not temps:
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    need = sum(f.bytes for f in todo) + _json_size(staged_manifest)
+    freeable = sum(_size(target / n) or 0 for n in doomed + stale + temps)
+    check_space(target, need, freeable, result.fstype)
+
+    # From here on TARGET changes: first make sure nothing accepts it as complete.
+    _write_marker(target, src, sorted(wanted | previous))
+    if (target / MANIFEST).exists():
+        (target / MANIFEST).unlink()
+        fsync_dir(target)
+    for name in temps + doomed + stale:
+        (target / name).unlink(missing_ok=True)
+    result.removed = sorted(set(doomed + stale))
+
+    bar = _bar(progress, sum(f.bytes for f in todo) * (2 if verify else 1),
+               f"staging to {target.name or target}")
+    # Copy file k+1 while a second thread re-reads and checks file k. If a copy fails (or
+    # Ctrl-C), the checks already queued still finish, so a re-run keeps those files.
+    checks: List[Tuple[StagedFile, Future]] = []
+    try:
+        with ThreadPoolExecutor(1) as checker:
+            for f in todo:
+                tmp = copy_file(f, target, bar.update)
+                checks.append((f, checker.submit(check_and_rename, f, tmp, target,
+                                                 bar.update if verify else None)))
+            for f, fut in checks:
+                fut.result()
+                result.copied.append(f.name)
+                result.bytes_copied += f.bytes
+    except BaseException:
+        for p in target.glob("." + "*" + TMP_SUFFIX):
+            p.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    fsync_dir(target)
+    with disk_full(target / MANIFEST):
+        write_json_atomic(target / MANIFEST, staged_manifest)
+    _write_marker(target, src, sorted(wanted))
+    result.wrote_manifest = True
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def staging_plan(src: Path, man: dict) -> List[StagedFile]:
+    """Every file the dataset needs, with the flat name it gets in TARGET."""
+    shards = man.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise FormatError(f"{src / MANIFEST} lists no shards; rebuild the dataset")
+    bases = [os.path.basename(str(s["path"]).replace("\\", "/")) for s in shards]
+    reserved = {MANIFEST, LABELS, OFFSETS, STAGE_MARKER, STAGE_LOCK}
+    flat = (len(set(bases)) == len(bases) and
+            all(b and not b.startswith(".") and b not in reserved for b in bases))
+    width = max(5, len(str(len(shards) - 1)))
+    files = []
+    for i, (s, base) in enumerate(zip(shards, bases)):
+        name = base if flat else f"shard-{i:0{width}d}.lmdb"
+        files.append(StagedFile(name, src / s["path"], int(s["bytes"]), s.get("sha256"), "shard"))
+    for kind, name in TABLES:
+        if kind not in man and kind != "labels":
+            continue  # offsets are optional (datasets built off Linux have none)
+        entry = man.get(kind) or {}
+        path = src / entry.get("path", name)
+        size = entry.get("bytes")
+        files.append(StagedFile(name, path, int(size if size is not None else (_size(path) or 0)),
+                           entry.get("sha256"), kind))
+    for f in files:
+        if not f.src.is_file():
+            raise FormatError(f"{f.src}, listed in {src / MANIFEST}, is missing; "
+                              f"{'keep the parts of a merged dataset where they are, or ' if f.kind == 'shard' else ''}"
+                              f"rebuild the dataset")
+    return files
+
+
+def _staged_manifest(src: Path, man: dict, plan: List[StagedFile]) -> dict:
+    out = copy.deepcopy(man)
+    names = iter(f.name for f in plan if f.kind == "shard")
+    out["shards"] = [dict(s, path=next(names)) for s in man["shards"]]
+    for kind, name in TABLES:
+        if kind in man or kind == "labels":
+            out[kind] = dict(man.get(kind) or {}, path=name)
+    out["staged"] = {"from": str(src.resolve()), "packer_version": __version__}
+    return out
+
+
+def _refuse_unsafe_target(src: Path, target: Path, plan: List[StagedFile]) -> None:
+    if not target.exists():
+        return
+    if target.resolve() == src.resolve():
+        raise PackerError(f"TARGET {target} is the dataset itself; stage to another folder "
+                          f"(e.g. /dev/shm/{src.resolve().name})")
+    for f in plan:
+        there = target / f.name
+        if there.exists() and os.path.samefile(there, f.src):
+            raise PackerError(f"staging to {target} would overwrite the source file {f.src}; "
+                              f"pick an empty folder")
+    if (target / ".packer-build.json").exists():
+        raise PackerError(f"{target} holds an unfinished `packer build`; pick another folder")
+    if (target / MANIFEST).exists():
+        try:
+            existing = read_manifest(target)
+        except PackerError:
+            existing = None
+        if existing is not None and "staged" not in existing:
+            raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
+                              f"output?); staging would overwrite it. Pick an empty folder")
+        if existing is None and not (target / STAGE_MARKER).exists():
+            raise PackerError(f"{target} holds a {MANIFEST} that is not a staged packer dataset; "
+                              f"pick an empty folder")
+
+
+def _previous_names(target: Path) -> set:
+    """Names a previous staging run put in TARGET (from its marker and manifest)."""
+    names = set()
+    marker = _read_json(target / STAGE_MARKER)
+    if isinstance(marker, dict):
+        names.update(n for n in marker.get("files", []) if _plain_name(n))
+    try:
+        man = read_manifest(target)
+    except PackerError:
+        man = None
+    if man is not None and "staged" in man:
+        names.update(s["path"] for s in man.get("shards", []) if _plain_name(s.get("path")))
+        for kind, _ in TABLES:
+            name = (man.get(kind) or {}).get("path")
+            if _plain_name(name):
+                names.add(name)
+    names.discard(STAGE_MARKER)
+    names.discard(STAGE_LOCK)
+    return names
+
+
+def check_space(target: Path, need: int, freeable: int, fstype: str) -> None:
+    usage = shutil.disk_usage(target)
+    free = usage.free + freeable
+    margin = space_margin(need)
+    if need + margin > free:
+        raise PackerError(
+            f"{target} has {human_size(free)} free, the dataset needs {human_size(need)} "
+            f"(+{human_size(margin)} margin); free some space or mount a bigger tmpfs: "
+            f"{tmpfs_advice(need + margin)}")
+    if fstype in RAM_FS:
+        info = meminfo()
+        if "MemAvailable" in info:
+            avail = info["MemAvailable"]
+            keep = ram_margin(info.get("MemTotal", 0))
+            if need - freeable + keep > avail:  # files replaced in a tmpfs free their RAM
+                raise PackerError(
+                    f"{target} is in RAM ({fstype}) and the dataset needs {human_size(need)}, but "
+                    f"only {human_size(avail)} of RAM is available (keeping {human_size(keep)} for "
+                    f"everything else); staging would push the machine into swap or the OOM "
+                    f"killer. Free memory, or train from the disk copy")
+
+
+# -- unstage ---------------------------------------------------------------------------------
+
+def unstage(target: os.PathLike) -> UnstageResult:
+    """Remove what ``stage`` put in ``target`` (then the folder, if that leaves it empty).
+
+    Refuses a folder that is not a staged packer dataset: a build output, or anything else,
+    is never deleted by this function.
+    """
+    target = Path(target)
+    if not target.is_dir():
+        raise PackerError(f"{target} is not a folder; nothing to unstage")
+    marker = target / STAGE_MARKER
+    staged_manifest = False
+    if (target / MANIFEST).exists():
+        try:
+            staged_manifest = "staged" in read_manifest(target)
+        except PackerError:
+            staged_manifest = False
+        else:
+            if not staged_manifest:
+                raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
+                                  f"output?); unstage removes staged copies only")
+    if not marker.exists() and not staged_manifest:
+        raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER} and no "
+                          f"staged {MANIFEST}); refusing to delete anything there")
+    with _lock(target):
+        names = _previous_names(target)
+        removed, freed = [], 0
+        # The manifest goes first, so a half-removed dataset is never taken for a whole one.
+        ordered = [MANIFEST] if staged_manifest or MANIFEST in names else []
+        ordered += sorted(names - {MANIFEST})
+        ordered += sorted(p.name for p in target.glob("." + "*" + TMP_SUFFIX))
+        ordered += [MANIFEST + ".tmp", STAGE_MARKER + ".tmp", STAGE_MARKER]
+        for name in ordered:
+            p = target / name
+            if p.is_file():
+                freed += p.stat().st_size
+                p.unlink()
+                removed.append(name)
+        (target / STAGE_LOCK).unlink(missing_ok=True)
+    removed_dir = False
+    try:
+        target.rmdir()
+        removed_dir = True
+    except OSError:
+        pass
+    return UnstageResult(target=target, removed=removed, bytes_freed=freed, removed_dir=removed_dir)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+class _lock:
+    """An exclusive flock on TARGET/.packer-stage.lock: concurrent stagers take turns."""
+
+    def __init__(self, target: Path):
+        self.path = target / STAGE_LOCK
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        return False
+
+
+def _write_marker(target: Path, src: Path, files: List[str]) -> None:
+    with disk_full(target / STAGE_MARKER):
+        write_json_atomic(target / STAGE_MARKER, {
+            "what": "packer staged dataset; `packer unstage` removes the files listed here",
+            "from": str(src.resolve()), "files": files, "packer_version": __version__})
+
+
+def _same_manifest(target: Path, staged: dict) -> bool:
+    try:
+        return read_manifest(target) == staged
+    except PackerError:
+        return False
+
+
+def _read_json(path: Path):
+    import json
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _json_size(obj) -> int:
+    import json
+    return len(json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")) + 1
+
+
+def _plain_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name)
+
+
+def _size(path: Path) -> Optional[int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size if path.is_file() else None
+
+
+def _threads(jobs: int) -> int:
+    return max(1, min(jobs, 8, os.cpu_count() or 1))
+
+
+def _bar(progress: bool, total: int, desc: str):
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=not progress or total == 0, dynamic_ncols=True, leave=False)

@@ -1,0 +1,225 @@
+"""packer/format.py: records, keys, checksums, versions, the manifest and atomic JSON writes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import warnings
+import zlib
+
+import msgpack
+import pytest
+
+import packer
+from packer.demo import load_photos, make_image, make_image_folder
+from packer.errors import FormatError, PackerError
+from packer.format import (FORMAT_NAME, FORMAT_VERSION, HASH_CHUNK, MANIFEST, RECORD_FIELDS,
+                           check_version, crc32, file_sha256, key, pack_record, read_manifest,
+                           unpack_record, write_json_atomic)
+from packer.writer import ShardWriter
+
+
+@pytest.fixture(scope="module")
+def jpeg() -> bytes:
+    return make_image(random.Random(3), load_photos())
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A real (small) dataset; read-only."""
+    base = tmp_path_factory.mktemp("format")
+    src = make_image_folder(base / "src", images=6, classes=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packer.build(src, base / "dst", progress=False, workers=0)
+    return base / "dst"
+
+
+def real_manifest(built) -> dict:
+    return json.loads((built / MANIFEST).read_text("utf-8"))
+
+
+# -- records -----------------------------------------------------------------------------------
+
+def test_pack_unpack_round_trip(jpeg):
+    data = pack_record(jpeg, label=7, path="class_01/café ü.jpg", width=500, height=375,
+                       format="JPEG", mode="RGB")
+    rec = unpack_record(data)
+    assert set(rec) == set(RECORD_FIELDS)
+    assert rec["image"] == jpeg and isinstance(rec["image"], bytes)
+    assert rec["label"] == 7 and rec["path"] == "class_01/café ü.jpg"
+    assert (rec["width"], rec["height"], rec["format"], rec["mode"]) == (500, 375, "JPEG", "RGB")
+    assert rec["crc32"] == zlib.crc32(jpeg) & 0xFFFFFFFF
+    # Plain msgpack, readable with no packer code: bin for the image, str for the path.
+    raw = msgpack.unpackb(data, raw=True)
+    assert raw[b"image"] == jpeg and raw[b"path"] == "class_01/café ü.jpg".encode()
+
+
+def test_pack_record_stores_plain_ints(jpeg):
+    class Int(int):  # e.g. a numpy or torch integer: must not reach msgpack as a custom type
+        pass
+    rec = unpack_record(pack_record(jpeg, label=Int(2), path="a", width=Int(3), height=Int(4),
+                                    format="JPEG", mode="L"))
+    assert (rec["label"], rec["width"], rec["height"]) == (2, 3, 4)
+    assert type(rec["label"]) is int
+
+
+def test_unpack_record_refuses_non_records(jpeg):
+    for obj in ([jpeg, 1], "image", 3, {"label": 1, "path": "a"}, None):
+        with pytest.raises(FormatError, match="not a packer record"):
+            unpack_record(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_unpack_record_refuses_non_string_map_keys():
+    with pytest.raises(ValueError, match="not allowed for map key"):
+        unpack_record(msgpack.packb({1: b"x", "image": b"y"}))
+
+
+@pytest.mark.xfail(strict=True, reason="unpack_record returns msgpack.ExtType values instead of "
+                                       "refusing them (format.py's comment says they are refused)")
+def test_unpack_record_refuses_ext_types():
+    data = msgpack.packb({"image": msgpack.ExtType(42, b"payload"), "label": 0}, use_bin_type=True)
+    with pytest.raises((FormatError, ValueError)):
+        unpack_record(data)
+
+
+def test_keys_sort_like_their_numbers():
+    assert key(0) == bytes(8) and key(1) == bytes(7) + b"\x01" and key(256) == bytes(6) + b"\x01\x00"
+    numbers = [0, 1, 2, 255, 256, 257, 65535, 65536, 2**32 - 1, 2**32, 2**40 + 5, 2**64 - 1]
+    shuffled = random.Random(0).sample(numbers, len(numbers))
+    assert sorted(shuffled, key=key) == numbers
+    assert all(len(key(n)) == 8 for n in numbers)
+    with pytest.raises(Exception):
+        key(-1)
+
+
+def test_crc32(jpeg):
+    assert crc32(b"123456789") == 0xCBF43926  # the CRC-32 check value
+    assert crc32(b"") == 0
+    assert crc32(jpeg) == zlib.crc32(jpeg) & 0xFFFFFFFF
+    assert 0 <= crc32(jpeg[:-1] + bytes([jpeg[-1] ^ 1])) != crc32(jpeg)
+
+
+def test_file_sha256_reports_progress(tmp_path):
+    data = os.urandom(HASH_CHUNK + 1000)
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    seen = []
+    assert file_sha256(f, progress=seen.append) == hashlib.sha256(data).hexdigest()
+    assert seen == [HASH_CHUNK, 1000]
+    assert file_sha256(f) == hashlib.sha256(data).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    seen.clear()
+    assert file_sha256(tmp_path / "empty", progress=seen.append) == hashlib.sha256().hexdigest()
+    assert seen == []
+
+
+# -- versions ----------------------------------------------------------------------------------
+
+def test_check_version(tmp_path):
+    major, minor = (int(x) for x in FORMAT_VERSION.split("."))
+    for ok in (FORMAT_VERSION, f"{major}.{minor + 1}", f"{major}.99", f"{major}", "0.9"):
+        check_version(ok, tmp_path)  # no error
+    with pytest.raises(FormatError, match=rf"packer format {major + 1}\.0, newer than this packer"):
+        check_version(f"{major + 1}.0", tmp_path)
+    for bad in ("?", "", "one.zero", None):
+        with pytest.raises(FormatError, match="unreadable format_version"):
+            check_version(bad, tmp_path)
+
+
+# -- the manifest ------------------------------------------------------------------------------
+
+def test_read_manifest_of_a_real_dataset(built):
+    man = read_manifest(built)
+    assert man == real_manifest(built)
+    assert man["format"] == FORMAT_NAME and man["format_version"] == FORMAT_VERSION
+    assert man["count"] == 6 and len(man["classes"]) == 2
+
+
+def test_read_manifest_missing(tmp_path):
+    for root in (tmp_path, tmp_path / "nowhere"):
+        with pytest.raises(FormatError, match="is not a packer dataset: .* not found"):
+            read_manifest(root)
+    assert issubclass(FormatError, PackerError)
+
+
+def test_read_manifest_unfinished_build_partial_shard(tmp_path, jpeg):
+    w = ShardWriter(tmp_path / "shard-00000.lmdb", expected_bytes=1 << 20)
+    w.append(pack_record(jpeg, label=0, path="a.jpg", width=1, height=1, format="JPEG", mode="RGB"))
+    w.flush()  # a build that died here leaves a .partial shard and no manifest
+    try:
+        assert list(tmp_path.glob("*.partial"))
+        with pytest.raises(FormatError, match="unfinished build .*re-run the same `packer build`"):
+            read_manifest(tmp_path)
+    finally:
+        w.abort()
+    with pytest.raises(FormatError, match="not a packer dataset"):
+        read_manifest(tmp_path)
+
+
+def test_read_manifest_unfinished_build_journal(tmp_path):
+    (tmp_path / ".packer-build.json").write_text("{}")
+    with pytest.raises(FormatError, match="unfinished build"):
+        read_manifest(tmp_path)
+
+
+def test_read_manifest_damaged(built, tmp_path):
+    text = (built / MANIFEST).read_bytes()
+    for damaged in (text[:len(text) // 2], b"\xff\xfe" + text, b""):
+        (tmp_path / MANIFEST).write_bytes(damaged)
+        with pytest.raises(FormatError, match="is damaged .*rebuild or re-stage"):
+            read_manifest(tmp_path)
+
+
+def test_read_manifest_not_a_packer_manifest(built, tmp_path):
+    other = dict(real_manifest(built), format="webdataset")
+    no_format = {k: v for k, v in real_manifest(built).items() if k != "format"}
+    for obj in ([1, 2], "packer", other, no_format):
+        (tmp_path / MANIFEST).write_text(json.dumps(obj))
+        with pytest.raises(FormatError, match="is not a packer manifest"):
+            read_manifest(tmp_path)
+
+
+def test_read_manifest_versions(built, tmp_path):
+    man = real_manifest(built)
+    major = int(FORMAT_VERSION.split(".")[0])
+    write_json_atomic(tmp_path / MANIFEST, dict(man, format_version=f"{major}.42"))
+    assert read_manifest(tmp_path)["format_version"] == f"{major}.42"
+    write_json_atomic(tmp_path / MANIFEST, dict(man, format_version=f"{major + 1}.0"))
+    with pytest.raises(FormatError, match="newer than this packer understands"):
+        read_manifest(tmp_path)
+    write_json_atomic(tmp_path / MANIFEST, {k: v for k, v in man.items() if k != "format_version"})
+    with pytest.raises(FormatError, match="unreadable format_version"):
+        read_manifest(tmp_path)
+
+
+# -- atomic JSON -------------------------------------------------------------------------------
+
+def test_write_json_atomic(tmp_path):
+    path = tmp_path / "m.json"
+    obj = {"name": "café 日本", "n": [1, 2, 3], "nested": {"x": None}}
+    write_json_atomic(path, obj)
+    assert json.loads(path.read_text("utf-8")) == obj
+    assert "café 日本" in path.read_text("utf-8")  # UTF-8, not \u escapes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]  # no .tmp left
+
+
+def test_write_json_atomic_replaces_the_file_not_its_bytes(tmp_path):
+    path = tmp_path / "m.json"
+    write_json_atomic(path, {"v": "old" * 1000})
+    with open(path, encoding="utf-8") as before:  # a reader that opened the old version
+        inode = os.fstat(before.fileno()).st_ino
+        write_json_atomic(path, {"v": "new"})
+        assert json.load(before) == {"v": "old" * 1000}  # still whole: the file was renamed over
+    assert os.stat(path).st_ino != inode
+    assert json.loads(path.read_text("utf-8")) == {"v": "new"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+def test_write_json_atomic_failure_keeps_the_old_file(tmp_path):
+    path = tmp_path / "m.json"
+    write_json_atomic(path, {"v": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"v": object()})  # not JSON: fails half way through
+    assert json.loads(path.read_text("utf-8")) == {"v": 1}

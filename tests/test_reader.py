@@ -1,0 +1,298 @@
+"""packer/reader.py: ShardReader (index -> record bytes, per process), the side tables."""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import pickle
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lmdb
+import pytest
+
+import packer
+from packer import ShardReader
+from packer.demo import make_image_folder
+from packer.errors import FormatError
+from packer.format import key, unpack_record, write_json_atomic
+from packer.reader import read_labels, read_offsets, shard_entry_count
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("reader") / "src", images=24, classes=3)
+
+
+@pytest.fixture(scope="module")
+def built(src, tmp_path_factory) -> Path:
+    """24 photo-like JPEGs in 3 classes, in at least two shards; read-only."""
+    dst = tmp_path_factory.mktemp("reader_built") / "dst"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packer.build(src, dst, progress=False, workers=0, shard_size=1 << 20)
+    assert len(manifest(dst)["shards"]) >= 2
+    return dst
+
+
+@pytest.fixture
+def copy(built, tmp_path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(built, dst)
+    return dst
+
+
+def manifest(root: Path) -> dict:
+    return json.loads((root / "manifest.json").read_text("utf-8"))
+
+
+def expected_order(src: Path):
+    """(relative path, label) in ImageFolder order: sorted classes, sorted files."""
+    classes = sorted(p.name for p in src.iterdir() if p.is_dir())
+    return [(f"{c}/{f.name}", i) for i, c in enumerate(classes) for f in sorted((src / c).iterdir())]
+
+
+def lmdb_value(shard: Path, local: int) -> bytes:
+    """One record read with plain lmdb (no packer code)."""
+    env = lmdb.open(str(shard), subdir=False, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            return txn.get(key(local))
+    finally:
+        env.close()
+
+
+def digests(reader) -> list:
+    return [hashlib.sha256(reader.read(i)).hexdigest() for i in range(len(reader))]
+
+
+# -- indexing ----------------------------------------------------------------------------------
+
+def test_len_and_locate(built):
+    m = manifest(built)
+    counts = [s["count"] for s in m["shards"]]
+    r = ShardReader(built)
+    try:
+        assert len(r) == m["count"] == sum(counts) == 24
+        assert r.locate(0) == (0, 0)
+        assert r.locate(counts[0] - 1) == (0, counts[0] - 1)
+        assert r.locate(counts[0]) == (1, 0)  # first record of the second shard
+        assert r.locate(23) == (len(counts) - 1, counts[-1] - 1)
+        assert r.locate(-1) == r.locate(23) and r.locate(-24) == (0, 0)
+        assert [r.locate(i) for i in range(24)] == [(s, j) for s, c in enumerate(counts) for j in range(c)]
+        for bad in (24, 25, -25, 10**9):
+            with pytest.raises(IndexError, match="out of range for a dataset of 24"):
+                r.locate(bad)
+        with pytest.raises(IndexError):
+            r.read(24)
+    finally:
+        r.close()
+
+
+def test_read_is_the_bytes_lmdb_holds(built):
+    r = ShardReader(built)
+    try:
+        assert r.offsets is not None  # built on Linux: reads are preads at the offsets
+        for i in range(len(r)):
+            shard, local = r.locate(i)
+            assert r.read(i) == lmdb_value(r.paths[shard], local), i
+        assert r.read(-1) == r.read(len(r) - 1)
+    finally:
+        r.close()
+
+
+def test_records_in_imagefolder_order(built, src):
+    r = ShardReader(built)
+    try:
+        recs = [r.record(i) for i in range(len(r))]
+    finally:
+        r.close()
+    assert [(rec["path"], rec["label"]) for rec in recs] == expected_order(src)
+    for rec in recs:
+        assert rec["image"] == (src / rec["path"]).read_bytes()
+        assert rec["format"] == "JPEG" and rec["mode"] == "RGB"
+
+
+def test_reads_through_lmdb_without_an_offsets_table(built):
+    m = manifest(built)
+    del m["offsets"]
+    plain, via_lmdb = ShardReader(built), ShardReader(built, m)
+    try:
+        assert via_lmdb.offsets is None
+        assert [via_lmdb.read(i) for i in range(len(via_lmdb))] == [plain.read(i) for i in range(len(plain))]
+    finally:
+        plain.close()
+        via_lmdb.close()
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+def test_pickles_without_open_envs_and_reads_in_a_new_process(built, tmp_path):
+    r = ShardReader(built)
+    try:
+        want = digests(r)  # every shard opened in this process
+        data = pickle.dumps(r)
+        clone = pickle.loads(data)
+        assert digests(clone) == want
+        clone.close()
+        (tmp_path / "reader.pkl").write_bytes(data)
+        code = ("import hashlib, pickle, sys\n"
+                "r = pickle.load(open(sys.argv[1], 'rb'))\n"
+                "print('\\n'.join(hashlib.sha256(r.read(i)).hexdigest() for i in range(len(r))))\n")
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "reader.pkl")],
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.split() == want
+    finally:
+        r.close()
+
+
+def _child_digests(reader, queue):
+    try:
+        queue.put(digests(reader))
+        queue.put(digests(pickle.loads(pickle.dumps(reader))))  # a second reader in the child
+    except BaseException as e:  # report, not hang
+        queue.put(repr(e))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_reader_opened_in_the_parent_reads_in_a_forked_child(built):
+    m = manifest(built)
+    del m["offsets"]  # through LMDB: the environments the child inherits must not be reused
+    for r in (ShardReader(built), ShardReader(built, m)):
+        try:
+            want = digests(r)
+            ctx = mp.get_context("fork")
+            q = ctx.Queue()
+            p = ctx.Process(target=_child_digests, args=(r, q))
+            p.start()
+            got = [q.get(timeout=60), q.get(timeout=60)]
+            p.join(60)
+            assert p.exitcode == 0
+            assert got == [want, want]
+            assert digests(r) == want  # the parent's environments still work
+        finally:
+            r.close()
+
+
+def test_two_readers_over_the_same_shards(built):
+    m = manifest(built)
+    del m["offsets"]
+    for kw in ({}, {"manifest": m}):
+        a, b = ShardReader(built, **kw), ShardReader(built, **kw)
+        want = digests(a)
+        assert digests(b) == want
+        a.close()  # shared environments: closing one reader leaves the other working
+        assert digests(b) == want
+        b.close()
+        c = ShardReader(built, **kw)
+        assert digests(c) == want
+        c.close()
+
+
+# -- damaged datasets --------------------------------------------------------------------------
+
+def test_missing_shard(copy):
+    shard = copy / manifest(copy)["shards"][1]["path"]
+    shard.unlink()
+    with pytest.raises(FormatError, match=rf"shard .*{shard.name} listed in .* is missing"):
+        ShardReader(copy)
+
+
+@pytest.mark.parametrize("change", ["truncate", "extend"])
+def test_shard_of_the_wrong_size(copy, change):
+    s = manifest(copy)["shards"][0]
+    shard = copy / s["path"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-4096] if change == "truncate" else data + bytes(4096))
+    size = shard.stat().st_size
+    with pytest.raises(FormatError, match=rf"is {size} bytes but .* says {s['bytes']} .*re-stage"):
+        ShardReader(copy)
+
+
+def test_missing_manifest(copy):
+    (copy / "manifest.json").unlink()
+    with pytest.raises(FormatError, match="not a packer dataset"):
+        ShardReader(copy)
+
+
+# -- shard_entry_count and the side tables -----------------------------------------------------
+
+def test_shard_entry_count(built, tmp_path):
+    m = manifest(built)
+    assert [shard_entry_count(built / s["path"]) for s in m["shards"]] == [s["count"] for s in m["shards"]]
+    m2 = dict(m)
+    del m2["offsets"]
+    r = ShardReader(built, m2)
+    try:
+        first = r.read(0)  # the reader holds the shard's environment open: counting shares it
+        assert shard_entry_count(built / m["shards"][0]["path"]) == m["shards"][0]["count"]
+        assert r.read(0) == first and r.read(1) == r.read(1)
+    finally:
+        r.close()
+    (tmp_path / "not.lmdb").write_bytes(b"not an lmdb file" * 1000)
+    with pytest.raises(lmdb.Error):
+        shard_entry_count(tmp_path / "not.lmdb")
+
+
+def test_read_labels(built, src):
+    labels = read_labels(built)
+    assert labels.typecode == "i" and labels.itemsize == 4
+    assert list(labels) == [lab for _, lab in expected_order(src)]
+    assert list(read_labels(built, manifest(built))) == list(labels)
+
+
+def test_read_offsets_point_at_the_records(built):
+    m = manifest(built)
+    offsets = read_offsets(built)
+    assert offsets.typecode == "Q" and len(offsets) == 2 * m["count"]
+    r = ShardReader(built)
+    try:
+        i = 0
+        for s in m["shards"]:
+            data = (built / s["path"]).read_bytes()
+            for _ in range(s["count"]):
+                off, length = offsets[2 * i], offsets[2 * i + 1]
+                assert data[off:off + length] == r.read(i)
+                assert unpack_record(data[off:off + length])["image"][:2] == b"\xff\xd8"
+                i += 1
+    finally:
+        r.close()
+    del m["offsets"]
+    assert read_offsets(built, m) is None
+
+
+@pytest.mark.parametrize("name, cut", [("labels.i32", 4), ("offsets.u64", 16)])
+def test_a_table_of_the_wrong_length(copy, name, cut):
+    table = copy / name
+    table.write_bytes(table.read_bytes()[:-cut])
+    read = read_labels if name == "labels.i32" else read_offsets
+    kind = name.split(".")[0]
+    with pytest.raises(FormatError, match=rf"holds 23 {kind} for 24 records; the dataset is damaged"):
+        read(copy)
+    table.write_bytes(table.read_bytes() + bytes(2 * cut))  # too long is damaged too
+    with pytest.raises(FormatError, match=rf"holds 25 {kind} for 24 records"):
+        read(copy)
+    if name == "offsets.u64":
+        with pytest.raises(FormatError):
+            ShardReader(copy)
+
+
+def test_a_table_that_is_missing_or_unaligned(copy):
+    (copy / "labels.i32").unlink()
+    with pytest.raises(FormatError, match="cannot read labels .*re-stage or rebuild"):
+        read_labels(copy)
+    offsets = copy / "offsets.u64"
+    offsets.write_bytes(offsets.read_bytes()[:-3])  # not a whole number of uint64s
+    with pytest.raises(FormatError, match="cannot read offsets"):
+        read_offsets(copy)
+
+
+def test_manifest_table_path_is_used(copy):
+    m = manifest(copy)
+    (copy / "labels.i32").rename(copy / "other-labels.i32")
+    m["labels"]["path"] = "other-labels.i32"
+    write_json_atomic(copy / "manifest.json", m)
+    assert len(read_labels(copy)) == 24

@@ -6,10 +6,13 @@ private boundary); nothing here changes the process.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
+
+from .errors import PackerError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -102,6 +105,19 @@ def is_disk_full(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return "no space left" in text or "quota exceeded" in text or "file too large" in text
+
+
+@contextlib.contextmanager
+def disk_full_as(path: os.PathLike, explain: Callable[[int], str], types=(OSError,)):
+    """A full disk (an error of ``types`` that ``is_disk_full``) inside becomes
+    ``PackerError(explain(free bytes))``: what was kept and how to resume, instead of an
+    errno. Other errors pass through unchanged."""
+    try:
+        yield
+    except types as exc:
+        if not is_disk_full(exc):
+            raise
+        raise PackerError(explain(free_bytes(os.path.dirname(os.fspath(path)) or "."))) from exc
 
 
 def human_size(n: float) -> str:

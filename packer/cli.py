@@ -307,7 +307,7 @@ def doctor():
               help="Output of the RandomResizedCrop that every loader decodes to.")
 @click.option("--cuda", is_flag=True,
               help="Also time a training step on the GPU fed by each feeding variant (plain, "
-                   "pin_memory + non_blocking, thread prefetcher, CUDAPrefetcher, both; GPU "
+                   "pin_memory + non_blocking, background thread, CUDAPrefetcher, both; GPU "
                    "decode when torchvision is installed) against the same step on a batch "
                    "already on the GPU.")
 @click.option("--model", default="resnet50", show_default=True,

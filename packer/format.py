@@ -49,11 +49,17 @@ def pack_record(image: bytes, *, label: int, path: str, width: int, height: int,
 
 
 def unpack_record(data: bytes) -> Dict[str, Any]:
-    # raw=False decodes str as UTF-8; msgpack ext types are refused by default (no code).
-    rec = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    """A record's fields. Plain msgpack only: str as UTF-8, and extension types (which a
+    format could hook to objects or code) refused, so a stranger's shard stays data."""
+    rec = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
     if not isinstance(rec, dict) or "image" not in rec:
         raise FormatError("record is not a packer record (no 'image' field)")
     return rec
+
+
+def _refuse_ext(code: int, data: bytes):
+    raise FormatError(f"record holds a msgpack extension type ({code}); packer records are "
+                      f"plain data (a damaged or foreign shard)")
 
 
 def file_sha256(path: os.PathLike, progress=None) -> str:

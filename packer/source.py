@@ -53,7 +53,7 @@ def find_classes(root: os.PathLike) -> List[str]:
     if not classes:
         raise PackerError(
             f"no class folders in {root}: expected ImageFolder layout ROOT/CLASS/IMAGE "
-            f"(or pass --list FILE with 'relative/path<TAB>label' lines)")
+            f"(or pass list_file / --list FILE with 'relative/path<TAB>label' lines)")
     return classes
 
 
@@ -115,7 +115,7 @@ def read_list(root: os.PathLike, list_file: os.PathLike) -> ImageList:
     root = Path(root)
     if not root.is_dir():
         raise PackerError(f"source folder {root} does not exist or is not a folder "
-                          f"(--list paths are relative to it)")
+                          f"(list_file paths are relative to it)")
     rows: List[Tuple[str, str]] = []
     try:
         text = Path(list_file).read_text(encoding="utf-8")  # newlines: \n, \r\n or \r
@@ -162,9 +162,9 @@ def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:
     try:
         k, n = (int(x) for x in part.split("/"))
     except ValueError:
-        raise PackerError(f"--part must look like K/N (e.g. 0/4), got {part!r}") from None
+        raise PackerError(f"part must look like K/N (e.g. 0/4), got {part!r}") from None
     if n < 1 or not 0 <= k < n:
-        raise PackerError(f"--part {part}: K must be in 0..N-1 (parts are numbered from 0)")
+        raise PackerError(f"part {part}: K must be in 0..N-1 (parts are numbered from 0)")
     return k, n
 
 

@@ -16,8 +16,7 @@ from typing import List, Optional, Tuple
 
 import lmdb
 
-from ._system import free_bytes, is_disk_full
-from .errors import PackerError
+from ._system import disk_full_as
 from .format import file_sha256, fsync_dir, key
 
 TXN_BYTES = 64 << 20   # one commit per ~64 MiB: few fsync-free commits, bounded RAM
@@ -97,25 +96,13 @@ class ShardWriter:
             p.unlink(missing_ok=True)
 
 
-class disk_errors:
-    """Turn a full disk into a PackerError that says what was kept and what to do."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None:
-            return False
-        if isinstance(exc, (OSError, lmdb.Error)) and is_disk_full(exc):
-            free = free_bytes(self.path.parent)
-            raise PackerError(
-                f"disk full while writing {self.path} ({free / 2**20:.1f} MiB free). Shards "
-                f"finished before this one are kept; free some space (or pick another DST) "
-                f"and re-run the same command to resume") from exc
-        return False
+def disk_errors(path: Path):
+    """Turn a full disk while writing ``path`` into a PackerError that says what was kept and
+    what to do."""
+    return disk_full_as(path, lambda free: (
+        f"disk full while writing {path} ({free / 2**20:.1f} MiB free). Shards finished before "
+        f"this one are kept; free some space (or pick another DST) and re-run the same command "
+        f"to resume"), types=(OSError, lmdb.Error))  # lmdb says it only in words
 
 
 def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optional[str]:

@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from conftest import bomb_png, corrupt_header_jpeg, corrupt_png, encode, quiet_build, small_photo
+from helpers import bomb_png, corrupt_header_jpeg, corrupt_png, encode, quiet_build, small_photo
 from packer.errors import FormatError, PackerError
 from packer.format import read_manifest
 from packer.check import DEFAULT_MAX_PIXELS, BadImage, check_image

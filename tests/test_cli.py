@@ -11,7 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from conftest import image_files, imagefolder_rule
+from helpers import image_files, imagefolder_rule
 from packer import __version__
 from packer.cli import Size, main
 from packer.format import read_manifest, write_json_atomic
@@ -64,7 +64,7 @@ def test_build_errors(photo_src, built, tmp_path):
     res = invoke("build", photo_src, dst, "-q", code=1)
     assert res.stderr == f"Error: {dst} already holds a finished dataset; replace it with overwrite=True (--overwrite)\n"
     assert invoke("build", photo_src, tmp_path / "d", "--part", "4/4", code=1).stderr == \
-        "Error: --part 4/4: K must be in 0..N-1 (parts are numbered from 0)\n"
+        "Error: part 4/4: K must be in 0..N-1 (parts are numbered from 0)\n"
     assert "Error: shard_size must be between 1 MiB and 64 GiB" in \
         invoke("build", photo_src, tmp_path / "d", "--shard-size", "10K", code=1).stderr
     assert "'lots' is not a size (examples: 512M, 1G, 1073741824)" in \

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from conftest import imagefolder_rule
+from helpers import imagefolder_rule
 from packer.dataset import PackedDataset
 from packer.errors import FormatError
 from packer.decode import DecodeCenterCrop

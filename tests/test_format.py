@@ -76,12 +76,11 @@ def test_unpack_record_refuses_non_string_map_keys():
         unpack_record(msgpack.packb({1: b"x", "image": b"y"}))
 
 
-@pytest.mark.xfail(strict=True, reason="unpack_record returns msgpack.ExtType values instead of "
-                                       "refusing them (format.py's comment says they are refused)")
-def test_unpack_record_refuses_ext_types():
-    data = msgpack.packb({"image": msgpack.ExtType(42, b"payload"), "label": 0}, use_bin_type=True)
-    with pytest.raises((FormatError, ValueError)):
-        unpack_record(data)
+def test_unpack_record_refuses_ext_types(jpeg):
+    for value in (msgpack.ExtType(42, b"payload"), [1, {"nested": msgpack.ExtType(0, b"")}]):
+        for rec in ({"image": value, "label": 0}, {"image": jpeg, "extra": value}):
+            with pytest.raises(FormatError, match=r"msgpack extension type \(\d+\)"):
+                unpack_record(msgpack.packb(rec, use_bin_type=True))
 
 
 def test_keys_sort_like_their_numbers():

@@ -1,10 +1,7 @@
-"""make_loader, the uint8 collate and the thread prefetcher (CPU; runs in CI)."""
-import gc
+"""make_loader and the uint8 collate (CPU; runs in CI)."""
 import math
 import pickle
 import shutil
-import threading
-import time
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from packer.dataset import PackedDataset
 from packer.demo import make_image_folder
 from packer.decode import DecodeCenterCrop, DecodeRandomResizedCrop
 from packer.loader import TOTAL_PREFETCH, collate_uint8, default_num_workers, make_loader
-from packer.threaded import BackgroundIterator, background
+from packer.threaded import background
 
 UNIQUE, COPIES, CLASSES = 48, 4, 4
 
@@ -276,104 +273,8 @@ def test_worker_rss_flat_over_an_epoch(packed):
     assert late - base < min(2 << 20, data // 4), (base, late, data)
 
 
-# -- thread prefetcher --------------------------------------------------------------------------
-
-def _no_packer_threads(timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not [t for t in threading.enumerate() if t.name.startswith("packer-background")]:
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def test_background_yields_everything_in_order():
-    it = background(range(100), depth=3)
-    assert len(it) == 100
-    assert list(it) == list(range(100))
-    with pytest.raises(StopIteration):
-        next(it)
-    assert _no_packer_threads()
-
-
-def test_background_runs_ahead_by_depth_only():
-    produced = []
-
-    def source():
-        for i in range(50):
-            produced.append(i)
-            yield i
-
-    it = BackgroundIterator(source(), depth=2)
-    time.sleep(0.2)
-    # depth items queued, plus one produced and waiting for room.
-    assert len(produced) == 3
-    assert next(it) == 0
-    it.close()
-    assert _no_packer_threads()
-
-
-def _fail_at(n):
-    for i in range(n):
-        yield i
-    raise KeyError(f"bad item {n}")
-
-
-def test_background_reraises_with_the_producer_traceback():
-    import traceback
-    it = background(_fail_at(3))
-    assert [next(it) for _ in range(3)] == [0, 1, 2]
-    with pytest.raises(KeyError, match="bad item 3") as info:
-        next(it)
-    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
-    assert "_fail_at" in frames  # where it happened, in the thread
-    with pytest.raises(StopIteration):
-        next(it)
-    assert _no_packer_threads()
-
-
-@pytest.mark.parametrize("how", ["close", "with", "del", "break"])
-def test_background_stops_when_the_consumer_does(how):
-    closed = threading.Event()
-
-    def endless():
-        try:
-            i = 0
-            while True:
-                yield i
-                i += 1
-        finally:
-            closed.set()
-
-    if how == "close":
-        it = background(endless())
-        next(it)
-        it.close()
-    elif how == "with":
-        with background(endless()) as it:
-            next(it)
-    elif how == "del":
-        it = background(endless())
-        next(it)
-        del it
-        gc.collect()
-    else:
-        for i in background(endless()):
-            if i == 5:
-                break
-        gc.collect()
-    assert _no_packer_threads()
-    assert closed.wait(5), "the source generator was not closed"
-
-
 def test_background_over_a_loader(packed):
     ds = PackedDataset(packed[1], decode=DecodeCenterCrop(16))
     loader = make_loader(ds, 32, shuffle=False, num_workers=1, pin_memory=False)
     ys = [y for _, y in background(loader)]
     assert torch.cat(ys).tolist() == ds.targets
-    assert _no_packer_threads()
-
-
-def test_background_rejects_bad_depth():
-    with pytest.raises(ValueError, match="depth"):
-        background([], depth=0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import image_files, run_packer
+from helpers import image_files, run_packer
 from packer import builder as build_mod
 from packer.builder import JOURNAL, build
 from packer.cli import main

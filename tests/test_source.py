@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TV_IMG_EXTENSIONS, imagefolder_rule
+from helpers import TV_IMG_EXTENSIONS, imagefolder_rule
 from packer.errors import PackerError
 from packer.source import (IMG_EXTENSIONS, EmptyClassWarning, ImageList, find_classes, parse_part,
                            read_list, scan_folder, select)

@@ -9,8 +9,9 @@ import lmdb
 import pytest
 from PIL import Image
 
-from packer._system import (DISK_FULL_ERRNOS, cpu_quota, free_bytes, fs_type, human_size,
-                            is_disk_full, meminfo, pil_info, pil_summary, usable_cores)
+from packer._system import (DISK_FULL_ERRNOS, cpu_quota, disk_full_as, free_bytes, fs_type,
+                            human_size, is_disk_full, meminfo, pil_info, pil_summary, usable_cores)
+from packer.errors import PackerError
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -96,6 +97,32 @@ def test_is_disk_full():
                   OSError("something else"), ValueError("space"), lmdb.MapFullError("map full"),
                   KeyboardInterrupt()):
         assert not is_disk_full(other), other
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_disk_full_as(tmp_path):
+    seen = []
+
+    def explain(free):
+        seen.append(free)
+        return f"full, {free} bytes free"
+
+    with pytest.raises(PackerError, match=r"^full, \d+ bytes free$") as info:
+        with disk_full_as(tmp_path / "out.bin", explain):
+            with open("/dev/full", "wb", buffering=0) as f:
+                f.write(b"x")  # a real ENOSPC
+    assert info.value.__cause__.errno == errno.ENOSPC
+    assert len(seen) == 1 and 0 < seen[0] <= os.statvfs(tmp_path).f_blocks * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(FileNotFoundError):  # not a full disk: unchanged
+        with disk_full_as(tmp_path / "out.bin", explain):
+            open(tmp_path / "missing", "rb")
+    with pytest.raises(lmdb.Error):  # a type it was not asked to catch: unchanged
+        with disk_full_as(tmp_path / "out.bin", explain):
+            raise lmdb.Error("No space left on device")
+    with pytest.raises(PackerError):
+        with disk_full_as(tmp_path / "out.bin", explain, types=(OSError, lmdb.Error)):
+            raise lmdb.Error("No space left on device")
+    assert len(seen) == 2
 
 
 def test_free_bytes(tmp_path):

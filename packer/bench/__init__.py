@@ -5,6 +5,7 @@
     verdict.py   what bounds the pipeline, in sentences quoting the numbers
     models.py    the models and the training step every benchmark times
     coldread.py  cold reads: drop the page cache, throttle a disk (cgroup blkio), count reads
+    build.py, order.py, stage.py, prefetch.py, gpu*.py: what each scripts/bench_*.py computes
 
 Only benchmarks use this package; the library never imports it.
 """

@@ -174,7 +174,7 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
         batch_size: default 256 with ``cuda`` (a ResNet-50 step's usual size), else 64.
         size: output crop of ``DecodeRandomResizedCrop`` (the transform every loader uses).
         cuda: also time a training step of ``model`` fed by each feeding variant (plain,
-            pin_memory + non_blocking, thread prefetcher, CUDAPrefetcher, thread + CUDA).
+            pin_memory + non_blocking, background thread, CUDAPrefetcher, thread + CUDA).
         model: a torchvision model name when torchvision is installed; otherwise the built-in
             ``resnet50`` (same shape as torchvision's) or ``tiny`` (for tests).
         repeats / seconds_per_variant: every variant runs ``repeats`` times for about this

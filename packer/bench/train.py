@@ -1,6 +1,6 @@
 """The training-step phase of ``packer bench --cuda``: a real step (bf16 autocast,
 channels_last, SGD) of a model fed by each feeding variant (plain, pin_memory +
-non_blocking, thread prefetcher, CUDAPrefetcher, thread + CUDAPrefetcher, GPU decode),
+non_blocking, background thread, CUDAPrefetcher, thread + CUDAPrefetcher, GPU decode),
 against the same step on a batch kept on the device; data wait timed with CUDA events.
 
 Also the models it trains: ``make_model`` (torchvision's by name, else the built-in
@@ -55,7 +55,7 @@ class TrainRunner(Runner):
             step(x_syn, y_syn)
         _sync(device)
         names = ["synthetic (batch on device)", "plain", "pin_memory + non_blocking",
-                 "thread prefetcher", "CUDAPrefetcher", "thread + CUDAPrefetcher"]
+                 "background thread", "CUDAPrefetcher", "thread + CUDAPrefetcher"]
         if device.type == "cuda" and has_module("torchvision"):
             names.append(GPU_DECODE)  # packer's nvJPEG path: workers only read bytes
             self.bar.total += repeats
@@ -150,9 +150,9 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainS
     loader = make_loader(ds, batch_size, sampler=order, num_workers=w, pin_memory=pin,
                          persistent_workers=False, drop_last=True, worker_init_fn=SeedWorker(r))
     closers: List[Callable] = []
-    if name in ("plain", "pin_memory + non_blocking", "thread prefetcher"):
+    if name in ("plain", "pin_memory + non_blocking", "background thread"):
         src = loader
-        if name == "thread prefetcher":
+        if name == "background thread":
             src = background(loader, depth=2)
             closers.append(src.close)
 

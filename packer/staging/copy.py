@@ -6,13 +6,12 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from .._system import DISK_FULL_ERRNOS, human_size
+from .._system import disk_full_as, human_size
 from ..errors import FormatError, PackerError
 from ..format import HASH_CHUNK, file_sha256
 
@@ -91,20 +90,9 @@ def check_and_rename(f: StagedFile, tmp: Path, target: Path, progress) -> None:
         raise
 
 
-class disk_full:
-    """ENOSPC while staging -> a PackerError that says a re-run resumes."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            free = shutil.disk_usage(self.path.parent).free
-            raise PackerError(
-                f"{self.path.parent} filled up while staging {self.path.name} ({human_size(free)} "
-                f"free); files already copied are kept. Make room (a bigger tmpfs: "
-                f"{tmpfs_advice()}) and re-run the same command to resume") from exc
-        return False
+def disk_full(path: Path):
+    """A full disk while staging ``path`` -> a PackerError that says a re-run resumes."""
+    return disk_full_as(path, lambda free: (
+        f"{path.parent} filled up while staging {path.name} ({human_size(free)} free); files "
+        f"already copied are kept. Make room (a bigger tmpfs: {tmpfs_advice()}) and re-run the "
+        f"same command to resume"))

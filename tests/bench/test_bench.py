@@ -144,7 +144,7 @@ def test_training_harness_on_cpu(data, one_thread):
     rep = run_bench(dst, cuda=True, device="cpu", model="tiny", size=64, cold_cache=False, **QUICK)
     train = rep.of("train")
     feeds = [r["feed"] for r in train]
-    assert feeds == ["synthetic", "plain", "pin_memory + non_blocking", "thread prefetcher",
+    assert feeds == ["synthetic", "plain", "pin_memory + non_blocking", "background thread",
                      "CUDAPrefetcher", "thread + CUDAPrefetcher"]
     for r in train:
         assert r["images_per_s"] > 0 and r["data_wait_ms"] >= 0 and r["host_wait_ms"] >= 0
@@ -193,7 +193,7 @@ def test_cuda_feeding_variants(data):
     rep = run_bench(dst, cuda=True, model="tiny", cold_cache=False,
                     **dict(QUICK, workers=[1], max_images=40))
     feeds = {r["feed"]: r for r in rep.of("train")}
-    assert {"synthetic", "plain", "pin_memory + non_blocking", "thread prefetcher",
+    assert {"synthetic", "plain", "pin_memory + non_blocking", "background thread",
             "CUDAPrefetcher", "thread + CUDAPrefetcher"} <= set(feeds)
     assert rep.environment["data_wait_method"].startswith("CUDA events")
     assert rep.environment["gpu"]

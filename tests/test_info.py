@@ -8,7 +8,7 @@ import struct
 import lmdb
 import pytest
 
-from conftest import imagefolder_rule
+from helpers import imagefolder_rule
 from packer.errors import FormatError
 from packer.format import FORMAT_VERSION, file_sha256, read_manifest, write_json_atomic
 from packer.info import cat, format_info, info, ls, verify

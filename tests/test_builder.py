@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 import packer
-from conftest import encode, image_files, imagefolder_rule, quiet_build
+from helpers import encode, image_files, imagefolder_rule, quiet_build
 from packer import format as fmt
 from packer import writer as writer_mod
 from packer import merge

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "mount_tmpfs.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "mount_tmpfs.sh"
 MIB = 1 << 20
 ODD = "dir with spaces/ünïcødé ✓"  # a mount point name that must survive quoting
 

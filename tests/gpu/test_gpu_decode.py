@@ -5,7 +5,6 @@ worker hook and collate, routing to the CPU fallback, crop-box maths, the batche
 (against PIL), the thread pipeline (with a PIL stand-in for nvJPEG) and the errors when
 torchvision or CUDA is missing. Tests marked ``gpu`` run nvJPEG itself on a CUDA machine.
 """
-import ctypes
 import io
 import json
 import dataclasses
@@ -16,15 +15,12 @@ import shutil
 import sys
 import threading
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from packer import build
 from packer.dataset import PackedDataset
-from packer.demo import make_image, make_image_folder
 from packer.errors import PackerError
 from packer.gpu import (EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, GPUOptions, JpegInfo,
                         NvjpegDecoder, center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info,
@@ -34,69 +30,9 @@ from packer.gpu.nvjpeg import torchvision_decode
 from packer.gpu.augment import PaddedBatch, plan_groups
 from packer.decode import DecodeCenterCrop, DecodeRandomResizedCrop
 
-from conftest import encode, small_photo
+from helpers import KINDS, cuda, kind_bytes, photo_images, pil_decoder, rgb_tensor
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _rgb_tensor(im: Image.Image) -> torch.Tensor:
-    im = im.convert("RGB")
-    px = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
-    return px.view(im.height, im.width, 3).permute(2, 0, 1)
-
-
-def pil_decoder(datas, device):
-    """nvJPEG's contract with PIL behind it: (3, h, w) uint8 per 1-D byte tensor."""
-    return [_rgb_tensor(Image.open(io.BytesIO(ctypes.string_at(d.data_ptr(), d.numel())))).to(device)
-            for d in datas]
-
-
-# -- fixtures --------------------------------------------------------------------------------
-
-KINDS = {  # file name -> (what, expected to go to the GPU)
-    "baseline.jpg": ("baseline 4:2:0", True),
-    "q444.jpg": ("baseline 4:4:4", True),
-    "gray.jpg": ("grayscale", True),
-    "progressive.jpg": ("progressive", False),
-    "cmyk.jpg": ("CMYK", False),
-    "image.png": ("PNG", False),
-}
-
-
-def kind_bytes(photos, name, seed=0):
-    rng = random.Random(seed)
-    im = small_photo(rng, photos, (200, 150))
-    return {
-        "baseline.jpg": lambda: encode(im, "JPEG", quality=90),
-        "q444.jpg": lambda: encode(im, "JPEG", quality=95, subsampling=0),
-        "gray.jpg": lambda: encode(im.convert("L"), "JPEG", quality=90),
-        "progressive.jpg": lambda: encode(im, "JPEG", quality=90, progressive=True),
-        "cmyk.jpg": lambda: encode(im.convert("CMYK"), "JPEG", quality=90),
-        "image.png": lambda: encode(im, "PNG"),
-    }[name]()
-
-
-@pytest.fixture(scope="module")
-def mixed_built(tmp_path_factory, photos):
-    tmp = tmp_path_factory.mktemp("gpu_decode")
-    src = make_image_folder(tmp / "src", images=20, classes=2, seed=3)
-    for k, name in enumerate(KINDS):
-        (src / "class_01" / f"odd_{name}").write_bytes(kind_bytes(photos, name, seed=k))
-    build(src, tmp / "packed", workers=0, progress=False)
-    return tmp / "packed"
-
-
-@pytest.fixture
-def mixed(mixed_built, tmp_path):
-    """A packed dataset of 20 photo JPEGs in 2 classes plus one file of each odd kind.
-
-    A fresh copy per test (1.5 MB): DataLoader workers forked while the parent process has
-    a shard of the same file open cannot open it (py-lmdb refuses a second open).
-    """
-    return Path(shutil.copytree(mixed_built, tmp_path / "packed"))
-
-
 # -- JPEG headers ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -233,15 +169,10 @@ def test_center_crop_boxes_match_cpu_decoder(size, frac):
 
 # -- the batched resample --------------------------------------------------------------------
 
-def _photo_images(photos, n, seed=0):
-    rng = random.Random(seed)
-    return [Image.open(io.BytesIO(make_image(rng, photos))).convert("RGB") for _ in range(n)]
-
-
 @pytest.mark.parametrize("train", [True, False])
 def test_resample_crops_matches_pil(photos, train):
-    pil = _photo_images(photos, 6)
-    imgs = [_rgb_tensor(im) for im in pil]
+    pil = photo_images(photos, 6)
+    imgs = [rgb_tensor(im) for im in pil]
     sizes = torch.tensor([[im.height, im.width] for im in pil])
     g = torch.Generator().manual_seed(2)
     if train:
@@ -256,7 +187,7 @@ def test_resample_crops_matches_pil(photos, train):
         ref = im.resize((224, 224), Image.BILINEAR, box=tuple(boxes[k].tolist()), reducing_gap=None)
         if flips is not None and flips[k]:
             ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
-        d = (_rgb_tensor(ref).int() - out[k].int()).abs()
+        d = (rgb_tensor(ref).int() - out[k].int()).abs()
         worst, total = max(worst, int(d.max())), total + float(d.float().mean())
     assert worst <= 1 and total / 6 < 0.3  # PIL rounds between its two passes; we do not
     # Grouping (padding budget) and memory format change nothing but float rounding (the
@@ -275,11 +206,11 @@ def test_resample_crops_matches_pil(photos, train):
 
 
 def test_resample_crops_upscale_and_rectangular(photos):
-    im = _photo_images(photos, 1, seed=5)[0]
+    im = photo_images(photos, 1, seed=5)[0]
     box = torch.tensor([[10.0, 20.0, 50.0, 40.0]])  # 40 x 20 -> 96 x 128 (upscaling)
-    out = resample_crops([_rgb_tensor(im)], box, (96, 128),
+    out = resample_crops([rgb_tensor(im)], box, (96, 128),
                          out=torch.empty(1, 3, 96, 128, dtype=torch.uint8))
-    ref = _rgb_tensor(im.resize((128, 96), Image.BILINEAR, box=(10, 20, 50, 40), reducing_gap=None))
+    ref = rgb_tensor(im.resize((128, 96), Image.BILINEAR, box=(10, 20, 50, 40), reducing_gap=None))
     assert (ref.int() - out[0].int()).abs().max() <= 1
 
 
@@ -383,7 +314,7 @@ def test_eval_mode_matches_cpu_center_crop_maths(mixed):
     for k in range(6):
         im = ds[k][0]
         box = DecodeCenterCrop((200, 160), crop_fraction=0.9).box(*im.size)
-        ref = _rgb_tensor(im.resize((160, 200), Image.BILINEAR, box=box, reducing_gap=None))
+        ref = rgb_tensor(im.resize((160, 200), Image.BILINEAR, box=box, reducing_gap=None))
         assert (ref.int() - x[k].int()).abs().max() <= 1
     x2, _ = next(iter(dec))
     assert torch.equal(x, x2)  # evaluation is deterministic
@@ -541,7 +472,7 @@ def test_gpu_nvjpeg_pixels_match_cpu_decode(mixed, backend):
             continue
         data = torch.frombuffer(bytearray(rec["image"]), dtype=torch.uint8)
         gpu = decode([data], torch.device("cuda"))[0].cpu()
-        d = (gpu.int() - _rgb_tensor(ds[i][0]).int()).abs()
+        d = (gpu.int() - rgb_tensor(ds[i][0]).int()).abs()
         worst, means = max(worst, int(d.max())), means + [float(d.float().mean())]
     mean = sum(means) / len(means)
     _report("nvjpeg_vs_pil", {"backend": backend, "images": len(means), "max_abs": worst,

@@ -19,8 +19,7 @@ from packer.gpu import (GPUDecoder, GPUOptions, center_crop_boxes, make_gpu_load
                         random_resized_crop_boxes, resample_crops)
 from packer.gpu.resample import ImageTable
 
-from test_gpu_decode import _photo_images, _rgb_tensor, cuda
-from test_gpu_decode import mixed, mixed_built  # noqa: F401  (fixtures)
+from helpers import cuda, photo_images, rgb_tensor
 
 # Runs in a subprocess under the interpreter; prints one JSON line per case.
 _INTERPRETED = textwrap.dedent("""
@@ -115,8 +114,8 @@ def test_image_table_layouts():
 @pytest.mark.parametrize("train", [True, False])
 def test_gpu_kernel_matches_pil_and_matmul(photos, train):
     pytest.importorskip("triton")
-    pil = _photo_images(photos, 12, seed=4)
-    imgs = [_rgb_tensor(im).cuda() for im in pil]   # HWC memory, as CPU-decoded fallbacks
+    pil = photo_images(photos, 12, seed=4)
+    imgs = [rgb_tensor(im).cuda() for im in pil]   # HWC memory, as CPU-decoded fallbacks
     imgs[::2] = [im.contiguous() for im in imgs[::2]]  # planar, as nvJPEG writes them
     sizes = torch.tensor([[im.height, im.width] for im in pil])
     g = torch.Generator().manual_seed(9)
@@ -133,7 +132,7 @@ def test_gpu_kernel_matches_pil_and_matmul(photos, train):
         ref = im.resize((224, 224), Image.BILINEAR, box=tuple(boxes[k].tolist()), reducing_gap=None)
         if flips is not None and flips[k]:
             ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
-        worst = max(worst, int((_rgb_tensor(ref).int() - fused[k].int()).abs().max()))
+        worst = max(worst, int((rgb_tensor(ref).int() - fused[k].int()).abs().max()))
     assert worst <= 1 and int((fused.int() - mm.int()).abs().max()) <= 1
     scale = torch.tensor([0.01, 0.02, 0.03], device="cuda").view(1, 3, 1, 1)
     shift = torch.tensor([-1.0, 0.0, 1.0], device="cuda").view(1, 3, 1, 1)
@@ -169,19 +168,3 @@ def test_gpu_decode_flat_layout_and_fused_decoder(mixed):
         assert dec.resample == method
         out[method] = torch.cat([x.cpu() for x, _ in dec])
     assert int((out["triton"].int() - out["matmul"].int()).abs().max()) <= 1
-
-
-def test_gpu_bench_script_dry_run(tmp_path):
-    """scripts/bench_gpu_decode.py end to end on the CPU (PIL stands in for nvJPEG): data,
-    decode, augment, the GPUDecoder and the correctness section run and write their rows."""
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gpu_decode.py")
-    run = subprocess.run([sys.executable, script, "--dry-run", "--only", "agreement",
-                          "--root", str(tmp_path / "data"), "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert "errors" not in results, results["errors"]
-    assert results["agreement"]["labels_match"] is True
-    assert results["agreement"]["eval_vs_pil_full_decode_same_resize"]["max_abs"] <= 1
-    rows = (tmp_path / "out" / "results.md").read_text()
-    assert "crop+resize+flip+normalize only, matmul, train [stored]" in rows

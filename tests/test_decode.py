@@ -1,0 +1,200 @@
+"""packer/decode.py: ImageFolder's PIL RGB decode, the fused crop decoders, image_to_tensor."""
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from packer.decode import DecodeCenterCrop, DecodeRandomResizedCrop, image_to_tensor, open_image
+from packer.demo import load_photos, make_image
+
+
+def encode(im: Image.Image, fmt: str, **kw) -> bytes:
+    out = io.BytesIO()
+    im.save(out, fmt, **kw)
+    return out.getvalue()
+
+
+def as_tensor(im: Image.Image) -> torch.Tensor:
+    """(3, H, W) uint8, built independently of packer."""
+    w, h = im.size
+    return torch.tensor(list(im.convert("RGB").tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+
+
+def mean_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().mean().item()
+
+
+@pytest.fixture(scope="module")
+def photo_jpeg() -> bytes:
+    """A photo-like JPEG (shorter side 300-500 px)."""
+    return make_image(random.Random(1), load_photos())
+
+
+@pytest.fixture(scope="module")
+def photo() -> Image.Image:
+    return load_photos()[0].resize((240, 180), Image.BICUBIC)
+
+
+# -- open_image --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["jpeg", "gray_jpeg", "png_rgba", "png_palette", "png_la", "bmp"])
+def test_open_image_is_imagefolders_loader(photo, kind):
+    data = {
+        "jpeg": lambda: encode(photo, "JPEG", quality=90),
+        "gray_jpeg": lambda: encode(photo.convert("L"), "JPEG", quality=90),
+        "png_rgba": lambda: encode(photo.convert("RGBA"), "PNG"),
+        "png_palette": lambda: encode(photo.convert("P", palette=Image.ADAPTIVE, colors=16), "PNG"),
+        "png_la": lambda: encode(photo.convert("LA"), "PNG"),
+        "bmp": lambda: encode(photo, "BMP"),
+    }[kind]()
+    got = open_image(data)
+    want = Image.open(io.BytesIO(data)).convert("RGB")  # torchvision's pil_loader
+    assert got.mode == "RGB" and got.size == want.size == (240, 180)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_open_image_size_hint_is_a_draft_decode(photo_jpeg):
+    full = open_image(photo_jpeg)
+    w, h = full.size
+    small = open_image(photo_jpeg, size_hint=(w // 4, h // 4))
+    assert small.mode == "RGB"
+    assert w // 4 <= small.size[0] < w and h // 4 <= small.size[1] < h  # at least the hint
+    png = encode(full, "PNG")
+    assert open_image(png, size_hint=(8, 8)).size == (w, h)  # only JPEGs draft
+
+
+def test_open_image_exif_orientation(photo):
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees to display
+    data = encode(photo, "JPEG", quality=90, exif=exif.tobytes())
+    assert open_image(data).size == (240, 180)  # ImageFolder ignores EXIF orientation
+    assert open_image(data, exif_orientation=True).size == (180, 240)
+
+
+# -- image_to_tensor ---------------------------------------------------------------------------
+
+def test_image_to_tensor(photo):
+    t = image_to_tensor(photo)
+    assert t.shape == (3, 180, 240) and t.dtype == torch.uint8
+    assert torch.equal(t, as_tensor(photo))
+    assert tuple(t[:, 7, 11].tolist()) == photo.getpixel((11, 7))
+    assert t.stride() == (1, 240 * 3, 3)  # a (3, H, W) view of an HWC buffer
+    assert t.permute(1, 2, 0).is_contiguous()
+    assert t.unsqueeze(0).is_contiguous(memory_format=torch.channels_last)
+
+
+# -- the crop decoders -------------------------------------------------------------------------
+
+def reference(data: bytes, box, size, flip=False) -> torch.Tensor:
+    """The same crop from a full decode, with PIL only."""
+    oh, ow = size
+    im = Image.open(io.BytesIO(data)).convert("RGB").resize((ow, oh), Image.BILINEAR, box=box,
+                                                            reducing_gap=None)
+    if flip:
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    return as_tensor(im)
+
+
+@pytest.mark.parametrize("decoder", [DecodeCenterCrop(64), DecodeCenterCrop((48, 80)),
+                                     DecodeRandomResizedCrop(64), DecodeRandomResizedCrop((40, 56))])
+def test_crop_decoders_shape_dtype_layout(photo_jpeg, decoder):
+    random.seed(0)
+    t = decoder(photo_jpeg)
+    oh, ow = decoder.size
+    assert t.shape == (3, oh, ow) and t.dtype == torch.uint8
+    assert t.stride() == (1, ow * 3, 3)
+    assert t.unsqueeze(0).is_contiguous(memory_format=torch.channels_last)
+    assert torch.stack([t, t]).shape == (2, 3, oh, ow)
+
+
+@pytest.mark.parametrize("decoder", [DecodeCenterCrop(64), DecodeCenterCrop((48, 80), crop_fraction=1.0),
+                                     DecodeRandomResizedCrop(64), DecodeRandomResizedCrop(96, scale=(0.5, 1))])
+def test_crop_decoders_match_a_full_decode(photo_jpeg, photo, decoder):
+    """JPEG draft decoding must crop the same region as a full decode would (box scaled)."""
+    for seed in range(3):
+        for data in (photo_jpeg, encode(photo, "PNG")):
+            w, h = Image.open(io.BytesIO(data)).size
+            random.seed(seed)
+            box, flip = decoder.box(w, h), decoder.flip()
+            random.seed(seed)
+            got = decoder(data)
+            want = reference(data, box, decoder.size, flip)
+            if data[:2] == b"\xff\xd8":
+                assert mean_abs_diff(got, want) < 12, (seed, box)
+            else:
+                assert torch.equal(got, want)
+
+
+def test_center_crop_takes_the_center():
+    im = Image.new("RGB", (400, 300), (0, 0, 255))
+    im.paste((255, 0, 0), (100, 75, 300, 225))  # a red center, half of each side
+    data = encode(im, "PNG")
+    t = DecodeCenterCrop(32, crop_fraction=0.4)(data)  # 120 px of the 150 px red square
+    assert torch.equal(t, torch.tensor([255, 0, 0], dtype=torch.uint8).view(3, 1, 1).expand(3, 32, 32))
+    wide = DecodeCenterCrop(32, crop_fraction=1.0)(data)
+    assert (wide[2] == 255).any() and (wide[0] == 255).any()  # border and center both in view
+
+
+def test_center_crop_box_is_torchvisions_resize_then_crop():
+    # Resize(256) + CenterCrop(224) of a 500x375 image: 224 * 375/256 source pixels, centred.
+    x0, y0, x1, y1 = DecodeCenterCrop(224).box(500, 375)
+    side = 224 * 375 / 256
+    assert x1 - x0 == pytest.approx(side) and y1 - y0 == pytest.approx(side)
+    assert (x0 + x1) / 2 == pytest.approx(250) and (y0 + y1) / 2 == pytest.approx(187.5)
+
+
+def test_random_resized_crop_is_deterministic_under_random_seed(photo_jpeg):
+    d = DecodeRandomResizedCrop(48)
+    random.seed(123)
+    a = [d(photo_jpeg) for _ in range(3)]
+    random.seed(123)
+    b = [d(photo_jpeg) for _ in range(3)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], a[1])  # but varies from call to call
+
+
+def test_random_resized_crop_boxes_respect_scale_and_ratio():
+    d = DecodeRandomResizedCrop(64, scale=(0.25, 0.5), ratio=(0.8, 1.25))
+    random.seed(0)
+    for _ in range(200):
+        x0, y0, x1, y1 = d.box(500, 375)
+        assert 0 <= x0 < x1 <= 500 and 0 <= y0 < y1 <= 375
+        area = (x1 - x0) * (y1 - y0) / (500 * 375)
+        assert 0.24 <= area <= 0.51
+        assert 0.78 <= (x1 - x0) / (y1 - y0) <= 1.27
+
+
+def test_random_resized_crop_flips_half_the_time():
+    im = Image.new("RGB", (64, 64), (0, 0, 0))
+    im.paste((255, 255, 255), (32, 0, 64, 64))  # left black, right white
+    data = encode(im, "PNG")
+    whole = DecodeRandomResizedCrop(16, scale=(1, 1), ratio=(1, 1))
+    random.seed(1)
+    lefts = [whole(data)[0, 8, 0].item() for _ in range(100)]
+    assert set(lefts) == {0, 255} and 25 < lefts.count(255) < 75
+    never = DecodeRandomResizedCrop(16, scale=(1, 1), ratio=(1, 1), flip=False)
+    assert {never(data)[0, 8, 0].item() for _ in range(20)} == {0}
+
+
+def test_random_resized_crop_fallback_for_extreme_shapes():
+    d = DecodeRandomResizedCrop(32, scale=(0.9, 1.0), ratio=(1, 1))
+    random.seed(0)
+    x0, y0, x1, y1 = d.box(1000, 10)  # no square of 90% area fits: center crop at the ratio
+    assert (x1 - x0, y1 - y0) == (10, 10) and x0 == 495
+
+
+@pytest.mark.parametrize("kw", [dict(scale=(0, 1)), dict(scale=(0.5, 0.2)), dict(scale=(0.1, 1.5)),
+                                dict(ratio=(0, 1)), dict(ratio=(2, 1)), dict(ratio=(-1, 1))])
+def test_random_resized_crop_bad_arguments(kw):
+    with pytest.raises(ValueError, match="scale must be within"):
+        DecodeRandomResizedCrop(224, **kw)
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.01, 2])
+def test_center_crop_bad_fraction(fraction):
+    with pytest.raises(ValueError, match="crop_fraction must be in"):
+        DecodeCenterCrop(224, crop_fraction=fraction)

@@ -1,0 +1,60 @@
+"""packer/doctor.py: the environment as facts (doctor) and as lines (format_doctor, `packer doctor`)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from click.testing import CliRunner
+
+import packer
+from packer._system import pil_info, usable_cores
+from packer.cli import main
+from packer.doctor import doctor, format_doctor
+
+
+def test_doctor_facts():
+    d = doctor()
+    assert set(d) == {"packer", "python", "pil", "pil_summary", "torch", "cuda", "triton",
+                      "cores", "cpu_count"}
+    assert d["packer"] == packer.__version__
+    assert d["python"] == "%d.%d.%d" % sys.version_info[:3]
+    assert d["pil"] == pil_info()
+    assert d["torch"] == torch.__version__
+    assert (d["cuda"] is None) == (not torch.cuda.is_available())
+    assert d["triton"] is None or isinstance(d["triton"], str)
+    assert d["cores"] == usable_cores() and 1 <= d["cores"] <= d["cpu_count"] == os.cpu_count()
+
+
+def test_format_doctor_lines():
+    d = doctor()
+    lines = format_doctor(d).splitlines()
+    assert lines[0] == f"packer   {packer.__version__}"
+    assert lines[1] == f"python   {d['python']}"
+    assert lines[2] == f"PIL      {d['pil_summary']}"
+    assert lines[-1] == f"cores    {d['cores']} usable of {d['cpu_count']}"
+    torch_line = next(line for line in lines if line.startswith("torch    "))
+    assert torch_line.startswith(f"torch    {d['torch']}; CUDA ")
+    assert ("not available" in torch_line) == (d["cuda"] is None)
+    assert sum(line.startswith("triton   ") for line in lines) == 1
+
+
+def test_format_doctor_for_other_environments():
+    base = doctor()
+    simd = dict(base, pil=dict(base["pil"], simd=True), cuda="NVIDIA H100", triton="3.1.0")
+    text = format_doctor(simd)
+    assert "torch    " in text and "CUDA available: NVIDIA H100" in text
+    assert "triton   3.1.0: GPU decoding augments in one fused kernel" in text
+    assert "pillow-simd" not in text  # no hint when Pillow-SIMD is there
+    stock = dict(base, pil=dict(base["pil"], simd=False), cuda=None, triton=None)
+    text = format_doctor(stock)
+    assert "CUDA not available" in text
+    assert "triton   not available" in text and "pip install triton" in text
+    assert "Pillow-SIMD has SIMD resize and convert: pip uninstall -y pillow && pip install pillow-simd" in text
+
+
+def test_packer_doctor_command():
+    result = CliRunner().invoke(main, ["doctor"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"packer   {packer.__version__}\n")
+    assert "PIL      " in result.output and "cores    " in result.output

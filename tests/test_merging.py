@@ -1,0 +1,101 @@
+"""packer/merging.py: merged parts hold exactly the whole build's records.
+
+tests/test_builder.py covers the rest (no shard copied, relative shard paths, ImageFolder order
+of the parts, verify, the same folder given twice, a folder that is not a dataset)."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+import packer
+from packer import ShardReader, merge
+from packer.demo import make_image_folder
+from packer.errors import PackerError
+from packer.reader import read_labels, read_offsets
+
+
+def build(src, dst, **kw) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packer.build(src, dst, progress=False, workers=0, **kw)
+    return Path(dst)
+
+
+def contents(root):
+    """{source path: (label from labels.i32, record bytes)} of a dataset."""
+    r = ShardReader(root)
+    try:
+        labels = read_labels(root)
+        out = {}
+        for i in range(len(r)):
+            data = r.read(i)
+            out[r.record(i)["path"]] = (labels[i], data)
+        assert len(out) == len(r)  # no path twice
+        return out
+    finally:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """Source, whole build, and its two parts; read-only."""
+    base = tmp_path_factory.mktemp("merging")
+    src = make_image_folder(base / "src", images=24, classes=3)
+    whole = build(src, base / "whole")
+    parts = [build(src, base / f"p{k}", part=f"{k}/2") for k in range(2)]
+    return src, whole, parts
+
+
+def test_merged_parts_equal_the_whole_build(datasets, tmp_path):
+    src, whole, parts = datasets
+    m = merge(parts, tmp_path / "all")
+    assert m["count"] == 24 and len(m["shards"]) == sum(
+        len(json.loads((p / "manifest.json").read_text())["shards"]) for p in parts) >= 2
+    assert contents(tmp_path / "all") == contents(whole)
+    w = json.loads((whole / "manifest.json").read_text())
+    assert m["classes"] == w["classes"] and m["class_counts"] == w["class_counts"] == [8, 8, 8]
+    assert m["options"]["part"] is None and m["options"]["merged_from"] == [str(p) for p in parts]
+    # the merged offsets table is the parts' tables one after the other (offsets are per shard)
+    assert list(read_offsets(tmp_path / "all")) == list(read_offsets(parts[0])) + list(read_offsets(parts[1]))
+
+
+def test_merging_a_merged_dataset(datasets, tmp_path):
+    _, whole, parts = datasets
+    merge([parts[1]], tmp_path / "one")
+    merge([parts[0], tmp_path / "one"], tmp_path / "again" / "nested")
+    assert contents(tmp_path / "again" / "nested") == contents(whole)
+
+
+def test_the_same_part_built_twice_is_refused(datasets, tmp_path):
+    src, _, parts = datasets
+    again = build(src, tmp_path / "p0-again", part="0/2")
+    with pytest.raises(PackerError, match=r"p0-again is the same part as .*p0 .*duplicate its records"):
+        merge([parts[0], parts[1], again], tmp_path / "m")
+    assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_different_classes_are_refused(datasets, tmp_path):
+    _, _, parts = datasets
+    other = build(make_image_folder(tmp_path / "other_src", images=4, classes=2), tmp_path / "other")
+    with pytest.raises(PackerError, match="other has different classes from .*p0"):
+        merge([parts[0], other], tmp_path / "m")
+    assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_existing_dst_needs_overwrite(datasets, tmp_path):
+    _, whole, parts = datasets
+    dst = build(datasets[0], tmp_path / "dst", part="1/2")  # a finished dataset already there
+    before = (dst / "manifest.json").read_bytes()
+    with pytest.raises(PackerError, match="already holds a finished dataset; .*overwrite=True"):
+        merge(parts, dst)
+    assert (dst / "manifest.json").read_bytes() == before
+    merge(parts, dst, overwrite=True)
+    assert contents(dst) == contents(whole)
+
+
+def test_no_parts():
+    with pytest.raises(PackerError, match="at least one part"):
+        merge([], "/nonexistent/dst")

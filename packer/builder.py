@@ -29,8 +29,9 @@ from . import __version__
 from ._system import pil_summary, usable_cores
 from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
 from .errors import PackerError
+from ._fsio import fsync_dir, write_json_atomic
 from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, SHARD_PATTERN, crc32,
-                     fsync_dir, pack_record, write_json_atomic)
+                     pack_record)
 from .source import (IMG_EXTENSIONS, ImageList, is_utf8, parse_part, printable, read_list,
                      scan_folder, select)
 from .reader import shard_offsets

@@ -17,9 +17,10 @@ from typing import Any, Dict
 import msgpack
 
 from .errors import FormatError
+from .schema import validate_manifest
 
 FORMAT_NAME = "packer"
-FORMAT_VERSION = "1.0"  # major.minor: readers refuse a newer major, accept a newer minor
+FORMAT_VERSION = "1.1"  # major.minor: readers refuse a newer major, accept a newer minor
 MANIFEST = "manifest.json"
 LABELS = "labels.i32"  # little-endian int32, one per record, in global record order
 OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) per record: where its value sits in its shard
@@ -97,30 +98,10 @@ def read_manifest(root: os.PathLike) -> Dict[str, Any]:
         raise FormatError(f"{root} is not a packer dataset: {path} not found")
     try:
         man = json.loads(path.read_text("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path} is damaged ({e}); rebuild or re-stage the dataset") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise FormatError(f"{path} is damaged ({reason}); rebuild or re-stage the dataset") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
         raise FormatError(f"{path} is not a packer manifest")
     check_version(man.get("format_version", "?"), path)
-    return man
-
-
-def write_json_atomic(path: os.PathLike, obj: Any) -> None:
-    """Write-then-rename with fsyncs, so a crash leaves the old file or the new, never half."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return validate_manifest(man, str(path))

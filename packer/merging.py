@@ -9,7 +9,8 @@ from typing import Sequence
 
 from .builder import new_manifest
 from .errors import PackerError
-from .format import LABELS, MANIFEST, OFFSETS, read_manifest, write_json_atomic
+from ._fsio import write_json_atomic
+from .format import LABELS, MANIFEST, OFFSETS, read_manifest
 from .reader import read_labels, read_offsets
 from .writer import write_table
 

@@ -17,7 +17,8 @@ from typing import List, Optional, Tuple
 import lmdb
 
 from ._system import disk_full_as
-from .format import file_sha256, fsync_dir, key
+from ._fsio import fsync_dir
+from .format import file_sha256, key
 
 TXN_BYTES = 64 << 20   # one commit per ~64 MiB: few fsync-free commits, bounded RAM
 MIN_MAP = 64 << 20

@@ -19,6 +19,7 @@ from PIL import Image
 import packer
 from helpers import encode, image_files, imagefolder_rule, quiet_build
 from packer import format as fmt
+from packer._fsio import write_json_atomic
 from packer import writer as writer_mod
 from packer import merge
 from packer.errors import FormatError, PackerError
@@ -122,10 +123,10 @@ def test_newer_major_format_is_refused_with_a_clear_message(odd_built, tmp_path)
     shutil.copytree(odd_built, dst)
     man = json.loads((dst / "manifest.json").read_text("utf-8"))
     man["format_version"] = "1.7"  # newer minor: accepted
-    fmt.write_json_atomic(dst / "manifest.json", man)
+    write_json_atomic(dst / "manifest.json", man)
     assert len(PackedDataset(dst)) == man["count"]
     man["format_version"] = "2.0"
-    fmt.write_json_atomic(dst / "manifest.json", man)
+    write_json_atomic(dst / "manifest.json", man)
     for open_it in (fmt.read_manifest, ShardReader, PackedDataset, verify):
         with pytest.raises(FormatError, match=r"packer format 2\.0, newer than this packer "
                                               r"understands \(1\.\d+\); upgrade packer"):

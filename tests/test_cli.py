@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from helpers import image_files, imagefolder_rule
 from packer import __version__
 from packer.cli import Size, main
-from packer.format import read_manifest, write_json_atomic
+from packer._fsio import write_json_atomic
+from packer.format import FORMAT_VERSION, read_manifest
 
 
 def invoke(*args, code=0):
@@ -132,7 +133,7 @@ def test_info(odd_tree, built):
     i = json.loads(invoke("info", dst, "--json").stdout)
     assert i["count"] == m["count"] and i["bytes"] == m["bytes"]
     assert i["classes"] == imagefolder_rule(odd_tree.root)[0]
-    assert i["format_version"] == "1.0"
+    assert i["format_version"] == FORMAT_VERSION
     assert [set(s) >= {"path", "count", "bytes"} for s in i["shards"]] == [True]
     assert sorted(s["path"] for s in i["skipped"]) == sorted(odd_tree.bad)
     assert all(set(s) == {"path", "reason"} for s in i["skipped"])
@@ -147,7 +148,7 @@ def test_info_refuses_newer_major(built, tmp_path):
     for cmd in (["info"], ["info", "--json"], ["verify"], ["ls"], ["cat"]):
         res = invoke(*cmd, dst, *(["0"] if cmd == ["cat"] else []), code=1)
         assert res.stderr == (f"Error: {dst / 'manifest.json'} was written in packer format 2.1, newer "
-                              f"than this packer understands (1.0); upgrade packer (pip install -U packer)\n")
+                              f"than this packer understands ({FORMAT_VERSION}); upgrade packer (pip install -U packer)\n")
         assert res.stdout == ""
 
 

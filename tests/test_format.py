@@ -16,7 +16,8 @@ from packer.demo import load_photos, make_image, make_image_folder
 from packer.errors import FormatError, PackerError
 from packer.format import (FORMAT_NAME, FORMAT_VERSION, HASH_CHUNK, MANIFEST, RECORD_FIELDS,
                            check_version, crc32, file_sha256, key, pack_record, read_manifest,
-                           unpack_record, write_json_atomic)
+                           unpack_record)
+from packer._fsio import write_json_atomic
 from packer.writer import ShardWriter
 
 

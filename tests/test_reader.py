@@ -18,7 +18,8 @@ import packer
 from packer import ShardReader
 from packer.demo import make_image_folder
 from packer.errors import FormatError
-from packer.format import key, unpack_record, write_json_atomic
+from packer._fsio import write_json_atomic
+from packer.format import key, unpack_record
 from packer.reader import read_labels, read_offsets, shard_entry_count
 
 

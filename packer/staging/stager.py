@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 from .. import __version__
 from .._system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
-from ..format import (LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, fsync_dir, read_manifest,
-                      write_json_atomic)
+from .._fsio import fsync_dir, write_json_atomic
+from ..format import LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, read_manifest
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult, UnstageResult
 

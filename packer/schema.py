@@ -1,0 +1,149 @@
+"""Every manifest field checked before it drives any work.
+
+A manifest comes from whoever made the dataset. Its numbers decide how much is read,
+allocated and copied, and its paths decide which files are opened, so each one is checked
+here: types, ranges, sums, and paths (``docs/security.md``). A bad manifest is a
+``FormatError`` naming the field, never a ``TypeError``, ``KeyError`` or a runaway loop.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+from typing import Any, Dict, List
+
+from .errors import FormatError
+
+MIN_RECORD_BYTES = 16  # an LMDB entry takes at least its node header and 8-byte key
+SHA256 = re.compile(r"[0-9a-f]{64}")
+TABLE_WIDTH = {"labels": 4, "offsets": 16}  # bytes per record of each side table
+
+
+def is_plain_name(name: Any) -> bool:
+    """A file name inside one folder: no separator, no NUL, not hidden, not ``.``/``..``."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not name.startswith(".")
+            and "/" not in name and "\\" not in name and "\0" not in name)
+
+
+def shard_path_problem(path: Any) -> str:
+    """Why ``path`` cannot be a shard path, or "": a plain name in the dataset folder, or
+    ``PART/NAME`` with PART a relative folder (``../part-0``: a merge's part) and NAME plain."""
+    if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
+        return "must be a relative '/'-separated path"
+    p = PurePosixPath(path)
+    if p.is_absolute() or str(p) != path:
+        return "must be relative and normalized (no leading '/', './' or '//')"
+    *folders, name = p.parts
+    if not is_plain_name(name):
+        return "must end in a plain file name"
+    ups = 0
+    while ups < len(folders) and folders[ups] == "..":
+        ups += 1
+    if any(not is_plain_name(f) for f in folders[ups:]):
+        return "may go up ('..') only at its start"
+    return ""
+
+
+class _Check:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, what: str) -> FormatError:
+        return FormatError(f"{self.where}: field {field!r} {what}; the manifest is damaged or "
+                           f"not from packer (rebuild or re-stage the dataset)")
+
+    def int(self, obj: dict, key: str, field: str, low: int = 0) -> int:
+        v = obj.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise self.fail(field, f"must be an integer >= {low}, got {v!r}"[:200])
+        return v
+
+    def str(self, obj: dict, key: str, field: str, optional: bool = False) -> None:
+        v = obj.get(key)
+        if not (isinstance(v, str) or optional and v is None):
+            raise self.fail(field, f"must be a string, got {type(v).__name__}")
+
+    def sha(self, obj: dict, field: str) -> None:
+        v = obj.get("sha256")
+        if not isinstance(v, str) or not SHA256.fullmatch(v):
+            raise self.fail(field, "must be a 64-digit lowercase hex SHA-256")
+
+    def dict(self, obj: dict, key: str, field: str, optional: bool = False) -> Dict[str, Any]:
+        v = obj.get(key)
+        if optional and v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise self.fail(field, f"must be an object, got {type(v).__name__}")
+        return v
+
+    def list(self, obj: dict, key: str, field: str) -> List[Any]:
+        v = obj.get(key)
+        if not isinstance(v, list):
+            raise self.fail(field, f"must be a list, got {type(v).__name__}")
+        return v
+
+
+def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
+    """``man`` if every field packer reads is well formed and consistent, else FormatError."""
+    c = _Check(where)
+    if not isinstance(man, dict):
+        raise FormatError(f"{where} is not a packer manifest (not a JSON object)")
+    count = c.int(man, "count", "count")
+    total = c.int(man, "bytes", "bytes")
+    _classes(c, man)
+    shards = c.list(man, "shards", "shards")
+    if not shards:
+        raise c.fail("shards", "lists no shard")
+    seen = set()
+    for k, s in enumerate(shards):
+        field = f"shards[{k}]"
+        if not isinstance(s, dict):
+            raise c.fail(field, "must be an object")
+        problem = shard_path_problem(s.get("path"))
+        if problem:
+            raise c.fail(f"{field}.path", problem)
+        if s["path"] in seen:
+            raise c.fail(f"{field}.path", f"repeats {s['path']!r} (its records would count twice)")
+        seen.add(s["path"])
+        n, size = c.int(s, "count", f"{field}.count"), c.int(s, "bytes", f"{field}.bytes")
+        if n * MIN_RECORD_BYTES > size:
+            raise c.fail(f"{field}.count", f"says {n} records in {size} bytes: impossible")
+        c.sha(s, f"{field}.sha256")
+    if sum(s["count"] for s in shards) != count:
+        raise c.fail("count", f"is {count}, the shards hold {sum(s['count'] for s in shards)}")
+    if sum(s["bytes"] for s in shards) != total:
+        raise c.fail("bytes", f"is {total}, the shards' sizes add up to "
+                              f"{sum(s['bytes'] for s in shards)}")
+    for kind, width in TABLE_WIDTH.items():
+        if kind == "offsets" and man.get(kind) is None:
+            continue  # optional
+        t = c.dict(man, kind, kind)
+        if not is_plain_name(t.get("path")):
+            raise c.fail(f"{kind}.path", "must be a plain file name in the dataset folder")
+        if c.int(t, "bytes", f"{kind}.bytes") != width * count:
+            raise c.fail(f"{kind}.bytes", f"must be {width} x count = {width * count}")
+        c.sha(t, f"{kind}.sha256")
+    for k, s in enumerate(c.list(man, "skipped", "skipped")):
+        if not isinstance(s, dict):
+            raise c.fail(f"skipped[{k}]", "must be an object")
+        c.str(s, "path", f"skipped[{k}].path")
+        c.str(s, "reason", f"skipped[{k}].reason")
+    c.dict(man, "options", "options", optional=True)
+    c.dict(man, "staged", "staged", optional=True)
+    for key in ("source", "pil", "created", "packer_version", "build_id"):
+        c.str(man, key, key, optional=True)
+    return man
+
+
+def _classes(c: _Check, man: dict) -> None:
+    classes = c.list(man, "classes", "classes")
+    if not all(isinstance(x, str) for x in classes):
+        raise c.fail("classes", "must be a list of strings")
+    if len(set(classes)) != len(classes):
+        raise c.fail("classes", "repeats a class name")
+    idx = man.get("class_to_idx")
+    if idx is not None and idx != {name: i for i, name in enumerate(classes)}:
+        raise c.fail("class_to_idx", "does not match classes")
+    counts = man.get("class_counts")
+    if counts is not None and (not isinstance(counts, list) or len(counts) != len(classes) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)):
+        raise c.fail("class_counts", "must list one count >= 0 per class")

@@ -34,7 +34,7 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, SHA
                      pack_record)
 from .source import (IMG_EXTENSIONS, ImageList, is_utf8, parse_part, printable, read_list,
                      scan_folder, select)
-from .reader import shard_offsets
+from .shardfile import shard_records
 from .writer import ShardWriter, disk_errors, existing_shard_ok, write_table
 
 JOURNAL = ".packer-build.json"
@@ -326,14 +326,11 @@ def remove_dataset_files(dst: Path) -> None:
             p.unlink()
 
 
-def _offsets(dst: Path, shards: List[dict]) -> Optional[array]:
+def _offsets(dst: Path, shards: List[dict]) -> array:
     """Every record's byte range in its shard, read once now so readers never walk LMDB."""
     table = array("Q")
     for s in shards:
-        part = shard_offsets(dst / s["path"])
-        if part is None:
-            return None
-        table.extend(part)
+        table.extend(shard_records(dst / s["path"]))
     return table
 
 
@@ -342,8 +339,7 @@ def _finish(dst: Path, source: ImageList, shards: List[dict], skipped: List[dict
     count = sum(s["count"] for s in shards)
     assert count == len(labels), (count, len(labels))
     label_entry = write_table(dst, LABELS, labels)
-    offsets = _offsets(dst, shards)
-    offsets_entry = write_table(dst, OFFSETS, offsets) if offsets is not None else None
+    offsets_entry = write_table(dst, OFFSETS, _offsets(dst, shards))
     class_counts = [0] * len(source.classes)
     for lab in labels:
         class_counts[lab] += 1

@@ -191,7 +191,8 @@ def info(dst, as_json):
 
 @main.command()
 @click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
-@click.option("--quick", is_flag=True, help="Check structure and shard checksums only, not every record.")
+@click.option("--quick", is_flag=True, help="Check structure, checksums and labels only: records are "
+                                            "not read, decoded or compared with labels.i32.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @library_errors
 def verify(dst, quick, quiet):
@@ -201,7 +202,8 @@ def verify(dst, quick, quiet):
     rep = run_verify(dst, quick=quick, progress=not quiet)
     if rep.ok:
         what = "shards" if quick else f"shards and {rep.checked_records} records"
-        click.echo(f"OK: {rep.checked_shards} {what} verified in {dst}")
+        note = f"; {rep.skipped_checks}" if rep.skipped_checks else ""
+        click.echo(f"OK: {rep.checked_shards} {what} verified in {dst}{note}")
         return
     for p in rep.problems:
         click.echo(p, err=True)

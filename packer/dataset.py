@@ -11,7 +11,6 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from torch.utils.data import Dataset
 
-from .format import unpack_record
 from .decode import open_image
 from .reader import ShardReader, read_labels
 
@@ -27,14 +26,17 @@ class PackedDataset(Dataset):
             ``DecodeCenterCrop(224)`` for uint8 tensors decoded at reduced size (the fast
             path for ``make_loader``), or any ``bytes -> sample`` callable.
         exif_orientation: rotate by the EXIF tag (ImageFolder does not, hence off).
+        verify_crc: check each record's CRC-32 as it is read (a ``FormatError`` names a
+            damaged record), for storage one does not trust; off by default (``packer
+            verify`` checks every record once).
     """
 
     def __init__(self, root: os.PathLike, transform: Optional[Callable] = None,
                  target_transform: Optional[Callable] = None, *,
                  decode: Optional[Callable[[bytes], Any]] = None,
-                 exif_orientation: bool = False):
+                 exif_orientation: bool = False, verify_crc: bool = False):
         self.root = os.fspath(root)
-        self.reader = ShardReader(root)
+        self.reader = ShardReader(root, verify_crc=verify_crc)
         self.manifest = self.reader.manifest
         self.transform = transform
         self.target_transform = target_transform
@@ -57,7 +59,7 @@ class PackedDataset(Dataset):
 
     def load(self, index: int) -> dict:
         """The raw record: ``image`` bytes, ``label``, ``path``, ``width``, ``height``..."""
-        return unpack_record(self.reader.read(index))
+        return self.reader.record(index)
 
     def __getitem__(self, index: int) -> Tuple[Any, Any]:
         return to_sample(self.load(index), self.decode, self.transform, self.target_transform,

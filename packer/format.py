@@ -27,7 +27,9 @@ OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) per record: whe
 TABLES = (("labels", LABELS), ("offsets", OFFSETS))  # per-record side tables: manifest key, file name
 SHARD_PATTERN = "shard-{:05d}.lmdb"
 KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
-RECORD_FIELDS = ("image", "label", "path", "width", "height", "format", "mode", "crc32")
+RECORD_TYPES = {"image": bytes, "label": int, "path": str, "width": int, "height": int,
+                "format": str, "mode": str, "crc32": int}
+RECORD_FIELDS = tuple(RECORD_TYPES)
 HASH_CHUNK = 8 << 20
 
 
@@ -61,6 +63,15 @@ def unpack_record(data: bytes) -> Dict[str, Any]:
 def _refuse_ext(code: int, data: bytes):
     raise FormatError(f"record holds a msgpack extension type ({code}); packer records are "
                       f"plain data (a damaged or foreign shard)")
+
+
+def record_problem(rec: Dict[str, Any]) -> str:
+    """What is wrong with an unpacked record's fields (names and types), or ""."""
+    for name, kind in RECORD_TYPES.items():
+        value = rec.get(name)
+        if not isinstance(value, kind) or kind is int and isinstance(value, bool):
+            return f"field {name!r} is {type(value).__name__}, not {kind.__name__}"
+    return ""
 
 
 def file_sha256(path: os.PathLike, progress=None) -> str:

@@ -4,15 +4,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Tuple
 
 from tqdm.auto import tqdm
 
 from .errors import FormatError
-from .format import TABLES, crc32, file_sha256, read_manifest, unpack_record
+from .format import TABLES, crc32, file_sha256, read_manifest, record_problem, unpack_record
 from ._system import human_size
-from .check import BadImage, check_image
-from .reader import ShardReader, read_labels, shard_entry_count
+from .check import DEFAULT_MAX_PIXELS, BadImage, check_image
+from .reader import ShardReader, read_labels
+from .shardfile import shard_records
+from .source import printable
 
 
 def info(root: os.PathLike) -> dict:
@@ -66,54 +68,82 @@ class Report:
     checked_shards: int = 0
     checked_records: int = 0
     problems: List[str] = field(default_factory=list)
+    skipped_checks: str = ""  # what a quick check did not look at
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> Report:
-    """Check every shard's size, checksum and record count, then (unless ``quick``) every
-    record: it unpacks, its image checksum matches, it decodes, and its label matches labels.i32.
+QUICK_SKIPS = "records were not read, decoded or compared with labels.i32 (quick)"
 
-    A shard whose checksum is wrong still has its records checked, so the report names the
-    damaged records; a missing or wrong-sized one does not (it cannot be read safely).
+
+def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> Report:
+    """Check what training relies on, and report every problem found.
+
+    Always: the manifest's fields (``read_manifest``), every shard's size, SHA-256 and LMDB
+    structure (every page pointer inside the file, keys 0..N-1, the record count), the side
+    tables' checksums, and labels within ``classes``. Unless ``quick``: every record
+    unpacks to the documented field types, its image matches its CRC-32 and decodes within
+    the pixel limit the dataset was built with, and its label equals ``labels.i32``'s.
+    A shard whose checksum is wrong still has its records checked, so the report names
+    the damaged records; one that is missing, of the wrong size or malformed does not.
     """
     root = Path(root)
     m = read_manifest(root)
-    rep = Report()
-    unreadable = False
-    total = sum(s["bytes"] for s in m["shards"])
-    with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress) as bar:
-        for s in m["shards"]:
-            p = root / s["path"]
-            if not p.is_file():
-                rep.problems.append(f"{s['path']}: missing")
-                unreadable = True
-                continue
-            if p.stat().st_size != s["bytes"]:
-                rep.problems.append(f"{s['path']}: size {p.stat().st_size} != manifest {s['bytes']}")
-                unreadable = True
-                continue
-            if file_sha256(p, bar.update) != s["sha256"]:
-                rep.problems.append(f"{s['path']}: sha256 does not match the manifest")
-            problem = _entries_problem(p, s["count"])
-            if problem:
-                rep.problems.append(f"{s['path']}: {problem}")
-            rep.checked_shards += 1
+    rep = Report(skipped_checks=QUICK_SKIPS if quick else "")
+    readable = _check_shards(root, m, rep, progress)
     for kind, _ in TABLES:
-        t = m.get(kind, {})
+        t = m.get(kind)
         if t and (root / t["path"]).is_file() and file_sha256(root / t["path"]) != t["sha256"]:
             rep.problems.append(f"{t['path']}: sha256 does not match the manifest")
-    if sum(s["count"] for s in m["shards"]) != m["count"]:
-        rep.problems.append("manifest count differs from the sum of its shards' counts")
-    if quick or unreadable:
-        return rep
     try:
         labels = read_labels(root, m)
     except FormatError as e:
         rep.problems.append(str(e))
         return rep
+    bad = sum(1 for lab in labels if not 0 <= lab < len(m["classes"]))
+    if bad:
+        rep.problems.append(f"labels.i32: {bad} label(s) outside 0..{len(m['classes']) - 1} "
+                            f"(the dataset has {len(m['classes'])} classes)")
+    if not quick and readable:
+        _check_records(root, m, labels, rep, progress)
+    return rep
+
+
+def _check_shards(root: Path, m: dict, rep: Report, progress: bool) -> bool:
+    """Sizes, checksums and structure; False if some shard cannot be read safely."""
+    readable = True
+    with tqdm(total=m["bytes"], unit="B", unit_scale=True, desc="checksums",
+              disable=not progress) as bar:
+        for s in m["shards"]:
+            p = root / s["path"]
+            if not p.is_file():
+                rep.problems.append(f"{s['path']}: missing")
+                readable = False
+                continue
+            if p.stat().st_size != s["bytes"]:
+                rep.problems.append(f"{s['path']}: size {p.stat().st_size} != manifest {s['bytes']}")
+                readable = False
+                continue
+            if file_sha256(p, bar.update) != s["sha256"]:
+                rep.problems.append(f"{s['path']}: sha256 does not match the manifest")
+            try:
+                entries = len(shard_records(p)) // 2
+            except FormatError as e:
+                rep.problems.append(f"{s['path']}: {e}")
+                readable = False
+                continue
+            if entries != s["count"]:
+                rep.problems.append(f"{s['path']}: holds {entries} records, the manifest says {s['count']}")
+            rep.checked_shards += 1
+    return readable
+
+
+def _check_records(root: Path, m: dict, labels, rep: Report, progress: bool) -> None:
+    max_pixels = (m.get("options") or {}).get("max_pixels") or DEFAULT_MAX_PIXELS
+    if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < 1:
+        max_pixels = DEFAULT_MAX_PIXELS
     reader = ShardReader(root, m)
     try:
         for i in tqdm(range(len(reader)), unit="rec", desc="records", disable=not progress):
@@ -121,32 +151,24 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> 
             rep.checked_records += 1
             try:
                 rec = unpack_record(reader.read(i))
-            except Exception as e:
+            except FormatError as e:
                 rep.problems.append(f"{where}: unreadable: {e}")
                 continue
-            if crc32(rec["image"]) != rec.get("crc32"):
-                rep.problems.append(f"{where} {rec.get('path')}: image checksum mismatch")
-            elif rec.get("label") != labels[i]:
-                rep.problems.append(f"{where} {rec.get('path')}: label {rec.get('label')} != labels.i32 {labels[i]}")
+            problem = record_problem(rec)
+            if problem:
+                rep.problems.append(f"{where}: {problem}")
+            elif crc32(rec["image"]) != rec["crc32"]:
+                rep.problems.append(f"{where} {printable(rec['path'])}: image checksum mismatch")
+            elif rec["label"] != labels[i]:
+                rep.problems.append(f"{where} {printable(rec['path'])}: label {rec['label']} != "
+                                    f"labels.i32 {labels[i]}")
             else:
                 try:
-                    check_image(rec["image"], max_pixels=1 << 62)
+                    check_image(rec["image"], max_pixels=max_pixels)
                 except BadImage as e:
-                    rep.problems.append(f"{where} {rec.get('path')}: does not decode: {e}")
+                    rep.problems.append(f"{where} {printable(rec['path'])}: does not decode: {e}")
     finally:
         reader.close()
-    return rep
-
-
-def _entries_problem(path: Path, count: int) -> Optional[str]:
-    """None if the shard holds exactly ``count`` records, else what is wrong with it."""
-    try:
-        entries = shard_entry_count(path)
-    except Exception as e:  # lmdb.Error: not an LMDB file, damaged header
-        return f"cannot be opened as LMDB ({e})"
-    if entries != count:
-        return f"holds {entries} records, the manifest says {count}"
-    return None
 
 
 def ls(root: os.PathLike) -> Iterator[Tuple[int, int, str]]:

@@ -1,54 +1,64 @@
-"""Reading shards: global index -> record bytes, one lazily opened set of envs per process.
+"""Reading shards: global index -> record bytes, with one ``pread`` per record.
 
-LMDB environments must never cross a fork (their locks and maps are per process), so the
-reader opens them on first use in whichever process reads, and pickles without them.
+Each record is fetched at the byte range ``offsets.u64`` gives (written at build time), or,
+for datasets without that table, the ranges ``shardfile`` reads from the shard's B-tree once
+when the reader is made. Nothing goes through an LMDB memory map: a damaged or crafted
+shard is a ``FormatError``, never a SIGBUS, and a 70 KB JPEG is one I/O, not ~17 page faults
+(docs/benchmarks.md). File descriptors open lazily in whichever process reads, so a reader
+pickles into DataLoader workers without them.
 
-Each record is fetched with one ``pread`` at the byte range that ``offsets.u64`` (written
-at build time) gives, not through LMDB's map: py-lmdb touches every page of a value it
-returns, and with ``readahead=False`` (right for random access, or the page cache fills
-with neighbours never read) each touch is one 4 KiB disk read — ~17 I/Os for a 70 KB JPEG,
-measured 0.07x the image folder's speed on a throttled disk (docs/benchmarks.md). The pread is one I/O,
-and sequential preads get the kernel's per-file readahead for free. Datasets without the
-offsets table (built off Linux) are read through LMDB.
+A reader remembers which files it was made from (device, inode, size, mtime) and the
+dataset's ``build_id``: a process that opens a shard later (a worker started after the
+dataset was re-staged in place) gets a ``FormatError`` instead of records of another
+dataset read with this one's offsets and labels.
 """
 from __future__ import annotations
 
 import bisect
-import ctypes
 import os
+import stat
 import sys
 from array import array
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
-
-import lmdb
+from typing import List, Optional, Tuple
 
 from .errors import FormatError
-from .format import LABELS, OFFSETS, key, read_manifest, unpack_record
+from .format import MANIFEST, crc32, read_manifest, unpack_record
+from .schema import TABLE_WIDTH
+from .shardfile import shard_entries, shard_records
+
+__all__ = ["ShardReader", "read_labels", "read_offsets", "shard_entry_count"]
+
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 class ShardReader:
-    """Random access to the records of a dataset (all its shards)."""
+    """Random access to the records of a dataset (all its shards).
 
-    def __init__(self, root: os.PathLike, manifest: Optional[dict] = None):
+    ``verify_crc``: check each record's CRC-32 against its image bytes as it is read (about
+    1 GB/s per core: cheap beside decoding), for storage one does not trust.
+    """
+
+    def __init__(self, root: os.PathLike, manifest: Optional[dict] = None, *,
+                 verify_crc: bool = False):
         self.root = Path(root)
         self.manifest = manifest if manifest is not None else read_manifest(self.root)
+        self.verify_crc = bool(verify_crc)
+        self.build_id = self.manifest.get("build_id")
         self.paths = [self.root / s["path"] for s in self.manifest["shards"]]
         # Cumulative counts per *shard* (a handful of ints): index maths without per-sample lists.
         self.starts = [0]
         for s in self.manifest["shards"]:
             self.starts.append(self.starts[-1] + s["count"])
-        for p, s in zip(self.paths, self.manifest["shards"]):
-            if not p.is_file():
-                raise FormatError(f"shard {p} listed in {self.root / 'manifest.json'} is missing; "
-                                  f"re-stage or rebuild the dataset")
-            size = p.stat().st_size
-            if size != s["bytes"]:  # a short file would be mapped and read past its end: SIGBUS
-                raise FormatError(f"shard {p} is {size} bytes but {self.root / 'manifest.json'} says "
-                                  f"{s['bytes']} (an incomplete copy?); re-stage or rebuild the dataset")
-        self.offsets = read_offsets(self.root, self.manifest)  # (offset, length) pairs, or None
+        self.identity = [_identity(p, s, self.root) for p, s in zip(self.paths, self.manifest["shards"])]
+        offsets = read_offsets(self.root, self.manifest)
+        if offsets is None:  # older datasets: read each shard's tree once, here
+            offsets = array("Q")
+            for p in self.paths:
+                offsets.extend(shard_records(p))
+        self.offsets = offsets  # (offset, length) pairs
         self._pid: Optional[int] = None
-        self._open: List[Optional[_Shard]] = []
+        self._fds: List[Optional[int]] = []
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -63,48 +73,49 @@ class ShardReader:
         shard = bisect.bisect_right(self.starts, index) - 1
         return shard, index - self.starts[shard]
 
-    def _shard(self, shard: int) -> "_Shard":
+    def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():  # first use in this process (or we were forked): reopen
-            self._open, self._pid = [None] * len(self.paths), os.getpid()
-        if self._open[shard] is None:
-            self._open[shard] = _Shard.get(self.paths[shard])
-        return self._open[shard]
+            self._fds, self._pid = [None] * len(self.paths), os.getpid()
+        fd = self._fds[shard]
+        if fd is None:
+            fd = os.open(self.paths[shard], READ_FLAGS)
+            st = os.fstat(fd)
+            if _stat_identity(st) != self.identity[shard]:
+                os.close(fd)
+                raise FormatError(
+                    f"{self.paths[shard]} was replaced after this dataset was opened (re-staged "
+                    f"or rebuilt in place?): its records no longer match the offsets and labels "
+                    f"read then. Open the dataset again (a new PackedDataset) to read the new files")
+            self._fds[shard] = fd
+        return fd
 
     def read(self, index: int) -> bytes:
         """The raw msgpack record at global ``index``."""
         shard, local = self.locate(index)
-        sh = self._shard(shard)
-        if self.offsets is not None:
-            i = 2 * (self.starts[shard] + local)
-            offset, length = self.offsets[i], self.offsets[i + 1]
-            data = os.pread(sh.fd, length, offset)
-            if len(data) != length:
-                raise FormatError(f"{self.paths[shard]} is shorter than its offsets say; damaged shard")
-            return data
-        view = sh.lookup(local)
-        if view is None:
-            raise FormatError(f"{self.paths[shard]} has no record {local}; the shard is damaged "
-                              f"(run `packer verify {self.root}`)")
-        if sh.base is None:  # no /proc/self/maps (not Linux): copy through the map
-            return bytes(view)
-        data = os.pread(sh.fd, len(view), _address(view) - sh.base)
-        if len(data) != len(view):
-            raise FormatError(f"{self.paths[shard]} is shorter than its index says; damaged shard")
+        i = 2 * (self.starts[shard] + local)
+        offset, length = self.offsets[i], self.offsets[i + 1]
+        data = os.pread(self._fd(shard), length, offset)
+        if len(data) != length:
+            raise FormatError(f"{self.paths[shard]} is shorter than its offsets say; damaged shard")
         return data
 
     def record(self, index: int) -> dict:
-        return unpack_record(self.read(index))
+        rec = unpack_record(self.read(index))
+        if self.verify_crc and crc32(rec["image"]) != rec.get("crc32"):
+            raise FormatError(f"record {index} of {self.root}: its image fails its CRC-32 check "
+                              f"(damaged storage?); run `packer verify {self.root}`")
+        return rec
 
     def close(self) -> None:
         if self._pid == os.getpid():
-            for sh in self._open:
-                if sh is not None:
-                    sh.release()
-        self._open, self._pid = [], None
+            for fd in self._fds:
+                if fd is not None:
+                    os.close(fd)
+        self._fds, self._pid = [], None
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_open"], state["_pid"] = [], None  # never pickle an open environment
+        state["_fds"], state["_pid"] = [], None  # descriptors stay in their process
         return state
 
     def __del__(self):
@@ -114,189 +125,69 @@ class ShardReader:
             pass
 
 
-class _Shard:
-    """One open shard, shared by every reader of that file in this process.
+def _stat_identity(st: os.stat_result) -> Tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
-    py-lmdb refuses to open one file twice in a process, so two datasets over the same
-    shards (train and val views, say) must share the environment; a refcount closes it.
-    Entries are keyed by pid as well, so a forked child never touches its parent's.
-    """
-    _cache: Dict[Tuple[int, int, int], "_Shard"] = {}
 
-    def __init__(self, path: Path, ident):
-        self.ident, self.refs, self.path = ident, 0, path
-        self.fd = os.open(path, os.O_RDONLY)
-        self.env = self.txn = self.base = None
-
-    def lmdb(self) -> lmdb.Environment:
-        """The shard's environment, opened on first need (reads with offsets never need it)."""
-        if self.env is None:
-            self.env = open_env(self.path)
-            self.txn = self.env.begin(buffers=True)  # one long read txn: the data never changes
-            self.base = _map_base(self.fd)
-        return self.env
-
-    def lookup(self, local: int) -> Optional[memoryview]:
-        """The value at ``local`` through LMDB (only for datasets without an offsets table)."""
-        self.lmdb()
-        return self.txn.get(key(local))
-
-    @classmethod
-    def get(cls, path: Path) -> "_Shard":
-        pid = os.getpid()
-        if any(k[0] != pid for k in cls._cache):
-            cls._drop_inherited(pid)
+def _identity(path: Path, entry: dict, root: Path) -> Tuple[int, int, int, int]:
+    """The shard file as found now, checked against its manifest entry: a regular file of the
+    size the manifest says (a merge's part folders must be packer datasets themselves)."""
+    if "/" in entry["path"] and not (path.parent / MANIFEST).is_file():
+        raise FormatError(f"shard {entry['path']} in {root / MANIFEST} lies in {path.parent}, "
+                          f"which is not a packer dataset (a merged dataset's parts are)")
+    try:
         st = os.stat(path)
-        ident = (pid, st.st_dev, st.st_ino)
-        sh = cls._cache.get(ident)
-        if sh is None:
-            sh = cls._cache[ident] = cls(path, ident)
-        sh.refs += 1
-        return sh
-
-    @classmethod
-    def _drop_inherited(cls, pid: int) -> None:
-        """In a forked child, close this process's copies of the parent's environments.
-
-        py-lmdb's "already open in this process" registry survives fork, so the child could
-        not open those shards again; and the inherited mapping of the same file would also
-        confuse ``_map_base``. Closing the copies here leaves the parent's untouched.
-        """
-        for ident in [k for k in cls._cache if k[0] != pid]:
-            sh = cls._cache.pop(ident)
-            try:
-                if sh.env is not None:
-                    sh.env.close()  # also ends its read transaction
-            except Exception:
-                pass
-            try:
-                st = os.fstat(sh.fd)
-                if (st.st_dev, st.st_ino) == ident[1:]:  # still the inherited descriptor
-                    os.close(sh.fd)
-            except OSError:
-                pass
-
-    def release(self) -> None:
-        self.refs -= 1
-        if self.refs <= 0 and self._cache.pop(self.ident, None) is not None:
-            if self.env is not None:
-                self.txn.abort()
-                self.env.close()
-            os.close(self.fd)
+    except FileNotFoundError:
+        raise FormatError(f"shard {path} listed in {root / MANIFEST} is missing; re-stage or "
+                          f"rebuild the dataset") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"shard {path} is not a regular file")
+    if st.st_size != entry["bytes"]:
+        raise FormatError(f"shard {path} is {st.st_size} bytes but {root / MANIFEST} says "
+                          f"{entry['bytes']} (an incomplete copy?); re-stage or rebuild the dataset")
+    return _stat_identity(st)
 
 
 def shard_entry_count(path: os.PathLike) -> int:
-    """How many records the LMDB file at ``path`` holds (raises ``lmdb.Error`` if it is not
-    one). Shares the process's open environment of that file, if any: py-lmdb refuses a
-    second one."""
-    sh = _Shard.get(Path(path))
-    try:
-        return sh.lmdb().stat()["entries"]
-    finally:
-        sh.release()
-
-
-def open_env(path: os.PathLike) -> lmdb.Environment:
-    """A shard's LMDB environment, read-only, with no lock file and no readahead."""
-    return lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False,
-                     meminit=False, max_readers=1, max_spare_txns=0)
-
-
-def shard_offsets(path: os.PathLike) -> Optional[array]:
-    """(offset, length) of every value of a finished shard, in key order; None off Linux.
-
-    Reads the whole shard (py-lmdb touches every value), which is why the build does it once
-    while the file is still in the page cache, and readers never do.
-    """
-    env = open_env(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with env.begin(buffers=True) as txn:
-            base = None
-            out = array("Q")
-            for n, (k, v) in enumerate(txn.cursor()):
-                if base is None:
-                    base = _map_base(fd)
-                    if base is None:
-                        return None
-                if bytes(k) != key(n):
-                    raise FormatError(f"{path}: keys are not 0..N-1 in order (found {bytes(k).hex()} at {n})")
-                out.append(_address(v) - base)
-                out.append(len(v))
-            return out
-    finally:
-        os.close(fd)
-        env.close()
-
-
-def _map_base(fd: int) -> Optional[int]:
-    """Start address of this process's mapping of the file open as ``fd`` (Linux), else None.
-
-    py-lmdb reports ``map_addr`` only for fixed maps, so find it in /proc/self/maps by inode.
-    """
-    st = os.fstat(fd)
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            for line in f:
-                fields = line.split(None, 5)
-                if (len(fields) >= 5 and int(fields[4]) == st.st_ino and int(fields[2], 16) == 0
-                        and fields[3].decode() == dev):
-                    return int(fields[0].split(b"-")[0], 16)
-    except OSError:
-        pass
-    return None
-
-
-class _PyBuffer(ctypes.Structure):
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
-
-
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
-
-
-def _address(view: memoryview) -> int:
-    """Address of a read-only buffer's first byte, without reading (faulting) its pages."""
-    buf = _PyBuffer()
-    _get_buffer(view, ctypes.byref(buf), 0)
-    try:
-        return buf.buf
-    finally:
-        _release_buffer(ctypes.byref(buf))
+    """How many records the shard file at ``path`` holds, from its checked LMDB meta data."""
+    return shard_entries(path)
 
 
 def read_labels(root: os.PathLike, manifest: Optional[dict] = None) -> array:
     """All labels in record order, as one compact int32 array (no per-sample objects)."""
     manifest = manifest if manifest is not None else read_manifest(root)
-    return _read_table(Path(root), manifest, "labels", LABELS, "i", 1)
+    return _read_table(Path(root), manifest, "labels", "i")
 
 
 def read_offsets(root: os.PathLike, manifest: Optional[dict] = None) -> Optional[array]:
     """Every record's (offset in its shard, length), flattened; None if the dataset has none."""
     manifest = manifest if manifest is not None else read_manifest(root)
-    if "offsets" not in manifest:
+    if manifest.get("offsets") is None:
         return None
-    return _read_table(Path(root), manifest, "offsets", OFFSETS, "Q", 2)
+    return _read_table(Path(root), manifest, "offsets", "Q")
 
 
-def _read_table(root: Path, manifest: dict, name: str, default: str, typecode: str, per_record: int) -> array:
-    path = root / manifest.get(name, {}).get("path", default)
+def _read_table(root: Path, manifest: dict, name: str, typecode: str) -> array:
+    """A side table, read only if it is a regular file of exactly the size the (validated)
+    manifest says: a table named like ``/dev/zero`` or a FIFO is never read."""
+    path = root / manifest[name]["path"]
+    want = TABLE_WIDTH[name] * manifest["count"]
     table = array(typecode)
     try:
-        with open(path, "rb") as f:
-            table.frombytes(f.read())
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{path}: cannot read {name} ({getattr(e, 'strerror', None) or e}); "
-                          f"re-stage or rebuild") from None
+        fd = os.open(path, READ_FLAGS | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read {name} ({e.strerror}); re-stage or rebuild") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+            raise FormatError(f"{path} holds {st.st_size // TABLE_WIDTH[name] if stat.S_ISREG(st.st_mode) else 'no'} "
+                              f"{name} for {manifest['count']} records; the dataset is damaged")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            table.frombytes(f.read(want))
+    finally:
+        os.close(fd)
+    if len(table) * table.itemsize != want:
+        raise FormatError(f"{path} changed while it was read; the dataset is damaged")
     if sys.byteorder != "little":
         table.byteswap()
-    if len(table) != per_record * manifest["count"]:
-        raise FormatError(f"{path} holds {len(table) // per_record} {name} for {manifest['count']} "
-                          f"records; the dataset is damaged")
     return table

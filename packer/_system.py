@@ -10,6 +10,7 @@ import contextlib
 import errno
 import math
 import os
+import signal
 from typing import Callable, Dict, Optional, Tuple
 
 from .errors import PackerError
@@ -39,6 +40,19 @@ def cpu_quota() -> Optional[float]:
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         return None
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux ``PR_SET_PDEATHSIG``),
+    so worker processes never outlive a ``kill -9`` of the command that started them."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: workers exit when their pipe closes
+        return
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(1)
 
 
 # -- memory and filesystems -----------------------------------------------------------------

@@ -8,13 +8,12 @@ finished shard; a different command restarts cleanly.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
+import uuid
 from array import array
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -26,18 +25,18 @@ from typing import Deque, Iterator, List, Optional, Tuple
 from tqdm.auto import tqdm
 
 from . import __version__
-from ._system import pil_summary, usable_cores
+from . import journal
+from ._fsio import FolderLock, write_json_atomic
+from ._system import die_with_parent, pil_summary, usable_cores
 from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
 from .errors import PackerError
-from ._fsio import fsync_dir, write_json_atomic
 from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, SHARD_PATTERN, crc32,
-                     pack_record)
+                     pack_record, read_manifest)
 from .source import (IMG_EXTENSIONS, ImageList, is_utf8, parse_part, printable, read_list,
                      scan_folder, select)
 from .shardfile import shard_records
-from .writer import ShardWriter, disk_errors, existing_shard_ok, write_table
+from .writer import ShardWriter, disk_errors, write_table
 
-JOURNAL = ".packer-build.json"
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
 CHUNK = 8  # entries per task sent to a worker: amortizes the IPC, keeps the order fine-grained
@@ -74,28 +73,28 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, "strict": strict,
                "max_pixels": max_pixels, "list": str(list_file) if list_file else None}
-    fingerprint = _fingerprint(source, options)
     dst.mkdir(parents=True, exist_ok=True)
-    if (dst / MANIFEST).exists():
-        if not overwrite:
-            raise PackerError(f"{dst} already holds a finished dataset; replace it with "
-                              f"overwrite=True (--overwrite)")
-        remove_dataset_files(dst)
-    journal = _load_journal(dst, fingerprint)
-    resumed = len(journal["shards"])
-    run = _Run(source, dst, fingerprint, journal, shard_size, strict)
-    bar = tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
-               desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05)
-    try:
-        run.pack(_process(source, run.start, workers, transcode, max_pixels), bar)
-    finally:
-        bar.close()
-    if not run.labels:
-        first = run.skipped[0]
-        raise PackerError(f"all {len(run.skipped)} images were skipped (e.g. {first['path']}: "
-                          f"{first['reason']}); no dataset was written")
-    manifest = _finish(dst, source, run.shards, run.skipped, run.labels, options)
-    _remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
+    with FolderLock(dst, f"packer build into {dst}"):
+        if (dst / MANIFEST).exists():
+            if not overwrite:
+                raise PackerError(f"{dst} already holds a finished dataset; replace it with "
+                                  f"overwrite=True (--overwrite)")
+            journal.remove_dataset(dst, read_manifest(dst))
+        fp = journal.fingerprint(source, options)
+        run = _Run(source, dst, fp, journal.load(dst, fp), shard_size, strict)
+        resumed = len(run.shards)
+        bar = tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
+                   desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05)
+        try:
+            run.pack(_process(source, run.start, workers, transcode, max_pixels), bar)
+        finally:
+            bar.close()
+        if not run.labels:
+            first = run.skipped[0]
+            raise PackerError(f"all {len(run.skipped)} images were skipped (e.g. {first['path']}: "
+                              f"{first['reason']}); no dataset was written")
+        manifest = _finish(dst, source, run.shards, run.skipped, run.labels, options)
+        journal.remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
 
 
@@ -164,7 +163,7 @@ class _Run:
         if self.writer.bytes >= self.shard_size:
             self.shards.append(self.writer.finish())
             self.writer = None
-            _save_journal(self.dst, self.fingerprint, self.shards, self.skipped, i + 1)
+            journal.save(self.dst, self.fingerprint, self.shards, self.skipped, i + 1)
 
 
 def _is_within(path: Path, folder: Path) -> bool:
@@ -214,10 +213,11 @@ def stored_record(root: Path, rel: str, label: int, checked) -> Optional[bytes]:
     return pack_record(data, label=label, path=rel, width=width, height=height, format=fmt, mode=mode)
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     # Ctrl-C reaches the whole process group: only the parent handles it (and terminates the
     # pool). A worker dying of KeyboardInterrupt mid-queue-operation can hang Pool.terminate().
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
 
 
 def _process(source: ImageList, start: int, workers: int, transcode, max_pixels) -> Iterator:
@@ -234,7 +234,8 @@ def _process(source: ImageList, start: int, workers: int, transcode, max_pixels)
         yield from map(_work, tasks)
         return
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                               initargs=(os.getpid(),))
     pending: Deque[Future] = deque()
     try:
         while True:
@@ -256,74 +257,9 @@ def _work_chunk(chunk):
 
 # -- journal, labels, manifest ---------------------------------------------------------------
 
-def _fingerprint(source: ImageList, options: dict) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps([FORMAT_VERSION, source.classes, options], sort_keys=True).encode())
-    for rel, label in source.entries:
-        h.update(f"{rel}\t{label}\n".encode("utf-8", "surrogateescape"))
-    return h.hexdigest()
-
-
-def _load_journal(dst: Path, fingerprint: str) -> dict:
-    fresh = {"shards": [], "skipped": [], "next_entry": 0}
-    path = dst / JOURNAL
-    for p in dst.glob(".*.partial"):
-        p.unlink()  # an interrupted shard: always redone
-    for p in dst.glob(".*.compact"):
-        p.unlink()
-    if not path.exists():
-        remove_dataset_files(dst)
-        return fresh
-    try:
-        j = json.loads(path.read_text("utf-8"))
-    except ValueError:
-        j = {}
-    if j.get("fingerprint") != fingerprint:
-        remove_dataset_files(dst)  # different source or options: restart cleanly
-        return fresh
-    for n, shard in enumerate(j["shards"]):
-        problem = existing_shard_ok(shard, dst)
-        if problem is not None:  # keep what checks out, redo from the first bad shard
-            cut = j["shards"][n - 1]["next_entry"] if n else 0
-            j["shards"] = j["shards"][:n]
-            j["skipped"] = [s for s in j["skipped"] if s["entry"] < cut]
-            j["next_entry"] = cut
-            break
-    shards = [{k: v for k, v in s.items()} for s in j["shards"]]
-    return {"shards": shards, "skipped": j["skipped"], "next_entry": j["next_entry"]}
-
-
-def _save_journal(dst: Path, fingerprint: str, shards: List[dict], skipped: List[dict],
-                  next_entry: int) -> None:
-    shards[-1]["next_entry"] = next_entry
-    with disk_errors(dst / JOURNAL):
-        write_json_atomic(dst / JOURNAL, {"fingerprint": fingerprint, "shards": shards,
-                                          "skipped": skipped, "next_entry": next_entry})
-
-
-def _remove_leftovers(dst: Path, keep: set) -> None:
-    """After the manifest: the journal, temp files, and shard files it does not list (left by
-    an interrupted earlier attempt whose shards came out differently)."""
-    for pattern in (JOURNAL, JOURNAL + ".tmp", "shard-*.lmdb", ".shard-*"):
-        for p in dst.glob(pattern):
-            if p.name not in keep:
-                p.unlink(missing_ok=True)
-
-
 def _labels_so_far(source: ImageList, start: int, skipped: List[dict]) -> array:
     gone = {s["entry"] for s in skipped}
     return array("i", (lab for i, (_, lab) in enumerate(source.entries[:start]) if i not in gone))
-
-
-def remove_dataset_files(dst: Path) -> None:
-    """Remove what a build writes (and nothing else a user may keep in the folder)."""
-    if (dst / MANIFEST).exists():  # first, durably: a half-removed dataset must not look finished
-        (dst / MANIFEST).unlink()
-        fsync_dir(dst)
-    for pattern in (MANIFEST + ".tmp", "shard-*.lmdb", ".shard-*", LABELS, LABELS + ".tmp",
-                    OFFSETS, OFFSETS + ".tmp", JOURNAL, JOURNAL + ".tmp"):
-        for p in dst.glob(pattern):
-            p.unlink()
 
 
 def _offsets(dst: Path, shards: List[dict]) -> array:
@@ -363,4 +299,5 @@ def new_manifest(*, classes, class_counts, shards, labels, offsets, skipped, sou
         "classes": list(classes), "class_to_idx": {c: i for i, c in enumerate(classes)},
         "class_counts": list(class_counts), "shards": shards, "labels": labels, **extra,
         "skipped": skipped, "source": source, "options": options, "pil": pil_summary(),
+        "build_id": uuid.uuid4().hex,
     }

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 import lmdb
 
 from ._system import disk_full_as
-from ._fsio import fsync_dir
+from ._fsio import fsync_dir, open_new, write_new_atomic
 from .format import file_sha256, key
 
 TXN_BYTES = 64 << 20   # one commit per ~64 MiB: few fsync-free commits, bounded RAM
@@ -30,12 +30,11 @@ class ShardWriter:
     def __init__(self, path: os.PathLike, *, expected_bytes: int):
         self.path = Path(path)
         self.partial = self.path.with_name("." + self.path.name + ".partial")
-        for p in (self.partial, Path(str(self.partial) + "-lock")):
-            p.unlink(missing_ok=True)
         self.map_size = max(MIN_MAP, int(expected_bytes * 1.25))
         # meminit=True: zero page tails before writing them. Without it LMDB writes stale heap
         # bytes into the file, so shards differ from build to build (and leak memory contents).
         with disk_errors(self.path):
+            open_new(self.partial).close()  # LMDB then opens this new file, not a planted link
             self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
                                  sync=False, metasync=False, readahead=False, meminit=True,
                                  max_dbs=0, lock=False)
@@ -74,7 +73,7 @@ class ShardWriter:
         self.flush()
         tmp = self.path.with_name("." + self.path.name + ".compact")
         with disk_errors(self.path):
-            with open(tmp, "wb") as f:
+            with open_new(tmp) as f:
                 self.env.copyfd(f.fileno(), compact=True)
                 f.flush()
                 os.fsync(f.fileno())
@@ -124,11 +123,6 @@ def write_table(dst: Path, name: str, table: array) -> dict:
     if sys.byteorder != "little":
         table = array(table.typecode, table)
         table.byteswap()
-    tmp = dst / (name + ".tmp")
     with disk_errors(dst / name):
-        with open(tmp, "wb") as f:
-            table.tofile(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst / name)
+        write_new_atomic(dst / name, table.tobytes())
     return {"path": name, "bytes": (dst / name).stat().st_size, "sha256": file_sha256(dst / name)}

@@ -119,7 +119,6 @@ def test_a_stale_partial_file_is_replaced(tmp_path, records):
     path = tmp_path / "shard-00000.lmdb"
     stale = tmp_path / ".shard-00000.lmdb.partial"
     stale.write_bytes(b"left by a crash" * 1000)
-    (tmp_path / ".shard-00000.lmdb.partial-lock").write_bytes(b"")
     entry = write_shard(path, records[:3])
     assert entry["count"] == 3 and items(path) == [(key(i), r) for i, r in enumerate(records[:3])]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.lmdb"]

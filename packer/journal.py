@@ -1,0 +1,123 @@
+"""What a build has written in DST: the resume journal, and the rule that packer removes only
+files it wrote itself.
+
+The journal (``.packer-build.json``) is created before any shard and lists the finished
+shards; while it exists, the packer-named files in DST (``shard-NNNNN.lmdb`` and the
+``.shard-*`` temp files) are this build's. A fresh build therefore refuses a DST that already
+holds such names without a journal or manifest that claims them, and ``overwrite`` removes
+only what the old manifest lists: a user's file that happens to be called
+``shard-00000.lmdb`` is never deleted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+from ._fsio import fsync_dir, remove_own, write_json_atomic
+from .errors import PackerError
+from .format import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS
+from .schema import is_plain_name
+from .source import ImageList
+from .writer import disk_errors, existing_shard_ok
+
+JOURNAL = ".packer-build.json"
+# Names a build writes: shards, their temp files, side tables, manifest, journal (+ ".tmp").
+BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", LABELS, OFFSETS, MANIFEST, JOURNAL,
+                  LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp")
+
+
+def fingerprint(source: ImageList, options: dict) -> str:
+    """Identifies a build's input and options: a re-run with the same one resumes."""
+    h = hashlib.sha256()
+    h.update(json.dumps([FORMAT_VERSION, source.classes, options], sort_keys=True).encode())
+    for rel, label in source.entries:
+        h.update(f"{rel}\t{label}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def packer_names(dst: Path) -> List[str]:
+    """Files in ``dst`` with names a build writes."""
+    return sorted({p.name for pattern in BUILD_PATTERNS for p in dst.glob(pattern)})
+
+
+def refuse_foreign_files(dst: Path, names: Iterable[str]) -> None:
+    names = sorted(names)
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise PackerError(f"{dst} holds files named like a packer dataset's that no packer "
+                          f"manifest or build journal there lists ({shown}); packer does not "
+                          f"delete files it did not write. Move them away or pick an empty folder")
+
+
+def remove_dataset(dst: Path, manifest: dict) -> None:
+    """Remove a finished dataset in ``dst``: its manifest first, durably (a half-removed
+    dataset must not look complete), then the files it lists inside ``dst`` and the temp
+    and journal files of builds; never a file some other record does not claim."""
+    own = {s["path"] for s in manifest["shards"] if is_plain_name(s["path"])}
+    own |= {manifest[k]["path"] for k in ("labels", "offsets") if manifest.get(k)}
+    own |= {n for n in packer_names(dst) if n.startswith(".") or n.endswith(".tmp")}
+    refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST})
+    remove_own(dst, MANIFEST)
+    fsync_dir(dst)
+    for name in sorted(own):
+        remove_own(dst, name)
+
+
+def load(dst: Path, fp: str) -> dict:
+    """The journal of an earlier run with the same fingerprint (its shards re-checked, cut
+    back to the last good one), or a fresh one; written before this run writes a shard."""
+    fresh = {"shards": [], "skipped": [], "next_entry": 0}
+    j = _read(dst / JOURNAL)
+    if j is None:  # a fresh build: whatever has packer's names here is not ours
+        refuse_foreign_files(dst, packer_names(dst))
+        save(dst, fp, fresh["shards"], [], 0)
+        return fresh
+    for name in packer_names(dst):  # temp files of the run that wrote this journal
+        if name.startswith(".shard-"):
+            remove_own(dst, name)
+    if j.get("fingerprint") != fp:  # different source or options: restart cleanly
+        for name in packer_names(dst):
+            if name.startswith("shard-"):
+                remove_own(dst, name)
+        save(dst, fp, fresh["shards"], [], 0)
+        return fresh
+    for n, shard in enumerate(j["shards"]):
+        if existing_shard_ok(shard, dst) is not None:  # keep what checks out, redo the rest
+            cut = j["shards"][n - 1]["next_entry"] if n else 0
+            j["shards"] = j["shards"][:n]
+            j["skipped"] = [s for s in j["skipped"] if s["entry"] < cut]
+            j["next_entry"] = cut
+            break
+    return {"shards": [dict(s) for s in j["shards"]], "skipped": j["skipped"],
+            "next_entry": j["next_entry"]}
+
+
+def _read(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        j = json.loads(path.read_text("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    ok = (isinstance(j, dict) and isinstance(j.get("shards"), list)
+          and isinstance(j.get("skipped"), list) and isinstance(j.get("next_entry"), int)
+          and all(isinstance(s, dict) and is_plain_name(s.get("path")) for s in j["shards"]))
+    return j if ok else {}
+
+
+def save(dst: Path, fp: str, shards: List[dict], skipped: List[dict], next_entry: int) -> None:
+    if shards:
+        shards[-1]["next_entry"] = next_entry
+    with disk_errors(dst / JOURNAL):
+        write_json_atomic(dst / JOURNAL, {"fingerprint": fp, "shards": shards,
+                                          "skipped": skipped, "next_entry": next_entry})
+
+
+def remove_leftovers(dst: Path, keep: set) -> None:
+    """After the manifest: the journal, temp files, and shard files the manifest does not
+    list (an interrupted earlier attempt of this build whose shards came out differently)."""
+    for name in packer_names(dst):
+        if name not in keep and (name.startswith(".") or name.startswith("shard-")):
+            remove_own(dst, name)

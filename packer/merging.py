@@ -1,62 +1,115 @@
-"""``merge``: join datasets built with ``--part K/N`` into one, without copying shard data."""
+"""``merge``: join datasets built with ``--part K/N`` into one, without copying shard data.
+
+The merged manifest refers to the parts' shard files by relative path (``../part-0/
+shard-00000.lmdb``) and lists the part folders under ``parts``; readers accept a shard path
+outside the dataset folder only inside a folder that is itself a packer dataset. Crash safety
+is the build's: DST's old manifest goes first (durably), the new tables are written new and
+renamed in, and the new manifest comes last.
+"""
 from __future__ import annotations
 
 import json
 import os
 from array import array
 from pathlib import Path
-from typing import Sequence
+from typing import List, Sequence, Tuple
 
+from . import journal
+from ._fsio import FolderLock, write_json_atomic
 from .builder import new_manifest
-from .errors import PackerError
-from ._fsio import write_json_atomic
+from .errors import FormatError, PackerError
 from .format import LABELS, MANIFEST, OFFSETS, read_manifest
 from .reader import read_labels, read_offsets
+from .shardfile import shard_records
 from .writer import write_table
 
 
 def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = False) -> dict:
-    """Join finished part datasets into one, without copying shard data.
+    """Join finished part datasets into one in ``dst``; returns its manifest.
 
-    The merged manifest points at the parts' shard files by relative path, so keep the parts
-    where they are (or stage the merged dataset, which copies everything it references).
+    Keep the parts where they are (or stage the merged dataset, which copies everything it
+    references). Refused: a part given twice (any spelling, or two datasets sharing a shard
+    file), parts with different classes, labels outside the classes, a ``dst`` that is a
+    part, and an existing dataset in ``dst`` unless ``overwrite``.
     """
     dst = Path(dst)
     if not parts:
         raise PackerError("merge needs at least one part")
     mans = [(Path(p), read_manifest(p)) for p in parts]
-    seen: dict = {}
-    for p, m in mans:  # the same folder twice, or the same part built twice: duplicate records
-        same_part = json.dumps([m.get("source"), m.get("options")], sort_keys=True)
-        for ident in (str(p.resolve()), same_part if m.get("options", {}).get("part") else None):
-            if ident is not None and ident in seen:
-                raise PackerError(f"{p} is the same part as {seen[ident]} (given more than once); "
-                                  f"merging it twice would duplicate its records")
-            seen[ident] = p
+    _refuse_duplicates(mans, dst)
     classes = mans[0][1]["classes"]
     for p, m in mans[1:]:
         if m["classes"] != classes:
             raise PackerError(f"{p} has different classes from {mans[0][0]}; parts of one "
                               f"dataset must be built from the same source")
     dst.mkdir(parents=True, exist_ok=True)
-    if (dst / MANIFEST).exists() and not overwrite:
-        raise PackerError(f"{dst} already holds a finished dataset; replace it with overwrite=True "
-                          f"(--overwrite)")
+    with FolderLock(dst, f"packer merge into {dst}"):
+        return _write(mans, dst, classes, overwrite)
+
+
+def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
+    """A record may be merged once: no part twice, no shard file shared by two parts."""
+    seen: dict = {}
+    for p, m in mans:  # the same folder twice, or the same part built twice
+        opts = m.get("options") or {}
+        same_part = json.dumps([m.get("source"), opts], sort_keys=True) if opts.get("part") else None
+        for ident in (str(p.resolve()), same_part):
+            if ident is not None and ident in seen:
+                raise PackerError(f"{p} is the same part as {seen[ident]} (given more than once); "
+                                  f"merging it twice would duplicate its records")
+            seen[ident] = p
+    for p, m in mans:  # two datasets sharing a file: a merged dataset and its own part
+        for s in m["shards"]:
+            try:
+                st = os.stat(p / s["path"])
+            except OSError:
+                raise FormatError(f"{p / s['path']}, a shard of {p}, is missing") from None
+            ident = (st.st_dev, st.st_ino)
+            if ident in seen:
+                raise PackerError(f"{p} and {seen[ident]} share the shard file {s['path']} (the same "
+                                  f"part given twice, or a merged dataset with its own part); "
+                                  f"merging would duplicate its records")
+            seen[ident] = p
+        if dst.exists() and dst.resolve() == p.resolve():
+            raise PackerError(f"DST {dst} is one of the parts; merge into a new folder")
+
+
+def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwrite: bool) -> dict:
+    if (dst / MANIFEST).exists():
+        if not overwrite:
+            raise PackerError(f"{dst} already holds a finished dataset; replace it with "
+                              f"overwrite=True (--overwrite)")
+        journal.remove_dataset(dst, read_manifest(dst))  # its manifest first, durably
+    else:
+        journal.refuse_foreign_files(dst, [n for n in (LABELS, OFFSETS) if (dst / n).exists()])
     shards, skipped, labels, offsets = [], [], array("i"), array("Q")
+    part_dirs = []
     for p, m in mans:
-        rel = os.path.relpath(p.resolve(), dst.resolve())
+        rel = os.path.relpath(p.resolve(), dst.resolve()).replace(os.sep, "/")
+        part_dirs.append(rel)
         for s in m["shards"]:
             shards.append(dict(s, path=os.path.normpath(os.path.join(rel, s["path"])).replace(os.sep, "/")))
         skipped.extend(m["skipped"])
-        labels.extend(read_labels(p, m))
-        part_offsets = read_offsets(p, m) if offsets is not None else None
-        offsets = None if part_offsets is None else offsets + part_offsets  # per shard: they concatenate
+        part_labels = read_labels(p, m)
+        if any(not 0 <= lab < len(classes) for lab in part_labels):
+            raise FormatError(f"{p}: labels.i32 holds labels outside 0..{len(classes) - 1}; "
+                              f"the part is damaged (run `packer verify {p}`)")
+        labels.extend(part_labels)
+        part_offsets = read_offsets(p, m)
+        if part_offsets is None:  # an older part: read its shards' trees
+            part_offsets = array("Q")
+            for s in m["shards"]:
+                part_offsets.extend(shard_records(p / s["path"]))
+        offsets.extend(part_offsets)  # per shard: they concatenate
     counts = [0] * len(classes)
     for lab in labels:
         counts[lab] += 1
     manifest = new_manifest(
-        classes=classes, class_counts=counts, shards=shards, labels=write_table(dst, LABELS, labels),
-        offsets=write_table(dst, OFFSETS, offsets) if offsets is not None else None, skipped=skipped, source=mans[0][1].get("source", ""),
-        options=dict(mans[0][1]["options"], part=None, merged_from=[str(p) for p, _ in mans]))
+        classes=classes, class_counts=counts, shards=shards,
+        labels=write_table(dst, LABELS, labels), offsets=write_table(dst, OFFSETS, offsets),
+        skipped=skipped, source=mans[0][1].get("source", ""),
+        options=dict(mans[0][1].get("options") or {}, part=None,
+                     merged_from=[str(p) for p, _ in mans]))
+    manifest["parts"] = part_dirs
     write_json_atomic(dst / MANIFEST, manifest)
     return manifest

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from .._fsio import open_new
 from .._system import disk_full_as, human_size
 from ..errors import FormatError, PackerError
 from ..format import HASH_CHUNK, file_sha256
@@ -45,7 +46,7 @@ def copy_file(f: StagedFile, target: Path, progress) -> Path:
     size = 0
     try:
         with disk_full(target / f.name), ThreadPoolExecutor(1) as hasher, \
-                open(f.src, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as out:
+                open(f.src, "rb", buffering=0) as src, open_new(tmp) as out:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             pending: List[Future] = []

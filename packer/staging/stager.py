@@ -15,8 +15,8 @@ writes a manifest with rewritten paths, so TARGET is self-contained and
 from __future__ import annotations
 
 import copy
-import fcntl
 import os
+import stat
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,13 +28,13 @@ from tqdm.auto import tqdm
 from .. import __version__
 from .._system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
-from .._fsio import fsync_dir, write_json_atomic
+from .._fsio import LOCK_NAME, FolderLock, fsync_dir, remove_own, write_json_atomic
 from ..format import LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, read_manifest
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult, UnstageResult
 
 STAGE_MARKER = ".packer-stage.json"   # written first, kept: says "packer staged this folder"
-STAGE_LOCK = ".packer-stage.lock"     # flock'ed while staging, so concurrent stagers take turns
+STAGE_LOCK = LOCK_NAME                # flock'ed while staging or unstaging: one at a time
 
 
 def space_margin(need: int) -> int:
@@ -77,11 +77,10 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     created = not target.exists()
     target.mkdir(parents=True, exist_ok=True)
     try:
-        with _lock(target):
+        with FolderLock(target, f"packer stage {src} into {target}"):
             return _stage_locked(src, target, man, plan, progress, verify, t0)
     except BaseException:
         if not (target / STAGE_MARKER).exists():  # refused before writing anything: tidy up
-            (target / STAGE_LOCK).unlink(missing_ok=True)
             if created:
                 try:
                     target.rmdir()
@@ -99,9 +98,15 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     previous = _previous_names(target)
     wanted = {f.name for f in plan} | {MANIFEST}
 
+    foreign = sorted(n for n in wanted - previous
+                     if os.path.lexists(target / n) or os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
+    if foreign:
+        raise PackerError(f"{target} holds files that staging did not write but would replace "
+                          f"({', '.join(foreign[:5])}); packer never replaces or deletes files it "
+                          f"did not write. Move them away or stage into an empty folder")
     # What is already there and right, what must be (re)copied, what must go.
     stale = sorted(n for n in previous - wanted if (target / n).exists())
-    temps = sorted(p.name for p in target.glob("." + "*" + TMP_SUFFIX))
+    temps = sorted(f".{n}{TMP_SUFFIX}" for n in previous if os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
     todo: List[StagedFile] = []
     doomed: List[str] = []
     sizes = {f.name: _size(target / f.name) for f in plan}
@@ -171,32 +176,35 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
 
 
 def staging_plan(src: Path, man: dict) -> List[StagedFile]:
-    """Every file the dataset needs, with the flat name it gets in TARGET."""
-    shards = man.get("shards")
-    if not isinstance(shards, list) or not shards:
-        raise FormatError(f"{src / MANIFEST} lists no shards; rebuild the dataset")
-    bases = [os.path.basename(str(s["path"]).replace("\\", "/")) for s in shards]
+    """Every file the dataset needs, with the flat name it gets in TARGET. The manifest is
+    validated (``read_manifest``); here each file is also checked to be a regular file of
+    the size the manifest says, so space is planned from real sizes and a lying manifest is
+    refused before anything is copied."""
+    shards = man["shards"]
+    bases = [s["path"].rsplit("/", 1)[-1] for s in shards]
     reserved = {MANIFEST, LABELS, OFFSETS, STAGE_MARKER, STAGE_LOCK}
-    flat = (len(set(bases)) == len(bases) and
-            all(b and not b.startswith(".") and b not in reserved for b in bases))
+    flat = len(set(bases)) == len(bases) and not reserved & set(bases)
     width = max(5, len(str(len(shards) - 1)))
     files = []
     for i, (s, base) in enumerate(zip(shards, bases)):
         name = base if flat else f"shard-{i:0{width}d}.lmdb"
-        files.append(StagedFile(name, src / s["path"], int(s["bytes"]), s.get("sha256"), "shard"))
+        if "/" in s["path"] and not (src / s["path"]).parent.joinpath(MANIFEST).is_file():
+            raise FormatError(f"{src / MANIFEST} lists shard {s['path']} in a folder that is not "
+                              f"a packer dataset (a merged dataset's parts are); refusing to copy it")
+        files.append(StagedFile(name, src / s["path"], s["bytes"], s["sha256"], "shard"))
     for kind, name in TABLES:
-        if kind not in man and kind != "labels":
-            continue  # offsets are optional (datasets built off Linux have none)
-        entry = man.get(kind) or {}
-        path = src / entry.get("path", name)
-        size = entry.get("bytes")
-        files.append(StagedFile(name, path, int(size if size is not None else (_size(path) or 0)),
-                           entry.get("sha256"), kind))
+        entry = man.get(kind)
+        if entry is not None:  # offsets are optional in older datasets
+            files.append(StagedFile(name, src / entry["path"], entry["bytes"], entry["sha256"], kind))
     for f in files:
-        if not f.src.is_file():
-            raise FormatError(f"{f.src}, listed in {src / MANIFEST}, is missing; "
-                              f"{'keep the parts of a merged dataset where they are, or ' if f.kind == 'shard' else ''}"
-                              f"rebuild the dataset")
+        size = _size(f.src)
+        if size is None:
+            hint = "keep the parts of a merged dataset where they are, or " if f.kind == "shard" else ""
+            raise FormatError(f"{f.src}, listed in {src / MANIFEST}, is missing or not a regular "
+                              f"file; {hint}rebuild the dataset")
+        if size != f.bytes:
+            raise FormatError(f"{f.src} is {size} bytes, {src / MANIFEST} says {f.bytes}: the "
+                              f"dataset is damaged; run `packer verify {src}` and rebuild it")
     return files
 
 
@@ -238,21 +246,12 @@ def _refuse_unsafe_target(src: Path, target: Path, plan: List[StagedFile]) -> No
 
 
 def _previous_names(target: Path) -> set:
-    """Names a previous staging run put in TARGET (from its marker and manifest)."""
-    names = set()
+    """Names a previous staging run wrote in TARGET: what its marker lists, and nothing else
+    (the only files staging will ever replace or delete)."""
     marker = _read_json(target / STAGE_MARKER)
-    if isinstance(marker, dict):
-        names.update(n for n in marker.get("files", []) if _plain_name(n))
-    try:
-        man = read_manifest(target)
-    except PackerError:
-        man = None
-    if man is not None and "staged" in man:
-        names.update(s["path"] for s in man.get("shards", []) if _plain_name(s.get("path")))
-        for kind, _ in TABLES:
-            name = (man.get(kind) or {}).get("path")
-            if _plain_name(name):
-                names.add(name)
+    names = set()
+    if isinstance(marker, dict) and isinstance(marker.get("files"), list):
+        names.update(n for n in marker["files"] if _plain_name(n))
     names.discard(STAGE_MARKER)
     names.discard(STAGE_LOCK)
     return names
@@ -302,24 +301,23 @@ def unstage(target: os.PathLike) -> UnstageResult:
             if not staged_manifest:
                 raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
                                   f"output?); unstage removes staged copies only")
-    if not marker.exists() and not staged_manifest:
-        raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER} and no "
-                          f"staged {MANIFEST}); refusing to delete anything there")
-    with _lock(target):
+    if not marker.exists():
+        raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER}, which "
+                          f"lists what staging wrote); refusing to delete anything there")
+    with FolderLock(target, f"packer unstage {target}"):
         names = _previous_names(target)
         removed, freed = [], 0
         # The manifest goes first, so a half-removed dataset is never taken for a whole one.
-        ordered = [MANIFEST] if staged_manifest or MANIFEST in names else []
+        ordered = [MANIFEST] if MANIFEST in names else []
         ordered += sorted(names - {MANIFEST})
-        ordered += sorted(p.name for p in target.glob("." + "*" + TMP_SUFFIX))
+        ordered += [f".{n}{TMP_SUFFIX}" for n in sorted(names)]
         ordered += [MANIFEST + ".tmp", STAGE_MARKER + ".tmp", STAGE_MARKER]
         for name in ordered:
             p = target / name
-            if p.is_file():
-                freed += p.stat().st_size
-                p.unlink()
+            if os.path.lexists(p) and not p.is_dir():
+                freed += p.lstat().st_size
+                remove_own(target, name)
                 removed.append(name)
-        (target / STAGE_LOCK).unlink(missing_ok=True)
     removed_dir = False
     try:
         target.rmdir()
@@ -330,23 +328,6 @@ def unstage(target: os.PathLike) -> UnstageResult:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-class _lock:
-    """An exclusive flock on TARGET/.packer-stage.lock: concurrent stagers take turns."""
-
-    def __init__(self, target: Path):
-        self.path = target / STAGE_LOCK
-
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-        return False
-
 
 def _write_marker(target: Path, src: Path, files: List[str]) -> None:
     with disk_full(target / STAGE_MARKER):
@@ -381,11 +362,12 @@ def _plain_name(name) -> bool:
 
 
 def _size(path: Path) -> Optional[int]:
+    """The size of a regular file (following links), None for anything else or nothing."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return st.st_size if path.is_file() else None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _threads(jobs: int) -> int:

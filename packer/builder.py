@@ -32,8 +32,8 @@ from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
 from .errors import PackerError
 from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, SHARD_PATTERN, crc32,
                      pack_record, read_manifest)
-from .source import (IMG_EXTENSIONS, ImageList, is_utf8, parse_part, printable, read_list,
-                     scan_folder, select)
+from .source import IMG_EXTENSIONS, ImageList, is_utf8, parse_part, read_list, scan_folder, select
+from .text import printable
 from .shardfile import shard_records
 from .writer import ShardWriter, disk_errors, write_table
 

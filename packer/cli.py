@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -13,6 +12,7 @@ import click
 
 from . import __version__
 from .errors import PackerError
+from .text import json_text, printable, terminal_text
 
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
               "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30,
@@ -44,7 +44,7 @@ def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command
         try:
             return fn(*args, **kwargs)
         except PackerError as e:
-            raise click.ClickException(str(e)) from e
+            raise click.ClickException(terminal_text(str(e))) from e
         except KeyboardInterrupt:
             click.echo(f"\n{interrupted}", err=True)
             sys.exit(130)
@@ -64,7 +64,7 @@ def _warnings_as_lines():
 
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if issubclass(category, ours):
-                click.echo(f"Warning: {message}", err=True)
+                click.echo(terminal_text(f"Warning: {message}"), err=True)
             else:
                 show(message, category, filename, lineno, file, line)
         warnings.showwarning = showwarning
@@ -157,8 +157,9 @@ def build(src, dst, list_file, shard_size, workers, max_side, short_side, qualit
     click.echo(f"{result.summary()} -> {dst}")
     skipped = result.manifest["skipped"]
     if skipped:
-        click.echo(f"{len(skipped)} file(s) skipped, e.g. {skipped[0]['path']}: {skipped[0]['reason']} "
-                   f"(all listed by `packer info {dst}`)", err=True)
+        first = skipped[0]
+        click.echo(terminal_text(f"{len(skipped)} file(s) skipped, e.g. {first['path']}: "
+                                 f"{first['reason']} (all listed by `packer info {dst}`)"), err=True)
 
 
 @main.command()
@@ -186,7 +187,7 @@ def info(dst, as_json):
     """Summarize dataset DST: classes with counts, shards, sizes, build options, skipped files."""
     from .info import format_info, info as get_info
     i = get_info(dst)
-    click.echo(json.dumps(i, indent=1, ensure_ascii=False) if as_json else format_info(i))
+    click.echo(json_text(i) if as_json else format_info(i))
 
 
 @main.command()
@@ -196,8 +197,8 @@ def info(dst, as_json):
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @library_errors
 def verify(dst, quick, quiet):
-    """Check dataset DST: every shard's checksum, then every record (unpacks, checksum,
-    decodes, label). Exits 1 and lists what is wrong if anything is."""
+    """Check dataset DST: shard checksums and structure, labels, then every record (fields,
+    checksum, decodes within the pixel limit, label). Exits 1 listing what is wrong."""
     from .info import verify as run_verify
     rep = run_verify(dst, quick=quick, progress=not quiet)
     if rep.ok:
@@ -206,7 +207,7 @@ def verify(dst, quick, quiet):
         click.echo(f"OK: {rep.checked_shards} {what} verified in {dst}{note}")
         return
     for p in rep.problems:
-        click.echo(p, err=True)
+        click.echo(terminal_text(p), err=True)
     raise click.ClickException(f"{len(rep.problems)} problem(s) in {dst}")
 
 
@@ -216,9 +217,8 @@ def verify(dst, quick, quiet):
 def ls(dst):
     """List records of DST, one per line: INDEX<TAB>LABEL<TAB>PATH, in record order."""
     from .info import ls as run_ls
-    out = sys.stdout
     for i, label, path in run_ls(dst):
-        out.write(f"{i}\t{label}\t{path}\n")
+        sys.stdout.write(f"{i}\t{label}\t{printable(path)}\n")
 
 
 @main.command()

@@ -14,7 +14,7 @@ from ._system import human_size
 from .check import DEFAULT_MAX_PIXELS, BadImage, check_image
 from .reader import ShardReader, read_labels
 from .shardfile import shard_records
-from .source import printable
+from .text import printable
 
 
 def info(root: os.PathLike) -> dict:
@@ -33,34 +33,40 @@ def info(root: os.PathLike) -> dict:
 
 
 def format_info(i: dict, max_classes: int = 20) -> str:
-    """A human summary of :func:`info`."""
-    lines = [f"{i['path']}: {i['count']} images, {len(i['classes'])} classes, "
-             f"{len(i['shards'])} shard(s), {human_size(i['bytes'])} (format {i['format_version']}, "
-             f"packer {i['packer_version']}, {i['created']})"]
-    opts = i.get("options") or {}
-    t = opts.get("transcode")
+    """A human summary of :func:`info`; every name from the dataset is made printable."""
+    p = _text
+    lines = [f"{p(i['path'])}: {i['count']} images, {len(i['classes'])} classes, "
+             f"{len(i['shards'])} shard(s), {human_size(i['bytes'])} (format "
+             f"{p(i['format_version'])}, packer {p(i['packer_version'])}, {p(i['created'])})"]
+    opts = i.get("options") if isinstance(i.get("options"), dict) else {}
+    t = opts.get("transcode") if isinstance(opts.get("transcode"), dict) else None
     lines.append("build: " + ", ".join([
-        f"source {i.get('source')}",
+        f"source {p(i.get('source'))}",
         "bytes stored unchanged" if not t else
-        f"transcoded to JPEG q{t['quality']} (max side {t['max_side']}, short side {t['short_side']})",
-        f"shuffled (seed {opts.get('seed')})" if opts.get("shuffle") else "source order",
-    ] + ([f"part {opts['part']}"] if opts.get("part") else [])))
+        f"transcoded to JPEG q{p(t.get('quality'))} (max side {p(t.get('max_side'))}, short side "
+        f"{p(t.get('short_side'))})",
+        f"shuffled (seed {p(opts.get('seed'))})" if opts.get("shuffle") else "source order",
+    ] + ([f"part {p(opts['part'])}"] if opts.get("part") else [])))
     lines.append("classes:")
     counts = i.get("class_counts") or [None] * len(i["classes"])
     for n, (c, k) in enumerate(zip(i["classes"], counts)):
         if n == max_classes:
             lines.append(f"  ... {len(i['classes']) - max_classes} more (see --json)")
             break
-        lines.append(f"  {n:>5}  {c}  {k if k is not None else ''}")
+        lines.append(f"  {n:>5}  {p(c)}  {k if k is not None else ''}")
     lines.append("shards:")
     for s in i["shards"]:
-        lines.append(f"  {s['path']}  {s['count']} records  {human_size(s['bytes'])}")
+        lines.append(f"  {p(s['path'])}  {s['count']} records  {human_size(s['bytes'])}")
     lines.append(f"skipped: {len(i['skipped'])}")
     for s in i["skipped"][:10]:
-        lines.append(f"  {s['path']}: {s['reason']}")
+        lines.append(f"  {p(s['path'])}: {p(s['reason'])}")
     if len(i["skipped"]) > 10:
         lines.append(f"  ... {len(i['skipped']) - 10} more (see --json)")
     return "\n".join(lines)
+
+
+def _text(value) -> str:
+    return printable(str(value))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import PackerError
+from .text import printable
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively as there.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -64,11 +65,6 @@ def is_utf8(name: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
-
-
-def printable(name: str) -> str:
-    """``name`` as UTF-8-safe text: undecodable bytes shown as ``\\xNN`` escapes."""
-    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def is_image_file(name: str) -> bool:

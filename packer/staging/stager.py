@@ -98,12 +98,7 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     previous = _previous_names(target)
     wanted = {f.name for f in plan} | {MANIFEST}
 
-    foreign = sorted(n for n in wanted - previous
-                     if os.path.lexists(target / n) or os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
-    if foreign:
-        raise PackerError(f"{target} holds files that staging did not write but would replace "
-                          f"({', '.join(foreign[:5])}); packer never replaces or deletes files it "
-                          f"did not write. Move them away or stage into an empty folder")
+    _refuse_foreign(target, wanted - previous)
     # What is already there and right, what must be (re)copied, what must go.
     stale = sorted(n for n in previous - wanted if (target / n).exists())
     temps = sorted(f".{n}{TMP_SUFFIX}" for n in previous if os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
@@ -243,6 +238,17 @@ def _refuse_unsafe_target(src: Path, target: Path, plan: List[StagedFile]) -> No
         if existing is None and not (target / STAGE_MARKER).exists():
             raise PackerError(f"{target} holds a {MANIFEST} that is not a staged packer dataset; "
                               f"pick an empty folder")
+
+
+def _refuse_foreign(target: Path, names: set) -> None:
+    """Staging writes these names but no earlier staging wrote them: if TARGET has any (or
+    their temp names), they are someone else's, and are never replaced."""
+    foreign = sorted(n for n in names
+                     if os.path.lexists(target / n) or os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
+    if foreign:
+        raise PackerError(f"{target} holds files that staging did not write but would replace "
+                          f"({', '.join(foreign[:5])}); packer never replaces or deletes files it "
+                          f"did not write. Move them away or stage into an empty folder")
 
 
 def _previous_names(target: Path) -> set:

@@ -1,0 +1,28 @@
+"""Text from a dataset, made safe to print: a stranger picks class names, file names and the
+messages stored with skipped files, and a terminal obeys the control characters in them
+(cursor moves, colours, window titles, answer-back), so none reaches one raw."""
+from __future__ import annotations
+
+import json
+import os
+
+# C0 and C1 control characters and DEL: a terminal obeys them (cursor moves, colours, title
+# changes, even answer-back), so dataset content never reaches one raw.
+CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def printable(name: str) -> str:
+    """``name`` as safe text: undecodable bytes and control characters as ``\\xNN`` escapes."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace").translate(CONTROLS)
+
+
+def terminal_text(text: str) -> str:
+    """``text`` with every control character escaped but its line breaks and tabs."""
+    return "\n".join(line.translate({**CONTROLS, 0x09: "\t"}) for line in text.split("\n"))
+
+
+def json_text(obj) -> str:
+    """Indented JSON, non-ASCII kept readable, every control character escaped (json escapes
+    C0 itself; C1 controls, which terminals obey too, become \\u escapes)."""
+    text = json.dumps(obj, indent=1, ensure_ascii=False)
+    return "".join(f"\\u{ord(ch):04x}" if 0x7F <= ord(ch) < 0xA0 else ch for ch in text)

@@ -94,20 +94,27 @@ class FolderLock:
     def __enter__(self) -> "FolderLock":
         path = self.folder / LOCK_NAME
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise PackerError(f"{path} is a symlink; packer locks only files it creates. "
-                                  f"Remove it (it may have been planted) and re-run") from None
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
-            os.close(fd)
-            raise PackerError(f"{self.folder} is being written by another packer process "
-                              f"({holder}); wait for it to finish, or pick another folder") from None
+        while True:
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileNotFoundError:
+                raise PackerError(f"{self.folder} was removed (by a concurrent unstage?) before "
+                                  f"packer could lock it; re-run") from None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise PackerError(f"{path} is a symlink; packer locks only files it creates. "
+                                      f"Remove it (it may have been planted) and re-run") from None
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+                os.close(fd)
+                raise PackerError(f"{self.folder} is being written by another packer process "
+                                  f"({holder}); wait for it to finish, or pick another folder") from None
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # the holder removed the file as it finished: lock the new one
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}, {self.what}\n".encode(), 0)
         self.fd = fd
@@ -120,3 +127,14 @@ class FolderLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a lock on a removed file locks
+    nothing another process can see)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)

@@ -98,6 +98,17 @@ def check_version(version: str, where: os.PathLike) -> None:
             f"understands ({FORMAT_VERSION}); upgrade packer (pip install -U packer)")
 
 
+def shard_file(root: os.PathLike, rel: str) -> Path:
+    """Where the shard at manifest path ``rel`` lives. A path outside the dataset folder (a
+    merged dataset's) must lead into a packer dataset, so a manifest cannot make packer
+    read, hash or copy an arbitrary file."""
+    path = Path(root) / rel
+    if "/" in rel and not (path.parent / MANIFEST).is_file():
+        raise FormatError(f"shard {rel} in {Path(root) / MANIFEST} lies in {path.parent}, which "
+                          f"is not a packer dataset (a merged dataset's parts are); refusing it")
+    return path
+
+
 def read_manifest(root: os.PathLike) -> Dict[str, Any]:
     """Load and sanity-check ``root/manifest.json``; a dataset without one is not complete."""
     root = Path(root)

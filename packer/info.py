@@ -9,7 +9,8 @@ from typing import Iterator, List, Tuple
 from tqdm.auto import tqdm
 
 from .errors import FormatError
-from .format import TABLES, crc32, file_sha256, read_manifest, record_problem, unpack_record
+from .format import (TABLES, crc32, file_sha256, read_manifest, record_problem, shard_file,
+                     unpack_record)
 from ._system import human_size
 from .check import DEFAULT_MAX_PIXELS, BadImage, check_image
 from .reader import ShardReader, read_labels
@@ -108,10 +109,11 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> 
     except FormatError as e:
         rep.problems.append(str(e))
         return rep
-    bad = sum(1 for lab in labels if not 0 <= lab < len(m["classes"]))
+    bad = [i for i, lab in enumerate(labels) if not 0 <= lab < len(m["classes"])]
     if bad:
-        rep.problems.append(f"labels.i32: {bad} label(s) outside 0..{len(m['classes']) - 1} "
-                            f"(the dataset has {len(m['classes'])} classes)")
+        rep.problems.append(f"labels.i32: {len(bad)} label(s) outside 0..{len(m['classes']) - 1} "
+                            f"(the dataset has {len(m['classes'])} classes), first at record "
+                            f"{bad[0]}: {labels[bad[0]]}")
     if not quick and readable:
         _check_records(root, m, labels, rep, progress)
     return rep
@@ -123,7 +125,12 @@ def _check_shards(root: Path, m: dict, rep: Report, progress: bool) -> bool:
     with tqdm(total=m["bytes"], unit="B", unit_scale=True, desc="checksums",
               disable=not progress) as bar:
         for s in m["shards"]:
-            p = root / s["path"]
+            try:
+                p = shard_file(root, s["path"])
+            except FormatError as e:
+                rep.problems.append(str(e))
+                readable = False
+                continue
             if not p.is_file():
                 rep.problems.append(f"{s['path']}: missing")
                 readable = False

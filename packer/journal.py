@@ -58,11 +58,24 @@ def remove_dataset(dst: Path, manifest: dict) -> None:
     own = {s["path"] for s in manifest["shards"] if is_plain_name(s["path"])}
     own |= {manifest[k]["path"] for k in ("labels", "offsets") if manifest.get(k)}
     own |= {n for n in packer_names(dst) if n.startswith(".") or n.endswith(".tmp")}
+    own.discard(JOURNAL)
     refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST})
+    # The journal claims the files before the manifest goes: if this is interrupted, a
+    # re-run still knows they are packer's to remove.
+    with disk_errors(dst / JOURNAL):
+        write_json_atomic(dst / JOURNAL, {"fingerprint": "", "shards": [], "skipped": [],
+                                          "next_entry": 0, "removing": sorted(own)})
     remove_own(dst, MANIFEST)
     fsync_dir(dst)
     for name in sorted(own):
         remove_own(dst, name)
+
+
+def claimed(dst: Path) -> set:
+    """Names this folder's journal says packer wrote (or is removing)."""
+    j = _read(dst / JOURNAL) or {}
+    names = {s["path"] for s in j.get("shards", [])} | set(j.get("removing", []))
+    return {n for n in names if is_plain_name(n)} | {JOURNAL}
 
 
 def load(dst: Path, fp: str) -> dict:
@@ -78,8 +91,9 @@ def load(dst: Path, fp: str) -> dict:
         if name.startswith(".shard-"):
             remove_own(dst, name)
     if j.get("fingerprint") != fp:  # different source or options: restart cleanly
-        for name in packer_names(dst):
-            if name.startswith("shard-"):
+        for name in set(packer_names(dst)) & (claimed(dst) | {n for n in packer_names(dst)
+                                                               if n.startswith("shard-")}):
+            if name not in (JOURNAL, MANIFEST):
                 remove_own(dst, name)
         save(dst, fp, fresh["shards"], [], 0)
         return fresh
@@ -103,7 +117,8 @@ def _read(path: Path) -> Optional[dict]:
         return {}
     ok = (isinstance(j, dict) and isinstance(j.get("shards"), list)
           and isinstance(j.get("skipped"), list) and isinstance(j.get("next_entry"), int)
-          and all(isinstance(s, dict) and is_plain_name(s.get("path")) for s in j["shards"]))
+          and all(isinstance(s, dict) and is_plain_name(s.get("path")) for s in j["shards"])
+          and all(is_plain_name(n) for n in j.get("removing", [])))
     return j if ok else {}
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import List, Sequence, Tuple
 
 from . import journal
-from ._fsio import FolderLock, write_json_atomic
+from ._fsio import FolderLock, remove_own, write_json_atomic
 from .builder import new_manifest
 from .errors import FormatError, PackerError
-from .format import LABELS, MANIFEST, OFFSETS, read_manifest
+from .format import LABELS, MANIFEST, OFFSETS, read_manifest, shard_file
 from .reader import read_labels, read_offsets
 from .shardfile import shard_records
 from .writer import write_table
@@ -61,7 +61,7 @@ def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
     for p, m in mans:  # two datasets sharing a file: a merged dataset and its own part
         for s in m["shards"]:
             try:
-                st = os.stat(p / s["path"])
+                st = os.stat(shard_file(p, s["path"]))
             except OSError:
                 raise FormatError(f"{p / s['path']}, a shard of {p}, is missing") from None
             ident = (st.st_dev, st.st_ino)
@@ -80,8 +80,11 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
             raise PackerError(f"{dst} already holds a finished dataset; replace it with "
                               f"overwrite=True (--overwrite)")
         journal.remove_dataset(dst, read_manifest(dst))  # its manifest first, durably
-    else:
-        journal.refuse_foreign_files(dst, [n for n in (LABELS, OFFSETS) if (dst / n).exists()])
+    else:  # an interrupted overwrite's journal claims what it was removing
+        mine = journal.claimed(dst)
+        journal.refuse_foreign_files(dst, [n for n in journal.packer_names(dst) if n not in mine])
+        for name in sorted(mine & set(journal.packer_names(dst))):
+            remove_own(dst, name)
     shards, skipped, labels, offsets = [], [], array("i"), array("Q")
     part_dirs = []
     for p, m in mans:
@@ -99,7 +102,7 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         if part_offsets is None:  # an older part: read its shards' trees
             part_offsets = array("Q")
             for s in m["shards"]:
-                part_offsets.extend(shard_records(p / s["path"]))
+                part_offsets.extend(shard_records(shard_file(p, s["path"])))
         offsets.extend(part_offsets)  # per shard: they concatenate
     counts = [0] * len(classes)
     for lab in labels:
@@ -112,4 +115,5 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
                      merged_from=[str(p) for p, _ in mans]))
     manifest["parts"] = part_dirs
     write_json_atomic(dst / MANIFEST, manifest)
+    remove_own(dst, journal.JOURNAL)  # the overwrite's claim, if any: done
     return manifest

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .errors import FormatError
-from .format import MANIFEST, crc32, read_manifest, unpack_record
+from .format import MANIFEST, crc32, read_manifest, shard_file, unpack_record
 from .schema import TABLE_WIDTH
 from .shardfile import shard_entries, shard_records
 
@@ -45,7 +45,7 @@ class ShardReader:
         self.manifest = manifest if manifest is not None else read_manifest(self.root)
         self.verify_crc = bool(verify_crc)
         self.build_id = self.manifest.get("build_id")
-        self.paths = [self.root / s["path"] for s in self.manifest["shards"]]
+        self.paths = [shard_file(self.root, s["path"]) for s in self.manifest["shards"]]
         # Cumulative counts per *shard* (a handful of ints): index maths without per-sample lists.
         self.starts = [0]
         for s in self.manifest["shards"]:
@@ -132,9 +132,6 @@ def _stat_identity(st: os.stat_result) -> Tuple[int, int, int, int]:
 def _identity(path: Path, entry: dict, root: Path) -> Tuple[int, int, int, int]:
     """The shard file as found now, checked against its manifest entry: a regular file of the
     size the manifest says (a merge's part folders must be packer datasets themselves)."""
-    if "/" in entry["path"] and not (path.parent / MANIFEST).is_file():
-        raise FormatError(f"shard {entry['path']} in {root / MANIFEST} lies in {path.parent}, "
-                          f"which is not a packer dataset (a merged dataset's parts are)")
     try:
         st = os.stat(path)
     except FileNotFoundError:

@@ -14,6 +14,7 @@ writes a manifest with rewritten paths, so TARGET is self-contained and
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import stat
@@ -29,7 +30,7 @@ from .. import __version__
 from .._system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
 from .._fsio import LOCK_NAME, FolderLock, fsync_dir, remove_own, write_json_atomic
-from ..format import LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, read_manifest
+from ..format import LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, read_manifest, shard_file
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult, UnstageResult
 
@@ -73,12 +74,13 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     plan = staging_plan(src, man)
     if target.exists() and not target.is_dir():
         raise PackerError(f"{target} exists and is not a folder; pick a folder to stage into")
-    _refuse_unsafe_target(src, target, plan)
     created = not target.exists()
-    target.mkdir(parents=True, exist_ok=True)
     try:
-        with FolderLock(target, f"packer stage {src} into {target}"):
-            return _stage_locked(src, target, man, plan, progress, verify, t0)
+        with _vanishing(target):
+            _refuse_unsafe_target(src, target, plan)
+            target.mkdir(parents=True, exist_ok=True)
+            with FolderLock(target, f"packer stage {src} into {target}"):
+                return _stage_locked(src, target, man, plan, progress, verify, t0)
     except BaseException:
         if not (target / STAGE_MARKER).exists():  # refused before writing anything: tidy up
             if created:
@@ -183,10 +185,7 @@ def staging_plan(src: Path, man: dict) -> List[StagedFile]:
     files = []
     for i, (s, base) in enumerate(zip(shards, bases)):
         name = base if flat else f"shard-{i:0{width}d}.lmdb"
-        if "/" in s["path"] and not (src / s["path"]).parent.joinpath(MANIFEST).is_file():
-            raise FormatError(f"{src / MANIFEST} lists shard {s['path']} in a folder that is not "
-                              f"a packer dataset (a merged dataset's parts are); refusing to copy it")
-        files.append(StagedFile(name, src / s["path"], s["bytes"], s["sha256"], "shard"))
+        files.append(StagedFile(name, shard_file(src, s["path"]), s["bytes"], s["sha256"], "shard"))
     for kind, name in TABLES:
         entry = man.get(kind)
         if entry is not None:  # offsets are optional in older datasets
@@ -238,6 +237,17 @@ def _refuse_unsafe_target(src: Path, target: Path, plan: List[StagedFile]) -> No
         if existing is None and not (target / STAGE_MARKER).exists():
             raise PackerError(f"{target} holds a {MANIFEST} that is not a staged packer dataset; "
                               f"pick an empty folder")
+
+
+@contextlib.contextmanager
+def _vanishing(target: Path):
+    """A file or TARGET itself removed under us (a concurrent unstage before we held the lock,
+    or someone else) is a PackerError saying so, not a raw FileNotFoundError."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise PackerError(f"{e.filename or target} disappeared while packer worked in {target} "
+                          f"(another process removing it?); re-run when it is done") from None
 
 
 def _refuse_foreign(target: Path, names: set) -> None:
@@ -310,7 +320,7 @@ def unstage(target: os.PathLike) -> UnstageResult:
     if not marker.exists():
         raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER}, which "
                           f"lists what staging wrote); refusing to delete anything there")
-    with FolderLock(target, f"packer unstage {target}"):
+    with _vanishing(target), FolderLock(target, f"packer unstage {target}"):
         names = _previous_names(target)
         removed, freed = [], 0
         # The manifest goes first, so a half-removed dataset is never taken for a whole one.

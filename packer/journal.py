@@ -62,19 +62,25 @@ def remove_dataset(dst: Path, manifest: dict) -> None:
     refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST})
     # The journal claims the files before the manifest goes: if this is interrupted, a
     # re-run still knows they are packer's to remove.
-    with disk_errors(dst / JOURNAL):
-        write_json_atomic(dst / JOURNAL, {"fingerprint": "", "shards": [], "skipped": [],
-                                          "next_entry": 0, "removing": sorted(own)})
+    claim(dst, own)
     remove_own(dst, MANIFEST)
     fsync_dir(dst)
     for name in sorted(own):
         remove_own(dst, name)
 
 
+def claim(dst: Path, names: Iterable[str]) -> None:
+    """Record, before writing or removing them, that ``names`` in ``dst`` are packer's: an
+    interrupted merge or overwrite can then be re-run (a journal with no fingerprint)."""
+    with disk_errors(dst / JOURNAL):
+        write_json_atomic(dst / JOURNAL, {"fingerprint": "", "shards": [], "skipped": [],
+                                          "next_entry": 0, "owned": sorted(names)})
+
+
 def claimed(dst: Path) -> set:
     """Names this folder's journal says packer wrote (or is removing)."""
     j = _read(dst / JOURNAL) or {}
-    names = {s["path"] for s in j.get("shards", [])} | set(j.get("removing", []))
+    names = {s["path"] for s in j.get("shards", [])} | set(j.get("owned", []))
     return {n for n in names if is_plain_name(n)} | {JOURNAL}
 
 
@@ -118,7 +124,8 @@ def _read(path: Path) -> Optional[dict]:
     ok = (isinstance(j, dict) and isinstance(j.get("shards"), list)
           and isinstance(j.get("skipped"), list) and isinstance(j.get("next_entry"), int)
           and all(isinstance(s, dict) and is_plain_name(s.get("path")) for s in j["shards"])
-          and all(is_plain_name(n) for n in j.get("removing", [])))
+          and isinstance(j.get("owned", []), list)
+          and all(is_plain_name(n) for n in j.get("owned", [])))
     return j if ok else {}
 
 

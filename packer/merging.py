@@ -85,6 +85,7 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         journal.refuse_foreign_files(dst, [n for n in journal.packer_names(dst) if n not in mine])
         for name in sorted(mine & set(journal.packer_names(dst))):
             remove_own(dst, name)
+    journal.claim(dst, [LABELS, OFFSETS])  # a merge killed from here on can be re-run
     shards, skipped, labels, offsets = [], [], array("i"), array("Q")
     part_dirs = []
     for p, m in mans:

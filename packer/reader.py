@@ -7,10 +7,10 @@ shard is a ``FormatError``, never a SIGBUS, and a 70 KB JPEG is one I/O, not ~17
 (docs/benchmarks.md). File descriptors open lazily in whichever process reads, so a reader
 pickles into DataLoader workers without them.
 
-A reader remembers which files it was made from (device, inode, size, mtime) and the
-dataset's ``build_id``: a process that opens a shard later (a worker started after the
-dataset was re-staged in place) gets a ``FormatError`` instead of records of another
-dataset read with this one's offsets and labels.
+A reader remembers which files it was made from (device, inode, size, mtime; and keeps the
+manifest's ``build_id`` as ``reader.build_id``): a process that opens a shard later (a
+worker started after the dataset was re-staged in place) gets a ``FormatError`` instead of
+records of another dataset read with this one's offsets and labels.
 """
 from __future__ import annotations
 

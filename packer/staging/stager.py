@@ -245,8 +245,8 @@ def _vanishing(target: Path):
     or someone else) is a PackerError saying so, not a raw FileNotFoundError."""
     try:
         yield
-    except FileNotFoundError as e:
-        raise PackerError(f"{e.filename or target} disappeared while packer worked in {target} "
+    except (FileNotFoundError, FileExistsError) as e:  # FileExistsError: mkdir racing rmdir
+        raise PackerError(f"{e.filename or target} changed while packer worked in {target} "
                           f"(another process removing it?); re-run when it is done") from None
 
 
@@ -304,6 +304,11 @@ def unstage(target: os.PathLike) -> UnstageResult:
     is never deleted by this function.
     """
     target = Path(target)
+    with _vanishing(target):
+        return _unstage(target)
+
+
+def _unstage(target: Path) -> UnstageResult:
     if not target.is_dir():
         raise PackerError(f"{target} is not a folder; nothing to unstage")
     marker = target / STAGE_MARKER
@@ -320,7 +325,7 @@ def unstage(target: os.PathLike) -> UnstageResult:
     if not marker.exists():
         raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER}, which "
                           f"lists what staging wrote); refusing to delete anything there")
-    with _vanishing(target), FolderLock(target, f"packer unstage {target}"):
+    with FolderLock(target, f"packer unstage {target}"):
         names = _previous_names(target)
         removed, freed = [], 0
         # The manifest goes first, so a half-removed dataset is never taken for a whole one.

@@ -275,3 +275,24 @@ def kind_bytes(photos, name, seed=0):
         "cmyk.jpg": lambda: encode(im.convert("CMYK"), "JPEG", quality=90),
         "image.png": lambda: encode(im, "PNG"),
     }[name]()
+
+
+# -- bounded child processes ---------------------------------------------------------------------
+
+# Python code that caps the running process's address space at what it has mapped once torch
+# and packer are imported, plus PACKER_TEST_EXTRA_AS bytes: the cap then means "this much more
+# memory", the same with a CPU torch (~1 GiB mapped) as with a CUDA one (many GiB mapped).
+LIMIT_AFTER_IMPORTS = (
+    "import os, resource\n"
+    "_extra = int(os.environ.get('PACKER_TEST_EXTRA_AS', '0'))\n"
+    "if _extra:\n"
+    "    import torch, packer.cli  # noqa\n"
+    "    _vm = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) << 10\n"
+    "    resource.setrlimit(resource.RLIMIT_AS, (_vm + _extra, _vm + _extra))\n")
+
+
+def limited_packer_cli(extra_address_space: int) -> list:
+    """argv for ``python -m packer ...`` whose process may map at most ``extra_address_space``
+    bytes beyond torch and packer (pass PACKER_TEST_EXTRA_AS in its environment too)."""
+    return [sys.executable, "-c", LIMIT_AFTER_IMPORTS + "import runpy\n"
+            "runpy.run_module('packer', run_name='__main__')"]

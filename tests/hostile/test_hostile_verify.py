@@ -43,13 +43,16 @@ BOMB_SIDE = 30000  # 30000 x 30000 RGB: 2.7 GB once decoded
 
 # -- helpers ---------------------------------------------------------------------------------
 
-# The child reports its own peak RSS (VmHWM starts afresh at exec; getrusage's ru_maxrss of a
-# forked child would include the test process's memory at fork time).
+# The child reports its own peak RSS, beyond what imports took when a limit is set (VmHWM
+# starts afresh at exec; getrusage's ru_maxrss of a forked child would include the test
+# process's memory at fork time).
 PEAK = ("import atexit, sys\n"
+        "def _kb(field):\n"
+        "    return int([l for l in open('/proc/self/status') if l.startswith(field)][0].split()[1])\n"
         "def _peak():\n"
-        "    line = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
-        "    sys.stderr.write('PEAK_KB ' + line.split()[1] + '\\n')\n"
+        "    sys.stderr.write('PEAK_KB %d\\n' % (_kb('VmHWM') - globals().get('_base_kb', 0)))\n"
         "atexit.register(_peak)\n")
+BASE = "_base_kb = _kb('VmRSS')  # what torch and packer take before any work\n"
 
 
 def run(args, *, limit_as=None, timeout=60):
@@ -57,7 +60,7 @@ def run(args, *, limit_as=None, timeout=60):
     process, optionally under RLIMIT_AS: (rc, out, err, peak RSS MiB of that process)."""
     # The limit is ``limit_as`` bytes more than the process maps once torch and packer are
     # imported (a CUDA torch maps many GiB of address space by itself).
-    prefix = PEAK + LIMIT_AFTER_IMPORTS
+    prefix = PEAK + LIMIT_AFTER_IMPORTS + (BASE if limit_as else "")
     if args[1] == "-m":
         args = [args[0], "-c", prefix + f"import runpy\n"
                 f"runpy.run_module({args[2]!r}, run_name='__main__')", *args[3:]]

@@ -2,12 +2,14 @@
 images made on the fly, ImageFolder's rule as torchvision writes it, running packer."""
 from __future__ import annotations
 
+import errno
 import io
 import os
 import random
 import struct
 import subprocess
 import sys
+import time
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -296,3 +298,32 @@ def limited_packer_cli(extra_address_space: int) -> list:
     bytes beyond torch and packer (pass PACKER_TEST_EXTRA_AS in its environment too)."""
     return [sys.executable, "-c", LIMIT_AFTER_IMPORTS + "import runpy\n"
             "runpy.run_module('packer', run_name='__main__')"]
+
+
+# -- a build held at one image: a FIFO among the sources ------------------------------------
+
+def wait_for_reader(fifo: Path, proc: subprocess.Popen, timeout: float = 60) -> int:
+    """Block until ``proc`` opens ``fifo`` to read it; return the write end. Until that is
+    written and closed the process stays blocked in its read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                raise AssertionError(f"the build ended (rc {proc.returncode}) before reading "
+                                     f"{fifo}: {out}{err}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the build did not read {fifo} within {timeout} s")
+            time.sleep(0.002)
+        else:
+            os.set_blocking(fd, True)
+            return fd
+
+
+def release(fd: int, data: bytes) -> None:
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)

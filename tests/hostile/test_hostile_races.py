@@ -9,7 +9,6 @@ PackerError, never a raw OSError.
 """
 from __future__ import annotations
 
-import errno
 import json
 import multiprocessing as mp
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import packer
+from helpers import release, wait_for_reader
 from packer import build, merge, stage, unstage, verify
 from packer.demo import make_image_folder
 from packer.errors import PackerError
@@ -52,32 +52,6 @@ def run_packer(*args, timeout: float = 60) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"`packer {' '.join(map(str, args))}` still running after {timeout} s "
                              f"(waiting for the other writer?)") from e
-
-
-def wait_for_reader(fifo: Path, proc: subprocess.Popen, timeout: float = 60) -> int:
-    """Block until ``proc`` opens ``fifo`` to read it; return the write end."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENXIO:
-                raise
-            if proc.poll() is not None:
-                out, err = proc.communicate()
-                raise AssertionError(f"the build ended (rc {proc.returncode}) before reading "
-                                     f"{fifo}: {out}{err}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the build did not read {fifo} within {timeout} s")
-            time.sleep(0.002)
-        else:
-            os.set_blocking(fd, True)
-            return fd
-
-
-def release(fd: int, data: bytes) -> None:
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple:

@@ -12,18 +12,17 @@ shard temp files, the journal and the tables, not only before it starts.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import packer
+from helpers import release, wait_for_reader
 from packer import PackedDataset, build, merge, stage, verify
 from packer.demo import make_image_folder
 from packer.errors import PackerError
@@ -75,33 +74,6 @@ def assert_regular_dataset(root: Path) -> None:
     for n in names:
         st = os.lstat(root / n)
         assert stat.S_ISREG(st.st_mode), f"{root / n} is not a regular file (a link?)"
-
-
-def wait_for_reader(fifo: Path, proc: subprocess.Popen, timeout: float = 60) -> int:
-    """Block until ``proc`` opens ``fifo`` to read it; return the write end. Until that is
-    written and closed the process stays blocked in its read."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENXIO:
-                raise
-            if proc.poll() is not None:
-                out, err = proc.communicate()
-                raise AssertionError(f"the build ended (rc {proc.returncode}) before reading "
-                                     f"{fifo}: {out}{err}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the build did not read {fifo} within {timeout} s")
-            time.sleep(0.002)
-        else:
-            os.set_blocking(fd, True)
-            return fd
-
-
-def release(fd: int, data: bytes) -> None:
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def gated_source(root: Path, images: int = 24, last: bool = False) -> tuple:

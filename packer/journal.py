@@ -97,9 +97,9 @@ def load(dst: Path, fp: str) -> dict:
         if name.startswith(".shard-"):
             remove_own(dst, name)
     if j.get("fingerprint") != fp:  # different source or options: restart cleanly
-        for name in set(packer_names(dst)) & (claimed(dst) | {n for n in packer_names(dst)
-                                                               if n.startswith("shard-")}):
-            if name not in (JOURNAL, MANIFEST):
+        mine = claimed(dst) - {JOURNAL}
+        for name in packer_names(dst):
+            if name in mine or name.startswith("shard-"):
                 remove_own(dst, name)
         save(dst, fp, fresh["shards"], [], 0)
         return fresh

@@ -58,6 +58,7 @@ def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
                 raise PackerError(f"{p} is the same part as {seen[ident]} (given more than once); "
                                   f"merging it twice would duplicate its records")
             seen[ident] = p
+    files: dict = {}
     for p, m in mans:  # two datasets sharing a file: a merged dataset and its own part
         for s in m["shards"]:
             try:
@@ -65,11 +66,11 @@ def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
             except OSError:
                 raise FormatError(f"{p / s['path']}, a shard of {p}, is missing") from None
             ident = (st.st_dev, st.st_ino)
-            if ident in seen:
-                raise PackerError(f"{p} and {seen[ident]} share the shard file {s['path']} (the same "
+            if ident in files:
+                raise PackerError(f"{p} and {files[ident]} share the shard file {s['path']} (the same "
                                   f"part given twice, or a merged dataset with its own part); "
                                   f"merging would duplicate its records")
-            seen[ident] = p
+            files[ident] = p
         if dst.exists() and dst.resolve() == p.resolve():
             raise PackerError(f"DST {dst} is one of the parts; merge into a new folder")
 

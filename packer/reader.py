@@ -25,9 +25,9 @@ from typing import List, Optional, Tuple
 from .errors import FormatError
 from .format import MANIFEST, crc32, read_manifest, shard_file, unpack_record
 from .schema import TABLE_WIDTH
-from .shardfile import shard_entries, shard_records
+from .shardfile import shard_records
 
-__all__ = ["ShardReader", "read_labels", "read_offsets", "shard_entry_count"]
+__all__ = ["ShardReader", "read_labels", "read_offsets"]
 
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
@@ -145,11 +145,6 @@ def _identity(path: Path, entry: dict, root: Path) -> Tuple[int, int, int, int]:
     return _stat_identity(st)
 
 
-def shard_entry_count(path: os.PathLike) -> int:
-    """How many records the shard file at ``path`` holds, from its checked LMDB meta data."""
-    return shard_entries(path)
-
-
 def read_labels(root: os.PathLike, manifest: Optional[dict] = None) -> array:
     """All labels in record order, as one compact int32 array (no per-sample objects)."""
     manifest = manifest if manifest is not None else read_manifest(root)
@@ -170,19 +165,17 @@ def _read_table(root: Path, manifest: dict, name: str, typecode: str) -> array:
     path = root / manifest[name]["path"]
     want = TABLE_WIDTH[name] * manifest["count"]
     table = array(typecode)
-    try:
-        fd = os.open(path, READ_FLAGS | getattr(os, "O_NONBLOCK", 0))
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
+        f = open(os.open(path, READ_FLAGS | getattr(os, "O_NONBLOCK", 0)), "rb")
     except OSError as e:
         raise FormatError(f"{path}: cannot read {name} ({e.strerror}); re-stage or rebuild") from None
-    try:
-        st = os.fstat(fd)
+    with f:
+        st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_size != want:
-            raise FormatError(f"{path} holds {st.st_size // TABLE_WIDTH[name] if stat.S_ISREG(st.st_mode) else 'no'} "
-                              f"{name} for {manifest['count']} records; the dataset is damaged")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            table.frombytes(f.read(want))
-    finally:
-        os.close(fd)
+            held = st.st_size // TABLE_WIDTH[name] if stat.S_ISREG(st.st_mode) else "no"
+            raise FormatError(f"{path} holds {held} {name} for {manifest['count']} records; the "
+                              f"dataset is damaged")
+        table.frombytes(f.read(want))
     if len(table) * table.itemsize != want:
         raise FormatError(f"{path} changed while it was read; the dataset is damaged")
     if sys.byteorder != "little":

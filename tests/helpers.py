@@ -327,3 +327,19 @@ def wait_for_reader(fifo: Path, proc: subprocess.Popen, timeout: float = 60) -> 
 def release(fd: int, data: bytes) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+# -- packer as a command -------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def packer_cmd(*args) -> list:
+    return [sys.executable, "-m", "packer", *map(str, args)]
+
+
+def packer_env() -> dict:
+    """The environment for a packer subprocess: this checkout first on the import path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env

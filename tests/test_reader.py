@@ -20,7 +20,8 @@ from packer.demo import make_image_folder
 from packer.errors import FormatError
 from packer._fsio import write_json_atomic
 from packer.format import key, unpack_record
-from packer.reader import read_labels, read_offsets, shard_entry_count
+from packer.reader import read_labels, read_offsets
+from packer.shardfile import shard_entries
 
 
 @pytest.fixture(scope="module")
@@ -220,23 +221,23 @@ def test_missing_manifest(copy):
         ShardReader(copy)
 
 
-# -- shard_entry_count and the side tables -----------------------------------------------------
+# -- shard_entries and the side tables -----------------------------------------------------
 
-def test_shard_entry_count(built, tmp_path):
+def test_shard_entries(built, tmp_path):
     m = manifest(built)
-    assert [shard_entry_count(built / s["path"]) for s in m["shards"]] == [s["count"] for s in m["shards"]]
+    assert [shard_entries(built / s["path"]) for s in m["shards"]] == [s["count"] for s in m["shards"]]
     m2 = dict(m)
     del m2["offsets"]
     r = ShardReader(built, m2)
     try:
         first = r.read(0)  # the reader holds the shard open: counting does not disturb it
-        assert shard_entry_count(built / m["shards"][0]["path"]) == m["shards"][0]["count"]
+        assert shard_entries(built / m["shards"][0]["path"]) == m["shards"][0]["count"]
         assert r.read(0) == first and r.read(1) == r.read(1)
     finally:
         r.close()
     (tmp_path / "not.lmdb").write_bytes(b"not an lmdb file" * 1000)
     with pytest.raises(FormatError, match="not a valid packer shard: no LMDB meta page"):
-        shard_entry_count(tmp_path / "not.lmdb")
+        shard_entries(tmp_path / "not.lmdb")
 
 
 def test_read_labels(built, src):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import packer
-from helpers import release, wait_for_reader
+from helpers import packer_cmd, packer_env, release, wait_for_reader
 from packer import build, merge, stage, unstage, verify
 from packer.demo import make_image_folder
 from packer.errors import PackerError
@@ -34,16 +34,6 @@ BUSY = "being written by another packer process (pid {pid}"
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-def packer_cmd(*args) -> list:
-    return [sys.executable, "-m", "packer", *map(str, args)]
-
-
-def packer_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
-
 
 def run_packer(*args, timeout: float = 60) -> subprocess.CompletedProcess:
     try:

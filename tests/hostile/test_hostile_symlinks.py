@@ -16,13 +16,12 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import packer
-from helpers import release, wait_for_reader
+from helpers import packer_cmd, packer_env, release, wait_for_reader
 from packer import PackedDataset, build, merge, stage, verify
 from packer.demo import make_image_folder
 from packer.errors import PackerError
@@ -35,16 +34,6 @@ BUILD_NAMES = ("labels.i32.tmp", "offsets.u64.tmp", "manifest.json.tmp", ".packe
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-def packer_cmd(*args) -> list:
-    return [sys.executable, "-m", "packer", *map(str, args)]
-
-
-def packer_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
-
 
 def make_victims(folder: Path, names) -> dict:
     """One file per name outside the dataset, with known bytes: {name: (path, bytes)}."""

@@ -43,7 +43,10 @@ def packer_names(dst: Path) -> List[str]:
 
 
 def refuse_foreign_files(dst: Path, names: Iterable[str]) -> None:
-    names = sorted(names)
+    """Stop unless ``names`` is empty. The journal's own temp file never counts: a run killed
+    while writing the first journal leaves only that, and writing the journal replaces it
+    (unlinking a link there removes the link, never its target)."""
+    names = sorted(set(names) - {JOURNAL + ".tmp"})
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise PackerError(f"{dst} holds files named like a packer dataset's that no packer "

@@ -120,6 +120,24 @@ def test_fresh_build_refuses_a_user_file_with_a_name_it_writes(src, tmp_path, na
     assert sorted(p.name for p in dst.iterdir()) == [name]
 
 
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_journal_temp_left_by_a_kill_does_not_block_the_rerun(src, built, tmp_path, kind):
+    """kill -9 while the first journal is written leaves only ``.packer-build.json.tmp``:
+    build and merge re-run; a link there is replaced, its target untouched."""
+    outside = user_file(tmp_path / "outside.txt")
+    for dst, run in [(tmp_path / "b", lambda d: build(src, d, progress=False, workers=0)),
+                     (tmp_path / "m", lambda d: merge([built], d))]:
+        dst.mkdir()
+        if kind == "link":
+            (dst / ".packer-build.json.tmp").symlink_to(outside)
+        else:
+            user_file(dst / ".packer-build.json.tmp", b'{"fingerprint": "')
+        run(dst)
+        assert verify(dst, progress=False).ok
+        assert not (dst / ".packer-build.json.tmp").exists()
+        assert outside.read_bytes() == USER_BYTES
+
+
 def test_overwrite_deletes_only_what_the_old_manifest_lists(src, built, tmp_path):
     dst = tmp_path / "dst"
     shutil.copytree(built, dst)

@@ -7,35 +7,28 @@ finished shard; a different command restarts cleanly.
 """
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
-import uuid
-from array import array
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import islice
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Deque, Iterator, List, Optional, Tuple
+from typing import Deque, Iterator, Optional, Tuple
 
 from tqdm.auto import tqdm
 
-from . import __version__
 from . import journal
-from ._fsio import FolderLock, write_json_atomic
-from ._system import die_with_parent, pil_summary, usable_cores
+from ._fsio import FolderLock
+from ._system import die_with_parent, usable_cores
 from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
 from .errors import PackerError
-from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, SHARD_PATTERN, crc32,
-                     pack_record, read_manifest)
+from .format import LABEL_FIELD, MANIFEST, crc32, read_manifest
+from .packing import Packing
 from .source import IMG_EXTENSIONS, ImageList, is_utf8, parse_part, read_list, scan_folder, select
-from .text import printable
-from .shardfile import shard_records
-from .writer import ShardWriter, disk_errors, write_table
 
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
@@ -50,22 +43,29 @@ class BuildResult:
 
     def summary(self) -> str:
         m = self.manifest
+        dropped = f", dropped {m['dropped_count']} annotation(s)" if m.get("dropped_count") else ""
         return (f"packed {m['count']} images in {len(m['classes'])} classes into "
                 f"{len(m['shards'])} shard(s), {m['bytes'] / 1e6:.1f} MB; "
-                f"skipped {len(m['skipped'])}; {self.seconds:.1f} s")
+                f"skipped {len(m['skipped'])}{dropped}; {self.seconds:.1f} s")
 
 
 def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike] = None,
           shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
           transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
           part: Optional[str] = None, strict: bool = False, overwrite: bool = False,
-          max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True) -> BuildResult:
-    """Pack ``src`` (ImageFolder layout, or ``list_file`` lines) into shards in ``dst``."""
+          max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True,
+          coco: Optional[os.PathLike] = None, yolo: Optional[os.PathLike] = None,
+          names: Optional[os.PathLike] = None, meta: Optional[os.PathLike] = None,
+          label: Optional[str] = None, skip_empty: bool = False) -> BuildResult:
+    """Pack ``src`` into shards in ``dst``: an ImageFolder layout, or the images that
+    ``list_file`` lines, a COCO instances JSON (``coco``), YOLO label files (``yolo`` with
+    ``names``) or a JSONL/CSV table (``meta``, ``label`` naming its class column) describe."""
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     workers = usable_cores() if workers is None else workers
     _check_arguments(src, dst, list_file, shard_size, workers, max_pixels)
-    source = read_list(src, list_file) if list_file else scan_folder(src)
+    given = {"list": list_file, "coco": coco, "yolo": yolo, "meta": meta}
+    source = load_source(src, **given, names=names, label=label, skip_empty=skip_empty)
     if not source.entries:
         raise PackerError(f"found no images in {src} (extensions: "
                           f"{', '.join(IMG_EXTENSIONS)}, any case); nothing to pack")
@@ -73,6 +73,10 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, "strict": strict,
                "max_pixels": max_pixels, "list": str(list_file) if list_file else None}
+    for key, value in (("coco", coco), ("yolo", yolo), ("names", names), ("meta", meta),
+                       ("label", label), ("skip_empty", skip_empty or None)):
+        if value is not None:  # only what was given: older manifests' options stay as they were
+            options[key] = value if isinstance(value, (bool, str)) else str(value)
     dst.mkdir(parents=True, exist_ok=True)
     with FolderLock(dst, f"packer build into {dst}"):
         if (dst / MANIFEST).exists():
@@ -81,21 +85,95 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
                                   f"overwrite=True (--overwrite)")
             journal.remove_dataset(dst, read_manifest(dst))
         fp = journal.fingerprint(source, options)
-        run = _Run(source, dst, fp, journal.load(dst, fp), shard_size, strict)
+        run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
+                      shard_size=shard_size, strict=strict)
         resumed = len(run.shards)
         bar = tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
                    desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05)
         try:
-            run.pack(_process(source, run.start, workers, transcode, max_pixels), bar)
+            _pack(source, run, _process(source, run.start, workers, transcode, max_pixels), bar)
+        except BaseException:
+            run.abort()
+            raise
         finally:
             bar.close()
-        if not run.labels:
-            first = run.skipped[0]
-            raise PackerError(f"all {len(run.skipped)} images were skipped (e.g. {first['path']}: "
-                              f"{first['reason']}); no dataset was written")
-        manifest = _finish(dst, source, run.shards, run.skipped, run.labels, options)
+        ann = source.annotations
+        if ann is not None:
+            options["annotations_dropped_at_parse"] = len(ann.dropped)
+        manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
+                              options=options, extra=ann.extra if ann is not None else None)
         journal.remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
+
+
+def load_source(src: Path, *, list: Optional[os.PathLike] = None,
+                coco: Optional[os.PathLike] = None, yolo: Optional[os.PathLike] = None,
+                meta: Optional[os.PathLike] = None, names: Optional[os.PathLike] = None,
+                label: Optional[str] = None, skip_empty: bool = False) -> ImageList:
+    """What to pack, from the one source the options name (ImageFolder when none)."""
+    chosen = [k for k, v in (("list", list), ("coco", coco), ("yolo", yolo), ("meta", meta))
+              if v is not None]
+    if len(chosen) > 1:
+        raise PackerError(f"pass one source: {' and '.join('--' + c for c in chosen)} exclude "
+                          f"each other")
+    if (names is not None) != (yolo is not None):
+        raise PackerError("--yolo LABELS_DIR and --names NAMES go together")
+    if label is not None and meta is None:
+        raise PackerError("--label COLUMN picks a column of --meta FILE; pass --meta too")
+    if skip_empty and coco is None:
+        raise PackerError("--skip-empty applies to --coco datasets (images with no annotation)")
+    if coco is not None:
+        from .sources.coco import read_coco
+        return read_coco(src, coco, skip_empty=skip_empty)
+    if yolo is not None:
+        from .sources.yolo import read_yolo
+        return read_yolo(src, yolo, names)
+    if meta is not None:
+        from .sources.meta import read_meta
+        return read_meta(src, meta, label=label)
+    return read_list(src, list) if list is not None else scan_folder(src)
+
+
+def source_schema(source: ImageList) -> dict:
+    """The schema a source's records get: ``label`` for classification (ImageFolder,
+    ``--list``, ``--meta --label``), then the annotation fields."""
+    ann = source.annotations
+    labelled = ann is None or bool(source.entries) and source.entries[0][1] >= 0
+    fields = [dict(LABEL_FIELD)] if labelled else []
+    if ann is None:
+        return {"task": "classification", "fields": fields}
+    task = "classification" if fields and not ann.schema else ann.task
+    return {"task": task, "fields": fields + list(ann.schema)}
+
+
+def _pack(source: ImageList, run: Packing, results: Iterator, bar) -> None:
+    """Checked images, in entry order, into the run: fields fitted to each image's size."""
+    ann = source.annotations
+    has_label = any(f["name"] == "label" for f in run.fields)
+    in_bytes = 0
+    for i, status, payload, nbytes in results:
+        bar.update(1)
+        in_bytes += nbytes
+        rel, label = source.entries[i]
+        if status == "ok":
+            data, crc, width, height, fmt, mode = payload
+            data = data if data is not None else reread(source.root, rel, crc)
+            if data is None:
+                status, payload = "skip", "changed or vanished while the build read it"
+        if status == "skip":
+            run.skip(i, rel, payload)
+        else:
+            values: dict = {"label": label} if has_label else {}
+            if ann is not None:
+                row, reasons = (ann.fit(ann.rows[i], width, height) if ann.fit is not None
+                                else (ann.rows[i], []))
+                run.drop(i, rel, reasons)
+                values.update(row)
+            run.add(i, rel, data, width, height, fmt, mode, values)
+        if bar.n % 256 == 0:
+            rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
+            bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(run.skipped), refresh=False)
+    run.end_shard(len(source.entries))
 
 
 def _check_arguments(src: Path, dst: Path, list_file, shard_size: int, workers: int,
@@ -112,60 +190,6 @@ def _check_arguments(src: Path, dst: Path, list_file, shard_size: int, workers: 
                           f"of its own source; put the dataset outside SRC")
 
 
-class _Run:
-    """One pass of the writer over checked images: shards, skip list, labels, journal."""
-
-    def __init__(self, source: ImageList, dst: Path, fingerprint: str, journal: dict,
-                 shard_size: int, strict: bool):
-        self.source, self.dst, self.fingerprint = source, dst, fingerprint
-        self.shard_size, self.strict = shard_size, strict
-        self.shards: List[dict] = journal["shards"]
-        self.skipped: List[dict] = journal["skipped"]
-        self.start = journal["next_entry"]
-        self.labels = _labels_so_far(source, self.start, self.skipped)
-        self.writer: Optional[ShardWriter] = None
-
-    def pack(self, results: Iterator, bar) -> None:
-        in_bytes = 0
-        try:
-            for i, status, payload, label, nbytes in results:
-                bar.update(1)
-                in_bytes += nbytes
-                self.add(i, status, payload, label)
-                if bar.n % 256 == 0:
-                    rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
-                    bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(self.skipped), refresh=False)
-            if self.writer is not None:
-                self.shards.append(self.writer.finish())
-                self.writer = None
-        except BaseException:
-            if self.writer is not None:
-                self.writer.abort()
-            raise
-
-    def add(self, i: int, status: str, payload, label: int) -> None:
-        rel = self.source.entries[i][0]
-        if status == "ok" and isinstance(payload, tuple):
-            payload = stored_record(self.source.root, rel, label, payload)
-            if payload is None:
-                status, payload = "skip", "changed or vanished while the build read it"
-        if status == "skip":
-            if self.strict:
-                raise PackerError(f"strict: {printable(rel)}: {payload}; no dataset was written "
-                                  f"(fix or remove the file, then re-run)")
-            self.skipped.append({"path": printable(rel), "reason": payload, "entry": i})
-            return
-        if self.writer is None:
-            self.writer = ShardWriter(self.dst / SHARD_PATTERN.format(len(self.shards)),
-                                      expected_bytes=self.shard_size)
-        self.writer.append(payload)
-        self.labels.append(label)
-        if self.writer.bytes >= self.shard_size:
-            self.shards.append(self.writer.finish())
-            self.writer = None
-            journal.save(self.dst, self.fingerprint, self.shards, self.skipped, i + 1)
-
-
 def _is_within(path: Path, folder: Path) -> bool:
     path, folder = path.resolve(), folder.resolve()
     return path == folder or folder in path.parents
@@ -173,44 +197,39 @@ def _is_within(path: Path, folder: Path) -> bool:
 
 # -- workers ---------------------------------------------------------------------------------
 
-def _work(task) -> Tuple[int, str, object, int, int]:
-    """Runs in a worker: read, check (and maybe transcode) one image, return a packed record."""
-    i, root, rel, label, transcode, max_pixels = task
+def _work(task) -> Tuple[int, str, object, int]:
+    """Runs in a worker: read, check (and maybe transcode) one image. The result carries the
+    stored bytes only when transcoded (else the writer re-reads them, see ``reread``)."""
+    i, root, rel, transcode, max_pixels = task
     if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
         return i, "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
-                           "-t utf8 --notest SRC`)"), label, 0
+                           "-t utf8 --notest SRC`)"), 0
     try:
         with open(os.path.join(root, rel), "rb") as f:
             data = f.read()
     except OSError as e:
-        return i, "skip", f"unreadable: {e.strerror or e}", label, 0
+        return i, "skip", f"unreadable: {e.strerror or e}", 0
     try:
         c = check_image(data, transcode=transcode, max_pixels=max_pixels)
     except BadImage as e:
-        return i, "skip", str(e), label, len(data)
-    if transcode is None:  # unchanged bytes: the parent re-reads them (see stored_record)
-        return i, "ok", (crc32(data), c.width, c.height, c.format, c.mode), label, len(data)
-    rec = pack_record(c.data, label=label, path=rel, width=c.width, height=c.height,
-                      format=c.format, mode=c.mode)
-    return i, "ok", rec, label, len(data)
+        return i, "skip", str(e), len(data)
+    stored = c.data if transcode is not None else None
+    return i, "ok", (stored, crc32(c.data), c.width, c.height, c.format, c.mode), len(data)
 
 
-def stored_record(root: Path, rel: str, label: int, checked) -> Optional[bytes]:
-    """The record of a file a worker checked, its bytes read again here, from the page cache.
+def reread(root: Path, rel: str, crc: int) -> Optional[bytes]:
+    """The bytes of a file a worker checked, read again here, from the page cache.
 
     Cheaper than shipping them back through a pipe (pickle, two copies, many syscalls) on
     machines where the writer shares few cores with the workers. The checksum makes sure
     the bytes stored are the bytes checked; None if the file changed in between.
     """
-    crc, width, height, fmt, mode = checked
     try:
         with open(root / rel, "rb") as f:
             data = f.read()
     except OSError:
         return None
-    if crc32(data) != crc:
-        return None
-    return pack_record(data, label=label, path=rel, width=width, height=height, format=fmt, mode=mode)
+    return data if crc32(data) == crc else None
 
 
 def _worker_init(parent: int) -> None:
@@ -228,8 +247,8 @@ def _process(source: ImageList, start: int, workers: int, transcode, max_pixels)
     the parent blocked reading half a message, forever — what ``Pool.terminate`` did here.
     """
     root = str(source.root)
-    tasks = ((i, root, rel, label, transcode, max_pixels)
-             for i, (rel, label) in enumerate(source.entries) if i >= start)
+    tasks = ((i, root, rel, transcode, max_pixels)
+             for i, (rel, _) in enumerate(source.entries) if i >= start)
     if workers == 0:
         yield from map(_work, tasks)
         return
@@ -255,49 +274,3 @@ def _work_chunk(chunk):
     return [_work(t) for t in chunk]
 
 
-# -- journal, labels, manifest ---------------------------------------------------------------
-
-def _labels_so_far(source: ImageList, start: int, skipped: List[dict]) -> array:
-    gone = {s["entry"] for s in skipped}
-    return array("i", (lab for i, (_, lab) in enumerate(source.entries[:start]) if i not in gone))
-
-
-def _offsets(dst: Path, shards: List[dict]) -> array:
-    """Every record's byte range in its shard, read once now so readers never walk LMDB."""
-    table = array("Q")
-    for s in shards:
-        table.extend(shard_records(dst / s["path"]))
-    return table
-
-
-def _finish(dst: Path, source: ImageList, shards: List[dict], skipped: List[dict],
-            labels: array, options: dict) -> dict:
-    count = sum(s["count"] for s in shards)
-    assert count == len(labels), (count, len(labels))
-    label_entry = write_table(dst, LABELS, labels)
-    offsets_entry = write_table(dst, OFFSETS, _offsets(dst, shards))
-    class_counts = [0] * len(source.classes)
-    for lab in labels:
-        class_counts[lab] += 1
-    manifest = new_manifest(
-        classes=source.classes, class_counts=class_counts,
-        shards=[{k: s[k] for k in ("path", "count", "bytes", "sha256")} for s in shards],
-        labels=label_entry, offsets=offsets_entry,
-        skipped=[{"path": s["path"], "reason": s["reason"]} for s in skipped],
-        source=str(source.root.resolve()), options=options)
-    with disk_errors(dst / MANIFEST):
-        write_json_atomic(dst / MANIFEST, manifest)
-    return manifest
-
-
-def new_manifest(*, classes, class_counts, shards, labels, offsets, skipped, source, options) -> dict:
-    extra = {"offsets": offsets} if offsets is not None else {}
-    return {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "packer_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "count": sum(s["count"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
-        "classes": list(classes), "class_to_idx": {c: i for i, c in enumerate(classes)},
-        "class_counts": list(class_counts), "shards": shards, "labels": labels, **extra,
-        "skipped": skipped, "source": source, "options": options, "pil": pil_summary(),
-        "build_id": uuid.uuid4().hex,
-    }

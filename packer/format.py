@@ -12,25 +12,59 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 
 from .errors import FormatError
+from .fields import value_problem
 from .schema import validate_manifest
 
 FORMAT_NAME = "packer"
-FORMAT_VERSION = "1.1"  # major.minor: readers refuse a newer major, accept a newer minor
+FORMAT_VERSION = "1.2"  # major.minor: readers refuse a newer major, accept a newer minor
 MANIFEST = "manifest.json"
 LABELS = "labels.i32"  # little-endian int32, one per record, in global record order
 OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) per record: where its value sits in its shard
-TABLES = (("labels", LABELS), ("offsets", OFFSETS))  # per-record side tables: manifest key, file name
 SHARD_PATTERN = "shard-{:05d}.lmdb"
 KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
-RECORD_TYPES = {"image": bytes, "label": int, "path": str, "width": int, "height": int,
+# Every record's own keys; its schema's fields (``label`` for classification) come beside them.
+RECORD_TYPES = {"image": bytes, "path": str, "width": int, "height": int,
                 "format": str, "mode": str, "crc32": int}
 RECORD_FIELDS = tuple(RECORD_TYPES)
 HASH_CHUNK = 8 << 20
+LABEL_FIELD = {"name": "label", "type": "int"}
+# Datasets written before schemas (format < 1.2) are classification datasets.
+CLASSIFICATION = {"task": "classification", "fields": [LABEL_FIELD]}
+COLUMN_SUFFIX = {"int32": "i32", "int64": "i64", "float64": "f64", "uint8": "u8"}
+SIZE_COLUMNS = ("width", "height")  # int32 side tables every dataset since 1.2 has
+
+
+def column_file(name: str, dtype: str) -> str:
+    """The side table of scalar field ``name``: ``column-NAME.i64`` and the like."""
+    return f"column-{name}.{COLUMN_SUFFIX[dtype]}"
+
+
+def dataset_schema(manifest: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"task", "fields"}`` of a dataset (older datasets: classification with ``label``)."""
+    return manifest.get("schema") or CLASSIFICATION
+
+
+def side_tables(manifest: Dict[str, Any]) -> List[Tuple[str, Dict[str, Any], str]]:
+    """Every per-record side table a manifest lists: ``(key, entry, file name when staged)``,
+    key ``labels``, ``offsets`` or ``columns.NAME``."""
+    out = [(k, manifest[k], name) for k, name in (("labels", LABELS), ("offsets", OFFSETS))
+           if manifest.get(k) is not None]
+    for name, entry in (manifest.get("columns") or {}).items():
+        out.append((f"columns.{name}", entry, column_file(name, entry["dtype"])))
+    return out
+
+
+def set_table(manifest: Dict[str, Any], key: str, entry: Dict[str, Any]) -> None:
+    """Put a side table's entry back under its ``side_tables`` key."""
+    if key.startswith("columns."):
+        manifest.setdefault("columns", {})[key.split(".", 1)[1]] = entry
+    else:
+        manifest[key] = entry
 
 
 def key(index: int) -> bytes:
@@ -42,11 +76,12 @@ def crc32(data: bytes) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def pack_record(image: bytes, *, label: int, path: str, width: int, height: int,
-                format: str, mode: str) -> bytes:
-    """Serialize one record; the checksum covers the stored image bytes."""
+def pack_record(image: bytes, *, path: str, width: int, height: int, format: str, mode: str,
+                fields: Optional[Dict[str, Any]] = None) -> bytes:
+    """Serialize one record: its image, its own keys, and its stored ``fields`` (see
+    ``packer.fields.encode``); the checksum covers the stored image bytes."""
     return msgpack.packb({
-        "image": image, "label": int(label), "path": path, "width": int(width),
+        "image": image, **(fields or {}), "path": path, "width": int(width),
         "height": int(height), "format": format, "mode": mode, "crc32": crc32(image),
     }, use_bin_type=True)
 
@@ -65,12 +100,19 @@ def _refuse_ext(code: int, data: bytes):
                       f"plain data (a damaged or foreign shard)")
 
 
-def record_problem(rec: Dict[str, Any]) -> str:
-    """What is wrong with an unpacked record's fields (names and types), or ""."""
+def record_problem(rec: Dict[str, Any], fields: Sequence[Dict[str, Any]] = (LABEL_FIELD,)) -> str:
+    """What is wrong with an unpacked record (its own keys, then its schema's ``fields``:
+    names and types), or ""."""
     for name, kind in RECORD_TYPES.items():
         value = rec.get(name)
         if not isinstance(value, kind) or kind is int and isinstance(value, bool):
             return f"field {name!r} is {type(value).__name__}, not {kind.__name__}"
+    for f in fields:
+        if f["name"] not in rec:
+            return f"field {f['name']!r} is missing"
+        problem = value_problem(f, rec[f["name"]])
+        if problem:
+            return problem
     return ""
 
 

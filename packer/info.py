@@ -9,11 +9,12 @@ from typing import Iterator, List, Tuple
 from tqdm.auto import tqdm
 
 from .errors import FormatError
-from .format import (TABLES, crc32, file_sha256, read_manifest, record_problem, shard_file,
-                     unpack_record)
+from .fields import array_shape
+from .format import (crc32, dataset_schema, file_sha256, read_manifest, record_problem,
+                     shard_file, side_tables, unpack_record)
 from ._system import human_size
 from .check import DEFAULT_MAX_PIXELS, BadImage, check_image
-from .reader import ShardReader, read_labels
+from .reader import ShardReader, read_column, read_labels
 from .shardfile import shard_records
 from .text import printable
 
@@ -30,6 +31,10 @@ def info(root: os.PathLike) -> dict:
                     "sha256": s["sha256"]} for s in m["shards"]],
         "skipped": [{"path": s["path"], "reason": s["reason"]} for s in m["skipped"]],
         "options": m.get("options", {}), "source": m.get("source"), "pil": m.get("pil"),
+        "task": dataset_schema(m)["task"], "fields": dataset_schema(m)["fields"],
+        "columns": sorted(["label"] * bool(m.get("labels")) + list(m.get("columns") or {})),
+        "dropped_count": m.get("dropped_count", 0),
+        "dropped": [{"path": d["path"], "reason": d["reason"]} for d in m.get("dropped", [])],
     }
 
 
@@ -48,6 +53,9 @@ def format_info(i: dict, max_classes: int = 20) -> str:
         f"{p(t.get('short_side'))})",
         f"shuffled (seed {p(opts.get('seed'))})" if opts.get("shuffle") else "source order",
     ] + ([f"part {p(opts['part'])}"] if opts.get("part") else [])))
+    lines.append(f"task: {p(i['task'])}; fields: " + (", ".join(
+        p(f["name"]) + " " + (f"{p(f['dtype'])}{p(f['shape'])}" if f["type"] == "array" else p(f["type"]))
+        for f in i["fields"]) or "none") + f"; columns: {', '.join(map(p, i['columns'])) or 'none'}")
     lines.append("classes:")
     counts = i.get("class_counts") or [None] * len(i["classes"])
     for n, (c, k) in enumerate(zip(i["classes"], counts)):
@@ -63,6 +71,10 @@ def format_info(i: dict, max_classes: int = 20) -> str:
         lines.append(f"  {p(s['path'])}: {p(s['reason'])}")
     if len(i["skipped"]) > 10:
         lines.append(f"  ... {len(i['skipped']) - 10} more (see --json)")
+    if i["dropped_count"]:
+        lines.append(f"annotations dropped (images kept): {i['dropped_count']}")
+        for d in i["dropped"][:10]:
+            lines.append(f"  {p(d['path'])}: {p(d['reason'])}")
     return "\n".join(lines)
 
 
@@ -100,22 +112,24 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> 
     m = read_manifest(root)
     rep = Report(skipped_checks=QUICK_SKIPS if quick else "")
     readable = _check_shards(root, m, rep, progress)
-    for kind, _ in TABLES:
-        t = m.get(kind)
-        if t and (root / t["path"]).is_file() and file_sha256(root / t["path"]) != t["sha256"]:
+    for _, t, _ in side_tables(m):
+        if (root / t["path"]).is_file() and file_sha256(root / t["path"]) != t["sha256"]:
             rep.problems.append(f"{t['path']}: sha256 does not match the manifest")
     try:
         labels = read_labels(root, m)
+        columns = {name: read_column(root, name, m) for name in (m.get("columns") or {})}
     except FormatError as e:
         rep.problems.append(str(e))
         return rep
+    if m.get("labels") is not None:
+        columns["label"] = labels
     bad = [i for i, lab in enumerate(labels) if not 0 <= lab < len(m["classes"])]
     if bad:
         rep.problems.append(f"labels.i32: {len(bad)} label(s) outside 0..{len(m['classes']) - 1} "
                             f"(the dataset has {len(m['classes'])} classes), first at record "
                             f"{bad[0]}: {labels[bad[0]]}")
     if not quick and readable:
-        _check_records(root, m, labels, rep, progress)
+        _check_records(root, m, columns, rep, progress)
     return rep
 
 
@@ -153,7 +167,7 @@ def _check_shards(root: Path, m: dict, rep: Report, progress: bool) -> bool:
     return readable
 
 
-def _check_records(root: Path, m: dict, labels, rep: Report, progress: bool) -> None:
+def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bool) -> None:
     max_pixels = (m.get("options") or {}).get("max_pixels") or DEFAULT_MAX_PIXELS
     if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < 1:
         max_pixels = DEFAULT_MAX_PIXELS
@@ -167,14 +181,16 @@ def _check_records(root: Path, m: dict, labels, rep: Report, progress: bool) -> 
             except FormatError as e:
                 rep.problems.append(f"{where}: unreadable: {e}")
                 continue
-            problem = record_problem(rec)
+            problem = record_problem(rec, dataset_schema(m)["fields"])
+            wrong = next((n for n, col in columns.items() if rec.get(n) != col[i]), None)
             if problem:
                 rep.problems.append(f"{where}: {problem}")
             elif crc32(rec["image"]) != rec["crc32"]:
                 rep.problems.append(f"{where} {printable(rec['path'])}: image checksum mismatch")
-            elif rec["label"] != labels[i]:
-                rep.problems.append(f"{where} {printable(rec['path'])}: label {rec['label']} != "
-                                    f"labels.i32 {labels[i]}")
+            elif wrong is not None:
+                table = "labels.i32" if wrong == "label" else f"its {wrong} column"
+                rep.problems.append(f"{where} {printable(rec['path'])}: {wrong} {rec[wrong]} != "
+                                    f"{table} {columns[wrong][i]}")
             else:
                 try:
                     check_image(rec["image"], max_pixels=max_pixels)
@@ -185,12 +201,34 @@ def _check_records(root: Path, m: dict, labels, rep: Report, progress: bool) -> 
 
 
 def ls(root: os.PathLike) -> Iterator[Tuple[int, int, str]]:
-    """(index, label, source path) of every record, in record order."""
+    """(index, label, source path) of every record, in record order (label -1 in a dataset
+    without class labels)."""
     reader = ShardReader(root)
     try:
         for i in range(len(reader)):
             rec = reader.record(i)
-            yield i, rec["label"], rec["path"]
+            yield i, rec.get("label", -1), rec["path"]
+    finally:
+        reader.close()
+
+
+def ls_fields(root: os.PathLike) -> Iterator[dict]:
+    """Every record's fields, for a listing: scalars and text as they are, arrays as their
+    shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size."""
+    reader = ShardReader(root)
+    fields = dataset_schema(reader.manifest)["fields"]
+    try:
+        for i in range(len(reader)):
+            rec = reader.record(i)
+            row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
+            for f in fields:
+                v = rec.get(f["name"])
+                if f["type"] == "array":
+                    v = list(array_shape(f, len(v)))
+                elif f["type"] == "data":
+                    v = f"<{type(v).__name__} of {len(v)}>" if isinstance(v, (list, dict)) else v
+                row[f["name"]] = v
+            yield row
     finally:
         reader.close()
 

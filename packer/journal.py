@@ -13,18 +13,20 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
+
+import msgpack
 
 from ._fsio import fsync_dir, remove_own, write_json_atomic
 from .errors import PackerError
-from .format import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS
+from .format import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, side_tables
 from .schema import is_plain_name
 from .source import ImageList
 from .writer import disk_errors, existing_shard_ok
 
 JOURNAL = ".packer-build.json"
 # Names a build writes: shards, their temp files, side tables, manifest, journal (+ ".tmp").
-BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", LABELS, OFFSETS, MANIFEST, JOURNAL,
+BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", LABELS, OFFSETS, MANIFEST, JOURNAL,
                   LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp")
 
 
@@ -34,6 +36,12 @@ def fingerprint(source: ImageList, options: dict) -> str:
     h.update(json.dumps([FORMAT_VERSION, source.classes, options], sort_keys=True).encode())
     for rel, label in source.entries:
         h.update(f"{rel}\t{label}\n".encode("utf-8", "surrogateescape"))
+    ann = source.annotations
+    if ann is not None:  # the annotations are input too
+        h.update(json.dumps([ann.schema, ann.task, ann.extra,
+                             getattr(ann.fit, "__qualname__", None)], sort_keys=True).encode())
+        for row in ann.rows:
+            h.update(msgpack.packb(row, use_bin_type=True, default=repr))
     return h.hexdigest()
 
 
@@ -59,7 +67,7 @@ def remove_dataset(dst: Path, manifest: dict) -> None:
     dataset must not look complete), then the files it lists inside ``dst`` and the temp
     and journal files of builds; never a file some other record does not claim."""
     own = {s["path"] for s in manifest["shards"] if is_plain_name(s["path"])}
-    own |= {manifest[k]["path"] for k in ("labels", "offsets") if manifest.get(k)}
+    own |= {entry["path"] for _, entry, _ in side_tables(manifest)}
     own |= {n for n in packer_names(dst) if n.startswith(".") or n.endswith(".tmp")}
     own.discard(JOURNAL)
     refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST})
@@ -111,10 +119,11 @@ def load(dst: Path, fp: str) -> dict:
             cut = j["shards"][n - 1]["next_entry"] if n else 0
             j["shards"] = j["shards"][:n]
             j["skipped"] = [s for s in j["skipped"] if s["entry"] < cut]
+            j["dropped"] = [s for s in j.get("dropped", []) if s["entry"] < cut]
             j["next_entry"] = cut
             break
     return {"shards": [dict(s) for s in j["shards"]], "skipped": j["skipped"],
-            "next_entry": j["next_entry"]}
+            "dropped": j.get("dropped", []), "next_entry": j["next_entry"]}
 
 
 def _read(path: Path) -> Optional[dict]:
@@ -126,18 +135,21 @@ def _read(path: Path) -> Optional[dict]:
         return {}
     ok = (isinstance(j, dict) and isinstance(j.get("shards"), list)
           and isinstance(j.get("skipped"), list) and isinstance(j.get("next_entry"), int)
+          and isinstance(j.get("dropped", []), list)
           and all(isinstance(s, dict) and is_plain_name(s.get("path")) for s in j["shards"])
           and isinstance(j.get("owned", []), list)
           and all(is_plain_name(n) for n in j.get("owned", [])))
     return j if ok else {}
 
 
-def save(dst: Path, fp: str, shards: List[dict], skipped: List[dict], next_entry: int) -> None:
+def save(dst: Path, fp: str, shards: List[dict], skipped: List[dict], next_entry: int,
+         dropped: Sequence[dict] = ()) -> None:
     if shards:
         shards[-1]["next_entry"] = next_entry
     with disk_errors(dst / JOURNAL):
         write_json_atomic(dst / JOURNAL, {"fingerprint": fp, "shards": shards,
-                                          "skipped": skipped, "next_entry": next_entry})
+                                          "skipped": skipped, "dropped": list(dropped),
+                                          "next_entry": next_entry})
 
 
 def remove_leftovers(dst: Path, keep: set) -> None:

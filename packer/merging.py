@@ -16,10 +16,10 @@ from typing import List, Sequence, Tuple
 
 from . import journal
 from ._fsio import FolderLock, remove_own, write_json_atomic
-from .builder import new_manifest
 from .errors import FormatError, PackerError
-from .format import LABELS, MANIFEST, OFFSETS, read_manifest, shard_file
-from .reader import read_labels, read_offsets
+from .format import MANIFEST, OFFSETS, dataset_schema, read_manifest, shard_file, side_tables
+from .packing import new_manifest
+from .reader import read_column, read_offsets
 from .shardfile import shard_records
 from .writer import write_table
 
@@ -41,6 +41,9 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
     for p, m in mans[1:]:
         if m["classes"] != classes:
             raise PackerError(f"{p} has different classes from {mans[0][0]}; parts of one "
+                              f"dataset must be built from the same source")
+        if dataset_schema(m) != dataset_schema(mans[0][1]):
+            raise PackerError(f"{p} has different fields from {mans[0][0]}; parts of one "
                               f"dataset must be built from the same source")
     dst.mkdir(parents=True, exist_ok=True)
     with FolderLock(dst, f"packer merge into {dst}"):
@@ -86,34 +89,51 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         journal.refuse_foreign_files(dst, [n for n in journal.packer_names(dst) if n not in mine])
         for name in sorted(mine & set(journal.packer_names(dst))):
             remove_own(dst, name)
-    journal.claim(dst, [LABELS, OFFSETS])  # a merge killed from here on can be re-run
-    shards, skipped, labels, offsets = [], [], array("i"), array("Q")
-    part_dirs = []
+    first = mans[0][1]
+    # Tables every part has (older parts lack the width/height columns: then none has them).
+    keys = [k for k, _, _ in side_tables(first) if k != "offsets"
+            and all(k in {kk for kk, _, _ in side_tables(m)} for _, m in mans)]
+    names = {k: name for k, _, name in side_tables(first)}
+    journal.claim(dst, [OFFSETS] + [names[k] for k in keys])  # a merge killed from here on re-runs
+    shards, skipped, dropped, offsets, part_dirs = [], [], [], array("Q"), []
+    tables = {k: None for k in keys}
     for p, m in mans:
         rel = os.path.relpath(p.resolve(), dst.resolve()).replace(os.sep, "/")
         part_dirs.append(rel)
         for s in m["shards"]:
             shards.append(dict(s, path=os.path.normpath(os.path.join(rel, s["path"])).replace(os.sep, "/")))
         skipped.extend(m["skipped"])
-        part_labels = read_labels(p, m)
-        if any(not 0 <= lab < len(classes) for lab in part_labels):
-            raise FormatError(f"{p}: labels.i32 holds labels outside 0..{len(classes) - 1}; "
-                              f"the part is damaged (run `packer verify {p}`)")
-        labels.extend(part_labels)
+        dropped.extend(m.get("dropped", []))
+        for k in keys:
+            part = read_column(p, "label" if k == "labels" else k.split(".", 1)[1], m)
+            if k == "labels" and any(not 0 <= lab < len(classes) for lab in part):
+                raise FormatError(f"{p}: labels.i32 holds labels outside 0..{len(classes) - 1}; "
+                                  f"the part is damaged (run `packer verify {p}`)")
+            tables[k] = part if tables[k] is None else tables[k] + part
         part_offsets = read_offsets(p, m)
         if part_offsets is None:  # an older part: read its shards' trees
             part_offsets = array("Q")
             for s in m["shards"]:
                 part_offsets.extend(shard_records(shard_file(p, s["path"])))
         offsets.extend(part_offsets)  # per shard: they concatenate
-    counts = [0] * len(classes)
-    for lab in labels:
-        counts[lab] += 1
+    written = {"offsets": write_table(dst, OFFSETS, offsets)}
+    for k in keys:
+        written[k] = write_table(dst, names[k], tables[k])
+        if k.startswith("columns."):
+            written[k]["dtype"] = first["columns"][k.split(".", 1)[1]]["dtype"]
+    columns = {k.split(".", 1)[1]: v for k, v in written.items() if k.startswith("columns.")}
+    counts = None
+    if "labels" in tables:
+        counts = [0] * len(classes)
+        for lab in tables["labels"]:
+            counts[lab] += 1
+    extra = {k: first[k] for k in ("categories",) if k in first}
     manifest = new_manifest(
-        classes=classes, class_counts=counts, shards=shards,
-        labels=write_table(dst, LABELS, labels), offsets=write_table(dst, OFFSETS, offsets),
-        skipped=skipped, source=mans[0][1].get("source", ""),
-        options=dict(mans[0][1].get("options") or {}, part=None,
+        classes=classes, class_counts=counts, shards=shards, labels=written.get("labels"),
+        offsets=written["offsets"], columns=columns or None,
+        schema=first.get("schema"), dropped=dropped, extra=extra,
+        skipped=skipped, source=first.get("source", ""),
+        options=dict(first.get("options") or {}, part=None,
                      merged_from=[str(p) for p, _ in mans]))
     manifest["parts"] = part_dirs
     write_json_atomic(dst / MANIFEST, manifest)

@@ -24,10 +24,10 @@ from typing import List, Optional, Tuple
 
 from .errors import FormatError
 from .format import MANIFEST, crc32, read_manifest, shard_file, unpack_record
-from .schema import TABLE_WIDTH
+from .fields import DTYPES
 from .shardfile import shard_records
 
-__all__ = ["ShardReader", "read_labels", "read_offsets"]
+__all__ = ["ShardReader", "read_column", "read_labels", "read_offsets"]
 
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
@@ -146,9 +146,12 @@ def _identity(path: Path, entry: dict, root: Path) -> Tuple[int, int, int, int]:
 
 
 def read_labels(root: os.PathLike, manifest: Optional[dict] = None) -> array:
-    """All labels in record order, as one compact int32 array (no per-sample objects)."""
+    """All labels in record order, as one compact int32 array (no per-sample objects); an
+    empty array for a dataset without class labels (detection, generic fields)."""
     manifest = manifest if manifest is not None else read_manifest(root)
-    return _read_table(Path(root), manifest, "labels", "i")
+    if manifest.get("labels") is None:
+        return array("i")
+    return _read_table(Path(root), manifest["labels"], "labels", "i", manifest["count"])
 
 
 def read_offsets(root: os.PathLike, manifest: Optional[dict] = None) -> Optional[array]:
@@ -156,15 +159,30 @@ def read_offsets(root: os.PathLike, manifest: Optional[dict] = None) -> Optional
     manifest = manifest if manifest is not None else read_manifest(root)
     if manifest.get("offsets") is None:
         return None
-    return _read_table(Path(root), manifest, "offsets", "Q")
+    return _read_table(Path(root), manifest["offsets"], "offsets", "Q", 2 * manifest["count"])
 
 
-def _read_table(root: Path, manifest: dict, name: str, typecode: str) -> array:
-    """A side table, read only if it is a regular file of exactly the size the (validated)
-    manifest says: a table named like ``/dev/zero`` or a FIFO is never read."""
-    path = root / manifest[name]["path"]
-    want = TABLE_WIDTH[name] * manifest["count"]
+def read_column(root: os.PathLike, name: str, manifest: Optional[dict] = None) -> array:
+    """A scalar field's side table (``label``, ``width``, ``height``, or any int, float or
+    bool field) as one ``array.array`` in record order, read without touching a record."""
+    manifest = manifest if manifest is not None else read_manifest(root)
+    if name == "label" and manifest.get("labels") is not None:
+        return read_labels(root, manifest)
+    entry = (manifest.get("columns") or {}).get(name)
+    if entry is None:
+        have = sorted(manifest.get("columns") or {}) + (["label"] if manifest.get("labels") else [])
+        raise KeyError(f"{root} has no column {name!r} (columns: {', '.join(have) or 'none'}; "
+                       f"str, array and data fields have none: read them from the records)")
+    return _read_table(Path(root), entry, f"column {name}", DTYPES[entry["dtype"]],
+                       manifest["count"])
+
+
+def _read_table(root: Path, entry: dict, name: str, typecode: str, count: int) -> array:
+    """``count`` values of a side table, read only if it is a regular file of exactly that
+    size (the validated manifest's): a table named like ``/dev/zero`` or a FIFO is never read."""
+    path = root / entry["path"]
     table = array(typecode)
+    want = table.itemsize * count
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
         f = open(os.open(path, READ_FLAGS | getattr(os, "O_NONBLOCK", 0)), "rb")
     except OSError as e:
@@ -172,8 +190,9 @@ def _read_table(root: Path, manifest: dict, name: str, typecode: str) -> array:
     with f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_size != want:
-            held = st.st_size // TABLE_WIDTH[name] if stat.S_ISREG(st.st_mode) else "no"
-            raise FormatError(f"{path} holds {held} {name} for {manifest['count']} records; the "
+            per = table.itemsize * (2 if typecode == "Q" else 1)  # bytes per record
+            held = st.st_size // per if stat.S_ISREG(st.st_mode) else "no"
+            raise FormatError(f"{path} holds {held} {name} for {want // per} records; the "
                               f"dataset is damaged")
         table.frombytes(f.read(want))
     if len(table) * table.itemsize != want:

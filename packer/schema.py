@@ -12,10 +12,13 @@ from pathlib import PurePosixPath
 from typing import Any, Dict, List
 
 from .errors import FormatError
+from .fields import check_schema
 
 MIN_RECORD_BYTES = 16  # an LMDB entry takes at least its node header and 8-byte key
 SHA256 = re.compile(r"[0-9a-f]{64}")
 TABLE_WIDTH = {"labels": 4, "offsets": 16}  # bytes per record of each side table
+COLUMN_WIDTH = {"int32": 4, "int64": 8, "float64": 8, "uint8": 1}  # bytes per record of a column
+TASKS = ("classification", "detection", "generic")
 
 
 def is_plain_name(name: Any) -> bool:
@@ -113,15 +116,22 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     if sum(s["bytes"] for s in shards) != total:
         raise c.fail("bytes", f"is {total}, the shards' sizes add up to "
                               f"{sum(s['bytes'] for s in shards)}")
+    fields = _schema(c, man)
     for kind, width in TABLE_WIDTH.items():
-        if kind == "offsets" and man.get(kind) is None:
+        if man.get(kind) is None and (kind == "offsets" or "label" not in fields):
             continue  # optional
-        t = c.dict(man, kind, kind)
-        if not is_plain_name(t.get("path")):
-            raise c.fail(f"{kind}.path", "must be a plain file name in the dataset folder")
-        if c.int(t, "bytes", f"{kind}.bytes") != width * count:
-            raise c.fail(f"{kind}.bytes", f"must be {width} x count = {width * count}")
-        c.sha(t, f"{kind}.sha256")
+        _table(c, c.dict(man, kind, kind), kind, width, count)
+    columns = c.dict(man, "columns", "columns", optional=True)
+    for name, t in columns.items():
+        if not isinstance(t, dict) or t.get("dtype") not in COLUMN_WIDTH:
+            raise c.fail(f"columns.{name}", f"must be an object with a dtype of "
+                                            f"{', '.join(COLUMN_WIDTH)}")
+        if name not in fields and name not in ("width", "height"):
+            raise c.fail(f"columns.{name}", "names no field of the schema")
+        _table(c, t, f"columns.{name}", COLUMN_WIDTH[t["dtype"]], count)
+    wanted = [n for n, f in fields.items() if f["type"] in ("int", "float", "bool") and n != "label"]
+    if man.get("schema") is not None and any(n not in columns for n in wanted):
+        raise c.fail("columns", f"must hold a table for each scalar field ({', '.join(wanted)})")
     for k, s in enumerate(c.list(man, "skipped", "skipped")):
         if not isinstance(s, dict):
             raise c.fail(f"skipped[{k}]", "must be an object")
@@ -132,6 +142,31 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     for key in ("source", "pil", "created", "packer_version", "build_id"):
         c.str(man, key, key, optional=True)
     return man
+
+
+def _table(c: _Check, t: dict, kind: str, width: int, count: int) -> None:
+    if not is_plain_name(t.get("path")):
+        raise c.fail(f"{kind}.path", "must be a plain file name in the dataset folder")
+    if c.int(t, "bytes", f"{kind}.bytes") != width * count:
+        raise c.fail(f"{kind}.bytes", f"must be {width} x count = {width * count}")
+    c.sha(t, f"{kind}.sha256")
+
+
+def _schema(c: _Check, man: dict) -> Dict[str, dict]:
+    """The dataset's fields by name (older datasets: ``label`` alone)."""
+    schema = man.get("schema")
+    if schema is None:
+        return {"label": {"name": "label", "type": "int"}}
+    if not isinstance(schema, dict) or schema.get("task") not in TASKS:
+        raise c.fail("schema", f"must be an object with a task of {', '.join(TASKS)}")
+    try:
+        fields = check_schema(schema.get("fields"), c.where)
+    except FormatError as e:
+        raise c.fail("schema.fields", str(e).split(": ", 1)[-1]) from None
+    by_name = {f["name"]: f for f in fields}
+    if "label" in by_name and by_name["label"]["type"] != "int":
+        raise c.fail("schema.fields", "declares 'label' with a type other than int")
+    return by_name
 
 
 def _classes(c: _Check, man: dict) -> None:

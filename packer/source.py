@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import PackerError
 from .text import printable
@@ -29,11 +29,34 @@ class SymlinkLoopWarning(UserWarning):
 
 
 @dataclass(frozen=True)
+class Annotations:
+    """Typed fields beyond the class label, one row per entry of an ``ImageList``.
+
+    ``schema``: the fields in record order, ``{"name", "type"[, "dtype", "shape"]}`` (see
+    ``packer.fields``). ``rows[i]``: entry *i*'s field values as plain Python data, before
+    ``fit``. ``fit(row, width, height) -> (values, reasons)``: a module-level function (it
+    is called in the build's writer once the image's size is known) that turns a row into the
+    stored values (e.g. normalized YOLO boxes into pixels, boxes clipped to the image) and
+    says why any object was dropped. ``task``: "detection" or "generic". ``extra``: keys
+    added to the manifest (e.g. COCO ``categories``). ``dropped``: annotations the parser
+    could not use, ``{"path", "reason"}``.
+    """
+    schema: List[Dict[str, Any]]
+    rows: List[Dict[str, Any]]
+    fit: Optional[Callable[[Dict[str, Any], int, int], Tuple[Dict[str, Any], List[str]]]] = None
+    task: str = "generic"
+    extra: Dict[str, Any] = field(default_factory=dict)
+    dropped: List[Dict[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class ImageList:
-    """What to pack: ``entries`` are ``(path relative to root, label)`` in build order."""
+    """What to pack: ``entries`` are ``(path relative to root, label)`` in build order
+    (label -1 where the dataset has no class label), and any further typed fields."""
     root: Path
     classes: List[str]
     entries: List[Tuple[str, int]]
+    annotations: Optional[Annotations] = None
 
     @property
     def class_to_idx(self) -> Dict[str, int]:
@@ -166,12 +189,16 @@ def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:
 
 def select(source: ImageList, *, part: Optional[Tuple[int, int]] = None,
            shuffle: bool = False, seed: int = 0) -> ImageList:
-    """Take one strided part (balanced across classes) and/or shuffle, reproducibly."""
-    entries: Sequence[Tuple[str, int]] = source.entries
+    """Take one strided part (balanced across classes) and/or shuffle, reproducibly; the
+    annotation rows follow their entries."""
+    order: Sequence[int] = range(len(source.entries))
     if shuffle:
-        entries = list(entries)
-        random.Random(seed).shuffle(entries)
+        order = list(order)
+        random.Random(seed).shuffle(order)
     if part is not None:
         k, n = part
-        entries = entries[k::n]
-    return ImageList(source.root, source.classes, list(entries))
+        order = order[k::n]
+    ann = source.annotations
+    if ann is not None:
+        ann = replace(ann, rows=[ann.rows[i] for i in order])
+    return ImageList(source.root, source.classes, [source.entries[i] for i in order], ann)

@@ -141,7 +141,8 @@ def test_shards_are_single_compacted_files_of_about_shard_size(photo_src, tmp_pa
     m = quiet_build(photo_src, dst, shard_size=shard_size, workers=2).manifest
     assert len(m["shards"]) >= 3
     names = sorted(p.name for p in dst.iterdir())
-    assert names == sorted(["manifest.json", "labels.i32", "offsets.u64"] + [s["path"] for s in m["shards"]])
+    assert names == sorted(["manifest.json", "labels.i32", "offsets.u64", "column-width.i32",
+                           "column-height.i32"] + [s["path"] for s in m["shards"]])
     biggest = max(p.stat().st_size for p in photo_src.rglob("*.jpg"))
     for n, s in enumerate(m["shards"]):
         p = dst / s["path"]
@@ -219,7 +220,7 @@ def test_finished_dst_needs_overwrite(photo_src, tmp_path):
     m = quiet_build(photo_src, dst, shard_size=2 << 20, overwrite=True).manifest
     assert m["options"]["shard_size"] == 2 << 20
     assert sorted(p.name for p in dst.iterdir()) == sorted(
-        ["README.txt", "manifest.json", "labels.i32", "offsets.u64"] + [s["path"] for s in m["shards"]])
+        ["README.txt", "manifest.json", "labels.i32", "offsets.u64", "column-width.i32", "column-height.i32"] + [s["path"] for s in m["shards"]])
     assert verify(dst, progress=False).ok
 
 
@@ -362,14 +363,12 @@ def test_merge_refuses_mismatched_or_repeated_parts(photo_src, odd_built, tmp_pa
 def test_bytes_that_change_after_the_check_are_not_stored(tmp_path):
     # The writer re-reads unchanged bytes instead of piping them from the worker; a file that
     # changed in between must not be stored unchecked.
-    from packer.builder import stored_record
-    from packer.format import crc32, unpack_record
+    from packer.builder import reread
+    from packer.format import crc32
     f = tmp_path / "a.jpg"
     f.write_bytes(b"checked bytes")
-    checked = (crc32(b"checked bytes"), 4, 3, "JPEG", "RGB")
-    rec = unpack_record(stored_record(tmp_path, "a.jpg", 7, checked))
-    assert rec["image"] == b"checked bytes" and rec["label"] == 7 and rec["width"] == 4
+    assert reread(tmp_path, "a.jpg", crc32(b"checked bytes")) == b"checked bytes"
     f.write_bytes(b"replaced meanwhile")
-    assert stored_record(tmp_path, "a.jpg", 7, checked) is None
+    assert reread(tmp_path, "a.jpg", crc32(b"checked bytes")) is None
     f.unlink()
-    assert stored_record(tmp_path, "a.jpg", 7, checked) is None
+    assert reread(tmp_path, "a.jpg", crc32(b"checked bytes")) is None

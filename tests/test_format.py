@@ -44,10 +44,10 @@ def real_manifest(built) -> dict:
 # -- records -----------------------------------------------------------------------------------
 
 def test_pack_unpack_round_trip(jpeg):
-    data = pack_record(jpeg, label=7, path="class_01/café ü.jpg", width=500, height=375,
+    data = pack_record(jpeg, fields={"label": 7}, path="class_01/café ü.jpg", width=500, height=375,
                        format="JPEG", mode="RGB")
     rec = unpack_record(data)
-    assert set(rec) == set(RECORD_FIELDS)
+    assert set(rec) == set(RECORD_FIELDS) | {"label"}
     assert rec["image"] == jpeg and isinstance(rec["image"], bytes)
     assert rec["label"] == 7 and rec["path"] == "class_01/café ü.jpg"
     assert (rec["width"], rec["height"], rec["format"], rec["mode"]) == (500, 375, "JPEG", "RGB")
@@ -60,7 +60,7 @@ def test_pack_unpack_round_trip(jpeg):
 def test_pack_record_stores_plain_ints(jpeg):
     class Int(int):  # e.g. a numpy or torch integer: must not reach msgpack as a custom type
         pass
-    rec = unpack_record(pack_record(jpeg, label=Int(2), path="a", width=Int(3), height=Int(4),
+    rec = unpack_record(pack_record(jpeg, fields={"label": Int(2)}, path="a", width=Int(3), height=Int(4),
                                     format="JPEG", mode="L"))
     assert (rec["label"], rec["width"], rec["height"]) == (2, 3, 4)
     assert type(rec["label"]) is int
@@ -146,7 +146,7 @@ def test_read_manifest_missing(tmp_path):
 
 def test_read_manifest_unfinished_build_partial_shard(tmp_path, jpeg):
     w = ShardWriter(tmp_path / "shard-00000.lmdb", expected_bytes=1 << 20)
-    w.append(pack_record(jpeg, label=0, path="a.jpg", width=1, height=1, format="JPEG", mode="RGB"))
+    w.append(pack_record(jpeg, fields={"label": 0}, path="a.jpg", width=1, height=1, format="JPEG", mode="RGB"))
     w.flush()  # a build that died here leaves a .partial shard and no manifest
     try:
         assert list(tmp_path.glob("*.partial"))

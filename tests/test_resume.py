@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import image_files, run_packer
-from packer import builder as build_mod
+from packer import packing as packing_mod
 from packer import build
 from packer.journal import JOURNAL
 from packer.cli import main
@@ -117,14 +117,14 @@ def test_skips_before_the_crash_are_kept_once(odd_tree, tmp_path, monkeypatch):
 
 def test_crash_between_labels_and_manifest(photo_src, tmp_path, monkeypatch):
     dst = tmp_path / "d"
-    real = build_mod.write_json_atomic
+    real = packing_mod.write_json_atomic
 
     def no_manifest(path, obj):
         if Path(path).name == "manifest.json":
             raise Crash()
         return real(path, obj)
     with monkeypatch.context() as mp:
-        mp.setattr(build_mod, "write_json_atomic", no_manifest)
+        mp.setattr(packing_mod, "write_json_atomic", no_manifest)
         with pytest.raises(Crash):
             quiet_build(photo_src, dst)
     assert (dst / "labels.i32").exists()
@@ -148,7 +148,7 @@ def test_damaged_finished_shard_is_rebuilt(photo_src, tmp_path, monkeypatch):
     assert r.resumed_shards == 1  # shard 0 kept, everything from the damaged one redone
     assert_one_record_per_image(dst, photo_src)
     assert sorted(p.name for p in dst.iterdir()) == sorted(
-        ["manifest.json", "labels.i32", "offsets.u64"] + [s["path"] for s in r.manifest["shards"]])
+        ["manifest.json", "labels.i32", "offsets.u64", "column-width.i32", "column-height.i32"] + [s["path"] for s in r.manifest["shards"]])
 
 
 def test_different_command_restarts_cleanly(photo_src, tmp_path, monkeypatch):

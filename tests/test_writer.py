@@ -25,7 +25,7 @@ def records():
     out = []
     for i in range(10):
         jpeg = make_image(rng, photos)
-        out.append(pack_record(jpeg, label=i % 3, path=f"c{i % 3}/{i}.jpg", width=1, height=1,
+        out.append(pack_record(jpeg, fields={"label": i % 3}, path=f"c{i % 3}/{i}.jpg", width=1, height=1,
                                format="JPEG", mode="RGB"))
     return out
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 from .._system import fs_type, meminfo
 from ..errors import PackerError
-from ..format import TABLES, read_manifest
+from ..format import read_manifest, side_tables
 from .results import StageResult
 from .stager import stage
 
@@ -86,7 +86,7 @@ def stage_once_per_node(src: os.PathLike, target: os.PathLike, *, local_rank: Op
     man = read_manifest(target)  # cheap: local rank 0 just verified every byte
     waited = StageResult(source=Path(src), target=target, waited=True, fstype=fs_type(target),
                          swap=meminfo().get("SwapTotal", 0) > 0)
-    tables = [man[kind] for kind, _ in TABLES if kind in man]
+    tables = [entry for _, entry, _ in side_tables(man)]
     waited.kept = [s["path"] for s in man["shards"]] + [t["path"] for t in tables]
     waited.bytes_total = sum(s["bytes"] for s in man["shards"]) + sum(int(t.get("bytes", 0)) for t in tables)
     return waited

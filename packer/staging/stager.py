@@ -30,7 +30,8 @@ from .. import __version__
 from .._system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
 from .._fsio import LOCK_NAME, FolderLock, fsync_dir, remove_own, write_json_atomic
-from ..format import LABELS, MANIFEST, OFFSETS, TABLES, file_sha256, read_manifest, shard_file
+from ..format import (LABELS, MANIFEST, OFFSETS, file_sha256, read_manifest, set_table, shard_file,
+                      side_tables)
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult, UnstageResult
 
@@ -180,16 +181,15 @@ def staging_plan(src: Path, man: dict) -> List[StagedFile]:
     shards = man["shards"]
     bases = [s["path"].rsplit("/", 1)[-1] for s in shards]
     reserved = {MANIFEST, LABELS, OFFSETS, STAGE_MARKER, STAGE_LOCK}
-    flat = len(set(bases)) == len(bases) and not reserved & set(bases)
+    flat = (len(set(bases)) == len(bases) and not reserved & set(bases)
+            and not any(b.startswith("column-") for b in bases))
     width = max(5, len(str(len(shards) - 1)))
     files = []
     for i, (s, base) in enumerate(zip(shards, bases)):
         name = base if flat else f"shard-{i:0{width}d}.lmdb"
         files.append(StagedFile(name, shard_file(src, s["path"]), s["bytes"], s["sha256"], "shard"))
-    for kind, name in TABLES:
-        entry = man.get(kind)
-        if entry is not None:  # offsets are optional in older datasets
-            files.append(StagedFile(name, src / entry["path"], entry["bytes"], entry["sha256"], kind))
+    for kind, entry, name in side_tables(man):  # offsets and columns are optional in older datasets
+        files.append(StagedFile(name, src / entry["path"], entry["bytes"], entry["sha256"], kind))
     for f in files:
         size = _size(f.src)
         if size is None:
@@ -206,9 +206,8 @@ def _staged_manifest(src: Path, man: dict, plan: List[StagedFile]) -> dict:
     out = copy.deepcopy(man)
     names = iter(f.name for f in plan if f.kind == "shard")
     out["shards"] = [dict(s, path=next(names)) for s in man["shards"]]
-    for kind, name in TABLES:
-        if kind in man or kind == "labels":
-            out[kind] = dict(man.get(kind) or {}, path=name)
+    for kind, entry, name in side_tables(man):
+        set_table(out, kind, dict(entry, path=name))
     out["staged"] = {"from": str(src.resolve()), "packer_version": __version__}
     return out
 

@@ -110,7 +110,7 @@ def real_record(path: Path, rel: str, label: int) -> bytes:
     with Image.open(io.BytesIO(data)) as im:
         w, h = im.size
         fmt, mode = im.format, im.mode
-    return pack_record(data, label=label, path=rel, width=w, height=h, format=fmt, mode=mode)
+    return pack_record(data, fields={"label": label}, path=rel, width=w, height=h, format=fmt, mode=mode)
 
 
 def make_dataset(dst: Path, records, classes, *, labels=None, max_pixels=MAX_PIXELS) -> Path:
@@ -201,7 +201,7 @@ def test_verify_reports_bomb_within_memory_limit(src, jpegs, tmp_path):
     assert "decompression bomb" in m["skipped"][0]["reason"]
 
     records = good_records(jpegs, 5)
-    records.insert(3, pack_record(bomb, label=1, path="class_01/bomb.png", width=BOMB_SIDE,
+    records.insert(3, pack_record(bomb, fields={"label": 1}, path="class_01/bomb.png", width=BOMB_SIDE,
                                   height=BOMB_SIDE, format="PNG", mode="RGB"))
     root = make_dataset(tmp_path / "dst", records, ["class_00", "class_01", "class_02"])
     limit = 3 << 29  # 1.5 GiB more address space: the bomb needs 2.7 GB decoded

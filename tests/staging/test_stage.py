@@ -21,6 +21,9 @@ from packer.reader import ShardReader, read_labels
 from packer.staging import stager as stage_mod
 from packer.staging import (STAGE_MARKER, TMP_SUFFIX, stage, stage_once_per_node, unstage)
 
+# Side tables a dataset built today has, in the order staging copies them.
+TABLE_FILES = ["labels.i32", "offsets.u64", "column-width.i32", "column-height.i32"]
+
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
@@ -73,10 +76,11 @@ def test_stage_to_folder_is_complete_and_readable(dst, tmp_path):
     res = stage(dst, target, progress=False)
     man = read_manifest(target)
     assert man["staged"]["from"] == str(dst.resolve())
-    assert res.copied == shard_names(target) + ["labels.i32", "offsets.u64"]
+    assert res.copied == shard_names(target) + TABLE_FILES
     assert res.kept == [] and res.removed == [] and res.wrote_manifest
     assert res.bytes_copied == res.bytes_total == sum(
-        s["bytes"] for s in man["shards"]) + man["labels"]["bytes"] + man["offsets"]["bytes"]
+        s["bytes"] for s in man["shards"]) + man["labels"]["bytes"] + man["offsets"]["bytes"] + sum(
+        c["bytes"] for c in man["columns"].values())
     assert all("/" not in p for p in shard_names(target))
     same_records(dst, target)
     msg = res.message()
@@ -94,7 +98,7 @@ def test_rerun_is_a_noop(dst, tmp_path):
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in target.iterdir()}
     res = stage(dst, target, progress=True)  # progress bar path too
     assert res.copied == [] and res.removed == [] and not res.changed
-    assert sorted(res.kept) == sorted(shard_names(target) + ["labels.i32", "offsets.u64"])
+    assert sorted(res.kept) == sorted(shard_names(target) + TABLE_FILES)
     assert "nothing to do" in res.message()
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in target.iterdir()}
     assert {k: v for k, v in after.items() if not k.startswith(".packer-stage")} == \
@@ -191,7 +195,7 @@ def test_merged_dataset_stages_self_contained(built, tmp_path):
     names = shard_names(target)
     assert len(set(names)) == len(names) == len(read_manifest(merged)["shards"])
     assert all("/" not in n and (target / n).is_file() for n in names)
-    assert res.copied == names + ["labels.i32", "offsets.u64"]
+    assert res.copied == names + TABLE_FILES
     same_records(merged, target)
     # TARGET depends on nothing outside it
     moved = tmp_path / "elsewhere"
@@ -213,7 +217,7 @@ def test_restage_from_another_dataset_replaces_it(built, dst, tmp_path):
     res = stage(part, target, progress=False)
     assert res.removed  # the previous dataset's extra shards are gone
     assert sorted(p.name for p in target.iterdir() if not p.name.startswith(".")) == \
-        sorted(shard_names(target) + ["labels.i32", "offsets.u64", MANIFEST])
+        sorted(shard_names(target) + TABLE_FILES + [MANIFEST])
     same_records(part, target)
 
 

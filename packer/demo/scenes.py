@@ -1,0 +1,234 @@
+"""Detection sample data, no downloads: photo scenes with objects pasted at known boxes.
+
+Detection loaders and benchmarks need files that decode like real photos *and* boxes whose
+truth is known exactly. Each scene is a ``make_image`` background with crops of *other*
+shipped photos pasted through soft-edged masks; the photo an object came from is its class.
+``make_detection_folder`` writes the scenes with COCO and YOLO labels. Category ids are odd
+(1, 3, 5, ...) and image ids start at 1000 in steps of 7, so code that confuses ids with list
+indices fails loudly instead of silently.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Collection, Dict, List, Tuple, Union
+
+from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
+
+from .images import PHOTOS, load_photos, make_image
+
+FIRST_IMAGE_ID, IMAGE_ID_STEP = 1000, 7
+MAX_OVERLAP = 0.3      # of the smaller box: objects may overlap, but none is mostly hidden
+EDGE_CHANCE = 0.15     # per side: how often an object is placed touching the image border
+
+Box = Tuple[int, int, int, int]
+_FEATHER = [0] * 16 + list(range(16, 256))  # mask lookup table: alpha below 16 becomes 0
+
+
+def photo_names() -> List[str]:
+    """Class names, the shipped photos' file stems, in ``load_photos`` order (class index)."""
+    return [p.stem for p in sorted(PHOTOS.glob("*.jpg"))]
+
+
+def category_id(index: int) -> int:
+    """COCO category id of class ``index``: odd numbers, never equal to the index."""
+    return 2 * index + 1
+
+
+def image_id(index: int) -> int:
+    """COCO image id of the ``index``-th image: neither the index nor contiguous."""
+    return FIRST_IMAGE_ID + IMAGE_ID_STEP * index
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    """One pasted object; ``box`` (x0, y0, x1, y1, exclusive) is tight around mask > 0."""
+    label: int                 # class index into photo_names()
+    box: Box
+    area: int                  # pixels where the mask is nonzero
+    polygon: List[float]       # mask outline, flattened x, y, in image pixels
+
+
+@dataclass(frozen=True)
+class Scene:
+    """A rendered scene before JPEG encoding, and the quality it is saved at."""
+    image: Image.Image
+    objects: List[SceneObject]
+    quality: int
+
+
+def render_scene(seed: int, index: int, photos: List[Image.Image], *, max_objects: int = 6,
+                 empty: bool = False, without: Collection[int] = ()) -> Scene:
+    """Scene ``index`` of ``make_detection_folder(seed=seed)``, decoded.
+
+    Objects listed in ``without`` (positions in ``objects``) are left unpasted but still
+    returned, and every random draw is the same, so tests can see exactly which pixels an
+    object changed.
+    """
+    rng = random.Random(f"packer-scene:{seed}:{index}")  # str seeds hash stably (sha512)
+    bg_label = rng.randrange(len(photos))
+    image = Image.open(io.BytesIO(make_image(rng, [photos[bg_label]]))).convert("RGB")
+    w, h = image.size
+    others = [k for k in range(len(photos)) if k != bg_label]
+    placed: List[SceneObject] = []
+    for _ in range(0 if empty else rng.randint(1, max_objects)):
+        label = rng.choice(others)
+        patch, mask = _make_object(rng, photos[label], w, h)
+        tight = mask.getbbox()
+        patch, mask = patch.crop(tight), mask.crop(tight)
+        box = _place(rng, mask.size, (w, h), [o.box for o in placed])
+        if box is None:
+            continue
+        if len(placed) not in without:
+            image.paste(patch, box[:2], mask)
+        area = mask.width * mask.height - mask.histogram()[0]
+        placed.append(SceneObject(label, box, area, _outline(mask, box[0], box[1])))
+    return Scene(image, placed, rng.randint(75, 95))
+
+
+def _make_object(rng: random.Random, photo: Image.Image, w: int, h: int):
+    """(patch, soft mask) of one object: a crop of ``photo`` sized 5%-60% of the image sides."""
+    scale, aspect = rng.uniform(0.05, 0.6), math.exp(rng.uniform(-0.7, 0.7))
+    ow = round(w * min(0.6, max(0.05, scale * math.sqrt(aspect))))
+    oh = round(h * min(0.6, max(0.05, scale / math.sqrt(aspect))))
+    pw, ph = photo.size
+    r, frac = ow / oh, rng.uniform(0.25, 0.9)
+    cw, ch = (ph * r, ph) if pw / ph > r else (pw, pw / r)
+    cw, ch = max(1, min(pw, round(cw * frac))), max(1, min(ph, round(ch * frac)))
+    x, y = rng.randint(0, pw - cw), rng.randint(0, ph - ch)
+    patch = photo.crop((x, y, x + cw, y + ch)).resize((ow, oh), Image.BICUBIC)
+    if rng.random() < 0.5:
+        patch = patch.transpose(Image.FLIP_LEFT_RIGHT)
+    patch = ImageEnhance.Brightness(patch).enhance(rng.uniform(0.8, 1.2))
+    radius = max(0.8, min(ow, oh) * rng.uniform(0.01, 0.03))
+    inset = math.ceil(2 * radius)  # room for the blur, so most of the feather stays on the mask
+    mask = Image.new("L", (ow, oh), 0)
+    shape = [inset, inset, ow - 1 - inset, oh - 1 - inset]
+    if rng.random() < 0.5:
+        ImageDraw.Draw(mask).ellipse(shape, fill=255)
+    else:
+        corner = round(min(ow, oh) * rng.uniform(0.1, 0.3))
+        ImageDraw.Draw(mask).rounded_rectangle(shape, radius=corner, fill=255)
+    # Drop the blur's faint tail: the box should frame what a person sees, not 1/255 alpha.
+    return patch, mask.filter(ImageFilter.GaussianBlur(radius)).point(_FEATHER)
+
+
+def _place(rng: random.Random, size: Tuple[int, int], image_size: Tuple[int, int],
+           taken: List[Box], tries: int = 8):
+    """A box of ``size`` fully inside the image, sometimes touching its border, that hides no
+    placed box by more than MAX_OVERLAP; None when ``tries`` random spots all do."""
+    (bw, bh), (w, h) = size, image_size
+    for _ in range(tries):
+        x0, y0 = _coordinate(rng, w - bw), _coordinate(rng, h - bh)
+        box = (x0, y0, x0 + bw, y0 + bh)
+        if all(_intersection(box, t) <= MAX_OVERLAP * min(_area(box), _area(t)) for t in taken):
+            return box
+    return None
+
+
+def _coordinate(rng: random.Random, room: int) -> int:
+    r = rng.random()
+    return 0 if r < EDGE_CHANCE else room if r < 2 * EDGE_CHANCE else rng.randint(0, room)
+
+
+def _area(b: Box) -> int:
+    return (b[2] - b[0]) * (b[3] - b[1])
+
+
+def _intersection(a: Box, b: Box) -> int:
+    return max(0, min(a[2], b[2]) - max(a[0], b[0])) * max(0, min(a[3], b[3]) - max(a[1], b[1]))
+
+
+def _outline(mask: Image.Image, dx: int, dy: int, points: int = 24) -> List[float]:
+    """Polygon around the mask's nonzero pixels: row extents, left side down, right side up.
+
+    The masks are blurred convex shapes, so row extents trace them; the first and last rows
+    give the top and bottom edges, so the polygon's bounds are the box's.
+    """
+    w, h = mask.size
+    data = mask.tobytes()
+    # Evenly spaced rows, plus the middle one: a convex shape is widest near it.
+    rows = sorted({round(i * (h - 1) / max(1, points - 1)) for i in range(points)} | {h // 2})
+    spans = []
+    for r in rows:
+        line = data[r * w:(r + 1) * w]
+        x0, x1 = w - len(line.lstrip(b"\0")), len(line.rstrip(b"\0"))
+        if x1 > x0:
+            spans.append((r + 0.5, x0, x1))
+    (top, tx0, tx1), (bottom, bx0, bx1) = spans[0], spans[-1]
+    spans = [(top - 0.5, tx0, tx1)] + spans + [(bottom + 0.5, bx0, bx1)]
+    ring = ([(dx + x0, dy + y) for y, x0, _ in spans]
+            + [(dx + x1, dy + y) for y, _, x1 in spans[::-1]])
+    return [round(float(v), 1) for p in ring for v in p]
+
+
+def make_detection_folder(dst: os.PathLike, images: int = 64, *, seed: int = 0,
+                          max_objects: int = 6, empty_fraction: float = 0.1) -> Path:
+    """Write a detection dataset of realistic JPEG scenes under ``dst``:
+
+    ``images/NNNNNN.jpg``; ``annotations.json`` (COCO instances, odd category ids, image ids
+    1000 + 7*i); ``labels/NNNNNN.txt`` (YOLO, class = index in category-id order; of the
+    empty images, half have an empty file and half none); ``names.txt`` and ``data.yaml``.
+    ``round(images * empty_fraction)`` images have no objects. The same arguments give the
+    same bytes.
+    """
+    dst = Path(dst)
+    (dst / "images").mkdir(parents=True, exist_ok=True)
+    (dst / "labels").mkdir(exist_ok=True)
+    photos, names = load_photos(), photo_names()
+    empty = sorted(random.Random(f"packer-scenes-empty:{seed}").sample(
+        range(images), round(images * empty_fraction)))
+    no_file = set(empty[::2])
+    coco: Dict[str, list] = {"images": [], "annotations": [], "categories": [
+        {"id": category_id(k), "name": n, "supercategory": "photo"} for k, n in enumerate(names)]}
+    for i in range(images):
+        scene = render_scene(seed, i, photos, max_objects=max_objects, empty=i in empty)
+        stem = f"{i:06d}"
+        out = io.BytesIO()
+        scene.image.save(out, "JPEG", quality=scene.quality)
+        (dst / "images" / f"{stem}.jpg").write_bytes(out.getvalue())
+        w, h = scene.image.size
+        coco["images"].append({"id": image_id(i), "file_name": f"{stem}.jpg",
+                               "width": w, "height": h})
+        lines = []
+        for o in scene.objects:
+            x0, y0, x1, y1 = o.box
+            coco["annotations"].append({
+                "id": len(coco["annotations"]) + 1, "image_id": image_id(i),
+                "category_id": category_id(o.label),
+                "bbox": [float(x0), float(y0), float(x1 - x0), float(y1 - y0)],
+                "area": float(o.area), "iscrowd": 0, "segmentation": [o.polygon]})
+            lines.append(f"{o.label} {(x0 + x1) / 2 / w:.6f} {(y0 + y1) / 2 / h:.6f} "
+                         f"{(x1 - x0) / w:.6f} {(y1 - y0) / h:.6f}\n")
+        label_file = dst / "labels" / f"{stem}.txt"
+        if i in no_file:
+            if label_file.exists():
+                label_file.unlink()  # left from an earlier run into the same folder
+        else:
+            label_file.write_text("".join(lines))
+    (dst / "annotations.json").write_text(json.dumps(coco))
+    (dst / "names.txt").write_text("".join(f"{n}\n" for n in names))
+    (dst / "data.yaml").write_text(
+        "train: images\nval: images\n"
+        f"nc: {len(names)}\nnames:\n" + "".join(f"  - {n}\n" for n in names))
+    return dst
+
+
+def boxes_of(annotations_json: Union[os.PathLike, str, dict]
+             ) -> Dict[str, List[Tuple[int, List[float]]]]:
+    """{file_name: [(category_id, [x0, y0, x1, y1]), ...]} from a COCO file or its dict;
+    every image is listed, empty ones with [], so tests and benchmarks need no COCO API."""
+    coco = annotations_json
+    if not isinstance(coco, dict):
+        coco = json.loads(Path(coco).read_text())
+    names = {im["id"]: im["file_name"] for im in coco["images"]}
+    out: Dict[str, List[Tuple[int, List[float]]]] = {n: [] for n in names.values()}
+    for a in coco["annotations"]:
+        x, y, w, h = a["bbox"]
+        out[names[a["image_id"]]].append((a["category_id"], [x, y, x + w, y + h]))
+    return out

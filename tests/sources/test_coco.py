@@ -1,0 +1,229 @@
+"""COCO instances JSON: entries, schema, fitted targets, and every bad input's outcome."""
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from packer.errors import PackerError
+from packer.sources.coco import fit_coco, read_coco
+
+RLE = {"counts": "0`0Q0", "size": [40, 60]}
+POLY = [[10.0, 10.0, 30.0, 10.0, 30.0, 20.0]]
+
+
+def coco(**over):
+    """A small valid instances dict: non-contiguous category ids given out of order, image
+    ids out of order, a polygon, a crowd RLE, an object without area, an image without
+    objects."""
+    data = {
+        "images": [{"id": 7, "file_name": "b/seven.jpg", "width": 60, "height": 40},
+                   {"id": 2, "file_name": "two.jpg"},
+                   {"id": 5, "file_name": "./five.png"}],
+        "annotations": [
+            {"id": 11, "image_id": 2, "category_id": 90, "bbox": [10, 10, 20, 10],
+             "area": 100.0, "iscrowd": 0, "segmentation": POLY},
+            {"id": 12, "image_id": 7, "category_id": 1, "bbox": [0.5, 1.5, 5, 4]},
+            {"id": 10, "image_id": 2, "category_id": 3, "bbox": [0, 0, 60, 40],
+             "area": 2400, "iscrowd": 1, "segmentation": RLE},
+        ],
+        "categories": [{"id": 90, "name": "toothbrush", "supercategory": "indoor"},
+                       {"id": 1, "name": "person", "supercategory": "person"},
+                       {"id": 3, "name": "car"}],
+    }
+    data.update(over)
+    return data
+
+
+def write(tmp_path, data, name="instances.json"):
+    (tmp_path / "img").mkdir(exist_ok=True)
+    path = tmp_path / name
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data, encoding="utf-8")
+    return tmp_path / "img", path
+
+
+def read(tmp_path, data, **kw):
+    return read_coco(*write(tmp_path, data), **kw)
+
+
+def test_classes_entries_schema_and_rows(tmp_path):
+    src = read(tmp_path, coco())
+    assert src.classes == ["person", "car", "toothbrush"]  # ascending category id
+    assert src.entries == [("two.jpg", -1), ("five.png", -1), ("b/seven.jpg", -1)]
+    ann = src.annotations
+    assert ann.task == "detection"
+    assert [f["name"] for f in ann.schema] == ["image_id", "boxes", "labels", "area", "iscrowd",
+                                               "ann_ids", "segmentation"]
+    assert ann.schema[1] == {"name": "boxes", "type": "array", "dtype": "float32",
+                             "shape": [-1, 4]}
+    assert ann.schema[2]["dtype"] == "int64" and ann.schema[6] == {"name": "segmentation",
+                                                                   "type": "data"}
+    assert ann.extra == {"categories": [
+        {"id": 1, "name": "person", "supercategory": "person"},
+        {"id": 3, "name": "car"},
+        {"id": 90, "name": "toothbrush", "supercategory": "indoor"}]}
+    assert ann.dropped == []
+    assert ann.rows[1]["ann_ids"] == []  # image 5: kept, no objects
+
+
+def test_fit_gives_torchvision_style_targets(tmp_path):
+    ann = read(tmp_path, coco()).annotations
+    values, reasons = ann.fit(ann.rows[0], 60, 40)
+    assert reasons == []
+    assert values == {
+        "image_id": 2,
+        "boxes": [[10.0, 10.0, 30.0, 20.0], [0.0, 0.0, 60.0, 40.0]],
+        "labels": [90, 3],  # COCO category ids, in the JSON's order
+        "area": [100.0, 2400.0],
+        "iscrowd": [0, 1],
+        "ann_ids": [11, 10],
+        "segmentation": [POLY, RLE]}
+    values, _ = ann.fit(ann.rows[2], 60, 40)
+    assert values["boxes"] == [[0.5, 1.5, 5.5, 5.5]]
+    assert values["area"] == [20.0]  # no area in the JSON: the box's
+    assert values["iscrowd"] == [0] and values["segmentation"] == [[]]
+    assert ann.fit(ann.rows[1], 60, 40)[0]["boxes"] == []
+    assert pickle.loads(pickle.dumps(ann.fit)) is fit_coco
+
+
+def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
+    row = {"image_id": 1, "bbox": [[-10, 5, 30, 20], [0, 0, 0, 5], [1, 1, 4, -2],
+                                   [float("nan"), 0, 1, 1], [200, 10, 5, 5], [90, 40, 20, 20],
+                                   [100, 0, 5, 5]],
+           "labels": [1, 2, 3, 4, 5, 6, 7], "area": [None, 1.0, 1.0, 1.0, 1.0, 7.5, 1.0],
+           "iscrowd": [0, 0, 0, 0, 0, 1, 0], "ann_ids": [31, 32, 33, 34, 35, 36, 37],
+           "segmentation": [["s1"], [], [], [], [], ["s6"], []]}
+    values, reasons = fit_coco(row, 100, 50)
+    assert values == {"image_id": 1, "boxes": [[0.0, 5.0, 20.0, 25.0], [90.0, 40.0, 100.0, 50.0]],
+                      "labels": [1, 6], "area": [400.0, 7.5], "iscrowd": [0, 1],
+                      "ann_ids": [31, 36], "segmentation": [["s1"], ["s6"]]}
+    assert reasons == [
+        "annotation 32: zero or negative size box [0, 0, 0, 5]",
+        "annotation 33: zero or negative size box [1, 1, 4, -2]",
+        "annotation 34: box [nan, 0, 1, 1] holds a non-finite number",
+        "annotation 35: box [200, 10, 5, 5] lies outside the 100x50 image",
+        "annotation 37: box [100, 0, 5, 5] lies outside the 100x50 image"]
+
+
+def test_skip_empty_leaves_out_images_without_objects(tmp_path):
+    src = read(tmp_path, coco(), skip_empty=True)
+    assert [p for p, _ in src.entries] == ["two.jpg", "b/seven.jpg"]
+    assert src.annotations.extra["skipped_empty"] == 1
+    assert [r["image_id"] for r in src.annotations.rows] == [2, 7]
+    assert "skipped_empty" not in read(tmp_path, coco()).annotations.extra
+
+
+def test_skip_empty_counts_images_whose_objects_were_all_unusable(tmp_path):
+    anns = [{"id": 1, "image_id": 2, "category_id": 4, "bbox": [0, 0, 1, 1]}]
+    src = read(tmp_path, coco(annotations=anns), skip_empty=False)
+    assert len(src.entries) == 3
+    with pytest.raises(PackerError, match="no image has a usable annotation"):
+        read(tmp_path, coco(annotations=anns), skip_empty=True)
+
+
+def test_only_listed_images_are_packed_and_files_are_not_checked(tmp_path):
+    img, path = write(tmp_path, coco())
+    (img / "two.jpg").write_bytes(b"x")
+    (img / "unlisted.jpg").write_bytes(b"x")  # not in the JSON: not packed
+    src = read_coco(img, path)  # five.png, b/seven.jpg do not exist: still listed
+    assert [p for p, _ in src.entries] == ["two.jpg", "five.png", "b/seven.jpg"]
+
+
+@pytest.mark.parametrize("name, why", [
+    ("/etc/passwd", "file_name is absolute"),
+    ("../outside.jpg", "file_name contains '..'"),
+    ("a/../../x.jpg", "file_name contains '..'"),
+    (17, "file_name must be a string, not int"),
+    ("", "file_name is empty"),
+    ("bad\udcff.jpg", "file_name is not valid UTF-8"),
+    ("nul\0.jpg", "file_name contains a NUL"),
+])
+def test_unsafe_file_names_drop_the_image(tmp_path, name, why):
+    imgs = [{"id": 2, "file_name": "two.jpg"}, {"id": 3, "file_name": name}]
+    anns = [{"id": 1, "image_id": 3, "category_id": 1, "bbox": [0, 0, 1, 1]}]
+    src = read(tmp_path, coco(images=imgs, annotations=anns))  # json escapes \udcff, \0
+    assert src.entries == [("two.jpg", -1)]
+    (drop,) = src.annotations.dropped  # its annotation goes with it, unreported
+    assert drop["reason"].startswith(f"image id 3: {why}")
+
+
+def test_unknown_image_and_category_drop_the_object(tmp_path):
+    anns = [{"id": 1, "image_id": 99, "category_id": 1, "bbox": [0, 0, 1, 1]},
+            {"id": 2, "image_id": 2, "category_id": 4, "bbox": [0, 0, 1, 1]},
+            {"id": 3, "image_id": 2, "category_id": 3, "bbox": [0, 0, 1, 1]}]
+    src = read(tmp_path, coco(annotations=anns))
+    assert src.annotations.dropped == [
+        {"path": "instances.json", "reason": "annotation 1: image id 99 is not in 'images'"},
+        {"path": "two.jpg", "reason": "annotation 2: category id 4 is not in 'categories'"}]
+    assert src.annotations.rows[0]["ann_ids"] == [3]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["images"].append({"id": 7, "file_name": "x.jpg"}),
+     "image id 7 appears twice"),
+    (lambda d: d["annotations"].append({"id": 11, "image_id": 2, "category_id": 1,
+                                        "bbox": [0, 0, 1, 1]}),
+     r"annotation id 11 appears twice \(annotations\[0\] and annotations\[3\]\)"),
+    (lambda d: d["images"].append({"id": 8, "file_name": "two.jpg"}),
+     "images 2 and 8 are both 'two.jpg'"),
+    (lambda d: d["categories"].append({"id": 3, "name": "bus"}), "category id 3 appears twice"),
+    (lambda d: d["categories"].append({"id": 4, "name": "car"}),
+     "categories 3 and 4 are both named 'car'"),
+    (lambda d: d.pop("annotations"), "no 'annotations' list"),
+    (lambda d: d.update(images={}), "'images' must be a list, got an object"),
+    (lambda d: d.update(images=[]), "'images' is empty"),
+    (lambda d: d.update(categories=[]), "'categories' is empty"),
+    (lambda d: d["images"][0].pop("file_name"), r"images\[0\] \(id 7\) has no 'file_name'"),
+    (lambda d: d["images"].append("x.jpg"), r"images\[3\] must be an object, got a string"),
+    (lambda d: d["images"][1].update(id="2"), r"images\[1\]: 'id' must be a non-negative "),
+    (lambda d: d["annotations"][1].pop("bbox"), r"annotations\[1\] \(id 12\) has no 'bbox'"),
+    (lambda d: d["annotations"][1].update(bbox=[1, 2, 3]),
+     r"'bbox' must be \[x, y, width, height\]"),
+    (lambda d: d["annotations"][1].update(image_id=None), "'image_id' must be a non-negative"),
+    (lambda d: d["annotations"][1].update(iscrowd=2), "'iscrowd' must be 0 or 1, got 2"),
+    (lambda d: d["annotations"][1].update(segmentation="poly"), "'segmentation' must be"),
+    (lambda d: d["annotations"][1].update(segmentation={"counts": "x"}), "'segmentation' must"),
+    (lambda d: d["categories"][0].pop("name"), r"categories\[0\] has no 'name'"),
+])
+def test_ambiguous_or_malformed_json_is_an_error(tmp_path, change, message):
+    data = coco()
+    change(data)
+    with pytest.raises(PackerError, match=message) as e:
+        read(tmp_path, data)
+    assert "instances.json" in str(e.value)
+
+
+def test_truncated_json_names_line_and_column(tmp_path):
+    text = json.dumps(coco(), indent=1)
+    with pytest.raises(PackerError, match=r"instances\.json:\d+:\d+: not valid JSON") as e:
+        read(tmp_path, text[:len(text) // 2])
+    assert "fetch it again" in str(e.value)
+
+
+@pytest.mark.parametrize("data, message", [
+    ([1, 2], "expected a COCO instances object .* got a list"),
+    ("", "not valid JSON"),
+    ("null", "got null"),
+])
+def test_wrong_top_level(tmp_path, data, message):
+    with pytest.raises(PackerError, match=message):
+        read(tmp_path, json.dumps(data) if not isinstance(data, str) else data)
+
+
+def test_not_utf8_missing_file_and_missing_folder(tmp_path):
+    img, path = write(tmp_path, coco())
+    path.write_bytes(b'{"images": "caf\xe9"}')
+    with pytest.raises(PackerError, match="is not UTF-8 text"):
+        read_coco(img, path)
+    with pytest.raises(PackerError, match="does not exist"):
+        read_coco(img, tmp_path / "nope.json")
+    with pytest.raises(PackerError, match="image folder .* does not exist"):
+        read_coco(tmp_path / "nope", path)
+
+
+def test_bad_area_falls_back_to_the_box(tmp_path):
+    anns = [{"id": 1, "image_id": 2, "category_id": 1, "bbox": [0, 0, 2, 3], "area": "big"},
+            {"id": 2, "image_id": 2, "category_id": 1, "bbox": [0, 0, 2, 3], "area": -4}]
+    ann = read(tmp_path, coco(annotations=anns)).annotations
+    assert ann.fit(ann.rows[0], 10, 10)[0]["area"] == [6.0, 6.0]

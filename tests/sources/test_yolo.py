@@ -1,0 +1,252 @@
+"""YOLO label folders: which label file each image gets, names files (text and YAML), the
+fitted boxes, and what happens to every bad line or file."""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from packer.errors import PackerError
+from packer.sources.yolo import fit_yolo, read_names, read_yolo
+
+
+def put(root: Path, files: dict) -> Path:
+    for rel, content in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+    return root
+
+
+def dataset(tmp_path, labels: dict, images=("a.jpg",), names="cat\ndog\n\nbird\n"):
+    put(tmp_path / "images", {i: b"x" for i in images})
+    put(tmp_path / "labels", labels)
+    (tmp_path / "labels").mkdir(exist_ok=True)
+    (tmp_path / "names.txt").write_text(names, encoding="utf-8")
+    return read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt")
+
+
+def test_layout_rows_and_fit(tmp_path):
+    src = dataset(tmp_path, {
+        "a.txt": "0 0.5 0.5 0.5 0.25\n2 0.25 0.75 0.5 0.5\n",
+        "b.txt": "1 0.1 0.2 0.5 0.2 0.3 0.6\n",  # a triangle: stored as its bounding box
+        "sub/c.txt": "2 0.5 0.5 1 1\n"},
+        images=["a.jpg", "b.png", "sub/c.JPG", "d.jpg", "notes.txt", "sub/x.gif"])
+    assert src.classes == ["cat", "dog", "bird"]
+    assert src.entries == [("a.jpg", -1), ("b.png", -1), ("d.jpg", -1), ("sub/c.JPG", -1)]
+    ann = src.annotations
+    assert ann.task == "detection" and ann.dropped == []
+    assert [f["name"] for f in ann.schema] == ["image_id", "boxes", "labels", "area", "iscrowd"]
+    assert ann.extra == {"categories": [{"id": 0, "name": "cat"}, {"id": 1, "name": "dog"},
+                                        {"id": 2, "name": "bird"}]}
+    assert ann.rows[2] == {"image_id": 2, "boxes": [], "labels": []}  # background image
+    values, reasons = ann.fit(ann.rows[0], 200, 100)
+    assert reasons == []
+    assert values == {"image_id": 0, "boxes": [[50.0, 37.5, 150.0, 62.5], [0.0, 50.0, 100.0,
+                                                                           100.0]],
+                      "labels": [0, 2], "area": [2500.0, 5000.0], "iscrowd": [0, 0]}
+    values, _ = ann.fit(ann.rows[1], 10, 10)
+    assert values["boxes"] == [pytest.approx([1.0, 2.0, 5.0, 6.0])]
+    assert values["labels"] == [1]
+    assert ann.fit(ann.rows[2], 10, 10)[0] == {"image_id": 2, "boxes": [], "labels": [],
+                                               "area": [], "iscrowd": []}
+    assert pickle.loads(pickle.dumps(ann.fit)) is fit_yolo
+
+
+def test_fit_clips_edges_to_the_image():
+    row = {"image_id": 3, "boxes": [[0.9, 0.1, 0.4, 0.4]], "labels": [1]}
+    values, reasons = fit_yolo(row, 100, 100)
+    assert values["boxes"] == [pytest.approx([70.0, 0.0, 100.0, 30.0])]
+    assert values["area"] == [pytest.approx(900.0)] and reasons == []
+
+
+def test_flat_labels_by_stem_when_the_mirrored_one_is_missing(tmp_path):
+    src = dataset(tmp_path, {"x.txt": "1 0.5 0.5 0.2 0.2\n", "sub/y.txt": "0 0.5 0.5 0.2 0.2\n",
+                             "y.txt": "2 0.5 0.5 0.2 0.2\n"},
+                  images=["sub/x.jpg", "sub/y.jpg"])
+    assert [r["labels"] for r in src.annotations.rows] == [[1], [0]]  # mirrored one wins
+    assert src.annotations.dropped == [{"path": "labels/y.txt",
+                                        "reason": "no image for this label file"}]
+
+
+def test_flat_label_shared_by_two_folders_is_ambiguous(tmp_path):
+    src = dataset(tmp_path, {"x.txt": "1 0.5 0.5 0.2 0.2\n"},
+                  images=["a/x.jpg", "b/x.jpg", "c.jpg"])
+    assert src.entries == [("c.jpg", -1)]
+    assert [d["path"] for d in src.annotations.dropped] == ["a/x.jpg", "b/x.jpg"]
+    assert "label file x.txt could belong to any of 2 images" in \
+        src.annotations.dropped[0]["reason"]
+
+
+def test_bad_lines_drop_objects_with_file_and_line(tmp_path):
+    lines = ["0 0.5 0.5 0.2 0.2",      # 1: kept
+             "1 0.5 0.5",              # 2
+             "1 0.5 0.5 0.2 0.2 0.9",  # 3: a prediction with a confidence
+             "3 0.5 0.5 0.2 0.2",      # 4: out of range
+             "1.5 0.5 0.5 0.2 0.2",    # 5
+             "cat 0.5 0.5 0.2 0.2",    # 6
+             "1 1.2 0.5 0.2 0.2",      # 7: outside [0, 1]
+             "1 0.5 0.5 0 0.2",        # 8
+             "1 0.5 nan 0.2 0.2",      # 9
+             "1 0.5 0.5 x 0.2",        # 10
+             "0 0.5 0.5 0.2 0.2",      # 11: duplicate of 1
+             "",                       # 12: blank, ignored
+             "2.0 1.0005 -0.0005 0.2 0.2",  # 13: within tolerance: clipped; class 2.0 is 2
+             "1 0.1 0.1 0.1 0.1 0.1 0.1",   # 14: a polygon with no area
+             "1 0.1 0.1 0.2 0.2 0.3 0.3 0.4"]  # 15: 8 values
+    src = dataset(tmp_path, {"a.txt": "\n".join(lines) + "\n"})
+    row = src.annotations.rows[0]
+    assert row["labels"] == [0, 2]
+    assert row["boxes"][1] == [1.0, 0.0, 0.2, 0.2]
+    reasons = [d["reason"] for d in src.annotations.dropped]
+    assert {d["path"] for d in src.annotations.dropped} == {"a.jpg"}
+    assert reasons == [
+        "labels/a.txt:2: 3 values; expected 5 ('class cx cy w h') or a polygon "
+        "'class x1 y1 x2 y2 x3 y3 ...'",
+        "labels/a.txt:3: 6 values: a box and one more (a confidence? predictions are not "
+        "labels); expected 'class cx cy w h'",
+        "labels/a.txt:4: class 3 is out of range: NAMES has 3 classes (0..2)",
+        "labels/a.txt:5: class '1.5' is not an integer",
+        "labels/a.txt:6: class 'cat' is not an integer",
+        "labels/a.txt:7: coordinate 1.2 is outside [0, 1]; YOLO labels are fractions of the "
+        "image size",
+        "labels/a.txt:8: zero or negative size box (w=0, h=0.2)",
+        "labels/a.txt:9: coordinate nan is not finite",
+        "labels/a.txt:10: 'x' is not a number",
+        "labels/a.txt:11: duplicate of line 1",
+        "labels/a.txt:14: polygon has zero width or height",
+        "labels/a.txt:15: 8 values; expected 5 ('class cx cy w h') or a polygon "
+        "'class x1 y1 x2 y2 x3 y3 ...'"]
+
+
+def test_label_file_not_utf8_keeps_the_image_out(tmp_path):
+    src = dataset(tmp_path, {"a.txt": b"0 0.5 0.5 0.2 0.2 \xff\n", "b.txt": "1 0.5 0.5 1 1\n"},
+                  images=["a.jpg", "b.jpg"])
+    assert src.entries == [("b.jpg", -1)]
+    assert src.annotations.rows == [{"image_id": 0, "boxes": [[0.5, 0.5, 1.0, 1.0]],
+                                     "labels": [1]}]
+    (drop,) = src.annotations.dropped
+    assert drop["path"] == "a.jpg"
+    assert drop["reason"].startswith("labels/a.txt is not UTF-8 text")
+    assert "the image is not packed" in drop["reason"]
+
+
+def test_label_without_image_and_names_file_beside_labels(tmp_path):
+    put(tmp_path / "images", {"a.jpg": b"x"})
+    put(tmp_path / "labels", {"a.txt": "", "z.txt": "0 0.5 0.5 0.1 0.1\n",
+                              "classes.txt": "cat\n"})
+    src = read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "labels/classes.txt")
+    assert src.annotations.dropped == [{"path": "labels/z.txt",
+                                        "reason": "no image for this label file"}]
+
+
+def test_image_name_not_utf8_is_dropped(tmp_path):
+    bad = os.fsdecode(b"caf\xe9.jpg")
+    try:
+        (tmp_path / "images").mkdir()
+        (tmp_path / "images" / bad).write_bytes(b"x")
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses non-UTF-8 names")
+    src = dataset(tmp_path, {}, images=["ok.jpg"])
+    assert src.entries == [("ok.jpg", -1)]
+    assert src.annotations.dropped == [{"path": "caf\\xe9.jpg", "reason": "file name is not "
+                                        "valid UTF-8, so it cannot be stored; rename it"}]
+
+
+def test_missing_folders_and_no_images(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "names.txt").write_text("cat\n")
+    with pytest.raises(PackerError, match="label folder .* does not exist"):
+        read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt")
+    (tmp_path / "labels").mkdir()
+    with pytest.raises(PackerError, match="no images"):
+        read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt")
+    with pytest.raises(PackerError, match="class names file .* does not exist"):
+        read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "nope.txt")
+
+
+def names(tmp_path, text, suffix=".yaml"):
+    path = tmp_path / f"data{suffix}"
+    path.write_text(text, encoding="utf-8")
+    return read_names(path)
+
+
+ULTRALYTICS = """\
+# COCO 2017 dataset https://cocodataset.org by Microsoft
+path: ../datasets/coco # dataset root dir
+train: train2017.txt  # train images
+val: val2017.txt
+
+# Classes
+names:
+  0: person
+  2: "car # not a comment"
+  1: 'it''s a bike'
+
+# Download script/URL (optional)
+download: |
+  from ultralytics.utils.downloads import download
+  segments = True  # segment or box labels
+  urls = ['http://images.cocodataset.org/zips/train2017.zip',  # 19G, 118k images
+          'http://images.cocodataset.org/zips/val2017.zip']
+  - not: [a list, {x: 1}]
+nc: 3
+"""
+
+
+@pytest.mark.parametrize("text, want", [
+    ("cat\n\n  dog  \nhot dog\n", ["cat", "dog", "hot dog"]),
+])
+def test_text_names(tmp_path, text, want):
+    assert names(tmp_path, text, ".txt") == want
+
+
+@pytest.mark.parametrize("text", [
+    "- cat\n- dog   # a comment\n- 'hot dog'\n",
+    "---\n[cat, dog, \"hot dog\",]\n",
+    "names: [cat, dog, hot dog]\nnc: 3\n",
+    "names:\n  - cat\n  - dog\n  - \"hot dog\"\ntrain: x\n",
+    "names:\n- cat\n- dog\n- hot dog\n",
+    "names: {0: cat, 1: dog, 2: hot dog}\n",
+    "names:\n  1: dog\n  0: cat\n  '2': hot dog\n",
+    "names: [cat,\n  dog, hot dog]\n",
+])
+def test_yaml_names_shapes(tmp_path, text):
+    assert names(tmp_path, text) == ["cat", "dog", "hot dog"]
+
+
+def test_ultralytics_dataset_yaml(tmp_path):
+    assert names(tmp_path, ULTRALYTICS) == ["person", "it's a bike", "car # not a comment"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("names: person\n", r"data\.yaml:1: expected \[a, b, \.\.\.\] or \{0: a, \.\.\.\}"),
+    ("names:\n  - [a, b]\n", r"data\.yaml:2: cannot read '\[a, b\]' as a class name"),
+    ("names:\n  - a\n  b: c\n", r"data\.yaml:3: expected a '- name' item"),
+    ("names:\n  0: a\n  2: b\n", "class indices must be 0..1 with none missing; 1 is missing"),
+    ("names:\n  0: a\n  0: b\n", "class index 0 is given twice"),
+    ("names:\n  x: a\n", "class index 'x' is not a number"),
+    ("names: [a, b]\nnc: 3\n", "nc is 3 but 'names' lists 2 classes"),
+    ("train: x\nval: y\n", "has no top-level 'names:'"),
+    ("names:\n", r"data\.yaml:1: 'names:' is empty"),
+    ("# only a comment\n", "is empty"),
+    ("- a\n- b: c\n", "cannot read 'b: c' as a class name"),
+    ("names: [a, [b]]\n", "nested lists or maps"),
+    ("just text\n", r"data\.yaml:1: expected 'key: value'"),
+    ("names: [a, b, a]\n", "classes 0 and 2 are both named 'a'"),
+    ("names:\n\t- a\n", "indented with a tab"),
+    ("names: []\n", "names no classes"),
+])
+def test_yaml_shapes_packer_does_not_read(tmp_path, text, message):
+    with pytest.raises(PackerError, match=message) as e:
+        names(tmp_path, text)
+    assert "data.yaml" in str(e.value)
+
+
+def test_duplicate_and_empty_text_names(tmp_path):
+    with pytest.raises(PackerError, match="classes 0 and 2 are both named 'cat'"):
+        names(tmp_path, "cat\ndog\ncat\n", ".txt")
+    with pytest.raises(PackerError, match="names no classes"):
+        names(tmp_path, "\n \n", ".txt")

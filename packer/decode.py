@@ -46,9 +46,14 @@ class CropDecoder:
         raise NotImplementedError
 
     def __call__(self, data: bytes):
+        return self.decode_crop(data)[0]
+
+    def decode_crop(self, data: bytes):
+        """``(tensor, crop, flipped)``: the crop ``(x0, y0, x1, y1)`` in the stored image's
+        pixels and the flip, so a detection target's boxes can follow (``packer.boxes``)."""
         im = Image.open(io.BytesIO(data))
         w, h = im.size
-        x0, y0, x1, y1 = self.box(w, h)
+        crop = x0, y0, x1, y1 = self.box(w, h)
         oh, ow = self.size
         if im.format == "JPEG":
             # Ask for the smallest DCT scale that keeps the crop at least output-sized.
@@ -58,9 +63,10 @@ class CropDecoder:
             x0, x1, y0, y1 = x0 * sx, x1 * sx, y0 * sy, y1 * sy
         im = im.convert("RGB").resize((ow, oh), Image.BILINEAR, box=(x0, y0, x1, y1),
                                       reducing_gap=None)
-        if self.flip():
+        flipped = self.flip()
+        if flipped:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        return image_to_tensor(im)
+        return image_to_tensor(im), crop, flipped
 
     def flip(self) -> bool:
         return False
@@ -128,3 +134,32 @@ class DecodeCenterCrop(CropDecoder):
         cw, ch = min(w, ow * s), min(h, oh * s)
         x, y = (w - cw) / 2, (h - ch) / 2
         return x, y, x + cw, y + ch
+
+
+class DecodeLetterbox(CropDecoder):
+    """YOLO's letterbox fused into the decode: scale to fit ``size`` keeping the aspect ratio
+    (never up when ``scale_up=False``), centre on a ``fill`` canvas. For detection datasets
+    the boxes follow (the letterbox is a crop reaching past the image: ``decode_crop``)."""
+
+    def __init__(self, size, fill: int = 114, scale_up: bool = True):
+        super().__init__(size)
+        if not 0 <= fill <= 255:
+            raise ValueError(f"fill must be a grey level 0..255, got {fill}")
+        self.fill, self.scale_up = int(fill), bool(scale_up)
+
+    def decode_crop(self, data: bytes):
+        im = Image.open(io.BytesIO(data))
+        w, h = im.size
+        oh, ow = self.size
+        r = min(oh / h, ow / w)
+        if not self.scale_up:
+            r = min(r, 1.0)
+        nw, nh = max(1, round(w * r)), max(1, round(h * r))
+        top, left = (oh - nh) // 2, (ow - nw) // 2
+        if im.format == "JPEG":
+            im.draft("RGB", (nw, nh))
+        im = im.convert("RGB").resize((nw, nh), Image.BILINEAR, reducing_gap=None)
+        canvas = Image.new("RGB", (ow, oh), (self.fill,) * 3)
+        canvas.paste(im, (left, top))
+        crop = (-left / r, -top / r, (ow - left) / r, (oh - top) / r)
+        return image_to_tensor(canvas), crop, False

@@ -74,6 +74,21 @@ def check_schema(fields: Any, where: str) -> List[dict]:
     return fields
 
 
+def detection_problem(fields: List[dict]) -> str:
+    """Why ``fields`` cannot be a detection dataset's, or "": detection targets need
+    ``boxes`` (float, ``[-1, 4]``, XYXY pixels), ``labels`` (int, ``[-1]``), ``image_id`` (int);
+    other per-object arrays (``area``, ``iscrowd``...) must have one row per box."""
+    by = {f["name"]: f for f in fields}
+    b, lab, iid = by.get("boxes"), by.get("labels"), by.get("image_id")
+    if not b or b["type"] != "array" or b["shape"] != [-1, 4] or b["dtype"] not in ("float32", "float64"):
+        return "needs a 'boxes' field: array float32 [-1, 4] (XYXY pixels)"
+    if not lab or lab["type"] != "array" or lab["shape"] != [-1] or lab["dtype"][0] not in "iu":
+        return "needs a 'labels' field: array int64 [-1] (one per box)"
+    if not iid or iid["type"] != "int":
+        return "needs an 'image_id' field: int"
+    return ""
+
+
 def is_column(f: dict) -> bool:
     """Scalars of fixed width go to side tables too (``str`` does not: variable width)."""
     return f["type"] in COLUMN_DTYPE
@@ -250,7 +265,7 @@ def infer_field(name: str, v: Any) -> Optional[dict]:
     default dtype; pass a schema for float64)."""
     if isinstance(v, bool):
         return {"name": name, "type": "bool"}
-    if isinstance(v, int) or _is_integral(v) and not hasattr(v, "shape"):
+    if isinstance(v, int) or _is_integral(v) and not hasattr(v, "dtype"):
         return {"name": name, "type": "int"}
     if isinstance(v, float):
         return {"name": name, "type": "float"}
@@ -258,6 +273,9 @@ def infer_field(name: str, v: Any) -> Optional[dict]:
         return {"name": name, "type": "str"}
     if hasattr(v, "dtype") and hasattr(v, "shape"):  # a tensor or numpy array
         dtype = str(v.dtype).replace("torch.", "")
+        if len(v.shape) == 0:  # a 0-d tensor or numpy scalar: a scalar field
+            kind = "bool" if dtype == "bool" else "float" if "float" in dtype else "int"
+            return {"name": name, "type": kind}
         if dtype in DTYPES:
             return {"name": name, "type": "array", "dtype": dtype, "shape": [-1, *v.shape[1:]]
                     if len(v.shape) else [1]}

@@ -52,6 +52,7 @@ class Packing:
             if is_column(f) and f["name"] != "label":
                 self.columns[f["name"]] = array(DTYPES[COLUMN_DTYPE[f["type"]]])
         self.writer: Optional[ShardWriter] = None
+        self.shard_note = None  # () -> dict: more facts for a finished shard's journal entry
         if self.shards:
             self._recover()
 
@@ -105,6 +106,8 @@ class Packing:
         if self.writer is not None:
             self.shards.append(self.writer.finish())
             self.writer = None
+            if self.shard_note is not None:
+                self.shards[-1].update(self.shard_note())
             journal.save(self.dst, self.fingerprint, self.shards, self.skipped, next_entry,
                          self.dropped)
 

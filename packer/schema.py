@@ -12,7 +12,7 @@ from pathlib import PurePosixPath
 from typing import Any, Dict, List
 
 from .errors import FormatError
-from .fields import check_schema
+from .fields import check_schema, detection_problem
 
 MIN_RECORD_BYTES = 16  # an LMDB entry takes at least its node header and 8-byte key
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -166,6 +166,9 @@ def _schema(c: _Check, man: dict) -> Dict[str, dict]:
     by_name = {f["name"]: f for f in fields}
     if "label" in by_name and by_name["label"]["type"] != "int":
         raise c.fail("schema.fields", "declares 'label' with a type other than int")
+    problem = detection_problem(fields) if schema["task"] == "detection" else ""
+    if problem:
+        raise c.fail("schema", f"says detection but {problem}")
     return by_name
 
 

@@ -24,7 +24,7 @@ try:  # the extensible collate (torch >= 2.0); older torch falls back to default
 except ImportError:  # pragma: no cover
     _collate = None
 
-__all__ = ["collate_uint8", "default_num_workers", "make_loader"]
+__all__ = ["collate_detection", "collate_uint8", "default_num_workers", "make_loader"]
 
 TOTAL_PREFETCH = 8  # batches in flight across all workers, see make_loader
 
@@ -66,6 +66,22 @@ def collate_uint8(batch, *, channels_last: bool = True):
     except ImportError:  # pragma: no cover
         pass
     return _collate(batch, collate_fn_map=fn_map)
+
+
+def collate_detection(batch, *, channels_last: bool = True):
+    """``(images, targets)`` for detection: targets stay a list of dicts (their box counts
+    differ), as torchvision's detection references collate. Images of one size (a crop or
+    letterbox decoder) become one uint8 batch like ``collate_uint8``'s; images of different
+    sizes stay a list. ``CUDAPrefetcher`` moves and normalizes either form."""
+    images = [b[0] for b in batch]
+    targets = [b[1] for b in batch]
+    first = images[0]
+    if isinstance(first, torch.Tensor) and first.dim() == 3 and all(
+            isinstance(t, torch.Tensor) and t.shape == first.shape for t in images):
+        if first.dtype == torch.uint8 and not first.is_cuda:
+            return _collate_images(images, channels_last=channels_last), targets
+        return torch.stack(images), targets
+    return images, targets
 
 
 def _collate_images(batch, *, channels_last: bool, collate_fn_map=None):
@@ -142,7 +158,8 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
         multiprocessing_context: None (the platform default: fork on Linux, cheap and safe
             since shards open lazily per process), or "spawn"/"forkserver" if the main
             process has threads or CUDA state that must not be forked.
-        collate_fn: default ``collate_uint8`` with ``channels_last``.
+        collate_fn: default ``collate_uint8`` with ``channels_last`` (``collate_detection``
+            for a detection ``PackedDataset``).
         **kwargs: passed to ``DataLoader`` (``worker_init_fn``, ``generator``, ``timeout``,
             ``batch_sampler``, ...).
     """
@@ -179,7 +196,10 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
         kwargs["prefetch_factor"] = prefetch_factor
         kwargs["multiprocessing_context"] = multiprocessing_context
     if collate_fn is None:
-        collate_fn = functools.partial(collate_uint8, channels_last=channels_last)
+        detection = getattr(dataset, "task", None) == "detection" and getattr(
+            getattr(dataset, "make_target", None), "detection", False)
+        collate = collate_detection if detection else collate_uint8
+        collate_fn = functools.partial(collate, channels_last=channels_last)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                       num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
                       drop_last=drop_last, persistent_workers=persistent_workers, **kwargs)
@@ -188,8 +208,10 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
 def _check_decoded(dataset) -> None:
     """Fail now, not in a worker, for a PackedDataset that would hand out PIL images."""
     from .dataset import PackedDataset
-    if isinstance(dataset, PackedDataset) and dataset.decode is None and dataset.transform is None:
+    if (isinstance(dataset, PackedDataset) and dataset.decode is None and dataset.transform is None
+            and dataset.transforms is None):
         raise ValueError("this PackedDataset returns PIL images; make_loader needs uint8 tensors: "
                          "pass decode=DecodeRandomResizedCrop(224) (training) or "
                          "decode=DecodeCenterCrop(224) (evaluation) to PackedDataset, or a "
-                         "transform ending in torchvision.transforms.PILToTensor()")
+                         "transform ending in torchvision.transforms.PILToTensor() (detection: "
+                         "decode=DecodeLetterbox(640), or transforms= ending in v2.ToImage())")

@@ -71,7 +71,10 @@ class CUDAPrefetcher(LoaderView):
     normalized as ``(x / 255 - mean) / std`` (``mean``/``std`` on the 0..1 scale, as in
     torchvision; the 255 is folded in here), in channels_last memory if ``channels_last``.
     ``mean=None, std=None`` gives ``x / 255``. The arithmetic is float32 whatever ``dtype``.
-    Other tensors (labels) just move to the device; non-tensors pass unchanged.
+    Other tensors (labels) just move to the device; non-tensors pass unchanged. Detection
+    batches (``collate_detection``: images as a list of differently sized uint8 (C, H, W)
+    tensors, targets as a list of dicts) get each image normalized the same way and every
+    target tensor (boxes stay ``tv_tensors.BoundingBoxes``) moved with them.
 
     Memory safety across streams (the choice the APEX prefetcher makes, kept on purpose):
     each batch is allocated and written on the side stream ``self.stream`` (one for the
@@ -158,6 +161,9 @@ class CUDAPrefetcher(LoaderView):
                 t.record_stream(stream)
 
     def _convert(self, batch):
+        if is_image_list_batch(batch):  # detection: (list of (C, H, W) images, targets)
+            images = [self._tensor(im[None])[0] for im in batch[0]]
+            return type(batch)([images, *(_apply(x, self._tensor) for x in batch[1:])])
         return _apply(batch, self._tensor)
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
@@ -238,6 +244,14 @@ def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_apply(v, fn) for v in obj)
     return obj
+
+
+def is_image_list_batch(batch: Any) -> bool:
+    """A ``(images, targets)`` batch whose images are a list of uint8 (C, H, W) tensors."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not isinstance(batch[0], list):
+        return False
+    return bool(batch[0]) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                  and t.dim() == 3 for t in batch[0])
 
 
 def iter_tensors(obj: Any):

@@ -70,6 +70,44 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
     return out
 
 
+def aspect_group_ids(ratios: torch.Tensor, factor: int) -> torch.Tensor:
+    """Group of each width/height ratio: torchvision's detection references'
+    ``create_aspect_ratio_groups`` bins, ``2 ** linspace(-1, 1, 2 * factor + 1)`` (factor 0:
+    portrait vs landscape)."""
+    edges = torch.pow(2.0, torch.linspace(-1, 1, 2 * factor + 1, dtype=torch.float64))
+    if factor == 0:
+        edges = torch.tensor([1.0], dtype=torch.float64)
+    return torch.bucketize(ratios.to(torch.float64), edges, right=True)
+
+
+def grouped_order(order: torch.Tensor, groups: torch.Tensor, chunk: int, *, seed: int = 0,
+                  epoch: int = 0, shuffle: bool = True) -> torch.Tensor:
+    """``order`` rearranged so every run of ``chunk`` consecutive positions (one global batch:
+    batch size x ranks) holds one aspect group, except a few mixed runs made of each group's
+    remainder. Within a group, ``order``'s sequence is kept; the runs are shuffled with
+    (seed, epoch). A pure function of its arguments, so a resumed epoch is the same epoch."""
+    n = len(order)
+    if n == 0:
+        return order
+    g = groups[order]
+    sorted_g, idx = torch.sort(g, stable=True)
+    seq = order[idx]
+    # Position of each element inside its group; elements past the last full chunk are leftovers.
+    starts = torch.searchsorted(sorted_g, sorted_g, right=False)
+    ends = torch.searchsorted(sorted_g, sorted_g, right=True)
+    pos = torch.arange(n) - starts
+    full = pos < (ends - starts) // chunk * chunk
+    runs = list(seq[full].split(chunk))
+    runs += list(seq[~full].split(chunk))  # the leftovers of all groups, in group order
+    if shuffle and len(runs) > 1:
+        gen = torch.Generator().manual_seed(seed_for(seed, epoch, 1))
+        runs = [runs[i] for i in torch.randperm(len(runs), generator=gen).tolist()]
+        short = [i for i, r in enumerate(runs) if len(r) != chunk]
+        if short:  # keep the one short run last (it may be padded or dropped)
+            runs.append(runs.pop(short[0]))
+    return torch.cat(runs)
+
+
 def resolve_world(num_replicas: Optional[int], rank: Optional[int]):
     """(world size, rank): the given values, else torch.distributed's, else (1, 0); checked."""
     if num_replicas is None or rank is None:
@@ -107,6 +145,14 @@ class PackedSampler(Sampler[int]):
             ``DistributedSampler`` does).
         order: ``"random"`` (a true global permutation) or ``"block"`` (slow-disk order).
         block_size / window: block order only: records per block, blocks mixed together.
+        aspect_groups / batch_size: group batches by aspect ratio (detection: less padding,
+            as torchvision's ``GroupedBatchSampler`` with ``--aspect-ratio-group-factor``):
+            every batch of ``batch_size`` on every rank holds images of one aspect group
+            (``aspect_group_ids``; ``0``: portrait vs landscape, ``3``: torchvision's
+            default of 8 groups), except a few mixed batches of the groups' remainders.
+            Ratios come from the dataset's width/height columns: no image is read. The
+            order depends on the global batch (``batch_size`` x world size), so an elastic
+            resume keeps it when the global batch is unchanged.
 
     Each epoch: call ``set_epoch(epoch)`` before iterating (the sampler lives in the main
     process, so this works with persistent workers too). Without it every epoch repeats.
@@ -130,8 +176,19 @@ class PackedSampler(Sampler[int]):
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
                  num_replicas: Optional[int] = None, rank: Optional[int] = None,
                  drop_last: bool = False, order: str = "random", *,
-                 block_size: int = 256, window: int = 16):
+                 block_size: int = 256, window: int = 16, aspect_groups: Optional[int] = None,
+                 batch_size: Optional[int] = None):
         self.size = len(dataset)
+        self.groups = None
+        if aspect_groups is not None:
+            if not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError("aspect_groups needs batch_size= (samples per batch per rank): "
+                                 "batches are what is grouped")
+            if not hasattr(dataset, "aspect_ratios"):
+                raise ValueError("aspect_groups needs a dataset with aspect_ratios() "
+                                 "(PackedDataset reads them from its width/height columns)")
+            self.groups = aspect_group_ids(dataset.aspect_ratios(), int(aspect_groups))
+        self.aspect_groups, self.batch_size = aspect_groups, batch_size
         self.num_replicas, self.rank = resolve_world(num_replicas, rank)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.order, self.block_size, self.window = order, int(block_size), int(window)
@@ -151,6 +208,9 @@ class PackedSampler(Sampler[int]):
         if self._cache is None or self._cache[:2] != (self.epoch, self.seed):
             perm = global_order(self.size, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
                                 order=self.order, block_size=self.block_size, window=self.window)
+            if self.groups is not None:
+                perm = grouped_order(perm, self.groups, self.batch_size * self.num_replicas,
+                                     seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
             self._cache = (self.epoch, self.seed, perm)
         return self._cache[2]
 

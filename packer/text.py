@@ -21,8 +21,9 @@ def terminal_text(text: str) -> str:
     return "\n".join(line.translate({**CONTROLS, 0x09: "\t"}) for line in text.split("\n"))
 
 
-def json_text(obj) -> str:
-    """Indented JSON, non-ASCII kept readable, every control character escaped (json escapes
-    C0 itself; C1 controls, which terminals obey too, become \\u escapes)."""
-    text = json.dumps(obj, indent=1, ensure_ascii=False)
+def json_text(obj, indent=1) -> str:
+    """JSON (indented, or one line with ``indent=None``), non-ASCII kept readable, every
+    control character escaped (json escapes C0 itself; C1 controls, which terminals obey
+    too, become \\u escapes)."""
+    text = json.dumps(obj, indent=indent, ensure_ascii=False)
     return "".join(f"\\u{ord(ch):04x}" if 0x7F <= ord(ch) < 0xA0 else ch for ch in text)

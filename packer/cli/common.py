@@ -1,0 +1,74 @@
+"""Shared pieces of the ``packer`` commands: the size type, error handling, warnings."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import warnings
+
+import click
+
+from .. import __version__
+from ..errors import PackerError
+from ..text import terminal_text
+
+SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+              "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30,
+              "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+
+class Size(click.ParamType):
+    """A byte count such as ``512M``, ``1G`` or ``1073741824`` (units are powers of 1024)."""
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().replace(" ", "")
+        num = text.rstrip("KMGTIB")
+        try:
+            return int(float(num) * SIZE_UNITS[text[len(num):]])
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a size (examples: 512M, 1G, 1073741824)", param, ctx)
+
+
+def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command to resume."):
+    """Show a PackerError as ``Error: ...`` (exit 1) and Ctrl-C as a short note (exit 130)."""
+    if fn is None:
+        return functools.partial(library_errors, interrupted=interrupted)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PackerError as e:
+            raise click.ClickException(terminal_text(str(e))) from e
+        except KeyboardInterrupt:
+            click.echo(f"\n{interrupted}", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+@contextlib.contextmanager
+def warnings_as_lines():
+    """Show packer's warnings (e.g. an empty class folder) as one ``Warning: ...`` line each
+    on stderr when they happen, instead of Python's ``file:line: Category: ...`` form."""
+    from ..source import EmptyClassWarning, SymlinkLoopWarning
+    ours = (EmptyClassWarning, SymlinkLoopWarning)
+    with warnings.catch_warnings():
+        for category in ours:
+            warnings.simplefilter("always", category)
+        show = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, ours):
+                click.echo(terminal_text(f"Warning: {message}"), err=True)
+            else:
+                show(message, category, filename, lineno, file, line)
+        warnings.showwarning = showwarning
+        yield
+
+
+def version_line() -> str:
+    from .._system import pil_summary
+    return f"packer {__version__} (python {sys.version.split()[0]}; PIL: {pil_summary()})"

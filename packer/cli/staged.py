@@ -1,0 +1,55 @@
+"""Commands that put a dataset on fast storage and take it off: stage, unstage."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .common import library_errors
+
+@click.command()
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("target", type=click.Path(file_okay=False, path_type=Path), required=False)
+@click.option("--remove", is_flag=True, help="Free a staged copy instead: `packer stage --remove TARGET` "
+                                             "(same as `packer unstage TARGET`).")
+@click.option("--no-verify", is_flag=True, help="Trust files already in TARGET whose size matches "
+                                                "(each new copy is still checked as it is written).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@library_errors
+def stage(dst, target, remove, no_verify, quiet):
+    """Copy dataset DST to fast storage TARGET (a tmpfs mount, or /dev/shm/NAME) and verify it.
+
+    Each shard is copied under a temporary name and renamed once its checksum matches; the
+    manifest goes last, so TARGET is complete or not a dataset at all. Re-running repairs an
+    interrupted or damaged copy, recopying only what differs. Train with
+    PackedDataset(TARGET): nothing else changes.
+
+    \b
+    Examples:
+      packer stage /data/packed/train /dev/shm/train
+      sudo mount -t tmpfs -o size=200G tmpfs /mnt/ram && packer stage /data/packed/train /mnt/ram/train
+      packer stage --remove /dev/shm/train
+    """
+    from ..staging import stage as run_stage, unstage as run_unstage
+    if remove:
+        if target is not None:
+            raise click.UsageError("--remove takes only the staged folder: packer stage --remove TARGET")
+        click.echo(run_unstage(dst).message())
+        return
+    if target is None:
+        raise click.UsageError("missing TARGET: packer stage DST TARGET")
+    click.echo(run_stage(dst, target, progress=not quiet, verify=not no_verify).message())
+
+
+@click.command()
+@click.argument("target", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@library_errors
+def unstage(target):
+    """Remove a staged copy made by `packer stage` and free its RAM. Only files that staging
+    wrote are removed; a folder holding a built (unstaged) dataset is refused."""
+    from ..staging import unstage as run_unstage
+    click.echo(run_unstage(target).message())
+
+
+
+COMMANDS = [stage, unstage]

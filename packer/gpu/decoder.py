@@ -33,8 +33,9 @@ import torch
 from .._threads import END
 from ..decode import open_image
 from ..errors import PackerError
-from ..prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, normalize_affine
+from ..prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors, normalize_affine
 from .augment import center_crop_boxes, random_resized_crop_boxes, resample_crops
+from .detection import DetectionTargets, fill_outside, letterbox_crops, place_boxes
 from .encoded import EncodedBatch
 from .loader import ConnectionsWarning, connections_advice
 from .nvjpeg import NvjpegDecoder, load_nvjpeg, torchvision_decode
@@ -43,6 +44,8 @@ from .pipeline import Pipeline
 from .resample import ImageTable, triton_available
 
 __all__ = ["GPUDecoder"]
+
+LETTERBOX_FILL = 114  # YOLO's grey
 
 class GPUDecoder(LoaderView):
     """Iterate a :func:`make_gpu_loader` loader as ``(images, labels)`` ready on the GPU.
@@ -54,6 +57,13 @@ class GPUDecoder(LoaderView):
     the shorter side to ``size / crop_fraction`` and center-crop, as ``DecodeCenterCrop``.
     ``seed`` fixes the crops (with ``set_epoch``, per epoch); ``options`` (:class:`GPUOptions`)
     tunes threads, queues and backends.
+
+    Detection datasets (``make_gpu_loader`` over a ``--coco``/``--yolo`` build): batches are
+    ``(images, targets)`` with ``targets`` a list of torchvision target dicts on the GPU
+    whose boxes moved with the crop and flip; objects with less than ``min_visible`` of
+    their box left in the crop are dropped. ``letterbox=True`` resizes each image to fit
+    ``size`` keeping its aspect ratio, padded with grey 114 (YOLO's evaluation and
+    training input; flipped too when ``train``), instead of cropping.
 
     The iterator protocol is ``CUDAPrefetcher``'s: re-iterable, ``len()``, ``set_epoch``
     (sampler, and the crop generator when ``seed`` is given), ``.sampler``,
@@ -67,6 +77,7 @@ class GPUDecoder(LoaderView):
                  dtype: torch.dtype = torch.bfloat16, channels_last: bool = True, device=None,
                  scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True,
                  crop_fraction: float = 0.875, seed: Optional[int] = None,
+                 letterbox: bool = False, min_visible: float = 0.25,
                  options: Optional[GPUOptions] = None):
         self.options = opts = options if options is not None else GPUOptions()
         self.size = (size, size) if isinstance(size, int) else tuple(int(s) for s in size)
@@ -97,6 +108,7 @@ class GPUDecoder(LoaderView):
         s, t = normalize_affine(mean, std)
         self.norm_scale, self.norm_shift = s.to(self.device), t.to(self.device)
         self.seed = seed
+        self.letterbox, self.min_visible = bool(letterbox), float(min_visible)
         self._gen = torch.Generator()
         self._gen.manual_seed(seed if seed is not None else int(torch.randint(1 << 62, ()).item()))
         self.stats = DecodeStats()
@@ -151,8 +163,8 @@ class GPUDecoder(LoaderView):
                 if event is not None:
                     cur = torch.cuda.current_stream(self.device)
                     cur.wait_event(event)
-                    images.record_stream(cur)
-                    labels.record_stream(cur)
+                    for t in iter_tensors((images, labels)):
+                        t.record_stream(cur)
                 yield images, labels
         finally:
             pipe.close()
@@ -235,17 +247,28 @@ class GPUDecoder(LoaderView):
         """Crop, resize, flip, normalize one decoded batch; its randomness comes from
         ``seed`` alone, so threads that augment batches at once give the same crops."""
         images, sizes, labels = item
-        if self.train:
-            gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
+        inside = None
+        if self.letterbox:
+            boxes, inside = letterbox_crops(sizes, self.size)
+        elif self.train:
             boxes = random_resized_crop_boxes(sizes, self.scale, self.ratio, generator=gen)
-            flips = torch.rand(len(images), generator=gen) < 0.5 if self.flip else None
         else:
-            boxes, flips = center_crop_boxes(sizes, self.size, self.crop_fraction), None
+            boxes = center_crop_boxes(sizes, self.size, self.crop_fraction)
+        flips = (torch.rand(len(sizes), generator=gen) < 0.5) if self.train and self.flip else None
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        out = torch.empty((len(images), 3, *self.size), dtype=self.dtype, device=self.device,
+        out = torch.empty((len(sizes), 3, *self.size), dtype=self.dtype, device=self.device,
                           memory_format=fmt)
-        return resample_crops(images, boxes, self.size, flips, out=out, scale=self.norm_scale,
-                              shift=self.norm_shift, sizes=sizes, method=self.resample), labels
+        out = resample_crops(images, boxes, self.size, flips, out=out, scale=self.norm_scale,
+                             shift=self.norm_shift, sizes=sizes, method=self.resample)
+        if inside is not None:
+            grey = torch.full((3,), float(LETTERBOX_FILL), device=self.device)
+            if self.dtype != torch.uint8:
+                grey = grey * self.norm_scale.flatten().expand(3) + self.norm_shift.flatten().expand(3)
+            fill_outside(out, inside, flips, grey)
+        if isinstance(labels, DetectionTargets):
+            labels = place_boxes(labels, boxes, self.size, flips, self.min_visible)
+        return out, labels
 
     def __repr__(self) -> str:
         return (f"GPUDecoder({self.loader!r}, size={self.size}, train={self.train}, "

@@ -7,12 +7,13 @@ JPEG header parsing (:func:`jpeg_info`, :func:`gpu_decodable`), the ``decode=`` 
 from __future__ import annotations
 
 import ctypes
-from typing import List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from ..decode import open_image
+from .detection import is_detection_batch, pack_targets
 
 __all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",
            "gpu_decodable", "jpeg_info"]
@@ -144,7 +145,7 @@ class EncodedBatch(NamedTuple):
     offsets: torch.Tensor  # int64 (B + 1,): image i is data[offsets[i]:offsets[i + 1]]
     sizes: torch.Tensor    # int64 (B, 2): (height, width)
     decoded: torch.Tensor  # bool (B,)
-    labels: torch.Tensor   # (B,) as default_collate makes them
+    labels: Any            # (B,) as default_collate makes them; detection: DetectionTargets
 
     def images(self) -> List[torch.Tensor]:
         """Per-image views: 1-D JPEG bytes, or (H, W, 3) pixels where ``decoded``."""
@@ -178,7 +179,8 @@ def collate_encoded(batch) -> EncodedBatch:
     return EncodedBatch(data, torch.tensor(offsets, dtype=torch.int64),
                         torch.tensor([(s.height, s.width) for s in samples], dtype=torch.int64),
                         torch.tensor([s.decoded for s in samples], dtype=torch.bool),
-                        default_collate(list(targets)))
+                        pack_targets(targets) if is_detection_batch(targets)
+                        else default_collate(list(targets)))
 
 
 def _empty_u8(n: int) -> torch.Tensor:

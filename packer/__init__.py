@@ -13,12 +13,12 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # the names of __all__ (tests/test_layout.py checks that the three lists agree)
     from .builder import BuildResult, build
     from .check import Transcode
-    from .decode import DecodeCenterCrop, DecodeRandomResizedCrop
+    from .decode import DecodeCenterCrop, DecodeLetterbox, DecodeRandomResizedCrop
     from .errors import FormatError, PackerError
     from .dataset import PackedDataset
     from .gpu import GPUDecoder, GPUOptions, make_gpu_loader
     from .info import verify
-    from .loader import collate_uint8, default_num_workers, make_loader
+    from .loader import collate_detection, collate_uint8, default_num_workers, make_loader
     from .merging import merge
     from .prefetch import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
     from .reader import ShardReader
@@ -26,16 +26,18 @@ if TYPE_CHECKING:  # the names of __all__ (tests/test_layout.py checks that the 
     from .staging import stage, stage_once_per_node, unstage
     from .streaming import PackedIterableDataset
     from .threaded import BackgroundIterator, background
+    from .writing import DatasetWriter, write
 
 _LAZY = {
     "BuildResult": "builder", "build": "builder",
     "Transcode": "check",
-    "DecodeCenterCrop": "decode", "DecodeRandomResizedCrop": "decode",
+    "DecodeCenterCrop": "decode", "DecodeLetterbox": "decode", "DecodeRandomResizedCrop": "decode",
     "FormatError": "errors", "PackerError": "errors",
     "PackedDataset": "dataset",
     "GPUDecoder": "gpu", "GPUOptions": "gpu", "make_gpu_loader": "gpu",
     "verify": "info",
-    "collate_uint8": "loader", "default_num_workers": "loader", "make_loader": "loader",
+    "collate_detection": "loader", "collate_uint8": "loader", "default_num_workers": "loader",
+    "make_loader": "loader",
     "merge": "merging",
     "CUDAPrefetcher": "prefetch", "IMAGENET_MEAN": "prefetch", "IMAGENET_STD": "prefetch",
     "ShardReader": "reader",
@@ -43,14 +45,16 @@ _LAZY = {
     "stage": "staging", "stage_once_per_node": "staging", "unstage": "staging",
     "PackedIterableDataset": "streaming",
     "BackgroundIterator": "threaded", "background": "threaded",
+    "DatasetWriter": "writing", "write": "writing",
 }
 
-__all__ = ["BackgroundIterator", "BuildResult", "CUDAPrefetcher", "DecodeCenterCrop",
-           "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "GPUOptions",
-           "IMAGENET_MEAN", "IMAGENET_STD", "PackedDataset", "PackedIterableDataset",
-           "PackedSampler", "PackerError", "ShardReader", "Transcode", "background", "build",
-           "collate_uint8", "default_num_workers", "make_gpu_loader", "make_loader", "merge",
-           "stage", "stage_once_per_node", "unstage", "verify", "__version__"]
+__all__ = ["BackgroundIterator", "BuildResult", "CUDAPrefetcher", "DatasetWriter",
+           "DecodeCenterCrop", "DecodeLetterbox", "DecodeRandomResizedCrop", "FormatError",
+           "GPUDecoder", "GPUOptions", "IMAGENET_MEAN", "IMAGENET_STD", "PackedDataset",
+           "PackedIterableDataset", "PackedSampler", "PackerError", "ShardReader", "Transcode",
+           "background", "build", "collate_detection", "collate_uint8", "default_num_workers",
+           "make_gpu_loader", "make_loader", "merge", "stage", "stage_once_per_node", "unstage",
+           "verify", "write", "__version__"]
 
 
 def __getattr__(name):

@@ -29,8 +29,9 @@ def polygon_mask(polygons: List[List[float]], height: int, width: int) -> torch.
     draw = ImageDraw.Draw(im)
     for poly in polygons:
         if len(poly) >= 6:
-            draw.polygon([(float(poly[i]), float(poly[i + 1])) for i in range(0, len(poly) - 1, 2)],
-                         fill=1, outline=1)
+            # COCO coordinates put pixel centres at +0.5, PIL's at integers.
+            draw.polygon([(float(poly[i]) - 0.5, float(poly[i + 1]) - 0.5)
+                          for i in range(0, len(poly) - 1, 2)], fill=1)
     return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(height, width)
 
 

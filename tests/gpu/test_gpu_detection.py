@@ -1,0 +1,124 @@
+"""The GPU path on detection datasets: targets collated per batch, boxes moved with the
+GPU's crops, flips and letterbox, objects cut away dropped; against plain-Python references.
+
+On the CPU with PIL standing in for nvJPEG here; the ``gpu``-marked tests run the same checks
+with nvJPEG and the Triton kernel on a CUDA device.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packer import PackedDataset, build
+from packer.demo.scenes import make_detection_folder
+from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader, random_resized_crop_boxes
+from packer.gpu.detection import DetectionTargets
+
+from helpers import cuda, pil_decoder
+
+SIZE = (256, 320)
+
+
+@pytest.fixture(scope="module")
+def det(tmp_path_factory):
+    root = make_detection_folder(tmp_path_factory.mktemp("det") / "det", images=12, seed=5)
+    dst = root.parent / "packed"
+    build(root / "images", dst, coco=root / "annotations.json", progress=False, workers=0)
+    return dst
+
+
+def decoder(det, device, **kw):
+    opts = dict(overlap=0)
+    if device == "cpu":
+        opts.update(decoder=pil_decoder, resample="matmul")
+    loader = make_gpu_loader(det, 6, num_workers=0, shuffle=False)
+    return GPUDecoder(loader, size=SIZE, device=device, dtype=torch.uint8, seed=0,
+                      options=GPUOptions(**opts), **kw)
+
+
+def source_targets(det):
+    ds = PackedDataset(det)
+    return [ds[i][1] for i in range(len(ds))], [(r["height"], r["width"]) for r in map(ds.load, range(len(ds)))]
+
+
+def reference_crop(box, crop, flipped, min_visible):
+    """One box through one crop + resize + flip, in plain Python: (box, kept)."""
+    x0, y0, x1, y1 = crop
+    oh, ow = SIZE
+    sx, sy = ow / (x1 - x0), oh / (y1 - y0)
+    b = [(box[0] - x0) * sx, (box[1] - y0) * sy, (box[2] - x0) * sx, (box[3] - y0) * sy]
+    if flipped:
+        b = [ow - b[2], b[1], ow - b[0], b[3]]
+    full = (b[2] - b[0]) * (b[3] - b[1])
+    c = [min(max(b[0], 0), ow), min(max(b[1], 0), oh), min(max(b[2], 0), ow), min(max(b[3], 0), oh)]
+    area = max(c[2] - c[0], 0) * max(c[3] - c[1], 0)
+    return c, area > 0 and area >= min_visible * full
+
+
+def check_crops(det, device):
+    dec = decoder(det, device, min_visible=0.4)
+    targets, _ = source_targets(det)
+    batch = next(iter(dec.loader))
+    assert isinstance(batch.labels, DetectionTargets)
+    item = dec.decode_batch(batch)
+    images, out = dec.augment_batch(item, seed=1234)
+    gen = torch.Generator().manual_seed(1234)
+    crops = random_resized_crop_boxes(batch.sizes, dec.scale, dec.ratio, generator=gen)
+    flips = torch.rand(len(batch.sizes), generator=gen) < 0.5
+    assert images.shape == (6, 3, *SIZE) and images.device.type == torch.device(device).type
+    dropped = 0
+    for i, got in enumerate(out):
+        want = [reference_crop(b.tolist(), crops[i].tolist(), bool(flips[i]), 0.4)
+                for b in targets[i]["boxes"]]
+        kept = [b for b, k in want if k]
+        dropped += len(want) - len(kept)
+        assert got["boxes"].device.type == torch.device(device).type
+        assert got["image_id"] == targets[i]["image_id"]
+        assert len(got["boxes"]) == len(kept)
+        if kept:
+            torch.testing.assert_close(got["boxes"].as_subclass(torch.Tensor).cpu(),
+                                       torch.tensor(kept, dtype=torch.float32), atol=1.0, rtol=0)
+        keep = torch.tensor([k for _, k in want], dtype=torch.bool)
+        assert torch.equal(got["labels"].cpu(), targets[i]["labels"][keep])
+    return dropped
+
+
+def check_letterbox(det, device):
+    dec = decoder(det, device, letterbox=True, train=False)
+    targets, sizes = source_targets(det)
+    seen = 0
+    for images, out in dec:
+        for im, got in zip(images, out):
+            h, w = sizes[seen]
+            r = min(SIZE[0] / h, SIZE[1] / w)
+            nh, nw = round(h * r), round(w * r)
+            top, left = (SIZE[0] - nh) // 2, (SIZE[1] - nw) // 2
+            pad = torch.ones(SIZE, dtype=torch.bool)
+            pad[top:top + nh, left:left + nw] = False
+            assert bool((im.cpu()[:, pad] == 114).all())  # the padding is YOLO's grey
+            assert not bool((im.cpu()[:, ~pad] == 114).all())
+            want = targets[seen]["boxes"] * r + torch.tensor([left, top, left, top])
+            torch.testing.assert_close(got["boxes"].as_subclass(torch.Tensor).cpu(), want,
+                                       atol=1.0, rtol=0)
+            seen += 1
+    assert seen == len(targets)
+
+
+def test_crops_move_boxes_on_cpu(det):
+    check_crops(det, "cpu")
+
+
+def test_letterbox_on_cpu(det):
+    check_letterbox(det, "cpu")
+
+
+@pytest.mark.gpu
+@cuda
+def test_crops_move_boxes_on_gpu(det):
+    check_crops(det, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
+def test_letterbox_on_gpu(det):
+    check_letterbox(det, "cuda")

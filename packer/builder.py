@@ -88,6 +88,10 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
         run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
                       shard_size=shard_size, strict=strict)
         resumed = len(run.shards)
+        ann = source.annotations
+        if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
+            for d in ann.dropped:  # found while parsing (entry -1: not tied to one image)
+                run.drop(-1, d["path"], [d["reason"]])
         bar = tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
                    desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05)
         try:
@@ -97,9 +101,6 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
             raise
         finally:
             bar.close()
-        ann = source.annotations
-        if ann is not None:
-            options["annotations_dropped_at_parse"] = len(ann.dropped)
         manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
                               options=options, extra=ann.extra if ann is not None else None)
         journal.remove_leftovers(dst, {s["path"] for s in manifest["shards"]})

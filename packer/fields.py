@@ -107,15 +107,19 @@ def encode(fields: List[dict], values: Dict[str, Any]) -> Dict[str, Any]:
 
 def encode_value(f: dict, v: Any) -> Any:
     kind, name = f["type"], f["name"]
+    if kind in SCALAR_TYPES and hasattr(v, "dtype") and hasattr(v, "shape"):
+        if tuple(v.shape) != ():  # a tensor or numpy array: only a 0-d one is a scalar
+            raise ValueError(f"field {name!r} is a {kind}, got an array of shape {tuple(v.shape)}")
+        v = v.item()  # its Python value, by its own dtype: 2.7 stays a float (refused for int)
     if kind == "int":
-        if isinstance(v, bool) or not isinstance(v, int) and not _is_integral(v):
+        if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"field {name!r}: {v!r} is not an int")
         v = int(v)
         if not INT64[0] <= v <= INT64[1]:
             raise ValueError(f"field {name!r}: {v} does not fit in int64")
         return v
     if kind == "float":
-        if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_real(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"field {name!r}: {v!r} is not a number")
         v = float(v)
         if not math.isfinite(v):
@@ -170,14 +174,6 @@ def _flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
     for x in v:
         out.extend(_flatten(x, name, depth + 1) if isinstance(x, (list, tuple)) else [x])
     return out
-
-
-def _is_integral(v: Any) -> bool:
-    return hasattr(v, "__index__")
-
-
-def _is_real(v: Any) -> bool:
-    return hasattr(v, "__float__") and not isinstance(v, (str, bytes))
 
 
 def data_problem(v: Any, depth: int = 0) -> str:
@@ -265,7 +261,7 @@ def infer_field(name: str, v: Any) -> Optional[dict]:
     default dtype; pass a schema for float64)."""
     if isinstance(v, bool):
         return {"name": name, "type": "bool"}
-    if isinstance(v, int) or _is_integral(v) and not hasattr(v, "dtype"):
+    if isinstance(v, int):
         return {"name": name, "type": "int"}
     if isinstance(v, float):
         return {"name": name, "type": "float"}

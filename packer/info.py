@@ -16,6 +16,7 @@ from ._system import human_size
 from .check import DEFAULT_MAX_PIXELS, BadImage, check_image
 from .reader import ShardReader, read_column, read_labels
 from .shardfile import shard_records
+from .targets import TargetMaker
 from .text import printable
 
 
@@ -172,6 +173,14 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
     if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < 1:
         max_pixels = DEFAULT_MAX_PIXELS
     reader = ShardReader(root, m)
+    make_target = TargetMaker(dataset_schema(m))
+
+    def target_problem(rec: dict) -> str:
+        try:
+            make_target(rec)
+        except FormatError as e:
+            return str(e)
+        return ""
     try:
         for i in tqdm(range(len(reader)), unit="rec", desc="records", disable=not progress):
             where = f"record {i} ({reader.paths[reader.locate(i)[0]].name})"
@@ -181,7 +190,7 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
             except FormatError as e:
                 rep.problems.append(f"{where}: unreadable: {e}")
                 continue
-            problem = record_problem(rec, dataset_schema(m)["fields"])
+            problem = record_problem(rec, dataset_schema(m)["fields"]) or target_problem(rec)
             wrong = next((n for n, col in columns.items() if rec.get(n) != col[i]), None)
             if problem:
                 rep.problems.append(f"{where}: {problem}")

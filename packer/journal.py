@@ -108,12 +108,7 @@ def load(dst: Path, fp: str) -> dict:
         if name.startswith(".shard-"):
             remove_own(dst, name)
     if j.get("fingerprint") != fp:  # different source or options: restart cleanly
-        mine = claimed(dst) - {JOURNAL}
-        for name in packer_names(dst):
-            if name in mine or name.startswith("shard-"):
-                remove_own(dst, name)
-        save(dst, fp, fresh["shards"], [], 0)
-        return fresh
+        return restart(dst, fp)
     for n, shard in enumerate(j["shards"]):
         if existing_shard_ok(shard, dst) is not None:  # keep what checks out, redo the rest
             cut = j["shards"][n - 1]["next_entry"] if n else 0
@@ -124,6 +119,16 @@ def load(dst: Path, fp: str) -> dict:
             break
     return {"shards": [dict(s) for s in j["shards"]], "skipped": j["skipped"],
             "dropped": j.get("dropped", []), "next_entry": j["next_entry"]}
+
+
+def restart(dst: Path, fp: str) -> dict:
+    """Drop what the interrupted run this journal belongs to wrote; a fresh journal for ``fp``."""
+    mine = claimed(dst) - {JOURNAL}
+    for name in packer_names(dst):
+        if name in mine or name.startswith("shard-") or name.startswith(".shard-"):
+            remove_own(dst, name)
+    save(dst, fp, [], [], 0)
+    return {"shards": [], "skipped": [], "dropped": [], "next_entry": 0}
 
 
 def _read(path: Path) -> Optional[dict]:

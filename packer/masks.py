@@ -1,16 +1,15 @@
 """COCO segmentations (polygons, RLE) to binary masks, with no pycocotools dependency.
 
 The stored segmentation is the JSON's data, unchanged; masks are made only when a dataset
-is asked for them (``PackedDataset(..., masks=True)``). Polygons are filled with PIL (the
-same pixel-centre rule as pycocotools up to boundary pixels); RLE, compressed (COCO's
-string form) or not, is decoded exactly.
+is asked for them (``PackedDataset(..., masks=True)``). Polygons are filled by the
+pixel-centre rule (pycocotools' rasterizer differs from it on outline pixels only); RLE,
+compressed (COCO's string form) or not, is decoded exactly.
 """
 from __future__ import annotations
 
 from typing import Any, List
 
 import torch
-from PIL import Image, ImageDraw
 
 
 def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
@@ -25,14 +24,30 @@ def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
 
 
 def polygon_mask(polygons: List[List[float]], height: int, width: int) -> torch.Tensor:
-    im = Image.new("L", (width, height), 0)
-    draw = ImageDraw.Draw(im)
+    """Pixels whose centre lies inside any of the polygons (even-odd rule per polygon), in
+    COCO's continuous coordinates: pixel (x, y) has its centre at (x + 0.5, y + 0.5)."""
+    mask = torch.zeros((height, width), dtype=torch.bool)
     for poly in polygons:
-        if len(poly) >= 6:
-            # COCO coordinates put pixel centres at +0.5, PIL's at integers.
-            draw.polygon([(float(poly[i]) - 0.5, float(poly[i + 1]) - 0.5)
-                          for i in range(0, len(poly) - 1, 2)], fill=1)
-    return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(height, width)
+        if len(poly) < 6:
+            continue
+        pts = torch.tensor([float(v) for v in poly[: len(poly) // 2 * 2]], dtype=torch.float64)
+        pts = pts.view(-1, 2)
+        r0 = max(0, int(pts[:, 1].min()))
+        r1 = min(height, int(pts[:, 1].max()) + 1)
+        if r0 >= r1:
+            continue
+        x0, y0 = pts[:, 0], pts[:, 1]
+        x1, y1 = pts.roll(-1, 0).unbind(1)
+        y = torch.arange(r0, r1, dtype=torch.float64)[:, None] + 0.5        # (rows, 1)
+        crosses = (y0 > y) != (y1 > y)                                      # (rows, edges)
+        t = (y - y0) / torch.where(y1 == y0, torch.ones_like(y1), y1 - y0)
+        xs = torch.where(crosses, x0 + t * (x1 - x0), torch.full_like(t, float("-inf")))
+        xs = xs.sort(1).values
+        centres = (torch.arange(width, dtype=torch.float64) + 0.5).expand(r1 - r0, width)
+        # Crossings to the right of each pixel centre: odd = inside.
+        right = xs.shape[1] - torch.searchsorted(xs.contiguous(), centres.contiguous(), right=True)
+        mask[r0:r1] |= right % 2 == 1
+    return mask.to(torch.uint8)
 
 
 def rle_mask(rle: dict, height: int, width: int) -> torch.Tensor:

@@ -16,7 +16,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from .errors import FormatError
 from .fields import array_shape, to_array
+from .text import printable
 
 DETECTION_KEYS = ("boxes", "labels", "image_id", "area", "iscrowd")
 TORCH_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
@@ -66,6 +68,14 @@ class TargetMaker:
         return self.task == "detection" and self.names is None
 
     def __call__(self, rec: Dict[str, Any]) -> Any:
+        try:
+            return self.make(rec)
+        except (KeyError, TypeError, ValueError) as e:  # a record that does not match its schema
+            raise FormatError(f"record {printable(str(rec.get('path')))!s} does not match its "
+                              f"dataset's schema ({type(e).__name__}: {e}); the shard is damaged "
+                              f"or not from packer (run `packer verify`)") from None
+
+    def make(self, rec: Dict[str, Any]) -> Any:
         if self.names is not None:
             values = {n: self.value(n, rec[n]) for n in self.names}
             return values[self.names[0]] if self.single else values
@@ -92,6 +102,9 @@ class TargetMaker:
                 out[name] = array_tensor(self.fields[name], rec[name]).to(dtype)
             else:
                 out[name] = torch.zeros(n, dtype=dtype)
+        for name in ("labels", "area", "iscrowd"):
+            if len(out[name]) != n:
+                raise ValueError(f"{n} boxes but {len(out[name])} {name}")
         if self.masks:
             from .masks import masks_of
             m = masks_of(rec["segmentation"], h, w)

@@ -124,7 +124,10 @@ class DatasetWriter:
         self.fingerprint = hashlib.sha256(json.dumps(
             [FORMAT_VERSION, self.schema, self.task, self.classes, self.options],
             sort_keys=True).encode()).hexdigest()
-        state = journal.load(self.dst, self.fingerprint)
+        if self.overwrite and (self.dst / journal.JOURNAL).is_file():  # an interrupted write
+            state = journal.restart(self.dst, self.fingerprint)
+        else:
+            state = journal.load(self.dst, self.fingerprint)
         self.replay = state["next_entry"]  # samples the interrupted run packed
         self.want_digest = state["shards"][-1].get("input_digest") if state["shards"] else None
         self.run = Packing(self.dst, self.fingerprint, state, strict=self.strict,

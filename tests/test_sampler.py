@@ -322,3 +322,62 @@ def test_stateful_dataloader_elastic_w4_to_w2():
         dl.load_state_dict(state)
     batches = [[b.tolist() for b in dl] for dl in new]
     assert [sorted(a + b) for a, b in zip(*batches)] == uninterrupted[steps:]
+
+
+# -- aspect-ratio grouped batches ----------------------------------------------------------------
+
+class _Ratios:
+    """A dataset stand-in with aspect ratios (PackedDataset reads them from its columns)."""
+
+    def __init__(self, n, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.r = torch.where(torch.rand(n, generator=g) < 0.6, 4 / 3, 3 / 4).double()
+        self.r[::7] = 16 / 9
+
+    def __len__(self):
+        return len(self.r)
+
+    def aspect_ratios(self):
+        return self.r
+
+
+def _batches(seq, b):
+    return [seq[i:i + b] for i in range(0, len(seq), b)]
+
+
+@pytest.mark.parametrize("world, factor", [(1, 0), (2, 0), (3, 3)])
+def test_grouped_batches_hold_one_aspect_group_on_every_rank(world, factor):
+    from packer.sampler import aspect_group_ids
+    ds, b = _Ratios(203), 4
+    groups = aspect_group_ids(ds.aspect_ratios(), factor)
+    outs = [list(PackedSampler(ds, num_replicas=world, rank=r, seed=3, aspect_groups=factor,
+                               batch_size=b)) for r in range(world)]
+    assert len({len(o) for o in outs}) == 1  # equal on every rank (DDP-exact)
+    seen = sorted(i for o in outs for i in o)
+    assert set(seen) == set(range(len(ds)))  # every sample, padding repeats only the start
+    mixed = 0
+    for o in outs:
+        for batch in _batches(o, b):
+            mixed += len({int(groups[i]) for i in batch}) > 1
+    # Only the batches made of the groups' remainders mix: at most one run per group.
+    assert mixed <= (int(groups.max()) + 1) * world
+
+
+def test_grouped_order_depends_on_the_global_batch_and_resumes():
+    ds = _Ratios(150)
+    one = list(PackedSampler(ds, num_replicas=1, rank=0, aspect_groups=0, batch_size=8, seed=1))
+    two = [list(PackedSampler(ds, num_replicas=2, rank=r, aspect_groups=0, batch_size=4, seed=1))
+           for r in range(2)]
+    interleaved = [i for pair in zip(*two) for i in pair]
+    assert interleaved[:len(one)] == one[:len(interleaved)]  # same global batches
+    s = PackedSampler(ds, aspect_groups=0, batch_size=8, seed=1)
+    s.load_state_dict({"seed": 1, "epoch": 0, "consumed": 40})
+    assert list(s) == one[40:]  # O(1) resume: the same order, from the next unseen sample
+    assert list(PackedSampler(ds, aspect_groups=0, batch_size=8, seed=2)) != one
+
+
+def test_grouping_needs_batch_size_and_ratios():
+    with pytest.raises(ValueError, match="batch_size"):
+        PackedSampler(_Ratios(10), aspect_groups=0)
+    with pytest.raises(ValueError, match="aspect_ratios"):
+        PackedSampler(list(range(10)), aspect_groups=0, batch_size=2)

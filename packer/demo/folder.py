@@ -1,13 +1,19 @@
-"""``FolderDataset``: the ImageFolder-style baseline that the demo and benchmarks compare with."""
+"""The baselines that the demo and benchmarks compare with: ``FolderDataset`` (ImageFolder-style)
+and ``CocoFolderDataset`` (CocoDetection-style, for detection)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Dict, List, Optional, Tuple
 
+import torch
 from torch.utils.data import Dataset
 
+from ..dataset import move_boxes
+from ..decode import open_image
 from ..source import scan_folder
+from ..targets import wrap_boxes
 
 
 class FolderDataset(Dataset):
@@ -27,3 +33,72 @@ class FolderDataset(Dataset):
         path, label = self.samples[index]
         with open(path, "rb") as f:
             return self.decode(f.read()), label
+
+
+class CocoFolderDataset(Dataset):
+    """What ``torchvision.datasets.CocoDetection`` wrapped by ``wrap_dataset_for_transforms_v2``
+    does (the JSON read once, one file read per sample, objects grouped by image id, images in
+    ascending id, boxes XYWH -> XYXY, labels the category ids) with packer's ``decode`` hook
+    and ``PackedDataset``'s target dict (``boxes``, ``labels``, ``image_id``, ``area``,
+    ``iscrowd``; an image without objects has them empty). It is the detection baseline:
+    a decoder with ``decode_crop`` (``DecodeLetterbox``, ``DecodeRandomResizedCrop``) moves
+    the boxes exactly as ``PackedDataset`` does, so only the source of the bytes differs.
+    Boxes are not clipped to the image (torchvision does not clip them either).
+    """
+
+    def __init__(self, images: os.PathLike, annotations_json: os.PathLike,
+                 decode: Optional[Callable[[bytes], object]] = None, *,
+                 transforms: Optional[Callable] = None, min_visible: float = 0.25):
+        coco = json.loads(Path(annotations_json).read_text(encoding="utf-8"))
+        files = {im["id"]: im["file_name"] for im in coco["images"]}
+        objects: Dict[int, List[dict]] = {i: [] for i in files}
+        for a in coco["annotations"]:
+            if a["image_id"] in objects:
+                objects[a["image_id"]].append(a)
+        self.root, self.decode, self.transforms = Path(images), decode, transforms
+        self.min_visible = float(min_visible)
+        self.ids = sorted(files)
+        self.samples = [(os.path.join(images, files[i]), i, objects[i]) for i in self.ids]
+        self.categories = [{"id": c["id"], "name": c["name"]} for c in coco["categories"]]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, image_id, objects = self.samples[index]
+        with open(path, "rb") as f:
+            data = f.read()
+        target = coco_target(image_id, objects)
+        if self.decode is not None and hasattr(self.decode, "decode_crop"):
+            sample, crop, flipped = self.decode.decode_crop(data)
+            target = move_boxes(target, crop, self.decode.size, flipped, self.min_visible)
+        else:
+            sample = self.decode(data) if self.decode is not None else open_image(data)
+            target["boxes"] = wrap_boxes(target["boxes"], canvas_size(sample))
+        if self.transforms is not None:
+            sample, target = self.transforms(sample, target)
+        return sample, target
+
+
+def coco_target(image_id: int, objects: List[dict]) -> Dict[str, object]:
+    """The detection target of one image's COCO annotations; boxes as a plain tensor.
+
+    XYWH -> XYXY in float64, then float32: packer's build does the same arithmetic, so the
+    stored boxes and these are equal to the bit."""
+    xywh = torch.tensor([a["bbox"] for a in objects], dtype=torch.float64).reshape(-1, 4)
+    boxes = torch.cat([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], 1).to(torch.float32)
+    return {"boxes": boxes,
+            "labels": torch.tensor([a["category_id"] for a in objects], dtype=torch.int64),
+            "image_id": image_id,
+            "area": torch.tensor([float(a.get("area", a["bbox"][2] * a["bbox"][3]))
+                                  for a in objects], dtype=torch.float32),
+            "iscrowd": torch.tensor([int(a.get("iscrowd", 0)) for a in objects],
+                                    dtype=torch.int64)}
+
+
+def canvas_size(sample) -> Tuple[int, int]:
+    """(height, width) of a decoded sample: a PIL image or a (..., H, W) tensor."""
+    if isinstance(sample, torch.Tensor):
+        return int(sample.shape[-2]), int(sample.shape[-1])
+    w, h = sample.size
+    return h, w

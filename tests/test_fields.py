@@ -1,0 +1,196 @@
+"""Typed fields (packer.fields), the schema in the manifest (packer.schema), masks from COCO
+segmentations (packer.masks), and records that do not match their schema."""
+from __future__ import annotations
+
+import json
+import math
+from array import array
+
+import msgpack
+import pytest
+import torch
+
+from packer import PackedDataset, build, verify, write
+from packer.errors import FormatError, PackerError
+from packer.fields import (array_shape, check_schema, data_problem, detection_problem, encode,
+                           field_problem, infer_field, to_array, value_problem)
+from packer.format import read_manifest
+from packer.masks import decode_counts, masks_of, rle_mask
+
+BOXES = {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]}
+
+
+# -- encode / decode ---------------------------------------------------------------------------
+
+def test_arrays_round_trip_through_bytes():
+    raw = encode([BOXES], {"boxes": [[1, 2, 3, 4], [5, 6, 7, 8.5]]})["boxes"]
+    assert isinstance(raw, bytes) and len(raw) == 2 * 4 * 4
+    assert array_shape(BOXES, len(raw)) == (2, 4)
+    assert list(to_array(BOXES, raw)) == [1, 2, 3, 4, 5, 6, 7, 8.5]
+    t = torch.tensor([[0.5, 1, 2, 3]], dtype=torch.float32)
+    assert encode([BOXES], {"boxes": t})["boxes"] == array("f", [0.5, 1, 2, 3]).tobytes()
+    assert encode([BOXES], {"boxes": []})["boxes"] == b""  # no objects
+
+
+@pytest.mark.parametrize("value, message", [
+    ([[1, 2, 3]], "no whole number"),          # 3 values: no whole row of 4
+    ([[1, 2, 3, float("nan")]], "NaN or inf"),
+    ([["a", 2, 3, 4]], "do not fit float32"),
+])
+def test_bad_arrays_name_the_field(value, message):
+    with pytest.raises(ValueError, match=f"'boxes'.*{message}|{message}"):
+        encode([BOXES], {"boxes": value})
+
+
+@pytest.mark.parametrize("kind, value, ok", [
+    ("int", 3, 3), ("int", torch.tensor(4), 4), ("int", 2.7, None), ("int", torch.tensor(2.7), None),
+    ("int", True, None), ("int", 1 << 64, None), ("int", torch.tensor([1, 2]), None),
+    ("float", 2, 2.0), ("float", torch.tensor(0.5), 0.5), ("float", float("inf"), None),
+    ("float", "1.0", None), ("bool", True, True), ("bool", torch.tensor(False), False),
+    ("bool", 1, None), ("str", "café", "café"), ("str", b"x", None), ("str", "\ud800", None),
+])
+def test_scalars_are_checked_not_coerced(kind, value, ok):
+    f = {"name": "x", "type": kind}
+    if ok is None:
+        with pytest.raises(ValueError, match="'x'"):
+            encode([f], {"x": value})
+    else:
+        out = encode([f], {"x": value})["x"]
+        assert out == ok and type(out) is type(ok)
+
+
+def test_fields_must_match_the_schema_exactly():
+    with pytest.raises(ValueError, match=r"missing \['b'\], unexpected \['c'\]"):
+        encode([{"name": "a", "type": "int"}, {"name": "b", "type": "str"}], {"a": 1, "c": 2})
+
+
+def test_data_fields_are_plain_data_only():
+    assert data_problem({"counts": [1, 2], "size": [3, 4]}) == ""
+    assert "not plain data" in data_problem({"x": object()})
+    assert "not a str" in data_problem({1: 2})
+    assert "NaN" in data_problem([float("nan")])
+    deep: list = []
+    for _ in range(40):
+        deep = [deep]
+    assert "deeper" in data_problem(deep)
+
+
+def test_inference():
+    assert infer_field("a", 3) == {"name": "a", "type": "int"}
+    assert infer_field("a", 0.5) == {"name": "a", "type": "float"}
+    assert infer_field("a", True) == {"name": "a", "type": "bool"}
+    assert infer_field("a", "x") == {"name": "a", "type": "str"}
+    assert infer_field("a", [1, 2]) == {"name": "a", "type": "array", "dtype": "int64", "shape": [-1]}
+    assert infer_field("a", [[1.0, 2, 3, 4]])["shape"] == [-1, 4]
+    assert infer_field("a", torch.zeros(3, 4, dtype=torch.int32))["dtype"] == "int32"
+    assert infer_field("a", torch.zeros(3, 4))["shape"] == [-1, 4]
+    assert infer_field("a", torch.tensor(True)) == {"name": "a", "type": "bool"}
+    assert infer_field("a", {"k": 1}) == {"name": "a", "type": "data"}
+    assert infer_field("a", []) is None  # cannot tell: a schema is needed
+
+
+@pytest.mark.parametrize("f, problem", [
+    ({"name": "image", "type": "int"}, "reserved"),
+    ({"name": "a b", "type": "int"}, "must match"),
+    ({"name": "a", "type": "pickle"}, "must be one of"),
+    ({"name": "a", "type": "array", "dtype": "object", "shape": [-1]}, "dtype"),
+    ({"name": "a", "type": "array", "dtype": "int64", "shape": [4, -1]}, "shape"),
+    ({"name": "a", "type": "array", "dtype": "int64", "shape": []}, "shape"),
+])
+def test_schema_entries_are_checked(f, problem):
+    assert problem in field_problem(f)
+    with pytest.raises(FormatError):
+        check_schema([f], "here")
+
+
+def test_detection_schema_needs_boxes_labels_image_id():
+    assert detection_problem([BOXES]).startswith("needs a 'labels'")
+    ok = [BOXES, {"name": "labels", "type": "array", "dtype": "int64", "shape": [-1]},
+          {"name": "image_id", "type": "int"}]
+    assert detection_problem(ok) == ""
+
+
+def test_value_problem_finds_damaged_values():
+    assert value_problem(BOXES, b"\0" * 15) != ""
+    assert value_problem({"name": "n", "type": "int"}, True) != ""
+    assert value_problem({"name": "n", "type": "int"}, 5) == ""
+
+
+# -- masks --------------------------------------------------------------------------------------
+
+def test_compressed_rle_decodes_like_the_counts_it_encodes():
+    # pycocotools' string for counts [3, 2, 5, 1, 9] (a 4x5 mask, column-major), by its rules:
+    # each count after the second is stored as a difference from the one two before.
+    def encode_counts(counts):
+        out = []
+        for i, x in enumerate(counts):
+            if i > 2:
+                x -= counts[i - 2]
+            more = True
+            while more:
+                c = x & 0x1F
+                x >>= 5
+                more = not (x == 0 and not c & 0x10 or x == -1 and c & 0x10)
+                if more:
+                    c |= 0x20
+                out.append(chr(c + 48))
+        return "".join(out)
+    counts = [3, 2, 5, 1, 9]
+    assert decode_counts(encode_counts(counts)) == counts
+    m = rle_mask({"counts": encode_counts(counts), "size": [4, 5]}, 4, 5)
+    flat = m.t().reshape(-1).tolist()  # back to column-major
+    assert flat == [0] * 3 + [1] * 2 + [0] * 5 + [1] * 1 + [0] * 9
+
+
+def test_polygon_masks_cover_their_polygon():
+    m = masks_of([[[10, 10, 30, 10, 30, 20, 10, 20]], {"counts": [0, 4], "size": [2, 2]}], 40, 50)
+    assert m.shape == (2, 40, 50) and m.dtype == torch.uint8
+    assert int(m[0].sum()) == 20 * 10  # COCO's pixel-centre rule: 20 x 10 pixels
+    assert m[0, 15, 20] == 1 and m[0, 5, 5] == 0
+    assert int(m[1].sum()) == 4
+
+
+# -- records that do not match their schema ----------------------------------------------------
+
+def test_a_record_not_matching_its_schema_is_a_format_error(tmp_path, photo_src):
+    jpeg = next(photo_src.rglob("*.jpg")).read_bytes()
+    dst = tmp_path / "d"
+    write(dst, [{"image": jpeg, "boxes": [[1.0, 2, 3, 4]], "labels": [1], "image_id": 7}],
+          progress=False)
+    man = read_manifest(dst)
+    assert man["schema"]["task"] == "detection"
+    # The schema now says labels are int32: the one stored int64 label reads as two.
+    labels = next(f for f in man["schema"]["fields"] if f["name"] == "labels")
+    labels["dtype"] = "int32"
+    (dst / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(FormatError, match="does not match its dataset's schema"):
+        PackedDataset(dst)[0]
+    rep = verify(dst, progress=False)
+    assert not rep.ok and any("1 boxes but 2 labels" in p for p in rep.problems), rep.problems
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["schema"].update(task="detection", fields=[]), "says detection but needs"),
+    (lambda m: m["columns"].pop("width") and m["columns"].update(zzz=dict(m["columns"]["height"])),
+     "names no field"),
+    (lambda m: m["columns"]["height"].update(dtype="object"), "dtype"),
+    (lambda m: m["columns"]["height"].update(path="../x"), "plain file name"),
+    (lambda m: m["schema"]["fields"].append({"name": "n", "type": "int"}), "a table for each scalar"),
+])
+def test_manifest_schema_and_columns_are_validated(tmp_path, photo_src, edit, message):
+    dst = tmp_path / "d"
+    build(photo_src, dst, progress=False, workers=0)
+    man = json.loads((dst / "manifest.json").read_text())
+    edit(man)
+    (dst / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(FormatError, match=message):
+        read_manifest(dst)
+
+
+def test_writer_refuses_nan_and_names_sample(tmp_path, photo_src):
+    jpeg = next(photo_src.rglob("*.jpg")).read_bytes()
+    with pytest.raises(PackerError, match=r"sample 1: field 'score'.*not finite"):
+        write(tmp_path / "d", [{"image": jpeg, "score": 1.0}, {"image": jpeg, "score": math.nan}],
+              progress=False)
+    assert not (tmp_path / "d" / "manifest.json").exists()
+    assert msgpack  # plain msgpack is all a record is (see test_format)

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import islice
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Deque, Iterator, Optional, Tuple
+from typing import Callable, Deque, Iterator, Optional, Sequence, Tuple
 
 from tqdm.auto import tqdm
 
@@ -56,16 +56,21 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
           max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True,
           coco: Optional[os.PathLike] = None, yolo: Optional[os.PathLike] = None,
           names: Optional[os.PathLike] = None, meta: Optional[os.PathLike] = None,
-          label: Optional[str] = None, skip_empty: bool = False) -> BuildResult:
+          label: Optional[str] = None, skip_empty: bool = False, allow_empty: bool = False,
+          extensions: Optional[Sequence[str]] = None,
+          is_valid_file: Optional[Callable[[str], bool]] = None) -> BuildResult:
     """Pack ``src`` into shards in ``dst``: an ImageFolder layout, or the images that
     ``list_file`` lines, a COCO instances JSON (``coco``), YOLO label files (``yolo`` with
-    ``names``) or a JSONL/CSV table (``meta``, ``label`` naming its class column) describe."""
+    ``names``) or a JSONL/CSV table (``meta``, ``label`` naming its class column) describe.
+    ImageFolder options as torchvision's: ``extensions`` or ``is_valid_file`` pick the
+    files; an empty class folder is an error unless ``allow_empty``."""
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     workers = usable_cores() if workers is None else workers
     _check_arguments(src, dst, list_file, shard_size, workers, max_pixels)
     given = {"list": list_file, "coco": coco, "yolo": yolo, "meta": meta}
-    source = load_source(src, **given, names=names, label=label, skip_empty=skip_empty)
+    folder = {"extensions": extensions, "is_valid_file": is_valid_file, "allow_empty": allow_empty}
+    source = load_source(src, **given, names=names, label=label, skip_empty=skip_empty, **folder)
     if not source.entries:
         raise PackerError(f"found no images in {src} (extensions: "
                           f"{', '.join(IMG_EXTENSIONS)}, any case); nothing to pack")
@@ -74,7 +79,10 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
                "shuffle": shuffle, "seed": seed, "part": part, "strict": strict,
                "max_pixels": max_pixels, "list": str(list_file) if list_file else None}
     for key, value in (("coco", coco), ("yolo", yolo), ("names", names), ("meta", meta),
-                       ("label", label), ("skip_empty", skip_empty or None)):
+                       ("label", label), ("skip_empty", skip_empty or None),
+                       ("allow_empty", allow_empty or None),
+                       ("extensions", ",".join(extensions) if extensions else None),
+                       ("is_valid_file", getattr(is_valid_file, "__qualname__", None))):
         if value is not None:  # only what was given: older manifests' options stay as they were
             options[key] = value if isinstance(value, (bool, str)) else str(value)
     dst.mkdir(parents=True, exist_ok=True)
@@ -110,7 +118,9 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
 def load_source(src: Path, *, list: Optional[os.PathLike] = None,
                 coco: Optional[os.PathLike] = None, yolo: Optional[os.PathLike] = None,
                 meta: Optional[os.PathLike] = None, names: Optional[os.PathLike] = None,
-                label: Optional[str] = None, skip_empty: bool = False) -> ImageList:
+                label: Optional[str] = None, skip_empty: bool = False, allow_empty: bool = False,
+                extensions: Optional[Sequence[str]] = None,
+                is_valid_file: Optional[Callable[[str], bool]] = None) -> ImageList:
     """What to pack, from the one source the options name (ImageFolder when none)."""
     chosen = [k for k, v in (("list", list), ("coco", coco), ("yolo", yolo), ("meta", meta))
               if v is not None]
@@ -132,7 +142,10 @@ def load_source(src: Path, *, list: Optional[os.PathLike] = None,
     if meta is not None:
         from .sources.meta import read_meta
         return read_meta(src, meta, label=label)
-    return read_list(src, list) if list is not None else scan_folder(src)
+    if list is not None:
+        return read_list(src, list)
+    return scan_folder(src, extensions=extensions, is_valid_file=is_valid_file,
+                       allow_empty=allow_empty)
 
 
 def source_schema(source: ImageList) -> dict:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 from array import array
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
@@ -18,7 +19,8 @@ from torch.utils.data import Dataset
 from .boxes import crop_boxes
 from .decode import open_image
 from .format import dataset_schema
-from .reader import ShardReader, read_column, read_labels
+from .reader import ShardReader, read_column, read_labels, read_paths
+from .source import find_classes
 from .targets import TargetMaker, wrap_boxes
 
 
@@ -73,6 +75,7 @@ class PackedDataset(Dataset):
         self.class_to_idx = dict(self.manifest["class_to_idx"])
         self.categories = list(self.manifest.get("categories", []))
         self._labels = read_labels(root, self.manifest)  # array('i'): one buffer, not N objects
+        self._samples: Optional[Samples] = None
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -92,6 +95,38 @@ class PackedDataset(Dataset):
 
     def target(self, index: int) -> int:
         return self._labels[index]
+
+    @property
+    def samples(self) -> "Samples":
+        """``(path, class_index)`` per record, as ImageFolder's ``samples``: paths under the
+        source folder the dataset was built from (``manifest["source"]``), read from the
+        paths table (one buffer, not a list of tuples); ``-1`` as the class in datasets
+        without class labels."""
+        if self._samples is None:
+            table = read_paths(self.root, self.manifest)
+            if table is None:  # built before the paths table (format < 1.2): from the records
+                table = [self.reader.record(i)["path"] for i in range(len(self))]
+            self._samples = Samples(self.manifest.get("source") or "", table, self._labels)
+        return self._samples
+
+    @property
+    def imgs(self) -> "Samples":
+        """ImageFolder's alias of ``samples``."""
+        return self.samples
+
+    def find_classes(self, directory: Optional[os.PathLike] = None) -> Tuple[List[str], dict]:
+        """``(classes, class_to_idx)``: this dataset's; or, given ``directory``, what
+        ImageFolder would find there (its sorted class folders)."""
+        if directory is None:
+            return list(self.classes), dict(self.class_to_idx)
+        found = find_classes(directory)
+        return found, {c: i for i, c in enumerate(found)}
+
+    @staticmethod
+    def loader(data: bytes):
+        """The default decode (ImageFolder's ``loader`` reads a path; packer's hooks take the
+        stored bytes): a PIL RGB image, as ``Image.open(f).convert("RGB")``."""
+        return open_image(data)
 
     def column(self, name: str) -> array:
         """A scalar field for every record (``label``, ``width``, ``height``, any int,
@@ -119,6 +154,27 @@ class PackedDataset(Dataset):
     def __repr__(self) -> str:
         return (f"PackedDataset({self.root!r}, {len(self)} records, {len(self.classes)} classes, "
                 f"{len(self.reader.paths)} shards)")
+
+
+class Samples(Sequence):
+    """A read-only sequence of ``(path, class_index)``, built on access from the paths table."""
+
+    def __init__(self, source: str, paths, labels: array):
+        self.source, self.paths, self.labels = source, paths, labels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        label = self.labels[index] if len(self.labels) else -1
+        return os.path.join(self.source, self.paths[index]), label
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} samples under {self.source!r}>"
 
 
 def to_sample(rec: dict, decode: Optional[Callable] = None, transform: Optional[Callable] = None,

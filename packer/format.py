@@ -25,6 +25,8 @@ FORMAT_VERSION = "1.2"  # major.minor: readers refuse a newer major, accept a ne
 MANIFEST = "manifest.json"
 LABELS = "labels.i32"  # little-endian int32, one per record, in global record order
 OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) per record: where its value sits in its shard
+PATHS_INDEX = "paths.u64"  # little-endian uint64 per record: where its source path ends in paths.utf8
+PATHS_TEXT = "paths.utf8"  # every record's source path, UTF-8, back to back
 SHARD_PATTERN = "shard-{:05d}.lmdb"
 KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
 # Every record's own keys; its schema's fields (``label`` for classification) come beside them.
@@ -51,18 +53,22 @@ def dataset_schema(manifest: Dict[str, Any]) -> Dict[str, Any]:
 
 def side_tables(manifest: Dict[str, Any]) -> List[Tuple[str, Dict[str, Any], str]]:
     """Every per-record side table a manifest lists: ``(key, entry, file name when staged)``,
-    key ``labels``, ``offsets`` or ``columns.NAME``."""
+    key ``labels``, ``offsets``, ``columns.NAME``, ``paths.index`` or ``paths.text``."""
     out = [(k, manifest[k], name) for k, name in (("labels", LABELS), ("offsets", OFFSETS))
            if manifest.get(k) is not None]
     for name, entry in (manifest.get("columns") or {}).items():
         out.append((f"columns.{name}", entry, column_file(name, entry["dtype"])))
+    paths = manifest.get("paths") or {}
+    out += [(f"paths.{k}", paths[k], name) for k, name in (("index", PATHS_INDEX), ("text", PATHS_TEXT))
+            if k in paths]
     return out
 
 
 def set_table(manifest: Dict[str, Any], key: str, entry: Dict[str, Any]) -> None:
     """Put a side table's entry back under its ``side_tables`` key."""
-    if key.startswith("columns."):
-        manifest.setdefault("columns", {})[key.split(".", 1)[1]] = entry
+    if key.startswith(("columns.", "paths.")):
+        group, name = key.split(".", 1)
+        manifest.setdefault(group, {})[name] = entry
     else:
         manifest[key] = entry
 

@@ -26,8 +26,8 @@ from .writer import disk_errors, existing_shard_ok
 
 JOURNAL = ".packer-build.json"
 # Names a build writes: shards, their temp files, side tables, manifest, journal (+ ".tmp").
-BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", LABELS, OFFSETS, MANIFEST, JOURNAL,
-                  LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp")
+BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", "paths.*", LABELS, OFFSETS, MANIFEST,
+                  JOURNAL, LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp")
 
 
 def fingerprint(source: ImageList, options: dict) -> str:

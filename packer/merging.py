@@ -17,9 +17,10 @@ from typing import List, Sequence, Tuple
 from . import journal
 from ._fsio import FolderLock, remove_own, write_json_atomic
 from .errors import FormatError, PackerError
-from .format import MANIFEST, OFFSETS, dataset_schema, read_manifest, shard_file, side_tables
+from .format import (MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, dataset_schema, read_manifest,
+                     shard_file, side_tables)
 from .packing import new_manifest
-from .reader import read_column, read_offsets
+from .reader import read_column, read_offsets, read_paths
 from .shardfile import shard_records
 from .writer import write_table
 
@@ -91,11 +92,13 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
             remove_own(dst, name)
     first = mans[0][1]
     # Tables every part has (older parts lack the width/height columns: then none has them).
-    keys = [k for k, _, _ in side_tables(first) if k != "offsets"
+    keys = [k for k, _, _ in side_tables(first) if k != "offsets" and not k.startswith("paths.")
             and all(k in {kk for kk, _, _ in side_tables(m)} for _, m in mans)]
+    with_paths = all(m.get("paths") for _, m in mans)
     names = {k: name for k, _, name in side_tables(first)}
-    journal.claim(dst, [OFFSETS] + [names[k] for k in keys])  # a merge killed from here on re-runs
+    journal.claim(dst, [OFFSETS, PATHS_INDEX, PATHS_TEXT] + [names[k] for k in keys])  # re-runnable
     shards, skipped, dropped, offsets, part_dirs = [], [], [], array("Q"), []
+    path_ends, path_text = array("Q"), bytearray()
     tables = {k: None for k in keys}
     for p, m in mans:
         rel = os.path.relpath(p.resolve(), dst.resolve()).replace(os.sep, "/")
@@ -110,6 +113,10 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
                 raise FormatError(f"{p}: labels.i32 holds labels outside 0..{len(classes) - 1}; "
                                   f"the part is damaged (run `packer verify {p}`)")
             tables[k] = part if tables[k] is None else tables[k] + part
+        if with_paths:  # each part's path ends shift by the text before it
+            table = read_paths(p, m)
+            path_ends.extend(e + len(path_text) for e in table.ends)
+            path_text += table.text
         part_offsets = read_offsets(p, m)
         if part_offsets is None:  # an older part: read its shards' trees
             part_offsets = array("Q")
@@ -117,6 +124,8 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
                 part_offsets.extend(shard_records(shard_file(p, s["path"])))
         offsets.extend(part_offsets)  # per shard: they concatenate
     written = {"offsets": write_table(dst, OFFSETS, offsets)}
+    paths = {"index": write_table(dst, PATHS_INDEX, path_ends),
+             "text": write_table(dst, PATHS_TEXT, path_text)} if with_paths else None
     for k in keys:
         written[k] = write_table(dst, names[k], tables[k])
         if k.startswith("columns."):
@@ -130,7 +139,7 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
     extra = {k: first[k] for k in ("categories",) if k in first}
     manifest = new_manifest(
         classes=classes, class_counts=counts, shards=shards, labels=written.get("labels"),
-        offsets=written["offsets"], columns=columns or None,
+        offsets=written["offsets"], columns=columns or None, paths=paths,
         schema=first.get("schema"), dropped=dropped, extra=extra,
         skipped=skipped, source=first.get("source", ""),
         options=dict(first.get("options") or {}, part=None,

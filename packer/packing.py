@@ -20,8 +20,9 @@ from ._fsio import write_json_atomic
 from ._system import pil_summary
 from .errors import PackerError
 from .fields import COLUMN_DTYPE, DTYPES, encode, is_column
-from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, SHARD_PATTERN,
-                     SIZE_COLUMNS, column_file, pack_record, unpack_record)
+from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, PATHS_INDEX,
+                     PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file, pack_record,
+                     unpack_record)
 from .shardfile import shard_records
 from .text import printable
 from .writer import ShardWriter, disk_errors, write_table
@@ -47,6 +48,7 @@ class Packing:
         self.start = state["next_entry"]
         self.has_label = any(f["name"] == "label" for f in self.fields)
         self.labels = array("i")
+        self.path_ends, self.path_text = array("Q"), bytearray()  # the paths table
         self.columns: Dict[str, array] = {n: array("i") for n in SIZE_COLUMNS}
         for f in self.fields:
             if is_column(f) and f["name"] != "label":
@@ -87,12 +89,14 @@ class Packing:
                                       expected_bytes=self.shard_size)
         self.writer.append(pack_record(image, path=path, width=width, height=height, format=fmt,
                                        mode=mode, fields=stored))
-        self._columns(stored, width, height)
+        self._columns(stored, path, width, height)
         if self.writer.bytes >= self.shard_size:
             self.end_shard(entry + 1)
         return True
 
-    def _columns(self, stored: Dict[str, Any], width: int, height: int) -> None:
+    def _columns(self, stored: Dict[str, Any], path: str, width: int, height: int) -> None:
+        self.path_text += path.encode("utf-8")
+        self.path_ends.append(len(self.path_text))
         if self.has_label:
             self.labels.append(stored["label"])
         self.columns["width"].append(width)
@@ -124,7 +128,7 @@ class Packing:
                 for k in range(0, len(table), 2):
                     f.seek(table[k])
                     rec = unpack_record(f.read(table[k + 1]))
-                    self._columns(rec, rec["width"], rec["height"])
+                    self._columns(rec, rec["path"], rec["width"], rec["height"])
 
     def finish(self, *, classes: List[str], source: str, options: dict,
                extra: Optional[dict] = None) -> dict:
@@ -149,6 +153,8 @@ class Packing:
                 counts[lab] += 1
             tables["class_counts"] = counts
         tables["offsets"] = write_table(self.dst, OFFSETS, _offsets(self.dst, self.shards))
+        tables["paths"] = {"index": write_table(self.dst, PATHS_INDEX, self.path_ends),
+                           "text": write_table(self.dst, PATHS_TEXT, self.path_text)}
         columns = {}
         for name, col in self.columns.items():
             dtype = next(k for k, v in DTYPES.items() if v == col.typecode)
@@ -173,7 +179,8 @@ def _offsets(dst: Path, shards: List[dict]) -> array:
 
 
 def new_manifest(*, classes, shards, skipped, source, options, labels=None, offsets=None,
-                 class_counts=None, schema=None, columns=None, dropped=(), extra=None) -> dict:
+                 class_counts=None, schema=None, columns=None, paths=None, dropped=(),
+                 extra=None) -> dict:
     """A manifest with every key readers expect, in a stable order."""
     man: Dict[str, Any] = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "packer_version": __version__,
@@ -186,7 +193,8 @@ def new_manifest(*, classes, shards, skipped, source, options, labels=None, offs
     if schema is not None:
         man["schema"] = schema
     man["shards"] = shards
-    for key, value in (("labels", labels), ("offsets", offsets), ("columns", columns)):
+    for key, value in (("labels", labels), ("offsets", offsets), ("columns", columns),
+                       ("paths", paths)):
         if value is not None:
             man[key] = value
     man["skipped"] = skipped

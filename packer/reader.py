@@ -27,7 +27,7 @@ from .format import MANIFEST, crc32, read_manifest, shard_file, unpack_record
 from .fields import DTYPES
 from .shardfile import shard_records
 
-__all__ = ["ShardReader", "read_column", "read_labels", "read_offsets"]
+__all__ = ["PathTable", "ShardReader", "read_column", "read_labels", "read_offsets", "read_paths"]
 
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
@@ -159,7 +159,39 @@ def read_offsets(root: os.PathLike, manifest: Optional[dict] = None) -> Optional
     manifest = manifest if manifest is not None else read_manifest(root)
     if manifest.get("offsets") is None:
         return None
-    return _read_table(Path(root), manifest["offsets"], "offsets", "Q", 2 * manifest["count"])
+    return _read_table(Path(root), manifest["offsets"], "offsets", "Q", manifest["count"], 2)
+
+
+class PathTable:
+    """Every record's source path from ``paths.u64`` + ``paths.utf8``: two buffers, not one
+    Python string per record, so each DataLoader worker's copy stays small."""
+
+    def __init__(self, ends: array, text: bytes):
+        self.ends, self.text = ends, text
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, index: int) -> str:
+        start = self.ends[index - 1] if index > 0 else 0
+        end = self.ends[index]
+        if not start <= end <= len(self.text):
+            raise FormatError(f"paths.u64 is damaged at record {index} (run `packer verify`)")
+        return self.text[start:end].decode("utf-8", "replace")
+
+
+def read_paths(root: os.PathLike, manifest: Optional[dict] = None) -> Optional[PathTable]:
+    """The dataset's paths table, or None for datasets built before it (format < 1.2)."""
+    manifest = manifest if manifest is not None else read_manifest(root)
+    paths = manifest.get("paths")
+    if not paths:
+        return None
+    ends = _read_table(Path(root), paths["index"], "paths", "Q", manifest["count"])
+    text = _read_table(Path(root), paths["text"], "bytes of path text", "B", paths["text"]["bytes"])
+    if (ends[-1] if len(ends) else 0) != len(text):
+        raise FormatError(f"{Path(root) / paths['index']['path']} does not end where "
+                          f"{paths['text']['path']} does; the dataset is damaged")
+    return PathTable(ends, text.tobytes())
 
 
 def read_column(root: os.PathLike, name: str, manifest: Optional[dict] = None) -> array:
@@ -177,12 +209,14 @@ def read_column(root: os.PathLike, name: str, manifest: Optional[dict] = None) -
                        manifest["count"])
 
 
-def _read_table(root: Path, entry: dict, name: str, typecode: str, count: int) -> array:
-    """``count`` values of a side table, read only if it is a regular file of exactly that
-    size (the validated manifest's): a table named like ``/dev/zero`` or a FIFO is never read."""
+def _read_table(root: Path, entry: dict, name: str, typecode: str, count: int,
+                per: int = 1) -> array:
+    """A side table of ``count`` records (``per`` values each), read only if it is a regular
+    file of exactly that size (the validated manifest's): a table named like ``/dev/zero``
+    or a FIFO is never read."""
     path = root / entry["path"]
     table = array(typecode)
-    want = table.itemsize * count
+    want = table.itemsize * count * per
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
         f = open(os.open(path, READ_FLAGS | getattr(os, "O_NONBLOCK", 0)), "rb")
     except OSError as e:
@@ -190,9 +224,9 @@ def _read_table(root: Path, entry: dict, name: str, typecode: str, count: int) -
     with f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_size != want:
-            per = table.itemsize * (2 if typecode == "Q" else 1)  # bytes per record
-            held = st.st_size // per if stat.S_ISREG(st.st_mode) else "no"
-            raise FormatError(f"{path} holds {held} {name} for {want // per} records; the "
+            rec = table.itemsize * per  # bytes per record
+            held = st.st_size // rec if stat.S_ISREG(st.st_mode) else "no"
+            raise FormatError(f"{path} holds {held} {name} for {count} records; the "
                               f"dataset is damaged")
         table.frombytes(f.read(want))
     if len(table) * table.itemsize != want:

@@ -129,6 +129,14 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
         if name not in fields and name not in ("width", "height"):
             raise c.fail(f"columns.{name}", "names no field of the schema")
         _table(c, t, f"columns.{name}", COLUMN_WIDTH[t["dtype"]], count)
+    paths = c.dict(man, "paths", "paths", optional=True)
+    if paths:
+        _table(c, c.dict(paths, "index", "paths.index"), "paths.index", 8, count)
+        text = c.dict(paths, "text", "paths.text")
+        if not is_plain_name(text.get("path")):
+            raise c.fail("paths.text.path", "must be a plain file name in the dataset folder")
+        c.int(text, "bytes", "paths.text.bytes")
+        c.sha(text, "paths.text.sha256")
     wanted = [n for n, f in fields.items() if f["type"] in ("int", "float", "bool") and n != "label"]
     if man.get("schema") is not None and any(n not in columns for n in wanted):
         raise c.fail("columns", f"must hold a table for each scalar field ({', '.join(wanted)})")

@@ -94,21 +94,42 @@ def is_image_file(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS)
 
 
-def scan_folder(root: os.PathLike) -> ImageList:
-    """Walk ``root`` in ImageFolder order: classes sorted, files found recursively and sorted."""
+def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None,
+                is_valid_file: Optional[Callable[[str], bool]] = None,
+                allow_empty: bool = False) -> ImageList:
+    """Walk ``root`` in ImageFolder order: classes sorted, files found recursively and sorted.
+
+    torchvision's ``make_dataset`` rules: files whose lower-cased name ends with one of
+    ``extensions`` (default ``IMG_EXTENSIONS``), or for which ``is_valid_file(full path)`` is
+    true (not both); a class folder with no such file is an error unless ``allow_empty``
+    (then it keeps its label, with a warning, and has no samples).
+    """
     root = Path(root)
+    if extensions is not None and is_valid_file is not None:
+        raise PackerError("pass extensions or is_valid_file, not both (as torchvision's ImageFolder)")
+    if is_valid_file is None:
+        exts = tuple(e.lower() for e in (extensions or IMG_EXTENSIONS))
+        is_valid_file = lambda path: path.lower().endswith(exts)  # noqa: E731
     classes = find_classes(root)
     entries: List[Tuple[str, int]] = []
+    empty = []
     for label, cls in enumerate(classes):
         before = len(entries)
         for dirpath, _, fnames in sorted(_walk(root / cls)):
             rel_dir = os.path.relpath(dirpath, root)
             for fname in sorted(fnames):
-                if is_image_file(fname):
+                if is_valid_file(os.path.join(dirpath, fname)):
                     entries.append((Path(rel_dir, fname).as_posix(), label))
         if len(entries) == before:
-            warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "
-                          f"but contributes no samples", EmptyClassWarning, stacklevel=2)
+            empty.append(cls)
+            if allow_empty:
+                warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "
+                              f"but contributes no samples", EmptyClassWarning, stacklevel=2)
+    if empty and not allow_empty:
+        shown = ", ".join(printable(c) for c in empty[:10]) + (" ..." if len(empty) > 10 else "")
+        raise PackerError(f"found no images in the class folder(s) {shown} of {root} (as "
+                          f"torchvision's ImageFolder refuses them); remove them, or keep them as "
+                          f"classes without samples with --allow-empty (allow_empty=True)")
     return ImageList(root, classes, entries)
 
 

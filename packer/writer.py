@@ -118,11 +118,14 @@ def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optio
     return None
 
 
-def write_table(dst: Path, name: str, table: array) -> dict:
-    """Write a per-record table (labels, offsets) little-endian, atomically; its manifest entry."""
-    if sys.byteorder != "little":
-        table = array(table.typecode, table)
-        table.byteswap()
+def write_table(dst: Path, name: str, table) -> dict:
+    """Write a per-record table (an ``array``: little-endian; or bytes as they are),
+    atomically; its manifest entry."""
+    if isinstance(table, array):
+        if sys.byteorder != "little":
+            table = array(table.typecode, table)
+            table.byteswap()
+        table = table.tobytes()
     with disk_errors(dst / name):
-        write_new_atomic(dst / name, table.tobytes())
+        write_new_atomic(dst / name, bytes(table))
     return {"path": name, "bytes": (dst / name).stat().st_size, "sha256": file_sha256(dst / name)}

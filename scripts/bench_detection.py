@@ -44,10 +44,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="CPU loaders' batch")
     ap.add_argument("--size", type=int, default=d.size, help="CPU loaders' letterbox size")
     ap.add_argument("--gpu-batch", type=int, default=d.gpu_batch)
-    ap.add_argument("--gpu-size", type=int, default=d.gpu_size, help="model input (320: SSDlite320)")
+    ap.add_argument("--gpu-size", type=int, default=d.gpu_size, help="SSDlite's input")
     ap.add_argument("--steps", type=int, default=d.steps, help="gpu: timed steps per round")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="gpu: untimed steps first")
-    ap.add_argument("--root", help="make the data under this folder (the disk --slow-disk throttles)")
+    ap.add_argument("--root", help="data folder; --slow-disk throttles its disk")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     chosen = [s for s in ("cpu", "slow-disk", "build", "gpu") if getattr(args, s.replace("-", "_"))]

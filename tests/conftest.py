@@ -35,7 +35,7 @@ def odd_built(odd_tree, tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("odd_built") / "dst"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build(odd_tree.root, dst, workers=2, progress=False, shard_size=1 << 20)
+        build(odd_tree.root, dst, workers=2, progress=False, shard_size=1 << 20, allow_empty=True)
     return dst
 
 

@@ -142,7 +142,7 @@ def test_shards_are_single_compacted_files_of_about_shard_size(photo_src, tmp_pa
     assert len(m["shards"]) >= 3
     names = sorted(p.name for p in dst.iterdir())
     assert names == sorted(["manifest.json", "labels.i32", "offsets.u64", "column-width.i32",
-                           "column-height.i32"] + [s["path"] for s in m["shards"]])
+                           "column-height.i32", "paths.u64", "paths.utf8"] + [s["path"] for s in m["shards"]])
     biggest = max(p.stat().st_size for p in photo_src.rglob("*.jpg"))
     for n, s in enumerate(m["shards"]):
         p = dst / s["path"]
@@ -220,7 +220,7 @@ def test_finished_dst_needs_overwrite(photo_src, tmp_path):
     m = quiet_build(photo_src, dst, shard_size=2 << 20, overwrite=True).manifest
     assert m["options"]["shard_size"] == 2 << 20
     assert sorted(p.name for p in dst.iterdir()) == sorted(
-        ["README.txt", "manifest.json", "labels.i32", "offsets.u64", "column-width.i32", "column-height.i32"] + [s["path"] for s in m["shards"]])
+        ["README.txt", "manifest.json", "labels.i32", "offsets.u64", "column-width.i32", "column-height.i32", "paths.u64", "paths.utf8"] + [s["path"] for s in m["shards"]])
     assert verify(dst, progress=False).ok
 
 

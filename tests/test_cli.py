@@ -30,7 +30,7 @@ SUMMARY = r"packed (\d+) images in (\d+) classes into (\d+) shard\(s\), [\d.]+ M
 @pytest.fixture(scope="module")
 def built(odd_tree, tmp_path_factory):
     dst = tmp_path_factory.mktemp("cli") / "dst"
-    res = invoke("build", odd_tree.root, dst, "--quiet", "--shard-size", "1M")
+    res = invoke("build", odd_tree.root, dst, "--quiet", "--shard-size", "1M", "--allow-empty")
     return dst, res
 
 
@@ -86,7 +86,7 @@ def test_build_overwrite(photo_src, tmp_path):
 
 
 def test_build_strict(odd_tree, tmp_path):
-    res = invoke("build", odd_tree.root, tmp_path / "d", "--strict", "-q", code=1)
+    res = invoke("build", odd_tree.root, tmp_path / "d", "--strict", "-q", "--allow-empty", code=1)
     assert res.stderr.splitlines()[-1].startswith("Error: strict: with space/bomb.png: decompression bomb")
     assert res.stderr.rstrip().endswith("no dataset was written (fix or remove the file, then re-run)")
     assert not (tmp_path / "d" / "manifest.json").exists()

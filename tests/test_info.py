@@ -154,7 +154,7 @@ def test_verify_decodes_every_record(odd_tree, tmp_path, monkeypatch):
                         lambda data, **kw: Checked(data, 1, 1, "JPEG", "RGB"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_mod.build(odd_tree.root, tmp_path / "d", workers=0, progress=False)
+        build_mod.build(odd_tree.root, tmp_path / "d", workers=0, progress=False, allow_empty=True)
     rep = verify(tmp_path / "d", progress=False)
     # everything broken that could be read, and the bomb: verify keeps the build's pixel limit
     broken = {rel for rel, kind in odd_tree.bad.items() if kind != "unreadable"}

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from click.testing import CliRunner
 
 from helpers import image_files, run_packer
 from packer import packing as packing_mod
-from packer import build
 from packer.journal import JOURNAL
 from packer.cli import main
 from packer.errors import FormatError, PackerError
@@ -25,14 +23,12 @@ from packer.info import ls, verify
 from packer.reader import ShardReader
 from packer.writer import ShardWriter
 
+import helpers
+
 
 def quiet_build(src, dst, **kw):
-    kw.setdefault("progress", False)
-    kw.setdefault("workers", 0)
     kw.setdefault("shard_size", 1 << 20)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build(src, dst, **kw)
+    return helpers.quiet_build(src, dst, **kw)
 
 
 def assert_not_finished(dst: Path) -> None:
@@ -148,7 +144,7 @@ def test_damaged_finished_shard_is_rebuilt(photo_src, tmp_path, monkeypatch):
     assert r.resumed_shards == 1  # shard 0 kept, everything from the damaged one redone
     assert_one_record_per_image(dst, photo_src)
     assert sorted(p.name for p in dst.iterdir()) == sorted(
-        ["manifest.json", "labels.i32", "offsets.u64", "column-width.i32", "column-height.i32"] + [s["path"] for s in r.manifest["shards"]])
+        ["manifest.json", "labels.i32", "offsets.u64", "column-width.i32", "column-height.i32", "paths.u64", "paths.utf8"] + [s["path"] for s in r.manifest["shards"]])
 
 
 def test_different_command_restarts_cleanly(photo_src, tmp_path, monkeypatch):

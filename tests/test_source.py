@@ -15,7 +15,7 @@ from packer.source import (IMG_EXTENSIONS, EmptyClassWarning, ImageList, find_cl
 def scan_quietly(root):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmptyClassWarning)
-        return scan_folder(root)
+        return scan_folder(root, allow_empty=True)
 
 
 def touch(root: Path, *rels: str) -> None:
@@ -83,11 +83,32 @@ def test_symlinked_class_and_subfolders_are_followed(tmp_path):
     assert src.entries == imagefolder_rule(root)[2]
 
 
-def test_empty_class_is_kept_with_a_warning(tmp_path):
+def test_empty_class_is_an_error_as_in_torchvision(tmp_path):
+    touch(tmp_path, "a/1.jpg", "c/3.jpg", "only_txt/readme.txt")
+    (tmp_path / "b").mkdir()
+    with pytest.raises(PackerError, match=r"no images in the class folder\(s\) b, only_txt .*"
+                                          r"--allow-empty"):
+        scan_folder(tmp_path)
+
+
+def test_extensions_or_is_valid_file_pick_files_as_in_torchvision(tmp_path):
+    touch(tmp_path, "a/1.jpg", "a/2.PNG", "a/3.txt", "b/4.jpeg")
+    picked = scan_folder(tmp_path, extensions=(".png", ".txt"), allow_empty=True)
+    assert [p for p, _ in picked.entries] == ["a/2.PNG", "a/3.txt"]
+    seen = []
+    picked = scan_folder(tmp_path, is_valid_file=lambda p: seen.append(p) or p.endswith("4.jpeg"),
+                         allow_empty=True)
+    assert [p for p, _ in picked.entries] == ["b/4.jpeg"]
+    assert str(tmp_path / "a" / "1.jpg") in seen  # called with the full path, as torchvision does
+    with pytest.raises(PackerError, match="not both"):
+        scan_folder(tmp_path, extensions=(".jpg",), is_valid_file=bool)
+
+
+def test_empty_class_is_kept_with_a_warning_when_allowed(tmp_path):
     touch(tmp_path, "a/1.jpg", "c/3.jpg", "only_txt/readme.txt")
     (tmp_path / "b").mkdir()
     with pytest.warns(EmptyClassWarning) as rec:
-        src = scan_folder(tmp_path)
+        src = scan_folder(tmp_path, allow_empty=True)
     assert src.classes == ["a", "b", "c", "only_txt"]
     assert src.entries == [("a/1.jpg", 0), ("c/3.jpg", 2)]
     msgs = sorted(str(w.message) for w in rec)

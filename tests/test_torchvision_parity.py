@@ -99,3 +99,29 @@ def near_outline(m: torch.Tensor) -> torch.Tensor:
     grown = torch.nn.functional.max_pool2d(f, 3, 1, 1)[0, 0] > 0
     shrunk = -torch.nn.functional.max_pool2d(-f, 3, 1, 1)[0, 0] > 0
     return grown & ~shrunk
+
+
+# -- classification: the ImageFolder surface -------------------------------------------------------
+
+def test_imagefolder_surface_attribute_by_attribute(tmp_path):
+    from torchvision.datasets import ImageFolder
+    from packer.demo import make_image_folder
+    src = make_image_folder(tmp_path / "src", images=30, classes=3, seed=2).resolve()
+    (src / "class_01" / "notes.txt").write_text("not an image")
+    build(src, tmp_path / "p", progress=False, workers=0)
+    ref, ds = ImageFolder(str(src)), PackedDataset(tmp_path / "p")
+    assert len(ds) == len(ref)
+    assert ds.classes == ref.classes and ds.class_to_idx == ref.class_to_idx
+    assert ds.targets == ref.targets
+    assert list(ds.samples) == ref.samples and list(ds.imgs) == ref.imgs
+    assert ds.samples[-1] == ref.samples[-1] and ds.samples[:2] == ref.samples[:2]
+    assert ds.find_classes(str(src)) == ref.find_classes(str(src))
+    assert ds.find_classes() == (ref.classes, ref.class_to_idx)
+    for i in (0, len(ds) // 2, len(ds) - 1):
+        (im, y), (ref_im, ref_y) = ds[i], ref[i]
+        assert y == ref_y and im.size == ref_im.size and im.tobytes() == ref_im.tobytes()
+    # The same file choices: extensions and is_valid_file as torchvision's.
+    pick = ImageFolder(str(src), is_valid_file=lambda p: p.endswith("0.jpg"), allow_empty=True)
+    build(src, tmp_path / "q", progress=False, workers=0, allow_empty=True,
+          is_valid_file=lambda p: p.endswith("0.jpg"))
+    assert list(PackedDataset(tmp_path / "q").samples) == pick.samples

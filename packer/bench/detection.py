@@ -25,7 +25,9 @@ reported as medians with ratios to a baseline measured in the same run:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -42,6 +44,7 @@ from .._system import pil_summary
 from ..builder import build
 from ..loader import default_num_workers
 from .coldread import SlowDisk, drop_page_cache, storage
+from .gpu_common import pil_decoder, sync
 
 __all__ = ["DetectionBenchOptions", "SECTIONS", "bench_detection", "detection_table",
            "loader_pass", "torchvision_baseline"]
@@ -66,6 +69,7 @@ class DetectionBenchOptions:
     iops: int = 400
     bps: int = 100 << 20
     seed: int = 0
+    dry_run: bool = False      # gpu on the CPU, PIL in nvJPEG's place: checks the code only
 
 
 def torchvision_baseline() -> bool:
@@ -81,7 +85,7 @@ def bench_detection(sections, opts: DetectionBenchOptions = DetectionBenchOption
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-    if "gpu" in sections:
+    if "gpu" in sections and not opts.dry_run:
         from ..gpu import reserve_cuda_queues
         reserve_cuda_queues()  # before anything starts CUDA in this process
     tmp = Path(tempfile.mkdtemp(prefix="packer-bench-det-", dir=opts.root))
@@ -134,7 +138,8 @@ def loader_dataset(spec: dict):
     if kind == "coco-folder":
         return CocoFolderDataset(images, ann, decode=decode, transforms=transforms), None
     from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
-    ds = CocoDetection(str(images), str(ann), transforms=transforms)
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools' progress lines
+        ds = CocoDetection(str(images), str(ann), transforms=transforms)
     return wrap_dataset_for_transforms_v2(ds, target_keys={"boxes", "labels", "image_id",
                                                            "area", "iscrowd"}), None
 
@@ -150,7 +155,8 @@ def loader_pass(spec: dict, batch_size: int, workers: int) -> float:
     return n / sec
 
 
-def cpu_variants(coco: Path, packed: Path, opts: DetectionBenchOptions, slow: bool) -> Dict[str, dict]:
+def cpu_variants(coco: Path, packed: Path, opts: DetectionBenchOptions,
+                 slow: bool) -> Dict[str, dict]:
     """The loaders compared, by row name; the baseline (``torchvision`` or ``coco-folder``,
     random order) first."""
     base = {"size": opts.size, "seed": opts.seed}
@@ -204,7 +210,9 @@ def slow_disk_section(coco: Path, packed: Path, opts: DetectionBenchOptions, out
         runs = {name: [] for name in variants}
         for r in range(opts.rounds):
             for name, spec in variants.items():
-                out["environment"]["cache"] = drop_page_cache(files[name])
+                # The data's pages only: dropping everything would also evict the libraries
+                # the pass then pages in from the throttled disk.
+                out["environment"]["cache"] = drop_page_cache(files[name], everything=False)
                 runs[name].append(disk.run(loader_pass, dict(spec, seed=opts.seed + r),
                                            opts.batch_size, opts.workers))
                 log(f"slow-disk round {r + 1}/{opts.rounds}: {name}: {runs[name][-1]:,.0f} "
@@ -254,9 +262,9 @@ def detection_table(out: dict) -> str:
         lines.append(f"| {r['section']} | {r['name']} | {r['images_per_s']:,.0f} | "
                      f"{min(v):,.0f}-{max(v):,.0f} | {ratio} |")
     env = out["environment"]
+    more = "".join(f"; {k}: {env[k]}" for k in ("throttle", "cache", "gpu") if k in env)
     lines.append(f"\nfolder baseline: {env['baseline']}; PIL: {env['pil']}; data on "
-                 f"{env['storage']}" + "".join(f"; {k}: {env[k]}" for k in ("throttle", "cache", "gpu")
-                                               if k in env))
+                 f"{env['storage']}{more}")
     lines += [f"note: {n}" for n in out["notes"]]
     return "\n".join(lines)
 
@@ -268,35 +276,39 @@ def write_json(out: dict, path: os.PathLike) -> None:
 # -- gpu ----------------------------------------------------------------------------------------
 
 def gpu_section(packed: Path, opts: DetectionBenchOptions, out: dict, log: Log) -> None:
-    """SSDlite320 steps fed by each path against a resident batch, and GPUDecoder alone."""
-    why = ("no CUDA device" if not torch.cuda.is_available() else
-           None if importlib.util.find_spec("torchvision") else "torchvision is not installed")
+    """SSDlite320 steps fed by each path against a resident batch, and GPUDecoder alone.
+    ``opts.dry_run``: on the CPU, PIL in nvJPEG's place (checks the code, not the speed)."""
+    why = None if importlib.util.find_spec("torchvision") else "torchvision is not installed"
+    if why is None and not opts.dry_run and not torch.cuda.is_available():
+        why = "no CUDA device"
     if why:
         out["notes"].append(f"gpu skipped: {why}")
         log(f"gpu skipped: {why}")
         return
-    dev = torch.device("cuda", torch.cuda.current_device())
-    out["environment"]["gpu"] = torch.cuda.get_device_name(dev)
-    feeds = gpu_feeds(packed, opts, dev)
-    step = ssd_step(dev, num_classes=feeds.pop("num_classes"))
+    dev = torch.device("cpu") if opts.dry_run else torch.device("cuda", torch.cuda.current_device())
+    out["environment"]["gpu"] = ("dry run on the CPU" if opts.dry_run
+                                 else torch.cuda.get_device_name(dev))
+    feeds, classes = gpu_feeds(packed, opts, dev)
+    step = ssd_step(dev, classes)
     images, targets = next(feeds["CPU path: DecodeLetterbox + CUDAPrefetcher"])
-    resident = iter(lambda: (images, targets), None)  # the same batch, forever
-    fed = {"resident batch (on the GPU)": resident, **feeds}
-    decoders = {"GPUDecoder alone: RandomResizedCrop + flip": decode_only(packed, opts, False),
-                "GPUDecoder alone: letterbox + flip": decode_only(packed, opts, True)}
-    for it in fed.values():
-        for _ in range(opts.warmup):
+    fed = {"resident batch (on the GPU)": iter(lambda: (images, targets), None), **feeds}
+    decoders = {"GPUDecoder alone: RandomResizedCrop + flip": gpu_decoder(packed, opts, dev, False),
+                "GPUDecoder alone: letterbox + flip": gpu_decoder(packed, opts, dev, True)}
+    for _ in range(opts.warmup):
+        for it in fed.values():
             step(*next(it))
-    for it in decoders.values():
-        for _ in range(opts.warmup):
+        for it in decoders.values():
             next(it)
     runs: Dict[str, List[float]] = {name: [] for name in (*fed, *decoders)}
     n = opts.steps * opts.gpu_batch
+    # Decoding alone is fast: an epoch's batches per round, so that the few batches already
+    # waiting in the pipeline's queues do not count for much.
+    m = max(opts.steps, opts.images // opts.gpu_batch)
     for r in range(opts.rounds):
         for name, it in fed.items():
-            runs[name].append(n / timed(lambda: [step(*next(it)) for _ in range(opts.steps)]))
+            runs[name].append(n / timed(dev, lambda: [step(*next(it)) for _ in range(opts.steps)]))
         for name, it in decoders.items():
-            runs[name].append(n / timed(lambda: [next(it) for _ in range(opts.steps)]))
+            runs[name].append(m * opts.gpu_batch / timed(dev, lambda: [next(it) for _ in range(m)]))
         for name, vals in runs.items():
             log(f"gpu round {r + 1}/{opts.rounds}: {name}: {vals[-1]:,.0f} images/s")
     section = f"gpu: SSDlite320 step, batch {opts.gpu_batch}, {opts.gpu_size} px"
@@ -305,12 +317,12 @@ def gpu_section(packed: Path, opts: DetectionBenchOptions, out: dict, log: Log) 
              next(iter(decoders)), "x")
 
 
-def timed(fn) -> float:
+def timed(dev: torch.device, fn) -> float:
     """Seconds ``fn()`` takes, GPU work included."""
-    torch.cuda.synchronize()
+    sync(dev)
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync(dev)
     return time.perf_counter() - t0
 
 
@@ -328,35 +340,36 @@ def model_batch(images, targets):
                            "labels": t["labels"]} for t in targets]
 
 
-def gpu_feeds(packed: Path, opts: DetectionBenchOptions, dev: torch.device) -> dict:
-    """The two fed paths as endless iterators of model batches, and the class count."""
+def gpu_decoder(packed: Path, opts: DetectionBenchOptions, dev: torch.device, letterbox: bool,
+                **kw) -> Iterator:
+    """An endless ``GPUDecoder`` (train=True: random crops or letterbox, and flips) over
+    ``packed``; in a dry run on the CPU with PIL decoding and the matmul resize."""
+    from ..gpu import GPUDecoder, GPUOptions, make_gpu_loader
+    options = GPUOptions(decoder=pil_decoder, resample="matmul") if opts.dry_run else None
+    loader = make_gpu_loader(str(packed), opts.gpu_batch, num_workers=opts.workers,
+                             drop_last=True)
+    return endless(GPUDecoder(loader, size=opts.gpu_size, letterbox=letterbox, device=dev,
+                              options=options, **kw))
+
+
+def gpu_feeds(packed: Path, opts: DetectionBenchOptions, dev: torch.device):
+    """({name: endless iterator of model batches} for the CPU and the GPU path, classes)."""
     from ..dataset import PackedDataset
     from ..decode import DecodeLetterbox
-    from ..gpu import GPUDecoder, make_gpu_loader
     from ..loader import make_loader
     from ..prefetch import CUDAPrefetcher
     ds = PackedDataset(packed, decode=DecodeLetterbox(opts.gpu_size))
     cpu = CUDAPrefetcher(make_loader(ds, opts.gpu_batch, num_workers=opts.workers,
                                      drop_last=True), mean=None, std=None, device=dev)
-    gpu = GPUDecoder(make_gpu_loader(ds, opts.gpu_batch, num_workers=opts.workers,
-                                     drop_last=True), size=opts.gpu_size, letterbox=True,
-                     mean=None, std=None, dtype=torch.float32, device=dev)
+    gpu = gpu_decoder(packed, opts, dev, True, mean=None, std=None, dtype=torch.float32)
     classes = 1 + max(c["id"] for c in ds.categories)  # labels are category ids; 0: background
     return {"CPU path: DecodeLetterbox + CUDAPrefetcher": (model_batch(*b) for b in endless(cpu)),
-            "GPU path: GPUDecoder(letterbox=True)": (model_batch(*b) for b in endless(gpu)),
-            "num_classes": classes}
-
-
-def decode_only(packed: Path, opts: DetectionBenchOptions, letterbox: bool) -> Iterator:
-    """An endless GPUDecoder (train=True: random crops or letterbox, flips) over ``packed``."""
-    from ..gpu import GPUDecoder, make_gpu_loader
-    return endless(GPUDecoder(make_gpu_loader(str(packed), opts.gpu_batch,
-                                              num_workers=opts.workers, drop_last=True),
-                              size=opts.gpu_size, letterbox=letterbox))
+            "GPU path: GPUDecoder(letterbox=True)": (model_batch(*b) for b in gpu)}, classes
 
 
 def ssd_step(dev: torch.device, num_classes: int):
-    """One SSDlite320-MobileNetV3 training step (bf16 autocast, SGD): (images, targets) -> None."""
+    """One SSDlite320-MobileNetV3 training step (bf16 autocast on CUDA, SGD):
+    ``step(images, targets)``."""
     from torchvision.models.detection import ssdlite320_mobilenet_v3_large
     torch.backends.cudnn.benchmark = True
     model = ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None,
@@ -364,7 +377,7 @@ def ssd_step(dev: torch.device, num_classes: int):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=4e-5)
 
     def step(images, targets) -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             losses = model(images, targets)
         sum(losses.values()).backward()
         opt.step()

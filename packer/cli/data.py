@@ -36,6 +36,12 @@ from .common import Size, library_errors, warnings_as_lines
                    "types inferred and checked across all rows).")
 @click.option("--label", "label_column", metavar="COLUMN",
               help="With --meta: COLUMN is the class label (str values: class names).")
+@click.option("--allow-empty", is_flag=True,
+              help="Keep class folders without images as classes with no samples "
+                   "[default: an error, as torchvision's ImageFolder].")
+@click.option("--extensions", metavar=".EXT,...",
+              help="File endings that count as images, comma-separated, any case "
+                   "[default: torchvision's IMG_EXTENSIONS].")
 @click.option("--shard-size", type=Size(), default="1G", show_default=True,
               help="Target bytes per shard file (e.g. 512M, 2G).")
 @click.option("--workers", "-j", type=int, default=None,
@@ -53,16 +59,16 @@ from .common import Size, library_errors, warnings_as_lines
               help="Build only part K of N (K = 0..N-1, e.g. $SLURM_ARRAY_TASK_ID/8); "
                    "join the parts with `packer merge`.")
 @click.option("--strict", is_flag=True, help="Fail (exit 1, no dataset) on the first bad image "
-                                             "instead of skipping it.")
+                                             "or unusable annotation instead of skipping it.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Skip images with more pixels than this (decompression bombs) "
                    "[default: PIL's limit, 89,478,485].")
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
 @library_errors
-def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column, shard_size,
-          workers, max_side, short_side, quality, shuffle, seed, part, strict, max_pixels,
-          overwrite, quiet):
+def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column, allow_empty,
+          extensions, shard_size, workers, max_side, short_side, quality, shuffle, seed, part,
+          strict, max_pixels, overwrite, quiet):
     """Pack the image folder SRC into LMDB shards in DST.
 
     SRC is laid out as torchvision's ImageFolder expects (SRC/CLASS/.../IMAGE): classes are
@@ -97,7 +103,9 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
                            strict=strict, overwrite=overwrite,
                            max_pixels=max_pixels or DEFAULT_MAX_PIXELS, progress=not quiet,
                            coco=coco, yolo=yolo, names=names, meta=meta, label=label_column,
-                           skip_empty=skip_empty)
+                           skip_empty=skip_empty, allow_empty=allow_empty,
+                           extensions=extensions and [e.strip() for e in extensions.split(",")
+                                                      if e.strip()])
     if result.resumed_shards:
         click.echo(f"resumed after {result.resumed_shards} finished shard(s)")
     click.echo(f"{result.summary()} -> {dst}")

@@ -115,10 +115,11 @@ def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[in
         raise PackerError(f"images, batch size and rounds must be >= 1 and the letterbox >= 16, "
                           f"got {images}, {batch_size}, {rounds}, {size}")
     cuda = torch.cuda.is_available()
+    device = (f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})" if cuda
+              else "cpu (no CUDA)")
     res = DetectionDemoResult(dir=Path(dir) if dir is not None else None, images=images,
                               classes=0, workers=load_workers, batch_size=batch_size, size=size,
-                              device=f"cuda:{torch.cuda.current_device()} "
-                                     f"({torch.cuda.get_device_name()})" if cuda else "cpu (no CUDA)")
+                              device=device)
     work = (demo_dir(res.dir) if res.dir is not None
             else Path(tempfile.mkdtemp(prefix="packer-demo-")))
     steps = Steps(res, on_step)
@@ -219,7 +220,8 @@ def compare_loaders(steps: Steps, coco: Path, read_from: Path, rounds: int, seed
     folder = CocoFolderDataset(coco / "images", coco / "annotations.json", decode=decode)
     packed = PackedDataset(read_from, decode=decode)
     res.objects = sum(len(s[2]) for s in folder.samples)
-    loaders = {"folder loader": (folder, None), "packed loader": (packed, PackedSampler(packed, seed=seed))}
+    loaders = {"folder loader": (folder, None),
+               "packed loader": (packed, PackedSampler(packed, seed=seed))}
     took = {name: 0.0 for name in loaders}
     best = {name: 0.0 for name in loaders}
     seen: Dict[str, Targets] = {name: {} for name in loaders}
@@ -240,7 +242,8 @@ def compare_loaders(steps: Steps, coco: Path, read_from: Path, rounds: int, seed
     finally:
         packed.reader.close()
     res.folder_images_per_s, res.packed_images_per_s = best["folder loader"], best["packed loader"]
-    res.images_checked, res.mismatched = compare_targets(seen["folder loader"], seen["packed loader"])
+    res.images_checked, res.mismatched = compare_targets(seen["folder loader"],
+                                                         seen["packed loader"])
     to_gpu = " + CUDAPrefetcher" if cuda else ""
     where = "staged copy" if read_from == res.staged_to else "shards"
     runs = f"best of {rounds} epochs" if rounds > 1 else "one epoch"

@@ -30,8 +30,8 @@ from .. import __version__
 from .._system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
 from .._fsio import LOCK_NAME, FolderLock, fsync_dir, remove_own, write_json_atomic
-from ..format import (LABELS, MANIFEST, OFFSETS, file_sha256, read_manifest, set_table, shard_file,
-                      side_tables)
+from ..format import (LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256,
+                      read_manifest, set_table, shard_file, side_tables)
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult, UnstageResult
 
@@ -180,7 +180,7 @@ def staging_plan(src: Path, man: dict) -> List[StagedFile]:
     refused before anything is copied."""
     shards = man["shards"]
     bases = [s["path"].rsplit("/", 1)[-1] for s in shards]
-    reserved = {MANIFEST, LABELS, OFFSETS, STAGE_MARKER, STAGE_LOCK}
+    reserved = {MANIFEST, LABELS, OFFSETS, PATHS_INDEX, PATHS_TEXT, STAGE_MARKER, STAGE_LOCK}
     flat = (len(set(bases)) == len(bases) and not reserved & set(bases)
             and not any(b.startswith("column-") for b in bases))
     width = max(5, len(str(len(shards) - 1)))

@@ -159,7 +159,7 @@ def test_overwrite_deletes_only_what_the_old_manifest_lists(src, built, tmp_path
     assert man["build_id"] != old_id
     assert sorted(p.name for p in dst.iterdir()) == sorted(
         ["notes.txt", "manifest.json", "labels.i32", "offsets.u64", "column-width.i32",
-         "column-height.i32"] + [s["path"] for s in man["shards"]])
+         "column-height.i32", "paths.u64", "paths.utf8"] + [s["path"] for s in man["shards"]])
     assert verify(dst, progress=False).ok
 
 

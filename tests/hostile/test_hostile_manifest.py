@@ -288,6 +288,7 @@ def test_huge_count_with_consistent_sizes_fails_fast(clone, tmp_path):
     man["bytes"] = s["bytes"] = 16 * HUGE
     man["labels"]["bytes"] = 4 * HUGE
     man["offsets"]["bytes"] = 16 * HUGE
+    man["paths"]["index"]["bytes"] = 8 * HUGE
     for col in man["columns"].values():
         col["bytes"] = {"int32": 4, "int64": 8, "float64": 8, "uint8": 1}[col["dtype"]] * HUGE
     man["class_counts"] = [HUGE, 0, 0]

@@ -28,9 +28,9 @@ from packer.errors import PackerError
 
 REPO = Path(packer.__file__).resolve().parent.parent
 DATASET_FILES = ("manifest.json", "labels.i32", "offsets.u64", "column-width.i32",
-                 "column-height.i32")
+                 "column-height.i32", "paths.u64", "paths.utf8")
 BUILD_NAMES = ("labels.i32.tmp", "offsets.u64.tmp", "manifest.json.tmp", ".packer-build.json.tmp",
-               "column-width.i32.tmp", "column-height.i32.tmp",
+               "column-width.i32.tmp", "column-height.i32.tmp", "paths.u64.tmp", "paths.utf8.tmp",
                ".shard-00000.lmdb.partial", ".shard-00000.lmdb.compact",
                ".shard-00001.lmdb.partial", ".shard-00001.lmdb.compact")
 

@@ -22,7 +22,7 @@ from packer.staging import stager as stage_mod
 from packer.staging import (STAGE_MARKER, TMP_SUFFIX, stage, stage_once_per_node, unstage)
 
 # Side tables a dataset built today has, in the order staging copies them.
-TABLE_FILES = ["labels.i32", "offsets.u64", "column-width.i32", "column-height.i32"]
+TABLE_FILES = ["labels.i32", "offsets.u64", "column-width.i32", "column-height.i32", "paths.u64", "paths.utf8"]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_stage_to_folder_is_complete_and_readable(dst, tmp_path):
     assert res.kept == [] and res.removed == [] and res.wrote_manifest
     assert res.bytes_copied == res.bytes_total == sum(
         s["bytes"] for s in man["shards"]) + man["labels"]["bytes"] + man["offsets"]["bytes"] + sum(
-        c["bytes"] for c in man["columns"].values())
+        c["bytes"] for c in man["columns"].values()) + sum(t["bytes"] for t in man["paths"].values())
     assert all("/" not in p for p in shard_names(target))
     same_records(dst, target)
     msg = res.message()

@@ -157,15 +157,29 @@ def shard_file(root: os.PathLike, rel: str) -> Path:
     return path
 
 
+def not_a_dataset(root: Path) -> str:
+    """Why ``root`` holds no dataset, with the next step for the usual first mistakes."""
+    if not root.exists():
+        return f"{root} does not exist (give the folder a `packer build` wrote, or stage made)"
+    if not root.is_dir():
+        return f"{root} is a file, not a packer dataset folder"
+    if (root / ".packer-build.json").exists() or any(root.glob(".shard-*.partial")):
+        return (f"{root} is an unfinished build (no {MANIFEST} yet); re-run the same "
+                f"`packer build` command to resume it")
+    images = ("*.jpg", "*.jpeg", "*.png", "*.JPEG", "*.JPG", "*/*.jpg", "*/*.jpeg", "*/*.png",
+              "*/*.JPEG", "*/*.JPG")
+    if any(next(root.glob(p), None) is not None for p in images):
+        return (f"{root} is an image folder, not a packed dataset: pack it first with "
+                f"`packer build {root} DST` (then use DST)")
+    return f"{root} is not a packer dataset: {root / MANIFEST} not found"
+
+
 def read_manifest(root: os.PathLike) -> Dict[str, Any]:
     """Load and sanity-check ``root/manifest.json``; a dataset without one is not complete."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
-        if root.is_dir() and any(root.glob("*.partial")) or (root / ".packer-build.json").exists():
-            raise FormatError(f"{root} is an unfinished build (no {MANIFEST} yet); "
-                              f"re-run the same `packer build` command to resume it")
-        raise FormatError(f"{root} is not a packer dataset: {path} not found")
+        raise FormatError(not_a_dataset(root))
     try:
         man = json.loads(path.read_text("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

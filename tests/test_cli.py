@@ -261,3 +261,34 @@ def test_max_pixels_must_be_positive(tmp_path):
     (tmp_path / "src" / "a").mkdir(parents=True)
     r = CliRunner().invoke(main, ["build", str(tmp_path / "src"), str(tmp_path / "dst"), "--max-pixels", "0"])
     assert r.exit_code == 2 and "--max-pixels" in r.output
+
+
+# -- --json on every command that reports --------------------------------------------------------
+
+def test_json_output_of_every_reporting_command(photo_src, tmp_path):
+    """One JSON object on stdout (ls: one per line), the keys docs/cli.md lists; no bar."""
+    d = tmp_path / "d"
+    b = json.loads(invoke("build", photo_src, d, "--json", "--shard-size", "1M").stdout)
+    assert set(b) == {"dst", "count", "bytes", "shards", "task", "seconds", "resumed_shards",
+                      "skipped", "dropped_count", "dropped"}
+    assert b["count"] == 48 and b["task"] == "classification" and b["skipped"] == []
+    v = json.loads(invoke("verify", d, "--json").stdout)
+    assert v == {"path": str(d), "ok": True, "checked_shards": b["shards"], "checked_records": 48,
+                 "problems": [], "skipped_checks": ""}
+    rows = [json.loads(line) for line in invoke("ls", d, "--json").stdout.splitlines()]
+    assert len(rows) == 48 and set(rows[0]) == {"index", "path", "width", "height", "label"}
+    m = json.loads(invoke("merge", d, tmp_path / "m", "--json").stdout)
+    assert m == {"dst": str(tmp_path / "m"), "parts": [str(d)], "count": 48, "shards": b["shards"]}
+    s = json.loads(invoke("stage", d, tmp_path / "s", "--json").stdout)
+    assert s["target"] == str(tmp_path / "s") and s["wrote_manifest"] and s["bytes_total"] > 0
+    u = json.loads(invoke("unstage", tmp_path / "s", "--json").stdout)
+    assert u["target"] == str(tmp_path / "s") and u["removed_dir"]
+    assert u["bytes_freed"] >= s["bytes_total"]  # the data files, plus manifest and marker
+    # A failed verify still prints its report, and exits 1.
+    shard = next(d.glob("shard-*.lmdb"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    res = invoke("verify", d, "--json", code=1)
+    bad = json.loads(res.stdout)
+    assert bad["ok"] is False and any("sha256" in p for p in bad["problems"])

@@ -138,9 +138,10 @@ def test_read_manifest_of_a_real_dataset(built):
 
 
 def test_read_manifest_missing(tmp_path):
-    for root in (tmp_path, tmp_path / "nowhere"):
-        with pytest.raises(FormatError, match="is not a packer dataset: .* not found"):
-            read_manifest(root)
+    with pytest.raises(FormatError, match="is not a packer dataset: .* not found"):
+        read_manifest(tmp_path)
+    with pytest.raises(FormatError, match="nowhere does not exist"):
+        read_manifest(tmp_path / "nowhere")
     assert issubclass(FormatError, PackerError)
 
 
@@ -223,3 +224,14 @@ def test_write_json_atomic_failure_keeps_the_old_file(tmp_path):
     with pytest.raises(TypeError):
         write_json_atomic(path, {"v": object()})  # not JSON: fails half way through
     assert json.loads(path.read_text("utf-8")) == {"v": 1}
+
+
+def test_first_mistakes_name_the_next_step(tmp_path, photo_src):
+    with pytest.raises(FormatError, match=r"nope does not exist"):
+        read_manifest(tmp_path / "nope")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(FormatError, match="is a file, not a packer dataset folder"):
+        read_manifest(tmp_path / "f")
+    with pytest.raises(FormatError, match=r"is an image folder, not a packed dataset: pack it first "
+                                          r"with `packer build .* DST`"):
+        read_manifest(photo_src)

@@ -5,6 +5,7 @@ import contextlib
 import functools
 import sys
 import warnings
+from pathlib import Path
 
 import click
 
@@ -72,3 +73,11 @@ def warnings_as_lines():
 def version_line() -> str:
     from .._system import pil_summary
     return f"packer {__version__} (python {sys.version.split()[0]}; PIL: {pil_summary()})"
+
+
+def result_json(result) -> str:
+    """A result dataclass (``StageResult``...) as one JSON object; paths as strings."""
+    import dataclasses
+    from ..text import json_text
+    return json_text({k: str(v) if isinstance(v, Path) else v
+                      for k, v in dataclasses.asdict(result).items()})

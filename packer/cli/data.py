@@ -65,10 +65,13 @@ from .common import Size, library_errors, warnings_as_lines
                    "[default: PIL's limit, 89,478,485].")
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
+@click.option("--json", "as_json", is_flag=True,
+              help="No progress bar; print one JSON object (dst, count, bytes, shards, task, "
+                   "seconds, resumed_shards, skipped, dropped_count, dropped).")
 @library_errors
 def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column, allow_empty,
           extensions, shard_size, workers, max_side, short_side, quality, shuffle, seed, part,
-          strict, max_pixels, overwrite, quiet):
+          strict, max_pixels, overwrite, quiet, as_json):
     """Pack the image folder SRC into LMDB shards in DST.
 
     SRC is laid out as torchvision's ImageFolder expects (SRC/CLASS/.../IMAGE): classes are
@@ -101,11 +104,21 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
         result = run_build(src, dst, list_file=list_file, shard_size=shard_size, workers=workers,
                            transcode=transcode, shuffle=shuffle, seed=seed, part=part,
                            strict=strict, overwrite=overwrite,
-                           max_pixels=max_pixels or DEFAULT_MAX_PIXELS, progress=not quiet,
+                           max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                           progress=not (quiet or as_json),
                            coco=coco, yolo=yolo, names=names, meta=meta, label=label_column,
                            skip_empty=skip_empty, allow_empty=allow_empty,
                            extensions=extensions and [e.strip() for e in extensions.split(",")
                                                       if e.strip()])
+    if as_json:
+        m = result.manifest
+        click.echo(json_text({
+            "dst": str(dst), "count": m["count"], "bytes": m["bytes"], "shards": len(m["shards"]),
+            "task": (m.get("schema") or {}).get("task", "classification"),
+            "seconds": round(result.seconds, 3), "resumed_shards": result.resumed_shards,
+            "skipped": m["skipped"], "dropped_count": m.get("dropped_count", 0),
+            "dropped": m.get("dropped", [])}))
+        return
     if result.resumed_shards:
         click.echo(f"resumed after {result.resumed_shards} finished shard(s)")
     click.echo(f"{result.summary()} -> {dst}")
@@ -126,8 +139,10 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
 @click.argument("parts", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True, path_type=Path))
 @click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (dst, parts, count, shards).")
 @library_errors
-def merge(parts, dst, overwrite):
+def merge(parts, dst, overwrite, as_json):
     """Join datasets built with --part K/N into one dataset DST, without copying shards.
 
     DST's manifest refers to the parts' shard files by relative path: keep the parts where
@@ -135,6 +150,10 @@ def merge(parts, dst, overwrite):
     """
     from ..merging import merge as run_merge
     m = run_merge(list(parts), dst, overwrite=overwrite)
+    if as_json:
+        click.echo(json_text({"dst": str(dst), "parts": [str(p) for p in parts],
+                              "count": m["count"], "shards": len(m["shards"])}))
+        return
     click.echo(f"merged {len(parts)} parts: {m['count']} images, {len(m['shards'])} shards -> {dst}")
 
 
@@ -155,12 +174,22 @@ def info(dst, as_json):
 @click.option("--quick", is_flag=True, help="Check structure, checksums and labels only: records are "
                                             "not read, decoded or compared with labels.i32.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--json", "as_json", is_flag=True,
+              help="No progress bars; print one JSON object (path, ok, checked_shards, "
+                   "checked_records, problems, skipped_checks); exit 1 when not ok.")
 @library_errors
-def verify(dst, quick, quiet):
+def verify(dst, quick, quiet, as_json):
     """Check dataset DST: shard checksums and structure, labels, then every record (fields,
     checksum, decodes within the pixel limit, label). Exits 1 listing what is wrong."""
     from ..info import verify as run_verify
-    rep = run_verify(dst, quick=quick, progress=not quiet)
+    rep = run_verify(dst, quick=quick, progress=not (quiet or as_json))
+    if as_json:
+        click.echo(json_text({"path": str(dst), "ok": rep.ok, "checked_shards": rep.checked_shards,
+                              "checked_records": rep.checked_records, "problems": rep.problems,
+                              "skipped_checks": rep.skipped_checks}))
+        if not rep.ok:
+            sys.exit(1)
+        return
     if rep.ok:
         what = "shards" if quick else f"shards and {rep.checked_records} records"
         note = f"; {rep.skipped_checks}" if rep.skipped_checks else ""

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from .common import library_errors
+from .common import library_errors, result_json
 
 @click.command()
 @click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
@@ -15,8 +15,11 @@ from .common import library_errors
 @click.option("--no-verify", is_flag=True, help="Trust files already in TARGET whose size matches "
                                                 "(each new copy is still checked as it is written).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True,
+              help="No progress bar; print one JSON object (source, target, copied, kept, "
+                   "removed, bytes_copied, bytes_total, seconds, fstype, swap, ...).")
 @library_errors
-def stage(dst, target, remove, no_verify, quiet):
+def stage(dst, target, remove, no_verify, quiet, as_json):
     """Copy dataset DST to fast storage TARGET (a tmpfs mount, or /dev/shm/NAME) and verify it.
 
     Each shard is copied under a temporary name and renamed once its checksum matches; the
@@ -34,21 +37,26 @@ def stage(dst, target, remove, no_verify, quiet):
     if remove:
         if target is not None:
             raise click.UsageError("--remove takes only the staged folder: packer stage --remove TARGET")
-        click.echo(run_unstage(dst).message())
+        res = run_unstage(dst)
+        click.echo(result_json(res) if as_json else res.message())
         return
     if target is None:
         raise click.UsageError("missing TARGET: packer stage DST TARGET")
-    click.echo(run_stage(dst, target, progress=not quiet, verify=not no_verify).message())
+    res = run_stage(dst, target, progress=not (quiet or as_json), verify=not no_verify)
+    click.echo(result_json(res) if as_json else res.message())
 
 
 @click.command()
 @click.argument("target", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (target, removed, bytes_freed, ...).")
 @library_errors
-def unstage(target):
+def unstage(target, as_json):
     """Remove a staged copy made by `packer stage` and free its RAM. Only files that staging
     wrote are removed; a folder holding a built (unstaged) dataset is refused."""
     from ..staging import unstage as run_unstage
-    click.echo(run_unstage(target).message())
+    res = run_unstage(target)
+    click.echo(result_json(res) if as_json else res.message())
 
 
 

@@ -145,31 +145,48 @@ def human_size(n: float) -> str:
 
 # -- PIL -------------------------------------------------------------------------------------
 
+SIMD_KERNEL = b"ImagingResampleHorizontalConvolution8u4x"  # Pillow-SIMD's AVX2/SSE4 resampler
+
+
 def pil_info() -> Dict[str, object]:
-    """Which PIL is imported: Pillow-SIMD or stock Pillow, and whether libjpeg-turbo backs it."""
+    """Which PIL is really imported, judged from the module itself: Pillow-SIMD when its
+    compiled extension holds Pillow-SIMD's SIMD resample kernel (or, stripped of names, its
+    version has Pillow-SIMD's ``.postN`` form), and whether libjpeg-turbo backs it. pip's
+    record (``installed``) can lie: a package that requires Pillow overwrites Pillow-SIMD's
+    files and leaves pillow-simd listed; ``mismatch`` says so."""
     from importlib import metadata
 
-    from PIL import Image, features
-    flavour = "unknown"
-    for dist in ("Pillow-SIMD", "pillow-simd", "Pillow", "pillow"):
+    import PIL
+    from PIL import _imaging, features
+    try:
+        with open(_imaging.__file__, "rb") as f:
+            kernel = SIMD_KERNEL in f.read()
+    except OSError:
+        kernel = False
+    version = PIL.__version__
+    flavour = "Pillow-SIMD" if kernel or ".post" in version else "Pillow"
+    installed = []
+    for dist in ("pillow-simd", "pillow"):
         try:
-            metadata.distribution(dist)
+            installed.append(f"{metadata.distribution(dist).metadata['Name']} "
+                             f"{metadata.version(dist)}")
         except metadata.PackageNotFoundError:
             continue
-        flavour = "Pillow-SIMD" if "simd" in dist.lower() else "Pillow"
-        break
-    if flavour == "unknown" and ".post" in Image.__version__:
-        flavour = "Pillow-SIMD"  # pillow-simd versions are X.Y.Z.postN
     return {
         "flavour": flavour,
-        "version": Image.__version__,
+        "version": version,
         "simd": flavour == "Pillow-SIMD",
+        "simd_kernel": kernel,
+        "module": os.path.dirname(PIL.__file__),
+        "installed": installed,
+        "mismatch": flavour == "Pillow" and any("simd" in d.lower() for d in installed),
         "libjpeg_turbo": bool(features.check_feature("libjpeg_turbo")),
         "jpeg_version": features.version("libjpeg_turbo") or features.version("jpg"),
     }
 
 
-PILLOW_SIMD_HINT = "pip uninstall -y pillow && pip install pillow-simd"
+PILLOW_SIMD_HINT = ("pip uninstall -y pillow pillow-simd && CC='cc -mavx2' pip install "
+                    "--no-cache-dir --no-binary pillow-simd pillow-simd")
 
 
 def pil_summary() -> str:

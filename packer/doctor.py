@@ -28,7 +28,12 @@ def doctor() -> Dict[str, object]:
 def format_doctor(d: Dict[str, object]) -> str:
     lines: List[str] = [f"packer   {d['packer']}", f"python   {d['python']}",
                         f"PIL      {d['pil_summary']}"]
-    if not d["pil"]["simd"]:
+    pil = d["pil"]
+    if pil.get("mismatch"):
+        lines.append(f"         pip lists {', '.join(pil['installed'])}, but the PIL imported from "
+                     f"{pil['module']} is stock Pillow (a package that requires Pillow "
+                     f"overwrote Pillow-SIMD); fix: {PILLOW_SIMD_HINT}")
+    elif not pil["simd"]:
         lines.append(f"         Pillow-SIMD has SIMD resize and convert: {PILLOW_SIMD_HINT}")
     cuda = f"available: {d['cuda']}" if d["cuda"] else "not available"
     lines.append(f"torch    {d['torch']}; CUDA {cuda}")

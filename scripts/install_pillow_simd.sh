@@ -15,14 +15,15 @@ set -euo pipefail
 PYTHON="${PYTHON:-python3}"
 VERSION_SPEC="${PILLOW_SIMD_SPEC:-pillow-simd>=9.1}"
 
-is_simd() {
+is_simd() {  # judged from the imported module, as `packer doctor` does: pip's record can lie
   "$PYTHON" - <<'PY' 2>/dev/null
 import sys
-from importlib import metadata
 try:
-    metadata.distribution("pillow-simd")
     import PIL
-    sys.exit(0 if ".post" in PIL.__version__ else 1)
+    from PIL import _imaging
+    with open(_imaging.__file__, "rb") as f:
+        kernel = b"ImagingResampleHorizontalConvolution8u4x" in f.read()
+    sys.exit(0 if kernel or ".post" in PIL.__version__ else 1)
 except Exception:
     sys.exit(1)
 PY

@@ -131,7 +131,7 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
                 channels_last: bool = True, pin_memory: Optional[bool] = None,
                 prefetch_factor: Optional[int] = None, persistent_workers: bool = True,
                 multiprocessing_context=None, collate_fn: Optional[Callable] = None,
-                **kwargs) -> DataLoader:
+                stateful: bool = False, **kwargs) -> DataLoader:
     """A ``DataLoader`` set up for throughput; every choice can be overridden.
 
     Args:
@@ -160,6 +160,10 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
             process has threads or CUDA state that must not be forked.
         collate_fn: default ``collate_uint8`` with ``channels_last`` (``collate_detection``
             for a detection ``PackedDataset``).
+        stateful: return torchdata's ``StatefulDataLoader`` (same arguments): its
+            ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at the next unseen batch;
+            wrap it in ``CUDAPrefetcher`` / ``GPUDecoder`` and checkpoint *their* state, which
+            counts only the batches the training loop received (docs/loading.md).
         **kwargs: passed to ``DataLoader`` (``worker_init_fn``, ``generator``, ``timeout``,
             ``batch_sampler``, ...).
     """
@@ -196,13 +200,29 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
         kwargs["prefetch_factor"] = prefetch_factor
         kwargs["multiprocessing_context"] = multiprocessing_context
     if collate_fn is None:
-        detection = getattr(dataset, "task", None) == "detection" and getattr(
-            getattr(dataset, "make_target", None), "detection", False)
-        collate = collate_detection if detection else collate_uint8
-        collate_fn = functools.partial(collate, channels_last=channels_last)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-                      num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
-                      drop_last=drop_last, persistent_workers=persistent_workers, **kwargs)
+        collate_fn = default_collate_for(dataset, channels_last)
+    return _loader_class(stateful)(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+               num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+               drop_last=drop_last, persistent_workers=persistent_workers, **kwargs)
+
+
+def default_collate_for(dataset, channels_last: bool = True) -> Callable:
+    """``collate_detection`` for a detection ``PackedDataset``, else ``collate_uint8``."""
+    detection = getattr(dataset, "task", None) == "detection" and getattr(
+        getattr(dataset, "make_target", None), "detection", False)
+    return functools.partial(collate_detection if detection else collate_uint8,
+                             channels_last=channels_last)
+
+
+def _loader_class(stateful: bool):
+    if not stateful:
+        return DataLoader
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        raise ImportError("make_loader(stateful=True) needs torchdata's StatefulDataLoader: "
+                          "pip install torchdata") from None
+    return StatefulDataLoader
 
 
 def _check_decoded(dataset) -> None:

@@ -112,6 +112,7 @@ class CUDAPrefetcher(LoaderView):
         self._shift = shift.to(self.device)
         self.stream: Optional[torch.cuda.Stream] = None
         self._warned = False
+        self._state = None  # the loader's state after the last batch handed out
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             # The constants were written on the current stream; the side stream reads them.
@@ -120,17 +121,42 @@ class CUDAPrefetcher(LoaderView):
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self):
-        if self.stream is None:
-            for batch in self.loader:
-                yield self._convert(batch)
-            return
         it = iter(self.loader)
-        nxt = self._preload(it)
-        while nxt is not END:
+        self._state = self._loader_state()
+        if self.stream is None:
+            for batch in it:
+                state = self._loader_state()
+                out = self._convert(batch)
+                self._state = state
+                yield out
+            return
+        nxt = self._preload(it), self._loader_state()
+        while nxt[0] is not END:
             cur = nxt  # (drops our reference to the previous batch before the next copy)
-            self._handoff(cur, torch.cuda.current_stream(self.device))
-            nxt = self._preload(it)
-            yield cur
+            self._handoff(cur[0], torch.cuda.current_stream(self.device))
+            nxt = self._preload(it), self._loader_state()
+            self._state = cur[1]  # what the consumer has now received, not what was fetched
+            yield cur[0]
+
+    # -- exactly-once resume -----------------------------------------------------------------
+
+    def _loader_state(self):
+        return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+
+    def state_dict(self) -> dict:
+        """The loader's state as of the last batch this prefetcher handed out (the loader
+        itself is a batch ahead): resuming from it continues with the next unseen batch.
+        Needs a loader with ``state_dict`` (``make_loader(..., stateful=True)``)."""
+        if not hasattr(self.loader, "state_dict"):
+            raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): use "
+                            "make_loader(..., stateful=True) (torchdata's StatefulDataLoader)")
+        state = self._state if self._state is not None else self.loader.state_dict()
+        return {"loader": state}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``iter()`` starts at the first batch not handed out before."""
+        self.loader.load_state_dict(state["loader"])
+        self._state = state["loader"]
 
     def _preload(self, it):
         """Start copying and normalizing the next batch on the side stream (returns at once)."""

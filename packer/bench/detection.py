@@ -34,6 +34,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
@@ -106,8 +107,13 @@ def bench_detection(sections, opts: DetectionBenchOptions = DetectionBenchOption
                 "build": lambda: build_section(coco, tmp, opts, out, log),
                 "gpu": lambda: gpu_section(tmp / "packed", opts, out, log)}
         for name in SECTIONS:
-            if name in sections:
+            if name not in sections:
+                continue
+            try:  # one failing section must not cost the others' results
                 runs[name]()
+            except Exception as e:
+                out["notes"].append(f"{name} failed: {type(e).__name__}: {e}")
+                log(f"{name} failed:\n{traceback.format_exc()}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

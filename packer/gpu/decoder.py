@@ -109,6 +109,7 @@ class GPUDecoder(LoaderView):
         self.norm_scale, self.norm_shift = s.to(self.device), t.to(self.device)
         self.seed = seed
         self.letterbox, self.min_visible = bool(letterbox), float(min_visible)
+        self._state = None  # the loader's state after the last batch handed out
         self._gen = torch.Generator()
         self._gen.manual_seed(seed if seed is not None else int(torch.randint(1 << 62, ()).item()))
         self.stats = DecodeStats()
@@ -129,6 +130,8 @@ class GPUDecoder(LoaderView):
 
     def __iter__(self):
         it = iter(self.loader)
+        snapshot = getattr(self.loader, "state_dict", None)
+        self._state = snapshot() if snapshot is not None else None
         base = int(torch.randint(1 << 62, (), generator=self._gen))  # this pass's crops
         clock, st = time.perf_counter, self.stats
         ahead: list = []
@@ -139,6 +142,7 @@ class GPUDecoder(LoaderView):
                 batch = next(it, END)
                 if batch is END:
                     return
+                state = snapshot() if snapshot is not None else None
                 t1 = clock()
                 item = self.decode_batch(batch)
                 t2 = clock()
@@ -147,10 +151,11 @@ class GPUDecoder(LoaderView):
                 st.add_time("loader", t1 - t0)
                 st.add_time("decode", t2 - t1)
                 st.add_time("augment", t3 - t2)
+                self._state = state
                 yield out
         pipe = Pipeline(self, it, base)
         try:
-            while True:
+            for k in itertools.count():
                 t0 = clock()
                 self.throttle(ahead)
                 t1 = clock()
@@ -165,9 +170,24 @@ class GPUDecoder(LoaderView):
                     cur.wait_event(event)
                     for t in iter_tensors((images, labels)):
                         t.record_stream(cur)
+                self._state = pipe.states.pop(k, self._state)  # batches arrive in order
                 yield images, labels
         finally:
             pipe.close()
+
+    def state_dict(self) -> dict:
+        """The loader's state as of the last batch handed out to the consumer (the decode
+        threads run batches ahead): resuming from it continues with the next unseen batch.
+        Needs ``make_gpu_loader(..., stateful=True)``. Crops after a resume are new draws."""
+        if not hasattr(self.loader, "state_dict"):
+            raise TypeError("GPUDecoder.state_dict needs a loader with state_dict(): use "
+                            "make_gpu_loader(..., stateful=True)")
+        return {"loader": self._state if self._state is not None else self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``iter()`` starts at the first batch not handed out before."""
+        self.loader.load_state_dict(state["loader"])
+        self._state = state["loader"]
 
     def throttle(self, ahead: list) -> None:
         """Let the consumer queue at most ``max_ahead`` steps beyond what the GPU finished.

@@ -35,9 +35,15 @@ class Pipeline:
         self.queues = [self.out]
         streams, lock, count = dec.streams, threading.Lock(), itertools.count()
 
-        def src():  # one batch and its number, atomically
+        snapshot = getattr(dec.loader, "state_dict", None)
+        self.states: dict = {}  # batch number -> the loader's state right after it was drawn
+
+        def src():  # one batch and its number (and the loader's state then), atomically
             with lock:
-                return next(count), next(it)
+                n, batch = next(count), next(it)
+                if snapshot is not None:
+                    self.states[n] = snapshot()
+                return n, batch
         self._ordered = None
         if dec.options.overlap == 1:
             stages = [("decode+augment", src, functools.partial(_both, dec, dec.decoders[0], base),

@@ -37,6 +37,7 @@ def ratio(cell: str) -> float:
 def test_cpu_and_build_rows(tiny):
     out, lines, root = tiny
     assert list(root.iterdir()) == []  # the data folder is removed
+    assert not [n for n in out["notes"] if "failed" in n], out["notes"]
     rows = {(r["section"], r["name"]): r for r in out["rows"]}
     base = ("folder: torchvision CocoDetection + v2 letterbox" if torchvision_baseline()
             else "folder: CocoFolderDataset + DecodeLetterbox")

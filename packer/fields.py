@@ -187,6 +187,14 @@ def data_problem(v: Any, depth: int = 0) -> str:
     if isinstance(v, float):
         return "" if math.isfinite(v) else "holds NaN or inf (refused)"
     if isinstance(v, (list, tuple)):
+        if v and not isinstance(v[0], (list, tuple, dict, str)):
+            try:  # a flat list of numbers (a polygon): checked at C speed
+                a = array("d", v)
+            except TypeError:
+                pass  # not all numbers: the loop below says which
+            else:
+                if all(map(math.isfinite, a)) and max(map(abs, a)) < INT64[1]:
+                    return ""
         for x in v:
             p = data_problem(x, depth + 1)
             if p:

@@ -72,8 +72,8 @@ class DetectionDemoResult(DemoResult):
                          f"compared.")
         lines.append("Both decode the same JPEGs with DecodeLetterbox through the same "
                      "DataLoader settings; here every byte is in RAM, so decoding bounds both "
-                     "and about 1x is expected. Packing pays where reading is the limit: "
-                     "scripts/bench_detection.py --slow-disk measures it.")
+                     "and about 1x is expected. Packing pays where reading is the limit (a "
+                     "cold or slow disk: docs/benchmarks.md has the measurement).")
         lines += [f"Note: {n}" for n in self.notes]
         if self.dir is None:
             lines.append("Nothing was kept (temporary folder and staged copy removed). Keep the "

@@ -26,6 +26,7 @@ from ._fsio import FolderLock
 from ._system import die_with_parent, usable_cores
 from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
 from .errors import PackerError
+from .fields import encode
 from .format import LABEL_FIELD, MANIFEST, crc32, read_manifest
 from .packing import Packing
 from .source import IMG_EXTENSIONS, ImageList, is_utf8, parse_part, read_list, scan_folder, select
@@ -103,7 +104,9 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
         bar = tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
                    desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05)
         try:
-            _pack(source, run, _process(source, run.start, workers, transcode, max_pixels), bar)
+            maker = FieldMaker(source, run.fields)
+            _pack(source, run, _process(source, run.start, workers, transcode, max_pixels,
+                                        maker), bar)
         except BaseException:
             run.abort()
             raise
@@ -161,29 +164,23 @@ def source_schema(source: ImageList) -> dict:
 
 
 def _pack(source: ImageList, run: Packing, results: Iterator, bar) -> None:
-    """Checked images, in entry order, into the run: fields fitted to each image's size."""
-    ann = source.annotations
-    has_label = any(f["name"] == "label" for f in run.fields)
+    """Checked images, in entry order, into the run (their fields fitted to each image's size
+    and encoded by the workers)."""
     in_bytes = 0
     for i, status, payload, nbytes in results:
         bar.update(1)
         in_bytes += nbytes
-        rel, label = source.entries[i]
+        rel = source.entries[i][0]
         if status == "ok":
-            data, crc, width, height, fmt, mode = payload
+            data, crc, width, height, fmt, mode, stored, reasons = payload
             data = data if data is not None else reread(source.root, rel, crc)
             if data is None:
                 status, payload = "skip", "changed or vanished while the build read it"
         if status == "skip":
             run.skip(i, rel, payload)
         else:
-            values: dict = {"label": label} if has_label else {}
-            if ann is not None:
-                row, reasons = (ann.fit(ann.rows[i], width, height) if ann.fit is not None
-                                else (ann.rows[i], []))
-                run.drop(i, rel, reasons)
-                values.update(row)
-            run.add(i, rel, data, width, height, fmt, mode, values)
+            run.drop(i, rel, reasons)
+            run.add(i, rel, data, width, height, fmt, mode, stored, encoded=True)
         if bar.n % 256 == 0:
             rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
             bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(run.skipped), refresh=False)
@@ -211,10 +208,13 @@ def _is_within(path: Path, folder: Path) -> bool:
 
 # -- workers ---------------------------------------------------------------------------------
 
-def _work(task) -> Tuple[int, str, object, int]:
-    """Runs in a worker: read, check (and maybe transcode) one image. The result carries the
-    stored bytes only when transcoded (else the writer re-reads them, see ``reread``)."""
+def _work(task, fields: Optional["FieldMaker"] = None) -> Tuple[int, str, object, int]:
+    """Runs in a worker: read, check (and maybe transcode) one image, fit its annotation to
+    its size and encode its fields (work the single writer process need not do). The result
+    carries the stored bytes only when transcoded (else the writer re-reads them, see
+    ``reread``)."""
     i, root, rel, transcode, max_pixels = task
+    fields = fields or _WORKER_FIELDS[0]
     if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
         return i, "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
                            "-t utf8 --notest SRC`)"), 0
@@ -227,8 +227,33 @@ def _work(task) -> Tuple[int, str, object, int]:
         c = check_image(data, transcode=transcode, max_pixels=max_pixels)
     except BadImage as e:
         return i, "skip", str(e), len(data)
-    stored = c.data if transcode is not None else None
-    return i, "ok", (stored, crc32(c.data), c.width, c.height, c.format, c.mode), len(data)
+    try:
+        stored, reasons = fields.encoded(i, c.width, c.height)
+    except ValueError as e:
+        return i, "skip", f"annotation: {e}", len(data)
+    kept = c.data if transcode is not None else None
+    return i, "ok", (kept, crc32(c.data), c.width, c.height, c.format, c.mode, stored,
+                     reasons), len(data)
+
+
+class FieldMaker:
+    """Each entry's stored fields for an image of a given size: its label, and its
+    annotation row fitted (``Annotations.fit``) and encoded (``packer.fields``). Picklable,
+    so the build's workers make them; forked workers share the rows without copying."""
+
+    def __init__(self, source: ImageList, fields: list):
+        self.source, self.fields = source, fields
+        self.has_label = any(f["name"] == "label" for f in fields)
+
+    def encoded(self, i: int, width: int, height: int):
+        ann = self.source.annotations
+        values: dict = {"label": self.source.entries[i][1]} if self.has_label else {}
+        reasons: list = []
+        if ann is not None:
+            row, reasons = (ann.fit(ann.rows[i], width, height) if ann.fit is not None
+                            else (ann.rows[i], []))
+            values.update(row)
+        return encode(self.fields, values), reasons
 
 
 def reread(root: Path, rel: str, crc: int) -> Optional[bytes]:
@@ -246,14 +271,19 @@ def reread(root: Path, rel: str, crc: int) -> Optional[bytes]:
     return data if crc32(data) == crc else None
 
 
-def _worker_init(parent: int) -> None:
+_WORKER_FIELDS: list = [None]  # a worker's FieldMaker, set once when the worker starts
+
+
+def _worker_init(parent: int, fields: "FieldMaker") -> None:
     # Ctrl-C reaches the whole process group: only the parent handles it (and terminates the
     # pool). A worker dying of KeyboardInterrupt mid-queue-operation can hang Pool.terminate().
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)
+    _WORKER_FIELDS[0] = fields  # forked: inherited, not pickled (spawn: pickled once)
 
 
-def _process(source: ImageList, start: int, workers: int, transcode, max_pixels) -> Iterator:
+def _process(source: ImageList, start: int, workers: int, transcode, max_pixels,
+             fields: "FieldMaker") -> Iterator:
     """Results in entry order, with at most a few chunks per worker in flight.
 
     On an error (a full disk, Ctrl-C) queued chunks are cancelled and running ones finish
@@ -264,11 +294,11 @@ def _process(source: ImageList, start: int, workers: int, transcode, max_pixels)
     tasks = ((i, root, rel, transcode, max_pixels)
              for i, (rel, _) in enumerate(source.entries) if i >= start)
     if workers == 0:
-        yield from map(_work, tasks)
+        yield from (_work(t, fields) for t in tasks)
         return
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                               initargs=(os.getpid(),))
+                               initargs=(os.getpid(), fields))
     pending: Deque[Future] = deque()
     try:
         while True:

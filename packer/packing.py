@@ -76,11 +76,11 @@ class Packing:
         self.dropped.extend({"path": printable(path), "reason": r, "entry": entry} for r in reasons)
 
     def add(self, entry: int, path: str, image: bytes, width: int, height: int, fmt: str,
-            mode: str, values: Dict[str, Any]) -> bool:
-        """Store one checked image with its field ``values``; False (and skipped) if the
-        values do not fit the schema."""
+            mode: str, values: Dict[str, Any], *, encoded: bool = False) -> bool:
+        """Store one checked image with its field ``values`` (already ``encoded`` by a
+        build worker, or encoded here); False (and skipped) if they do not fit the schema."""
         try:
-            stored = encode(self.fields, values)
+            stored = values if encoded else encode(self.fields, values)
         except ValueError as e:
             self.skip(entry, path, f"annotation: {e}")
             return False

@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import packer
+import PIL
 from packer._system import pil_info, usable_cores
 from packer.cli import main
 from packer.doctor import doctor, format_doctor
@@ -50,7 +51,29 @@ def test_format_doctor_for_other_environments():
     text = format_doctor(stock)
     assert "CUDA not available" in text
     assert "triton   not available" in text and "pip install triton" in text
-    assert "Pillow-SIMD has SIMD resize and convert: pip uninstall -y pillow && pip install pillow-simd" in text
+    assert ("Pillow-SIMD has SIMD resize and convert: pip uninstall -y pillow pillow-simd && "
+            "CC='cc -mavx2' pip install --no-cache-dir --no-binary pillow-simd pillow-simd") in text
+    # pip says pillow-simd, the imported module is stock Pillow: one line names it and the fix.
+    lying = dict(base, pil=dict(base["pil"], simd=False, mismatch=True, flavour="Pillow",
+                                installed=["pillow-simd 9.5.0.post1"], module="/x/PIL"))
+    line = next(ln for ln in format_doctor(lying).splitlines() if "pip lists" in ln)
+    assert "pip lists pillow-simd 9.5.0.post1, but the PIL imported from /x/PIL is stock Pillow" in line
+    assert "fix: pip uninstall -y pillow pillow-simd" in line
+
+
+def test_pil_info_judges_the_imported_module(tmp_path, monkeypatch):
+    """Stock Pillow's files over Pillow-SIMD's (what installing torchvision does): pip still
+    lists pillow-simd, the imported extension lacks Pillow-SIMD's SIMD kernel."""
+    info = pil_info()
+    assert info["simd"] == (info["simd_kernel"] or ".post" in info["version"])
+    fake = tmp_path / "_imaging.so"
+    fake.write_bytes(b"\x7fELF stock pillow without the kernel")
+    import PIL._imaging
+    monkeypatch.setattr(PIL._imaging, "__file__", str(fake))
+    monkeypatch.setattr(PIL, "__version__", "12.1.1")
+    stock = pil_info()
+    assert stock["flavour"] == "Pillow" and not stock["simd"] and not stock["simd_kernel"]
+    assert stock["mismatch"] == any("simd" in d.lower() for d in stock["installed"])
 
 
 def test_packer_doctor_command():

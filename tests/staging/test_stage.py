@@ -396,5 +396,5 @@ def test_stage_once_per_node_with_torch_distributed(dst, tmp_path):
     assert ok1["copied"] == [] and ok1["waited"] and ok1["kept"]
     same_records(dst, target)
     # A failure on local rank 0 reaches every rank instead of leaving them waiting.
-    assert "not a packer dataset" in bad0["error"]
+    assert "does not exist" in bad0["error"]
     assert "failed on local rank 0" in bad1["error"]

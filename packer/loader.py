@@ -16,6 +16,8 @@ import torch
 from torch.utils.data import DataLoader, default_collate, get_worker_info
 
 from ._system import usable_cores
+from .epochs import EpochBatches, EpochLoader
+from .sampler import PackedSampler
 
 try:  # the extensible collate (torch >= 2.0); older torch falls back to default_collate
     from torch.utils.data._utils.collate import collate as _collate
@@ -131,7 +133,7 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
                 channels_last: bool = True, pin_memory: Optional[bool] = None,
                 prefetch_factor: Optional[int] = None, persistent_workers: bool = True,
                 multiprocessing_context=None, collate_fn: Optional[Callable] = None,
-                stateful: bool = False, **kwargs) -> DataLoader:
+                stateful: bool = False, across_epochs: bool = True, **kwargs):
     """A ``DataLoader`` set up for throughput; every choice can be overridden.
 
     Args:
@@ -160,6 +162,10 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
             process has threads or CUDA state that must not be forked.
         collate_fn: default ``collate_uint8`` with ``channels_last`` (``collate_detection``
             for a detection ``PackedDataset``).
+        across_epochs: with a ``PackedSampler`` and workers, the workers run on into the
+            next epoch instead of idling at every epoch's end (``packer.epochs``): the
+            result is an ``EpochLoader`` (one epoch per ``iter()``, ``len``, ``sampler``,
+            ``set_epoch`` as on a DataLoader). ``False`` gives the plain DataLoader.
         stateful: return torchdata's ``StatefulDataLoader`` (same arguments): its
             ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at the next unseen batch;
             wrap it in ``CUDAPrefetcher`` / ``GPUDecoder`` and checkpoint *their* state, which
@@ -181,29 +187,40 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
         raise ValueError("shuffle=True and sampler= are exclusive: the sampler decides the order "
                          "(DistributedSampler shuffles by itself; call its set_epoch each epoch)")
     _check_decoded(dataset)
+    num_workers = _workers(num_workers, prefetch_factor, multiprocessing_context, kwargs)
+    persistent_workers = persistent_workers and num_workers > 0
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    if collate_fn is None:
+        collate_fn = default_collate_for(dataset, channels_last)
+    if across_epochs and isinstance(sampler, PackedSampler) and num_workers and not stateful:
+        batches = EpochBatches(sampler, batch_size, drop_last)
+        return EpochLoader(DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
+                                      collate_fn=collate_fn, pin_memory=pin_memory,
+                                      persistent_workers=persistent_workers, **kwargs), batches)
+    return _loader_class(stateful)(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+               num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+               drop_last=drop_last, persistent_workers=persistent_workers, **kwargs)
+
+
+def _workers(num_workers, prefetch_factor, context, kwargs: dict) -> int:
+    """The worker count (checked), with prefetch_factor and context put into ``kwargs``."""
     if num_workers is None:
         num_workers = default_num_workers()
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process), "
                          f"got {num_workers!r}")
-    if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
     if num_workers == 0:
         if prefetch_factor is not None:
             raise ValueError("prefetch_factor needs num_workers > 0 (it counts batches per worker)")
-        persistent_workers = False
-    else:
-        if prefetch_factor is None:
-            prefetch_factor = max(2, math.ceil(TOTAL_PREFETCH / num_workers))
-        if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
-        kwargs["prefetch_factor"] = prefetch_factor
-        kwargs["multiprocessing_context"] = multiprocessing_context
-    if collate_fn is None:
-        collate_fn = default_collate_for(dataset, channels_last)
-    return _loader_class(stateful)(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-               num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
-               drop_last=drop_last, persistent_workers=persistent_workers, **kwargs)
+        return 0
+    if prefetch_factor is None:
+        prefetch_factor = max(2, math.ceil(TOTAL_PREFETCH / num_workers))
+    if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
+    kwargs["prefetch_factor"] = prefetch_factor
+    kwargs["multiprocessing_context"] = context
+    return num_workers
 
 
 def default_collate_for(dataset, channels_last: bool = True) -> Callable:

@@ -16,6 +16,7 @@ with DDP.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Any, Dict, Iterator, Optional, Sized
 
@@ -235,6 +236,28 @@ class PackedSampler(Sampler[int]):
                 self._consumed = start + i * w
                 yield index
         self._start = 0  # a finished pass: the next one starts the (next) epoch from the top
+
+    @property
+    def start(self) -> int:
+        """The global position the next pass starts at (0, or where a resume left off)."""
+        return self._start
+
+    def epoch_copy(self, epoch: Optional[int] = None) -> "PackedSampler":
+        """A copy at the position it is now, or at the start of ``epoch``: what a loader that
+        runs ahead iterates, leaving this sampler (its epoch, its state) the caller's."""
+        out = copy.copy(self)
+        out._cache = self._cache
+        if epoch is not None and epoch != self.epoch:
+            out.epoch, out._start, out._consumed, out._cache = int(epoch), 0, 0, None
+        return out
+
+    def received(self, consumed: int, *, done: bool = False) -> None:
+        """Record that the training loop has received ``consumed`` samples (global) of this
+        epoch: a loader iterating a copy reports here, so ``state_dict`` stays exact. After
+        the epoch's last batch (``done``) the next pass starts the epoch from the top."""
+        self._consumed = int(consumed)
+        if done:
+            self._start = 0
 
     def state_dict(self, consumed: Optional[int] = None) -> Dict[str, int]:
         """``{"seed", "epoch", "consumed", "size"}``; ``consumed`` overrides the sampler's count.

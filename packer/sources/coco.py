@@ -189,7 +189,20 @@ def read_images(file: Path, imgs: List[Any]) -> Tuple[Dict[int, str], List[Dict[
 
 
 def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, int, Dict[str, Any]]:
-    """``(id, image id, category id, fields)``, the record's shape checked."""
+    """``(id, image id, category id, fields)``, the record's shape checked (the common,
+    well-formed record at a glance; anything else through the checks that name the problem)."""
+    if type(ann) is dict:
+        aid, iid, cid = ann.get("id"), ann.get("image_id"), ann.get("category_id")
+        bbox, area, crowd = ann.get("bbox"), ann.get("area"), ann.get("iscrowd", 0)
+        seg = ann.get("segmentation", [])
+        if (type(aid) is int and type(iid) is int and type(cid) is int
+                and 0 <= min(aid, iid, cid) and max(aid, iid, cid) <= INT64_MAX
+                and type(bbox) is list and len(bbox) == 4 and set(map(type, bbox)) <= NUMBER_TYPES
+                and (crowd == 0 or crowd == 1) and type(crowd) is int
+                and type(area) in NUMBER_TYPES and math.isfinite(area) and area >= 0
+                and segmentation_ok(seg)):
+            return aid, iid, cid, {"bbox": [float(x) for x in bbox], "area": float(area),
+                                   "iscrowd": crowd, "segmentation": seg}
     aid = need(file, f"annotations[{k}]", ann, "id", is_id, "a non-negative integer")
     where = f"annotations[{k}] (id {aid})"
     iid = need(file, where, ann, "image_id", is_id, "a non-negative integer")

@@ -1,0 +1,100 @@
+"""No stall at epoch boundaries: one DataLoader stream that runs on into the next epoch.
+
+A plain DataLoader starts the next epoch's first batches only when the new epoch's iterator
+is made, after the last batch of the current one: every worker idles for the time one batch
+takes to decode (about a second for 256 ImageNet JPEGs on one worker), and so does the GPU.
+``PackedSampler`` knows every epoch's order in advance, so here the batch sampler goes on
+from epoch *e*'s last batch to epoch *e + 1*'s first, and the workers never stop:
+:class:`EpochLoader` hands out one epoch per ``iter()`` from that endless stream.
+
+The stream draws each epoch from a copy of the sampler (the caller's sampler, its epoch and
+its ``state_dict`` stay the caller's). If the caller's next epoch is not the one the stream
+ran on into (``set_epoch`` to another number, a resume, an epoch abandoned midway), the
+prefetched batches are dropped and the stream restarts there: correct first, fast when used
+as a training loop uses it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, List, Optional
+
+from .prefetch import LoaderView
+from .sampler import PackedSampler
+
+__all__ = ["EpochBatches", "EpochLoader"]
+
+
+class EpochBatches:
+    """Batches of ``sampler``'s indices, epoch after epoch, never ending; a batch never spans
+    two epochs (the last one of an epoch may be short unless ``drop_last``)."""
+
+    def __init__(self, sampler: PackedSampler, batch_size: int, drop_last: bool = False):
+        self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), bool(drop_last)
+
+    def per_epoch(self, samples: int) -> int:
+        """Batches of an epoch of ``samples`` on this rank."""
+        return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
+
+    def __len__(self) -> int:  # one epoch's worth, as DataLoader's len() reports it
+        return self.per_epoch(len(self.sampler))
+
+    def __iter__(self) -> Iterator[List[int]]:
+        epoch = self.sampler.epoch_copy()  # from the caller's position (a resume), once
+        while True:
+            batch: List[int] = []
+            for index in epoch:
+                batch.append(index)
+                if len(batch) == self.batch_size:
+                    yield batch
+                    batch = []
+            if batch and not self.drop_last:
+                yield batch
+            epoch = epoch.epoch_copy(epoch.epoch + 1)
+
+
+class EpochLoader(LoaderView):
+    """One epoch per ``iter()``, from a DataLoader whose workers run on into the next epoch
+    (``make_loader`` returns one for a ``PackedSampler``; see the module docstring).
+
+    ``len()``, ``.dataset``, ``.sampler`` (the caller's ``PackedSampler``), ``set_epoch``
+    work as on the DataLoader; the sampler's ``state_dict`` counts the batches handed out.
+    """
+
+    def __init__(self, loader, batches: EpochBatches):
+        self.loader, self.batches = loader, batches
+        self._it: Optional[Iterator] = None
+        self._at: Optional[tuple] = None  # (epoch, start position) the stream is at
+
+    @property
+    def sampler(self) -> PackedSampler:
+        return self.batches.sampler
+
+    @property
+    def batch_size(self) -> int:
+        return self.batches.batch_size
+
+    def __getattr__(self, name: str):  # num_workers, pin_memory...: the DataLoader's
+        if name.startswith("_") or name in ("loader", "batches"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batches.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        s = self.batches.sampler
+        step = self.batches.batch_size * s.num_replicas  # global samples per batch
+        want = (s.epoch, s.start)
+        if self._it is None or self._at != want:
+            self._it = iter(self.loader)  # a new stream from the sampler as it is now
+        count = self.batches.per_epoch(len(s))
+        start = s.start
+        self._at = None  # mid-epoch: a new iter() before the end restarts the stream
+        for k in range(count):
+            batch = next(self._it)
+            s.received(min(start + (k + 1) * step, s.size), done=k + 1 == count)
+            yield batch
+        self._at = (s.epoch + 1, 0)  # the stream already runs into the next epoch

@@ -1,0 +1,107 @@
+"""``EpochLoader`` (packer.epochs): the workers run on into the next epoch, and every epoch
+still holds exactly the batches a plain DataLoader over the same ``PackedSampler`` gives —
+with ``set_epoch``, without it, abandoned midway, resumed, split across ranks."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from packer import PackedSampler, make_loader
+from packer.epochs import EpochLoader
+
+
+class Indices(Dataset):
+    """Returns its index as a uint8-image-shaped sample (make_loader batches those), and,
+    when ``log`` is given, when it was loaded."""
+
+    def __init__(self, n: int, delay: float = 0.0, log=None):
+        self.n, self.delay, self.log = n, delay, log
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay)
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(f"{i} {time.monotonic()}\n")
+        return torch.zeros(3, 2, 2, dtype=torch.uint8), i
+
+
+def epochs_of(loader, epochs, set_epoch=True):
+    out = []
+    for e in range(epochs):
+        if set_epoch:
+            loader.sampler.set_epoch(e) if isinstance(loader, DataLoader) else loader.set_epoch(e)
+        out.append([y.tolist() for _, y in loader])
+    return out
+
+
+def plain(ds, sampler, bs, drop_last=False):
+    return make_loader(ds, bs, sampler=sampler, num_workers=2, across_epochs=False,
+                       drop_last=drop_last, pin_memory=False)
+
+
+@pytest.mark.parametrize("n, bs, world, drop_last", [(50, 8, 1, False), (50, 8, 2, True),
+                                                     (33, 4, 3, False)])
+def test_same_batches_as_a_plain_loader_every_epoch(n, bs, world, drop_last):
+    ds = Indices(n)
+    for rank in range(world):
+        mk = lambda: PackedSampler(ds, seed=3, num_replicas=world, rank=rank,  # noqa: E731
+                                   drop_last=drop_last)
+        fast = make_loader(ds, bs, sampler=mk(), num_workers=2, drop_last=drop_last,
+                           pin_memory=False)
+        assert isinstance(fast, EpochLoader) and len(fast) == len(plain(ds, mk(), bs, drop_last))
+        assert epochs_of(fast, 3) == epochs_of(plain(ds, mk(), bs, drop_last), 3)
+        # Without set_epoch every epoch repeats (here epoch 2), as with the plain loader.
+        again = plain(ds, mk(), bs, drop_last)
+        again.sampler.set_epoch(2)
+        assert epochs_of(fast, 2, set_epoch=False) == epochs_of(again, 1, set_epoch=False) * 2
+
+
+def test_abandoned_epoch_and_resume_restart_the_stream_where_the_sampler_is():
+    ds, bs = Indices(40), 4
+    s = PackedSampler(ds, seed=1)
+    fast = make_loader(ds, bs, sampler=s, num_workers=2, pin_memory=False)
+    it = iter(fast)
+    first = [next(it)[1].tolist() for _ in range(3)]
+    state = s.state_dict()
+    assert state["consumed"] == 12  # what the loop received, not what the workers fetched
+    del it
+    rest = [y.tolist() for _, y in fast]  # abandoned midway: the epoch restarts from the top
+    assert rest[:3] == first and len(rest) == 10
+    s2 = PackedSampler(ds, seed=1)
+    s2.load_state_dict(state)
+    resumed = make_loader(ds, bs, sampler=s2, num_workers=2, pin_memory=False)
+    assert [y.tolist() for _, y in resumed] == rest[3:]
+    s2.set_epoch(1)
+    assert [y.tolist() for _, y in resumed] == epochs_of(plain(ds, PackedSampler(ds, seed=1), bs),
+                                                         2)[1]
+
+
+def test_next_epochs_first_batches_are_loaded_before_this_epoch_ends(tmp_path):
+    log = tmp_path / "loads.txt"
+    ds, bs = Indices(32, delay=0.01, log=log), 4
+    s = PackedSampler(ds, seed=2)
+    fast = make_loader(ds, bs, sampler=s, num_workers=2, pin_memory=False)
+    s.set_epoch(0)
+    for _ in fast:
+        time.sleep(0.02)  # the training step
+    end_of_epoch0 = time.monotonic()
+    time.sleep(0.3)  # the end of epoch work (evaluation, checkpoint): the workers go on
+    s.set_epoch(1)
+    epoch1 = [y.tolist() for _, y in fast]
+    first = set(epoch1[0])
+    loads = [line.split() for line in log.read_text().splitlines()]
+    # Epoch 1's first batch was loaded (by the workers, ahead) before epoch 0 was over for
+    # the loop: the last ones loaded for epoch 0 come after its first ones, so look at the
+    # last load of each index of epoch 1's first batch.
+    when = {int(i): float(t) for i, t in loads}
+    assert all(when[i] < end_of_epoch0 + 0.3 for i in first)
+    assert sum(1 for i, t in loads if float(t) < end_of_epoch0) > 32  # beyond epoch 0's 32
+    assert os.getpid()

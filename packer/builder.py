@@ -27,7 +27,7 @@ from ._system import die_with_parent, usable_cores
 from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
 from .errors import PackerError
 from .fields import encode
-from .format import LABEL_FIELD, MANIFEST, crc32, read_manifest
+from .format import LABEL_FIELD, MANIFEST, crc32, pack_fields, read_manifest
 from .packing import Packing
 from .source import IMG_EXTENSIONS, ImageList, is_utf8, parse_part, read_list, scan_folder, select
 
@@ -104,7 +104,7 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
         bar = tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
                    desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05)
         try:
-            maker = FieldMaker(source, run.fields)
+            maker = FieldMaker(source, run.fields, run.column_names)
             _pack(source, run, _process(source, run.start, workers, transcode, max_pixels,
                                         maker), bar)
         except BaseException:
@@ -172,7 +172,7 @@ def _pack(source: ImageList, run: Packing, results: Iterator, bar) -> None:
         in_bytes += nbytes
         rel = source.entries[i][0]
         if status == "ok":
-            data, crc, width, height, fmt, mode, stored, reasons = payload
+            data, crc, width, height, fmt, mode, fields, columns, reasons = payload
             data = data if data is not None else reread(source.root, rel, crc)
             if data is None:
                 status, payload = "skip", "changed or vanished while the build read it"
@@ -180,7 +180,7 @@ def _pack(source: ImageList, run: Packing, results: Iterator, bar) -> None:
             run.skip(i, rel, payload)
         else:
             run.drop(i, rel, reasons)
-            run.add(i, rel, data, width, height, fmt, mode, stored, encoded=True)
+            run.add_packed(i, rel, data, width, height, fmt, mode, fields, columns)
         if bar.n % 256 == 0:
             rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
             bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(run.skipped), refresh=False)
@@ -228,21 +228,22 @@ def _work(task, fields: Optional["FieldMaker"] = None) -> Tuple[int, str, object
     except BadImage as e:
         return i, "skip", str(e), len(data)
     try:
-        stored, reasons = fields.encoded(i, c.width, c.height)
+        packed, columns, reasons = fields.encoded(i, c.width, c.height)
     except ValueError as e:
         return i, "skip", f"annotation: {e}", len(data)
     kept = c.data if transcode is not None else None
-    return i, "ok", (kept, crc32(c.data), c.width, c.height, c.format, c.mode, stored,
+    return i, "ok", (kept, crc32(c.data), c.width, c.height, c.format, c.mode, packed, columns,
                      reasons), len(data)
 
 
 class FieldMaker:
     """Each entry's stored fields for an image of a given size: its label, and its
-    annotation row fitted (``Annotations.fit``) and encoded (``packer.fields``). Picklable,
-    so the build's workers make them; forked workers share the rows without copying."""
+    annotation row fitted (``Annotations.fit``), encoded (``packer.fields``) and packed as
+    msgpack, with the values its side tables take. The build's workers make them, so the
+    writer process only concatenates; forked workers share the rows without copying."""
 
-    def __init__(self, source: ImageList, fields: list):
-        self.source, self.fields = source, fields
+    def __init__(self, source: ImageList, fields: list, column_names: list):
+        self.source, self.fields, self.column_names = source, fields, column_names
         self.has_label = any(f["name"] == "label" for f in fields)
 
     def encoded(self, i: int, width: int, height: int):
@@ -253,7 +254,8 @@ class FieldMaker:
             row, reasons = (ann.fit(ann.rows[i], width, height) if ann.fit is not None
                             else (ann.rows[i], []))
             values.update(row)
-        return encode(self.fields, values), reasons
+        stored = encode(self.fields, values)
+        return pack_fields(stored), {k: stored[k] for k in self.column_names}, reasons
 
 
 def reread(root: Path, rel: str, crc: int) -> Optional[bytes]:

@@ -19,6 +19,7 @@ import math
 import re
 import sys
 from array import array
+from itertools import chain
 from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import FormatError
@@ -148,6 +149,13 @@ def encode_value(f: dict, v: Any) -> Any:
 def encode_array(f: dict, v: Any) -> bytes:
     """Nested lists, an ``array.array``, a tensor or a numpy array -> little-endian bytes."""
     code = DTYPES[f["dtype"]]
+    rows = f["shape"][1:]
+    if len(rows) == 1 and isinstance(v, list) and v and isinstance(v[0], (list, tuple)):
+        try:  # rows of numbers (boxes): flattened in C; anything odd: the general path says
+            if set(map(len, v)) == {rows[0]}:
+                v = array(code, chain.from_iterable(v))
+        except (TypeError, OverflowError):
+            pass
     if hasattr(v, "detach"):  # a torch tensor: no torch import needed here
         v = v.detach().cpu().reshape(-1).tolist()
     elif hasattr(v, "tolist") and not isinstance(v, array):  # numpy
@@ -188,12 +196,12 @@ def data_problem(v: Any, depth: int = 0) -> str:
         return "" if math.isfinite(v) else "holds NaN or inf (refused)"
     if isinstance(v, (list, tuple)):
         if v and not isinstance(v[0], (list, tuple, dict, str)):
-            try:  # a flat list of numbers (a polygon): checked at C speed
-                a = array("d", v)
-            except TypeError:
-                pass  # not all numbers: the loop below says which
+            try:  # a flat list of numbers (a polygon): one pass at C speed. A finite sum of
+                total = math.fsum(map(abs, v))  # magnitudes bounds every value (ints fit
+            except TypeError:                   # int64); anything else: the loop says why
+                pass
             else:
-                if all(map(math.isfinite, a)) and max(map(abs, a)) < INT64[1]:
+                if total < INT64[1]:  # False for NaN and inf too
                     return ""
         for x in v:
             p = data_problem(x, depth + 1)

@@ -12,7 +12,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import msgpack
 
@@ -86,10 +86,34 @@ def pack_record(image: bytes, *, path: str, width: int, height: int, format: str
                 fields: Optional[Dict[str, Any]] = None) -> bytes:
     """Serialize one record: its image, its own keys, and its stored ``fields`` (see
     ``packer.fields.encode``); the checksum covers the stored image bytes."""
-    return msgpack.packb({
-        "image": image, **(fields or {}), "path": path, "width": int(width),
-        "height": int(height), "format": format, "mode": mode, "crc32": crc32(image),
-    }, use_bin_type=True)
+    return record_bytes(image, path=path, width=width, height=height, format=format, mode=mode,
+                        fields=pack_fields(fields or {}))
+
+
+def pack_fields(fields: Dict[str, Any]) -> "PackedFields":
+    """Stored fields as msgpack key-value pairs, ready to splice into a record: the build's
+    workers pack them, so the single writer process only concatenates."""
+    return PackedFields(b"".join(PACK(k) + PACK(v) for k, v in fields.items()), len(fields))
+
+
+class PackedFields(NamedTuple):
+    pairs: bytes  # msgpack key, value, key, value...
+    count: int
+
+
+PACK = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+
+
+def record_bytes(image: bytes, *, path: str, width: int, height: int, format: str, mode: str,
+                 fields: PackedFields) -> bytes:
+    """The record as a msgpack map: image first, then the fields, then the record's own keys
+    (the same bytes ``msgpack.packb`` gives for that dict)."""
+    n = 7 + fields.count
+    head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
+    return b"".join((head, PACK("image"), PACK(image), fields.pairs, PACK("path"), PACK(path),
+                     PACK("width"), PACK(int(width)), PACK("height"), PACK(int(height)),
+                     PACK("format"), PACK(format), PACK("mode"), PACK(mode),
+                     PACK("crc32"), PACK(crc32(image))))
 
 
 def unpack_record(data: bytes) -> Dict[str, Any]:

@@ -21,8 +21,8 @@ from ._system import pil_summary
 from .errors import PackerError
 from .fields import COLUMN_DTYPE, DTYPES, encode, is_column
 from .format import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, PATHS_INDEX,
-                     PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file, pack_record,
-                     unpack_record)
+                     PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, PackedFields, column_file,
+                     pack_fields, record_bytes, unpack_record)
 from .shardfile import shard_records
 from .text import printable
 from .writer import ShardWriter, disk_errors, write_table
@@ -53,6 +53,8 @@ class Packing:
         for f in self.fields:
             if is_column(f) and f["name"] != "label":
                 self.columns[f["name"]] = array(DTYPES[COLUMN_DTYPE[f["type"]]])
+        self.column_names = [n for n in self.columns if n not in SIZE_COLUMNS]
+        self.column_names += ["label"] if self.has_label else []
         self.writer: Optional[ShardWriter] = None
         self.shard_note = None  # () -> dict: more facts for a finished shard's journal entry
         if self.shards:
@@ -76,23 +78,33 @@ class Packing:
         self.dropped.extend({"path": printable(path), "reason": r, "entry": entry} for r in reasons)
 
     def add(self, entry: int, path: str, image: bytes, width: int, height: int, fmt: str,
-            mode: str, values: Dict[str, Any], *, encoded: bool = False) -> bool:
-        """Store one checked image with its field ``values`` (already ``encoded`` by a
-        build worker, or encoded here); False (and skipped) if they do not fit the schema."""
+            mode: str, values: Dict[str, Any]) -> bool:
+        """Store one checked image with its field ``values``; False (and skipped) if they do
+        not fit the schema."""
         try:
-            stored = values if encoded else encode(self.fields, values)
+            stored = encode(self.fields, values)
         except ValueError as e:
             self.skip(entry, path, f"annotation: {e}")
             return False
+        self.add_packed(entry, path, image, width, height, fmt, mode, pack_fields(stored),
+                        self.column_values(stored))
+        return True
+
+    def column_values(self, stored: Dict[str, Any]) -> Dict[str, Any]:
+        """The stored values that also go to side tables (label and scalar columns)."""
+        return {k: stored[k] for k in self.column_names}
+
+    def add_packed(self, entry: int, path: str, image: bytes, width: int, height: int,
+                   fmt: str, mode: str, fields: PackedFields, columns: Dict[str, Any]) -> None:
+        """Store one checked image whose fields a build worker encoded and packed already."""
         if self.writer is None:
             self.writer = ShardWriter(self.dst / SHARD_PATTERN.format(len(self.shards)),
                                       expected_bytes=self.shard_size)
-        self.writer.append(pack_record(image, path=path, width=width, height=height, format=fmt,
-                                       mode=mode, fields=stored))
-        self._columns(stored, path, width, height)
+        self.writer.append(record_bytes(image, path=path, width=width, height=height,
+                                        format=fmt, mode=mode, fields=fields))
+        self._columns(columns, path, width, height)
         if self.writer.bytes >= self.shard_size:
             self.end_shard(entry + 1)
-        return True
 
     def _columns(self, stored: Dict[str, Any], path: str, width: int, height: int) -> None:
         self.path_text += path.encode("utf-8")

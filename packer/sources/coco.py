@@ -236,6 +236,10 @@ def segmentation_ok(seg: Any) -> bool:
     return False
 
 
+def shown_box(box) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in box) + "]"
+
+
 def fit_coco(row: Dict[str, Any], width: int, height: int):
     """XYWH boxes -> XYXY clipped to the image; degenerate or outside boxes dropped (with
     their other fields, so every per-object array stays aligned)."""
@@ -243,18 +247,17 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
     reasons = []
     for i, box in enumerate(row["bbox"]):
         aid = row["ann_ids"][i]
-        shown = "[" + ", ".join(f"{v:g}" for v in box) + "]"
         x, y, w, h = box
-        if not all(math.isfinite(v) for v in box):
-            reasons.append(f"annotation {aid}: box {shown} holds a non-finite number")
+        if not math.isfinite(x + y + w + h):
+            reasons.append(f"annotation {aid}: box {shown_box(box)} holds a non-finite number")
             continue
         if w <= 0 or h <= 0:
-            reasons.append(f"annotation {aid}: zero or negative size box {shown}")
+            reasons.append(f"annotation {aid}: zero or negative size box {shown_box(box)}")
             continue
         x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)
         if x1 <= x0 or y1 <= y0:
-            reasons.append(f"annotation {aid}: box {shown} lies outside the {width}x{height} "
-                           f"image")
+            reasons.append(f"annotation {aid}: box {shown_box(box)} lies outside the "
+                           f"{width}x{height} image")
             continue
         area = row["area"][i]
         boxes.append([float(x0), float(y0), float(x1), float(y1)])

@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""The stall at every epoch boundary: a plain DataLoader against EpochLoader.
+
+A fixed wait per batch stands in for the training step (set a little longer than the loader
+needs per batch, so a perfect loader is never waited on); several epochs run with set_epoch,
+and the table shows the fraction of the ideal speed kept and the wait for each epoch's first
+batch. The measurement is ``packer.bench.epochs``.
+
+    python scripts/bench_epochs.py                  # makes 1,000 photo JPEGs and packs them
+    python scripts/bench_epochs.py --data DST --rounds 7
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from packer.bench.epochs import bench_epochs, epochs_table
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, help="a packed dataset (default: make --images and pack)")
+    ap.add_argument("--images", type=int, default=1000)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=None, help="default: the usable cores")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data
+        if data is None:
+            from packer import build
+            from packer.demo import make_image_folder
+            src = make_image_folder(Path(tmp) / "src", images=args.images, classes=10)
+            data = Path(tmp) / "packed"
+            build(src, data, progress=False)
+        res = bench_epochs(data, batch_size=args.batch_size, workers=args.workers,
+                           epochs=args.epochs, rounds=args.rounds)
+    print("\n" + epochs_table(res))
+    print("command: " + shlex.join([sys.executable, *sys.argv]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

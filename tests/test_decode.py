@@ -198,3 +198,28 @@ def test_random_resized_crop_bad_arguments(kw):
 def test_center_crop_bad_fraction(fraction):
     with pytest.raises(ValueError, match="crop_fraction must be in"):
         DecodeCenterCrop(224, crop_fraction=fraction)
+
+
+@pytest.mark.parametrize("size, scale_up", [((320, 480), True), ((640, 640), True),
+                                            ((1000, 1200), False)])
+def test_letterbox_backends_agree_with_a_pil_reference(photo_jpeg, size, scale_up):
+    """Both resizers give PIL's BILINEAR pixels inside the letterbox, grey 114 outside."""
+    from packer.decode import DecodeLetterbox
+    im = Image.open(io.BytesIO(photo_jpeg)).convert("RGB")
+    w, h = im.size
+    oh, ow = size
+    r = min(oh / h, ow / w) if scale_up else min(oh / h, ow / w, 1.0)
+    nw, nh = round(w * r), round(h * r)
+    top, left = (oh - nh) // 2, (ow - nw) // 2
+    ref = torch.full((3, oh, ow), 114, dtype=torch.uint8)
+    ref[:, top:top + nh, left:left + nw] = as_tensor(im.resize((nw, nh), Image.BILINEAR,
+                                                               reducing_gap=None))
+    for backend in ("pil", "torch"):
+        out, crop, flipped = DecodeLetterbox(size, scale_up=scale_up, resize=backend).decode_crop(
+            photo_jpeg)
+        assert out.shape == (3, oh, ow) and out.dtype == torch.uint8 and not flipped
+        assert mean_abs_diff(out, ref) < 1.0, backend  # draft decoding may differ a little
+        pad = torch.ones(oh, ow, dtype=torch.bool)
+        pad[top:top + nh, left:left + nw] = False
+        assert bool((out[:, pad] == 114).all())
+        assert crop == pytest.approx((-left / r, -top / r, (ow - left) / r, (oh - top) / r))

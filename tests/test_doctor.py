@@ -8,7 +8,6 @@ import torch
 from click.testing import CliRunner
 
 import packer
-import PIL
 from packer._system import pil_info, usable_cores
 from packer.cli import main
 from packer.doctor import doctor, format_doctor

@@ -21,8 +21,9 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .format import unpack_record
+from .format import dataset_schema, unpack_record
 from .dataset import to_sample
+from .targets import TargetMaker
 from .reader import ShardReader
 from .sampler import global_order, rank_count, resolve_world, seed_for
 
@@ -57,6 +58,7 @@ class PackedIterableDataset(IterableDataset):
             raise ValueError(f"block_size must be >= 1 record, got {block_size}")
         self.root = os.fspath(root)
         self.reader = ShardReader(root)
+        self.make_target = TargetMaker(dataset_schema(self.reader.manifest))
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.shuffle_buffer, self.block_size = bool(shuffle), int(shuffle_buffer), int(block_size)
         self.seed, self.drop_last = int(seed), bool(drop_last)
@@ -102,7 +104,8 @@ class PackedIterableDataset(IterableDataset):
             yield self._sample(data)
 
     def _sample(self, data: bytes) -> Tuple[Any, Any]:
-        return to_sample(unpack_record(data), self.decode, self.transform, self.target_transform)
+        return to_sample(unpack_record(data), self.decode, self.transform, self.target_transform,
+                         make_target=self.make_target)
 
     def __repr__(self) -> str:
         return (f"PackedIterableDataset({self.root!r}, {len(self.reader)} records, "

@@ -146,3 +146,16 @@ def test_packed_sampler_with_packed_dataset_and_make_loader(packed):
         assert labels == [ds.target(i) for i in order[rank::2]]
         got.append(labels)
     assert len(got[0]) == len(got[1]) == N // 2
+
+
+def test_streaming_a_detection_dataset_gives_its_targets(tmp_path):
+    from packer import PackedIterableDataset, PackedDataset, build
+    from packer.demo.scenes import make_detection_folder
+    root = make_detection_folder(tmp_path / "det", images=10, seed=1)
+    build(root / "images", tmp_path / "p", coco=root / "annotations.json", progress=False,
+          workers=0)
+    by_id = {t["image_id"]: t for _, t in PackedDataset(tmp_path / "p")}
+    got = [t for _, t in PackedIterableDataset(tmp_path / "p", shuffle=False)]
+    assert len(got) == 10
+    for t in got:
+        assert t["boxes"].tolist() == by_id[t["image_id"]]["boxes"].tolist()

@@ -141,6 +141,7 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         classes=classes, class_counts=counts, shards=shards, labels=written.get("labels"),
         offsets=written["offsets"], columns=columns or None, paths=paths,
         schema=first.get("schema"), dropped=dropped, extra=extra,
+        dropped_count=sum(m.get("dropped_count", len(m.get("dropped", []))) for _, m in mans),
         skipped=skipped, source=first.get("source", ""),
         options=dict(first.get("options") or {}, part=None,
                      merged_from=[str(p) for p, _ in mans]))

@@ -192,7 +192,7 @@ def _offsets(dst: Path, shards: List[dict]) -> array:
 
 def new_manifest(*, classes, shards, skipped, source, options, labels=None, offsets=None,
                  class_counts=None, schema=None, columns=None, paths=None, dropped=(),
-                 extra=None) -> dict:
+                 dropped_count=None, extra=None) -> dict:
     """A manifest with every key readers expect, in a stable order."""
     man: Dict[str, Any] = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "packer_version": __version__,
@@ -211,7 +211,7 @@ def new_manifest(*, classes, shards, skipped, source, options, labels=None, offs
             man[key] = value
     man["skipped"] = skipped
     if dropped:
-        man["dropped_count"] = len(dropped)
+        man["dropped_count"] = len(dropped) if dropped_count is None else dropped_count
         man["dropped"] = [{"path": d["path"], "reason": d["reason"]} for d in dropped[:MAX_DROPPED]]
     man.update(extra or {})
     man.update({"source": source, "options": options, "pil": pil_summary(),

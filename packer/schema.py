@@ -145,6 +145,17 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
             raise c.fail(f"skipped[{k}]", "must be an object")
         c.str(s, "path", f"skipped[{k}].path")
         c.str(s, "reason", f"skipped[{k}].reason")
+    for k, d in enumerate(c.list(man, "dropped", "dropped") if "dropped" in man else []):
+        if not isinstance(d, dict):
+            raise c.fail(f"dropped[{k}]", "must be an object")
+        c.str(d, "path", f"dropped[{k}].path")
+        c.str(d, "reason", f"dropped[{k}].reason")
+    if "dropped_count" in man:
+        c.int(man, "dropped_count", "dropped_count")
+    for k, cat in enumerate(c.list(man, "categories", "categories") if "categories" in man else []):
+        if not isinstance(cat, dict) or not isinstance(cat.get("name"), str) or not (
+                isinstance(cat.get("id"), int) and not isinstance(cat.get("id"), bool)):
+            raise c.fail(f"categories[{k}]", "must be an object with an int id and a str name")
     c.dict(man, "options", "options", optional=True)
     c.dict(man, "staged", "staged", optional=True)
     for key in ("source", "pil", "created", "packer_version", "build_id"):

@@ -194,3 +194,16 @@ def test_writer_refuses_nan_and_names_sample(tmp_path, photo_src):
               progress=False)
     assert not (tmp_path / "d" / "manifest.json").exists()
     assert msgpack  # plain msgpack is all a record is (see test_format)
+
+
+@pytest.mark.parametrize("key, value", [("dropped", [{"path": 1, "reason": "x"}]),
+                                        ("dropped_count", "\x1b[31m"),
+                                        ("categories", [{"id": "1", "name": "a"}])])
+def test_annotation_keys_of_the_manifest_are_validated(tmp_path, photo_src, key, value):
+    dst = tmp_path / "d"
+    build(photo_src, dst, progress=False, workers=0)
+    man = json.loads((dst / "manifest.json").read_text())
+    man[key] = value
+    (dst / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(FormatError, match=key):
+        read_manifest(dst)

@@ -3,9 +3,9 @@
 Each block is a whole program: it makes its own data with ``packer.demo`` (under
 ``/tmp/packer-docs``), and its GPU parts degrade as the docs say when there is no CUDA. Each
 runs in a fresh interpreter whose working directory is an empty temporary folder. A block
-that imports an optional package missing here (torchvision, torchdata: ``scripts/setup.sh``
-installs both) is skipped with the reason; a block whose first line is
-``# not runnable: <why>`` is skipped with that reason.
+that needs an optional package which does not import here (torchvision, torchdata:
+``scripts/setup.sh`` installs both) is skipped, saying so; so is a block whose first line is
+``# not runnable: <why>``.
 """
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MARKDOWN = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 NOT_RUNNABLE = "# not runnable:"
-OPTIONAL = ("torchvision", "torchdata")  # imported by some snippets; set-up installs them
+# Optional packages some snippets need (scripts/setup.sh installs both), and what shows it:
+# an import, or make_loader(stateful=True), which returns torchdata's StatefulDataLoader.
+OPTIONAL = {"torchvision": r"^\s*(import|from)\s+torchvision\b",
+            "torchdata": r"^\s*(import|from)\s+torchdata\b|\bstateful=True"}
 TIMEOUT = 120
+DOCS_DATA = "/tmp/packer-docs"  # where the snippets make their data
 STAGED = Path("/dev/shm/packer-docs-train")  # where docs/staging.md's snippets stage
 
 
@@ -70,9 +74,8 @@ def importable(module: str) -> bool:
 
 
 def missing_optional(code: str) -> List[str]:
-    wanted = [m for m in OPTIONAL
-              if re.search(rf"^\s*(import|from)\s+{m}\b", code, flags=re.M)]
-    return [m for m in wanted if not importable(m)]
+    return [m for m, used in OPTIONAL.items()
+            if re.search(used, code, flags=re.M) and not importable(m)]
 
 
 def snippet_env() -> dict:
@@ -104,7 +107,9 @@ def test_snippet_runs(snippet: Snippet, tmp_path):
         pytest.skip(f"needs {', '.join(missing)}, which does not import here "
                     f"(scripts/setup.sh installs it)")
     script = tmp_path / "snippet.py"
-    script.write_text(snippet.code, "utf-8")
+    # The docs write under /tmp/packer-docs; each run gets its own copy of that folder, so
+    # two test runs on one machine (or a reader trying the docs meanwhile) never collide.
+    script.write_text(snippet.code.replace(DOCS_DATA, str(tmp_path / "packer-docs")), "utf-8")
     work = tmp_path / "cwd"
     work.mkdir()
     try:

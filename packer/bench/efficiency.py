@@ -1,0 +1,73 @@
+"""What ``scripts/bench_loader_efficiency.py`` measures: loader efficiency, as issue 16 defines
+it — images/s of ``make_loader`` with W workers ÷ (W × one core's images/s for the same
+per-sample work).
+
+One core's rate is the dataset's own ``ds[i]`` (read, unpack, decode + crop, target) in a
+plain loop in this process, over the same samples the loader reads, by wall time on an
+otherwise idle machine; the loader reads them through ``make_loader`` (its default collate,
+no pinning, a fixed order) after its first batch. The two alternate round by round, so
+drift in the machine's speed touches both; the median of the rounds' ratios is reported.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+from torch.utils.data import Subset
+
+from .._system import usable_cores
+from ..dataset import PackedDataset
+from ..decode import DecodeRandomResizedCrop
+from ..loader import make_loader
+
+
+def one_core_rate(ds, indices: List[int]) -> float:
+    t0 = time.perf_counter()
+    for i in indices:
+        ds[i]
+    return len(indices) / (time.perf_counter() - t0)
+
+
+def loader_rate(ds, indices: List[int], batch_size: int, workers: int) -> float:
+    loader = make_loader(Subset(ds, indices), batch_size, num_workers=workers, shuffle=False,
+                         pin_memory=False, persistent_workers=False)
+    it = iter(loader)
+    next(it)  # workers started, first batch out: not counted
+    t0, n = time.perf_counter(), 0
+    for x, _ in it:
+        n += len(x)
+    return n / (time.perf_counter() - t0)
+
+
+def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,
+                     samples: int = 1024, rounds: int = 5, size: int = 224,
+                     log: Callable[[str], None] = print) -> Dict[str, List[float]]:
+    """Per round: one core's rate, the loader's rate, and their ratio per worker."""
+    workers = workers or usable_cores()
+    ds = PackedDataset(root, decode=DecodeRandomResizedCrop(size))
+    n = min(samples, len(ds))
+    core_indices = list(range(0, n, max(1, workers)))  # a share of the same samples
+    indices = list(range(n))
+    out: Dict[str, List[float]] = {"core": [], "loader": [], "efficiency": []}
+    for r in range(rounds):
+        core = one_core_rate(ds, core_indices)
+        loader = loader_rate(ds, indices, batch_size, workers)
+        out["core"].append(core)
+        out["loader"].append(loader)
+        out["efficiency"].append(loader / (workers * core))
+        log(f"round {r + 1}/{rounds}: one core {core:,.0f}/s, loader with {workers} workers "
+            f"{loader:,.0f}/s: efficiency {loader / (workers * core):.3f}")
+    return out
+
+
+def efficiency_table(res: Dict[str, List[float]], workers: int) -> str:
+    med = {k: statistics.median(v) for k, v in res.items()}
+    return "\n".join([
+        "| measure | median | spread |", "|---|---:|---|",
+        f"| one core, `ds[i]` loop (images/s) | {med['core']:,.0f} | "
+        f"{min(res['core']):,.0f}-{max(res['core']):,.0f} |",
+        f"| `make_loader`, {workers} workers (images/s) | {med['loader']:,.0f} | "
+        f"{min(res['loader']):,.0f}-{max(res['loader']):,.0f} |",
+        f"| efficiency = loader / ({workers} x one core) | {med['efficiency']:.3f} | "
+        f"{min(res['efficiency']):.3f}-{max(res['efficiency']):.3f} |"])

@@ -1,0 +1,17 @@
+"""The loader-efficiency benchmark (packer.bench.efficiency) runs and reports its ratio."""
+from __future__ import annotations
+
+from packer import build
+from packer.bench.efficiency import bench_efficiency, efficiency_table
+
+
+def test_bench_efficiency_dry_run(photo_src, tmp_path):
+    dst = tmp_path / "d"
+    build(photo_src, dst, progress=False, workers=0)
+    lines = []
+    res = bench_efficiency(dst, workers=2, batch_size=8, samples=48, rounds=1, size=64,
+                           log=lines.append)
+    assert all(len(v) == 1 and v[0] > 0 for v in res.values())
+    assert abs(res["efficiency"][0] - res["loader"][0] / (2 * res["core"][0])) < 1e-9
+    assert "efficiency = loader / (2 x one core)" in efficiency_table(res, 2)
+    assert lines[0].startswith("round 1/1: one core")

@@ -95,7 +95,7 @@ class TrainRunner(Runner):
         """Throughput from the wall clock between two synchronizes; data wait from marks
         recorded on the device stream around each step (events on CUDA), so the loop keeps
         its natural overlap: the host is never made to wait inside the timed steps."""
-        it = iter(feed)
+        it = (as_labels(x, y) for x, y in feed)
         try:
             for _ in range(warmup):
                 step(*next(it))
@@ -124,6 +124,15 @@ class TrainRunner(Runner):
             return {}
         return {"images_per_s": n / el, "data_wait_ms": marks.mean_gap_ms(),
                 "host_wait_ms": 1e3 * host_wait / steps}
+
+
+def as_labels(x: torch.Tensor, y):
+    """``(x, labels)`` for the classification step every variant times: a detection or
+    multi-field dataset's targets (lists, dicts) become a stand-in label of 0 per image,
+    since what the bench measures is how fast images reach the model."""
+    if not torch.is_tensor(y):
+        y = torch.zeros(len(x), dtype=torch.long, device=x.device)
+    return x, y
 
 
 def _repeat(batch):
@@ -158,7 +167,8 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainS
 
         def gen():
             for x, y in src:  # the copy and normalize are queued on the training stream
-                yield (step.normalize(x.to(device, non_blocking=pin)), y.to(device, non_blocking=pin))
+                y = y.to(device, non_blocking=pin) if torch.is_tensor(y) else y  # (detection: lists)
+                yield step.normalize(x.to(device, non_blocking=pin)), y
         g = gen()
         closers.insert(0, g.close)
         return g, closers

@@ -126,3 +126,19 @@ def test_script_help():
     for flag in ("--cpu", "--build", "--gpu", "--slow-disk", "--images", "--workers", "--rounds",
                  "--json"):
         assert flag in proc.stdout
+
+
+def test_packer_bench_runs_on_a_detection_dataset(tmp_path):
+    """`packer bench` (its training harness run on the CPU) feeds a detection dataset's
+    images to the step; the targets (lists of dicts) do not break it."""
+    from packer import build
+    from packer.bench.run import run_bench
+    from packer.demo.scenes import make_detection_folder
+    root = make_detection_folder(tmp_path / "det", images=24, seed=2)
+    build(root / "images", tmp_path / "p", coco=root / "annotations.json", progress=False,
+          workers=0)
+    rep = run_bench(tmp_path / "p", cuda=True, device="cpu", model="tiny", repeats=1,
+                    seconds_per_variant=0.3, workers=[1], batch_size=4, progress=False,
+                    max_images=16, cold_cache=False)
+    trained = [r for r in rep.results if r["kind"] == "train" and "synthetic" not in r["name"]]
+    assert trained and all(r["images_per_s"] > 0 for r in trained)

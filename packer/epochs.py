@@ -63,7 +63,7 @@ class EpochLoader(LoaderView):
     def __init__(self, loader, batches: EpochBatches):
         self.loader, self.batches = loader, batches
         self._it: Optional[Iterator] = None
-        self._at: Optional[tuple] = None  # (epoch, start position) the stream is at
+        self._at: Optional[tuple] = None  # (epoch, start, seed, shuffle, order) the stream is at
 
     @property
     def sampler(self) -> PackedSampler:
@@ -87,7 +87,7 @@ class EpochLoader(LoaderView):
     def __iter__(self):
         s = self.batches.sampler
         step = self.batches.batch_size * s.num_replicas  # global samples per batch
-        want = (s.epoch, s.start)
+        want = (s.epoch, s.start, s.seed, s.shuffle, s.order)  # the order the stream must be
         if self._it is None or self._at != want:
             self._it = iter(self.loader)  # a new stream from the sampler as it is now
         count = self.batches.per_epoch(len(s))
@@ -97,4 +97,4 @@ class EpochLoader(LoaderView):
             batch = next(self._it)
             s.received(min(start + (k + 1) * step, s.size), done=k + 1 == count)
             yield batch
-        self._at = (s.epoch + 1, 0)  # the stream already runs into the next epoch
+        self._at = (s.epoch + 1, 0, s.seed, s.shuffle, s.order)  # already into the next epoch

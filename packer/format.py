@@ -119,7 +119,11 @@ def record_bytes(image: bytes, *, path: str, width: int, height: int, format: st
 def unpack_record(data: bytes) -> Dict[str, Any]:
     """A record's fields. Plain msgpack only: str as UTF-8, and extension types (which a
     format could hook to objects or code) refused, so a stranger's shard stays data."""
-    rec = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
+    try:
+        rec = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
+    except (ValueError, msgpack.UnpackException) as e:  # truncated, nested too deep, odd keys
+        raise FormatError(f"record is not valid msgpack ({type(e).__name__}: {str(e)[:120]}): a "
+                          f"damaged or foreign shard") from None
     if not isinstance(rec, dict) or "image" not in rec:
         raise FormatError("record is not a packer record (no 'image' field)")
     return rec

@@ -14,7 +14,8 @@ from .format import (crc32, dataset_schema, file_sha256, read_manifest, record_p
                      shard_file, side_tables, unpack_record)
 from ._system import human_size
 from .check import DEFAULT_MAX_PIXELS, BadImage, check_image
-from .reader import ShardReader, read_column, read_labels
+from .masks import segmentation_problem
+from .reader import ShardReader, read_column, read_labels, read_paths
 from .shardfile import shard_records
 from .targets import TargetMaker
 from .text import printable
@@ -174,12 +175,23 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
         max_pixels = DEFAULT_MAX_PIXELS
     reader = ShardReader(root, m)
     make_target = TargetMaker(dataset_schema(m))
+    try:
+        paths = read_paths(root, m)
+    except FormatError as e:
+        rep.problems.append(str(e))
+        paths = None
+    segmented = any(f["name"] == "segmentation" for f in dataset_schema(m)["fields"])
 
-    def target_problem(rec: dict) -> str:
+    def target_problem(rec: dict, i: int) -> str:
         try:
             make_target(rec)
         except FormatError as e:
             return str(e)
+        if paths is not None and paths[i] != rec["path"]:
+            return f"its path {printable(rec['path'])!r} != paths.utf8's {printable(paths[i])!r}"
+        if segmented:
+            problem = segmentation_problem(rec["segmentation"], rec["height"], rec["width"])
+            return f"segmentation: {problem}" if problem else ""
         return ""
     try:
         for i in tqdm(range(len(reader)), unit="rec", desc="records", disable=not progress):
@@ -190,7 +202,7 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
             except FormatError as e:
                 rep.problems.append(f"{where}: unreadable: {e}")
                 continue
-            problem = record_problem(rec, dataset_schema(m)["fields"]) or target_problem(rec)
+            problem = record_problem(rec, dataset_schema(m)["fields"]) or target_problem(rec, i)
             wrong = next((n for n, col in columns.items() if rec.get(n) != col[i]), None)
             if problem:
                 rep.problems.append(f"{where}: {problem}")
@@ -229,6 +241,9 @@ def ls_fields(root: os.PathLike) -> Iterator[dict]:
     try:
         for i in range(len(reader)):
             rec = reader.record(i)
+            problem = record_problem(rec, fields)
+            if problem:
+                raise FormatError(f"record {i} of {root}: {problem}; run `packer verify {root}`")
             row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
             for f in fields:
                 v = rec.get(f["name"])

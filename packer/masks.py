@@ -12,8 +12,43 @@ from typing import Any, List
 import torch
 
 
+MAX_MASK_PIXELS = 1 << 28  # a mask's height x width: beyond any image packer accepts
+
+
+def segmentation_problem(segmentation: Any, height: int, width: int) -> str:
+    """Why ``segmentation`` cannot give masks for a ``height`` x ``width`` image, or "" —
+    checked before anything is allocated (the record may come from a stranger)."""
+    if not (isinstance(height, int) and isinstance(width, int) and 0 < height and 0 < width
+            and height * width <= MAX_MASK_PIXELS):
+        return f"image size {width}x{height} is not a size masks can be made for"
+    if not isinstance(segmentation, list):
+        return "segmentation is not a list (one entry per object)"
+    for seg in segmentation:
+        if isinstance(seg, dict):
+            size, counts = seg.get("size"), seg.get("counts")
+            if size != [height, width]:
+                return f"an RLE of size {str(size)[:40]} on a {height}x{width} image"
+            if isinstance(counts, str):
+                try:
+                    counts = decode_counts(counts)
+                except (IndexError, ValueError):
+                    return "a compressed RLE string that does not decode"
+            if (not isinstance(counts, list) or not all(isinstance(c, int) and c >= 0
+                                                       for c in counts)
+                    or sum(counts) > height * width):
+                return "RLE counts that are not run lengths within the image"
+        elif not (isinstance(seg, list) and all(
+                isinstance(p, list) and all(isinstance(v, (int, float)) for v in p) for p in seg)):
+            return "a polygon that is not a list of numbers"
+    return ""
+
+
 def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
-    """``(N, height, width)`` uint8 masks, one per object's segmentation."""
+    """``(N, height, width)`` uint8 masks, one per object's segmentation (ValueError for a
+    segmentation that cannot be one: see ``segmentation_problem``)."""
+    problem = segmentation_problem(segmentation, height, width)
+    if problem:
+        raise ValueError(problem)
     out = torch.zeros((len(segmentation), height, width), dtype=torch.uint8)
     for k, seg in enumerate(segmentation):
         if isinstance(seg, dict):
@@ -81,6 +116,8 @@ def decode_counts(s: str) -> List[int]:
     while i < len(s):
         x, k, more = 0, 0, True
         while more:
+            if i >= len(s) or k > 12:
+                raise ValueError("a compressed RLE string cut short or out of range")
             c = ord(s[i]) - 48
             x |= (c & 0x1F) << (5 * k)
             more = bool(c & 0x20)

@@ -15,6 +15,7 @@ records of another dataset read with this one's offsets and labels.
 from __future__ import annotations
 
 import bisect
+from itertools import islice
 import os
 import stat
 import sys
@@ -94,6 +95,10 @@ class ShardReader:
         shard, local = self.locate(index)
         i = 2 * (self.starts[shard] + local)
         offset, length = self.offsets[i], self.offsets[i + 1]
+        if offset + length > self.identity[shard][2]:  # the table from a stranger: never trusted
+            raise FormatError(f"record {index}: offsets.u64 points past the end of "
+                              f"{self.paths[shard].name} (a damaged or crafted table); run "
+                              f"`packer verify {self.root}`")
         data = os.pread(self._fd(shard), length, offset)
         if len(data) != length:
             raise FormatError(f"{self.paths[shard]} is shorter than its offsets say; damaged shard")
@@ -188,10 +193,18 @@ def read_paths(root: os.PathLike, manifest: Optional[dict] = None) -> Optional[P
         return None
     ends = _read_table(Path(root), paths["index"], "paths", "Q", manifest["count"])
     text = _read_table(Path(root), paths["text"], "bytes of path text", "B", paths["text"]["bytes"])
-    if (ends[-1] if len(ends) else 0) != len(text):
-        raise FormatError(f"{Path(root) / paths['index']['path']} does not end where "
-                          f"{paths['text']['path']} does; the dataset is damaged")
-    return PathTable(ends, text.tobytes())
+    raw = text.tobytes()
+    if (ends[-1] if len(ends) else 0) != len(raw) or any(
+            a > b for a, b in zip(ends, islice(ends, 1, None))):
+        raise FormatError(f"{Path(root) / paths['index']['path']} does not index "
+                          f"{paths['text']['path']} (ends out of order or past its end); the "
+                          f"dataset is damaged")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError(f"{Path(root) / paths['text']['path']} is not UTF-8; the dataset is "
+                          f"damaged") from None
+    return PathTable(ends, raw)
 
 
 def read_column(root: os.PathLike, name: str, manifest: Optional[dict] = None) -> array:

@@ -12,7 +12,7 @@ from pathlib import PurePosixPath
 from typing import Any, Dict, List
 
 from .errors import FormatError
-from .fields import check_schema, detection_problem
+from .fields import COLUMN_DTYPE, check_schema, detection_problem
 
 MIN_RECORD_BYTES = 16  # an LMDB entry takes at least its node header and 8-byte key
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -128,6 +128,9 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
                                             f"{', '.join(COLUMN_WIDTH)}")
         if name not in fields and name not in ("width", "height"):
             raise c.fail(f"columns.{name}", "names no field of the schema")
+        want = "int32" if name in ("width", "height") else COLUMN_DTYPE.get(fields[name]["type"])
+        if t["dtype"] != want:
+            raise c.fail(f"columns.{name}.dtype", f"must be {want}, the dtype of its field")
         _table(c, t, f"columns.{name}", COLUMN_WIDTH[t["dtype"]], count)
     paths = c.dict(man, "paths", "paths", optional=True)
     if paths:

@@ -70,7 +70,7 @@ class TargetMaker:
     def __call__(self, rec: Dict[str, Any]) -> Any:
         try:
             return self.make(rec)
-        except (KeyError, TypeError, ValueError) as e:  # a record that does not match its schema
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:  # not its schema
             raise FormatError(f"record {printable(str(rec.get('path')))!s} does not match its "
                               f"dataset's schema ({type(e).__name__}: {e}); the shard is damaged "
                               f"or not from packer (run `packer verify`)") from None

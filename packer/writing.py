@@ -148,7 +148,7 @@ class DatasetWriter:
         data, path = image_bytes(sample["image"], i)
         path = str(sample.get("path", path))
         values = {k: v for k, v in sample.items() if k not in ("image", "path")}
-        digest = sample_digest(data, self.schema, values, i)
+        digest = sample_digest(data, self.schema, values, i, path)
         if i < self.replay:  # packed by the interrupted run: only checked to be the same
             self.digest.update(digest)
             if i + 1 == self.replay and self.digest.hexdigest() != self.want_digest:
@@ -226,14 +226,14 @@ def image_bytes(image: Any, i: int):
                       f"{type(image).__name__}")
 
 
-def sample_digest(data: bytes, schema: List[dict], values: dict, i: int) -> bytes:
-    """What makes a sample this sample: its image bytes and its encoded fields."""
+def sample_digest(data: bytes, schema: List[dict], values: dict, i: int, path: str) -> bytes:
+    """What makes a sample this sample: its image bytes, its path and its encoded fields."""
     try:
         stored = encode(schema, values)
     except ValueError as e:
         raise PackerError(f"sample {i}: {e}") from None
     h = hashlib.sha256(data)
-    h.update(msgpack.packb(stored, use_bin_type=True))
+    h.update(msgpack.packb([path, stored], use_bin_type=True))
     return h.digest()
 
 

@@ -143,11 +143,25 @@ def test_compressed_rle_decodes_like_the_counts_it_encodes():
 
 
 def test_polygon_masks_cover_their_polygon():
-    m = masks_of([[[10, 10, 30, 10, 30, 20, 10, 20]], {"counts": [0, 4], "size": [2, 2]}], 40, 50)
+    m = masks_of([[[10, 10, 30, 10, 30, 20, 10, 20]], {"counts": [0, 4], "size": [40, 50]}], 40, 50)
     assert m.shape == (2, 40, 50) and m.dtype == torch.uint8
     assert int(m[0].sum()) == 20 * 10  # COCO's pixel-centre rule: 20 x 10 pixels
     assert m[0, 15, 20] == 1 and m[0, 5, 5] == 0
-    assert int(m[1].sum()) == 4
+    assert int(m[1].sum()) == 4 and m[1, :4, 0].tolist() == [1, 1, 1, 1]  # column-major
+
+
+@pytest.mark.parametrize("seg, h, w, problem", [
+    ([{"counts": [1, 2], "size": [100000, 100000]}], 40, 50, "RLE of size"),
+    ([{"counts": [1, 2], "size": [-1, -1]}], 40, 50, "RLE of size"),
+    ([{"counts": "a", "size": [40, 50]}], 40, 50, "does not decode"),
+    ([{"counts": [5000], "size": [40, 50]}], 40, 50, "within the image"),
+    ([[["x"]]], 40, 50, "polygon"),
+    ([], 10 ** 6, 10 ** 6, "image size"),
+    ([], -5, 10, "image size"),
+])
+def test_hostile_segmentations_are_refused_before_allocating(seg, h, w, problem):
+    with pytest.raises(ValueError, match=problem):
+        masks_of(seg, h, w)
 
 
 # -- records that do not match their schema ----------------------------------------------------

@@ -73,7 +73,7 @@ def test_unpack_record_refuses_non_records(jpeg):
 
 
 def test_unpack_record_refuses_non_string_map_keys():
-    with pytest.raises(ValueError, match="not allowed for map key"):
+    with pytest.raises(FormatError, match="not valid msgpack .*not allowed for map key"):
         unpack_record(msgpack.packb({1: b"x", "image": b"y"}))
 
 

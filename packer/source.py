@@ -115,7 +115,7 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
     empty = []
     for label, cls in enumerate(classes):
         before = len(entries)
-        for dirpath, _, fnames in sorted(_walk(root / cls)):
+        for dirpath, _, fnames in sorted(walk(root / cls)):
             rel_dir = os.path.relpath(dirpath, root)
             for fname in sorted(fnames):
                 if is_valid_file(os.path.join(dirpath, fname)):
@@ -133,7 +133,7 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
     return ImageList(root, classes, entries)
 
 
-def _walk(top: Path):
+def walk(top: Path):
     """``os.walk(top, followlinks=True)`` (ImageFolder's walk), minus symlink loops.
 
     A link back to a folder's own ancestor would make os.walk descend until paths grow too
@@ -145,8 +145,9 @@ def _walk(top: Path):
             there = os.path.realpath(os.path.join(dirpath, d))
             if here == there or here.startswith(there.rstrip(os.sep) + os.sep):
                 dirnames.remove(d)
-                warnings.warn(f"skipping {os.path.join(dirpath, d)}: a symlink back to its own "
-                              f"ancestor {there} (a loop)", SymlinkLoopWarning, stacklevel=3)
+                warnings.warn(f"skipping {printable(os.path.join(dirpath, d))}: a symlink back "
+                              f"to its own ancestor {printable(there)} (a loop)",
+                              SymlinkLoopWarning, stacklevel=3)
         yield dirpath, dirnames, fnames
 
 

@@ -20,12 +20,11 @@ import json
 import math
 import os
 import re
-import warnings
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
-from ..source import Annotations, ImageList, SymlinkLoopWarning, is_utf8
+from ..source import Annotations, ImageList, is_utf8, walk
 from ..text import printable
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
@@ -98,18 +97,6 @@ def walk_files(root: Path, want) -> List[str]:
         rel_dir = os.path.relpath(dirpath, root)
         found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames) if want(f))
     return found
-
-
-def walk(top: Path):
-    for dirpath, dirnames, fnames in os.walk(top, followlinks=True):
-        here = os.path.realpath(dirpath)
-        for d in list(dirnames):
-            there = os.path.realpath(os.path.join(dirpath, d))
-            if here == there or here.startswith(there.rstrip(os.sep) + os.sep):
-                dirnames.remove(d)
-                warnings.warn(f"skipping {show(os.path.join(dirpath, d))}: a symlink back to "
-                              f"its own ancestor (a loop)", SymlinkLoopWarning, stacklevel=3)
-        yield dirpath, dirnames, fnames
 
 
 def fit_identity(row: Dict[str, Any], width: int, height: int):

@@ -29,15 +29,8 @@ def make_image(rng: random.Random, photos: List[Image.Image]) -> bytes:
     short = rng.randint(300, 500)
     aspect = rng.choice([4 / 3, 3 / 2, 1.0, 16 / 9, 3 / 4])
     w, h = (round(short * aspect), short) if aspect >= 1 else (short, round(short / aspect))
-    # Crop a region of the photo between 45% and 100% of its size with the target aspect.
-    bw, bh = base.size
-    r, frac = w / h, rng.uniform(0.45, 1.0)
-    cw, ch = (bh * r, bh) if bw / bh > r else (bw, bw / r)
-    cw, ch = max(1, min(bw, round(cw * frac))), max(1, min(bh, round(ch * frac)))
-    x, y = rng.randint(0, bw - cw), rng.randint(0, bh - ch)
-    im = base.crop((x, y, x + cw, y + ch)).resize((w, h), Image.BICUBIC)
-    if rng.random() < 0.5:
-        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    # A region of the photo between 45% and 100% of its size with the target aspect.
+    im = random_crop(rng, base, w, h, (0.45, 1.0))
     im = ImageEnhance.Color(im).enhance(rng.uniform(0.6, 1.4))
     im = ImageEnhance.Brightness(im).enhance(rng.uniform(0.75, 1.25))
     # Upscaled crops are softer than camera photos; restore some detail so files and decode
@@ -48,6 +41,18 @@ def make_image(rng: random.Random, photos: List[Image.Image]) -> bytes:
     out = io.BytesIO()
     im.save(out, "JPEG", quality=rng.randint(75, 95))
     return out.getvalue()
+
+
+def random_crop(rng: random.Random, photo: Image.Image, w: int, h: int, frac) -> Image.Image:
+    """A random region of ``photo`` with the aspect of ``w`` x ``h``, its size a fraction in
+    ``frac`` of the largest such region, resized to ``w`` x ``h`` and flipped half the time."""
+    pw, ph = photo.size
+    r, f = w / h, rng.uniform(*frac)
+    cw, ch = (ph * r, ph) if pw / ph > r else (pw, pw / r)
+    cw, ch = max(1, min(pw, round(cw * f))), max(1, min(ph, round(ch * f)))
+    x, y = rng.randint(0, pw - cw), rng.randint(0, ph - ch)
+    im = photo.crop((x, y, x + cw, y + ch)).resize((w, h), Image.BICUBIC)
+    return im.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else im
 
 
 def _noise(w: int, h: int, sigma: float, seed: int) -> Image.Image:

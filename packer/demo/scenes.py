@@ -20,7 +20,7 @@ from typing import Collection, Dict, List, Tuple, Union
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
-from .images import PHOTOS, load_photos, make_image
+from .images import PHOTOS, load_photos, make_image, random_crop
 
 FIRST_IMAGE_ID, IMAGE_ID_STEP = 1000, 7
 MAX_OVERLAP = 0.3      # of the smaller box: objects may overlap, but none is mostly hidden
@@ -96,14 +96,7 @@ def _make_object(rng: random.Random, photo: Image.Image, w: int, h: int):
     scale, aspect = rng.uniform(0.05, 0.6), math.exp(rng.uniform(-0.7, 0.7))
     ow = round(w * min(0.6, max(0.05, scale * math.sqrt(aspect))))
     oh = round(h * min(0.6, max(0.05, scale / math.sqrt(aspect))))
-    pw, ph = photo.size
-    r, frac = ow / oh, rng.uniform(0.25, 0.9)
-    cw, ch = (ph * r, ph) if pw / ph > r else (pw, pw / r)
-    cw, ch = max(1, min(pw, round(cw * frac))), max(1, min(ph, round(ch * frac)))
-    x, y = rng.randint(0, pw - cw), rng.randint(0, ph - ch)
-    patch = photo.crop((x, y, x + cw, y + ch)).resize((ow, oh), Image.BICUBIC)
-    if rng.random() < 0.5:
-        patch = patch.transpose(Image.FLIP_LEFT_RIGHT)
+    patch = random_crop(rng, photo, ow, oh, (0.25, 0.9))
     patch = ImageEnhance.Brightness(patch).enhance(rng.uniform(0.8, 1.2))
     radius = max(0.8, min(ow, oh) * rng.uniform(0.01, 0.03))
     inset = math.ceil(2 * radius)  # room for the blur, so most of the feather stays on the mask

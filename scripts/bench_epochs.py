@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 
+from packer.bench.efficiency import packed_photos
 from packer.bench.epochs import bench_epochs, epochs_table
 
 
@@ -29,14 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        data = args.data
-        if data is None:
-            from packer import build
-            from packer.demo import make_image_folder
-            src = make_image_folder(Path(tmp) / "src", images=args.images, classes=10)
-            data = Path(tmp) / "packed"
-            build(src, data, progress=False)
+    with packed_photos(args.data, args.images) as data:
         res = bench_epochs(data, batch_size=args.batch_size, workers=args.workers,
                            epochs=args.epochs, rounds=args.rounds)
     print("\n" + epochs_table(res))

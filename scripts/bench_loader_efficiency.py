@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 from packer.loader import default_num_workers
-from packer.bench.efficiency import bench_efficiency, efficiency_table
+from packer.bench.efficiency import bench_efficiency, efficiency_table, packed_photos
 
 
 def main(argv=None) -> int:
@@ -27,14 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        data = args.data
-        if data is None:
-            from packer import build
-            from packer.demo import make_image_folder
-            src = make_image_folder(Path(tmp) / "src", images=args.images, classes=10)
-            data = Path(tmp) / "packed"
-            build(src, data, progress=False)
+    with packed_photos(args.data, args.images) as data:
         res = bench_efficiency(data, workers=args.workers, batch_size=args.batch_size,
                                samples=args.samples, rounds=args.rounds)
     print("\n" + efficiency_table(res, args.workers))

@@ -10,9 +10,12 @@ drift in the machine's speed touches both; the median of the rounds' ratios is r
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
+import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional
 
 from torch.utils.data import Subset
 
@@ -20,6 +23,21 @@ from .._system import usable_cores
 from ..dataset import PackedDataset
 from ..decode import DecodeRandomResizedCrop
 from ..loader import make_loader
+
+
+@contextlib.contextmanager
+def packed_photos(data: Optional[Path], images: int) -> Iterator[Path]:
+    """``data`` if given, else ``images`` photo JPEGs made and packed in a temporary folder
+    (removed afterwards): the data the loader benchmarks read."""
+    if data is not None:
+        yield Path(data)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        from ..builder import build
+        from ..demo import make_image_folder
+        src = make_image_folder(Path(tmp) / "src", images=images, classes=10)
+        build(src, Path(tmp) / "packed", progress=False)
+        yield Path(tmp) / "packed"
 
 
 def one_core_rate(ds, indices: List[int]) -> float:

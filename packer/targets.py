@@ -62,6 +62,7 @@ class TargetMaker:
             raise ValueError("masks=True needs a dataset with COCO segmentation "
                              "(built with --coco); this one has none")
         self.masks = masks
+        self.label_only = self.task == "classification" and list(self.fields) == ["label"]
 
     @property
     def detection(self) -> bool:
@@ -79,7 +80,7 @@ class TargetMaker:
         if self.names is not None:
             values = {n: self.value(n, rec[n]) for n in self.names}
             return values[self.names[0]] if self.single else values
-        if self.task == "classification" and list(self.fields) == ["label"]:
+        if self.label_only:  # ImageFolder's target: the per-sample path stays one lookup
             return rec["label"]
         if self.detection:
             return self.detection_target(rec)

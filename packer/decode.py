@@ -143,7 +143,7 @@ class DecodeLetterbox(CropDecoder):
     the boxes follow (the letterbox is a crop reaching past the image: ``decode_crop``).
 
     The resize is PIL's (BILINEAR, antialiased) under Pillow-SIMD, else torch's uint8
-    bilinear with antialias, which is about twice as fast as stock Pillow's here
+    bilinear with antialias: the same pixels, about 1.5x faster than stock Pillow here
     (docs/benchmarks.md); ``resize="pil"`` or ``"torch"`` picks one.
     """
 

@@ -2,12 +2,15 @@
 """The stall at every epoch boundary: a plain DataLoader against EpochLoader.
 
 A fixed wait per batch stands in for the training step (set a little longer than the loader
-needs per batch, so a perfect loader is never waited on); several epochs run with set_epoch,
+needs per batch, so a perfect loader is never waited on), or with --cuda MODEL a real
+training step on the GPU fed through CUDAPrefetcher, against the same step on a resident
+batch; several epochs run with set_epoch,
 and the table shows the fraction of the ideal speed kept and the wait for each epoch's first
 batch. The measurement is ``packer.bench.epochs``.
 
     python scripts/bench_epochs.py                  # makes 1,000 photo JPEGs and packs them
     python scripts/bench_epochs.py --data DST --rounds 7
+    python scripts/bench_epochs.py --cuda resnet50 --images 10000 --batch-size 256 --rounds 3
 """
 from __future__ import annotations
 
@@ -28,10 +31,14 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="default: the usable cores")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cuda", metavar="MODEL", default="",
+                    help="train MODEL (e.g. resnet50) on the GPU as the step (default workers: "
+                         "make_loader's)")
     args = ap.parse_args(argv)
     with packed_photos(args.data, args.images) as data:
         res = bench_epochs(data, batch_size=args.batch_size, workers=args.workers,
-                           epochs=args.epochs, rounds=args.rounds)
+                           epochs=args.epochs, rounds=args.rounds,
+                           cuda_model=args.cuda)
     print("\n" + epochs_table(res))
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     return 0

@@ -36,7 +36,9 @@ LOOP = textwrap.dedent('''
         import torch.distributed as dist
         dist.init_process_group("gloo")
     gpu = device == "gpu"
-    decode = packer.gpu.EncodedImage() if gpu else packer.DecodeCenterCrop(32)
+    if gpu:
+        from packer.gpu import EncodedImage
+    decode = EncodedImage() if gpu else packer.DecodeCenterCrop(32)
     ds = packer.PackedDataset(root, decode=decode, target_fields="uid")
     sampler = packer.PackedSampler(ds, seed=7, num_replicas=world, rank=rank)
     if gpu:

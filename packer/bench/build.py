@@ -21,10 +21,12 @@ from PIL import Image
 from .._system import pil_summary
 from ..builder import build
 from ..check import Transcode
+from ..dataset import PackedDataset
 from ..demo import make_image_folder
-from ..source import scan_folder
+from ..source import IMG_EXTENSIONS, scan_folder
 
-__all__ = ["DECODE", "GOAL", "bench_build", "build_table", "build_variants", "decode_rate"]
+__all__ = ["DECODE", "GOAL", "bench_build", "build_table", "build_variants", "decode_rate",
+           "sample_folder", "time_builds", "build_ratios"]
 
 DECODE = "decode 1 core"
 GOAL = 0.8  # build images/s >= GOAL x workers x one core's decode rate
@@ -60,27 +62,65 @@ def bench_build(src: Optional[os.PathLike] = None, *, workers: int, images: int 
         if src is None:
             src = make_image_folder(tmp / "src", images=images, classes=10,
                                     workers=max(1, workers), progress=progress)
-        entries = scan_folder(src).entries
-        if not entries:
-            raise ValueError(f"{src} holds no images")
-        total = sum(os.path.getsize(Path(src, rel)) for rel, _ in entries)
-        step = max(1, len(entries) // max(1, decode_sample))
-        sample = [Path(src, rel).read_bytes() for rel, _ in entries[::step]]
-        result = {"images": len(entries), "bytes": total, "workers": workers,
-                  "repeats": repeats, "pil": pil_summary()}
-        log(f"{len(entries)} images, {total / len(entries) / 1e3:.0f} KB mean, "
-            f"PIL: {result['pil']}, {workers} workers")
-        rows: Dict[str, List[float]] = {DECODE: []}
-        rows.update((name, []) for name, _ in build_variants())
-        for r in range(repeats):
-            rows[DECODE].append(decode_rate(sample))
-            for v, (name, transcode) in enumerate(build_variants()):
-                dst = tmp / f"dst-{r}-{v}"
-                res = build(src, dst, workers=workers, transcode=transcode, progress=False)
-                rows[name].append(len(entries) / res.seconds)
-                shutil.rmtree(dst)
+        return time_builds(src, tmp, workers=workers, repeats=repeats,
+                           decode_sample=decode_sample, variants=build_variants(), log=log)
+
+
+def time_builds(src: os.PathLike, tmp: Path, *, workers: int, repeats: int, decode_sample: int,
+                variants: Sequence[Tuple[str, Optional[Transcode]]],
+                log: Callable[[str], None] = print) -> dict:
+    """``bench_build``'s measurement of the image folder ``src``: ``decode_rate`` on about
+    ``decode_sample`` of its files, then a build of it per ``variants`` entry into ``tmp``
+    (removed after each), ``repeats`` times, interleaved. Returns what ``bench_build`` does."""
+    entries = scan_folder(src).entries
+    if not entries:
+        raise ValueError(f"{src} holds no images")
+    total = sum(os.path.getsize(Path(src, rel)) for rel, _ in entries)
+    step = max(1, len(entries) // max(1, decode_sample))
+    sample = [Path(src, rel).read_bytes() for rel, _ in entries[::step]]
+    result = {"images": len(entries), "bytes": total, "workers": workers,
+              "repeats": repeats, "pil": pil_summary()}
+    log(f"{len(entries)} images, {total / len(entries) / 1e3:.0f} KB mean, "
+        f"PIL: {result['pil']}, {workers} workers")
+    rows: Dict[str, List[float]] = {DECODE: []}
+    rows.update((name, []) for name, _ in variants)
+    for r in range(repeats):
+        rows[DECODE].append(decode_rate(sample))
+        for v, (name, transcode) in enumerate(variants):
+            dst = Path(tmp) / f"dst-{r}-{v}"
+            res = build(src, dst, workers=workers, transcode=transcode, progress=False)
+            rows[name].append(len(entries) / res.seconds)
+            shutil.rmtree(dst)
     result["rows"] = rows
     return result
+
+
+def sample_folder(root: os.PathLike, dest: os.PathLike, images: int) -> Path:
+    """``images`` of packed dataset ``root``'s stored image files, evenly spaced over it,
+    written unchanged as an image folder in ``dest`` (a folder per class label, all in one
+    without labels; each file's ending kept when it is an image ending, else ``.jpg``):
+    a copy of the dataset's own images for the build figure of ``packer bench``."""
+    ds = PackedDataset(root)
+    n = len(ds)
+    labeled = ds.manifest.get("labels") is not None
+    step = n / max(1, min(images, n))
+    try:
+        for k in range(min(images, n)):
+            i = int(k * step)
+            rec = ds.load(i)
+            ext = os.path.splitext(str(rec.get("path", "")))[1].lower()
+            folder = Path(dest, f"{ds.target(i):05d}" if labeled else "images")
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{i:09d}{ext if ext in IMG_EXTENSIONS else '.jpg'}").write_bytes(rec["image"])
+    finally:
+        ds.reader.close()
+    return Path(dest)
+
+
+def build_ratios(result: dict, variant: str, cores: int) -> List[float]:
+    """Per repeat of ``time_builds``: ``variant``'s images/s ÷ (cores x one core's decode)."""
+    rows = result["rows"]
+    return [b / (max(1, cores) * d) for b, d in zip(rows[variant], rows[DECODE])]
 
 
 def build_table(result: dict) -> str:

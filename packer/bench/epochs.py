@@ -1,11 +1,13 @@
 """What ``scripts/bench_epochs.py`` measures: the stall at every epoch boundary, with and
 without ``EpochLoader`` (``make_loader(..., across_epochs=...)``).
 
-A training step is stood in for by a fixed wait of ``step`` seconds in the main process (a
-GPU step: the main process only waits for it), set a little longer than the loader needs per
-batch inside an epoch, so a perfect loader is never waited on. The loop runs several epochs
-(``set_epoch`` each, as training does); what is measured is the wall time against the sum
-of the steps, and the wait for each epoch's first batch. Variants alternate round by round.
+The training step is either stood in for (``StandInStep``: a fixed wait in the main process,
+as a GPU step looks to the loader, set a little longer than the loader needs per batch inside
+an epoch, so a perfect loader is never waited on) or real (``CudaStep``: a ResNet-50 step on
+the GPU fed through ``CUDAPrefetcher``, its ideal the same step on a resident batch, measured
+in the same round). The loop runs several epochs (``set_epoch`` each, as training does);
+what is measured is the wall time against the sum of the ideal steps, and the wait for each
+epoch's first batch. Variants alternate round by round.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 from .._system import usable_cores
 from ..dataset import PackedDataset
 from ..decode import DecodeRandomResizedCrop
-from ..loader import make_loader
+from ..loader import default_num_workers, make_loader
 from ..sampler import PackedSampler
 
 VARIANTS = {"plain DataLoader (epoch by epoch)": False, "EpochLoader (runs on)": True}
@@ -36,24 +38,93 @@ class EpochRun:
         return self.steps / self.seconds
 
 
+class StandInStep:
+    """A fixed wait of ``seconds`` per batch in the main process: a GPU step as the loader
+    sees it (the main process only waits for it)."""
+
+    pin_memory = False
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def feed(self, loader):
+        return loader
+
+    def __call__(self, x, y) -> float:
+        time.sleep(self.seconds)
+        return self.seconds
+
+    def finish(self) -> None:
+        pass
+
+
+class CudaStep:
+    """A real training step on the GPU (``TrainStep``: bf16 autocast, channels_last, SGD) fed
+    through ``CUDAPrefetcher``; ``calibrate()`` times it on a resident batch: the ideal."""
+
+    pin_memory = True
+
+    def __init__(self, model: str = "resnet50", batch_size: int = 256, size: int = 224,
+                 device: str = "cuda"):
+        import torch
+        from ..prefetch import CUDAPrefetcher
+        from .models import TrainStep, make_model
+        torch.backends.cudnn.benchmark = True
+        self.dev, self.batch = torch.device(device), batch_size
+        net = make_model(model, 1000).to(self.dev, memory_format=torch.channels_last)
+        self.step, self.prefetcher = TrainStep(net, self.dev), CUDAPrefetcher
+        self.x = torch.randn(batch_size, 3, size, size, device=self.dev).contiguous(
+            memory_format=torch.channels_last)
+        self.y = torch.randint(0, 1000, (batch_size,), device=self.dev)
+        self.seconds = 0.0
+
+    def calibrate(self, steps: int = 30) -> float:
+        """Seconds per step on the resident batch (after a few untimed steps)."""
+        for _ in range(5):
+            self.step(self.x, self.y)
+        self.finish()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step(self.x, self.y)
+        self.finish()
+        self.seconds = (time.perf_counter() - t0) / steps
+        return self.seconds
+
+    def feed(self, loader):
+        return self.prefetcher(loader, device=self.dev)
+
+    def __call__(self, x, y) -> float:
+        self.step(x, y)
+        return self.seconds * len(x) / self.batch
+
+    def finish(self) -> None:
+        import torch
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+
 def one_run(ds: PackedDataset, across: bool, *, batch_size: int, workers: int, epochs: int,
-            step: float) -> EpochRun:
+            step) -> EpochRun:
+    """``epochs`` epochs after a warm-up one; ``step`` a seconds count (``StandInStep``) or a
+    step object (``CudaStep``)."""
+    step = StandInStep(step) if isinstance(step, (int, float)) else step
     sampler = PackedSampler(ds, seed=0)
-    loader = make_loader(ds, batch_size, sampler=sampler, num_workers=workers, pin_memory=False,
-                         across_epochs=across)
-    for _ in loader:  # warm-up epoch: workers started, caches warm
-        time.sleep(step)
+    loader = step.feed(make_loader(ds, batch_size, sampler=sampler, num_workers=workers,
+                                   pin_memory=step.pin_memory, across_epochs=across))
+    for x, y in loader:  # warm-up epoch: workers started, caches warm
+        step(x, y)
+    step.finish()
     run = EpochRun(0.0, 0.0)
     t0 = time.perf_counter()
     for e in range(1, epochs + 1):
         sampler.set_epoch(e)
         t = time.perf_counter()
-        for k, (x, _) in enumerate(loader):
+        for k, (x, y) in enumerate(loader):
             if k == 0:
                 run.first_waits.append(time.perf_counter() - t)
             run.images += len(x)
-            time.sleep(step)  # the step
-            run.steps += step
+            run.steps += step(x, y)
+    step.finish()
     run.seconds = time.perf_counter() - t0
     del loader
     return run
@@ -72,16 +143,26 @@ def loader_batch_time(ds: PackedDataset, batch_size: int, workers: int) -> float
 
 
 def bench_epochs(root, *, batch_size: int = 64, workers: Optional[int] = None, epochs: int = 3,
-                 rounds: int = 5, size: int = 224, slack: float = 1.15,
+                 rounds: int = 5, size: int = 224, slack: float = 1.15, cuda_model: str = "",
                  log: Callable[[str], None] = print) -> Dict[str, List[EpochRun]]:
-    """Interleaved rounds of every variant; the step is ``slack`` x the loader's batch time."""
-    workers = workers or usable_cores()
+    """Interleaved rounds of every variant. The step: ``cuda_model`` trained on the GPU
+    (``CudaStep``, re-timed on a resident batch each round), else a stand-in wait of
+    ``slack`` x the loader's batch time."""
     ds = PackedDataset(root, decode=DecodeRandomResizedCrop(size))
-    step = slack * loader_batch_time(ds, batch_size, workers)
-    log(f"{len(ds)} images, batch {batch_size}, {workers} workers: the stand-in step is "
-        f"{step * 1e3:.1f} ms ({slack}x the loader's time per batch inside an epoch)")
+    if cuda_model:
+        workers = workers or default_num_workers()
+        step = CudaStep(cuda_model, batch_size, size)
+        log(f"{len(ds)} images, batch {batch_size}, {workers} workers: a {cuda_model} step, "
+            f"{step.calibrate() * 1e3:.1f} ms on a resident batch")
+    else:
+        workers = workers or usable_cores()
+        step = slack * loader_batch_time(ds, batch_size, workers)
+        log(f"{len(ds)} images, batch {batch_size}, {workers} workers: the stand-in step is "
+            f"{step * 1e3:.1f} ms ({slack}x the loader's time per batch inside an epoch)")
     out: Dict[str, List[EpochRun]] = {name: [] for name in VARIANTS}
     for r in range(rounds):
+        if cuda_model:
+            log(f"round {r + 1}/{rounds}: resident-batch step {step.calibrate() * 1e3:.1f} ms")
         for name, across in VARIANTS.items():
             run = one_run(ds, across, batch_size=batch_size, workers=workers, epochs=epochs,
                           step=step)

@@ -2,7 +2,10 @@
 over the packed data and the ImageFolder-style baseline (``FolderDataset``).
 
 ``Runner`` holds the phases; ``run_bench`` (``run.py``) drives them, and ``TrainRunner``
-(``train.py``) adds the training-step phase.
+(``train.py``) adds the training-step phase. ``figures_phase`` measures issue 16's three
+figures (build rate ratio, loader efficiency, epoch-boundary wait) on a copy of a sample of
+the dataset's own images, with the measurements of ``build.py``, ``efficiency.py`` and
+``epochs.py``.
 """
 from __future__ import annotations
 
@@ -10,21 +13,31 @@ import copy
 import math
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 
+from .._system import usable_cores
+from ..builder import build
 from ..check import Transcode, check_image
 from ..dataset import PackedDataset
 from ..decode import DecodeRandomResizedCrop, image_to_tensor
 from ..loader import make_loader
 from ..reader import ShardReader
 from ..demo import FolderDataset
+from . import build as build_bench
 from .coldread import drop_page_cache, storage
+from .efficiency import GOAL as EFFICIENCY_GOAL, one_core_rate, steady_loader_rate
+from .epochs import VARIANTS as EPOCH_VARIANTS, loader_batch_time, one_run
 
 DECODE_SAMPLE = 200      # images held in memory for the one-core decode runs
+FIGURE_IMAGES = 1000     # the sample of the dataset's images the three figures use, at least
+FIGURE_EPOCHS = 2        # epochs timed per epoch-boundary run (after a warm-up epoch)
+EPOCH_SLACK = 1.15       # the stand-in step: this x the loader's time per batch (bench_epochs')
+EPOCH_KEYS = {True: "make_loader", False: "plain_dataloader"}  # across_epochs -> JSON key
 
 
 # -- the baselines ----------------------------------------------------------------------------
@@ -262,6 +275,94 @@ class Runner:
         if n_end == 0:  # the data ran out before one whole round: use what there is
             t_end, n_end = time.perf_counter(), n
         return {"images_per_s": n_end / (t_end - t0)} if n_end else {}
+
+    # -- issue 16's figures -------------------------------------------------------------------
+
+    def figures_phase(self, dst, images: int, workers: int, batch_size: int, size: int,
+                      repeats: int) -> None:
+        """Copy ``images`` of ``dst``'s images to a temporary folder (the system's, removed
+        at the end) and measure there: the build rate ratio (building that folder with every
+        core), then, on the copy built once more, loader efficiency and the epoch-boundary
+        wait with ``workers`` workers. Each lands in ``report.figures``."""
+        cores = usable_cores()
+        with tempfile.TemporaryDirectory(prefix="packer-bench-figures-") as tmp:
+            tmp = Path(tmp)
+            self._begin(f"build rate ratio ({images} images)")
+            src = build_bench.sample_folder(dst, tmp / "src", images)
+            self._build_figure(src, tmp, cores, repeats)
+            build(src, tmp / "packed", workers=cores, progress=False)
+            ds = PackedDataset(tmp / "packed", decode=DecodeRandomResizedCrop(size))
+            self._efficiency_figure(ds, workers, batch_size, repeats)
+            self._epoch_figure(ds, workers, batch_size, repeats)
+
+    def _build_figure(self, src: Path, tmp: Path, cores: int, repeats: int) -> None:
+        name, _ = build_bench.build_variants()[0]  # bytes unchanged: what `packer build` does
+        res = build_bench.time_builds(src, tmp, workers=cores, repeats=repeats,
+                                      decode_sample=2 * DECODE_SAMPLE,
+                                      variants=build_bench.build_variants()[:1], log=lambda _: None)
+        self.report.figures["build_ratio"] = dict(
+            summary(build_bench.build_ratios(res, name, cores)), goal=build_bench.GOAL,
+            build_images_per_s=statistics.median(res["rows"][name]),
+            decode_images_per_s=statistics.median(res["rows"][build_bench.DECODE]),
+            cores=cores, workers=cores, images=res["images"])
+        self._tick()
+
+    def _efficiency_figure(self, ds: PackedDataset, workers: int, batch_size: int,
+                           repeats: int) -> None:
+        """``bench_efficiency``'s rounds (one core's ``ds[i]`` loop over a share of the
+        samples, then the loader over all of them), with ``steady_loader_rate``."""
+        indices = list(range(len(ds)))
+        core, loader = [], []
+        for _ in range(repeats):
+            self._begin("loader efficiency")
+            core.append(one_core_rate(ds, indices[::workers]))
+            loader.append(steady_loader_rate(ds, indices, batch_size, workers))
+            self._tick()
+        self.report.figures["loader_efficiency"] = dict(
+            summary([lo / (workers * c) for lo, c in zip(loader, core)]), goal=EFFICIENCY_GOAL,
+            loader_images_per_s=statistics.median(loader),
+            core_images_per_s=statistics.median(core), workers=workers,
+            batch_size=batch_size, images=len(ds))
+
+    def _epoch_figure(self, ds: PackedDataset, workers: int, batch_size: int,
+                      repeats: int) -> None:
+        step = EPOCH_SLACK * loader_batch_time(ds, batch_size, workers)
+        waits: Dict[str, List[float]] = {k: [] for k in EPOCH_KEYS.values()}
+        kept: Dict[str, List[float]] = {k: [] for k in EPOCH_KEYS.values()}
+        for _ in range(repeats):
+            for name, across in EPOCH_VARIANTS.items():
+                self._begin(f"epoch-boundary wait, {name}")
+                run = one_run(ds, across, batch_size=batch_size, workers=workers,
+                              epochs=FIGURE_EPOCHS, step=step)
+                waits[EPOCH_KEYS[across]] += [w * 1e3 for w in run.first_waits]
+                kept[EPOCH_KEYS[across]].append(run.kept)
+                self._tick()
+        fig = {k: summary(v) for k, v in waits.items()}
+        fig.update(kept={k: statistics.median(v) for k, v in kept.items()}, step_ms=step * 1e3,
+                   epochs=FIGURE_EPOCHS, workers=workers, batch_size=batch_size,
+                   images=len(ds))
+        self.report.figures["epoch_wait_ms"] = fig
+
+
+def figure_plan(count: int, images: Optional[int], max_images: Optional[int],
+                sweep: Sequence[int], batch_size: int, cores: int) -> Tuple[int, int, int]:
+    """``(images, workers, batch_size)`` for ``figures_phase``: workers the largest count of
+    the sweep, at most the cores (at least 1); images ``images``, or by default
+    ``FIGURE_IMAGES`` or enough for two batches per worker, capped by ``max_images``; never
+    more than ``count``; the batch the bench's, or less if the sample holds fewer than two
+    batches per worker."""
+    workers = max(1, min(max(sweep), cores))
+    if images is None:
+        images = max(FIGURE_IMAGES, 2 * workers * batch_size)
+        images = min(images, max_images) if max_images else images
+    images = min(images, count)
+    return images, workers, max(1, min(batch_size, images // (2 * workers)))
+
+
+def summary(values: List[float]) -> dict:
+    """``median``, ``spread`` [min, max] and the ``values`` themselves."""
+    return {"median": statistics.median(values), "spread": [min(values), max(values)],
+            "values": list(values)}
 
 
 class SeedWorker:

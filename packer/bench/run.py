@@ -10,7 +10,9 @@ Each measurement isolates one stage, so the slowest one names the bottleneck:
 * loader: ``make_loader`` over the packed data vs an ImageFolder-style dataset over the
   folder, with the same decode callable, so they differ only in where the bytes come from;
 * with ``cuda``: a real training step fed by each feeding variant, against the same step on
-  a batch already on the GPU.
+  a batch already on the GPU;
+* issue 16's three figures, on a copy of a sample of the dataset's images in a temporary
+  folder: the build rate ratio, loader efficiency and the epoch-boundary wait.
 
 Variants of one phase run interleaved, repeat after repeat, so drift (other tenants, clock
 boost, page cache) hits them alike; each figure is the median of the repeats and the spread
@@ -26,6 +28,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -34,14 +37,14 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
-from .._system import PILLOW_SIMD_HINT, pil_summary, usable_cores
+from .._system import PILLOW_SIMD_HINT, free_bytes, human_size, pil_info, pil_summary, usable_cores
 from ..dataset import PackedDataset
 from ..demo import FolderDataset
 from ..errors import PackerError
 from ..staging import stage
 from .coldread import storage
 from .models import make_model
-from .phases import BenchInput
+from .phases import BenchInput, figure_plan, n_workers
 from .train import TrainRunner
 from .verdict import explain
 
@@ -55,8 +58,11 @@ class BenchReport:
     """What ``run_bench`` measured. ``results`` holds one dict per variant: ``name``,
     ``kind`` (stage/read/decode/loader/train), ``images_per_s`` (median), ``repeats``,
     ``spread`` [min, max], ``values``, and per kind ``mb_per_s``, ``workers``, ``source``,
-    ``ceiling_images_per_s``, ``data_wait_ms``, ``host_wait_ms``, ``starvation_pct``."""
+    ``ceiling_images_per_s``, ``data_wait_ms``, ``host_wait_ms``, ``starvation_pct``.
+    ``figures`` holds issue 16's three: ``build_ratio``, ``loader_efficiency`` and
+    ``epoch_wait_ms`` (see ``figures_text`` and docs/cli.md)."""
     results: List[dict] = field(default_factory=list)
+    figures: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
@@ -73,8 +79,9 @@ class BenchReport:
     def header(self) -> str:
         e, c = self.environment, self.config
         lines = [f"dataset: {e['dataset']}",
-                 f"machine: {e['cores']} cores; PIL: {e['pil']}; torch {e['torch']}"
+                 f"machine: {e['cores']} cores; torch {e['torch']}"
                  + (f"; GPU: {e['gpu']}" if e.get("gpu") else ""),
+                 f"PIL: {e.get('pil_line') or e['pil']}",
                  f"runs: median of {c['repeats']} interleaved repeats, {c['seconds_per_variant']:g} s "
                  f"each after warm-up; batch {c['batch_size']}, crop {c['size']}; "
                  f"page cache: {e['cache']}"]
@@ -101,13 +108,35 @@ class BenchReport:
         rows += [[fn(r) for _, fn in cols] for r in self.results]
         return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
+    def figures_text(self) -> str:
+        """Issue 16's three figures, one line each ("" when they were not measured)."""
+        f = self.figures
+        if not f:
+            return ""
+        b, e, w = f["build_ratio"], f["loader_efficiency"], f["epoch_wait_ms"]
+        return "\n".join([
+            f"figures (a copy of {b['images']:,} of the dataset's images in a temporary folder, "
+            f"warm page cache; medians of {self.config['repeats']}):",
+            f"  build rate ratio     {b['median']:.2f}  build {b['build_images_per_s']:,.0f} "
+            f"images/s with {b['workers']} workers, start-up included / ({b['cores']} cores x "
+            f"{b['decode_images_per_s']:,.0f} images/s one core's full decode); goal >= {b['goal']}",
+            f"  loader efficiency    {e['median']:.2f}  make_loader {e['loader_images_per_s']:,.0f} "
+            f"images/s / ({n_workers(e['workers'])} x {e['core_images_per_s']:,.0f} images/s one "
+            f"core's ds[i] loop), batch {e['batch_size']}; goal >= {e['goal']}",
+            f"  epoch-boundary wait  {w['make_loader']['median']:,.0f} ms for each epoch's first "
+            f"batch with make_loader (EpochLoader: workers run on into the next epoch) vs "
+            f"{w['plain_dataloader']['median']:,.0f} ms with a plain DataLoader epoch by epoch "
+            f"({n_workers(w['workers'])}, batch {w['batch_size']})"])
+
     def verdict(self) -> str:
         """One paragraph: what bounds this pipeline, and what to change."""
         return explain(self)
 
     def to_json(self) -> dict:
+        figures = {k: self.figures.get(k) for k in ("build_ratio", "loader_efficiency", "epoch_wait_ms")}
         return {"packer": __version__, "results": self.results, "config": self.config,
-                "environment": self.environment, "notes": self.notes, "verdict": self.verdict()}
+                "environment": self.environment, "notes": self.notes, "verdict": self.verdict(),
+                **figures}
 
     def write_json(self, path: os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -162,7 +191,8 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
               batch_size: Optional[int] = None, size: int = 224, cuda: bool = False,
               model: str = "resnet50", repeats: int = 3, seconds_per_variant: float = 3.0,
               max_images: Optional[int] = None, cold_cache: bool = True, seed: int = 0,
-              device: Optional[str] = None, progress: bool = True) -> BenchReport:
+              device: Optional[str] = None, progress: bool = True,
+              figure_images: Optional[int] = None) -> BenchReport:
     """Measure read, decode, loader (and with ``cuda`` training-step feeding) rates.
 
     Args:
@@ -184,6 +214,9 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
             ``drop_page_cache``); False measures whatever is cached.
         device: where the ``cuda`` phase trains (default ``cuda``; ``cpu`` runs the same
             harness on the CPU, useful only to test it).
+        figure_images: how many of ``dst``'s images issue 16's three figures copy to a
+            temporary folder and measure on (``report.figures``); default ``FIGURE_IMAGES``
+            (1000) or enough for two batches per worker, at most ``max_images``; 0 skips them.
     """
     cores = usable_cores()
     workers = sorted({1, max(1, cores // 2), cores}) if workers is None else sorted(set(workers))
@@ -192,12 +225,14 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
     train_device = _train_device(cuda, device, model)
     packed = PackedDataset(dst)
     sources = [BenchInput("packed", Path(dst), len(packed))]
+    figures = _figure_setup(packed, figure_images, max_images, workers, batch_size, cores)
     report = BenchReport(config={"dst": str(dst), "folder": str(folder) if folder else None,
                                  "staged": str(staged) if staged else None, "workers": workers,
                                  "batch_size": batch_size, "size": size, "cuda": cuda,
                                  "model": model if cuda else None, "repeats": repeats,
                                  "seconds_per_variant": seconds_per_variant,
-                                 "max_images": max_images, "cold_cache": cold_cache, "seed": seed})
+                                 "max_images": max_images, "cold_cache": cold_cache, "seed": seed,
+                                 "figure_images": figures[0]})
     if folder is not None:
         fds = FolderDataset(folder, decode=None)
         sources.append(BenchInput("folder", Path(folder), len(fds), folder=fds))
@@ -209,27 +244,34 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
             raise PackerError(f"{s.root} holds {s.count} image(s); the bench needs at least 2")
 
     report.environment = _environment(dst, packed, sources, cores, train_device, cold_cache)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load > 0.5 * cores:
-        report.environment["busy"] = (f"the machine was busy before the bench started (load "
-                                      f"{load:.1f} on {cores} cores): CPU-bound rates are "
-                                      f"understated and noisy")
-        report.notes.append(report.environment["busy"])
+    _note_busy(report, cores)
     rng = random.Random(seed)
     orders = {s.name: _order(rng, s.count, max_images) for s in sources}
-    n_runs = repeats * (len(sources) * (1 + len(workers)) + 3) + (repeats * 6 if cuda else 0)
+    n_runs = repeats * (len(sources) * (1 + len(workers)) + 3) + (repeats * 6 if cuda else 0) \
+        + (1 + 3 * repeats if figures[0] else 0)
     bar = tqdm(total=n_runs, unit="run", desc="bench", disable=not progress, dynamic_ncols=True)
     bench = TrainRunner(report, bar, seconds_per_variant, max_images, cold_cache)
     try:
         bench.read_phase(sources, orders, repeats)
         bench.decode_phase(packed, orders["packed"], size, cores, repeats)
         bench.loader_phase(sources, orders, workers, batch_size, size, repeats)
+        if figures[0]:
+            bench.figures_phase(dst, *figures, size, repeats)
         if cuda:
             bench.train_phase(sources[-1] if staged is not None else sources[0], orders,
                               batch_size, size, model, train_device, repeats)
     finally:
         bar.close()
     return report
+
+
+def _note_busy(report: BenchReport, cores: int) -> None:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5 * cores:
+        report.environment["busy"] = (f"the machine was busy before the bench started (load "
+                                      f"{load:.1f} on {cores} cores): CPU-bound rates are "
+                                      f"understated and noisy")
+        report.notes.append(report.environment["busy"])
 
 
 def _check_arguments(repeats, seconds_per_variant, max_images, workers, batch_size) -> None:
@@ -243,6 +285,22 @@ def _check_arguments(repeats, seconds_per_variant, max_images, workers, batch_si
         raise PackerError("workers must list worker counts >= 0, e.g. [0, 1, 2]")
     if batch_size < 1:
         raise PackerError(f"batch_size must be >= 1, got {batch_size}")
+
+
+def _figure_setup(packed, images, max_images, workers, batch_size, cores) -> tuple:
+    """``figure_plan``'s ``(images, workers, batch_size)``, ``(0, ...)`` to skip; checked
+    now that the system's temporary folder has room for the copy and its build."""
+    if images is not None and images < 0:
+        raise PackerError(f"figure_images must be >= 0, got {images}")
+    plan = figure_plan(len(packed), images, max_images, workers, batch_size, cores)
+    tmp = tempfile.gettempdir()
+    need = 3 * plan[0] * packed.manifest["bytes"] / max(1, len(packed)) + (64 << 20)
+    if plan[0] and free_bytes(tmp) < need:
+        raise PackerError(f"the build rate ratio, loader efficiency and epoch-boundary wait "
+                          f"need about {human_size(need)} free in {tmp} (a copy of {plan[0]} "
+                          f"images, built), which has {human_size(free_bytes(tmp))}: set TMPDIR "
+                          f"to a folder with room, or fewer images (--figure-images N, 0 skips)")
+    return plan
 
 
 def _train_device(cuda: bool, device: Optional[str], model: str) -> Optional[torch.device]:
@@ -265,11 +323,26 @@ def _environment(dst, packed, sources, cores, train_device, cold_cache) -> dict:
     return {
         "dataset": f"{dst} ({len(packed):,} images, {len(packed.classes)} classes, "
                    f"{mean_kb:,.0f} KB/image stored)",
-        "cores": cores, "pil": pil_summary(), "torch": torch.__version__, "python": sys.version.split()[0],
+        "cores": cores, "pil": pil_summary(), **_pil_facts(),
+        "torch": torch.__version__, "python": sys.version.split()[0],
         "gpu": torch.cuda.get_device_name(train_device) if train_device is not None
         and train_device.type == "cuda" else None,
         "cache": "cold" if cold_cache else "warm (not dropped)",
         "storage": {s.name: storage(s.root) for s in sources}}
+
+
+def _pil_facts() -> dict:
+    """Which PIL this process (and its loader workers) ran, for the header and the JSON."""
+    i = pil_info()
+    jpeg = f"libjpeg-turbo {i['jpeg_version']}" if i["libjpeg_turbo"] else f"libjpeg {i['jpeg_version']}"
+    if i["simd"]:
+        line = f"Pillow-SIMD {i['version']} (its SIMD resize kernel is in the PIL imported), {jpeg}"
+    else:
+        line = f"Pillow {i['version']} (stock, not Pillow-SIMD), {jpeg}"
+        line += ("; pip lists pillow-simd, but a package that requires Pillow overwrote it"
+                 if i["mismatch"] else "") + f"; for SIMD resizes: {PILLOW_SIMD_HINT}"
+    return {"pil_flavour": i["flavour"], "pil_version": i["version"], "pil_simd": i["simd"],
+            "pil_line": line}
 
 
 def _order(rng: random.Random, n: int, max_images: Optional[int]) -> List[int]:

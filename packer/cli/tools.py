@@ -47,21 +47,28 @@ def doctor():
 @click.option("--warm", is_flag=True,
               help="Keep the page cache. By default it is dropped before each read and loader "
                    "run (drop_caches as root, else posix_fadvise per file).")
+@click.option("--figure-images", type=click.IntRange(min=0), metavar="N",
+              help="Images of DST copied to a temporary folder (TMPDIR) for the build rate "
+                   "ratio, loader efficiency and epoch-boundary wait; 0 skips them [default: "
+                   "1000, or 2 batches per worker if more; at most --max-images].")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the results to FILE as JSON ({\"results\": [...], ...}).")
+              help="Write the results to FILE as JSON ({\"results\": [...], \"build_ratio\": "
+                   "{...}, ...}).")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw the results as a bar chart (PNG; needs matplotlib).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @library_errors
 def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, seconds,
-          max_images, warm, json_file, plot_file, quiet):
+          max_images, warm, figure_images, json_file, plot_file, quiet):
     """Measure what bounds training input from DST on this machine: raw reads, decode per
     core, the loader over a sweep of worker counts and, with --cuda, feeding a real model.
 
-    Prints a table (medians of interleaved repeats, with the spread) and a verdict: what
-    limits this pipeline and what to change (workers, pack-time resize, staging, GPU decode).
-    With the default 3 repeats of 3 s, 2 worker counts, --folder and --staged this takes
-    about 2-3 minutes on 2 cores.
+    Prints which PIL ran (Pillow-SIMD or stock Pillow, its version), a table (medians of
+    interleaved repeats, with the spread), three figures measured on a copy of a sample of
+    DST's images (build rate ratio, loader efficiency, epoch-boundary wait) and a verdict:
+    what limits this pipeline and what to change (workers, pack-time resize, staging, GPU
+    decode). With the default 3 repeats of 3 s, 2 worker counts, --folder and --staged this
+    takes about 2-3 minutes on 2 cores, the three figures about 15 s of it.
     """
     from ..bench import run as lib
     if workers is not None:
@@ -77,11 +84,14 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
     rep = lib.run_bench(dst, folder=folder, staged=staged, workers=workers, batch_size=batch_size,
                         size=size, cuda=cuda, model=model, repeats=repeats,
                         seconds_per_variant=seconds, max_images=max_images, cold_cache=not warm,
-                        progress=not quiet)
+                        progress=not quiet, figure_images=figure_images)
     click.echo(rep.header())
     click.echo()
     click.echo(rep.table())
     click.echo()
+    if rep.figures_text():
+        click.echo(rep.figures_text())
+        click.echo()
     click.echo(f"Verdict: {rep.verdict()}")
     if json_file is not None:
         rep.write_json(json_file)

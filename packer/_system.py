@@ -126,12 +126,27 @@ def disk_full_as(path: os.PathLike, explain: Callable[[int], str], types=(OSErro
     """A full disk (an error of ``types`` that ``is_disk_full``) inside becomes
     ``PackerError(explain(free bytes))``: what was kept and how to resume, instead of an
     errno. Other errors pass through unchanged."""
+    folder = os.path.dirname(os.fspath(path)) or "."
     try:
         yield
     except types as exc:
-        if not is_disk_full(exc):
+        if not (is_disk_full(exc) or _short_write(exc, folder)):
             raise
-        raise PackerError(explain(free_bytes(os.path.dirname(os.fspath(path)) or "."))) from exc
+        raise PackerError(explain(free_bytes(folder))) from exc
+
+
+SHORT_WRITE_ROOM = 64 << 20  # one LMDB commit's worth (writer.TXN_BYTES)
+
+
+def _short_write(exc: BaseException, folder: str) -> bool:
+    """LMDB reports a write cut short by a full disk as EIO (its page flush checks only the
+    byte count): one when the disk has less room left than a commit needs."""
+    if "input/output error" not in str(exc).lower():
+        return False
+    try:
+        return free_bytes(folder) < SHORT_WRITE_ROOM
+    except OSError:
+        return False
 
 
 def human_size(n: float) -> str:

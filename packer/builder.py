@@ -1,4 +1,5 @@
-"""The build: worker processes read and check images, one writer appends them to shards.
+"""The build: worker processes read, check and write whole planned shards
+(``packer.shardwork``); this process takes them in plan order into the journal and tables.
 
 Crash safety rests on ordering: a shard is renamed into place only when complete, the
 journal (``.packer-build.json``) lists finished shards only, and the manifest — the one
@@ -9,31 +10,29 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import sys
 import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from itertools import islice
+from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Deque, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 from tqdm.auto import tqdm
 
 from . import journal
-from ._fsio import FolderLock
-from ._system import die_with_parent, usable_cores
-from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
+from ._fsio import FolderLock, remove_own
+from ._system import usable_cores
+from .check import DEFAULT_MAX_PIXELS, Transcode
 from .errors import PackerError
-from .fields import encode
-from .format import LABEL_FIELD, MANIFEST, crc32, pack_fields, read_manifest
+from .format import LABEL_FIELD, MANIFEST, read_manifest, shard_number
 from .packing import Packing
-from .source import IMG_EXTENSIONS, ImageList, is_utf8, parse_part, read_list, scan_folder, select
+from .shardwork import (FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker,
+                        plan_shards, write_shard)
+from .source import IMG_EXTENSIONS, ImageList, parse_part, read_list, scan_folder, select
 
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
-CHUNK = 8  # entries per task sent to a worker: amortizes the IPC, keeps the order fine-grained
 
 
 @dataclass
@@ -104,9 +103,9 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
         bar = tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
                    desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05)
         try:
-            maker = FieldMaker(source, run.fields, run.column_names)
-            _pack(source, run, _process(source, run.start, workers, transcode, max_pixels,
-                                        maker), bar)
+            job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names), transcode,
+                           max_pixels, strict)
+            _pack(source, run, job, workers, bar)
         except BaseException:
             run.abort()
             raise
@@ -163,28 +162,45 @@ def source_schema(source: ImageList) -> dict:
     return {"task": task, "fields": fields + list(ann.schema)}
 
 
-def _pack(source: ImageList, run: Packing, results: Iterator, bar) -> None:
-    """Checked images, in entry order, into the run (their fields fitted to each image's size
-    and encoded by the workers)."""
-    in_bytes = 0
-    for i, status, payload, nbytes in results:
-        bar.update(1)
-        in_bytes += nbytes
-        rel = source.entries[i][0]
-        if status == "ok":
-            data, crc, width, height, fmt, mode, fields, columns, reasons = payload
-            data = data if data is not None else reread(source.root, rel, crc)
-            if data is None:
-                status, payload = "skip", "changed or vanished while the build read it"
-        if status == "skip":
-            run.skip(i, rel, payload)
-        else:
-            run.drop(i, rel, reasons)
-            run.add_packed(i, rel, data, width, height, fmt, mode, fields, columns)
-        if bar.n % 256 == 0:
-            rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
-            bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(run.skipped), refresh=False)
-    run.end_shard(len(source.entries))
+def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar) -> None:
+    """The planned shards, written by the workers, taken in plan order: each one's samples
+    into the side tables and skip lists, then the shard into the journal. Shards after one
+    that was cut short are not taken (a strict build's failure stopped them)."""
+    plan = plan_shards(file_sizes(source), run.shard_size)
+    broken, in_bytes = False, 0
+    for done in _shards(_remaining(plan, run, source), workers, job, bar):
+        in_bytes += done.in_bytes
+        if done.stopped and not done.failed or broken and not done.failed:
+            broken = True
+            continue
+        for i, kept, extra in done.samples:  # a strict build raises at its first problem
+            rel = source.entries[i][0]
+            if kept is None:
+                run.skip(i, rel, extra)
+            else:
+                run.drop(i, rel, extra)
+                run.add_row(kept[2], rel, kept[0], kept[1])
+        run.add_shard(done.shard, done.task.end)
+        rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(run.skipped), refresh=False)
+    if broken:
+        raise PackerError("the build was stopped before every shard was written")
+
+
+def _remaining(plan: List[Tuple[int, int, int]], run: Packing,
+               source: ImageList) -> List[ShardTask]:
+    """The plan's shards from ``run.start`` (where an interrupted run stopped, a shard
+    boundary); if the files changed size since, the rest planned afresh, numbered on."""
+    starts = [p[0] for p in plan]
+    if run.start >= len(source.entries):
+        return []
+    if run.start in starts:
+        k = starts.index(run.start)
+        return [ShardTask(k + j, a, e, n) for j, (a, e, n) in enumerate(plan[k:])]
+    last = max(shard_number(s["path"]) for s in run.shards) if run.shards else -1
+    rest = plan_shards(file_sizes(source)[run.start:], run.shard_size)
+    return [ShardTask(last + 1 + j, run.start + a, run.start + e, n)
+            for j, (a, e, n) in enumerate(rest)]
 
 
 def _check_arguments(src: Path, dst: Path, list_file, shard_size: int, workers: int,
@@ -208,115 +224,57 @@ def _is_within(path: Path, folder: Path) -> bool:
 
 # -- workers ---------------------------------------------------------------------------------
 
-def _work(task, fields: Optional["FieldMaker"] = None) -> Tuple[int, str, object, int]:
-    """Runs in a worker: read, check (and maybe transcode) one image, fit its annotation to
-    its size and encode its fields (work the single writer process need not do). The result
-    carries the stored bytes only when transcoded (else the writer re-reads them, see
-    ``reread``)."""
-    i, root, rel, transcode, max_pixels = task
-    fields = fields or _WORKER_FIELDS[0]
-    if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
-        return i, "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
-                           "-t utf8 --notest SRC`)"), 0
-    try:
-        with open(os.path.join(root, rel), "rb") as f:
-            data = f.read()
-    except OSError as e:
-        return i, "skip", f"unreadable: {e.strerror or e}", 0
-    try:
-        c = check_image(data, transcode=transcode, max_pixels=max_pixels)
-    except BadImage as e:
-        return i, "skip", str(e), len(data)
-    try:
-        packed, columns, reasons = fields.encoded(i, c.width, c.height)
-    except ValueError as e:
-        return i, "skip", f"annotation: {e}", len(data)
-    kept = c.data if transcode is not None else None
-    return i, "ok", (kept, crc32(c.data), c.width, c.height, c.format, c.mode, packed, columns,
-                     reasons), len(data)
+def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar) -> Iterator[ShardDone]:
+    """Finished shards in plan order, about two per worker in flight; the bar follows the
+    workers' shared image counter.
 
-
-class FieldMaker:
-    """Each entry's stored fields for an image of a given size: its label, and its
-    annotation row fitted (``Annotations.fit``), encoded (``packer.fields``) and packed as
-    msgpack, with the values its side tables take. The build's workers make them, so the
-    writer process only concatenates; forked workers share the rows without copying."""
-
-    def __init__(self, source: ImageList, fields: list, column_names: list):
-        self.source, self.fields, self.column_names = source, fields, column_names
-        self.has_label = any(f["name"] == "label" for f in fields)
-
-    def encoded(self, i: int, width: int, height: int):
-        ann = self.source.annotations
-        values: dict = {"label": self.source.entries[i][1]} if self.has_label else {}
-        reasons: list = []
-        if ann is not None:
-            row, reasons = (ann.fit(ann.rows[i], width, height) if ann.fit is not None
-                            else (ann.rows[i], []))
-            values.update(row)
-        stored = encode(self.fields, values)
-        return pack_fields(stored), {k: stored[k] for k in self.column_names}, reasons
-
-
-def reread(root: Path, rel: str, crc: int) -> Optional[bytes]:
-    """The bytes of a file a worker checked, read again here, from the page cache.
-
-    Cheaper than shipping them back through a pipe (pickle, two copies, many syscalls) on
-    machines where the writer shares few cores with the workers. The checksum makes sure
-    the bytes stored are the bytes checked; None if the file changed in between.
+    On an error (a full disk, Ctrl-C, a strict build's bad image) the ``stop`` event makes
+    running shards give up at their next image, queued ones are cancelled, and shards that
+    finished but were not taken into the journal are removed: what stays is what the journal
+    lists. Workers are never killed: one killed while sending its result leaves the parent
+    blocked reading half a message, forever — what ``Pool.terminate`` did here.
     """
-    try:
-        with open(root / rel, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return data if crc32(data) == crc else None
-
-
-_WORKER_FIELDS: list = [None]  # a worker's FieldMaker, set once when the worker starts
-
-
-def _worker_init(parent: int, fields: "FieldMaker") -> None:
-    # Ctrl-C reaches the whole process group: only the parent handles it (and terminates the
-    # pool). A worker dying of KeyboardInterrupt mid-queue-operation can hang Pool.terminate().
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent(parent)
-    _WORKER_FIELDS[0] = fields  # forked: inherited, not pickled (spawn: pickled once)
-
-
-def _process(source: ImageList, start: int, workers: int, transcode, max_pixels,
-             fields: "FieldMaker") -> Iterator:
-    """Results in entry order, with at most a few chunks per worker in flight.
-
-    On an error (a full disk, Ctrl-C) queued chunks are cancelled and running ones finish
-    (milliseconds). Workers are never killed: one killed while sending its results leaves
-    the parent blocked reading half a message, forever — what ``Pool.terminate`` did here.
-    """
-    root = str(source.root)
-    tasks = ((i, root, rel, transcode, max_pixels)
-             for i, (rel, _) in enumerate(source.entries) if i >= start)
+    current: Optional[ShardDone] = None  # handed out, not yet taken (the next call takes it)
     if workers == 0:
-        yield from (_work(t, fields) for t in tasks)
+        try:
+            for t in tasks:
+                current = write_shard(t, job)
+                bar.update(len(current.samples))
+                yield current
+                current = None
+        finally:
+            _remove_untaken(job.dst, [current])
         return
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                               initargs=(os.getpid(), fields))
+    job.progress, job.stop = ctx.Value("q", 0), ctx.Event()
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
+                               initargs=(os.getpid(), job))
     pending: Deque[Future] = deque()
+    todo, base = iter(tasks), bar.n
     try:
         while True:
-            while len(pending) < 4 * workers:
-                chunk = list(islice(tasks, CHUNK))
-                if not chunk:
+            while len(pending) < 2 * workers:
+                task = next(todo, None)
+                if task is None:
                     break
-                pending.append(pool.submit(_work_chunk, chunk))
+                pending.append(pool.submit(write_shard, task))
             if not pending:
                 break
-            yield from pending.popleft().result()
+            while not pending[0].done():
+                wait([pending[0]], timeout=0.2)
+                bar.update(base + job.progress.value - bar.n)
+            current = pending.popleft().result()
+            yield current
+            current = None
     finally:
+        job.stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
+        bar.update(base + job.progress.value - bar.n)
+        _remove_untaken(job.dst, [current] + [f.result() for f in pending if f.done() and
+                                              not f.cancelled() and f.exception() is None])
 
 
-def _work_chunk(chunk):
-    return [_work(t) for t in chunk]
-
-
+def _remove_untaken(dst: Path, results: List[Optional[ShardDone]]) -> None:
+    for done in results:
+        if done is not None and done.shard is not None:
+            remove_own(dst, done.shard["path"])

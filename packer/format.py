@@ -28,6 +28,13 @@ OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) per record: whe
 PATHS_INDEX = "paths.u64"  # little-endian uint64 per record: where its source path ends in paths.utf8
 PATHS_TEXT = "paths.utf8"  # every record's source path, UTF-8, back to back
 SHARD_PATTERN = "shard-{:05d}.lmdb"
+
+
+def shard_number(name: str) -> int:
+    """N of a ``shard-NNNNN.lmdb`` name (-1 for any other name)."""
+    stem = name[len("shard-"):-len(".lmdb")] if name.startswith("shard-") and name.endswith(
+        ".lmdb") else ""
+    return int(stem) if stem.isdigit() and stem.isascii() else -1
 KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
 # Every record's own keys; its schema's fields (``label`` for classification) come beside them.
 RECORD_TYPES = {"image": bytes, "path": str, "width": int, "height": int,

@@ -102,11 +102,11 @@ class Packing:
                                       expected_bytes=self.shard_size)
         self.writer.append(record_bytes(image, path=path, width=width, height=height,
                                         format=fmt, mode=mode, fields=fields))
-        self._columns(columns, path, width, height)
+        self.add_row(columns, path, width, height)
         if self.writer.bytes >= self.shard_size:
             self.end_shard(entry + 1)
 
-    def _columns(self, stored: Dict[str, Any], path: str, width: int, height: int) -> None:
+    def add_row(self, stored: Dict[str, Any], path: str, width: int, height: int) -> None:
         self.path_text += path.encode("utf-8")
         self.path_ends.append(len(self.path_text))
         if self.has_label:
@@ -116,6 +116,14 @@ class Packing:
         for name, col in self.columns.items():
             if name not in SIZE_COLUMNS:
                 col.append(stored[name])
+
+    def add_shard(self, shard: Optional[dict], next_entry: int) -> None:
+        """A shard a build worker finished (None: all its images were skipped), in plan
+        order, after its rows (``add_row``): recorded in the journal."""
+        if shard is not None:
+            self.shards.append(shard)
+        journal.save(self.dst, self.fingerprint, self.shards, self.skipped, next_entry,
+                     self.dropped)
 
     def end_shard(self, next_entry: int) -> None:
         """Finish the open shard (if any) and record it in the journal."""
@@ -140,7 +148,7 @@ class Packing:
                 for k in range(0, len(table), 2):
                     f.seek(table[k])
                     rec = unpack_record(f.read(table[k + 1]))
-                    self._columns(rec, rec["path"], rec["width"], rec["height"])
+                    self.add_row(rec, rec["path"], rec["width"], rec["height"])
 
     def finish(self, *, classes: List[str], source: str, options: dict,
                extra: Optional[dict] = None) -> dict:

@@ -548,7 +548,7 @@ def test_killed_coco_build_resumes_to_the_same_dataset(scenes, coco, tmp_path, m
     assert len(ref["shards"]) >= 3 and ref["dropped_count"] == 4
     real, calls = ShardWriter.finish, []
 
-    def finish(self):
+    def finish(self):  # each worker (forked: its own list) finishes one shard, then is stopped
         calls.append(self.path.name)
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -559,9 +559,10 @@ def test_killed_coco_build_resumes_to_the_same_dataset(scenes, coco, tmp_path, m
         with pytest.raises(KeyboardInterrupt):
             quiet(scenes / "images", dst, **kw)
     assert not (dst / "manifest.json").exists()
-    assert [p.name for p in dst.glob("shard-*.lmdb")] == ["shard-00000.lmdb"]
+    left = sorted(p.name for p in dst.glob("shard-*.lmdb"))
+    assert "shard-00000.lmdb" in left and len(left) <= 2  # at most one finished per worker
     r = quiet(scenes / "images", dst, **kw)
-    assert r.resumed_shards == 1
+    assert r.resumed_shards >= 1
     m = r.manifest
     assert records(dst) == records(tmp_path / "ref")
     assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in ref["shards"]]

@@ -148,9 +148,10 @@ def test_verify_decodes_every_record(odd_tree, tmp_path, monkeypatch):
     """Records whose bytes are intact (checksum fine) but do not decode are reported too."""
     import warnings
     from packer import builder as build_mod
+    from packer import shardwork
     from packer.check import Checked
 
-    monkeypatch.setattr(build_mod, "check_image",  # a build that validated nothing
+    monkeypatch.setattr(shardwork, "check_image",  # a build that validated nothing
                         lambda data, **kw: Checked(data, 1, 1, "JPEG", "RGB"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -43,7 +43,8 @@ from .common import Size, library_errors, warnings_as_lines
               help="File endings that count as images, comma-separated, any case "
                    "[default: torchvision's IMG_EXTENSIONS].")
 @click.option("--shard-size", type=Size(), default="1G", show_default=True,
-              help="Target bytes per shard file (e.g. 512M, 2G).")
+              help="Largest bytes per shard file (e.g. 512M, 2G), counted on the source "
+                   "files; a dataset under 64 of them gets ~64 smaller shards (>= 16M).")
 @click.option("--workers", "-j", type=int, default=None,
               help="Processes that read and check images [default: all usable cores].")
 @click.option("--max-side", type=click.IntRange(min=16),

@@ -1,0 +1,199 @@
+"""A build's parallel part: the shard plan, and a worker writing whole shards.
+
+Each shard is a planned range of entries, cut by the source files' sizes (so the same input
+and options give the same shards whatever the worker count). A worker reads, checks and
+encodes every image of its range and writes the shard file itself (``ShardWriter``: temp
+file, compaction, fsync, hash, rename), so no single process touches every image; it hands
+back only what the side tables, skip lists and journal need. The build's main process
+(``packer.builder``) takes finished shards in plan order.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from ._system import die_with_parent
+from .check import BadImage, Transcode, check_image
+from .fields import encode
+from .format import SHARD_PATTERN, pack_fields, record_bytes
+from .source import ImageList, is_utf8
+from .writer import ShardWriter
+
+PROGRESS_EVERY = 16  # images between a worker's progress reports (a shared counter)
+PLANNED_SHARDS = 256    # a dataset smaller than this many shards is cut into about this many,
+MIN_PLANNED = 4 << 20   # but none planned under 4 MiB: shards for every core to write, and a
+#                         short tail (the last wave of shards leaves cores idle)
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    index: int           # the shard's number in the plan: its file name
+    start: int           # entries [start, end)
+    end: int
+    expected_bytes: int  # the source files' bytes: the shard's first map size
+
+
+@dataclass
+class ShardDone:
+    """What a worker reports for one planned shard. ``samples``: per entry, in order,
+    ``(entry, None, reason)`` for a skipped image or ``(entry, (width, height, columns),
+    drop_reasons)`` for a stored one. ``shard``: the manifest entry (None: nothing stored).
+    ``failed``: the entry whose problem ends a strict build; ``stopped``: cut short."""
+    task: ShardTask
+    shard: Optional[dict] = None
+    samples: List[tuple] = field(default_factory=list)
+    in_bytes: int = 0
+    failed: bool = False
+    stopped: bool = False
+
+
+def plan_shards(sizes: Sequence[int], shard_size: int) -> List[Tuple[int, int, int]]:
+    """(start, end, bytes) ranges of consecutive entries whose files add up to at most the
+    target (at least one entry each): ``shard_size``, or for a dataset under
+    ``PLANNED_SHARDS`` x that, 1/``PLANNED_SHARDS`` of it (``MIN_PLANNED`` at least), so a
+    small dataset still has a shard for every worker. A function of the input alone: the
+    same shards whatever the worker count."""
+    shard_size = min(shard_size, max(MIN_PLANNED, -(-sum(sizes) // PLANNED_SHARDS)))
+    plan, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > shard_size:
+            plan.append((start, i, total))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        plan.append((start, len(sizes), total))
+    return plan
+
+
+def file_sizes(source: ImageList) -> List[int]:
+    """Each entry's file size (0 where it cannot be read: the worker reports why)."""
+    root, out = str(source.root), []
+    for rel, _ in source.entries:
+        try:
+            out.append(os.stat(os.path.join(root, rel)).st_size)
+        except (OSError, ValueError):
+            out.append(0)
+    return out
+
+
+class FieldMaker:
+    """Each entry's stored fields for an image of a given size: its label, and its
+    annotation row fitted (``Annotations.fit``), encoded (``packer.fields``) and packed as
+    msgpack, with the values its side tables take. Forked workers share the rows."""
+
+    def __init__(self, source: ImageList, fields: list, column_names: list):
+        self.source, self.fields, self.column_names = source, fields, column_names
+        self.has_label = any(f["name"] == "label" for f in fields)
+
+    def encoded(self, i: int, width: int, height: int):
+        ann = self.source.annotations
+        values: dict = {"label": self.source.entries[i][1]} if self.has_label else {}
+        reasons: list = []
+        if ann is not None:
+            row, reasons = (ann.fit(ann.rows[i], width, height) if ann.fit is not None
+                            else (ann.rows[i], []))
+            values.update(row)
+        stored = encode(self.fields, values)
+        return pack_fields(stored), {k: stored[k] for k in self.column_names}, reasons
+
+
+@dataclass
+class ShardJob:
+    """Everything a worker needs besides the task; set once per worker (inherited when
+    forked). ``progress``/``stop``: a shared counter and event (None in-process)."""
+    dst: Path
+    fields: FieldMaker
+    transcode: Optional[Transcode]
+    max_pixels: int
+    strict: bool
+    progress: object = None
+    stop: object = None
+
+
+_JOB: list = [None]  # this worker's ShardJob
+
+
+def init_worker(parent: int, job: ShardJob) -> None:
+    # Ctrl-C reaches the whole process group: only the parent handles it (and sets ``stop``).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+    _JOB[0] = job
+
+
+def check_entry(job: ShardJob, i: int):
+    """(status, payload, bytes read) for entry ``i``: ("skip", reason) or ("ok", (stored
+    bytes, width, height, format, mode, packed fields, columns, drop reasons))."""
+    root, rel = job.fields.source.root, job.fields.source.entries[i][0]
+    if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
+        return "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
+                        "-t utf8 --notest SRC`)"), 0
+    try:
+        with open(os.path.join(root, rel), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return "skip", f"unreadable: {e.strerror or e}", 0
+    try:
+        c = check_image(data, transcode=job.transcode, max_pixels=job.max_pixels)
+    except BadImage as e:
+        return "skip", str(e), len(data)
+    try:
+        packed, columns, reasons = job.fields.encoded(i, c.width, c.height)
+    except ValueError as e:
+        return "skip", f"annotation: {e}", len(data)
+    return "ok", (c.data, c.width, c.height, c.format, c.mode, packed, columns,
+                  reasons), len(data)
+
+
+def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
+    """Check and store entries ``task.start .. task.end`` into the shard file ``task.index``
+    (runs in a worker; ``job`` given when run in-process). A set ``stop`` event, or a
+    problem in a strict build, abandons the shard (its temp files removed)."""
+    job = job or _JOB[0]
+    done, writer, unreported = ShardDone(task), None, 0
+    entries = job.fields.source.entries
+    try:
+        for i in range(task.start, task.end):
+            if job.stop is not None and job.stop.is_set():
+                done.stopped = True
+                break
+            status, payload, nbytes = check_entry(job, i)
+            done.in_bytes += nbytes
+            if status == "skip":
+                done.samples.append((i, None, payload))
+            else:
+                data, width, height, fmt, mode, packed, columns, reasons = payload
+                if writer is None:
+                    writer = ShardWriter(job.dst / SHARD_PATTERN.format(task.index),
+                                         expected_bytes=task.expected_bytes)
+                writer.append(record_bytes(data, path=entries[i][0], width=width, height=height,
+                                           format=fmt, mode=mode, fields=packed))
+                done.samples.append((i, (width, height, columns), reasons))
+            if job.strict and (status == "skip" or reasons):
+                done.failed = True
+                break
+            unreported = _report(job, unreported + 1)
+        _report(job, unreported, force=True)
+        if writer is not None:
+            if done.failed or done.stopped:
+                writer.abort()
+            else:
+                done.shard = writer.finish()
+            writer = None
+    finally:
+        if writer is not None:  # an exception: leave no temp files
+            writer.abort()
+    if done.failed and job.stop is not None:
+        job.stop.set()  # the build fails: the other shards need not finish
+    return done
+
+
+def _report(job: ShardJob, n: int, force: bool = False) -> int:
+    """Add ``n`` images to the shared progress counter every PROGRESS_EVERY; what is left."""
+    if job.progress is None or not n or (n < PROGRESS_EVERY and not force):
+        return n
+    with job.progress.get_lock():
+        job.progress.value += n
+    return 0

@@ -1,0 +1,48 @@
+"""make_loader's workers are shut down at interpreter exit before multiprocessing's own exit
+handler gets to them (pytorch#81794: with persistent workers and pin memory under CUDA that
+handler waits on each worker in turn; measured 25 s vs 7 s to exit, docs/benchmarks.md)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from packer import build
+
+SCRIPT = textwrap.dedent('''
+    import atexit, sys
+    import packer
+    from packer import PackedDataset, PackedSampler, DecodeCenterCrop, make_loader
+    ds = PackedDataset(sys.argv[1], decode=DecodeCenterCrop(32))
+    sampler = PackedSampler(ds) if sys.argv[2] == "epochs" else None
+    holder = {}
+
+    def check():  # registered before make_loader's hook: atexit runs it after that hook
+        workers = holder["loader"]._iterator._workers
+        print("alive after exit hooks:", sum(w.is_alive() for w in workers), flush=True)
+
+    atexit.register(check)
+    loader = make_loader(ds, 8, sampler=sampler, num_workers=2, persistent_workers=True)
+    inner = getattr(loader, "loader", loader)  # an EpochLoader's DataLoader
+    holder["loader"] = inner
+    for x, y in loader:
+        pass
+    next(iter(loader))
+    print("workers:", len(inner._iterator._workers), flush=True)
+''')
+
+
+@pytest.mark.parametrize("kind", ["plain", "epochs"])
+def test_persistent_workers_are_stopped_before_the_interpreter_waits_on_them(photo_src,
+                                                                             tmp_path, kind):
+    dst = tmp_path / "d"
+    build(photo_src, dst, progress=False, workers=0)
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(dst), kind], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "workers: 2" in r.stdout
+    assert "alive after exit hooks: 0" in r.stdout, r.stdout + r.stderr

@@ -212,9 +212,12 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
 
 def stop_workers_at_exit(loader) -> None:
     """Shut ``loader``'s workers down when the interpreter exits, before multiprocessing's
-    exit handler does: with persistent workers and a pin-memory thread, that handler waits
-    on the workers one by one (pytorch#81794) — docs/loading.md's 8-worker example took 25 s
-    to exit on the GPU machine, 7 s with this. Holds only a weak reference to ``loader``."""
+    exit handler joins them one by one (pytorch#81794: with persistent workers and a
+    pin-memory thread under CUDA, docs/loading.md's 8-worker example took 24 s to exit; 4 s
+    when the workers were shut down by a hook registered after the loop). Registered when
+    the loader is made, this hook runs after any exit hook registered later (CUDA's, say):
+    on the GPU box the example still took 24 s with it (docs/benchmarks.md), so that case is
+    not solved yet. Holds only a weak reference to ``loader``."""
     atexit.register(_stop_workers, weakref.ref(loader))
 
 

@@ -84,13 +84,6 @@ class EpochLoader(LoaderView):
     def set_epoch(self, epoch: int) -> None:
         self.batches.sampler.set_epoch(epoch)
 
-    def shutdown(self) -> None:
-        """Stop the workers now (the next ``iter()`` starts new ones)."""
-        stop = getattr(self._it, "_shutdown_workers", None)  # torch's iterator's own
-        if stop is not None:
-            stop()
-        self._it = self._at = None
-
     def __iter__(self):
         s = self.batches.sampler
         step = self.batches.batch_size * s.num_replicas  # global samples per batch

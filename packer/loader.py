@@ -211,22 +211,24 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
 
 
 def stop_workers_at_exit(loader) -> None:
-    """Shut ``loader``'s workers down when the interpreter exits, before multiprocessing's
-    exit handler joins them one by one (pytorch#81794: with persistent workers and a
-    pin-memory thread under CUDA, docs/loading.md's 8-worker example took 24 s to exit; 4 s
-    when the workers were shut down by a hook registered after the loop). Registered when
-    the loader is made, this hook runs after any exit hook registered later (CUDA's, say):
-    on the GPU box the example still took 24 s with it (docs/benchmarks.md), so that case is
-    not solved yet. Holds only a weak reference to ``loader``."""
-    atexit.register(_stop_workers, weakref.ref(loader))
+    """Have each worker iterator of ``loader`` shut its workers down when the interpreter
+    exits, before multiprocessing's exit handler joins them one by one (pytorch#81794: with
+    persistent workers and a pin-memory thread under CUDA, docs/loading.md's 8-worker
+    example took 24 s to exit; 4 s when a hook registered after the loop shut them down).
+    The hook is registered when the iterator starts, so it runs before the exit hooks of
+    whatever was set up before it. Holds only weak references."""
+    inner = loader.loader if isinstance(loader, EpochLoader) else loader
+    start = inner._get_iterator  # torch's: makes the worker iterator (also StatefulDataLoader)
+
+    def get_iterator():
+        it = start()
+        atexit.register(_stop_iterator, weakref.ref(it))
+        return it
+    inner._get_iterator = get_iterator
 
 
-def _stop_workers(ref) -> None:
-    loader = ref()
-    if isinstance(loader, EpochLoader):
-        loader.shutdown()
-        loader = loader.loader
-    stop = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)  # torch's
+def _stop_iterator(ref) -> None:
+    stop = getattr(ref(), "_shutdown_workers", None)  # torch's iterator's own
     if stop is not None:
         stop()
 

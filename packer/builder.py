@@ -16,7 +16,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Iterator, List, Optional, Sequence
 
 from tqdm.auto import tqdm
 
@@ -166,9 +166,9 @@ def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar) -> 
     """The planned shards, written by the workers, taken in plan order: each one's samples
     into the side tables and skip lists, then the shard into the journal. Shards after one
     that was cut short are not taken (a strict build's failure stopped them)."""
-    plan = plan_shards(file_sizes(source), run.shard_size)
+    sizes = file_sizes(source)
     broken, in_bytes = False, 0
-    for done in _shards(_remaining(plan, run, source), workers, job, bar):
+    for done in _shards(_remaining(sizes, run, source), workers, job, bar):
         in_bytes += done.in_bytes
         if done.stopped and not done.failed or broken and not done.failed:
             broken = True
@@ -187,10 +187,10 @@ def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar) -> 
         raise PackerError("the build was stopped before every shard was written")
 
 
-def _remaining(plan: List[Tuple[int, int, int]], run: Packing,
-               source: ImageList) -> List[ShardTask]:
+def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardTask]:
     """The plan's shards from ``run.start`` (where an interrupted run stopped, a shard
     boundary); if the files changed size since, the rest planned afresh, numbered on."""
+    plan = plan_shards(sizes, run.shard_size)
     starts = [p[0] for p in plan]
     if run.start >= len(source.entries):
         return []
@@ -198,7 +198,7 @@ def _remaining(plan: List[Tuple[int, int, int]], run: Packing,
         k = starts.index(run.start)
         return [ShardTask(k + j, a, e, n) for j, (a, e, n) in enumerate(plan[k:])]
     last = max(shard_number(s["path"]) for s in run.shards) if run.shards else -1
-    rest = plan_shards(file_sizes(source)[run.start:], run.shard_size)
+    rest = plan_shards(sizes[run.start:], run.shard_size)
     return [ShardTask(last + 1 + j, run.start + a, run.start + e, n)
             for j, (a, e, n) in enumerate(rest)]
 

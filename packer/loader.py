@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, default_collate, get_worker_info
 from ._system import usable_cores
 from .epochs import EpochBatches, EpochLoader
 from .sampler import PackedSampler
+from .sharedbatch import SharedBatch
 
 try:  # the extensible collate (torch >= 2.0); older torch falls back to default_collate
     from torch.utils.data._utils.collate import collate as _collate
@@ -76,16 +77,21 @@ def collate_detection(batch, *, channels_last: bool = True):
     """``(images, targets)`` for detection: targets stay a list of dicts (their box counts
     differ), as torchvision's detection references collate. Images of one size (a crop or
     letterbox decoder) become one uint8 batch like ``collate_uint8``'s; images of different
-    sizes stay a list. ``CUDAPrefetcher`` moves and normalizes either form."""
+    sizes stay a list. ``CUDAPrefetcher`` moves and normalizes either form.
+
+    In a worker, the targets (and a list of images) cross to the main process as one
+    shared-memory block each (``SharedBatch``), not one per tensor: per-tensor hand-over
+    was the main process's bottleneck with many workers."""
     images = [b[0] for b in batch]
-    targets = [b[1] for b in batch]
+    share = SharedBatch if get_worker_info() is not None else list
+    targets = share(b[1] for b in batch)
     first = images[0]
     if isinstance(first, torch.Tensor) and first.dim() == 3 and all(
             isinstance(t, torch.Tensor) and t.shape == first.shape for t in images):
         if first.dtype == torch.uint8 and not first.is_cuda:
             return _collate_images(images, channels_last=channels_last), targets
         return torch.stack(images), targets
-    return images, targets
+    return share(images), targets
 
 
 def _collate_images(batch, *, channels_last: bool, collate_fn_map=None):

@@ -3,10 +3,12 @@ it — images/s of ``make_loader`` with W workers ÷ (W × one core's images/s f
 per-sample work).
 
 One core's rate is the dataset's own ``ds[i]`` (read, unpack, decode + crop, target) in a
-plain loop in this process, over the same samples the loader reads, by wall time on an
-otherwise idle machine; the loader reads them through ``make_loader`` (its default collate,
-no pinning, a fixed order) after its first batch. The two alternate round by round, so
-drift in the machine's speed touches both; the median of the rounds' ratios is reported.
+plain loop, over the same samples the loader reads, measured two ways: alone in this process
+on an otherwise idle machine, and in W processes at once (``allcores``: the rate a core has
+when every worker's core is busy, which is what a loader with no overhead would reach). The
+loader reads the samples through ``make_loader`` (its default collate, no pinning, a fixed
+order) after its first wave of batches. The three alternate round by round, so drift in the
+machine's speed touches all; the median of the rounds' ratios is reported.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 from torch.utils.data import Subset
 
 from .._system import usable_cores
+from .allcores import median_rate_on_all_cores
 from ..dataset import PackedDataset
 from ..decode import DecodeRandomResizedCrop
 from ..loader import make_loader
@@ -71,23 +74,29 @@ def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int) ->
 def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,
                      samples: int = 1024, rounds: int = 5, size: int = 224,
                      log: Callable[[str], None] = print) -> Dict[str, List[float]]:
-    """Per round: one core's rate, the loader's rate, and their ratio per worker. The loader
-    reads at least ``MIN_BATCHES_PER_WORKER`` batches per worker (the dataset over again when
-    it is smaller: it is in the page cache either way)."""
+    """Per round: one core's rate alone (``core``) and with all W busy (``core_loaded``), the
+    loader's rate, and ``efficiency`` = loader / (W x core), ``efficiency_loaded`` = loader /
+    (W x core_loaded). The loader reads at least ``MIN_BATCHES_PER_WORKER`` batches per
+    worker (the dataset over again when it is smaller: it is in the page cache either way)."""
     workers = workers or usable_cores()
     ds = PackedDataset(root, decode=DecodeRandomResizedCrop(size))
     n = max(samples, MIN_BATCHES_PER_WORKER * max(1, workers) * batch_size)
     indices = [i % len(ds) for i in range(n)]
     core_indices = indices[::max(1, workers)]  # one worker's share of the same samples
-    out: Dict[str, List[float]] = {"core": [], "loader": [], "efficiency": []}
+    out: Dict[str, List[float]] = {k: [] for k in ("core", "core_loaded", "loader", "efficiency",
+                                                    "efficiency_loaded")}
     for r in range(rounds):
         core = one_core_rate(ds, core_indices)
+        loaded = median_rate_on_all_cores(lambda share: one_core_rate(ds, share), indices,
+                                          max(1, workers))
         loader = steady_loader_rate(ds, indices, batch_size, workers)
-        out["core"].append(core)
-        out["loader"].append(loader)
-        out["efficiency"].append(loader / (workers * core))
-        log(f"round {r + 1}/{rounds}: one core {core:,.0f}/s, loader with {workers} workers "
-            f"{loader:,.0f}/s: efficiency {loader / (workers * core):.3f}")
+        for k, v in (("core", core), ("core_loaded", loaded), ("loader", loader),
+                     ("efficiency", loader / (workers * core)),
+                     ("efficiency_loaded", loader / (workers * loaded))):
+            out[k].append(v)
+        log(f"round {r + 1}/{rounds}: one core {core:,.0f}/s alone, {loaded:,.0f}/s with "
+            f"{workers} busy; loader with {workers} workers {loader:,.0f}/s: efficiency "
+            f"{out['efficiency'][-1]:.3f} (vs all cores busy: {out['efficiency_loaded'][-1]:.3f})")
     return out
 
 
@@ -97,7 +106,13 @@ def efficiency_table(res: Dict[str, List[float]], workers: int) -> str:
         "| measure | median | spread |", "|---|---:|---|",
         f"| one core, `ds[i]` loop (images/s) | {med['core']:,.0f} | "
         f"{min(res['core']):,.0f}-{max(res['core']):,.0f} |",
+        f"| one core while {workers} run the loop at once (images/s) | "
+        f"{med['core_loaded']:,.0f} | "
+        f"{min(res['core_loaded']):,.0f}-{max(res['core_loaded']):,.0f} |",
         f"| `make_loader`, {workers} workers (images/s) | {med['loader']:,.0f} | "
         f"{min(res['loader']):,.0f}-{max(res['loader']):,.0f} |",
         f"| efficiency = loader / ({workers} x one core) | {med['efficiency']:.3f} | "
-        f"{min(res['efficiency']):.3f}-{max(res['efficiency']):.3f} |"])
+        f"{min(res['efficiency']):.3f}-{max(res['efficiency']):.3f} |",
+        f"| efficiency vs all cores busy = loader / ({workers} x one core while {workers} run) "
+        f"| {med['efficiency_loaded']:.3f} | {min(res['efficiency_loaded']):.3f}-"
+        f"{max(res['efficiency_loaded']):.3f} |"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from packer.bench.build import DECODE, bench_build, build_table, build_variants, decode_rate
+from packer.bench.build import DECODE, DECODE_LOADED, bench_build, build_table, build_variants, decode_rate
 from packer.demo import make_image_folder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,13 +29,13 @@ def test_bench_build_rows_and_table(src):
                       log=lines.append)
     assert res["images"] == 40 and res["workers"] == 0 and res["repeats"] == 2
     assert res["bytes"] == sum(p.stat().st_size for p in src.rglob("*.jpg"))
-    assert list(res["rows"]) == [DECODE] + [name for name, _ in build_variants()]
+    assert list(res["rows"]) == [DECODE, DECODE_LOADED] + [name for name, _ in build_variants()]
     for name, values in res["rows"].items():
         assert len(values) == 2 and all(v > 0 for v in values), name
     assert lines and lines[0].startswith("40 images, ") and "PIL: " in lines[0]
     table = build_table(res).splitlines()
     assert table[0].startswith("| variant | images/s (median of 2) |")
-    assert [row.split(" | ")[0] for row in table[2:5]] == [f"| {n}" for n in res["rows"]]
+    assert [row.split(" | ")[0] for row in table[2:6]] == [f"| {n}" for n in res["rows"]]
     assert table[-1].startswith("goal: build >= 0.8 x 1 x ")  # workers=0: one core
 
 

@@ -13,5 +13,7 @@ def test_bench_efficiency_dry_run(photo_src, tmp_path):
                            log=lines.append)
     assert all(len(v) == 1 and v[0] > 0 for v in res.values())
     assert abs(res["efficiency"][0] - res["loader"][0] / (2 * res["core"][0])) < 1e-9
+    assert abs(res["efficiency_loaded"][0] - res["loader"][0] / (2 * res["core_loaded"][0])) < 1e-9
     assert "efficiency = loader / (2 x one core)" in efficiency_table(res, 2)
+    assert "efficiency vs all cores busy" in efficiency_table(res, 2)
     assert lines[0].startswith("round 1/1: one core")

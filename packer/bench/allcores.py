@@ -1,0 +1,53 @@
+"""One core's rate while every core works: the ceiling a multi-process stage can reach.
+
+A core measured alone runs at its single-core turbo clock and has its SMT sibling, its
+share of the memory bus and the last-level cache to itself; with every core busy it has
+none of these, so ``cores x rate alone`` is a ceiling no program reaches (on the GPU box the
+gap was a third). ``rates_on_all_cores`` runs the same per-sample loop in ``n`` forked
+processes at once, started together, and returns each one's rate: ``n x`` their median is
+what ``n`` workers with no overhead at all would do. The benchmarks report the build and the
+loader against both.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+from typing import Callable, List, Sequence
+
+__all__ = ["rates_on_all_cores", "median_rate_on_all_cores"]
+
+
+def _run(fn, share, barrier, results, k) -> None:
+    try:
+        import torch
+        torch.set_num_threads(1)  # as a DataLoader worker and a build worker run
+    except ImportError:  # pragma: no cover
+        pass
+    barrier.wait()
+    results[k] = fn(share)
+
+
+def rates_on_all_cores(fn: Callable[[Sequence], float], shares: Sequence[Sequence]) -> List[float]:
+    """``fn(share)`` (images/s of one loop over ``share``) in one forked process per share,
+    all released at once by a barrier. Fork, so ``fn`` may be a closure over open state."""
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(len(shares))
+    results = ctx.Array("d", len(shares))
+    procs = [ctx.Process(target=_run, args=(fn, share, barrier, results, k), daemon=True)
+             for k, share in enumerate(shares)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(procs)} measuring processes failed "
+                           f"(exit codes {bad})")
+    return list(results)
+
+
+def median_rate_on_all_cores(fn: Callable[[Sequence], float], items: Sequence,
+                             n: int) -> float:
+    """The median per-process rate of ``fn`` over ``n`` interleaved shares of ``items``."""
+    n = max(1, n)
+    return statistics.median(rates_on_all_cores(fn, [items[k::n] for k in range(n)]))

@@ -193,3 +193,5 @@ def test_steady_loader_rate(packed):
     ds = PackedDataset(packed, decode=DecodeRandomResizedCrop(64))
     rate = steady_loader_rate(ds, list(range(len(ds))), 8, 2)
     assert rate > 0 and math.isfinite(rate)
+    short = steady_loader_rate(ds, list(range(16)), 8, 2)  # two batches: the whole run
+    assert short > 0 and math.isfinite(short)

@@ -55,20 +55,24 @@ def one_core_rate(ds, indices: List[int]) -> float:
 
 
 def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int) -> float:
-    """images/s of ``make_loader`` over ``indices``, timed only after one batch per worker
-    (``max(1, workers)``): those all arrive together after start-up, and counting them
-    overstated the rate (skipping one batch: 2 workers, batch 64, efficiency 1.00 over 512
-    images against 0.88; 16 workers over 1,024 images, 4.7). Give it many batches per worker
-    (``bench_efficiency`` takes at least ``MIN_BATCHES_PER_WORKER``)."""
+    """images/s of ``make_loader`` over ``indices`` in its steady state: from the end of its
+    first wave of batches (one per worker, ``max(1, workers)``) to the start of its last
+    wave. The first wave arrives all together after start-up (counting it overstated the
+    rate: 16 workers over 1,024 images, 4.7), and in the last one workers run out of work one
+    by one while the last batches finish (counting it understates the rate); an epoch of a real dataset is hundreds of waves long. Give it many
+    batches per worker (``bench_efficiency`` takes at least ``MIN_BATCHES_PER_WORKER``);
+    a run of fewer than two waves and a batch is timed from its start, start-up included."""
     loader = make_loader(Subset(ds, indices), batch_size, num_workers=workers, shuffle=False,
                          pin_memory=False, persistent_workers=False)
-    it = iter(loader)
-    for _ in range(max(1, workers)):
-        next(it)
-    t0, n = time.perf_counter(), 0
-    for x, _ in it:
-        n += len(x)
-    return n / (time.perf_counter() - t0)
+    wave = max(1, workers)
+    arrivals = [(time.perf_counter(), 0)]  # (time, images) of the start, then of each batch
+    for x, _ in loader:
+        arrivals.append((time.perf_counter(), len(x)))
+    first, last = wave, len(arrivals) - 1 - wave
+    if last <= first:  # too short for a steady state: the whole run
+        first, last = 0, len(arrivals) - 1
+    images = sum(n for _, n in arrivals[first + 1:last + 1])
+    return images / (arrivals[last][0] - arrivals[first][0])
 
 
 def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,

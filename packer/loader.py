@@ -222,12 +222,16 @@ def stop_workers_at_exit(loader) -> None:
     persistent workers and a pin-memory thread under CUDA, docs/loading.md's 8-worker
     example took 24 s to exit; 4 s when a hook registered after the loop shut them down).
     The hook is registered when the iterator starts, so it runs before the exit hooks of
-    whatever was set up before it. Holds only weak references."""
+    whatever was set up before it. Holds only weak references: a reference from the loader
+    to itself through the hook made ``del loader`` leave it, its persistent workers and their
+    iterator to the garbage collector, which then could run in a later loader's forked
+    worker ("can only test a child process")."""
     inner = loader.loader if isinstance(loader, EpochLoader) else loader
-    start = inner._get_iterator  # torch's: makes the worker iterator (also StatefulDataLoader)
+    start = type(inner)._get_iterator  # torch's: makes the worker iterator (also StatefulDataLoader)
+    owner = weakref.ref(inner)
 
     def get_iterator():
-        it = start()
+        it = start(owner())
         atexit.register(_stop_iterator, weakref.ref(it))
         return it
     inner._get_iterator = get_iterator

@@ -46,3 +46,34 @@ def test_persistent_workers_are_stopped_before_the_interpreter_waits_on_them(pho
     assert r.returncode == 0, r.stderr
     assert "workers: 2" in r.stdout
     assert "alive after exit hooks: 0" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("kind", ["plain", "epochs"])
+def test_a_dropped_loader_and_its_workers_go_at_once(photo_src, tmp_path, kind):
+    """The exit hook adds no reference cycle: ``del loader`` frees the loader and stops its
+    persistent workers right away, not at some later garbage collection (which could run in
+    a later loader's forked worker and fail there)."""
+    import gc
+    import weakref
+
+    from packer import DecodeCenterCrop, PackedDataset, PackedSampler, make_loader
+    dst = tmp_path / "d"
+    build(photo_src, dst, progress=False, workers=0)
+    ds = PackedDataset(dst, decode=DecodeCenterCrop(32))
+    sampler = PackedSampler(ds) if kind == "epochs" else None
+    gc.disable()
+    try:
+        loader = make_loader(ds, 8, sampler=sampler, num_workers=2, persistent_workers=True,
+                             pin_memory=False)
+        for _ in loader:
+            pass
+        inner = getattr(loader, "loader", loader)
+        workers = list(inner._iterator._workers)
+        ref = weakref.ref(inner)
+        del loader, inner
+        assert ref() is None, "the loader outlived its last reference"
+        for w in workers:
+            w.join(timeout=10)
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        gc.enable()

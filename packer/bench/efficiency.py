@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 from torch.utils.data import Subset
 
@@ -54,25 +54,32 @@ def one_core_rate(ds, indices: List[int]) -> float:
     return len(indices) / (time.perf_counter() - t0)
 
 
-def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int) -> float:
-    """images/s of ``make_loader`` over ``indices`` in its steady state: from the end of its
-    first wave of batches (one per worker, ``max(1, workers)``) to the start of its last
-    wave. The first wave arrives all together after start-up (counting it overstated the
-    rate: 16 workers over 1,024 images, 4.7), and in the last one workers run out of work one
-    by one while the last batches finish (counting it understates the rate); an epoch of a real dataset is hundreds of waves long. Give it many
-    batches per worker (``bench_efficiency`` takes at least ``MIN_BATCHES_PER_WORKER``);
-    a run of fewer than two waves and a batch is timed from its start, start-up included."""
-    loader = make_loader(Subset(ds, indices), batch_size, num_workers=workers, shuffle=False,
-                         pin_memory=False, persistent_workers=False)
+def steady_rate(batches: Iterable, workers: int) -> float:
+    """images/s of ``batches`` ((images, labels) pairs) in the steady state: from the end of
+    the first wave of batches (one per worker, ``max(1, workers)``) to the start of the last.
+    The first wave arrives all together after start-up (counting it overstated the rate: 16
+    workers over 1,024 images, 4.7), and in the last one workers run out of work one by one
+    while the last batches finish (counting it understates the rate); an epoch of a real
+    dataset is hundreds of waves long. A run shorter than two waves and a batch is timed whole
+    from its start, start-up included."""
     wave = max(1, workers)
     arrivals = [(time.perf_counter(), 0)]  # (time, images) of the start, then of each batch
-    for x, _ in loader:
+    for x, _ in batches:
         arrivals.append((time.perf_counter(), len(x)))
     first, last = wave, len(arrivals) - 1 - wave
     if last <= first:  # too short for a steady state: the whole run
         first, last = 0, len(arrivals) - 1
     images = sum(n for _, n in arrivals[first + 1:last + 1])
     return images / (arrivals[last][0] - arrivals[first][0])
+
+
+def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int) -> float:
+    """``steady_rate`` of ``make_loader`` over ``indices`` (a fixed order, no pinning). Give
+    it many batches per worker (``bench_efficiency`` takes at least
+    ``MIN_BATCHES_PER_WORKER``)."""
+    return steady_rate(make_loader(Subset(ds, indices), batch_size, num_workers=workers,
+                                   shuffle=False, pin_memory=False, persistent_workers=False),
+                       workers)
 
 
 def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,

@@ -2,13 +2,13 @@
 block, however many tensors it holds.
 
 A worker hands each tensor of its batch to the main process as a separate shared-memory
-file whose descriptor the main process fetches over a socket from the worker, one round trip
-per tensor (about 0.1 ms on the 2-core box). A detection batch of 32 images carries 4-5 small target tensors per
-image: 130-160 round trips, all in the one main process, which capped a 15-worker loader at
-a fraction of what its workers decoded. ``SharedBatch`` copies every tensor of a batch into
-one shared block when it is pickled; the main process rebuilds the same structure (dicts,
-lists, tuples; tensor subclasses such as ``tv_tensors.BoundingBoxes`` with their metadata)
-as views of that block, with one round trip.
+file whose descriptor the main process fetches over a socket from the worker, one round
+trip per tensor. A detection batch of 32 images carries 4-5 small target tensors per image:
+130-160 round trips, all in the one main process, which held a 15-worker packed loader to
+~0.6x torchvision's (whose targets carry two tensors; docs/benchmarks.md). ``SharedBatch``
+copies every tensor of a batch into one shared block when it is pickled; the main process
+rebuilds the same structure (dicts, lists, tuples; tensor subclasses such as
+``tv_tensors.BoundingBoxes`` with their metadata) as views of that block: one round trip.
 """
 from __future__ import annotations
 

@@ -155,6 +155,8 @@ def loader_pass(spec: dict, batch_size: int, workers: int) -> float:
     level: ``SlowDisk.run`` calls it in a fresh process inside the throttled cgroup)."""
     from ..demo.detection import detection_loader, loader_rate
     ds, sampler = loader_dataset(spec)
+    ds[0]  # the target's types imported here before timing (torchvision: ~2 s in a fresh
+    # process, during which the workers ran ahead and the timed rest looked 3x too fast)
     loader = detection_loader(ds, batch_size, workers, sampler=sampler, pin_memory=False,
                               shuffle=None if sampler is not None else True)
     n, sec = loader_rate(loader, workers)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import atexit
 import functools
 import math
+import multiprocessing as mp
 import os
+import sys
 import weakref
 from typing import Callable, Optional
 
@@ -29,7 +31,8 @@ try:  # the extensible collate (torch >= 2.0); older torch falls back to default
 except ImportError:  # pragma: no cover
     _collate = None
 
-__all__ = ["collate_detection", "collate_uint8", "default_num_workers", "make_loader"]
+__all__ = ["collate_detection", "collate_uint8", "default_context", "default_num_workers",
+           "make_loader"]
 
 TOTAL_PREFETCH = 8  # batches in flight across all workers, see make_loader
 
@@ -166,7 +169,8 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
             imported modules) across epochs instead of re-forking each epoch. Workers hold a
             copy of the dataset, so changes to it after the first epoch do not reach them.
         multiprocessing_context: None (the platform default: fork on Linux, cheap and safe
-            since shards open lazily per process), or "spawn"/"forkserver" if the main
+            since shards open lazily per process; forkserver instead in a Linux process whose
+            default is spawn, see ``default_context``), or "spawn"/"forkserver" if the main
             process has threads or CUDA state that must not be forked.
         collate_fn: default ``collate_uint8`` with ``channels_last`` (``collate_detection``
             for a detection ``PackedDataset``).
@@ -259,8 +263,21 @@ def _workers(num_workers, prefetch_factor, context, kwargs: dict) -> int:
     if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
         raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
     kwargs["prefetch_factor"] = prefetch_factor
-    kwargs["multiprocessing_context"] = context
+    kwargs["multiprocessing_context"] = context if context is not None else default_context()
     return num_workers
+
+
+def default_context() -> Optional[str]:
+    """The workers' start method when the caller names none: the platform's (None), except in
+    a Linux process whose own default is spawn (one started by ``torch.multiprocessing.spawn``,
+    say), where it is forkserver. Both need a picklable dataset, but a spawned worker finalizes
+    the interpreter when it exits, which aborted workers stopped while their result queue's
+    thread was still handing a batch over ("terminate called without an active exception";
+    an ``EpochLoader``'s workers, running on into the next epoch, always are); a forkserver
+    worker exits at once. Measured in docs/benchmarks.md (issue 16, second session)."""
+    if sys.platform.startswith("linux") and mp.get_start_method(allow_none=True) == "spawn":
+        return "forkserver"
+    return None
 
 
 def default_collate_for(dataset, channels_last: bool = True) -> Callable:

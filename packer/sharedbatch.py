@@ -43,12 +43,14 @@ class _Slot:
 
 
 def _strip(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    """``obj`` with every CPU tensor replaced by a ``_Slot`` (the tensor appended to
-    ``tensors``); dicts, lists and plain tuples are walked, anything else is kept as is."""
-    if isinstance(obj, torch.Tensor) and not obj.is_cuda and not obj.requires_grad:
+    """``obj`` with every dense CPU tensor replaced by a ``_Slot`` (the tensor appended to
+    ``tensors``); dicts, lists and plain tuples are walked, anything else (sparse or CUDA
+    tensors, tensors that need grad, other containers) is left to ordinary pickling."""
+    if (isinstance(obj, torch.Tensor) and obj.layout == torch.strided and obj.device.type == "cpu"
+            and not obj.requires_grad):
         tensors.append(obj)
         return _Slot(len(tensors) - 1)
-    if isinstance(obj, dict) and type(obj) is dict:
+    if type(obj) is dict:
         return {k: _strip(v, tensors) for k, v in obj.items()}
     if type(obj) in (list, tuple):
         return type(obj)(_strip(v, tensors) for v in obj)
@@ -84,8 +86,8 @@ def _view(block: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.
     for s in reversed(shape):
         strides.append(acc)
         acc *= s
-    return torch.empty(0, dtype=dtype).set_(block.untyped_storage(), offset // _itemsize(dtype), tuple(shape),
-                                            tuple(reversed(strides)))
+    return torch.empty(0, dtype=dtype).set_(block.untyped_storage(), offset // _itemsize(dtype),
+                                            tuple(shape), tuple(reversed(strides)))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -64,9 +64,11 @@ def test_any_structure_round_trips_through_the_worker_pickler():
         {"boxes": boxes[:0], "labels": torch.zeros(0, dtype=torch.int64), "image_id": 8,
          "nested": [odd, (torch.tensor(True), "x")]},
         torch.rand(3, 5, 7),
+        torch.eye(3).to_sparse(),  # not dense: pickled on its own, unchanged
     ])
     out = pickle.loads(ForkingPickler.dumps(batch))
-    assert type(out) is list and len(out) == 3
+    assert type(out) is list and len(out) == 4
+    assert out[3].is_sparse and torch.equal(out[3].to_dense(), torch.eye(3))
     assert isinstance(out[0]["boxes"], tv_tensors.BoundingBoxes)
     assert out[0]["boxes"].canvas_size == (50, 60) and torch.equal(out[0]["boxes"], boxes)
     assert (out[0]["image_id"], out[0]["caption"]) == (7, "a cat")

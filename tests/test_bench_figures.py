@@ -83,6 +83,9 @@ def test_loader_efficiency(report):
     assert len(e["values"]) == 2 and all(v > 0 for v in e["values"])
     assert e["median"] == statistics.median(e["values"])
     assert e["loader_images_per_s"] > 0 and e["core_images_per_s"] > 0
+    busy = e["all_cores_busy"]
+    assert e["core_busy_images_per_s"] > 0 and len(busy["values"]) == 2
+    assert busy["median"] == statistics.median(busy["values"])
 
 
 def test_epoch_wait(report):

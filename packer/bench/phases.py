@@ -30,6 +30,7 @@ from ..reader import ShardReader
 from ..demo import FolderDataset
 from . import build as build_bench
 from .coldread import drop_page_cache, storage
+from .allcores import median_rate_on_all_cores
 from .efficiency import GOAL as EFFICIENCY_GOAL, one_core_rate, steady_loader_rate
 from .epochs import VARIANTS as EPOCH_VARIANTS, loader_batch_time, one_run
 
@@ -310,18 +311,23 @@ class Runner:
     def _efficiency_figure(self, ds: PackedDataset, workers: int, batch_size: int,
                            repeats: int) -> None:
         """``bench_efficiency``'s rounds (one core's ``ds[i]`` loop over a share of the
-        samples, then the loader over all of them), with ``steady_loader_rate``."""
+        samples, alone and with ``workers`` such loops at once, then the loader over all of
+        them), with ``steady_loader_rate``."""
         indices = list(range(len(ds)))
-        core, loader = [], []
+        core, busy, loader = [], [], []
         for _ in range(repeats):
             self._begin("loader efficiency")
             core.append(one_core_rate(ds, indices[::workers]))
+            busy.append(median_rate_on_all_cores(lambda share: one_core_rate(ds, share),
+                                                 indices, workers))
             loader.append(steady_loader_rate(ds, indices, batch_size, workers))
             self._tick()
         self.report.figures["loader_efficiency"] = dict(
             summary([lo / (workers * c) for lo, c in zip(loader, core)]), goal=EFFICIENCY_GOAL,
+            all_cores_busy=summary([lo / (workers * b) for lo, b in zip(loader, busy)]),
             loader_images_per_s=statistics.median(loader),
-            core_images_per_s=statistics.median(core), workers=workers,
+            core_images_per_s=statistics.median(core),
+            core_busy_images_per_s=statistics.median(busy), workers=workers,
             batch_size=batch_size, images=len(ds))
 
     def _epoch_figure(self, ds: PackedDataset, workers: int, batch_size: int,

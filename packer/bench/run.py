@@ -122,7 +122,9 @@ class BenchReport:
             f"{b['decode_images_per_s']:,.0f} images/s one core's full decode); goal >= {b['goal']}",
             f"  loader efficiency    {e['median']:.2f}  make_loader {e['loader_images_per_s']:,.0f} "
             f"images/s / ({n_workers(e['workers'])} x {e['core_images_per_s']:,.0f} images/s one "
-            f"core's ds[i] loop), batch {e['batch_size']}; goal >= {e['goal']}",
+            f"core's ds[i] loop), batch {e['batch_size']}; {e['all_cores_busy']['median']:.2f} "
+            f"against {e['core_busy_images_per_s']:,.0f} images/s, one core's rate with "
+            f"{e['workers']} such loops at once; goal >= {e['goal']}",
             f"  epoch-boundary wait  {w['make_loader']['median']:,.0f} ms for each epoch's first "
             f"batch with make_loader (EpochLoader: workers run on into the next epoch) vs "
             f"{w['plain_dataloader']['median']:,.0f} ms with a plain DataLoader epoch by epoch "

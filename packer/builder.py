@@ -170,7 +170,7 @@ def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar) -> 
     broken, in_bytes = False, 0
     for done in _shards(_remaining(sizes, run, source), workers, job, bar):
         in_bytes += done.in_bytes
-        if done.stopped and not done.failed or broken and not done.failed:
+        if not done.failed and (done.stopped or broken):
             broken = True
             continue
         for i, kept, extra in done.samples:  # a strict build raises at its first problem

@@ -28,13 +28,6 @@ OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) per record: whe
 PATHS_INDEX = "paths.u64"  # little-endian uint64 per record: where its source path ends in paths.utf8
 PATHS_TEXT = "paths.utf8"  # every record's source path, UTF-8, back to back
 SHARD_PATTERN = "shard-{:05d}.lmdb"
-
-
-def shard_number(name: str) -> int:
-    """N of a ``shard-NNNNN.lmdb`` name (-1 for any other name)."""
-    stem = name[len("shard-"):-len(".lmdb")] if name.startswith("shard-") and name.endswith(
-        ".lmdb") else ""
-    return int(stem) if stem.isdigit() and stem.isascii() else -1
 KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
 # Every record's own keys; its schema's fields (``label`` for classification) come beside them.
 RECORD_TYPES = {"image": bytes, "path": str, "width": int, "height": int,
@@ -46,6 +39,13 @@ LABEL_FIELD = {"name": "label", "type": "int"}
 CLASSIFICATION = {"task": "classification", "fields": [LABEL_FIELD]}
 COLUMN_SUFFIX = {"int32": "i32", "int64": "i64", "float64": "f64", "uint8": "u8"}
 SIZE_COLUMNS = ("width", "height")  # int32 side tables every dataset since 1.2 has
+
+
+def shard_number(name: str) -> int:
+    """N of a ``shard-NNNNN.lmdb`` name (-1 for any other name)."""
+    stem = name[len("shard-"):-len(".lmdb")] if name.startswith("shard-") and name.endswith(
+        ".lmdb") else ""
+    return int(stem) if stem.isdigit() and stem.isascii() else -1
 
 
 def column_file(name: str, dtype: str) -> str:

@@ -34,22 +34,33 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("kind", ["plain", "epochs"])
-def test_persistent_workers_are_stopped_before_the_interpreter_waits_on_them(photo_src,
-                                                                             tmp_path, kind):
-    dst = tmp_path / "d"
+@pytest.fixture(scope="module")
+def packed(photo_src, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("exit") / "d"
     build(photo_src, dst, progress=False, workers=0)
-    script = tmp_path / "s.py"
-    script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(dst), kind], capture_output=True,
-                       text=True, timeout=120)
+    return dst
+
+
+def run_script(tmp_path, text: str, *args, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``text`` run as a script in a fresh interpreter with ``args``; it must exit 0."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    r = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True,
+                       text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.mark.parametrize("kind", ["plain", "epochs"])
+def test_persistent_workers_are_stopped_before_the_interpreter_waits_on_them(packed, tmp_path,
+                                                                             kind):
+    r = run_script(tmp_path, SCRIPT, packed, kind)
     assert "workers: 2" in r.stdout
     assert "alive after exit hooks: 0" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("kind", ["plain", "epochs"])
-def test_a_dropped_loader_and_its_workers_go_at_once(photo_src, tmp_path, kind):
+def test_a_dropped_loader_and_its_workers_go_at_once(packed, kind):
     """The exit hook adds no reference cycle: ``del loader`` frees the loader and stops its
     persistent workers right away, not at some later garbage collection (which could run in
     a later loader's forked worker and fail there)."""
@@ -57,9 +68,7 @@ def test_a_dropped_loader_and_its_workers_go_at_once(photo_src, tmp_path, kind):
     import weakref
 
     from packer import DecodeCenterCrop, PackedDataset, PackedSampler, make_loader
-    dst = tmp_path / "d"
-    build(photo_src, dst, progress=False, workers=0)
-    ds = PackedDataset(dst, decode=DecodeCenterCrop(32))
+    ds = PackedDataset(packed, decode=DecodeCenterCrop(32))
     sampler = PackedSampler(ds) if kind == "epochs" else None
     gc.disable()
     try:
@@ -95,16 +104,10 @@ CONTEXT_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.parametrize("start, want", [("spawn", "forkserver"), ("none", "None"),
                                          ("fork", "None")])
-def test_workers_of_a_spawned_process_start_by_forkserver(photo_src, tmp_path, start, want):
+def test_workers_of_a_spawned_process_start_by_forkserver(packed, tmp_path, start, want):
     """Where the process's own default is spawn, make_loader's workers use forkserver unless
     the caller names a start method (which is kept)."""
-    dst = tmp_path / "d"
-    build(photo_src, dst, progress=False, workers=0)
-    script = tmp_path / "s.py"
-    script.write_text(CONTEXT_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(dst), start], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    r = run_script(tmp_path, CONTEXT_SCRIPT, packed, start)
     assert f"None -> {want}" in r.stdout and "spawn -> spawn" in r.stdout, r.stdout
 
 
@@ -129,11 +132,7 @@ def test_an_epoch_loader_in_a_spawned_process_exits_cleanly(tmp_path):
     src = make_detection_folder(tmp_path / "scenes", images=96, seed=2)
     build(src / "images", tmp_path / "d", coco=src / "annotations.json", progress=False,
           workers=0)
-    script = tmp_path / "e.py"
-    script.write_text(EPOCH_SCRIPT)
     for _ in range(2):
-        r = subprocess.run([sys.executable, str(script), str(tmp_path / "d")],
-                           capture_output=True, text=True, timeout=180)
-        assert r.returncode == 0, r.stderr
+        r = run_script(tmp_path, EPOCH_SCRIPT, tmp_path / "d", timeout=180)
         assert "batches: 6" in r.stdout
         assert "terminate called" not in r.stderr and "Aborted" not in r.stderr, r.stderr

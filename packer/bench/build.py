@@ -26,11 +26,11 @@ from ..dataset import PackedDataset
 from ..demo import make_image_folder
 from ..source import IMG_EXTENSIONS, scan_folder
 
-__all__ = ["DECODE", "DECODE_LOADED", "GOAL", "bench_build", "build_table", "build_variants", "decode_rate",
-           "sample_folder", "time_builds", "build_ratios"]
+__all__ = ["DECODE", "DECODE_LOADED", "GOAL", "bench_build", "build_table", "build_variants",
+           "decode_rate", "sample_folder", "time_builds", "build_ratios"]
 
 DECODE = "decode 1 core"
-DECODE_LOADED = "decode 1 core, all cores busy"  # allcores: one core's rate while every worker's decodes
+DECODE_LOADED = "decode 1 core, all cores busy"  # one core's rate while every worker decodes
 GOAL = 0.8  # build images/s >= GOAL x workers x one core's decode rate
 
 

@@ -82,6 +82,16 @@ def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int) ->
                        workers)
 
 
+def efficiency_round(ds, indices: List[int], batch_size: int, workers: int):
+    """One round's ``(core, core_loaded, loader)`` images/s: a ``ds[i]`` loop over one
+    worker's share of ``indices`` alone, the same loop in ``workers`` processes at once, and
+    ``make_loader`` over all of ``indices`` (``steady_loader_rate``)."""
+    w = max(1, workers)
+    core = one_core_rate(ds, indices[::w])
+    loaded = median_rate_on_all_cores(lambda share: one_core_rate(ds, share), indices, w)
+    return core, loaded, steady_loader_rate(ds, indices, batch_size, workers)
+
+
 def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,
                      samples: int = 1024, rounds: int = 5, size: int = 224,
                      log: Callable[[str], None] = print) -> Dict[str, List[float]]:
@@ -93,14 +103,10 @@ def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 6
     ds = PackedDataset(root, decode=DecodeRandomResizedCrop(size))
     n = max(samples, MIN_BATCHES_PER_WORKER * max(1, workers) * batch_size)
     indices = [i % len(ds) for i in range(n)]
-    core_indices = indices[::max(1, workers)]  # one worker's share of the same samples
     out: Dict[str, List[float]] = {k: [] for k in ("core", "core_loaded", "loader", "efficiency",
                                                     "efficiency_loaded")}
     for r in range(rounds):
-        core = one_core_rate(ds, core_indices)
-        loaded = median_rate_on_all_cores(lambda share: one_core_rate(ds, share), indices,
-                                          max(1, workers))
-        loader = steady_loader_rate(ds, indices, batch_size, workers)
+        core, loaded, loader = efficiency_round(ds, indices, batch_size, workers)
         for k, v in (("core", core), ("core_loaded", loaded), ("loader", loader),
                      ("efficiency", loader / (workers * core)),
                      ("efficiency_loaded", loader / (workers * loaded))):

@@ -30,8 +30,7 @@ from ..reader import ShardReader
 from ..demo import FolderDataset
 from . import build as build_bench
 from .coldread import drop_page_cache, storage
-from .allcores import median_rate_on_all_cores
-from .efficiency import GOAL as EFFICIENCY_GOAL, one_core_rate, steady_loader_rate
+from .efficiency import GOAL as EFFICIENCY_GOAL, efficiency_round
 from .epochs import VARIANTS as EPOCH_VARIANTS, loader_batch_time, one_run
 
 DECODE_SAMPLE = 200      # images held in memory for the one-core decode runs
@@ -312,15 +311,14 @@ class Runner:
                            repeats: int) -> None:
         """``bench_efficiency``'s rounds (one core's ``ds[i]`` loop over a share of the
         samples, alone and with ``workers`` such loops at once, then the loader over all of
-        them), with ``steady_loader_rate``."""
+        them): ``efficiency_round``."""
         indices = list(range(len(ds)))
         core, busy, loader = [], [], []
         for _ in range(repeats):
             self._begin("loader efficiency")
-            core.append(one_core_rate(ds, indices[::workers]))
-            busy.append(median_rate_on_all_cores(lambda share: one_core_rate(ds, share),
-                                                 indices, workers))
-            loader.append(steady_loader_rate(ds, indices, batch_size, workers))
+            for out, v in zip((core, busy, loader),
+                              efficiency_round(ds, indices, batch_size, workers)):
+                out.append(v)
             self._tick()
         self.report.figures["loader_efficiency"] = dict(
             summary([lo / (workers * c) for lo, c in zip(loader, core)]), goal=EFFICIENCY_GOAL,

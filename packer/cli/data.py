@@ -44,7 +44,7 @@ from .common import Size, library_errors, warnings_as_lines
                    "[default: torchvision's IMG_EXTENSIONS].")
 @click.option("--shard-size", type=Size(), default="1G", show_default=True,
               help="Largest bytes per shard file (e.g. 512M, 2G), counted on the source "
-                   "files; a dataset under 64 of them gets ~64 smaller shards (>= 16M).")
+                   "files; a dataset under 256 of them gets ~256 smaller shards (>= 4M).")
 @click.option("--workers", "-j", type=int, default=None,
               help="Processes that read and check images [default: all usable cores].")
 @click.option("--max-side", type=click.IntRange(min=16),

@@ -117,7 +117,7 @@ def encode_value(f: dict, v: Any) -> Any:
             raise ValueError(f"field {name!r}: {v!r} is not an int")
         v = int(v)
         if not INT64[0] <= v <= INT64[1]:
-            raise ValueError(f"field {name!r}: {v} does not fit in int64")
+            raise ValueError(f"field {name!r}: {shown_int(v)} does not fit in int64")
         return v
     if kind == "float":
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -156,19 +156,29 @@ def encode_array(f: dict, v: Any) -> bytes:
                 v = array(code, chain.from_iterable(v))
         except (TypeError, OverflowError):
             pass
+    elif not rows and type(v) is list and not (v and isinstance(v[0], (list, tuple))):
+        try:  # a flat list of numbers (labels, ids): straight into the array
+            v = array(code, v)
+        except (TypeError, OverflowError):
+            pass
     if hasattr(v, "detach"):  # a torch tensor: no torch import needed here
         v = v.detach().cpu().reshape(-1).tolist()
     elif hasattr(v, "tolist") and not isinstance(v, array):  # numpy
         v = v.reshape(-1).tolist() if hasattr(v, "reshape") else v.tolist()
-    flat = _flatten(v, f["name"]) if not isinstance(v, array) else v
-    try:
-        out = array(code, flat)
-    except (TypeError, OverflowError) as e:
-        raise ValueError(f"field {f['name']!r}: values do not fit {f['dtype']} ({e})") from None
+    if isinstance(v, array) and v.typecode == code:
+        out = v
+    else:
+        flat = _flatten(v, f["name"]) if not isinstance(v, array) else v
+        try:
+            out = array(code, flat)
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"field {f['name']!r}: values do not fit {f['dtype']} ({e})") \
+                from None
     if code in "fd" and not all(map(math.isfinite, out)):
         raise ValueError(f"field {f['name']!r}: holds NaN or inf (refused)")
     array_shape(f, len(out) * out.itemsize)  # checks the element count against the shape
     if sys.byteorder != "little":
+        out = array(code, out)  # a copy: the caller's array stays as it was
         out.byteswap()
     return out.tobytes()
 
@@ -184,6 +194,10 @@ def _flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
     return out
 
 
+def shown_int(v: int) -> str:
+    return str(v) if v.bit_length() <= 128 else f"a {v.bit_length()}-bit integer"
+
+
 def data_problem(v: Any, depth: int = 0) -> str:
     """Why ``v`` is not plain nested data, or ""."""
     if depth > MAX_DEPTH:
@@ -191,14 +205,22 @@ def data_problem(v: Any, depth: int = 0) -> str:
     if v is None or isinstance(v, (bool, str)):
         return ""
     if isinstance(v, int):
-        return "" if INT64[0] <= v <= INT64[1] else f"{v} does not fit in int64"
+        return "" if INT64[0] <= v <= INT64[1] else f"{shown_int(v)} does not fit in int64"
     if isinstance(v, float):
         return "" if math.isfinite(v) else "holds NaN or inf (refused)"
     if isinstance(v, (list, tuple)):
+        if v and type(v[0]) is list and set(map(type, v)) == {list}:
+            try:  # lists of numbers (polygons): one pass over all of them
+                total = math.fsum(map(abs, chain.from_iterable(v)))
+            except (TypeError, OverflowError):
+                pass
+            else:
+                if total < INT64[1]:
+                    return ""
         if v and not isinstance(v[0], (list, tuple, dict, str)):
             try:  # a flat list of numbers (a polygon): one pass at C speed. A finite sum of
                 total = math.fsum(map(abs, v))  # magnitudes bounds every value (ints fit
-            except TypeError:                   # int64); anything else: the loop says why
+            except (TypeError, OverflowError):  # int64); anything else: the loop says why
                 pass
             else:
                 if total < INT64[1]:  # False for NaN and inf too

@@ -40,8 +40,11 @@ def fingerprint(source: ImageList, options: dict) -> str:
     if ann is not None:  # the annotations are input too
         h.update(json.dumps([ann.schema, ann.task, ann.extra,
                              getattr(ann.fit, "__qualname__", None)], sort_keys=True).encode())
-        for row in ann.rows:
-            h.update(msgpack.packb(row, use_bin_type=True, default=repr))
+        if ann.digest is not None:  # the hash of the input the rows were read from
+            h.update(f"digest\t{ann.digest}\n".encode())
+        else:
+            for row in ann.rows:
+                h.update(msgpack.packb(row, use_bin_type=True, default=repr))
     return h.hexdigest()
 
 

@@ -9,6 +9,7 @@ back only what the side tables, skip lists and journal need. The build's main pr
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 from dataclasses import dataclass, field
@@ -119,6 +120,8 @@ _JOB: list = [None]  # this worker's ShardJob
 def init_worker(parent: int, job: ShardJob) -> None:
     # Ctrl-C reaches the whole process group: only the parent handles it (and sets ``stop``).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gc.freeze()  # the parent's objects (the annotation rows) are never garbage here: a
+    # collection walking them would only copy their pages into this process
     die_with_parent(parent)
     _JOB[0] = job
 

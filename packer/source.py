@@ -39,7 +39,8 @@ class Annotations:
     stored values (e.g. normalized YOLO boxes into pixels, boxes clipped to the image) and
     says why any object was dropped. ``task``: "detection" or "generic". ``extra``: keys
     added to the manifest (e.g. COCO ``categories``). ``dropped``: annotations the parser
-    could not use, ``{"path", "reason"}``.
+    could not use, ``{"path", "reason"}``. ``digest``: a hash of the input the rows were
+    read from; when given, the build's fingerprint uses it instead of hashing every row.
     """
     schema: List[Dict[str, Any]]
     rows: List[Dict[str, Any]]
@@ -47,6 +48,7 @@ class Annotations:
     task: str = "generic"
     extra: Dict[str, Any] = field(default_factory=dict)
     dropped: List[Dict[str, str]] = field(default_factory=list)
+    digest: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def yolo_built(scenes, tmp_path_factory) -> Path:
 def with_bad_annotations(coco: dict, bad: dict) -> dict:
     """A copy of ``coco`` with extra annotations: ``bad`` maps an image index to a list of
     ``(kind, ...)``: "zero" (a box of zero width), "outside" (a box right of the image),
-    "category" (an id no category has)."""
+    "category" (an id no category has), "segmentation" (neither polygons nor RLE)."""
     out = json.loads(json.dumps(coco))
     next_id = max(a["id"] for a in out["annotations"]) + 1
     cats = {c["id"] for c in out["categories"]}
@@ -104,6 +104,7 @@ def with_bad_annotations(coco: dict, bad: dict) -> dict:
         im = out["images"][k]
         for kind in kinds:
             bbox, cid = [12.0, 14.0, 30.0, 25.0], out["categories"][0]["id"]
+            seg = {"counts": "x"} if kind == "segmentation" else []  # an RLE without size
             if kind == "zero":
                 bbox = [12.0, 14.0, 0.0, 25.0]
             elif kind == "outside":
@@ -112,7 +113,7 @@ def with_bad_annotations(coco: dict, bad: dict) -> dict:
                 cid = next(c for c in range(2, 100, 2) if c not in cats)  # demo ids are odd
             out["annotations"].append({"id": next_id, "image_id": im["id"], "category_id": cid,
                                        "bbox": bbox, "area": 750.0, "iscrowd": 0,
-                                       "segmentation": []})
+                                       "segmentation": seg})
             next_id += 1
     return out
 
@@ -271,15 +272,17 @@ def test_side_tables_equal_the_records(coco_built, yolo_built):
 
 def test_bad_boxes_are_dropped_and_their_images_kept(scenes, coco, by_name, tmp_path):
     ann = write_json(tmp_path / "bad.json", with_bad_annotations(coco, {3: ["zero", "outside"],
-                                                                       9: ["outside"]}))
+                                                                       9: ["outside",
+                                                                           "segmentation"]}))
     m = quiet(scenes / "images", tmp_path / "d", coco=ann).manifest
     assert m["count"] == N_IMAGES and m["skipped"] == []
     name3, name9 = coco["images"][3]["file_name"], coco["images"][9]["file_name"]
-    assert m["dropped_count"] == 3
-    assert [d["path"] for d in m["dropped"]] == [name3, name3, name9]
+    assert m["dropped_count"] == 4
+    assert [d["path"] for d in m["dropped"]] == [name3, name3, name9, name9]
     reasons = [d["reason"] for d in m["dropped"]]
     assert "zero or negative size box" in reasons[0]
     assert "lies outside the" in reasons[1] and "lies outside the" in reasons[2]
+    assert "'segmentation' must be polygons" in reasons[3]
     ds = PackedDataset(tmp_path / "d")
     paths = [ds.load(i)["path"] for i in range(len(ds))]
     for name in (name3, name9):  # kept, with exactly its good objects
@@ -307,7 +310,7 @@ def test_unknown_category_is_dropped_with_a_reason(scenes, coco, by_name, tmp_pa
     assert "category id" in m["dropped"][0]["reason"]
 
 
-@pytest.mark.parametrize("kind", ["zero", "outside", "category"])
+@pytest.mark.parametrize("kind", ["zero", "outside", "category", "segmentation"])
 def test_strict_refuses_a_bad_annotation(scenes, coco, tmp_path, kind):
     ann = write_json(tmp_path / "bad.json", with_bad_annotations(coco, {7: [kind]}))
     with pytest.raises(PackerError, match="strict"):

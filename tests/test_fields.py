@@ -69,6 +69,13 @@ def test_data_fields_are_plain_data_only():
     assert "not plain data" in data_problem({"x": object()})
     assert "not a str" in data_problem({1: 2})
     assert "NaN" in data_problem([float("nan")])
+    assert data_problem([[1, 2.5], [3, 4]]) == ""  # polygons
+    for v in ([10 ** 400], [[1, 2], [10 ** 400]], [[1.0], [-2 ** 63 - 1]]):  # not a crash
+        assert "does not fit in int64" in data_problem(v)
+        assert len(data_problem(v)) < 80
+    assert "NaN" in data_problem([[1, 2], [3, float("inf")]])
+    assert "not plain data" in data_problem([[1, 2], [3, object()]])
+    assert "not plain data" in data_problem([[1, 2], [3, [object()]]])
     deep: list = []
     for _ in range(40):
         deep = [deep]

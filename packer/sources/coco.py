@@ -9,15 +9,20 @@ heights are not trusted: boxes are fitted to the size of the decoded image.
 """
 from __future__ import annotations
 
+import gc
+import hashlib
 import json
 import math
 import os
+from contextlib import contextmanager
+from itertools import chain
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from ..errors import PackerError
 from ..source import Annotations, ImageList, is_utf8
-from .meta import image_root, read_text, relative_path, show
+from .lazyjson import Deferred, loads_deferring
+from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
 
 INT64_MAX = 2 ** 63 - 1
 NUMBER_TYPES = {int, float}  # JSON numbers; bool (true/false) is not one
@@ -45,14 +50,20 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
     """
     root = image_root(images)
     file = Path(annotations_json)
-    data = load_json(file)
+    raw = read_data(file, "COCO annotation file")
+    with gc_paused():
+        return coco_images(root, file, raw, skip_empty)
+
+
+def coco_images(root: Path, file: Path, raw: bytes, skip_empty: bool) -> ImageList:
+    data = load_json(file, utf8_text(raw, file, "COCO annotation file"))
     categories = read_categories(file, data["categories"])
     images_by_id, dropped, bad_ids = read_images(file, data["images"])
-    rows = {i: {"image_id": i, "bbox": [], "labels": [], "area": [], "iscrowd": [],
-                "ann_ids": [], "segmentation": []} for i in images_by_id}
+    rows = {i: {"image_id": i, "objects": []} for i in images_by_id}
     seen: Dict[int, int] = {}
     for k, ann in enumerate(data["annotations"]):
-        aid, iid, cid, obj = read_annotation(file, k, ann)
+        obj = read_annotation(file, k, ann)
+        aid, iid, cid = obj[0], ann["image_id"], obj[1]
         if aid in seen:
             raise PackerError(f"{file}: annotation id {aid} appears twice (annotations[{seen[aid]}]"
                               f" and annotations[{k}]); ids must be unique")
@@ -66,14 +77,10 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
             dropped.append({"path": images_by_id[iid], "reason": f"annotation {aid}: category "
                             f"id {cid} is not in 'categories'"})
         else:
-            row = rows[iid]
-            for key in ("bbox", "area", "iscrowd", "segmentation"):
-                row[key].append(obj[key])
-            row["labels"].append(cid)
-            row["ann_ids"].append(aid)
+            rows[iid]["objects"].append(obj)
     order = sorted(images_by_id)
     if skip_empty:
-        kept = [i for i in order if rows[i]["ann_ids"]]
+        kept = [i for i in order if rows[i]["objects"]]
         skipped, order = len(order) - len(kept), kept
         if not order:
             raise PackerError(f"{file}: no image has a usable annotation, so --skip-empty "
@@ -82,22 +89,38 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
     if skip_empty:
         extra["skipped_empty"] = skipped
     ann = Annotations(schema=coco_schema(), rows=[rows[i] for i in order], fit=fit_coco,
-                      task="detection", extra=extra, dropped=dropped)
+                      task="detection", extra=extra, dropped=dropped,
+                      digest=hashlib.sha256(raw).hexdigest())
     classes = [categories[c]["name"] for c in sorted(categories)]
     return ImageList(root, classes, [(images_by_id[i], -1) for i in order], ann)
 
 
-def load_json(file: Path) -> Dict[str, Any]:
-    """The top-level object, with its three lists present."""
-    text = read_text(file, "COCO annotation file")
+@contextmanager
+def gc_paused():
+    """No garbage collection while parsing, which makes millions of objects and no garbage;
+    what it made joins the oldest generation (it lives as long as the build), so no young
+    collection walks it afterwards either."""
+    was = gc.isenabled()
+    gc.disable()
     try:
-        data = json.loads(text)
+        yield
+    finally:
+        gc.freeze()
+        gc.unfreeze()
+        if was:
+            gc.enable()
+
+
+def load_json(file: Path, text: str) -> Dict[str, Any]:
+    """The top-level object, with its three lists present."""
+    try:
+        data = loads_deferring(text, "segmentation")  # polygons: parsed by the workers
     except json.JSONDecodeError as e:
         raise PackerError(f"{file}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); if the "
                           f"file was cut short (an interrupted download), fetch it again") \
             from None
-    except RecursionError:
-        raise PackerError(f"{file}: JSON nested too deeply to read") from None
+    except (ValueError, RecursionError) as e:
+        raise PackerError(f"{file}: not valid JSON ({json_problem(e)})") from None
     if not isinstance(data, dict):
         raise PackerError(f"{file}: expected a COCO instances object with 'images', "
                           f"'annotations' and 'categories', got {kind_of(data)}")
@@ -188,45 +211,37 @@ def read_images(file: Path, imgs: List[Any]) -> Tuple[Dict[int, str], List[Dict[
     return by_id, dropped, bad
 
 
-def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, int, Dict[str, Any]]:
-    """``(id, image id, category id, fields)``, the record's shape checked (the common,
-    well-formed record at a glance; anything else through the checks that name the problem)."""
+def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, int, Any]:
+    """``(id, category id, bbox, area, iscrowd, segmentation)`` of ``annotations[k]``, its
+    image id checked too (the common, well-formed record at a glance; anything else through
+    the checks that name the problem). ``area`` and the segmentation are checked by
+    ``fit_coco``, in the build's workers."""
     if type(ann) is dict:
         aid, iid, cid = ann.get("id"), ann.get("image_id"), ann.get("category_id")
-        bbox, area, crowd = ann.get("bbox"), ann.get("area"), ann.get("iscrowd", 0)
-        seg = ann.get("segmentation", [])
+        bbox, crowd = ann.get("bbox"), ann.get("iscrowd", 0)
         if (type(aid) is int and type(iid) is int and type(cid) is int
                 and 0 <= min(aid, iid, cid) and max(aid, iid, cid) <= INT64_MAX
                 and type(bbox) is list and len(bbox) == 4 and set(map(type, bbox)) <= NUMBER_TYPES
-                and (crowd == 0 or crowd == 1) and type(crowd) is int
-                and type(area) in NUMBER_TYPES and math.isfinite(area) and area >= 0
-                and segmentation_ok(seg)):
-            return aid, iid, cid, {"bbox": [float(x) for x in bbox], "area": float(area),
-                                   "iscrowd": crowd, "segmentation": seg}
+                and (crowd == 0 or crowd == 1) and type(crowd) is int):
+            return aid, cid, bbox, ann.get("area"), crowd, ann.get("segmentation", [])
     aid = need(file, f"annotations[{k}]", ann, "id", is_id, "a non-negative integer")
     where = f"annotations[{k}] (id {aid})"
-    iid = need(file, where, ann, "image_id", is_id, "a non-negative integer")
+    need(file, where, ann, "image_id", is_id, "a non-negative integer")
     cid = need(file, where, ann, "category_id", is_id, "a non-negative integer")
     bbox = need(file, where, ann, "bbox", lambda v: isinstance(v, list) and len(v) == 4
                 and all(is_number(x) for x in v), "[x, y, width, height]")
-    area: Optional[float] = ann.get("area")
-    area = float(area) if is_number(area) and math.isfinite(area) and area >= 0 else None
     crowd = ann.get("iscrowd", 0)
     if crowd not in (0, 1) or isinstance(crowd, float):
         raise PackerError(f"{file}: {where}: 'iscrowd' must be 0 or 1, got "
                           f"{show(json.dumps(crowd))[:80]}")
-    seg = ann.get("segmentation", [])
-    if not segmentation_ok(seg):
-        raise PackerError(f"{file}: {where}: 'segmentation' must be a list of polygons "
-                          f"[[x1, y1, ...], ...] or an RLE {{\"counts\", \"size\"}}")
-    return aid, iid, cid, {"bbox": [float(x) for x in bbox], "area": area,
-                           "iscrowd": int(crowd), "segmentation": seg}
+    return aid, cid, bbox, ann.get("area"), int(crowd), ann.get("segmentation", [])
 
 
 def segmentation_ok(seg: Any) -> bool:
     """Polygons (lists of numbers) or RLE (``counts`` text or run lengths, ``size`` [h, w])."""
     if isinstance(seg, list):  # set(map(type)): COCO holds tens of millions of coordinates
-        return all(isinstance(p, list) and set(map(type, p)) <= NUMBER_TYPES for p in seg)
+        return (set(map(type, seg)) <= {list}
+                and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES)
     if isinstance(seg, dict):
         counts, size = seg.get("counts"), seg.get("size")
         return ((isinstance(counts, str) and is_utf8(counts)
@@ -241,30 +256,62 @@ def shown_box(box) -> str:
 
 
 def fit_coco(row: Dict[str, Any], width: int, height: int):
-    """XYWH boxes -> XYXY clipped to the image; degenerate or outside boxes dropped (with
-    their other fields, so every per-object array stays aligned)."""
-    boxes, labels, areas, crowd, ids, segs = [], [], [], [], [], []
+    """The row's objects as torchvision-style targets: XYWH boxes -> XYXY clipped to the
+    image; degenerate or outside boxes and unusable segmentations dropped (with the
+    object's other fields, so every per-object array stays aligned)."""
+    out: Dict[str, Any] = {"image_id": row["image_id"], "boxes": [], "labels": [], "area": [],
+                           "iscrowd": [], "ann_ids": [], "segmentation": []}
     reasons = []
-    for i, box in enumerate(row["bbox"]):
-        aid = row["ann_ids"][i]
-        x, y, w, h = box
-        if not math.isfinite(x + y + w + h):
-            reasons.append(f"annotation {aid}: box {shown_box(box)} holds a non-finite number")
+    for aid, cid, box, area, crowd, seg in row["objects"]:
+        xyxy, problem = fit_box(box, width, height)
+        if not problem:
+            seg, problem = read_segmentation(seg)
+        if problem:
+            reasons.append(f"annotation {aid}: {problem}")
             continue
-        if w <= 0 or h <= 0:
-            reasons.append(f"annotation {aid}: zero or negative size box {shown_box(box)}")
-            continue
-        x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)
-        if x1 <= x0 or y1 <= y0:
-            reasons.append(f"annotation {aid}: box {shown_box(box)} lies outside the "
-                           f"{width}x{height} image")
-            continue
-        area = row["area"][i]
-        boxes.append([float(x0), float(y0), float(x1), float(y1)])
-        labels.append(row["labels"][i])
-        areas.append(area if area is not None else float((x1 - x0) * (y1 - y0)))
-        crowd.append(row["iscrowd"][i])
-        ids.append(aid)
-        segs.append(row["segmentation"][i])
-    return {"image_id": row["image_id"], "boxes": boxes, "labels": labels, "area": areas,
-            "iscrowd": crowd, "ann_ids": ids, "segmentation": segs}, reasons
+        out["boxes"].append(xyxy)
+        out["labels"].append(cid)
+        out["area"].append(object_area(area, xyxy))
+        out["iscrowd"].append(crowd)
+        out["ann_ids"].append(aid)
+        out["segmentation"].append(seg)
+    return out, reasons
+
+
+def read_segmentation(seg: Any) -> Tuple[Any, str]:
+    """``(segmentation, "")`` if it is polygons or an RLE (parsed here if the main process
+    left it as text), else ``(None, why not)``."""
+    if type(seg) is Deferred:
+        try:
+            seg = json.loads(seg)
+        except (ValueError, RecursionError) as e:
+            return None, f"'segmentation' is not valid JSON ({json_problem(e)})"
+    if not segmentation_ok(seg):
+        return None, ("'segmentation' must be polygons [[x1, y1, ...], ...] or an RLE "
+                      "{\"counts\", \"size\"}")
+    return seg, ""
+
+
+def fit_box(box: List[Any], width: int, height: int) -> Tuple[List[float], str]:
+    """``([x0, y0, x1, y1] clipped to the image, "")``, or ``([], why the box is unusable)``."""
+    try:
+        x, y, w, h = (float(v) for v in box)
+    except OverflowError:
+        return [], "box holds a number too large for a float"
+    if not math.isfinite(x + y + w + h):
+        return [], f"box {shown_box(box)} holds a non-finite number"
+    if w <= 0 or h <= 0:
+        return [], f"zero or negative size box {shown_box(box)}"
+    x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)
+    if x1 <= x0 or y1 <= y0:
+        return [], f"box {shown_box(box)} lies outside the {width}x{height} image"
+    return [x0, y0, float(x1), float(y1)], ""
+
+
+def object_area(area: Any, xyxy: List[float]) -> float:
+    """The annotation's ``area`` if it is a finite non-negative number, else the box's."""
+    try:
+        a = float(area) if is_number(area) else -1.0
+    except OverflowError:
+        a = -1.0
+    return a if 0 <= a < math.inf else (xyxy[2] - xyxy[0]) * (xyxy[3] - xyxy[1])

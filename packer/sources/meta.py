@@ -31,7 +31,10 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 # Names the record itself uses (or the class label): a column may not shadow them.
 RESERVED = ("image", "path", "width", "height", "format", "mode", "crc32", "label")
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
-CSV_INT = re.compile(r"[+-]?[0-9]+\Z")
+# ASCII names joined by single slashes, no part starting with "." (so no "." or ".."):
+# already safe and normalized, as most dataset paths are.
+PLAIN_PATH = re.compile(r"(?:[\w-][\w.-]*/)*[\w-][\w.-]*\Z", re.ASCII)
+CSV_INT = re.compile(r"[+-]?[0-9]{1,4300}\Z")  # int() reads no longer text
 CSV_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\Z")
 CSV_NONFINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity",
                  "-infinity"}
@@ -50,12 +53,19 @@ def show(text: Any) -> str:
 
 def read_text(path: Path, what: str) -> str:
     """The UTF-8 text of ``path`` (a BOM allowed), or a PackerError saying what to fix."""
+    return utf8_text(read_data(path, what), path, what)
+
+
+def read_data(path: Path, what: str) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
         raise PackerError(f"{what} {path} does not exist") from None
     except OSError as e:
         raise PackerError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def utf8_text(data: bytes, path: Path, what: str) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -75,6 +85,8 @@ def relative_path(rel: Any) -> Tuple[str, str]:
     a path from a dataset file must never reach outside the folder it names."""
     if not isinstance(rel, str):
         return "", f"must be a string, not {type(rel).__name__}"
+    if PLAIN_PATH.match(rel):  # the common case, already normal: no parsing needed
+        return rel, ""
     if not is_utf8(rel):
         return "", "is not valid UTF-8 text"
     if "\0" in rel:
@@ -148,13 +160,24 @@ def jsonl_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
         except json.JSONDecodeError as e:
             raise PackerError(f"{file}:{n}: not valid JSON ({e.msg} at column {e.colno}); "
                               f"each line must be one JSON object") from None
-        except ValueError as e:  # a key given twice
-            raise PackerError(f"{file}:{n}: {e}") from None
+        except (ValueError, RecursionError) as e:  # a key twice, nested too deeply...
+            raise PackerError(f"{file}:{n}: {json_problem(e)}") from None
         if not isinstance(obj, dict):
             raise PackerError(f"{file}:{n}: expected a JSON object {{\"path\": ...}}, got "
                               f"{type_name(obj)}")
         records.append((n, obj))
     return records
+
+
+def json_problem(e: Exception) -> str:
+    """Why ``json.loads`` refused a text, in words for the dataset's owner."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at column {e.colno}"
+    if isinstance(e, RecursionError):
+        return "JSON nested too deeply"
+    if "integer string conversion" in str(e):
+        return "a number with over 4300 digits"
+    return str(e)  # unique_keys's
 
 
 def unique_keys(pairs):
@@ -206,9 +229,9 @@ def csv_column(file: Path, name: str, column: List[Tuple[int, str]]) -> List[Any
         for n, cell in column:
             try:
                 out.append(json.loads(cell) if cell.strip() else None)
-            except json.JSONDecodeError as e:
-                raise PackerError(f"{file}:{n}: column {name!r}: {show(cell)!r} is not a JSON "
-                                  f"list ({e.msg})") from None
+            except (ValueError, RecursionError) as e:
+                raise PackerError(f"{file}:{n}: column {name!r}: {show(cell)[:80]!r} is not a "
+                                  f"JSON list ({json_problem(e)})") from None
         return out
     if given and all(CSV_INT.match(c) for c in given):
         convert: Any = int

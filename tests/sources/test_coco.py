@@ -64,7 +64,7 @@ def test_classes_entries_schema_and_rows(tmp_path):
         {"id": 3, "name": "car"},
         {"id": 90, "name": "toothbrush", "supercategory": "indoor"}]}
     assert ann.dropped == []
-    assert ann.rows[1]["ann_ids"] == []  # image 5: kept, no objects
+    assert ann.rows[1] == {"image_id": 5, "objects": []}  # kept, no objects
 
 
 def test_fit_gives_torchvision_style_targets(tmp_path):
@@ -88,22 +88,28 @@ def test_fit_gives_torchvision_style_targets(tmp_path):
 
 
 def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
-    row = {"image_id": 1, "bbox": [[-10, 5, 30, 20], [0, 0, 0, 5], [1, 1, 4, -2],
-                                   [float("nan"), 0, 1, 1], [200, 10, 5, 5], [90, 40, 20, 20],
-                                   [100, 0, 5, 5]],
-           "labels": [1, 2, 3, 4, 5, 6, 7], "area": [None, 1.0, 1.0, 1.0, 1.0, 7.5, 1.0],
-           "iscrowd": [0, 0, 0, 0, 0, 1, 0], "ann_ids": [31, 32, 33, 34, 35, 36, 37],
-           "segmentation": [["s1"], [], [], [], [], ["s6"], []]}
+    boxes = [[-10, 5, 30, 20], [0, 0, 0, 5], [1, 1, 4, -2], [float("nan"), 0, 1, 1],
+             [200, 10, 5, 5], [90, 40, 20, 20], [100, 0, 5, 5], [0, 0, 10 ** 400, 1],
+             [1, 1, 2, 2], [1, 1, 2, 2]]
+    areas = [None, 1.0, 1.0, 1.0, 1.0, 7.5, 1.0, 1.0, 10 ** 400, 2]
+    segs = [[[1, 2, 3, 4.5, 5, 6]], [], [], [], [], {"counts": "x", "size": [50, 100]}, [], [], "poly", [[1]]]
+    row = {"image_id": 1, "objects": [(31 + k, 1 + k, box, area, int(k == 5), seg) for k, (
+        box, area, seg) in enumerate(zip(boxes, areas, segs))]}
     values, reasons = fit_coco(row, 100, 50)
-    assert values == {"image_id": 1, "boxes": [[0.0, 5.0, 20.0, 25.0], [90.0, 40.0, 100.0, 50.0]],
-                      "labels": [1, 6], "area": [400.0, 7.5], "iscrowd": [0, 1],
-                      "ann_ids": [31, 36], "segmentation": [["s1"], ["s6"]]}
+    assert values == {"image_id": 1, "boxes": [[0.0, 5.0, 20.0, 25.0], [90.0, 40.0, 100.0, 50.0],
+                                               [1.0, 1.0, 3.0, 3.0]],
+                      "labels": [1, 6, 10], "area": [400.0, 7.5, 2.0], "iscrowd": [0, 1, 0],
+                      "ann_ids": [31, 36, 40],
+                      "segmentation": [[[1, 2, 3, 4.5, 5, 6]], {"counts": "x", "size": [50, 100]}, [[1]]]}
     assert reasons == [
         "annotation 32: zero or negative size box [0, 0, 0, 5]",
         "annotation 33: zero or negative size box [1, 1, 4, -2]",
         "annotation 34: box [nan, 0, 1, 1] holds a non-finite number",
         "annotation 35: box [200, 10, 5, 5] lies outside the 100x50 image",
-        "annotation 37: box [100, 0, 5, 5] lies outside the 100x50 image"]
+        "annotation 37: box [100, 0, 5, 5] lies outside the 100x50 image",
+        "annotation 38: box holds a number too large for a float",
+        "annotation 39: 'segmentation' must be polygons [[x1, y1, ...], ...] or an RLE "
+        "{\"counts\", \"size\"}"]
 
 
 def test_skip_empty_leaves_out_images_without_objects(tmp_path):
@@ -156,7 +162,7 @@ def test_unknown_image_and_category_drop_the_object(tmp_path):
     assert src.annotations.dropped == [
         {"path": "instances.json", "reason": "annotation 1: image id 99 is not in 'images'"},
         {"path": "two.jpg", "reason": "annotation 2: category id 4 is not in 'categories'"}]
-    assert src.annotations.rows[0]["ann_ids"] == [3]
+    assert [o[0] for o in src.annotations.rows[0]["objects"]] == [3]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -182,8 +188,6 @@ def test_unknown_image_and_category_drop_the_object(tmp_path):
      r"'bbox' must be \[x, y, width, height\]"),
     (lambda d: d["annotations"][1].update(image_id=None), "'image_id' must be a non-negative"),
     (lambda d: d["annotations"][1].update(iscrowd=2), "'iscrowd' must be 0 or 1, got 2"),
-    (lambda d: d["annotations"][1].update(segmentation="poly"), "'segmentation' must be"),
-    (lambda d: d["annotations"][1].update(segmentation={"counts": "x"}), "'segmentation' must"),
     (lambda d: d["categories"][0].pop("name"), r"categories\[0\] has no 'name'"),
 ])
 def test_ambiguous_or_malformed_json_is_an_error(tmp_path, change, message):
@@ -227,3 +231,35 @@ def test_bad_area_falls_back_to_the_box(tmp_path):
             {"id": 2, "image_id": 2, "category_id": 1, "bbox": [0, 0, 2, 3], "area": -4}]
     ann = read(tmp_path, coco(annotations=anns)).annotations
     assert ann.fit(ann.rows[0], 10, 10)[0]["area"] == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"images": [' + "[" * 5000 + "]" * 5000 + "]}", "nested too deeply"),
+    ('{"images": [{"id": ' + "7" * 5000 + "}]}", "a number with over 4300 digits"),
+    ('{"annotations": [{"segmentation": [[1, 2]]]}', "not valid JSON"),  # a stray ]
+])
+def test_hostile_json_is_an_error_not_a_crash(tmp_path, text, message):
+    with pytest.raises(PackerError, match=message):
+        read(tmp_path, text)
+
+
+def test_polygons_reach_the_workers_as_text_and_read_back_the_same(tmp_path):
+    polys = [[[1, 2.5, 3e1, 4, 5, 6]], [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]]
+    anns = [{"id": k + 1, "image_id": 2, "category_id": 1, "bbox": [0, 0, 9, 9],
+             "segmentation": p} for k, p in enumerate(polys)]
+    text = json.dumps(coco(annotations=anns), indent=2)  # newlines inside the lists too
+    ann = read(tmp_path, text).annotations
+    assert all(isinstance(o[5], str) for o in ann.rows[0]["objects"])  # not parsed here
+    assert ann.fit(ann.rows[0], 50, 50)[0]["segmentation"] == polys
+
+
+def test_a_broken_polygon_drops_its_object_only(tmp_path):
+    """Text whose rest parses but one polygon does not was never JSON: that object goes."""
+    good = json.dumps(coco())
+    cut = good.replace(json.dumps(POLY), "[[10.0, 10.0, 30.0,, 20.0]]")
+    assert cut != good
+    ann = read(tmp_path, cut).annotations
+    values, reasons = ann.fit(ann.rows[0], 60, 40)
+    assert values["ann_ids"] == [10]
+    assert reasons == ["annotation 11: 'segmentation' is not valid JSON (Expecting value at "
+                       "column 20)"]

@@ -147,6 +147,10 @@ def test_fixed_length_int_lists_get_a_fixed_shape(tmp_path):
     (['{"path": "a.jpg", "x": 1', ], r"meta\.jsonl:1: not valid JSON \(.* at column \d+\)"),
     (['["a.jpg"]'], r"meta\.jsonl:1: expected a JSON object"),
     (['{"path": "a.jpg", "path": "b.jpg"}'], r"meta\.jsonl:1: key 'path' appears twice"),
+    pytest.param(['{"path": "a.jpg", "x": ' + "[" * 5000 + "]" * 5000 + "}"],  # no traceback
+                 r"meta\.jsonl:1: JSON nested too deeply", id="deep"),
+    pytest.param(['{"path": "a.jpg", "x": ' + "7" * 5000 + "}"],
+                 r"meta\.jsonl:1: a number with over 4300 digits", id="long-number"),
     ([], "lists no images"),
 ])
 def test_bad_jsonl(tmp_path, rows, message):
@@ -166,6 +170,12 @@ def test_bad_jsonl(tmp_path, rows, message):
     ("path,x\n../a.jpg,1\n", r"meta\.csv:2: path '\.\./a\.jpg' contains '\.\.'"),
     ("path,height\na.jpg,1\n", "column 'height' clashes"),
     ("path,x\n", "lists no images"),
+    pytest.param("path,x\na.jpg," + "7" * 5000 + "\n", r"meta\.csv:2: column 'x' holds inf",
+                 id="long-number"),
+    pytest.param("path,x\na.jpg,[" + "7" * 5000 + "]\n",
+                 r"meta\.csv:2: .* \(a number with over 4300 digits", id="long-number-in-list"),
+    pytest.param("path,x\na.jpg," + "[" * 5000 + "]" * 5000 + "\n",
+                 r"meta\.csv:2: .* \(JSON nested too deeply", id="deep"),
     ("", "lists no images"),
 ])
 def test_bad_csv(tmp_path, text, message):

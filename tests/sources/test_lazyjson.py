@@ -1,0 +1,76 @@
+"""loads_deferring: the same data as json.loads, with one key's polygon lists left as text."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from packer.sources.lazyjson import Deferred, loads_deferring
+
+
+def parsed(v):
+    """``v`` with every Deferred value parsed."""
+    if isinstance(v, Deferred):
+        return json.loads(v)
+    if isinstance(v, dict):
+        return {k: parsed(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [parsed(x) for x in v]
+    return v
+
+
+def deferred_count(v) -> int:
+    if isinstance(v, Deferred):
+        return 1
+    if isinstance(v, dict):
+        return sum(deferred_count(x) for x in v.values())
+    if isinstance(v, list):
+        return sum(deferred_count(x) for x in v)
+    return 0
+
+
+SEG = [[1.5, 2, 3e2, -4, 5, 6]]
+
+
+@pytest.mark.parametrize("doc, deferred", [
+    ({"a": [{"seg": SEG}, {"seg": SEG + [[7, 8]]}]}, 2),
+    ({"a": [{"seg": {"counts": "x]]", "size": [1, 2]}}]}, 0),  # an RLE: parsed here
+    ({"a": [{"seg": [["x]]"]]}]}, 0),  # a string inside: parsed here
+    ({"a": [{"seg": [[[1]], [2]]}]}, 0),  # deeper: the first ]] is not the end
+    ({"a": [{"seg": [1, [2, 3]]}]}, 1),  # any list: the reader of the text checks it
+    ({"a": [{"x\"seg": [[1, 2]]}]}, 0),  # the key inside another key's text
+    ({"a": [{"seg": [[1]], "other": "\u0000"}]}, 0),  # a NUL anywhere: parsed whole
+    ({"seg": [[1]], "b": {"seg": [[2]]}}, 2),
+    ({"seg": []}, 0),
+])
+@pytest.mark.parametrize("indent", [None, 1])
+def test_same_data_as_json_loads(doc, deferred, indent):
+    text = json.dumps(doc, indent=indent)
+    out = loads_deferring(text, "seg")
+    assert parsed(out) == json.loads(text)
+    assert deferred_count(out) == deferred
+
+
+def test_duplicate_keys_parse_as_json_loads_does():
+    text = '{"a": {"seg": [[1]], "seg": [[2]]}}'
+    assert parsed(loads_deferring(text, "seg")) == json.loads(text) == {"a": {"seg": [[2]]}}
+
+
+@pytest.mark.parametrize("text", [
+    '{"seg": [[1, 2]]]}',  # a stray ] after the cut value
+    '{"seg": [[1, 2]], "x": }',
+    '{"seg": [[1, 2]]',  # cut short
+])
+def test_errors_name_the_texts_own_position(text):
+    with pytest.raises(json.JSONDecodeError) as want:
+        json.loads(text)
+    with pytest.raises(json.JSONDecodeError) as got:
+        loads_deferring(text, "seg")
+    assert (got.value.msg, got.value.pos) == (want.value.msg, want.value.pos)
+
+
+def test_a_broken_value_is_left_for_its_reader():
+    out = loads_deferring('{"seg": [[1,, 2]]}', "seg")
+    assert isinstance(out["seg"], Deferred)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out["seg"])

@@ -223,3 +223,24 @@ def test_letterbox_backends_agree_with_a_pil_reference(photo_jpeg, size, scale_u
         pad[top:top + nh, left:left + nw] = False
         assert bool((out[:, pad] == 114).all())
         assert crop == pytest.approx((-left / r, -top / r, (ow - left) / r, (oh - top) / r))
+
+
+def test_letterbox_torch_resize_stays_channels_last(photo_jpeg, monkeypatch):
+    """The torch resize gets a (1, 3, h, w) input whose batch stride is the image's size: an
+    unambiguous channels_last layout, so torch resizes HWC to HWC with its uint8 kernel. With
+    a batch stride of 3 (``x[None]``) it wrote a contiguous NCHW output and repacked it: the
+    same pixels at twice the time (docs/benchmarks.md)."""
+    import torch.nn.functional as F
+    from packer.decode import DecodeLetterbox
+    seen = []
+    real = F.interpolate
+
+    def spy(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
+        seen.append((x.stride(0) == x.numel(),
+                     out.is_contiguous(memory_format=torch.channels_last)))
+        return out
+
+    monkeypatch.setattr(F, "interpolate", spy)
+    DecodeLetterbox((640, 640), resize="torch")(photo_jpeg)
+    assert seen == [(True, True)]

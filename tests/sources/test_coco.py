@@ -92,7 +92,8 @@ def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
              [200, 10, 5, 5], [90, 40, 20, 20], [100, 0, 5, 5], [0, 0, 10 ** 400, 1],
              [1, 1, 2, 2], [1, 1, 2, 2]]
     areas = [None, 1.0, 1.0, 1.0, 1.0, 7.5, 1.0, 1.0, 10 ** 400, 2]
-    segs = [[[1, 2, 3, 4.5, 5, 6]], [], [], [], [], {"counts": "x", "size": [50, 100]}, [], [], "poly", [[1]]]
+    rle = {"counts": "x", "size": [50, 100]}
+    segs = [[[1, 2, 3, 4.5, 5, 6]], [], [], [], [], rle, [], [], "poly", [[1]]]
     row = {"image_id": 1, "objects": [(31 + k, 1 + k, box, area, int(k == 5), seg) for k, (
         box, area, seg) in enumerate(zip(boxes, areas, segs))]}
     values, reasons = fit_coco(row, 100, 50)
@@ -100,7 +101,7 @@ def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
                                                [1.0, 1.0, 3.0, 3.0]],
                       "labels": [1, 6, 10], "area": [400.0, 7.5, 2.0], "iscrowd": [0, 1, 0],
                       "ann_ids": [31, 36, 40],
-                      "segmentation": [[[1, 2, 3, 4.5, 5, 6]], {"counts": "x", "size": [50, 100]}, [[1]]]}
+                      "segmentation": [[[1, 2, 3, 4.5, 5, 6]], rle, [[1]]]}
     assert reasons == [
         "annotation 32: zero or negative size box [0, 0, 0, 5]",
         "annotation 33: zero or negative size box [1, 1, 4, -2]",

@@ -111,8 +111,10 @@ def test_crop_decoders_shape_dtype_layout(photo_jpeg, decoder):
     assert torch.stack([t, t]).shape == (2, 3, oh, ow)
 
 
-@pytest.mark.parametrize("decoder", [DecodeCenterCrop(64), DecodeCenterCrop((48, 80), crop_fraction=1.0),
-                                     DecodeRandomResizedCrop(64), DecodeRandomResizedCrop(96, scale=(0.5, 1))])
+@pytest.mark.parametrize("decoder", [
+    DecodeCenterCrop(64), DecodeCenterCrop((48, 80), crop_fraction=1.0),
+    DecodeRandomResizedCrop(64, resize="pil"),
+    DecodeRandomResizedCrop(96, scale=(0.5, 1), resize="pil")])
 def test_crop_decoders_match_a_full_decode(photo_jpeg, photo, decoder):
     """JPEG draft decoding must crop the same region as a full decode would (box scaled)."""
     for seed in range(3):
@@ -244,3 +246,43 @@ def test_letterbox_torch_resize_stays_channels_last(photo_jpeg, monkeypatch):
     monkeypatch.setattr(F, "interpolate", spy)
     DecodeLetterbox((640, 640), resize="torch")(photo_jpeg)
     assert seen == [(True, True)]
+
+
+@pytest.mark.parametrize("size, scale", [(64, (0.08, 1.0)), ((40, 56), (0.5, 1.0)), (224, (0.9, 1))])
+def test_torch_resize_crops_whole_pixels_and_says_which(photo_jpeg, photo, size, scale):
+    """resize="torch": the box rounded to whole pixels of the decoded image, resized by
+    torch's uint8 kernel (PIL's BILINEAR of that crop), flipped as drawn; the crop it
+    reports is the one it took, so boxes that follow it stay exact."""
+    d = DecodeRandomResizedCrop(size, scale=scale, resize="torch")
+    oh, ow = d.size
+    for seed in range(4):
+        for data in (photo_jpeg, encode(photo, "PNG")):
+            random.seed(seed)
+            got, crop, flipped = d.decode_crop(data)
+            assert got.shape == (3, oh, ow) and got.stride() == (1, ow * 3, 3)
+            im = Image.open(io.BytesIO(data))
+            w, h = im.size
+            random.seed(seed)
+            drawn = d.box(w, h)
+            assert flipped == d.flip()
+            assert all(abs(a - b) <= 8 for a, b in zip(crop, drawn))  # at most one 1/8 pixel
+            if data[:2] != b"\xff\xd8":  # no draft: whole pixels of the stored image
+                assert crop == tuple(round(v) for v in drawn)
+                want = im.convert("RGB").crop(crop).resize((ow, oh), Image.BILINEAR,
+                                                           reducing_gap=None)
+                if flipped:
+                    want = want.transpose(Image.FLIP_LEFT_RIGHT)
+                assert mean_abs_diff(got, as_tensor(want)) < 0.5
+
+
+def test_resize_auto_is_torch_unless_pillow_simd(photo_jpeg, monkeypatch):
+    import packer.decode as decode
+    for simd, torch_path in ((False, True), (True, False)):
+        monkeypatch.setattr(decode, "pillow_simd", lambda simd=simd: simd)
+        assert DecodeRandomResizedCrop(64).torch_resize() is torch_path
+        assert decode.DecodeLetterbox(64).torch_resize() is torch_path
+    assert DecodeRandomResizedCrop(64, resize="torch").torch_resize()
+    assert not DecodeRandomResizedCrop(64, resize="pil").torch_resize()
+    assert not DecodeCenterCrop(64).torch_resize()  # evaluation: PIL's exact sub-pixel box
+    with pytest.raises(ValueError, match="resize must be"):
+        DecodeRandomResizedCrop(64, resize="cv2")

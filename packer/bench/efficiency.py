@@ -48,10 +48,19 @@ def packed_photos(data: Optional[Path], images: int) -> Iterator[Path]:
 
 
 def one_core_rate(ds, indices: List[int]) -> float:
-    t0 = time.perf_counter()
-    for i in indices:
-        ds[i]
-    return len(indices) / (time.perf_counter() - t0)
+    """images/s of a ``ds[i]`` loop on one torch thread, as a DataLoader worker runs it (a
+    decoder that resizes with torch would otherwise spread each small resize over every
+    core, which is neither one core's rate nor what the workers do)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        for i in indices:
+            ds[i]
+        return len(indices) / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def steady_rate(batches: Iterable, workers: int) -> float:

@@ -17,3 +17,22 @@ def test_bench_efficiency_dry_run(photo_src, tmp_path):
     assert "efficiency = loader / (2 x one core)" in efficiency_table(res, 2)
     assert "efficiency vs all cores busy" in efficiency_table(res, 2)
     assert lines[0].startswith("round 1/1: one core")
+
+
+def test_one_core_rate_runs_on_one_torch_thread():
+    """As a DataLoader worker does: a torch resize inside ``ds[i]`` must not fan out."""
+    import torch
+    from packer.bench.efficiency import one_core_rate
+    seen = []
+
+    class Probe:
+        def __getitem__(self, i):
+            seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert one_core_rate(Probe(), [0, 1, 2]) > 0
+        assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

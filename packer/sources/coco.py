@@ -56,6 +56,8 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
 
 
 def coco_images(root: Path, file: Path, raw: bytes, skip_empty: bool) -> ImageList:
+    """``read_coco`` on the file's bytes. A row is ``{"image_id", "objects"}``, each object
+    ``read_annotation``'s tuple as given; ``fit_coco`` turns it into the stored fields."""
     data = load_json(file, utf8_text(raw, file, "COCO annotation file"))
     categories = read_categories(file, data["categories"])
     images_by_id, dropped, bad_ids = read_images(file, data["images"])

@@ -13,7 +13,8 @@ escape can hold (such a text is parsed whole). Every placeholder must come back 
 a ``key`` value, else the text is parsed whole; any surprise (a key inside a string, deeper
 nesting) ends in that check or in a parse error, after which the whole text is parsed,
 so errors name the real line and column. If the rest parses and a cut value does not, the
-text was not JSON: the worker that parses the value says so.
+text was not JSON: the worker that parses the value says so. The work stays linear in the
+text even when it is built to make values overlap (then it is parsed whole).
 """
 from __future__ import annotations
 
@@ -35,13 +36,18 @@ def loads_deferring(text: str, key: str) -> Any:
         return json.loads(text)
     parts: List[str] = []
     cut: List[str] = []
-    pos = 0
+    pos = scanned = 0
+    end = None
     for m in re.finditer(r'"%s"\s*:\s*\[' % re.escape(key), text):
         start = m.end() - 1
-        end = LIST_END.search(text, start)
-        if end is None:
-            break
+        if end is None or end.start() < start:  # else the next "]]" is still that one
+            end = LIST_END.search(text, start)
+            if end is None:
+                break
         value = text[start:end.end()]
+        scanned += len(value)
+        if scanned > 2 * len(text):  # values overlapping again and again: not a COCO file
+            return json.loads(text)
         if start < pos or '"' in value or "{" in value:
             continue
         parts += (text[pos:start], '"\\u0000%d"' % len(cut))

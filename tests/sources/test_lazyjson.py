@@ -74,3 +74,23 @@ def test_a_broken_value_is_left_for_its_reader():
     assert isinstance(out["seg"], Deferred)
     with pytest.raises(json.JSONDecodeError):
         json.loads(out["seg"])
+
+
+def test_overlapping_values_cost_linear_work(monkeypatch):
+    """A hostile text of many keys whose lists all end at one far "]]": each value would be
+    searched and scanned to that end (quadratic: 20,000 keys took seconds). The end is found
+    once, and values scanned over again and again end the cutting."""
+    import packer.sources.lazyjson as lazyjson
+    searches = []
+
+    class Counting:
+        def search(self, text, start):
+            searches.append(start)
+            return lazyjson.LIST_END_RE.search(text, start)
+
+    monkeypatch.setattr(lazyjson, "LIST_END_RE", lazyjson.LIST_END, raising=False)
+    monkeypatch.setattr(lazyjson, "LIST_END", Counting())
+    n = 2000
+    text = '{"a": [' + ",".join('{"seg": [1, "x"]}' for _ in range(n)) + '], "z": [[1]]}'
+    assert loads_deferring(text, "seg") == json.loads(text)
+    assert len(searches) == 1

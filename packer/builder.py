@@ -180,6 +180,7 @@ def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar) -> 
             else:
                 run.drop(i, rel, extra)
                 run.add_row(kept[2], rel, kept[0], kept[1])
+        done.taken = True  # from here the journal may list it: never removed as untaken
         run.add_shard(done.shard, done.task.end)
         rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(run.skipped), refresh=False)
@@ -276,5 +277,5 @@ def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar) -> Iterato
 
 def _remove_untaken(dst: Path, results: List[Optional[ShardDone]]) -> None:
     for done in results:
-        if done is not None and done.shard is not None:
+        if done is not None and done.shard is not None and not done.taken:
             remove_own(dst, done.shard["path"])

@@ -42,13 +42,16 @@ class ShardDone:
     """What a worker reports for one planned shard. ``samples``: per entry, in order,
     ``(entry, None, reason)`` for a skipped image or ``(entry, (width, height, columns),
     drop_reasons)`` for a stored one. ``shard``: the manifest entry (None: nothing stored).
-    ``failed``: the entry whose problem ends a strict build; ``stopped``: cut short."""
+    ``failed``: the entry whose problem ends a strict build; ``stopped``: cut short.
+    ``taken``: set by the builder before it journals the shard, so an interrupted build
+    never removes a shard its journal may list."""
     task: ShardTask
     shard: Optional[dict] = None
     samples: List[tuple] = field(default_factory=list)
     in_bytes: int = 0
     failed: bool = False
     stopped: bool = False
+    taken: bool = False
 
 
 def plan_shards(sizes: Sequence[int], shard_size: int) -> List[Tuple[int, int, int]]:

@@ -100,6 +100,30 @@ def test_interrupted_build_resumes_after_finished_shards(photo_src, tmp_path, mo
     assert not (dst / JOURNAL).exists()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ctrl_c_just_after_a_shard_is_journaled_keeps_it(photo_src, tmp_path, monkeypatch,
+                                                          workers):
+    """Ctrl-C landing after the journal recorded a shard, before the builder moved on: the
+    shard stays (it is the journal's now) and the re-run resumes after it. It used to be
+    removed as "finished but not taken", so the re-run found the journal broken and started
+    over (seen once in CI: `test_ctrl_c_exits_130_and_resumes`)."""
+    dst = tmp_path / "d"
+    real = packing_mod.Packing.add_shard
+
+    def add_then_interrupt(self, shard, next_entry):
+        real(self, shard, next_entry)
+        if shard is not None:
+            raise KeyboardInterrupt
+    with monkeypatch.context() as mp:
+        mp.setattr(packing_mod.Packing, "add_shard", add_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(photo_src, dst, workers=workers, shard_size=1 << 20)
+    assert (dst / "shard-00000.lmdb").exists()
+    r = quiet_build(photo_src, dst, workers=workers, shard_size=1 << 20)
+    assert r.resumed_shards == 1
+    assert_one_record_per_image(dst, photo_src)
+
+
 def test_skips_before_the_crash_are_kept_once(odd_tree, tmp_path, monkeypatch):
     dst = tmp_path / "d"
     with monkeypatch.context() as mp:

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""packer's loader against peer loaders (naive LMDB, WebDataset, LitData) over the same stored
-JPEG bytes, with the same per-sample work (decode + RandomResizedCrop(224) + flip) and
-workers: steady-state images/s, interleaved rounds, packer's rate over each peer's. Peers not
-installed are listed as skipped. The measurement is ``packer.bench.peers``.
+"""packer's loader against peer loaders (naive LMDB, WebDataset, LitData, FFCV) over the same
+stored JPEG bytes and workers: steady-state images/s, interleaved rounds, packer's rate over
+each peer's. All but FFCV apply packer's decode + RandomResizedCrop(224) + flip; FFCV runs
+its own compiled RandomResizedCrop pipeline. Peers not installed are listed as skipped (FFCV
+builds against OpenCV and libjpeg-turbo: apt-get install libopencv-dev libturbojpeg0-dev
+pkg-config, then pip install --no-build-isolation ffcv). The measurement is
+``packer.bench.peers``.
 
     python scripts/bench_peers.py                      # makes 2,000 photo JPEGs, packs them
     python scripts/bench_peers.py --data DST --workers 15 --rounds 7

@@ -11,12 +11,18 @@ written the way its own documentation shows, skipped (with the reason) where not
 - WebDataset: tar shards written by ``webdataset.ShardWriter`` (at least 4 per worker),
   ``WebDataset(shardshuffle=...).shuffle(1000)``, batched in the workers, ``WebLoader``;
 - LitData: chunks written by ``litdata.optimize``, ``StreamingDataset(shuffle=True)``,
-  ``StreamingDataLoader``.
+  ``StreamingDataLoader``;
+- FFCV: the same JPEG bytes stored in an ``RGBImageField`` (FFCV's writer would re-encode
+  them; the field is handed the bytes instead), read by FFCV's ``Loader`` with its own
+  native pipeline — ``RandomResizedCropRGBImageDecoder`` (libjpeg-turbo + OpenCV, compiled
+  by numba), ``RandomHorizontalFlip``, uint8 NCHW tensors — the one peer whose per-sample
+  work is not packer's decoder: FFCV's pipeline is its reason to exist.
 
 Rates are steady-state images/s (``efficiency.steady_rate``), rounds interleaved, medians reported.
 """
 from __future__ import annotations
 
+import io
 import os
 import statistics
 from pathlib import Path
@@ -125,12 +131,48 @@ def litdata_loader(state: dict, decode, batch_size: int, workers: int):
     return litdata.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers)
 
 
+def write_ffcv(items: Sequence[Tuple[bytes, int]], tmp: Path, workers: int) -> dict:
+    import types
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+    from PIL import Image
+    field = RGBImageField(write_mode="jpg")
+    field.encode = types.MethodType(_store_jpeg, field)  # the stored bytes, not re-encoded
+    sized = [((data, Image.open(io.BytesIO(data)).size), label) for data, label in items]
+    path = str(tmp / "ffcv.beton")
+    DatasetWriter(path, {"image": field, "label": IntField()},
+                  num_workers=1).from_indexed_dataset(sized)
+    return {"path": path}
+
+
+def _store_jpeg(field, destination, item, malloc) -> None:
+    """``RGBImageField.encode`` for ``(JPEG bytes, (width, height))``: stored as they are."""
+    import numpy as np
+    data, (w, h) = item
+    destination["mode"] = 0  # FFCV's IMAGE_MODES["jpg"]
+    destination["height"], destination["width"] = h, w
+    destination["data_ptr"], storage = malloc(len(data))
+    storage[:] = np.frombuffer(data, dtype=np.uint8)
+
+
+def ffcv_loader(state: dict, decode, batch_size: int, workers: int):
+    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
+    pipelines = {"image": [RandomResizedCropRGBImageDecoder(decode.size), RandomHorizontalFlip(),
+                           ToTensor(), ToTorchImage()],
+                 "label": [IntDecoder(), ToTensor(), Squeeze(-1)]}
+    return Loader(state["path"], batch_size=batch_size, num_workers=workers,
+                  order=OrderOption.RANDOM, pipelines=pipelines, os_cache=True)
+
+
 # name -> (module it needs, writer(items, tmp, workers) -> state, loader(state, decode, batch, workers))
 PEERS: Dict[str, Tuple[str, Callable, Callable]] = {
     "naive LMDB + DataLoader": ("lmdb", lambda items, tmp, w: write_naive_lmdb(items, tmp),
                                 naive_lmdb_loader),
     "WebDataset + WebLoader": ("webdataset", write_webdataset, webdataset_loader),
     "LitData StreamingDataset + StreamingDataLoader": ("litdata", write_litdata, litdata_loader),
+    "FFCV Loader, its own RandomResizedCrop pipeline": ("ffcv", write_ffcv, ffcv_loader),
 }
 
 

@@ -25,6 +25,7 @@ from .lazyjson import Deferred, loads_deferring
 from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
 
 INT64_MAX = 2 ** 63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32
 NUMBER_TYPES = {int, float}  # JSON numbers; bool (true/false) is not one
 
 
@@ -242,13 +243,18 @@ def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, 
 def segmentation_ok(seg: Any) -> bool:
     """Polygons (lists of numbers) or RLE (``counts`` text or run lengths, ``size`` [h, w])."""
     if isinstance(seg, list):  # set(map(type)): COCO holds tens of millions of coordinates
-        return (set(map(type, seg)) <= {list}
-                and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES)
+        if not (set(map(type, seg)) <= {list}
+                and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES):
+            return False
+        try:  # a finite sum of magnitudes: no NaN, no infinity, no int beyond int64
+            return math.fsum(map(abs, chain.from_iterable(seg))) <= INT64_MAX
+        except OverflowError:
+            return False
     if isinstance(seg, dict):
         counts, size = seg.get("counts"), seg.get("size")
         return ((isinstance(counts, str) and is_utf8(counts)
                  or isinstance(counts, list) and set(map(type, counts)) <= {int}
-                 and min(counts, default=0) >= 0)
+                 and min(counts, default=0) >= 0 and max(counts, default=0) <= INT64_MAX)
                 and isinstance(size, list) and len(size) == 2 and all(is_id(s) for s in size))
     return False
 
@@ -267,7 +273,7 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
     for aid, cid, box, area, crowd, seg in row["objects"]:
         xyxy, problem = fit_box(box, width, height)
         if not problem:
-            seg, problem = read_segmentation(seg)
+            seg, problem = read_segmentation(aid, seg)
         if problem:
             reasons.append(f"annotation {aid}: {problem}")
             continue
@@ -280,17 +286,21 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
     return out, reasons
 
 
-def read_segmentation(seg: Any) -> Tuple[Any, str]:
+def read_segmentation(aid: int, seg: Any) -> Tuple[Any, str]:
     """``(segmentation, "")`` if it is polygons or an RLE (parsed here if the main process
-    left it as text), else ``(None, why not)``."""
+    left it as text), else ``(None, why not)``. Polygon text that does not parse means the
+    file is not JSON: that stops the build, as it would have had the whole file been parsed
+    up front."""
     if type(seg) is Deferred:
         try:
             seg = json.loads(seg)
         except (ValueError, RecursionError) as e:
-            return None, f"'segmentation' is not valid JSON ({json_problem(e)})"
+            raise PackerError(f"COCO annotation file: annotation {aid}'s 'segmentation' is not "
+                              f"valid JSON ({json_problem(e)}); if the file was cut short or "
+                              f"damaged (an interrupted download), fetch it again") from None
     if not segmentation_ok(seg):
-        return None, ("'segmentation' must be polygons [[x1, y1, ...], ...] or an RLE "
-                      "{\"counts\", \"size\"}")
+        return None, ("'segmentation' must be polygons [[x1, y1, ...], ...] of finite numbers "
+                      "or an RLE {\"counts\", \"size\"}")
     return seg, ""
 
 
@@ -316,4 +326,4 @@ def object_area(area: Any, xyxy: List[float]) -> float:
         a = float(area) if is_number(area) else -1.0
     except OverflowError:
         a = -1.0
-    return a if 0 <= a < math.inf else (xyxy[2] - xyxy[0]) * (xyxy[3] - xyxy[1])
+    return a if 0 <= a <= FLOAT32_MAX else (xyxy[2] - xyxy[0]) * (xyxy[3] - xyxy[1])

@@ -38,7 +38,7 @@ def loads_deferring(text: str, key: str) -> Any:
     cut: List[str] = []
     pos = scanned = 0
     end = None
-    for m in re.finditer(r'"%s"\s*:\s*\[' % re.escape(key), text):
+    for m in re.finditer(r'"%s"\s*:\s*\[(?!\s*\])' % re.escape(key), text):  # not "[]"
         start = m.end() - 1
         if end is None or end.start() < start:  # else the next "]]" is still that one
             end = LIST_END.search(text, start)

@@ -109,8 +109,8 @@ def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
         "annotation 35: box [200, 10, 5, 5] lies outside the 100x50 image",
         "annotation 37: box [100, 0, 5, 5] lies outside the 100x50 image",
         "annotation 38: box holds a number too large for a float",
-        "annotation 39: 'segmentation' must be polygons [[x1, y1, ...], ...] or an RLE "
-        "{\"counts\", \"size\"}"]
+        "annotation 39: 'segmentation' must be polygons [[x1, y1, ...], ...] of finite "
+        "numbers or an RLE {\"counts\", \"size\"}"]
 
 
 def test_skip_empty_leaves_out_images_without_objects(tmp_path):
@@ -254,13 +254,27 @@ def test_polygons_reach_the_workers_as_text_and_read_back_the_same(tmp_path):
     assert ann.fit(ann.rows[0], 50, 50)[0]["segmentation"] == polys
 
 
-def test_a_broken_polygon_drops_its_object_only(tmp_path):
-    """Text whose rest parses but one polygon does not was never JSON: that object goes."""
+@pytest.mark.parametrize("broken", ["[[10.0, 10.0, 30.0,, 20.0]]", "[[10 10 30]]",
+                                    "[[1, " + "7" * 5000 + "]]", "[[10, 10, 30, 20]\f]"])
+def test_a_broken_polygon_stops_the_build_as_broken_json_does(tmp_path, broken):
+    """Polygon text is parsed in the workers; text that does not parse there means the file
+    was never JSON, and that stops the build, as parsing it whole up front would have."""
     good = json.dumps(coco())
-    cut = good.replace(json.dumps(POLY), "[[10.0, 10.0, 30.0,, 20.0]]")
+    cut = good.replace(json.dumps(POLY), broken)
     assert cut != good
-    ann = read(tmp_path, cut).annotations
-    values, reasons = ann.fit(ann.rows[0], 60, 40)
-    assert values["ann_ids"] == [10]
-    assert reasons == ["annotation 11: 'segmentation' is not valid JSON (Expecting value at "
-                       "column 20)"]
+    with pytest.raises(ValueError):
+        json.loads(cut)
+    ann = read(tmp_path, cut).annotations  # the rest parses: the polygon is left as text
+    with pytest.raises(PackerError, match="annotation 11's 'segmentation' is not valid JSON"):
+        ann.fit(ann.rows[0], 60, 40)
+
+
+@pytest.mark.parametrize("seg", [[[1.0, float("nan"), 3.0]], [[1, 2, 2 ** 63]],
+                                 [[1.0, float("inf")]], {"counts": [1, 2 ** 64], "size": [2, 2]}])
+def test_an_unstorable_segmentation_drops_its_object_not_the_image(seg):
+    row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, seg),
+                                      (8, 1, [0, 0, 5, 5], 1e39, 0, [[0, 0, 5, 0, 5, 5]])]}
+    values, reasons = fit_coco(row, 10, 10)
+    assert values["ann_ids"] == [8] and values["area"] == [25.0]  # 1e39 overflows float32
+    assert reasons == ["annotation 7: 'segmentation' must be polygons [[x1, y1, ...], ...] of "
+                       "finite numbers or an RLE {\"counts\", \"size\"}"]

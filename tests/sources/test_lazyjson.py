@@ -94,3 +94,12 @@ def test_overlapping_values_cost_linear_work(monkeypatch):
     text = '{"a": [' + ",".join('{"seg": [1, "x"]}' for _ in range(n)) + '], "z": [[1]]}'
     assert loads_deferring(text, "seg") == json.loads(text)
     assert len(searches) == 1
+
+
+def test_empty_lists_are_left_alone_and_cost_nothing():
+    """``"seg": []`` (box-only exports) is not cut, and thousands of them before the polygons
+    do not make every later value be scanned again (which ended the cutting)."""
+    doc = {"a": [{"seg": []} for _ in range(5000)] + [{"seg": [[1, 2, 3]]} for _ in range(10)]}
+    out = loads_deferring(json.dumps(doc), "seg")
+    assert parsed(out) == doc
+    assert deferred_count(out) == 10

@@ -198,6 +198,16 @@ def shown_int(v: int) -> str:
     return str(v) if v.bit_length() <= 128 else f"a {v.bit_length()}-bit integer"
 
 
+def numbers_fit(values) -> bool:
+    """All numbers, finite, ints within int64: one pass at C speed. A finite sum of
+    magnitudes bounds every value; anything else (False for NaN and inf too, and for text)
+    is left to ``data_problem``'s loop, which says why."""
+    try:
+        return math.fsum(map(abs, values)) < INT64[1]
+    except (TypeError, OverflowError):
+        return False
+
+
 def data_problem(v: Any, depth: int = 0) -> str:
     """Why ``v`` is not plain nested data, or ""."""
     if depth > MAX_DEPTH:
@@ -210,21 +220,10 @@ def data_problem(v: Any, depth: int = 0) -> str:
         return "" if math.isfinite(v) else "holds NaN or inf (refused)"
     if isinstance(v, (list, tuple)):
         if v and type(v[0]) is list and set(map(type, v)) == {list}:
-            try:  # lists of numbers (polygons): one pass over all of them
-                total = math.fsum(map(abs, chain.from_iterable(v)))
-            except (TypeError, OverflowError):
-                pass
-            else:
-                if total < INT64[1]:
-                    return ""
-        if v and not isinstance(v[0], (list, tuple, dict, str)):
-            try:  # a flat list of numbers (a polygon): one pass at C speed. A finite sum of
-                total = math.fsum(map(abs, v))  # magnitudes bounds every value (ints fit
-            except (TypeError, OverflowError):  # int64); anything else: the loop says why
-                pass
-            else:
-                if total < INT64[1]:  # False for NaN and inf too
-                    return ""
+            if numbers_fit(chain.from_iterable(v)):  # lists of numbers (polygons)
+                return ""
+        elif v and not isinstance(v[0], (list, tuple, dict, str)) and numbers_fit(v):
+            return ""
         for x in v:
             p = data_problem(x, depth + 1)
             if p:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from ..errors import PackerError
-from ..fields import data_problem
+from ..fields import numbers_fit
 from ..source import Annotations, ImageList, is_utf8
 from .lazyjson import Deferred, loads_deferring
 from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
@@ -242,15 +242,17 @@ def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, 
 
 
 def segmentation_ok(seg: Any) -> bool:
-    """Polygons (lists of numbers) or RLE (``counts`` text or run lengths, ``size`` [h, w])."""
+    """Polygons (lists of numbers) or RLE (``counts`` text or run lengths, ``size`` [h, w]),
+    with values the record can store."""
     if isinstance(seg, list):  # set(map(type)): COCO holds tens of millions of coordinates
         return (set(map(type, seg)) <= {list}
-                and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES)
+                and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES
+                and numbers_fit(chain.from_iterable(seg)))  # storable: finite, within int64
     if isinstance(seg, dict):
         counts, size = seg.get("counts"), seg.get("size")
         return ((isinstance(counts, str) and is_utf8(counts)
                  or isinstance(counts, list) and set(map(type, counts)) <= {int}
-                 and min(counts, default=0) >= 0)
+                 and min(counts, default=0) >= 0 and numbers_fit(counts))
                 and isinstance(size, list) and len(size) == 2 and all(is_id(s) for s in size))
     return False
 
@@ -294,7 +296,7 @@ def read_segmentation(aid: int, seg: Any) -> Tuple[Any, str]:
             raise PackerError(f"COCO annotation file: annotation {aid}'s 'segmentation' is not "
                               f"valid JSON ({json_problem(e)}); if the file was cut short or "
                               f"damaged (an interrupted download), fetch it again") from None
-    if not segmentation_ok(seg) or data_problem(seg):  # the values it will be stored with
+    if not segmentation_ok(seg):
         return None, ("'segmentation' must be polygons [[x1, y1, ...], ...] of finite numbers "
                       "or an RLE {\"counts\", \"size\"}")
     return seg, ""

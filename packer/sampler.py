@@ -288,10 +288,10 @@ class PackedSampler(Sampler[int]):
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, got {consumed}")
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
-        self._consumed = consumed
-        # A finished epoch restarts from the top, as an uninterrupted run's next pass would.
-        self._start = consumed if rank_count(self.size, consumed, self.num_replicas,
-                                             self.drop_last) else 0
+        # Saved after the epoch's last sample: the next pass is empty (the epoch is done; a
+        # resumed loop that iterated it again would see every sample twice), the one after
+        # starts from the top, and set_epoch(epoch + 1) starts the next epoch at once.
+        self._consumed = self._start = consumed
 
     def __repr__(self) -> str:
         extra = f", block_size={self.block_size}, window={self.window}" if self.order == "block" else ""

@@ -173,13 +173,25 @@ def test_set_epoch_after_resume_keeps_position_only_for_the_restored_epoch():
     assert list(r) == global_order(50, seed=2, epoch=4).tolist()
 
 
-def test_finished_epoch_state_restarts_from_the_top():
+def test_finished_epoch_state_resumes_to_an_empty_pass():
+    """A state saved after the epoch's last sample: the resumed loop sees nothing more of
+    that epoch (it would see every sample twice otherwise: the exactly-once test caught it),
+    the pass after starts from the top, and set_epoch(epoch + 1) starts the next at once."""
     s = PackedSampler(range(10), num_replicas=3, rank=1, drop_last=True)
     full = list(s)
     assert s.state_dict()["consumed"] == 9
     r = PackedSampler(range(10), num_replicas=3, rank=1, drop_last=True)
     r.load_state_dict(s.state_dict())
+    assert len(r) == 0 and list(r) == []
     assert list(r) == full
+    r.load_state_dict(s.state_dict())
+    r.set_epoch(0)  # the same epoch: still done
+    assert list(r) == []
+    r.load_state_dict(s.state_dict())
+    r.set_epoch(1)
+    n = PackedSampler(range(10), num_replicas=3, rank=1, drop_last=True)
+    n.set_epoch(1)
+    assert list(r) == list(n)
 
 
 RESUME_SCRIPT = textwrap.dedent("""

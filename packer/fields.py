@@ -38,6 +38,11 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 MAX_DEPTH = 32  # nesting of ``data`` values
 
 
+class CheckedData(list):
+    """A ``data`` value its maker has already checked is plain data (e.g. COCO polygons,
+    checked as they are parsed): ``encode`` stores it without walking it a second time."""
+
+
 def field_problem(f: Any) -> str:
     """Why ``f`` is not a valid schema entry, or ""."""
     if not isinstance(f, dict):
@@ -140,6 +145,8 @@ def encode_value(f: dict, v: Any) -> Any:
         return v
     if kind == "array":
         return encode_array(f, v)
+    if type(v) is CheckedData:
+        return v
     problem = data_problem(v)
     if problem:
         raise ValueError(f"field {name!r}: {problem}")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from ..errors import PackerError
-from ..fields import numbers_fit
+from ..fields import CheckedData, data_problem, numbers_fit
 from ..source import Annotations, ImageList, is_utf8
 from .lazyjson import Deferred, loads_deferring
 from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
@@ -28,6 +28,10 @@ from .meta import image_root, json_problem, read_data, relative_path, show, utf8
 INT64_MAX = 2 ** 63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32
 NUMBER_TYPES = {int, float}  # JSON numbers; bool (true/false) is not one
+# Polygon text with its digits as "0" and its other usual characters as " ": plain numbers
+# are then all that is left, and no run of LONG_DIGITS zeros means each is below 1e18.
+POLYGON_TEXT = str.maketrans("0123456789.,-[] \t\r\n", "0" * 10 + " " * 9)
+LONG_DIGITS = "0" * 19
 
 
 def coco_schema() -> List[Dict[str, Any]]:
@@ -243,7 +247,7 @@ def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, 
 
 def segmentation_ok(seg: Any) -> bool:
     """Polygons (lists of numbers) or RLE (``counts`` text or run lengths, ``size`` [h, w]),
-    with values the record can store."""
+    with values the record can store (plain data: ``data_problem`` has nothing to say)."""
     if isinstance(seg, list):  # set(map(type)): COCO holds tens of millions of coordinates
         return (set(map(type, seg)) <= {list}
                 and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES
@@ -253,7 +257,8 @@ def segmentation_ok(seg: Any) -> bool:
         return ((isinstance(counts, str) and is_utf8(counts)
                  or isinstance(counts, list) and set(map(type, counts)) <= {int}
                  and min(counts, default=0) >= 0 and numbers_fit(counts))
-                and isinstance(size, list) and len(size) == 2 and all(is_id(s) for s in size))
+                and isinstance(size, list) and len(size) == 2 and all(is_id(s) for s in size)
+                and not data_problem(seg))  # its other keys too
     return False
 
 
@@ -266,7 +271,7 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
     image; degenerate or outside boxes and unusable segmentations dropped (with the
     object's other fields, so every per-object array stays aligned)."""
     out: Dict[str, Any] = {"image_id": row["image_id"], "boxes": [], "labels": [], "area": [],
-                           "iscrowd": [], "ann_ids": [], "segmentation": []}
+                           "iscrowd": [], "ann_ids": [], "segmentation": CheckedData()}
     reasons = []
     for aid, cid, box, area, crowd, seg in row["objects"]:
         xyxy, problem = fit_box(box, width, height)
@@ -290,6 +295,9 @@ def read_segmentation(aid: int, seg: Any) -> Tuple[Any, str]:
     file is not JSON: that stops the build, as it would have had the whole file been parsed
     up front."""
     if type(seg) is Deferred:
+        polygons = plain_polygons(seg)
+        if polygons is not None:
+            return polygons, ""
         try:
             seg = json.loads(seg)
         except (ValueError, RecursionError) as e:
@@ -300,6 +308,24 @@ def read_segmentation(aid: int, seg: Any) -> Tuple[Any, str]:
         return None, ("'segmentation' must be polygons [[x1, y1, ...], ...] of finite numbers "
                       "or an RLE {\"counts\", \"size\"}")
     return seg, ""
+
+
+def plain_polygons(text: str) -> Any:
+    """The polygons in ``text`` when it is the common case, known good without a walk over
+    every number: only digits, signs, points, commas, brackets and spaces (no exponent, NaN
+    or string), no run of 19 digits (so every number is an int64 and a finite float), and
+    one bracket per polygon besides the outer one (so each holds numbers only). Else None:
+    ``segmentation_ok`` decides, number by number."""
+    shape = text.translate(POLYGON_TEXT)
+    if shape.count("0") + shape.count(" ") != len(shape) or LONG_DIGITS in shape:
+        return None
+    try:
+        polygons = json.loads(text)
+    except ValueError:
+        return None
+    if set(map(type, polygons)) <= {list} and text.count("[") == len(polygons) + 1:
+        return polygons
+    return None
 
 
 def fit_box(box: List[Any], width: int, height: int) -> Tuple[List[float], str]:

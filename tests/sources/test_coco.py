@@ -7,7 +7,9 @@ import pickle
 import pytest
 
 from packer.errors import PackerError
-from packer.sources.coco import fit_coco, read_coco
+from packer.fields import CheckedData, data_problem, encode
+from packer.sources.coco import coco_schema, fit_coco, plain_polygons, read_coco
+from packer.sources.lazyjson import Deferred
 
 RLE = {"counts": "0`0Q0", "size": [40, 60]}
 POLY = [[10.0, 10.0, 30.0, 10.0, 30.0, 20.0]]
@@ -270,7 +272,13 @@ def test_a_broken_polygon_stops_the_build_as_broken_json_does(tmp_path, broken):
 
 
 @pytest.mark.parametrize("seg", [[[1.0, float("nan"), 3.0]], [[1, 2, 2 ** 63]],
-                                 [[1.0, float("inf")]], {"counts": [1, 2 ** 64], "size": [2, 2]}])
+                                 [[1.0, float("inf")]], {"counts": [1, 2 ** 64], "size": [2, 2]},
+                                 {"counts": "0`0Q0", "size": [2, 2], "note": float("nan")},
+                                 Deferred("[[1, 2, " + "9" * 19 + "]]"),
+                                 Deferred("[[1, 2, " + "1" * 400 + ".5]]"),  # inf as a float
+                                 Deferred("[[1, 2, 1e400]]"), Deferred("[[1, NaN]]"),
+                                 Deferred("[[1, 2], 3]"), Deferred("[[[1]], 3]"),
+                                 Deferred('[[1, "2"]]'), Deferred("[[1, true]]")])
 def test_an_unstorable_segmentation_drops_its_object_not_the_image(seg):
     row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, seg),
                                       (8, 1, [0, 0, 5, 5], 1e39, 0, [[0, 0, 5, 0, 5, 5]])]}
@@ -278,3 +286,35 @@ def test_an_unstorable_segmentation_drops_its_object_not_the_image(seg):
     assert values["ann_ids"] == [8] and values["area"] == [25.0]  # 1e39 overflows float32
     assert reasons == ["annotation 7: 'segmentation' must be polygons [[x1, y1, ...], ...] of "
                        "finite numbers or an RLE {\"counts\", \"size\"}"]
+
+
+@pytest.mark.parametrize("text, fast", [
+    ("[[1, 2.5, 3, 4]]", True), ("[[-1.25, 0, 7, 8], [1, 2, 3, 4]]", True), ("[[]]", True),
+    ("[[1,2],[]]", True), ("[\n  [\n    1,\n    2\r\n  ]\n]", True),
+    ("[[1, 2, " + "9" * 18 + "]]", True), ("[[0." + "1" * 30 + "]]", False),
+    ("[[1e2, 3E-1]]", False), ("[[1, 2], 3]", False), ("[[[1]], 3]", False),
+    ("[[1, [2]]]", False), ("[[1, -]]", False), ("[[1, 2]]]", False),
+    ("[[1, 2, 9223372036854775808]]", False), ("[[1, NaN]]", False), ("[[1, null]]", False)])
+def test_plain_polygon_text_reads_as_the_full_check_does(text, fast):
+    """The fast path (no walk over the numbers) takes only text whose polygons the full
+    check accepts, and gives the same values, ints staying ints; the rest goes the long way."""
+    got = plain_polygons(text)
+    assert (got is not None) == fast
+    if fast:
+        full = json.loads(text)
+        assert got == full and [list(map(type, p)) for p in got] == \
+            [list(map(type, p)) for p in full]
+        assert not fit_coco({"image_id": 1, "objects": [(1, 1, [0, 0, 5, 5], 1, 0, full)]},
+                            9, 9)[1]
+
+
+def test_checked_segmentation_is_stored_without_a_second_walk():
+    row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, Deferred("[[1, 2, 3, 4]]"))]}
+    values, reasons = fit_coco(row, 10, 10)
+    assert not reasons and type(values["segmentation"]) is CheckedData
+    stored = encode(coco_schema(), values)
+    assert stored["segmentation"] is values["segmentation"] == [[[1, 2, 3, 4]]]
+    unchecked = [[[1.0, float("nan")]]]
+    with pytest.raises(ValueError, match="NaN"):
+        encode(coco_schema(), dict(values, segmentation=unchecked))
+    assert data_problem(unchecked)

@@ -32,6 +32,7 @@ NUMBER_TYPES = {int, float}  # JSON numbers; bool (true/false) is not one
 # are then all that is left, and no run of LONG_DIGITS zeros means each is below 1e18.
 POLYGON_TEXT = str.maketrans("0123456789.,-[] \t\r\n", "0" * 10 + " " * 9)
 LONG_DIGITS = "0" * 19
+DECODER = json.JSONDecoder()
 
 
 def coco_schema() -> List[Dict[str, Any]]:
@@ -320,10 +321,11 @@ def plain_polygons(text: str) -> Any:
     if shape.count("0") + shape.count(" ") != len(shape) or LONG_DIGITS in shape:
         return None
     try:
-        polygons = json.loads(text)
+        polygons, end = DECODER.raw_decode(text)  # json.loads less its wrapping
     except ValueError:
         return None
-    if set(map(type, polygons)) <= {list} and text.count("[") == len(polygons) + 1:
+    if (end == len(text) and type(polygons) is list and set(map(type, polygons)) <= {list}
+            and text.count("[") == len(polygons) + 1):
         return polygons
     return None
 

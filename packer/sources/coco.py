@@ -322,7 +322,7 @@ def plain_polygons(text: str) -> Any:
         return None
     try:
         polygons, end = DECODER.raw_decode(text)  # json.loads less its wrapping
-    except ValueError:
+    except (ValueError, RecursionError):  # the long way says what is wrong
         return None
     if (end == len(text) and type(polygons) is list and set(map(type, polygons)) <= {list}
             and text.count("[") == len(polygons) + 1):

@@ -308,6 +308,14 @@ def test_plain_polygon_text_reads_as_the_full_check_does(text, fast):
                             9, 9)[1]
 
 
+def test_deeply_nested_polygon_text_stops_the_build_with_a_message():
+    """Brackets alone pass the text check; 100,000 of them must still end in the
+    not-JSON message, not a RecursionError from the fast path's parse."""
+    row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, Deferred("[" * 100000 + "]]"))]}
+    with pytest.raises(PackerError, match="annotation 7's 'segmentation' is not valid JSON"):
+        fit_coco(row, 10, 10)
+
+
 def test_checked_segmentation_is_stored_without_a_second_walk():
     row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, Deferred("[[1, 2, 3, 4]]"))]}
     values, reasons = fit_coco(row, 10, 10)

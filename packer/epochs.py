@@ -93,6 +93,8 @@ class EpochLoader(LoaderView):
         count = self.batches.per_epoch(len(s))
         start = s.start
         self._at = None  # mid-epoch: a new iter() before the end restarts the stream
+        if count == 0:  # resumed after the epoch's last batch: this pass is done already
+            s.received(start, done=True)
         for k in range(count):
             batch = next(self._it)
             s.received(min(start + (k + 1) * step, s.size), done=k + 1 == count)

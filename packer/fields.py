@@ -23,6 +23,7 @@ from itertools import chain
 from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import FormatError
+from .text import is_utf8
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # The record's own keys: no field may take them.
@@ -138,10 +139,8 @@ def encode_value(f: dict, v: Any) -> Any:
     if kind == "str":
         if not isinstance(v, str):
             raise ValueError(f"field {name!r}: {type(v).__name__} is not a str")
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"field {name!r}: the text is not valid Unicode") from None
+        if not is_utf8(v):
+            raise ValueError(f"field {name!r}: the text is not valid Unicode")
         return v
     if kind == "array":
         return encode_array(f, v)
@@ -219,8 +218,10 @@ def data_problem(v: Any, depth: int = 0) -> str:
     """Why ``v`` is not plain nested data, or ""."""
     if depth > MAX_DEPTH:
         return f"nested deeper than {MAX_DEPTH} levels"
-    if v is None or isinstance(v, (bool, str)):
+    if v is None or isinstance(v, bool):
         return ""
+    if isinstance(v, str):
+        return "" if v.isascii() or is_utf8(v) else "text is not valid Unicode (a lone surrogate)"
     if isinstance(v, int):
         return "" if INT64[0] <= v <= INT64[1] else f"{shown_int(v)} does not fit in int64"
     if isinstance(v, float):

@@ -20,7 +20,8 @@ from ._system import die_with_parent
 from .check import BadImage, Transcode, check_image
 from .fields import encode
 from .format import SHARD_PATTERN, pack_fields, record_bytes
-from .source import ImageList, is_utf8
+from .source import ImageList
+from .text import is_utf8
 from .writer import ShardWriter
 
 PROGRESS_EVERY = 16  # images between a worker's progress reports (a shared counter)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import PackerError
-from .text import printable
+from .text import is_utf8, printable
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively as there.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -81,15 +81,6 @@ def find_classes(root: os.PathLike) -> List[str]:
             f"no class folders in {root}: expected ImageFolder layout ROOT/CLASS/IMAGE "
             f"(or pass list_file / --list FILE with 'relative/path<TAB>label' lines)")
     return classes
-
-
-def is_utf8(name: str) -> bool:
-    """False for names holding bytes that are not UTF-8 (surrogate-escaped by os.fsdecode)."""
-    try:
-        name.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def is_image_file(name: str) -> bool:

@@ -27,3 +27,13 @@ def json_text(obj, indent=1) -> str:
     too, become \\u escapes)."""
     text = json.dumps(obj, indent=indent, ensure_ascii=False)
     return "".join(f"\\u{ord(ch):04x}" if 0x7F <= ord(ch) < 0xA0 else ch for ch in text)
+
+
+def is_utf8(text: str) -> bool:
+    """False for text UTF-8 cannot hold: lone surrogates, from names holding bytes that are
+    not UTF-8 (surrogate-escaped by os.fsdecode) or from JSON's ``\\ud800`` escapes."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

@@ -67,6 +67,7 @@ def test_fields_must_match_the_schema_exactly():
 def test_data_fields_are_plain_data_only():
     assert data_problem({"counts": [1, 2], "size": [3, 4]}) == ""
     assert "not plain data" in data_problem({"x": object()})
+    assert "not valid Unicode" in data_problem({"note": "\ud800"})  # JSON may hold lone surrogates
     assert "not a str" in data_problem({1: 2})
     assert "NaN" in data_problem([float("nan")])
     assert data_problem([[1, 2.5], [3, 4]]) == ""  # polygons

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from packer.loader import make_loader
 from packer.sampler import PackedSampler, global_order
 
 SIZES = [1, 7, 97, 256, 1001]
@@ -192,6 +193,23 @@ def test_finished_epoch_state_resumes_to_an_empty_pass():
     n = PackedSampler(range(10), num_replicas=3, rank=1, drop_last=True)
     n.set_epoch(1)
     assert list(r) == list(n)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_finished_epoch_state_then_the_next_pass_reads_everything_through_make_loader(workers):
+    """make_loader's loader (EpochLoader with workers) after that state: one empty pass,
+    then whole ones, as a plain DataLoader gives; an empty pass once kept it empty forever."""
+    ds = list(range(10))
+    state = {"seed": 3, "epoch": 2, "consumed": 10, "size": 10}
+    passes = []
+    for loader_of in (lambda s: DataLoader(ds, 4, sampler=s),
+                      lambda s: make_loader(ds, 4, sampler=s, num_workers=workers,
+                                            pin_memory=False)):
+        s = PackedSampler(ds, seed=3)
+        s.load_state_dict(state)
+        loader = loader_of(s)
+        passes.append([sum(len(b) for b in loader) for _ in range(3)])
+    assert passes[0] == passes[1] == [0, 10, 10]
 
 
 RESUME_SCRIPT = textwrap.dedent("""

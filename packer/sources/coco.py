@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Tuple
 
 from ..errors import PackerError
 from ..fields import CheckedData, data_problem, numbers_fit
-from ..source import Annotations, ImageList, is_utf8
+from ..source import Annotations, ImageList
+from ..text import is_utf8
 from .lazyjson import Deferred, loads_deferring
 from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
 
@@ -249,17 +250,19 @@ def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, 
 def segmentation_ok(seg: Any) -> bool:
     """Polygons (lists of numbers) or RLE (``counts`` text or run lengths, ``size`` [h, w]),
     with values the record can store (plain data: ``data_problem`` has nothing to say)."""
+    # Stored one level down, in the image's list of segmentations: checked at that depth.
+    # numbers_fit is the quick yes; data_problem, number by number, has the last word.
     if isinstance(seg, list):  # set(map(type)): COCO holds tens of millions of coordinates
         return (set(map(type, seg)) <= {list}
                 and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES
-                and numbers_fit(chain.from_iterable(seg)))  # storable: finite, within int64
+                and (numbers_fit(chain.from_iterable(seg)) or not data_problem(seg, 1)))
     if isinstance(seg, dict):
         counts, size = seg.get("counts"), seg.get("size")
         return ((isinstance(counts, str) and is_utf8(counts)
                  or isinstance(counts, list) and set(map(type, counts)) <= {int}
-                 and min(counts, default=0) >= 0 and numbers_fit(counts))
+                 and min(counts, default=0) >= 0)
                 and isinstance(size, list) and len(size) == 2 and all(is_id(s) for s in size)
-                and not data_problem(seg))  # its other keys too
+                and not data_problem(seg, 1))  # counts within int64, and its other keys
     return False
 
 
@@ -275,9 +278,9 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
                            "iscrowd": [], "ann_ids": [], "segmentation": CheckedData()}
     reasons = []
     for aid, cid, box, area, crowd, seg in row["objects"]:
-        xyxy, problem = fit_box(box, width, height)
-        if not problem:
-            seg, problem = read_segmentation(aid, seg)
+        seg, problem = read_segmentation(aid, seg)  # first: text that is not JSON stops the build
+        xyxy, box_problem = fit_box(box, width, height)
+        problem = box_problem or problem
         if problem:
             reasons.append(f"annotation {aid}: {problem}")
             continue

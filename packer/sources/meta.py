@@ -24,7 +24,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
-from ..source import Annotations, ImageList, is_utf8, walk
+from ..source import Annotations, ImageList, walk
+from ..text import is_utf8
 from ..text import printable
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")

@@ -23,7 +23,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
-from ..source import IMG_EXTENSIONS, Annotations, ImageList, is_image_file, is_utf8
+from ..source import IMG_EXTENSIONS, Annotations, ImageList, is_image_file
+from ..text import is_utf8
 from .coco import coco_schema
 from .meta import image_root, read_text, show, walk_files
 

@@ -326,3 +326,35 @@ def test_checked_segmentation_is_stored_without_a_second_walk():
     with pytest.raises(ValueError, match="NaN"):
         encode(coco_schema(), dict(values, segmentation=unchecked))
     assert data_problem(unchecked)
+
+
+def test_both_paths_keep_large_but_storable_coordinates():
+    """Each number fits int64, their sum does not: the text path and the parsed path (a
+    file parsed whole) both keep the object, as the record can store it."""
+    text = "[[" + ", ".join(["999999999999999999"] * 10) + "]]"
+    for seg in (Deferred(text), json.loads(text), [[5 * 10 ** 18, 5 * 10 ** 18]], [[1e19, 0.0]]):
+        values, reasons = fit_coco({"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 1, 0, seg)]},
+                                   10, 10)
+        assert not reasons and values["ann_ids"] == [7]
+        assert not data_problem(encode(coco_schema(), values)["segmentation"])
+
+
+def test_polygon_text_that_is_not_json_stops_the_build_even_with_a_bad_box():
+    row = {"image_id": 1, "objects": [(7, 1, [0, 0, 0, 0], 1, 0, Deferred("[[1,, 2]]"))]}
+    with pytest.raises(PackerError, match="annotation 7's 'segmentation' is not valid JSON"):
+        fit_coco(row, 10, 10)
+
+
+def test_an_rle_too_deep_or_with_broken_text_drops_its_object():
+    """Checked at the depth it is stored at (inside the image's list), and its text for
+    UTF-8: else the record would fail ``verify``, or the whole image would be skipped."""
+    deep = "a"
+    for _ in range(31):
+        deep = [deep]
+    for extra in (deep, "\ud800"):
+        seg = {"counts": "ab", "size": [1, 1], "x": extra}
+        row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 1, 0, seg),
+                                          (8, 1, [0, 0, 5, 5], 1, 0, RLE)]}
+        values, reasons = fit_coco(row, 10, 10)
+        assert values["ann_ids"] == [8] and len(reasons) == 1
+        assert not data_problem(encode(coco_schema(), values)["segmentation"])

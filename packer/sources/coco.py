@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from ..errors import PackerError
-from ..fields import CheckedData, data_problem, numbers_fit
+from ..fields import CheckedData, data_problem
 from ..source import Annotations, ImageList
 from ..text import is_utf8
 from .lazyjson import Deferred, loads_deferring
@@ -250,19 +250,19 @@ def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, 
 def segmentation_ok(seg: Any) -> bool:
     """Polygons (lists of numbers) or RLE (``counts`` text or run lengths, ``size`` [h, w]),
     with values the record can store (plain data: ``data_problem`` has nothing to say)."""
-    # Stored one level down, in the image's list of segmentations: checked at that depth.
-    # numbers_fit is the quick yes; data_problem, number by number, has the last word.
+    # Stored one level down, in the image's list of segmentations: checked at that depth
+    # (data_problem: numbers within int64 and finite, text valid, any other RLE keys too).
     if isinstance(seg, list):  # set(map(type)): COCO holds tens of millions of coordinates
         return (set(map(type, seg)) <= {list}
                 and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES
-                and (numbers_fit(chain.from_iterable(seg)) or not data_problem(seg, 1)))
+                and not data_problem(seg, 1))
     if isinstance(seg, dict):
         counts, size = seg.get("counts"), seg.get("size")
-        return ((isinstance(counts, str) and is_utf8(counts)
+        return ((isinstance(counts, str)
                  or isinstance(counts, list) and set(map(type, counts)) <= {int}
                  and min(counts, default=0) >= 0)
                 and isinstance(size, list) and len(size) == 2 and all(is_id(s) for s in size)
-                and not data_problem(seg, 1))  # counts within int64, and its other keys
+                and not data_problem(seg, 1))
     return False
 
 
@@ -327,7 +327,7 @@ def plain_polygons(text: str) -> Any:
         polygons, end = DECODER.raw_decode(text)  # json.loads less its wrapping
     except (ValueError, RecursionError):  # the long way says what is wrong
         return None
-    if (end == len(text) and type(polygons) is list and set(map(type, polygons)) <= {list}
+    if (end == len(text) and set(map(type, polygons)) <= {list}  # text starts with "["
             and text.count("[") == len(polygons) + 1):
         return polygons
     return None

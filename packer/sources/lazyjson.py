@@ -2,9 +2,9 @@
 
 Polygons are over 80% of a COCO instances file, and only the workers that write the records
 need them: parsing them in the main process was most of the time before the first image was
-read. ``loads_deferring(text, key)`` cuts each value of ``key`` that looks like polygons (a list
-holding no string or object, below) out of the text, parses the rest, and puts each cut value back as ``Deferred`` text
-(``json.loads`` it where it is needed).
+read. ``loads_deferring(text, key)`` cuts each value of ``key`` that looks like polygons (a
+list holding no string or object, below) out of the text, parses the rest, and puts each cut
+value back as ``Deferred`` text (``json.loads`` it where it is needed).
 
 The result equals ``json.loads(text)`` but for those values: a value is cut only from ``[``
 to the first ``]]`` after it, and only if that text holds no string or object; in its place

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, default_collate, get_worker_info
 from ._system import usable_cores
 from .epochs import EpochBatches, EpochLoader
 from .sampler import PackedSampler
-from .sharedbatch import SharedBatch
+from .sharedbatch import BatchPool, SharedBatch, shared_empty
 
 try:  # the extensible collate (torch >= 2.0); older torch falls back to default_collate
     from torch.utils.data._utils.collate import collate as _collate
@@ -111,8 +111,7 @@ def _collate_images(batch, *, channels_last: bool, collate_fn_map=None):
     n = len(batch)
     size = (n, h, w, c) if channels_last else (n, c, h, w)
     if get_worker_info() is not None:  # shared memory: the batch is passed, not copied, to the parent
-        storage = torch.UntypedStorage._new_shared(n * c * h * w)
-        out = torch.empty(0, dtype=torch.uint8).set_(storage, 0, size, _contiguous_strides(size))
+        out = shared_empty(size)
     else:
         out = torch.empty(size, dtype=torch.uint8)
     if channels_last:
@@ -120,14 +119,6 @@ def _collate_images(batch, *, channels_last: bool, collate_fn_map=None):
         return out.permute(0, 3, 1, 2)  # logical NCHW, channels_last strides
     torch.stack(batch, out=out)
     return out
-
-
-def _contiguous_strides(size):
-    strides, acc = [], 1
-    for s in reversed(size):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
 
 
 def _refuse_pil(batch, *, collate_fn_map=None):
@@ -216,29 +207,45 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
             num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
             drop_last=drop_last, persistent_workers=persistent_workers, **kwargs)
     if num_workers:
-        stop_workers_at_exit(loader)
+        watch_worker_starts(loader)
     return loader
 
 
-def stop_workers_at_exit(loader) -> None:
-    """Have each worker iterator of ``loader`` shut its workers down when the interpreter
-    exits, before multiprocessing's exit handler joins them one by one (pytorch#81794: with
-    persistent workers and a pin-memory thread under CUDA, docs/loading.md's 8-worker
-    example took 24 s to exit; 4 s when a hook registered after the loop shut them down).
-    The hook is registered when the iterator starts, so it runs before the exit hooks of
-    whatever was set up before it. Holds only weak references: a reference from the loader
-    to itself through the hook made ``del loader`` leave it, its persistent workers and their
-    iterator to the garbage collector, which then could run in a later loader's forked
-    worker ("can only test a child process")."""
+def watch_worker_starts(loader) -> None:
+    """Hook each start of ``loader``'s workers (its worker iterator): a fresh ``BatchPool``
+    for a ``PooledCollate`` just before they fork, one per set of workers (a second
+    iterator's workers must not write into the first one's slots), held by the iterator;
+    and an exit hook that shuts them down when the interpreter exits, before
+    multiprocessing's exit handler joins them one by one (pytorch#81794: with persistent
+    workers and a pin-memory thread under CUDA, docs/loading.md's 8-worker example took 24 s
+    to exit; 4 s when a hook registered after the loop shut them down). The exit hook is
+    registered when the iterator starts, so it runs before the exit hooks of whatever was set
+    up before it. Holds only weak references: a reference from the loader to itself through
+    the hook made ``del loader`` leave it, its persistent workers and their iterator to the
+    garbage collector, which then could run in a later loader's forked worker ("can only
+    test a child process")."""
     inner = loader.loader if isinstance(loader, EpochLoader) else loader
     start = type(inner)._get_iterator  # torch's: makes the worker iterator (also StatefulDataLoader)
     owner = weakref.ref(inner)
 
     def get_iterator():
-        it = start(owner())
+        it = start(renew_pool(owner()))
+        it.packer_pool = getattr(owner().collate_fn, "pool", None)  # lives as long as they do
         atexit.register(_stop_iterator, weakref.ref(it))
         return it
     inner._get_iterator = get_iterator
+
+
+def renew_pool(loader):
+    """``loader``, its ``PooledCollate`` given a new ``BatchPool`` for the workers it is
+    about to fork (none where they will not be forked: a spawned worker gets no pool)."""
+    collate = loader.collate_fn
+    if isinstance(collate, PooledCollate) and loader.num_workers > 0:
+        ctx = loader.multiprocessing_context or mp.get_context()
+        forked = ctx.get_start_method() == "fork"
+        collate.pool = BatchPool.create(loader.num_workers, loader.prefetch_factor + 2) \
+            if forked else None
+    return loader
 
 
 def _stop_iterator(ref) -> None:
@@ -284,8 +291,23 @@ def default_collate_for(dataset, channels_last: bool = True) -> Callable:
     """``collate_detection`` for a detection ``PackedDataset``, else ``collate_uint8``."""
     detection = getattr(dataset, "task", None) == "detection" and getattr(
         getattr(dataset, "make_target", None), "detection", False)
-    return functools.partial(collate_detection if detection else collate_uint8,
-                             channels_last=channels_last)
+    return PooledCollate(collate_detection if detection else collate_uint8,
+                         channels_last=channels_last)
+
+
+class PooledCollate(functools.partial):
+    """``make_loader``'s collate: ``func(batch, **keywords)``, which a forked worker writes
+    into its slots of the ``BatchPool`` made for the current workers (``renew_pool``), so a
+    batch reuses shared memory instead of faulting in fresh pages and passing a file
+    descriptor per tensor (docs/benchmarks.md, issue 16). A plain call anywhere else."""
+    pool: Optional[BatchPool] = None
+
+    def __call__(self, batch):
+        pool = self.pool
+        return super().__call__(batch) if pool is None else pool.collate(super().__call__, batch)
+
+    def __reduce__(self):  # the pool stays home: a spawned worker collates the plain way
+        return type(self), (self.func,), (self.func, self.args, self.keywords, None)
 
 
 def _loader_class(stateful: bool):

@@ -11,7 +11,8 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
 from packer import PackedDataset, build, make_loader
 from packer.decode import DecodeLetterbox
 from packer.demo.scenes import make_detection_folder
-from packer.sharedbatch import SharedBatch
+from packer.loader import PooledCollate, collate_detection
+from packer.sharedbatch import BatchPool, SharedBatch
 
 tv_tensors = pytest.importorskip("torchvision.tv_tensors")
 
@@ -85,3 +86,117 @@ def test_in_the_worker_it_is_the_list_it_holds():
     batch = SharedBatch([{"a": torch.ones(2)}])
     assert isinstance(batch, list) and len(batch) == 1
     assert torch.equal(batch[0]["a"], torch.ones(2))
+
+
+# -- BatchPool: workers reuse shared slots ------------------------------------------------------
+
+def mapping_name(ptr: int) -> str:
+    """The name of this process's memory mapping holding address ``ptr``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= ptr < hi:
+                return rest[4].strip() if len(rest) > 4 else ""
+    raise AssertionError(f"{ptr:#x} is not mapped")
+
+
+def three(i):
+    return 3
+
+
+class Numbered(torch.utils.data.Dataset):
+    """Sample i: a 3x16x16 uint8 image filled with i % 251, and a target of ``size(i)``
+    int64s all equal to i (detection-like: targets stay a list); 3 of them by default."""
+
+    def __init__(self, n, size=None):
+        self.n, self.size = n, size or three
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return (torch.full((3, 16, 16), i % 251, dtype=torch.uint8),
+                {"x": torch.full((self.size(i),), i, dtype=torch.int64)})
+
+
+def check_batch(images, targets, first):
+    for k, t in enumerate(targets):
+        assert images[k].eq((first + k) % 251).all()
+        assert t["x"].eq(first + k).all()
+
+
+linux_only = pytest.mark.skipif(not hasattr(__import__("os"), "memfd_create"),
+                                reason="BatchPool needs memfd_create (Linux)")
+
+
+@linux_only
+def test_streamed_batches_come_from_the_pool_slots_and_read_back_exactly(detection):
+    """Batches a training loop drops at once cross in the workers' reused slots (memfd
+    mappings named packer-batches-K), images and targets in one; without the pool each is a
+    fresh shared file."""
+    loader = make_loader(detection, 4, num_workers=2, shuffle=False, pin_memory=False)
+    local = list(make_loader(detection, 4, num_workers=0, shuffle=False, pin_memory=False))
+    for epoch in range(2):
+        names, ptrs = set(), set()
+        for (images, targets), (want_images, want) in zip(loader, local):
+            assert torch.equal(images, want_images)
+            assert images.is_contiguous(memory_format=torch.channels_last)
+            for got, exp in zip(targets, want):
+                assert torch.equal(got["boxes"].as_subclass(torch.Tensor),
+                                   exp["boxes"].as_subclass(torch.Tensor))
+                assert got["boxes"].canvas_size == exp["boxes"].canvas_size
+                assert torch.equal(got["labels"], exp["labels"])
+            storages = {t.untyped_storage().data_ptr() for t in [images, *tensors_of(targets)]}
+            assert len(storages) == 1
+            names.add(mapping_name(images.data_ptr()))
+            ptrs.add(images.data_ptr())
+        assert {n.split(" ")[0] for n in names} <= {"/memfd:packer-batches-0",
+                                                    "/memfd:packer-batches-1"}, names
+        assert len(ptrs) <= 2 * (loader.prefetch_factor + 2)  # slots, reused
+
+
+@linux_only
+def test_batches_held_by_the_loop_are_never_overwritten():
+    """A loop that keeps batches (here: every batch of two epochs, then every third) must
+    read them unchanged: a held slot is never reused; when all are held, fresh blocks."""
+    ds = Numbered(96)
+    loader = make_loader(ds, 4, num_workers=2, shuffle=False, pin_memory=False,
+                         collate_fn=PooledCollate(collate_detection))
+    kept = [(b, k * 4) for epoch in range(2) for k, b in enumerate(loader)]
+    kept += [(b, k * 4) for k, b in enumerate(loader) if k % 3 == 0]
+    for (images, targets), first in kept:
+        check_batch(images, targets, first)
+    pools = {mapping_name(b[0].data_ptr()).startswith("/memfd:packer-batches") for b, _ in kept}
+    assert pools == {True, False}  # some in slots, the rest fresh once the slots ran out
+
+
+@linux_only
+def test_a_batch_larger_than_its_slot_falls_back_to_a_fresh_block():
+    """Targets that outgrow the slot the first batches sized (200,000 int64s against 3) are
+    handed over in one fresh block, whole and correct; the worker then makes a slot that
+    fits, and the next batch (as large) and the smaller ones after it use slots again."""
+    ds = Numbered(64, size=lambda i: 200_000 if 24 <= i < 32 else 3)
+    loader = make_loader(ds, 4, num_workers=1, shuffle=False, pin_memory=False,
+                         collate_fn=PooledCollate(collate_detection))
+    where = []
+    for k, (images, targets) in enumerate(loader):
+        check_batch(images, targets, k * 4)
+        assert [len(t["x"]) for t in targets] == [ds.size(k * 4 + j) for j in range(4)]
+        where.append(mapping_name(images.data_ptr()).startswith("/memfd:packer-batches"))
+    assert where[:6] == [True] * 6 and not where[6] and all(where[7:])
+
+
+def test_spawned_workers_collate_without_a_pool():
+    """A pool lives in the memory forked workers share; a spawned worker gets none (the
+    collate pickles without it) and hands batches over the plain way, still correct."""
+    collate = PooledCollate(collate_detection, channels_last=False)
+    collate.pool = BatchPool.create(1, 2)
+    clone = pickle.loads(pickle.dumps(collate))
+    assert clone.pool is None and clone.keywords == {"channels_last": False}
+    loader = make_loader(Numbered(16), 4, num_workers=1, shuffle=False, pin_memory=False,
+                         collate_fn=PooledCollate(collate_detection),
+                         multiprocessing_context="spawn", persistent_workers=False)
+    for k, (images, targets) in enumerate(loader):
+        check_batch(images, targets, k * 4)
+        assert not mapping_name(images.data_ptr()).startswith("/memfd:packer-batches")

@@ -7,12 +7,16 @@ plain loop, over the same samples the loader reads, measured two ways: alone in 
 on an otherwise idle machine, and in W processes at once (``allcores``: the rate a core has
 when every worker's core is busy, which is what a loader with no overhead would reach). The
 loader reads the samples through ``make_loader`` (its default collate, no pinning, a fixed
-order) after its first wave of batches. The three alternate round by round, so drift in the
-machine's speed touches all; the median of the rounds' ratios is reported.
+order) after its first wave of batches; and once more with each batch in a fresh shared
+block (``collate_uint8`` itself, without the reused slots of ``sharedbatch.BatchPool``), the
+way it crossed before, as a baseline for what the pool gains. The four alternate round by
+round, so drift in the machine's speed touches all; the median of the rounds' ratios is
+reported.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import tempfile
 import time
@@ -25,7 +29,7 @@ from .._system import usable_cores
 from .allcores import median_rate_on_all_cores
 from ..dataset import PackedDataset
 from ..decode import DecodeRandomResizedCrop
-from ..loader import make_loader
+from ..loader import collate_uint8, make_loader
 
 GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
 MIN_BATCHES_PER_WORKER = 8  # a loader run long enough that its start-up wave is a small part
@@ -82,13 +86,14 @@ def steady_rate(batches: Iterable, workers: int) -> float:
     return images / (arrivals[last][0] - arrivals[first][0])
 
 
-def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int) -> float:
-    """``steady_rate`` of ``make_loader`` over ``indices`` (a fixed order, no pinning). Give
-    it many batches per worker (``bench_efficiency`` takes at least
+def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int,
+                       **kwargs) -> float:
+    """``steady_rate`` of ``make_loader`` over ``indices`` (a fixed order, no pinning; kwargs
+    passed on). Give it many batches per worker (``bench_efficiency`` takes at least
     ``MIN_BATCHES_PER_WORKER``)."""
     return steady_rate(make_loader(Subset(ds, indices), batch_size, num_workers=workers,
-                                   shuffle=False, pin_memory=False, persistent_workers=False),
-                       workers)
+                                   shuffle=False, pin_memory=False, persistent_workers=False,
+                                   **kwargs), workers)
 
 
 def efficiency_round(ds, indices: List[int], batch_size: int, workers: int):
@@ -99,6 +104,13 @@ def efficiency_round(ds, indices: List[int], batch_size: int, workers: int):
     core = one_core_rate(ds, indices[::w])
     loaded = median_rate_on_all_cores(lambda share: one_core_rate(ds, share), indices, w)
     return core, loaded, steady_loader_rate(ds, indices, batch_size, workers)
+
+
+def fresh_block_rate(ds, indices: List[int], batch_size: int, workers: int) -> float:
+    """``steady_loader_rate`` with each batch in a fresh shared block (``collate_uint8``
+    itself, no pool): how batches crossed before ``BatchPool``."""
+    return steady_loader_rate(ds, indices, batch_size, workers,
+                              collate_fn=functools.partial(collate_uint8))
 
 
 def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,
@@ -112,17 +124,21 @@ def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 6
     ds = PackedDataset(root, decode=DecodeRandomResizedCrop(size))
     n = max(samples, MIN_BATCHES_PER_WORKER * max(1, workers) * batch_size)
     indices = [i % len(ds) for i in range(n)]
-    out: Dict[str, List[float]] = {k: [] for k in ("core", "core_loaded", "loader", "efficiency",
-                                                    "efficiency_loaded")}
+    out: Dict[str, List[float]] = {k: [] for k in (
+        "core", "core_loaded", "loader", "fresh", "efficiency", "efficiency_loaded",
+        "pool_gain")}
     for r in range(rounds):
         core, loaded, loader = efficiency_round(ds, indices, batch_size, workers)
+        fresh = fresh_block_rate(ds, indices, batch_size, workers)
         for k, v in (("core", core), ("core_loaded", loaded), ("loader", loader),
-                     ("efficiency", loader / (workers * core)),
-                     ("efficiency_loaded", loader / (workers * loaded))):
+                     ("fresh", fresh), ("efficiency", loader / (workers * core)),
+                     ("efficiency_loaded", loader / (workers * loaded)),
+                     ("pool_gain", loader / fresh)):
             out[k].append(v)
         log(f"round {r + 1}/{rounds}: one core {core:,.0f}/s alone, {loaded:,.0f}/s with "
             f"{workers} busy; loader with {workers} workers {loader:,.0f}/s: efficiency "
-            f"{out['efficiency'][-1]:.3f} (vs all cores busy: {out['efficiency_loaded'][-1]:.3f})")
+            f"{out['efficiency'][-1]:.3f} (vs all cores busy: {out['efficiency_loaded'][-1]:.3f});"
+            f" a fresh block per batch {fresh:,.0f}/s")
     return out
 
 
@@ -141,4 +157,8 @@ def efficiency_table(res: Dict[str, List[float]], workers: int) -> str:
         f"{min(res['efficiency']):.3f}-{max(res['efficiency']):.3f} |",
         f"| efficiency vs all cores busy = loader / ({workers} x one core while {workers} run) "
         f"| {med['efficiency_loaded']:.3f} | {min(res['efficiency_loaded']):.3f}-"
-        f"{max(res['efficiency_loaded']):.3f} |"])
+        f"{max(res['efficiency_loaded']):.3f} |",
+        f"| `make_loader`, a fresh shared block per batch (no pool; images/s) | "
+        f"{med['fresh']:,.0f} | {min(res['fresh']):,.0f}-{max(res['fresh']):,.0f} |",
+        f"| pool gain = loader / fresh-block loader | {med['pool_gain']:.3f} | "
+        f"{min(res['pool_gain']):.3f}-{max(res['pool_gain']):.3f} |"])

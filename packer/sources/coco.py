@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
@@ -66,7 +67,9 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
 def coco_images(root: Path, file: Path, raw: bytes, skip_empty: bool) -> ImageList:
     """``read_coco`` on the file's bytes. A row is ``{"image_id", "objects"}``, each object
     ``read_annotation``'s tuple as given; ``fit_coco`` turns it into the stored fields."""
-    data = load_json(file, utf8_text(raw, file, "COCO annotation file"))
+    with ThreadPoolExecutor(1) as pool:  # sha256 lets go of the GIL: it hashes during the parse
+        digest = pool.submit(hashlib.sha256, raw)
+        data = load_json(file, utf8_text(raw, file, "COCO annotation file"))
     categories = read_categories(file, data["categories"])
     images_by_id, dropped, bad_ids = read_images(file, data["images"])
     rows = {i: {"image_id": i, "objects": []} for i in images_by_id}
@@ -100,7 +103,7 @@ def coco_images(root: Path, file: Path, raw: bytes, skip_empty: bool) -> ImageLi
         extra["skipped_empty"] = skipped
     ann = Annotations(schema=coco_schema(), rows=[rows[i] for i in order], fit=fit_coco,
                       task="detection", extra=extra, dropped=dropped,
-                      digest=hashlib.sha256(raw).hexdigest())
+                      digest=digest.result().hexdigest())
     classes = [categories[c]["name"] for c in sorted(categories)]
     return ImageList(root, classes, [(images_by_id[i], -1) for i in order], ann)
 
@@ -124,7 +127,7 @@ def gc_paused():
 def load_json(file: Path, text: str) -> Dict[str, Any]:
     """The top-level object, with its three lists present."""
     try:
-        data = loads_deferring(text, "segmentation")  # polygons: parsed by the workers
+        data = loads_deferring(text, "segmentation", "annotations")  # polygons: by the workers
     except json.JSONDecodeError as e:
         raise PackerError(f"{file}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); if the "
                           f"file was cut short (an interrupted download), fetch it again") \
@@ -202,8 +205,7 @@ def read_images(file: Path, imgs: List[Any]) -> Tuple[Dict[int, str], List[Dict[
     dropped: List[Dict[str, str]] = []
     bad = set()
     for k, img in enumerate(imgs):
-        iid = need(file, f"images[{k}]", img, "id", is_id, "a non-negative integer")
-        name = need(file, f"images[{k}] (id {iid})", img, "file_name", lambda v: True, "")
+        iid, name = read_image(file, k, img)
         if iid in by_id or iid in bad:
             raise PackerError(f"{file}: image id {iid} appears twice in 'images'; ids must be "
                               f"unique")
@@ -221,19 +223,43 @@ def read_images(file: Path, imgs: List[Any]) -> Tuple[Dict[int, str], List[Dict[
     return by_id, dropped, bad
 
 
+def read_image(file: Path, k: int, img: Any) -> Tuple[int, Any]:
+    """``(id, file_name)`` of ``images[k]``: the common, well-formed record at a glance
+    (``checked_image`` gives the same for it), anything else through ``checked_image``."""
+    if type(img) is dict:
+        iid, name = img.get("id"), img.get("file_name")
+        if type(iid) is int and 0 <= iid <= INT64_MAX and name is not None:
+            return iid, name
+    return checked_image(file, k, img)
+
+
+def checked_image(file: Path, k: int, img: Any) -> Tuple[int, Any]:
+    """``read_image``, each field checked on its own, or a PackerError naming the first
+    problem (the file name is checked by ``read_images``)."""
+    iid = need(file, f"images[{k}]", img, "id", is_id, "a non-negative integer")
+    return iid, need(file, f"images[{k}] (id {iid})", img, "file_name", lambda v: True, "")
+
+
 def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, int, Any]:
     """``(id, category id, bbox, area, iscrowd, segmentation)`` of ``annotations[k]``, its
-    image id checked too (the common, well-formed record at a glance; anything else through
-    the checks that name the problem). ``area`` and the segmentation are checked by
-    ``fit_coco``, in the build's workers."""
+    image id checked too: the common, well-formed record at a glance (``checked_annotation``
+    gives the same for it), anything else through the checks that name the problem."""
     if type(ann) is dict:
         aid, iid, cid = ann.get("id"), ann.get("image_id"), ann.get("category_id")
         bbox, crowd = ann.get("bbox"), ann.get("iscrowd", 0)
         if (type(aid) is int and type(iid) is int and type(cid) is int
-                and 0 <= min(aid, iid, cid) and max(aid, iid, cid) <= INT64_MAX
-                and type(bbox) is list and len(bbox) == 4 and set(map(type, bbox)) <= NUMBER_TYPES
-                and (crowd == 0 or crowd == 1) and type(crowd) is int):
+                and 0 <= aid | iid | cid <= INT64_MAX  # all in range: no min() or max() call
+                and type(bbox) is list and len(bbox) == 4 and type(bbox[0]) in NUMBER_TYPES
+                and type(bbox[1]) in NUMBER_TYPES and type(bbox[2]) in NUMBER_TYPES
+                and type(bbox[3]) in NUMBER_TYPES and (crowd == 0 or crowd == 1)
+                and type(crowd) is int):
             return aid, cid, bbox, ann.get("area"), crowd, ann.get("segmentation", [])
+    return checked_annotation(file, k, ann)
+
+
+def checked_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, int, Any]:
+    """``read_annotation``, each field checked on its own, or a PackerError naming the first
+    problem. ``area`` and the segmentation are checked by ``fit_coco``, in the workers."""
     aid = need(file, f"annotations[{k}]", ann, "id", is_id, "a non-negative integer")
     where = f"annotations[{k}] (id {aid})"
     need(file, where, ann, "image_id", is_id, "a non-negative integer")

@@ -1,14 +1,18 @@
 """COCO instances JSON: entries, schema, fitted targets, and every bad input's outcome."""
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
+import threading
+from pathlib import Path
 
 import pytest
 
 from packer.errors import PackerError
 from packer.fields import CheckedData, data_problem, encode
-from packer.sources.coco import coco_schema, fit_coco, plain_polygons, read_coco
+from packer.sources.coco import (checked_annotation, checked_image, coco_schema, fit_coco,
+                                 plain_polygons, read_annotation, read_coco, read_image)
 from packer.sources.lazyjson import Deferred
 
 RLE = {"counts": "0`0Q0", "size": [40, 60]}
@@ -201,6 +205,18 @@ def test_ambiguous_or_malformed_json_is_an_error(tmp_path, change, message):
     assert "instances.json" in str(e.value)
 
 
+def test_the_digest_is_the_files_sha256_and_a_failed_read_leaves_no_thread(tmp_path):
+    """The file is hashed in a thread while it is parsed; an error while parsing still
+    reaches the caller, after the thread is done."""
+    img, path = write(tmp_path, coco())
+    assert read_coco(img, path).annotations.digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    threads = threading.active_count()
+    path.write_text('{"images": [', encoding="utf-8")
+    with pytest.raises(PackerError, match="not valid JSON"):
+        read_coco(img, path)
+    assert threading.active_count() == threads
+
+
 def test_truncated_json_names_line_and_column(tmp_path):
     text = json.dumps(coco(), indent=1)
     with pytest.raises(PackerError, match=r"instances\.json:\d+:\d+: not valid JSON") as e:
@@ -269,6 +285,51 @@ def test_a_broken_polygon_stops_the_build_as_broken_json_does(tmp_path, broken):
     ann = read(tmp_path, cut).annotations  # the rest parses: the polygon is left as text
     with pytest.raises(PackerError, match="annotation 11's 'segmentation' is not valid JSON"):
         ann.fit(ann.rows[0], 60, 40)
+
+
+def annotation_variants():
+    """An annotation, then each field (one, or the three ids together) at the edges of what
+    ``read_annotation``'s quick check takes, and a few records that are not objects: the
+    quick check must give what the field-by-field checks give, or leave it to them."""
+    base = {"id": 5, "image_id": 2, "category_id": 3, "bbox": [1, 2.5, 3, 4], "area": 1,
+            "iscrowd": 0, "segmentation": POLY}
+    yield base
+    ids = [0, 2 ** 62, 2 ** 63 - 1, 2 ** 63, -1, -2 ** 63, True, 1.0, "5", None]
+    values = {"id": ids, "image_id": ids, "category_id": ids,
+              "bbox": [[1.0, 2, 3, 4], [True, 1, 1, 1], ["1", 1, 1, 1], [None, 1, 1, 1],
+                       [1, True, 1, 1], [1, 1, "1", 1], [1, 1, 1, None], [1, 1, 1, False],
+                       [1, 2, 3], [1, 2, 3, 4, 5], {"x": 1}, "1,2,3,4", [float("nan")] * 4],
+              "iscrowd": [1, True, False, 1.0, 0.0, 2, -1, None, "1"]}
+    for key, options in values.items():
+        for v in options:
+            yield dict(base, **{key: v})
+        yield {k: v for k, v in base.items() if k != key}
+    for a, b, c in [(-1, 2 ** 63 - 1, 0), (2 ** 63, 0, 0), (0, 0, 2 ** 64), (2 ** 62, 2 ** 62, 1)]:
+        yield dict(base, id=a, image_id=b, category_id=c)
+    yield from ([base], "x", None, {})
+
+
+def outcome(read, record) -> str:
+    """What ``read`` gives for ``record`` (types too, so 1 and True differ) or its error."""
+    try:
+        return repr(read(Path("x.json"), 3, record))
+    except PackerError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("ann", list(annotation_variants()))
+def test_the_quick_annotation_check_agrees_with_the_full_one(ann):
+    assert outcome(read_annotation, ann) == outcome(checked_annotation, ann)
+
+
+IDS = [7, 0, 2 ** 63 - 1, 2 ** 63, -1, True, 7.0, "7", None]
+NAMES = ["a.jpg", "", None, 5, ["a.jpg"], "../a.jpg"]
+
+
+@pytest.mark.parametrize("img", [{"id": i, "file_name": n} for i in IDS for n in NAMES]
+                         + [{"id": 7}, {"file_name": "a.jpg"}, {}, [7, "a.jpg"], "a.jpg", None])
+def test_the_quick_image_check_agrees_with_the_full_one(img):
+    assert outcome(read_image, img) == outcome(checked_image, img)
 
 
 @pytest.mark.parametrize("seg", [[[1.0, float("nan"), 3.0]], [[1, 2, 2 ** 63]],

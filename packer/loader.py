@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate, get_worker_info
 
 from ._system import usable_cores
-from .epochs import EpochBatches, EpochLoader
+from .epochs import EpochBatches, EpochLoader, StampedCollate, StampedDataset, unordered
 from .sampler import PackedSampler
 from .sharedbatch import BatchPool, SharedBatch, shared_empty
 
@@ -198,9 +198,11 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
         collate_fn = default_collate_for(dataset, channels_last)
     if across_epochs and isinstance(sampler, PackedSampler) and num_workers and not stateful:
         batches = EpochBatches(sampler, batch_size, drop_last)
-        loader = EpochLoader(DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
-                                        collate_fn=collate_fn, pin_memory=pin_memory,
-                                        persistent_workers=persistent_workers, **kwargs), batches)
+        stream = DataLoader(StampedDataset(dataset), batch_sampler=batches,
+                            num_workers=num_workers, collate_fn=StampedCollate(collate_fn),
+                            pin_memory=pin_memory, persistent_workers=persistent_workers,
+                            **{**unordered(), **kwargs})
+        loader = EpochLoader(stream, batches)
     else:
         loader = _loader_class(stateful)(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -239,7 +241,7 @@ def watch_worker_starts(loader) -> None:
 def renew_pool(loader):
     """``loader``, its ``PooledCollate`` given a new ``BatchPool`` for the workers it is
     about to fork (none where they will not be forked: a spawned worker gets no pool)."""
-    collate = loader.collate_fn
+    collate = getattr(loader.collate_fn, "collate", loader.collate_fn)  # inside a StampedCollate
     if isinstance(collate, PooledCollate) and loader.num_workers > 0:
         ctx = loader.multiprocessing_context or mp.get_context()
         forked = ctx.get_start_method() == "fork"

@@ -105,3 +105,39 @@ def test_next_epochs_first_batches_are_loaded_before_this_epoch_ends(tmp_path):
     assert all(when[i] < end_of_epoch0 + 0.3 for i in first)
     assert sum(1 for i, t in loads if float(t) < end_of_epoch0) > 32  # beyond epoch 0's 32
     assert os.getpid()
+
+
+class OneSlowWorker(Dataset):
+    """Sample i: (image-shaped zeros, i, the id of the worker that loaded it); worker 0
+    takes ``delay`` seconds per sample, the others none (a worker sharing its core)."""
+
+    def __init__(self, n: int, delay: float):
+        self.n, self.delay = n, delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        worker = torch.utils.data.get_worker_info().id
+        if worker == 0:
+            time.sleep(self.delay)
+        return torch.zeros(3, 2, 2, dtype=torch.uint8), i, worker
+
+
+@pytest.mark.skipif("in_order" not in __import__("inspect").signature(DataLoader).parameters,
+                    reason="DataLoader(in_order=) needs torch >= 2.6")
+def test_a_slow_worker_gets_fewer_batches_and_they_still_come_in_order():
+    """In order, DataLoader gives batch k to worker k mod W, so every worker waits for the
+    slowest; here the batches go to the workers with room and come back in the sampler's
+    order all the same, epoch after epoch."""
+    ds = OneSlowWorker(240, delay=0.01)
+    sampler = PackedSampler(ds, shuffle=False)
+    loader = make_loader(ds, 4, sampler=sampler, num_workers=2, pin_memory=False)
+    made_by = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        seen = [(y.tolist(), w.tolist()) for _, y, w in loader]
+        assert [i for y, _ in seen for i in y] == list(range(240))
+        made_by += [w[0] for _, w in seen]
+    slow_share = made_by.count(0) / len(made_by)
+    assert slow_share < 0.3, f"the slow worker made {slow_share:.0%} of the batches (1/2 in turn)"

@@ -6,12 +6,13 @@ One core's rate is the dataset's own ``ds[i]`` (read, unpack, decode + crop, tar
 plain loop, over the same samples the loader reads, measured two ways: alone in this process
 on an otherwise idle machine, and in W processes at once (``allcores``: the rate a core has
 when every worker's core is busy, which is what a loader with no overhead would reach). The
-loader reads the samples through ``make_loader`` (its default collate, no pinning, a fixed
-order) after its first wave of batches; and once more with each batch in a fresh shared
-block (``collate_uint8`` itself, without the reused slots of ``sharedbatch.BatchPool``), the
-way it crossed before, as a baseline for what the pool gains. The four alternate round by
-round, so drift in the machine's speed touches all; the median of the rounds' ratios is
-reported.
+loader reads the samples through ``make_loader`` as training does (a ``PackedSampler``, here
+in a fixed order; its default collate; no pinning) after its first wave of batches. Two
+baselines show what issue 16's changes gain, in the same run: each batch in a fresh shared
+block (``collate_uint8`` itself, without the reused slots of ``sharedbatch.BatchPool``), and
+batches handed to the workers in turn (``in_order=True``, not to whichever has room:
+``packer.epochs``). All alternate round by round, so drift in the machine's speed touches
+all; the median of the rounds' ratios is reported.
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ from .._system import usable_cores
 from .allcores import median_rate_on_all_cores
 from ..dataset import PackedDataset
 from ..decode import DecodeRandomResizedCrop
+from ..epochs import unordered
 from ..loader import collate_uint8, make_loader
+from ..sampler import PackedSampler
 
 GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
 MIN_BATCHES_PER_WORKER = 8  # a loader run long enough that its start-up wave is a small part
@@ -88,12 +91,13 @@ def steady_rate(batches: Iterable, workers: int) -> float:
 
 def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int,
                        **kwargs) -> float:
-    """``steady_rate`` of ``make_loader`` over ``indices`` (a fixed order, no pinning; kwargs
-    passed on). Give it many batches per worker (``bench_efficiency`` takes at least
-    ``MIN_BATCHES_PER_WORKER``)."""
-    return steady_rate(make_loader(Subset(ds, indices), batch_size, num_workers=workers,
-                                   shuffle=False, pin_memory=False, persistent_workers=False,
-                                   **kwargs), workers)
+    """``steady_rate`` of ``make_loader`` over ``indices`` (a ``PackedSampler`` in a fixed
+    order, no pinning; kwargs passed on). Give it many batches per worker
+    (``bench_efficiency`` takes at least ``MIN_BATCHES_PER_WORKER``)."""
+    part = Subset(ds, indices)
+    return steady_rate(make_loader(part, batch_size, sampler=PackedSampler(part, shuffle=False),
+                                   num_workers=workers, pin_memory=False,
+                                   persistent_workers=False, **kwargs), workers)
 
 
 def efficiency_round(ds, indices: List[int], batch_size: int, workers: int):
@@ -106,11 +110,14 @@ def efficiency_round(ds, indices: List[int], batch_size: int, workers: int):
     return core, loaded, steady_loader_rate(ds, indices, batch_size, workers)
 
 
-def fresh_block_rate(ds, indices: List[int], batch_size: int, workers: int) -> float:
-    """``steady_loader_rate`` with each batch in a fresh shared block (``collate_uint8``
-    itself, no pool): how batches crossed before ``BatchPool``."""
-    return steady_loader_rate(ds, indices, batch_size, workers,
-                              collate_fn=functools.partial(collate_uint8))
+def baselines() -> Dict[str, dict]:
+    """``make_loader`` keywords undoing one of issue 16's loader changes each: ``fresh``, a
+    fresh shared block per batch (``collate_uint8`` itself, no ``BatchPool``); ``in_order``,
+    batches given to the workers in turn (torch >= 2.6 only)."""
+    out = {"fresh": {"collate_fn": functools.partial(collate_uint8)}}
+    if unordered():
+        out["in_order"] = {"in_order": True}
+    return out
 
 
 def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,
@@ -124,21 +131,22 @@ def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 6
     ds = PackedDataset(root, decode=DecodeRandomResizedCrop(size))
     n = max(samples, MIN_BATCHES_PER_WORKER * max(1, workers) * batch_size)
     indices = [i % len(ds) for i in range(n)]
-    out: Dict[str, List[float]] = {k: [] for k in (
-        "core", "core_loaded", "loader", "fresh", "efficiency", "efficiency_loaded",
-        "pool_gain")}
+    out: Dict[str, List[float]] = {k: [] for k in ("core", "core_loaded", "loader", "efficiency",
+                                                    "efficiency_loaded")}
     for r in range(rounds):
         core, loaded, loader = efficiency_round(ds, indices, batch_size, workers)
-        fresh = fresh_block_rate(ds, indices, batch_size, workers)
         for k, v in (("core", core), ("core_loaded", loaded), ("loader", loader),
-                     ("fresh", fresh), ("efficiency", loader / (workers * core)),
-                     ("efficiency_loaded", loader / (workers * loaded)),
-                     ("pool_gain", loader / fresh)):
+                     ("efficiency", loader / (workers * core)),
+                     ("efficiency_loaded", loader / (workers * loaded))):
             out[k].append(v)
+        for name, kwargs in baselines().items():
+            rate = steady_loader_rate(ds, indices, batch_size, workers, **kwargs)
+            out.setdefault(name, []).append(rate)
+            out.setdefault(name + "_gain", []).append(loader / rate)
         log(f"round {r + 1}/{rounds}: one core {core:,.0f}/s alone, {loaded:,.0f}/s with "
             f"{workers} busy; loader with {workers} workers {loader:,.0f}/s: efficiency "
-            f"{out['efficiency'][-1]:.3f} (vs all cores busy: {out['efficiency_loaded'][-1]:.3f});"
-            f" a fresh block per batch {fresh:,.0f}/s")
+            f"{out['efficiency'][-1]:.3f} (vs all cores busy: {out['efficiency_loaded'][-1]:.3f})"
+            + "".join(f"; {name} {out[name][-1]:,.0f}/s" for name in baselines()))
     return out
 
 
@@ -158,7 +166,20 @@ def efficiency_table(res: Dict[str, List[float]], workers: int) -> str:
         f"| efficiency vs all cores busy = loader / ({workers} x one core while {workers} run) "
         f"| {med['efficiency_loaded']:.3f} | {min(res['efficiency_loaded']):.3f}-"
         f"{max(res['efficiency_loaded']):.3f} |",
-        f"| `make_loader`, a fresh shared block per batch (no pool; images/s) | "
-        f"{med['fresh']:,.0f} | {min(res['fresh']):,.0f}-{max(res['fresh']):,.0f} |",
-        f"| pool gain = loader / fresh-block loader | {med['pool_gain']:.3f} | "
-        f"{min(res['pool_gain']):.3f}-{max(res['pool_gain']):.3f} |"])
+        *baseline_rows(res, med)])
+
+
+BASELINE_NAMES = {"fresh": "a fresh shared block per batch (no pool)",
+                  "in_order": "batches to the workers in turn (`in_order=True`)"}
+
+
+def baseline_rows(res: Dict[str, List[float]], med: Dict[str, float]) -> List[str]:
+    rows = []
+    for name, what in BASELINE_NAMES.items():
+        if name in res:
+            g = res[name + "_gain"]
+            rows += [f"| `make_loader`, {what} (images/s) | {med[name]:,.0f} | "
+                     f"{min(res[name]):,.0f}-{max(res[name]):,.0f} |",
+                     f"| gain = loader / that | {med[name + '_gain']:.3f} | "
+                     f"{min(g):.3f}-{max(g):.3f} |"]
+    return rows

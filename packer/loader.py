@@ -198,11 +198,10 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
         collate_fn = default_collate_for(dataset, channels_last)
     if across_epochs and isinstance(sampler, PackedSampler) and num_workers and not stateful:
         batches = EpochBatches(sampler, batch_size, drop_last)
-        stream = DataLoader(StampedDataset(dataset), batch_sampler=batches,
-                            num_workers=num_workers, collate_fn=StampedCollate(collate_fn),
-                            pin_memory=pin_memory, persistent_workers=persistent_workers,
-                            **{**unordered(), **kwargs})
-        loader = EpochLoader(stream, batches)
+        loader = EpochLoader(DataLoader(
+            StampedDataset(dataset), batch_sampler=batches, num_workers=num_workers,
+            collate_fn=StampedCollate(collate_fn), pin_memory=pin_memory,
+            persistent_workers=persistent_workers, **{**unordered(), **kwargs}), batches)
     else:
         loader = _loader_class(stateful)(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import resource
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from torch.utils.data import Subset
 
@@ -35,7 +36,8 @@ from ..loader import collate_uint8, make_loader
 from ..sampler import PackedSampler
 
 GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
-MIN_BATCHES_PER_WORKER = 8  # a loader run long enough that its start-up wave is a small part
+MIN_BATCHES_PER_WORKER = 32  # long enough for a steady state: with 8, 16 workers ran ~1.5 s and
+# rounds spread 0.82-0.96 (docs/benchmarks.md, issue 16, fourth session)
 
 
 @contextlib.contextmanager
@@ -94,20 +96,39 @@ def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int,
     """``steady_rate`` of ``make_loader`` over ``indices`` (a ``PackedSampler`` in a fixed
     order, no pinning; kwargs passed on). Give it many batches per worker
     (``bench_efficiency`` takes at least ``MIN_BATCHES_PER_WORKER``)."""
+    return loader_rates(ds, indices, batch_size, workers, **kwargs)[0]
+
+
+def loader_rates(ds, indices: List[int], batch_size: int, workers: int,
+                 **kwargs) -> Tuple[float, float]:
+    """``(steady_loader_rate, main-process CPU in cores over the whole run)``: the CPU a
+    training loop that also drives the GPU gives to the loader."""
     part = Subset(ds, indices)
-    return steady_rate(make_loader(part, batch_size, sampler=PackedSampler(part, shuffle=False),
+    cpu, t0 = process_cpu(), time.perf_counter()
+    rate = steady_rate(make_loader(part, batch_size, sampler=PackedSampler(part, shuffle=False),
                                    num_workers=workers, pin_memory=False,
                                    persistent_workers=False, **kwargs), workers)
+    return rate, (process_cpu() - cpu) / (time.perf_counter() - t0)
+
+
+def process_cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def efficiency_round(ds, indices: List[int], batch_size: int, workers: int):
-    """One round's ``(core, core_loaded, loader)`` images/s: a ``ds[i]`` loop over one
-    worker's share of ``indices`` alone, the same loop in ``workers`` processes at once, and
+    """One round's ``(core, core_loaded, loader)`` images/s: ``core_rates`` and
     ``make_loader`` over all of ``indices`` (``steady_loader_rate``)."""
+    return (*core_rates(ds, indices, workers), steady_loader_rate(ds, indices, batch_size,
+                                                                  workers))
+
+
+def core_rates(ds, indices: List[int], workers: int) -> Tuple[float, float]:
+    """A ``ds[i]`` loop over one worker's share of ``indices`` alone, and the same loop in
+    ``workers`` processes at once (images/s of one of them)."""
     w = max(1, workers)
     core = one_core_rate(ds, indices[::w])
-    loaded = median_rate_on_all_cores(lambda share: one_core_rate(ds, share), indices, w)
-    return core, loaded, steady_loader_rate(ds, indices, batch_size, workers)
+    return core, median_rate_on_all_cores(lambda share: one_core_rate(ds, share), indices, w)
 
 
 def baselines() -> Dict[str, dict]:
@@ -132,17 +153,20 @@ def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 6
     n = max(samples, MIN_BATCHES_PER_WORKER * max(1, workers) * batch_size)
     indices = [i % len(ds) for i in range(n)]
     out: Dict[str, List[float]] = {k: [] for k in ("core", "core_loaded", "loader", "efficiency",
-                                                    "efficiency_loaded")}
+                                                    "efficiency_loaded", "loader_main_cores")}
     for r in range(rounds):
-        core, loaded, loader = efficiency_round(ds, indices, batch_size, workers)
+        core, loaded = core_rates(ds, indices, workers)
+        loader, cores = loader_rates(ds, indices, batch_size, workers)
         for k, v in (("core", core), ("core_loaded", loaded), ("loader", loader),
                      ("efficiency", loader / (workers * core)),
-                     ("efficiency_loaded", loader / (workers * loaded))):
+                     ("efficiency_loaded", loader / (workers * loaded)),
+                     ("loader_main_cores", cores)):
             out[k].append(v)
         for name, kwargs in baselines().items():
-            rate = steady_loader_rate(ds, indices, batch_size, workers, **kwargs)
+            rate, cores = loader_rates(ds, indices, batch_size, workers, **kwargs)
             out.setdefault(name, []).append(rate)
             out.setdefault(name + "_gain", []).append(loader / rate)
+            out.setdefault(name + "_main_cores", []).append(cores)
         log(f"round {r + 1}/{rounds}: one core {core:,.0f}/s alone, {loaded:,.0f}/s with "
             f"{workers} busy; loader with {workers} workers {loader:,.0f}/s: efficiency "
             f"{out['efficiency'][-1]:.3f} (vs all cores busy: {out['efficiency_loaded'][-1]:.3f})"
@@ -166,6 +190,8 @@ def efficiency_table(res: Dict[str, List[float]], workers: int) -> str:
         f"| efficiency vs all cores busy = loader / ({workers} x one core while {workers} run) "
         f"| {med['efficiency_loaded']:.3f} | {min(res['efficiency_loaded']):.3f}-"
         f"{max(res['efficiency_loaded']):.3f} |",
+        f"| main-process CPU while `make_loader` runs (cores) | {med['loader_main_cores']:.2f} | "
+        f"{min(res['loader_main_cores']):.2f}-{max(res['loader_main_cores']):.2f} |",
         *baseline_rows(res, med)])
 
 
@@ -178,8 +204,11 @@ def baseline_rows(res: Dict[str, List[float]], med: Dict[str, float]) -> List[st
     for name, what in BASELINE_NAMES.items():
         if name in res:
             g = res[name + "_gain"]
+            c = res[name + "_main_cores"]
             rows += [f"| `make_loader`, {what} (images/s) | {med[name]:,.0f} | "
                      f"{min(res[name]):,.0f}-{max(res[name]):,.0f} |",
                      f"| gain = loader / that | {med[name + '_gain']:.3f} | "
-                     f"{min(g):.3f}-{max(g):.3f} |"]
+                     f"{min(g):.3f}-{max(g):.3f} |",
+                     f"| its main-process CPU (cores) | {med[name + '_main_cores']:.2f} | "
+                     f"{min(c):.2f}-{max(c):.2f} |"]
     return rows

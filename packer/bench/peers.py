@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..dataset import PackedDataset
 from ..decode import DecodeRandomResizedCrop
 from ..loader import make_loader
+from ..sampler import PackedSampler
 from .efficiency import steady_rate
 
 __all__ = ["PEERS", "bench_peers", "peers_table"]
@@ -184,6 +185,13 @@ def _installed(module: str) -> Optional[str]:
         return f"not installed ({e})"
 
 
+def packer_loader(ds: PackedDataset, batch_size: int, workers: int):
+    """packer's training path: ``make_loader`` over a ``PackedSampler`` (random order, an
+    ``EpochLoader`` with workers)."""
+    return make_loader(ds, batch_size, sampler=PackedSampler(ds), num_workers=workers,
+                       pin_memory=False, persistent_workers=False)
+
+
 def bench_peers(root: os.PathLike, tmp: Path, *, workers: int, batch_size: int = 64,
                 rounds: int = 5, size: int = 224,
                 log: Callable[[str], None] = print) -> dict:
@@ -194,10 +202,8 @@ def bench_peers(root: os.PathLike, tmp: Path, *, workers: int, batch_size: int =
     ds = PackedDataset(root, decode=decode)
     items = [(ds.load(i)["image"], int(ds.target(i))) for i in range(len(ds))]
     ds.reader.close()
-    loaders: Dict[str, Callable[[], Iterable]] = {
-        PACKER: lambda: make_loader(PackedDataset(root, decode=decode), batch_size,
-                                    num_workers=workers, pin_memory=False,
-                                    persistent_workers=False)}
+    loaders: Dict[str, Callable[[], Iterable]] = {PACKER: lambda: packer_loader(
+        PackedDataset(root, decode=decode), batch_size, workers)}
     skipped: Dict[str, str] = {}
     for name, (module, write, loader) in PEERS.items():
         reason = _installed(module)

@@ -72,6 +72,15 @@ class StampedDataset:
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
+    def __setattr__(self, name: str, value) -> None:  # worker_init_fn's info.dataset.x = ...
+        if name == "dataset":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.dataset, name)
+
 
 class StampedCollate:
     """``(seq, collate(samples))``: the batch and its place in the stream."""
@@ -131,6 +140,10 @@ class EpochLoader(LoaderView):
     @property
     def dataset(self):
         return getattr(self.loader.dataset, "dataset", self.loader.dataset)
+
+    @property
+    def collate_fn(self):
+        return getattr(self.loader.collate_fn, "collate", self.loader.collate_fn)
 
     @property
     def sampler(self) -> PackedSampler:

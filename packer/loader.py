@@ -192,11 +192,11 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
     _check_decoded(dataset)
     num_workers = _workers(num_workers, prefetch_factor, multiprocessing_context, kwargs)
     persistent_workers = persistent_workers and num_workers > 0
-    if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
+    pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
     if collate_fn is None:
         collate_fn = default_collate_for(dataset, channels_last)
-    if across_epochs and isinstance(sampler, PackedSampler) and num_workers and not stateful:
+    if (across_epochs and isinstance(sampler, PackedSampler) and num_workers and not stateful
+            and not iterable):  # an IterableDataset takes no sampler: DataLoader says so
         batches = EpochBatches(sampler, batch_size, drop_last)
         loader = EpochLoader(DataLoader(
             StampedDataset(dataset), batch_sampler=batches, num_workers=num_workers,
@@ -215,7 +215,8 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
 def watch_worker_starts(loader) -> None:
     """Hook each start of ``loader``'s workers (its worker iterator): a fresh ``BatchPool``
     for a ``PooledCollate`` just before they fork, one per set of workers (a second
-    iterator's workers must not write into the first one's slots), held by the iterator;
+    iterator's workers, or another loader's sharing the collate, must not write into the
+    first one's slots), held by that iterator (``packer_pool``) as long as it lives;
     and an exit hook that shuts them down when the interpreter exits, before
     multiprocessing's exit handler joins them one by one (pytorch#81794: with persistent
     workers and a pin-memory thread under CUDA, docs/loading.md's 8-worker example took 24 s
@@ -230,23 +231,26 @@ def watch_worker_starts(loader) -> None:
     owner = weakref.ref(inner)
 
     def get_iterator():
-        it = start(renew_pool(owner()))
-        it.packer_pool = getattr(owner().collate_fn, "pool", None)  # lives as long as they do
+        loader = owner()
+        pool = renew_pool(loader)
+        it = start(loader)
+        it.packer_pool = pool  # the pool lives as long as the workers that write into it
         atexit.register(_stop_iterator, weakref.ref(it))
         return it
     inner._get_iterator = get_iterator
 
 
-def renew_pool(loader):
-    """``loader``, its ``PooledCollate`` given a new ``BatchPool`` for the workers it is
-    about to fork (none where they will not be forked: a spawned worker gets no pool)."""
+def renew_pool(loader) -> Optional[BatchPool]:
+    """A new ``BatchPool`` for the workers ``loader`` is about to fork, given to its
+    ``PooledCollate`` (None where they will not be forked: a spawned worker gets no pool)."""
     collate = getattr(loader.collate_fn, "collate", loader.collate_fn)  # inside a StampedCollate
-    if isinstance(collate, PooledCollate) and loader.num_workers > 0:
-        ctx = loader.multiprocessing_context or mp.get_context()
-        forked = ctx.get_start_method() == "fork"
-        collate.pool = BatchPool.create(loader.num_workers, loader.prefetch_factor + 2) \
-            if forked else None
-    return loader
+    if not isinstance(collate, PooledCollate) or loader.num_workers == 0:
+        return None
+    ctx = loader.multiprocessing_context or mp.get_context()
+    forked = ctx.get_start_method() == "fork"
+    collate.pool = BatchPool.create(loader.num_workers, loader.prefetch_factor + 2) \
+        if forked else None
+    return collate.pool
 
 
 def _stop_iterator(ref) -> None:

@@ -77,15 +77,19 @@ class BatchPool:
 
     def __init__(self, workers: int, slots: int):
         self.owner, self.slots = os.getpid(), slots
-        self.files = [os.memfd_create(f"packer-batches-{k}") for k in range(workers)]
-        weakref.finalize(self, close_files, list(self.files))
+        self.files: List[int] = []
+        weakref.finalize(self, close_files, self.files)  # also if a later memfd_create fails
+        for k in range(workers):
+            self.files.append(os.memfd_create(f"packer-batches-{k}"))
         self.flags = mmap.mmap(-1, workers * slots)  # shared with the forked workers
         self.token = next(TOKENS)
         POOLS[self.token] = self
         self.maps: Dict[int, mmap.mmap] = {}  # main process: each worker's file, mapped
         self.lock = threading.Lock()  # the pin-memory thread rebuilds batches too
         self.table: List[Tuple[int, int]] = []  # a worker's own slots: (offset, size)
-        self.view: Optional[torch.Tensor] = None  # a worker's own file, as uint8
+        self.mapped: Optional[mmap.mmap] = None  # a worker's own file, mapped whole
+        self.view: Optional[torch.Tensor] = None  # the same, as uint8
+        self.end = 0  # a worker's file size: slots moved on leave holes behind
         self.extra = 0  # the most bytes a batch of this worker added after its images
 
     @classmethod
@@ -106,33 +110,45 @@ class BatchPool:
         ACTIVE.slot = slot = Slot(self, info.id)
         try:
             out = fn(batch)
+        except BaseException:
+            slot.give_back()  # the batch failed: its slot must not stay in use for good
+            raise
         finally:
             ACTIVE.slot = None
         return slot.seal(out)
 
     def claim(self, worker: int, nbytes: int) -> Optional[int]:
         """The smallest free slot of ``worker`` holding ``nbytes`` (a new one while fewer than
-        ``slots`` exist), marked in use; None if every slot is in use."""
-        base, best = worker * self.slots, None
-        for j, (_, size) in enumerate(self.table):
-            if size >= nbytes and self.flags[base + j] == 0 and (
-                    best is None or size < self.table[best][1]):
-                best = j
-        if best is None:
-            if len(self.table) == self.slots:
-                return None
-            best = self.grow(worker, nbytes)
+        ``slots`` exist, else a free one too small moved on to a larger place), marked in
+        use; None if every slot is in use."""
+        base = worker * self.slots
+        free = [j for j in range(len(self.table)) if self.flags[base + j] == 0]
+        fits = [j for j in free if self.table[j][1] >= nbytes]
+        if fits:
+            best = min(fits, key=lambda j: self.table[j][1])
+        elif len(self.table) < self.slots:
+            self.table.append((0, 0))
+            best = self.make_room(worker, len(self.table) - 1, nbytes)
+        elif free:
+            best = self.make_room(worker, free[0], nbytes)
+        else:
+            return None
         self.flags[base + best] = 1
         return best
 
-    def grow(self, worker: int, nbytes: int) -> int:
-        """A new slot at the end of ``worker``'s file."""
-        end = sum(size for _, size in self.table)
+    def make_room(self, worker: int, slot: int, nbytes: int) -> int:
+        """``slot`` (free) given room for ``nbytes`` at the end of ``worker``'s file; its
+        old pages, if any, handed back to the system (a hole in the file)."""
+        start, old = self.table[slot]
+        if old and hasattr(mmap, "MADV_REMOVE"):
+            self.mapped.madvise(mmap.MADV_REMOVE, start, old)
         size = -(-int(nbytes * HEADROOM) // SLOT_STEP) * SLOT_STEP
-        os.ftruncate(self.files[worker], end + size)
-        self.view = torch.frombuffer(mmap.mmap(self.files[worker], end + size), dtype=torch.uint8)
-        self.table.append((end, size))
-        return len(self.table) - 1
+        os.ftruncate(self.files[worker], self.end + size)
+        self.mapped = mmap.mmap(self.files[worker], self.end + size)
+        self.view = torch.frombuffer(self.mapped, dtype=torch.uint8)
+        self.table[slot] = (self.end, size)
+        self.end += size
+        return slot
 
     def release(self, worker: int, slot: int) -> None:
         self.flags[worker * self.slots + slot] = 0

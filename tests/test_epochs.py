@@ -141,3 +141,43 @@ def test_a_slow_worker_gets_fewer_batches_and_they_still_come_in_order():
         made_by += [w[0] for _, w in seen]
     slow_share = made_by.count(0) / len(made_by)
     assert slow_share < 0.3, f"the slow worker made {slow_share:.0%} of the batches (1/2 in turn)"
+
+
+class Opened(Dataset):
+    """Labels come from ``offset``, which a ``worker_init_fn`` sets in each worker (the way
+    datasets open handles per worker)."""
+
+    def __init__(self, n: int):
+        self.n, self.offset = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.zeros(3, 2, 2, dtype=torch.uint8), self.offset + i
+
+
+def open_in_worker(_):
+    torch.utils.data.get_worker_info().dataset.offset = 1000
+
+
+def test_worker_init_fn_reaches_the_dataset_through_the_epoch_stream():
+    """``get_worker_info().dataset`` is the stream's wrapper; what a ``worker_init_fn`` sets
+    on it must land on the caller's dataset, as with a plain DataLoader."""
+    ds = Opened(8)
+    loader = make_loader(ds, 4, sampler=PackedSampler(ds, shuffle=False), num_workers=1,
+                         worker_init_fn=open_in_worker, pin_memory=False)
+    assert isinstance(loader, EpochLoader) and loader.dataset is ds
+    assert [y.tolist() for _, y in loader] == [[1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007]]
+
+
+def test_an_iterable_dataset_with_a_packed_sampler_is_refused_when_made():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+        def __len__(self):
+            return 4
+
+    with pytest.raises(ValueError, match="IterableDataset"):
+        make_loader(Stream(), 2, sampler=PackedSampler(range(4)), num_workers=1)

@@ -1,5 +1,6 @@
 """A detection batch crosses from a worker to the main process as one shared block per part
 (``packer.sharedbatch``), and reads back exactly as the worker made it."""
+import os
 import pickle
 
 import pytest
@@ -11,7 +12,8 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
 from packer import PackedDataset, build, make_loader
 from packer.decode import DecodeLetterbox
 from packer.demo.scenes import make_detection_folder
-from packer.loader import PooledCollate, collate_detection
+from packer import PackedSampler
+from packer.loader import PooledCollate, collate_detection, default_collate_for
 from packer.sharedbatch import BatchPool, SharedBatch
 
 tv_tensors = pytest.importorskip("torchvision.tv_tensors")
@@ -126,7 +128,7 @@ def check_batch(images, targets, first):
         assert t["x"].eq(first + k).all()
 
 
-linux_only = pytest.mark.skipif(not hasattr(__import__("os"), "memfd_create"),
+linux_only = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="BatchPool needs memfd_create (Linux)")
 
 
@@ -200,3 +202,96 @@ def test_spawned_workers_collate_without_a_pool():
     for k, (images, targets) in enumerate(loader):
         check_batch(images, targets, k * 4)
         assert not mapping_name(images.data_ptr()).startswith("/memfd:packer-batches")
+
+
+def in_pool(t) -> bool:
+    return mapping_name(t.data_ptr()).startswith("/memfd:packer-batches")
+
+
+class Images(torch.utils.data.Dataset):
+    """Sample i: a 3 x side x side uint8 image filled with i % 251 and label i; a label of
+    None (which no collate takes) for the indices in ``bad``."""
+
+    def __init__(self, n, bad=(), side=64):
+        self.n, self.bad, self.side = n, set(bad), side
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        image = torch.full((3, self.side, self.side), i % 251, dtype=torch.uint8)
+        return image, None if i in self.bad else i
+
+
+@linux_only
+def test_batches_that_grow_after_every_slot_exists_move_to_larger_slots():
+    """Once a worker has all its slots, a batch larger than each of them takes a free one
+    to a larger place in its file (the old pages handed back): 16-image batches after
+    4-image ones are pooled, not handed over fresh for good."""
+    sizes = [4] * 24 + [16] * 24
+    batches, at = [], 0
+    for n in sizes:
+        batches.append(list(range(at, at + n)))
+        at += n
+    loader = make_loader(Images(at, side=224), None, batch_sampler=batches, num_workers=1,
+                         prefetch_factor=2, pin_memory=False)  # 0.6 MB batches, then 2.4 MB
+    it = iter(loader)
+    held = [next(it) for _ in range(4)]  # every slot made and in use at once
+    del held
+    out = [(in_pool(x), y.tolist()) for x, y in it]
+    assert [y for _, y in out] == batches[4:]
+    assert all(p for p, _ in out[-20:]), [p for p, _ in out]
+
+
+@linux_only
+def test_a_batch_whose_collate_fails_gives_its_slot_back():
+    """A collate that raises after the images were written (here: a label of None) must
+    free the slot; before, each failure kept one for good, and after ``prefetch_factor + 2``
+    of them the worker never used its pool again."""
+    bad = set(range(0, 40, 4))  # one bad sample in each of the first ten batches
+    loader = make_loader(Images(80, bad=bad), 4, num_workers=1, shuffle=False,
+                         prefetch_factor=2, pin_memory=False, persistent_workers=True)
+    it, pooled = iter(loader), []
+    for _ in range(20):
+        try:
+            x, _ = next(it)
+        except TypeError:
+            continue
+        pooled.append(in_pool(x))
+    assert pooled == [True] * 10
+
+
+@linux_only
+def test_loaders_sharing_one_collate_each_keep_their_own_pool():
+    """Two loaders built with the same collate object (e.g. train and validation): the
+    second one's workers get a new pool, and the first one's batches still arrive, from its
+    own (its iterator holds it)."""
+    ds = Images(64)
+    collate = default_collate_for(ds)
+    train = make_loader(ds, 4, sampler=PackedSampler(ds, shuffle=False), num_workers=1,
+                        collate_fn=collate, pin_memory=False)
+    val = make_loader(ds, 4, shuffle=False, num_workers=1, collate_fn=collate,
+                      pin_memory=False)
+    for epoch in range(2):
+        train.set_epoch(epoch)
+        got = [y.tolist() for _, y in train]
+        assert [i for y in got for i in y] == list(range(64))
+        assert [i for _, y in val for i in y.tolist()] == list(range(64))
+
+
+@linux_only
+def test_a_pool_that_cannot_be_made_leaves_no_file_open():
+    """Out of file descriptors halfway through: no pool, and the files already made are
+    closed (they were left open)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (before + 3, hard))
+    try:
+        pool = BatchPool.create(8, 4)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert pool is None
+    import gc
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before

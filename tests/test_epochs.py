@@ -168,6 +168,7 @@ def test_worker_init_fn_reaches_the_dataset_through_the_epoch_stream():
     loader = make_loader(ds, 4, sampler=PackedSampler(ds, shuffle=False), num_workers=1,
                          worker_init_fn=open_in_worker, pin_memory=False)
     assert isinstance(loader, EpochLoader) and loader.dataset is ds
+    assert loader.collate_fn.func.__name__ == "collate_uint8"  # the caller's, not the stream's
     assert [y.tolist() for _, y in loader] == [[1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007]]
 
 

@@ -124,28 +124,33 @@ class BatchPool:
         base = worker * self.slots
         free = [j for j in range(len(self.table)) if self.flags[base + j] == 0]
         fits = [j for j in free if self.table[j][1] >= nbytes]
-        if fits:
-            best = min(fits, key=lambda j: self.table[j][1])
-        elif len(self.table) < self.slots:
-            self.table.append((0, 0))
-            best = self.make_room(worker, len(self.table) - 1, nbytes)
-        elif free:
-            best = self.make_room(worker, free[0], nbytes)
-        else:
+        try:
+            if fits:
+                best = min(fits, key=lambda j: self.table[j][1])
+            elif len(self.table) < self.slots:
+                best = self.make_room(worker, len(self.table), nbytes)
+            elif free:
+                best = self.make_room(worker, free[0], nbytes)
+            else:
+                return None
+        except OSError:  # no memory for a larger file: this batch goes the fresh way
             return None
         self.flags[base + best] = 1
         return best
 
     def make_room(self, worker: int, slot: int, nbytes: int) -> int:
-        """``slot`` (free) given room for ``nbytes`` at the end of ``worker``'s file; its
-        old pages, if any, handed back to the system (a hole in the file)."""
-        start, old = self.table[slot]
-        if old and hasattr(mmap, "MADV_REMOVE"):
-            self.mapped.madvise(mmap.MADV_REMOVE, start, old)
+        """``slot`` (free, or the next new one) given room for ``nbytes`` at the end of
+        ``worker``'s file; its old pages, if any, handed back to the system (a hole in the
+        file). Nothing changes if the file cannot grow (OSError)."""
         size = -(-int(nbytes * HEADROOM) // SLOT_STEP) * SLOT_STEP
         os.ftruncate(self.files[worker], self.end + size)
-        self.mapped = mmap.mmap(self.files[worker], self.end + size)
+        self.mapped, old = mmap.mmap(self.files[worker], self.end + size), self.mapped
         self.view = torch.frombuffer(self.mapped, dtype=torch.uint8)
+        if slot == len(self.table):
+            self.table.append((0, 0))
+        start, length = self.table[slot]
+        if length and hasattr(mmap, "MADV_REMOVE"):
+            old.madvise(mmap.MADV_REMOVE, start, length)
         self.table[slot] = (self.end, size)
         self.end += size
         return slot

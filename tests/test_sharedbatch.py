@@ -306,3 +306,23 @@ def test_a_pool_that_cannot_be_made_leaves_no_file_open():
     assert pool is None
     gc.collect()
     assert pool_files() == had
+
+
+@linux_only
+def test_a_slot_that_cannot_grow_leaves_the_pool_as_it_was(monkeypatch):
+    """No memory for a larger file (ENOSPC from ftruncate): the batch is told to go the
+    fresh way, and the worker's slots stay usable as they were."""
+    import errno
+    pool = BatchPool.create(1, 2)
+    first = pool.claim(0, 1000)
+    assert first == 0 and pool.table == [(0, 1 << 20)]
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, "no space")
+    with monkeypatch.context() as m:
+        m.setattr(os, "ftruncate", full)
+        assert pool.claim(0, 5 << 20) is None  # a new, larger slot cannot be made
+        pool.release(0, 0)
+        assert pool.claim(0, 5 << 20) is None  # nor can slot 0 move to a larger place
+    assert pool.table == [(0, 1 << 20)] and pool.end == 1 << 20
+    assert pool.claim(0, 1000) == 0  # and it still serves batches that fit

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, default_collate, get_worker_info
 from ._system import usable_cores
 from .epochs import EpochBatches, EpochLoader, StampedCollate, StampedDataset, unordered
 from .sampler import PackedSampler
-from .sharedbatch import BatchPool, SharedBatch, shared_empty
+from .batchpool import BatchPool, shared_empty
+from .sharedbatch import SharedBatch
 
 try:  # the extensible collate (torch >= 2.0); older torch falls back to default_collate
     from torch.utils.data._utils.collate import collate as _collate

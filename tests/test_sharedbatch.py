@@ -1,5 +1,6 @@
-"""A detection batch crosses from a worker to the main process as one shared block per part
-(``packer.sharedbatch``), and reads back exactly as the worker made it."""
+"""A batch crosses from a worker to the main process as one shared block
+(``packer.sharedbatch``), in slots the worker reuses (``packer.batchpool``), and reads back
+exactly as the worker made it."""
 import os
 import pickle
 
@@ -14,7 +15,8 @@ from packer.decode import DecodeLetterbox
 from packer.demo.scenes import make_detection_folder
 from packer import PackedSampler
 from packer.loader import PooledCollate, collate_detection, default_collate_for
-from packer.sharedbatch import BatchPool, SharedBatch
+from packer.batchpool import BatchPool
+from packer.sharedbatch import SharedBatch
 
 tv_tensors = pytest.importorskip("torchvision.tv_tensors")
 
@@ -326,3 +328,75 @@ def test_a_slot_that_cannot_grow_leaves_the_pool_as_it_was(monkeypatch):
         assert pool.claim(0, 5 << 20) is None  # nor can slot 0 move to a larger place
     assert pool.table == [(0, 1 << 20)] and pool.end == 1 << 20
     assert pool.claim(0, 1000) == 0  # and it still serves batches that fit
+
+
+def pool_rss_kb() -> int:
+    """This process's resident memory in pool files (their mappings' Rss, in kB)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                inside = "packer-batches" in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@linux_only
+def test_a_batch_kept_beyond_its_loader_keeps_only_its_own_memory():
+    """When a pool goes, the pages of its files that no kept batch views go back: one batch
+    kept from each of three epochs of fresh workers holds about three batches of memory, not
+    every slot of every worker's file (it held ~4x before), and reads back unchanged."""
+    import gc
+    ds = Images(64, side=224)  # 0.6 MB batches of 4: 1 MiB slots
+    loader = make_loader(ds, 4, num_workers=1, shuffle=False, pin_memory=False,
+                         persistent_workers=False, prefetch_factor=2)
+    kept = []
+    for epoch in range(3):
+        for k, (x, y) in enumerate(loader):
+            int(x.sum())  # every page of every batch read here: mapped in this process
+            if k == epoch:
+                kept.append((x, y))
+    del loader, x, y
+    gc.collect()
+    assert all(in_pool(x) for x, _ in kept)
+    held_kb = sum(x.nbytes + y.nbytes for x, y in kept) / 1024
+    assert pool_rss_kb() <= 1.05 * held_kb + 64, (pool_rss_kb(), held_kb)  # 2x without
+    for epoch, (x, y) in enumerate(kept):
+        assert y.tolist() == [epoch * 4 + j for j in range(4)]
+        for j in range(4):
+            assert x[j].eq((epoch * 4 + j) % 251).all()
+
+
+@linux_only
+def test_when_a_pool_goes_only_the_slots_still_viewed_keep_their_pages():
+    """In-process, on the pool's real file: three lent slots; once the pool goes, the free
+    slot's pages go back at once, a kept one's as soon as it is dropped, and the batch still
+    kept reads back unchanged."""
+    import gc
+    pool = BatchPool.create(1, 4)
+    fd = os.dup(pool.files[0])  # to watch the file's pages after the pool closes its own
+    views = []
+    for k in range(3):
+        slot = pool.claim(0, 600_000)
+        start, _ = pool.table[slot]
+        pool.view[start:start + 600_000].fill_(k + 1)
+        views.append(pool.lend(0, slot, start, 600_000))
+
+    def used_mb():
+        return os.fstat(fd).st_blocks * 512 / 2 ** 20
+
+    try:
+        assert 1.7 < used_mb() < 2.0
+        del views[1]  # freed while the pool lives: the worker would reuse it
+        gc.collect()
+        assert 1.7 < used_mb() < 2.0
+        del pool, slot
+        gc.collect()  # the pool goes: the free slot's pages go back
+        assert 1.1 < used_mb() < 1.3
+        del views[1]  # a kept batch dropped after its pool: its pages go back too
+        gc.collect()
+        assert 0.5 < used_mb() < 0.7
+        assert views[0].eq(1).all()
+    finally:
+        os.close(fd)

@@ -9,7 +9,7 @@ when every worker's core is busy, which is what a loader with no overhead would 
 loader reads the samples through ``make_loader`` as training does (a ``PackedSampler``, here
 in a fixed order; its default collate; no pinning) after its first wave of batches. Two
 baselines show what issue 16's changes gain, in the same run: each batch in a fresh shared
-block (``collate_uint8`` itself, without the reused slots of ``sharedbatch.BatchPool``), and
+block (``collate_uint8`` itself, without the reused slots of ``batchpool.BatchPool``), and
 batches handed to the workers in turn (``in_order=True``, not to whichever has room:
 ``packer.epochs``). All alternate round by round, so drift in the machine's speed touches
 all; the median of the rounds' ratios is reported.

@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils.data import get_worker_info
 
-from .sharedbatch import (ALIGN, Handover, contiguous_strides, fill_tensors, itemsize,
-                          pack_tensors, rebuild_batch, strip_tensors, tensor_layout,
-                          tensors_at, view_of)
+from .sharedbatch import (Handover, aligned, contiguous_strides, fill_tensors, itemsize,
+                          layout_entry, pack_tensors, rebuild_batch, strip_tensors,
+                          tensor_layout, tensors_at, view_of)
 
 __all__ = ["BatchPool", "rebuild_lent", "shared_empty"]
 
@@ -119,8 +119,8 @@ class BatchPool:
         if slot == len(self.table):
             self.table.append((0, 0))
         start, length = self.table[slot]
-        if length and hasattr(mmap, "MADV_REMOVE"):
-            old.madvise(mmap.MADV_REMOVE, start, length)
+        if length:
+            give_pages_back(old, [(start, start + length)])
         self.table[slot] = (self.end, size)
         self.end += size
         return slot
@@ -164,7 +164,7 @@ class Slot:
             if self.index is None:
                 return None
         start, length = self.bounds()
-        at = -(-self.used // ALIGN) * ALIGN
+        at = aligned(self.used)
         if at + nbytes > length:
             return None
         self.used = at + nbytes
@@ -187,17 +187,15 @@ class Slot:
         for t, (at, strides) in zip(tensors, places):
             if strides is None:  # made elsewhere: copied in, contiguous
                 view_of(self.pool.view, start + at, t.dtype, t.shape).copy_(t)
-                strides = contiguous_strides(t.shape)
-            layout.append((at, t.dtype, tuple(t.shape), strides, type(t),
-                           dict(getattr(t, "__dict__", {}))))
+            layout.append(layout_entry(t, at, strides))
         return Handover(rebuild_lent, (self.pool.token, self.worker, self.index, start,
                                        max(self.used, 1), layout, skeleton))
 
     def place(self, tensors: List[torch.Tensor]) -> Optional[List[Tuple[int, Any]]]:
         """Each tensor's ``(offset in the slot, strides)``: strides for those already in it,
         None for those to copy in after them; None if they do not fit (or no slot)."""
-        extra = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors
-                    if not self.holds(t))
+        held = [self.holds(t) for t in tensors]
+        extra = sum(aligned(t.numel() * t.element_size()) for t, h in zip(tensors, held) if not h)
         self.pool.extra = max(self.pool.extra, extra)
         if self.index is None:
             self.index = self.pool.claim(self.worker, extra)
@@ -205,16 +203,16 @@ class Slot:
                 return None
         start, length = self.bounds()
         base = self.pool.view.data_ptr() + start
-        at = -(-self.used // ALIGN) * ALIGN
+        at = aligned(self.used)
         if at + extra > length:
             return None
         places = []
-        for t in tensors:
-            if self.holds(t):
+        for t, h in zip(tensors, held):
+            if h:
                 places.append((t.data_ptr() - base, tuple(t.stride())))
             else:
                 places.append((at, None))
-                at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+                at += aligned(t.numel() * t.element_size())
         self.used = at
         return places
 

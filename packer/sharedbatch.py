@@ -72,11 +72,16 @@ def strip_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
     return obj
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _offsets(tensors: List[torch.Tensor]) -> Tuple[List[int], int]:
     offsets, end = [], 0
     for t in tensors:
         offsets.append(end)
-        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        end += aligned(t.numel() * t.element_size())
     return offsets, end
 
 
@@ -91,8 +96,14 @@ def pack_tensors(tensors: List[torch.Tensor]) -> torch.Tensor:
 
 def tensor_layout(tensors: List[torch.Tensor]) -> list:
     offsets, _ = _offsets(tensors)
-    return [(off, t.dtype, tuple(t.shape), contiguous_strides(t.shape), type(t),
-             dict(getattr(t, "__dict__", {}))) for t, off in zip(tensors, offsets)]
+    return [layout_entry(t, off) for t, off in zip(tensors, offsets)]
+
+
+def layout_entry(t: torch.Tensor, offset: int, strides: Optional[Tuple[int, ...]] = None):
+    """How ``tensors_at`` finds ``t`` again in a block: its bytes from ``offset``,
+    contiguous unless ``strides``, its class and that class's metadata."""
+    return (offset, t.dtype, tuple(t.shape), strides or contiguous_strides(t.shape), type(t),
+            dict(getattr(t, "__dict__", {})))
 
 
 def contiguous_strides(shape) -> Tuple[int, ...]:

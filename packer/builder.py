@@ -70,7 +70,8 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
     _check_arguments(src, dst, list_file, shard_size, workers, max_pixels)
     given = {"list": list_file, "coco": coco, "yolo": yolo, "meta": meta}
     folder = {"extensions": extensions, "is_valid_file": is_valid_file, "allow_empty": allow_empty}
-    source = load_source(src, **given, names=names, label=label, skip_empty=skip_empty, **folder)
+    source = load_source(src, **given, names=names, label=label, skip_empty=skip_empty,
+                         workers=workers, **folder)
     if not source.entries:
         raise PackerError(f"found no images in {src} (extensions: "
                           f"{', '.join(IMG_EXTENSIONS)}, any case); nothing to pack")
@@ -122,8 +123,10 @@ def load_source(src: Path, *, list: Optional[os.PathLike] = None,
                 meta: Optional[os.PathLike] = None, names: Optional[os.PathLike] = None,
                 label: Optional[str] = None, skip_empty: bool = False, allow_empty: bool = False,
                 extensions: Optional[Sequence[str]] = None,
-                is_valid_file: Optional[Callable[[str], bool]] = None) -> ImageList:
-    """What to pack, from the one source the options name (ImageFolder when none)."""
+                is_valid_file: Optional[Callable[[str], bool]] = None,
+                workers: int = 0) -> ImageList:
+    """What to pack, from the one source the options name (ImageFolder when none);
+    ``workers`` processes may share the reading (a large COCO file's annotations)."""
     chosen = [k for k, v in (("list", list), ("coco", coco), ("yolo", yolo), ("meta", meta))
               if v is not None]
     if len(chosen) > 1:
@@ -137,7 +140,7 @@ def load_source(src: Path, *, list: Optional[os.PathLike] = None,
         raise PackerError("--skip-empty applies to --coco datasets (images with no annotation)")
     if coco is not None:
         from .sources.coco import read_coco
-        return read_coco(src, coco, skip_empty=skip_empty)
+        return read_coco(src, coco, skip_empty=skip_empty, workers=workers)
     if yolo is not None:
         from .sources.yolo import read_yolo
         return read_yolo(src, yolo, names)

@@ -13,11 +13,9 @@ reported as medians with ratios to a baseline measured in the same run:
   rows: ``PackedDataset(decode=DecodeLetterbox(size))`` (packer's fused decode) and, with
   torchvision, ``PackedDataset(transforms=<the same v2>)`` (only the bytes' source differs).
   ``CocoFolderDataset`` with ``DecodeLetterbox`` is always measured too. In RAM the page
-  cache is warm; ``slow_disk`` reads each pass from a cold cache in a fresh process under
-  ``coldread.SlowDisk`` (400 IOPS, 100 MiB/s; root only), the packed side in
-  ``PackedSampler(order="block")``, the folder side in random order (CocoDetection + shuffle).
-* ``build``: build images/s with ``coco=`` against the same images from a ``list_file``
-  (every label 0): what the annotations cost.
+  cache is warm; ``slow_disk`` reads each pass cold in a fresh process under ``SlowDisk``
+  (root only), packed in ``PackedSampler(order="block")``, the folder in random order.
+* ``build``: ``packer build --coco`` images/s against ``--list`` (label 0) of the same images.
 * ``gpu`` (CUDA + torchvision): an SSDlite320-MobileNetV3 training step (bf16 autocast, SGD)
   fed by the CPU path (``DecodeLetterbox`` + ``make_loader`` + ``CUDAPrefetcher``) and the
   GPU path (``GPUDecoder(letterbox=True)``), as fractions of the same step on one batch
@@ -32,6 +30,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -118,8 +118,6 @@ def bench_detection(sections, opts: DetectionBenchOptions = DetectionBenchOption
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
-
-# -- the loaders ------------------------------------------------------------------------------
 
 def v2_letterbox(size: int):
     """torchvision's v2 letterbox: longer side to ``size``, then padded to a square (boxes move)."""
@@ -229,21 +227,31 @@ def slow_disk_section(coco: Path, packed: Path, opts: DetectionBenchOptions, out
 
 
 def build_section(coco: Path, tmp: Path, opts: DetectionBenchOptions, out: dict, log: Log) -> None:
-    """Build rate with COCO annotations against a plain ``list_file`` of the same images."""
-    names = sorted(p.name for p in (coco / "images").glob("*.jpg"))
+    """Build rate with COCO annotations against a ``--list`` of the same images, each run
+    as users run it (``cli_build``: this process, torch imported, forks workers slower)."""
     listing = tmp / "labels0.txt"
-    listing.write_text("".join(f"{n}\t0\n" for n in names))
-    variants = {"build --list (label 0)": {"list_file": listing},
-                "build --coco": {"coco": coco / "annotations.json"}}
-    runs = {name: [] for name in variants}
+    listing.write_text("".join(f"{p.name}\t0\n" for p in sorted(coco.glob("images/*.jpg"))))
+    variants = {"build --list (label 0)": ["--list", str(listing)],
+                "build --coco": ["--coco", str(coco / "annotations.json")]}
+    runs: Dict[str, List[float]] = {name: [] for name in variants}
     for r in range(opts.rounds):
-        for k, (name, kw) in enumerate(variants.items()):
+        for k, (name, args) in enumerate(variants.items()):
             dst = tmp / f"build-{r}-{k}"
-            res = build(coco / "images", dst, workers=opts.workers, progress=False, **kw)
-            runs[name].append(res.manifest["count"] / res.seconds)
+            res = cli_build(coco / "images", dst, args, opts.workers)
+            runs[name].append(res["count"] / res["seconds"])
             shutil.rmtree(dst)
             log(f"build round {r + 1}/{opts.rounds}: {name}: {runs[name][-1]:,.0f} images/s")
     add_rows(out, "build", runs, "build --list (label 0)", "x")
+
+
+def cli_build(src: Path, dst: Path, args: List[str], workers: int) -> dict:
+    """``packer build SRC DST ARGS --json`` in a fresh process; its JSON summary."""
+    cmd = [sys.executable, "-m", "packer", "build", str(src), str(dst), *args, "--quiet",
+           "--json", "--workers", str(workers)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)
 
 
 def add_rows(out: dict, section: str, runs: Dict[str, List[float]], baseline: str,
@@ -280,8 +288,6 @@ def detection_table(out: dict) -> str:
 def write_json(out: dict, path: os.PathLike) -> None:
     Path(path).write_text(json.dumps(out, indent=1, default=str))
 
-
-# -- gpu ----------------------------------------------------------------------------------------
 
 def gpu_section(packed: Path, opts: DetectionBenchOptions, out: dict, log: Log) -> None:
     """SSDlite320 steps fed by each path against a resident batch, and GPUDecoder alone.

@@ -12,14 +12,17 @@ from __future__ import annotations
 import io
 import json
 import math
+import multiprocessing
 import os
 import random
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Dict, List, Tuple, Union
+from typing import Collection, Dict, List, Optional, Tuple, Union
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
+from .._system import usable_cores
 from .images import PHOTOS, load_photos, make_image, random_crop
 
 FIRST_IMAGE_ID, IMAGE_ID_STEP = 1000, 7
@@ -161,55 +164,99 @@ def _outline(mask: Image.Image, dx: int, dy: int, points: int = 24) -> List[floa
 
 
 def make_detection_folder(dst: os.PathLike, images: int = 64, *, seed: int = 0,
-                          max_objects: int = 6, empty_fraction: float = 0.1) -> Path:
+                          max_objects: int = 6, empty_fraction: float = 0.1,
+                          workers: Optional[int] = None) -> Path:
     """Write a detection dataset of realistic JPEG scenes under ``dst``:
 
     ``images/NNNNNN.jpg``; ``annotations.json`` (COCO instances, odd category ids, image ids
     1000 + 7*i); ``labels/NNNNNN.txt`` (YOLO, class = index in category-id order; of the
     empty images, half have an empty file and half none); ``names.txt`` and ``data.yaml``.
     ``round(images * empty_fraction)`` images have no objects. The same arguments give the
-    same bytes.
+    same bytes, whatever ``workers`` (processes rendering scenes; default: the usable cores).
     """
     dst = Path(dst)
     (dst / "images").mkdir(parents=True, exist_ok=True)
     (dst / "labels").mkdir(exist_ok=True)
-    photos, names = load_photos(), photo_names()
+    names = photo_names()
     empty = sorted(random.Random(f"packer-scenes-empty:{seed}").sample(
         range(images), round(images * empty_fraction)))
-    no_file = set(empty[::2])
+    job = _SceneJob(dst, seed, max_objects, frozenset(empty), frozenset(empty[::2]))
+    workers = min(usable_cores() if workers is None else workers, max(1, images // 64))
+    if workers > 1:  # spawned: torch's thread pool (the noise) does not survive a fork
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_start_scenes, initargs=(job,)) as pool:
+            scenes = list(pool.map(_write_scene, range(images), chunksize=16))
+    else:
+        _JOB[0] = job
+        try:
+            scenes = [_write_scene(i) for i in range(images)]
+        finally:
+            _JOB[0] = None
     coco: Dict[str, list] = {"images": [], "annotations": [], "categories": [
         {"id": category_id(k), "name": n, "supercategory": "photo"} for k, n in enumerate(names)]}
-    for i in range(images):
-        scene = render_scene(seed, i, photos, max_objects=max_objects, empty=i in empty)
-        stem = f"{i:06d}"
-        out = io.BytesIO()
-        scene.image.save(out, "JPEG", quality=scene.quality)
-        (dst / "images" / f"{stem}.jpg").write_bytes(out.getvalue())
-        w, h = scene.image.size
-        coco["images"].append({"id": image_id(i), "file_name": f"{stem}.jpg",
+    for i, (w, h, objects) in enumerate(scenes):
+        coco["images"].append({"id": image_id(i), "file_name": f"{i:06d}.jpg",
                                "width": w, "height": h})
-        lines = []
-        for o in scene.objects:
+        for o in objects:
             x0, y0, x1, y1 = o.box
             coco["annotations"].append({
                 "id": len(coco["annotations"]) + 1, "image_id": image_id(i),
                 "category_id": category_id(o.label),
                 "bbox": [float(x0), float(y0), float(x1 - x0), float(y1 - y0)],
                 "area": float(o.area), "iscrowd": 0, "segmentation": [o.polygon]})
-            lines.append(f"{o.label} {(x0 + x1) / 2 / w:.6f} {(y0 + y1) / 2 / h:.6f} "
-                         f"{(x1 - x0) / w:.6f} {(y1 - y0) / h:.6f}\n")
-        label_file = dst / "labels" / f"{stem}.txt"
-        if i in no_file:
-            if label_file.exists():
-                label_file.unlink()  # left from an earlier run into the same folder
-        else:
-            label_file.write_text("".join(lines))
     (dst / "annotations.json").write_text(json.dumps(coco))
     (dst / "names.txt").write_text("".join(f"{n}\n" for n in names))
     (dst / "data.yaml").write_text(
         "train: images\nval: images\n"
         f"nc: {len(names)}\nnames:\n" + "".join(f"  - {n}\n" for n in names))
     return dst
+
+
+@dataclass(frozen=True)
+class _SceneJob:
+    """Writes scene ``i``'s JPEG and YOLO label file; returns its size and objects."""
+    dst: Path
+    seed: int
+    max_objects: int
+    empty: Collection[int]
+    no_label_file: Collection[int]
+
+    def write(self, i: int, photos: List[Image.Image]) -> Tuple[int, int, List[SceneObject]]:
+        scene = render_scene(self.seed, i, photos, max_objects=self.max_objects,
+                             empty=i in self.empty)
+        stem = f"{i:06d}"
+        out = io.BytesIO()
+        scene.image.save(out, "JPEG", quality=scene.quality)
+        (self.dst / "images" / f"{stem}.jpg").write_bytes(out.getvalue())
+        w, h = scene.image.size
+        lines = []
+        for o in scene.objects:
+            x0, y0, x1, y1 = o.box
+            lines.append(f"{o.label} {(x0 + x1) / 2 / w:.6f} {(y0 + y1) / 2 / h:.6f} "
+                         f"{(x1 - x0) / w:.6f} {(y1 - y0) / h:.6f}\n")
+        label_file = self.dst / "labels" / f"{stem}.txt"
+        if i in self.no_label_file:
+            if label_file.exists():
+                label_file.unlink()  # left from an earlier run into the same folder
+        else:
+            label_file.write_text("".join(lines))
+        return w, h, scene.objects
+
+
+_JOB: list = [None]  # the _SceneJob this process writes scenes of
+_PHOTOS: List[Image.Image] = []
+
+
+def _start_scenes(job: _SceneJob) -> None:
+    import torch
+    torch.set_num_threads(1)  # one process per core: torch's own threads only contend
+    _JOB[0] = job
+
+
+def _write_scene(i: int) -> Tuple[int, int, List[SceneObject]]:
+    if not _PHOTOS:
+        _PHOTOS.extend(load_photos())
+    return _JOB[0].write(i, _PHOTOS)
 
 
 def boxes_of(annotations_json: Union[os.PathLike, str, dict]

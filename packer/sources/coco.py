@@ -14,29 +14,22 @@ import hashlib
 import json
 import math
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from itertools import chain
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from ..errors import PackerError
-from ..fields import CheckedData, data_problem
+from ..fields import CheckedData
 from ..source import Annotations, ImageList
 from ..text import is_utf8
-from .lazyjson import Deferred, loads_deferring
+from .cocopieces import INT64_MAX, Pieces, glance, read_pieces, unpacked_objects
+from .lazyjson import loads_deferring
 from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
+from .segmentation import read_segmentation
 
-INT64_MAX = 2 ** 63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32
-NUMBER_TYPES = {int, float}  # JSON numbers; bool (true/false) is not one
-# Polygon text with its digits as "0" and its other usual characters as " ": plain numbers
-# are then all that is left, and no run of LONG_DIGITS zeros means each is below 1e18.
-POLYGON_TEXT = str.maketrans("0123456789.,-[] \t\r\n", "0" * 10 + " " * 9)
-LONG_DIGITS = "0" * 19
-DECODER = json.JSONDecoder()
-
-
 def coco_schema() -> List[Dict[str, Any]]:
     return [{"name": "image_id", "type": "int"},
             {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]},
@@ -48,28 +41,35 @@ def coco_schema() -> List[Dict[str, Any]]:
 
 
 def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
-              skip_empty: bool = False) -> ImageList:
+              skip_empty: bool = False, workers: int = 0) -> ImageList:
     """The images a COCO instances JSON lists, with their objects.
 
     A broken or ambiguous JSON (not JSON, missing keys, duplicate ids) stops the build; a
     single unusable image or object is left out with a reason in ``annotations.dropped``.
     ``skip_empty`` leaves out images with no usable object (counted in
     ``extra["skipped_empty"]``). Listed images whose file is missing are kept: the builder
-    skips them as unreadable.
+    skips them as unreadable. With ``workers`` > 1, a large file's annotations are parsed by
+    that many forked processes (``cocopieces``); the result is the same.
     """
     root = image_root(images)
     file = Path(annotations_json)
     raw = read_data(file, "COCO annotation file")
     with gc_paused():
-        return coco_images(root, file, raw, skip_empty)
+        text = utf8_text(raw, file, "COCO annotation file")
+        if workers > 1 and sys.platform == "linux":
+            pieces = read_pieces(text, raw, workers)
+            listed = pieces and coco_from_pieces(root, file, pieces, skip_empty)
+            if listed:
+                return listed
+        return coco_images(root, file, raw, text, skip_empty)
 
 
-def coco_images(root: Path, file: Path, raw: bytes, skip_empty: bool) -> ImageList:
-    """``read_coco`` on the file's bytes. A row is ``{"image_id", "objects"}``, each object
+def coco_images(root: Path, file: Path, raw: bytes, text: str, skip_empty: bool) -> ImageList:
+    """``read_coco`` in this process. A row is ``{"image_id", "objects"}``, each object
     ``read_annotation``'s tuple as given; ``fit_coco`` turns it into the stored fields."""
     with ThreadPoolExecutor(1) as pool:  # sha256 lets go of the GIL: it hashes during the parse
         digest = pool.submit(hashlib.sha256, raw)
-        data = load_json(file, utf8_text(raw, file, "COCO annotation file"))
+        data = load_json(file, text)
     categories = read_categories(file, data["categories"])
     images_by_id, dropped, bad_ids = read_images(file, data["images"])
     rows = {i: {"image_id": i, "objects": []} for i in images_by_id}
@@ -91,9 +91,44 @@ def coco_images(root: Path, file: Path, raw: bytes, skip_empty: bool) -> ImageLi
                             f"id {cid} is not in 'categories'"})
         else:
             rows[iid]["objects"].append(obj)
+    return coco_list(root, file, categories, images_by_id, rows, dropped, skip_empty,
+                     digest.result().hexdigest())
+
+
+def coco_from_pieces(root: Path, file: Path, read: Pieces, skip_empty: bool):
+    """``coco_images`` from a file read in pieces: a row is ``{"image_id", "packed"}``, the
+    image's objects as ``read_pieces`` packed them. None where the serial read must say
+    what is wrong: an annotation id used twice, an image or category id not listed."""
+    data = dict(read.data, annotations=[])  # the pieces hold them
+    check_lists(file, data)
+    categories = read_categories(file, data["categories"])
+    images_by_id, dropped, bad_ids = read_images(file, data["images"])
+    ids: set = set()
+    used: set = set()
+    for piece in read.pieces:
+        ids.update(piece.ids())
+        used |= piece.categories
+    if len(ids) != sum(p.count for p in read.pieces) or not used <= categories.keys():
+        return None
+    rows: Dict[int, Dict[str, Any]] = {i: {"image_id": i, "packed": []} for i in images_by_id}
+    for piece in read.pieces:
+        for iid, packed in piece.objects.items():
+            row = rows.get(iid)
+            if row is not None:
+                row["packed"].append(packed)
+            elif iid not in bad_ids:  # its image is dropped, with the reason
+                return None
+    return coco_list(root, file, categories, images_by_id, rows, dropped, skip_empty,
+                     read.digest)
+
+
+def coco_list(root: Path, file: Path, categories: Dict[int, Dict[str, Any]],
+              images_by_id: Dict[int, str], rows: Dict[int, Dict[str, Any]],
+              dropped: List[Dict[str, str]], skip_empty: bool, digest: str) -> ImageList:
+    """The images in ascending id, with their rows (those with objects, ``skip_empty``)."""
     order = sorted(images_by_id)
     if skip_empty:
-        kept = [i for i in order if rows[i]["objects"]]
+        kept = [i for i in order if rows[i].get("objects") or rows[i].get("packed")]
         skipped, order = len(order) - len(kept), kept
         if not order:
             raise PackerError(f"{file}: no image has a usable annotation, so --skip-empty "
@@ -102,8 +137,7 @@ def coco_images(root: Path, file: Path, raw: bytes, skip_empty: bool) -> ImageLi
     if skip_empty:
         extra["skipped_empty"] = skipped
     ann = Annotations(schema=coco_schema(), rows=[rows[i] for i in order], fit=fit_coco,
-                      task="detection", extra=extra, dropped=dropped,
-                      digest=digest.result().hexdigest())
+                      task="detection", extra=extra, dropped=dropped, digest=digest)
     classes = [categories[c]["name"] for c in sorted(categories)]
     return ImageList(root, classes, [(images_by_id[i], -1) for i in order], ann)
 
@@ -134,6 +168,13 @@ def load_json(file: Path, text: str) -> Dict[str, Any]:
             from None
     except (ValueError, RecursionError) as e:
         raise PackerError(f"{file}: not valid JSON ({json_problem(e)})") from None
+    check_lists(file, data)
+    return data
+
+
+def check_lists(file: Path, data: Any) -> None:
+    """A PackerError unless ``data`` is an object with the three lists, the images and
+    categories not empty."""
     if not isinstance(data, dict):
         raise PackerError(f"{file}: expected a COCO instances object with 'images', "
                           f"'annotations' and 'categories', got {kind_of(data)}")
@@ -148,7 +189,6 @@ def load_json(file: Path, text: str) -> Dict[str, Any]:
         raise PackerError(f"{file}: 'images' is empty; there is nothing to pack")
     if not data["categories"]:
         raise PackerError(f"{file}: 'categories' is empty; objects need a category")
-    return data
 
 
 def kind_of(v: Any) -> str:
@@ -244,17 +284,7 @@ def read_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, 
     """``(id, category id, bbox, area, iscrowd, segmentation)`` of ``annotations[k]``, its
     image id checked too: the common, well-formed record at a glance (``checked_annotation``
     gives the same for it), anything else through the checks that name the problem."""
-    if type(ann) is dict:
-        aid, iid, cid = ann.get("id"), ann.get("image_id"), ann.get("category_id")
-        bbox, crowd = ann.get("bbox"), ann.get("iscrowd", 0)
-        if (type(aid) is int and type(iid) is int and type(cid) is int
-                and 0 <= aid | iid | cid <= INT64_MAX  # all in range: no min() or max() call
-                and type(bbox) is list and len(bbox) == 4 and type(bbox[0]) in NUMBER_TYPES
-                and type(bbox[1]) in NUMBER_TYPES and type(bbox[2]) in NUMBER_TYPES
-                and type(bbox[3]) in NUMBER_TYPES and (crowd == 0 or crowd == 1)
-                and type(crowd) is int):
-            return aid, cid, bbox, ann.get("area"), crowd, ann.get("segmentation", [])
-    return checked_annotation(file, k, ann)
+    return glance(ann) or checked_annotation(file, k, ann)
 
 
 def checked_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, Any, int, Any]:
@@ -273,25 +303,6 @@ def checked_annotation(file: Path, k: int, ann: Any) -> Tuple[int, int, list, An
     return aid, cid, bbox, ann.get("area"), int(crowd), ann.get("segmentation", [])
 
 
-def segmentation_ok(seg: Any) -> bool:
-    """Polygons (lists of numbers) or RLE (``counts`` text or run lengths, ``size`` [h, w]),
-    with values the record can store (plain data: ``data_problem`` has nothing to say)."""
-    # Stored one level down, in the image's list of segmentations: checked at that depth
-    # (data_problem: numbers within int64 and finite, text valid, any other RLE keys too).
-    if isinstance(seg, list):  # set(map(type)): COCO holds tens of millions of coordinates
-        return (set(map(type, seg)) <= {list}
-                and set(map(type, chain.from_iterable(seg))) <= NUMBER_TYPES
-                and not data_problem(seg, 1))
-    if isinstance(seg, dict):
-        counts, size = seg.get("counts"), seg.get("size")
-        return ((isinstance(counts, str)
-                 or isinstance(counts, list) and set(map(type, counts)) <= {int}
-                 and min(counts, default=0) >= 0)
-                and isinstance(size, list) and len(size) == 2 and all(is_id(s) for s in size)
-                and not data_problem(seg, 1))
-    return False
-
-
 def shown_box(box) -> str:
     return "[" + ", ".join(f"{v:g}" for v in box) + "]"
 
@@ -303,7 +314,8 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
     out: Dict[str, Any] = {"image_id": row["image_id"], "boxes": [], "labels": [], "area": [],
                            "iscrowd": [], "ann_ids": [], "segmentation": CheckedData()}
     reasons = []
-    for aid, cid, box, area, crowd, seg in row["objects"]:
+    objects = row["objects"] if "objects" in row else unpacked_objects(row["packed"])
+    for aid, cid, box, area, crowd, seg in objects:
         seg, problem = read_segmentation(aid, seg)  # first: text that is not JSON stops the build
         xyxy, box_problem = fit_box(box, width, height)
         problem = box_problem or problem
@@ -317,46 +329,6 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
         out["ann_ids"].append(aid)
         out["segmentation"].append(seg)
     return out, reasons
-
-
-def read_segmentation(aid: int, seg: Any) -> Tuple[Any, str]:
-    """``(segmentation, "")`` if it is polygons or an RLE (parsed here if the main process
-    left it as text), else ``(None, why not)``. Polygon text that does not parse means the
-    file is not JSON: that stops the build, as it would have had the whole file been parsed
-    up front."""
-    if type(seg) is Deferred:
-        polygons = plain_polygons(seg)
-        if polygons is not None:
-            return polygons, ""
-        try:
-            seg = json.loads(seg)
-        except (ValueError, RecursionError) as e:
-            raise PackerError(f"COCO annotation file: annotation {aid}'s 'segmentation' is not "
-                              f"valid JSON ({json_problem(e)}); if the file was cut short or "
-                              f"damaged (an interrupted download), fetch it again") from None
-    if not segmentation_ok(seg):
-        return None, ("'segmentation' must be polygons [[x1, y1, ...], ...] of finite numbers "
-                      "or an RLE {\"counts\", \"size\"}")
-    return seg, ""
-
-
-def plain_polygons(text: str) -> Any:
-    """The polygons in ``text`` when it is the common case, known good without a walk over
-    every number: only digits, signs, points, commas, brackets and spaces (no exponent, NaN
-    or string), no run of 19 digits (so every number is an int64 and a finite float), and
-    one bracket per polygon besides the outer one (so each holds numbers only). Else None:
-    ``segmentation_ok`` decides, number by number."""
-    shape = text.translate(POLYGON_TEXT)
-    if shape.count("0") + shape.count(" ") != len(shape) or LONG_DIGITS in shape:
-        return None
-    try:
-        polygons, end = DECODER.raw_decode(text)  # json.loads less its wrapping
-    except (ValueError, RecursionError):  # the long way says what is wrong
-        return None
-    if (end == len(text) and set(map(type, polygons)) <= {list}  # text starts with "["
-            and text.count("[") == len(polygons) + 1):
-        return polygons
-    return None
 
 
 def fit_box(box: List[Any], width: int, height: int) -> Tuple[List[float], str]:

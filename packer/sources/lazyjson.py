@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 NUL = "\0"
 PLACEHOLDER = '"\\u0000"'
@@ -33,9 +33,9 @@ class Deferred(str):
     """A value's JSON text, not yet parsed."""
 
 
-def loads_deferring(text: str, key: str, within: str) -> Any:
+def loads_deferring(text: str, key: str, within: Optional[str]) -> Any:
     """``json.loads(text)``, with the list-of-lists ``key`` values of the objects in the
-    top-level list ``within`` as ``Deferred`` text."""
+    top-level list ``within`` (the text's own list where None) as ``Deferred`` text."""
     if "\\u0000" in text:
         return json.loads(text)
     kept, cut = cut_values(text, key)
@@ -73,10 +73,13 @@ def cut_values(text: str, key: str) -> Tuple[List[str], List[Deferred]]:
     return kept, list(map(Deferred, cut))
 
 
-def put_back(data: Any, within: str, key: str, cut: List[Deferred]) -> bool:
+def put_back(data: Any, within: Optional[str], key: str, cut: List[Deferred]) -> bool:
     """Whether every placeholder was found, and replaced by its cut value: the items come in
     text order and each holds at most one, so once all are found the n-th is the n-th cut."""
-    items = data.get(within) if type(data) is dict else None
+    if within is None:
+        items = data
+    else:
+        items = data.get(within) if type(data) is dict else None
     if type(items) is not list:
         return False
     n = 0

@@ -163,3 +163,12 @@ def test_boxes_of_reads_a_path_or_a_dict(folder, coco):
     x, y, w, h = a["bbox"]
     first = next(im["file_name"] for im in coco["images"] if im["id"] == a["image_id"])
     assert boxes[first][0] == (a["category_id"], [x, y, x + w, y + h])
+
+
+def test_scenes_made_by_several_processes_are_the_same_bytes(tmp_path):
+    def contents(root):
+        return {p.relative_to(root).as_posix(): p.read_bytes()
+                for p in sorted(root.rglob("*")) if p.is_file()}
+    one = make_detection_folder(tmp_path / "one", 130, seed=3, workers=1)
+    two = make_detection_folder(tmp_path / "two", 130, seed=3, workers=2)  # 65 scenes each
+    assert contents(two) == contents(one)

@@ -12,7 +12,8 @@ import pytest
 from packer.errors import PackerError
 from packer.fields import CheckedData, data_problem, encode
 from packer.sources.coco import (checked_annotation, checked_image, coco_schema, fit_coco,
-                                 plain_polygons, read_annotation, read_coco, read_image)
+                                 read_annotation, read_coco, read_image)
+from packer.sources.segmentation import plain_polygons
 from packer.sources.lazyjson import Deferred
 
 RLE = {"counts": "0`0Q0", "size": [40, 60]}

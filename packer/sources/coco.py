@@ -24,12 +24,14 @@ from ..errors import PackerError
 from ..fields import CheckedData
 from ..source import Annotations, ImageList
 from ..text import is_utf8
-from .cocopieces import INT64_MAX, Pieces, glance, read_pieces, unpacked_objects
+from .cocopieces import INT64_MAX, Pieces, glance, is_id, read_pieces, unpacked_objects
 from .lazyjson import loads_deferring
 from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
 from .segmentation import read_segmentation
 
 FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32
+
+
 def coco_schema() -> List[Dict[str, Any]]:
     return [{"name": "image_id", "type": "int"},
             {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]},
@@ -194,10 +196,6 @@ def check_lists(file: Path, data: Any) -> None:
 def kind_of(v: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", type(None): "null",
             bool: "a boolean", int: "a number", float: "a number"}.get(type(v), "a value")
-
-
-def is_id(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT64_MAX
 
 
 def is_number(v: Any) -> bool:

@@ -63,6 +63,11 @@ class Pieces:
     digest: str
 
 
+def is_id(v: Any) -> bool:
+    """A COCO id: a JSON integer (not a boolean) within int64, not negative."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT64_MAX
+
+
 def glance(ann: Any) -> Optional[Object]:
     """The object of a common, well-formed annotation record (its ``image_id`` checked
     too), or None where it needs the checks that name a problem."""

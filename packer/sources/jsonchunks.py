@@ -19,9 +19,9 @@ import json
 import re
 from typing import Any, Callable, List, Optional, Tuple
 
+from .lazyjson import NUL, PLACEHOLDER  # a string no text without a "\\u0000" escape holds
+
 ITEM_GAP = re.compile(r"\}\s*,\s*\{")
-PLACEHOLDER = '"\\u0000"'  # a string no text without a "\u0000" escape holds
-NUL = "\0"
 
 Piece = Tuple[int, Optional[int]]  # text[a:b]; b None for the last piece (to the list's end)
 

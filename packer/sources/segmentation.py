@@ -11,7 +11,7 @@ from typing import Any, Tuple
 
 from ..errors import PackerError
 from ..fields import data_problem
-from .cocopieces import INT64_MAX, NUMBER_TYPES
+from .cocopieces import NUMBER_TYPES, is_id
 from .lazyjson import Deferred
 from .meta import json_problem
 
@@ -36,9 +36,7 @@ def segmentation_ok(seg: Any) -> bool:
         return ((isinstance(counts, str)
                  or isinstance(counts, list) and set(map(type, counts)) <= {int}
                  and min(counts, default=0) >= 0)
-                and isinstance(size, list) and len(size) == 2 and all(
-                    isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= INT64_MAX
-                    for s in size)
+                and isinstance(size, list) and len(size) == 2 and all(is_id(s) for s in size)
                 and not data_problem(seg, 1))
     return False
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from packer.bench.sourcecost import source_costs
+from packer.bench.sourcecost import source_costs, write_coco_like
+from packer.sources.coco import read_coco
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_annotation_costs.py"
 
@@ -24,7 +25,9 @@ def small_coco(path: Path) -> Path:
 def test_source_costs(tmp_path):
     r = source_costs(small_coco(tmp_path / "a.json"), repeats=2)
     assert r["images"] == 3
-    assert all(r[k] > 0 for k in ("read_coco_ms", "read_list_ms", "fields_us_per_image"))
+    assert all(r[k] > 0 for k in ("read_coco_ms", "read_coco_pieces_ms", "read_list_ms",
+                                  "fields_us_per_image"))
+    assert r["pieces"] is False  # three images: one process
 
 
 def test_script_prints_the_three_figures(tmp_path):
@@ -33,3 +36,16 @@ def test_script_prints_the_three_figures(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("3 images: reading the COCO file ")
     assert "us per image (in the workers)" in run.stdout
+    assert "as a build with a worker per core reads it (in one process" in run.stdout
+
+
+def test_a_coco_like_file_is_large_enough_to_read_in_pieces(tmp_path):
+    path = write_coco_like(tmp_path / "train.json", 4000)
+    assert path.stat().st_size > 8 << 20  # two pieces of 4 MiB
+    (tmp_path / "img").mkdir()
+    src = read_coco(tmp_path / "img", path, workers=4)
+    assert "packed" in src.annotations.rows[0]
+    assert len(src.entries) == 4000 and len(src.classes) == 80
+    assert src.entries[:2] == [("000000000001.jpg", -1), ("000000000002.jpg", -1)]
+    serial = read_coco(tmp_path / "img", path)
+    assert all(len(r["objects"]) == 7 for r in serial.annotations.rows)

@@ -20,14 +20,17 @@ import msgpack
 from ._fsio import fsync_dir, remove_own, write_json_atomic
 from .errors import PackerError
 from .format import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, side_tables
+from .laterows import ROWS_NAME
 from .schema import is_plain_name
 from .source import ImageList
 from .writer import disk_errors, existing_shard_ok
 
 JOURNAL = ".packer-build.json"
-# Names a build writes: shards, their temp files, side tables, manifest, journal (+ ".tmp").
+# Names a build writes: shards, their temp files, side tables, manifest, journal (+ ".tmp"),
+# the annotation rows handed to its workers.
 BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", "paths.*", LABELS, OFFSETS, MANIFEST,
-                  JOURNAL, LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp")
+                  JOURNAL, LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp",
+                  ROWS_NAME)
 
 
 def fingerprint(source: ImageList, options: dict) -> str:

@@ -34,8 +34,9 @@ class Annotations:
 
     ``schema``: the fields in record order, ``{"name", "type"[, "dtype", "shape"]}`` (see
     ``packer.fields``). ``rows[i]``: entry *i*'s field values as plain Python data, before
-    ``fit``. ``fit(row, width, height) -> (values, reasons)``: a module-level function (it
-    is called in the build's writer once the image's size is known) that turns a row into the
+    ``fit`` (None where a build takes them later: ``cocooutline``). ``fit(row, width,
+    height) -> (values, reasons)``: a module-level function (it is called in the build's
+    writer once the image's size is known) that turns a row into the
     stored values (e.g. normalized YOLO boxes into pixels, boxes clipped to the image) and
     says why any object was dropped. ``task``: "detection" or "generic". ``extra``: keys
     added to the manifest (e.g. COCO ``categories``). ``dropped``: annotations the parser
@@ -43,7 +44,7 @@ class Annotations:
     read from; when given, the build's fingerprint uses it instead of hashing every row.
     """
     schema: List[Dict[str, Any]]
-    rows: List[Dict[str, Any]]
+    rows: Optional[List[Dict[str, Any]]]
     fit: Optional[Callable[[Dict[str, Any], int, int], Tuple[Dict[str, Any], List[str]]]] = None
     task: str = "generic"
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -214,6 +215,6 @@ def select(source: ImageList, *, part: Optional[Tuple[int, int]] = None,
         k, n = part
         order = order[k::n]
     ann = source.annotations
-    if ann is not None:
+    if ann is not None and ann.rows is not None:  # None: the rows come later (the same select)
         ann = replace(ann, rows=[ann.rows[i] for i in order])
     return ImageList(source.root, source.classes, [source.entries[i] for i in order], ann)

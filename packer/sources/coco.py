@@ -24,7 +24,7 @@ from ..errors import PackerError
 from ..fields import CheckedData
 from ..source import Annotations, ImageList
 from ..text import is_utf8
-from .cocopieces import INT64_MAX, Pieces, glance, is_id, read_pieces, unpacked_objects
+from .cocopieces import INT64_MAX, Pieces, glance, is_id, read_pieces, row_objects
 from .lazyjson import loads_deferring
 from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
 from .segmentation import read_segmentation
@@ -135,11 +135,23 @@ def coco_list(root: Path, file: Path, categories: Dict[int, Dict[str, Any]],
         if not order:
             raise PackerError(f"{file}: no image has a usable annotation, so --skip-empty "
                               f"leaves nothing to pack")
-    extra: Dict[str, Any] = {"categories": [categories[c] for c in sorted(categories)]}
+    extra = coco_extra(categories)
     if skip_empty:
         extra["skipped_empty"] = skipped
-    ann = Annotations(schema=coco_schema(), rows=[rows[i] for i in order], fit=fit_coco,
-                      task="detection", extra=extra, dropped=dropped, digest=digest)
+    return coco_source(root, categories, images_by_id, order, [rows[i] for i in order], extra,
+                       dropped, digest)
+
+
+def coco_extra(categories: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
+    return {"categories": [categories[c] for c in sorted(categories)]}
+
+
+def coco_source(root: Path, categories: Dict[int, Dict[str, Any]], images_by_id: Dict[int, str],
+                order: List[int], rows, extra: Dict[str, Any], dropped: List[Dict[str, str]],
+                digest: str) -> ImageList:
+    """The ImageList of images ``order`` (ids) with their ``rows`` (None: not read yet)."""
+    ann = Annotations(schema=coco_schema(), rows=rows, fit=fit_coco, task="detection",
+                      extra=extra, dropped=dropped, digest=digest)
     classes = [categories[c]["name"] for c in sorted(categories)]
     return ImageList(root, classes, [(images_by_id[i], -1) for i in order], ann)
 
@@ -312,8 +324,7 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
     out: Dict[str, Any] = {"image_id": row["image_id"], "boxes": [], "labels": [], "area": [],
                            "iscrowd": [], "ann_ids": [], "segmentation": CheckedData()}
     reasons = []
-    objects = row["objects"] if "objects" in row else unpacked_objects(row["packed"])
-    for aid, cid, box, area, crowd, seg in objects:
+    for aid, cid, box, area, crowd, seg in row_objects(row):
         seg, problem = read_segmentation(aid, seg)  # first: text that is not JSON stops the build
         xyxy, box_problem = fit_box(box, width, height)
         problem = box_problem or problem

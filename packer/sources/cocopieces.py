@@ -16,6 +16,7 @@ list (ids used twice, image and category ids that are not listed).
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -87,23 +88,62 @@ def glance(ann: Any) -> Optional[Object]:
 def read_pieces(text: str, raw: bytes, workers: int) -> Optional[Pieces]:
     """The file's annotations read by up to ``workers - 1`` forked processes, or None (read
     it the serial way: too small or too few cores to be worth it, or anything unusual)."""
-    pieces = array_pieces(text, "annotations", min(workers - 1, len(text) // PIECE_CHARS),
-                          LAST_SHARE)  # one core left for this process's hashing
+    pieces = cut(text, workers - 1, PIECE_CHARS)  # one core left for this process's hashing
     if not pieces:
         return None
-    _READING[0] = (text, pieces)
+    share(text, pieces)
     try:
         with ProcessPoolExecutor(len(pieces), mp_context=mp.get_context("fork"),
                                  initializer=_start, initargs=(os.getpid(),)) as pool:
-            futures = [pool.submit(_read_piece, j) for j in range(len(pieces))]
+            futures = [pool.submit(read_piece, j) for j in range(len(pieces))]
             digest = hashlib.sha256(raw).hexdigest()  # while they parse
             read = [f.result() for f in futures]
     finally:
-        _READING[0] = None
+        share(None, [])
+    return gathered(text, pieces, read, digest)
+
+
+def cut(text: str, processes: int, min_chars: int) -> List[Tuple[int, Optional[int]]]:
+    """Where to cut the ``annotations`` list for up to ``processes`` processes, each piece
+    ``min_chars`` of text or more; empty when one process should read it all."""
+    return array_pieces(text, "annotations", min(processes, len(text) // min_chars), LAST_SHARE)
+
+
+def share(text: Optional[str], pieces: list) -> None:
+    """The text and cuts ``read_piece`` works on: set before the processes that run it are
+    forked (they inherit it), cleared after."""
+    _READING[0] = (text, pieces) if text is not None else None
+
+
+def gathered(text: str, pieces: list, read: List[Optional[Piece]], digest: str) -> Optional[Pieces]:
+    """The pieces ``read_piece`` gave, with the rest of the file parsed around them; None
+    where any piece, or the rest, needs the serial read."""
     if any(p is None for p in read):
         return None
     data = parse_around(text, pieces, read[-1].end, "annotations")
     return None if data is None else Pieces(data, read, digest)
+
+
+def packed_row(row: Dict[str, Any]) -> Dict[str, Any]:
+    """A row the serial read made (``{"image_id", "objects"}``) as plain data for another
+    process: its objects packed as ``read_piece`` packs them, or as JSON text where msgpack
+    cannot hold a number (an integer beyond 64 bits: the worker's checks name it)."""
+    objs = [[aid, cid, bbox, area, crowd, seg, type(seg) is Deferred]
+            for aid, cid, bbox, area, crowd, seg in row["objects"]]
+    try:
+        return {"image_id": row["image_id"], "packed": [msgpack.packb(objs)]}
+    except (OverflowError, ValueError, TypeError):
+        return {"image_id": row["image_id"], "json": json.dumps(objs)}
+
+
+def row_objects(row: Dict[str, Any]) -> List[Object]:
+    """A row's objects, whichever form it came in (``objects``, ``packed`` or ``json``)."""
+    if "objects" in row:
+        return row["objects"]
+    if "json" in row:
+        return [(aid, cid, bbox, area, crowd, Deferred(seg) if deferred else seg)
+                for aid, cid, bbox, area, crowd, seg, deferred in json.loads(row["json"])]
+    return unpacked_objects(row["packed"])
 
 
 def unpacked_objects(packed: List[bytes]) -> List[Object]:
@@ -123,7 +163,9 @@ def _start(parent: int) -> None:
     die_with_parent(parent)
 
 
-def _read_piece(j: int) -> Optional[Piece]:
+def read_piece(j: int) -> Optional[Piece]:
+    """Piece ``j`` of the shared text (``share``), parsed and checked at a glance; None where
+    it needs the serial read. Runs in a forked process."""
     text, pieces = _READING[0]
     try:
         items, end = parse_piece(text, pieces[j],

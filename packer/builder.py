@@ -132,9 +132,9 @@ class _Run:
         try:
             return self.pack_locked(source, outline)
         except BaseException:
-            if made:  # a build that failed before its first shard leaves no folder behind
+            if made and outline is not None:  # as when the file is read first: no folder
                 try:
-                    dst.rmdir()
+                    dst.rmdir()  # only if empty (``pack_locked`` removed its journal)
                 except OSError:
                     pass
             raise
@@ -168,8 +168,8 @@ class _Run:
                 _pack(source, run, job, self.workers, bar, reading)
             except BaseException:
                 run.abort()
-                if not run.shards:  # nothing to resume: the folder as it was found
-                    remove_own(dst, journal.JOURNAL)
+                if outline is not None and not run.shards:  # e.g. the annotations are
+                    remove_own(dst, journal.JOURNAL)  # broken: DST as it was found
                 raise
             finally:
                 bar.close()

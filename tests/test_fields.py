@@ -229,3 +229,17 @@ def test_annotation_keys_of_the_manifest_are_validated(tmp_path, photo_src, key,
     (dst / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(FormatError, match=key):
         read_manifest(dst)
+
+
+def test_checked_arrays_are_stored_as_built_and_equal_the_checked_way():
+    """What a source built with ``checked_array`` (COCO's fitted boxes) is kept as it is,
+    and is the same bytes the general path makes of the same values."""
+    from packer.fields import CheckedArray, checked_array
+    f = {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]}
+    g = {"name": "ids", "type": "array", "dtype": "int64", "shape": [-1]}
+    boxes, ids = [[1.5, 2.0, 30.25, 40.0], [0.0, 0.0, 5.0, 6.0]], [7, 2 ** 40]
+    made = encode([f, g], {"boxes": checked_array("f", [v for b in boxes for v in b]),
+                           "ids": checked_array("q", ids)})
+    general = encode([f, g], {"boxes": boxes, "ids": ids})
+    assert type(made["boxes"]) is CheckedArray and made == general
+    assert encode([g], {"ids": checked_array("q", [])}) == encode([g], {"ids": []})

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from ..errors import PackerError
-from ..fields import CheckedData
+from ..fields import CheckedData, checked_array
 from ..source import Annotations, ImageList
 from ..text import is_utf8
 from .cocopieces import INT64_MAX, Pieces, glance, is_id, read_pieces, row_objects
@@ -320,24 +320,29 @@ def shown_box(box) -> str:
 def fit_coco(row: Dict[str, Any], width: int, height: int):
     """The row's objects as torchvision-style targets: XYWH boxes -> XYXY clipped to the
     image; degenerate or outside boxes and unusable segmentations dropped (with the
-    object's other fields, so every per-object array stays aligned)."""
-    out: Dict[str, Any] = {"image_id": row["image_id"], "boxes": [], "labels": [], "area": [],
-                           "iscrowd": [], "ann_ids": [], "segmentation": CheckedData()}
+    object's other fields, so every per-object array stays aligned). The arrays come out
+    as stored (``checked_array``): every value was checked here or by the read."""
+    boxes: List[float] = []
+    labels, area, crowds, ids = [], [], [], []
+    segmentation = CheckedData()
     reasons = []
-    for aid, cid, box, area, crowd, seg in row_objects(row):
+    for aid, cid, box, a, crowd, seg in row_objects(row):
         seg, problem = read_segmentation(aid, seg)  # first: text that is not JSON stops the build
         xyxy, box_problem = fit_box(box, width, height)
         problem = box_problem or problem
         if problem:
             reasons.append(f"annotation {aid}: {problem}")
             continue
-        out["boxes"].append(xyxy)
-        out["labels"].append(cid)
-        out["area"].append(object_area(area, xyxy))
-        out["iscrowd"].append(crowd)
-        out["ann_ids"].append(aid)
-        out["segmentation"].append(seg)
-    return out, reasons
+        boxes += xyxy
+        labels.append(cid)
+        area.append(object_area(a, xyxy))
+        crowds.append(crowd)
+        ids.append(aid)
+        segmentation.append(seg)
+    return {"image_id": row["image_id"], "boxes": checked_array("f", boxes),
+            "labels": checked_array("q", labels), "area": checked_array("f", area),
+            "iscrowd": checked_array("q", crowds), "ann_ids": checked_array("q", ids),
+            "segmentation": segmentation}, reasons
 
 
 def fit_box(box: List[Any], width: int, height: int) -> Tuple[List[float], str]:

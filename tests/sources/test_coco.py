@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 import pickle
 import threading
 from pathlib import Path
@@ -19,6 +20,18 @@ from packer.sources.lazyjson import Deferred
 RLE = {"counts": "0`0Q0", "size": [40, 60]}
 POLY = [[10.0, 10.0, 30.0, 10.0, 30.0, 20.0]]
 
+
+def fitted(fit, row, width, height):
+    """``fit``'s values with the stored arrays as lists, to compare with the JSON's numbers."""
+    values, reasons = fit(row, width, height)
+    out = dict(values)
+    for name, code in (("boxes", "f"), ("labels", "q"), ("area", "f"), ("iscrowd", "q"),
+                       ("ann_ids", "q")):
+        a = array(code)
+        a.frombytes(values[name])
+        v = a.tolist()
+        out[name] = [v[i:i + 4] for i in range(0, len(v), 4)] if name == "boxes" else v
+    return out, reasons
 
 def coco(**over):
     """A small valid instances dict: non-contiguous category ids given out of order, image
@@ -76,7 +89,7 @@ def test_classes_entries_schema_and_rows(tmp_path):
 
 def test_fit_gives_torchvision_style_targets(tmp_path):
     ann = read(tmp_path, coco()).annotations
-    values, reasons = ann.fit(ann.rows[0], 60, 40)
+    values, reasons = fitted(ann.fit, ann.rows[0], 60, 40)
     assert reasons == []
     assert values == {
         "image_id": 2,
@@ -86,11 +99,11 @@ def test_fit_gives_torchvision_style_targets(tmp_path):
         "iscrowd": [0, 1],
         "ann_ids": [11, 10],
         "segmentation": [POLY, RLE]}
-    values, _ = ann.fit(ann.rows[2], 60, 40)
+    values, _ = fitted(ann.fit, ann.rows[2], 60, 40)
     assert values["boxes"] == [[0.5, 1.5, 5.5, 5.5]]
     assert values["area"] == [20.0]  # no area in the JSON: the box's
     assert values["iscrowd"] == [0] and values["segmentation"] == [[]]
-    assert ann.fit(ann.rows[1], 60, 40)[0]["boxes"] == []
+    assert fitted(ann.fit, ann.rows[1], 60, 40)[0]["boxes"] == []
     assert pickle.loads(pickle.dumps(ann.fit)) is fit_coco
 
 
@@ -103,7 +116,7 @@ def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
     segs = [[[1, 2, 3, 4.5, 5, 6]], [], [], [], [], rle, [], [], "poly", [[1]]]
     row = {"image_id": 1, "objects": [(31 + k, 1 + k, box, area, int(k == 5), seg) for k, (
         box, area, seg) in enumerate(zip(boxes, areas, segs))]}
-    values, reasons = fit_coco(row, 100, 50)
+    values, reasons = fitted(fit_coco, row, 100, 50)
     assert values == {"image_id": 1, "boxes": [[0.0, 5.0, 20.0, 25.0], [90.0, 40.0, 100.0, 50.0],
                                                [1.0, 1.0, 3.0, 3.0]],
                       "labels": [1, 6, 10], "area": [400.0, 7.5, 2.0], "iscrowd": [0, 1, 0],
@@ -250,7 +263,7 @@ def test_bad_area_falls_back_to_the_box(tmp_path):
     anns = [{"id": 1, "image_id": 2, "category_id": 1, "bbox": [0, 0, 2, 3], "area": "big"},
             {"id": 2, "image_id": 2, "category_id": 1, "bbox": [0, 0, 2, 3], "area": -4}]
     ann = read(tmp_path, coco(annotations=anns)).annotations
-    assert ann.fit(ann.rows[0], 10, 10)[0]["area"] == [6.0, 6.0]
+    assert fitted(ann.fit, ann.rows[0], 10, 10)[0]["area"] == [6.0, 6.0]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -270,7 +283,7 @@ def test_polygons_reach_the_workers_as_text_and_read_back_the_same(tmp_path):
     text = json.dumps(coco(annotations=anns), indent=2)  # newlines inside the lists too
     ann = read(tmp_path, text).annotations
     assert all(isinstance(o[5], str) for o in ann.rows[0]["objects"])  # not parsed here
-    assert ann.fit(ann.rows[0], 50, 50)[0]["segmentation"] == polys
+    assert fitted(ann.fit, ann.rows[0], 50, 50)[0]["segmentation"] == polys
 
 
 @pytest.mark.parametrize("broken", ["[[10.0, 10.0, 30.0,, 20.0]]", "[[10 10 30]]",
@@ -285,7 +298,7 @@ def test_a_broken_polygon_stops_the_build_as_broken_json_does(tmp_path, broken):
         json.loads(cut)
     ann = read(tmp_path, cut).annotations  # the rest parses: the polygon is left as text
     with pytest.raises(PackerError, match="annotation 11's 'segmentation' is not valid JSON"):
-        ann.fit(ann.rows[0], 60, 40)
+        fitted(ann.fit, ann.rows[0], 60, 40)
 
 
 def annotation_variants():
@@ -344,7 +357,7 @@ def test_the_quick_image_check_agrees_with_the_full_one(img):
 def test_an_unstorable_segmentation_drops_its_object_not_the_image(seg):
     row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, seg),
                                       (8, 1, [0, 0, 5, 5], 1e39, 0, [[0, 0, 5, 0, 5, 5]])]}
-    values, reasons = fit_coco(row, 10, 10)
+    values, reasons = fitted(fit_coco, row, 10, 10)
     assert values["ann_ids"] == [8] and values["area"] == [25.0]  # 1e39 overflows float32
     assert reasons == ["annotation 7: 'segmentation' must be polygons [[x1, y1, ...], ...] of "
                        "finite numbers or an RLE {\"counts\", \"size\"}"]
@@ -366,7 +379,7 @@ def test_plain_polygon_text_reads_as_the_full_check_does(text, fast):
         full = json.loads(text)
         assert got == full and [list(map(type, p)) for p in got] == \
             [list(map(type, p)) for p in full]
-        assert not fit_coco({"image_id": 1, "objects": [(1, 1, [0, 0, 5, 5], 1, 0, full)]},
+        assert not fitted(fit_coco, {"image_id": 1, "objects": [(1, 1, [0, 0, 5, 5], 1, 0, full)]},
                             9, 9)[1]
 
 
@@ -375,12 +388,12 @@ def test_deeply_nested_polygon_text_stops_the_build_with_a_message():
     not-JSON message, not a RecursionError from the fast path's parse."""
     row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, Deferred("[" * 100000 + "]]"))]}
     with pytest.raises(PackerError, match="annotation 7's 'segmentation' is not valid JSON"):
-        fit_coco(row, 10, 10)
+        fitted(fit_coco, row, 10, 10)
 
 
 def test_checked_segmentation_is_stored_without_a_second_walk():
     row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, Deferred("[[1, 2, 3, 4]]"))]}
-    values, reasons = fit_coco(row, 10, 10)
+    values, reasons = fitted(fit_coco, row, 10, 10)
     assert not reasons and type(values["segmentation"]) is CheckedData
     stored = encode(coco_schema(), values)
     assert stored["segmentation"] is values["segmentation"] == [[[1, 2, 3, 4]]]
@@ -395,7 +408,7 @@ def test_both_paths_keep_large_but_storable_coordinates():
     file parsed whole) both keep the object, as the record can store it."""
     text = "[[" + ", ".join(["999999999999999999"] * 10) + "]]"
     for seg in (Deferred(text), json.loads(text), [[5 * 10 ** 18, 5 * 10 ** 18]], [[1e19, 0.0]]):
-        values, reasons = fit_coco({"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 1, 0, seg)]},
+        values, reasons = fitted(fit_coco, {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 1, 0, seg)]},
                                    10, 10)
         assert not reasons and values["ann_ids"] == [7]
         assert not data_problem(encode(coco_schema(), values)["segmentation"])
@@ -404,7 +417,7 @@ def test_both_paths_keep_large_but_storable_coordinates():
 def test_polygon_text_that_is_not_json_stops_the_build_even_with_a_bad_box():
     row = {"image_id": 1, "objects": [(7, 1, [0, 0, 0, 0], 1, 0, Deferred("[[1,, 2]]"))]}
     with pytest.raises(PackerError, match="annotation 7's 'segmentation' is not valid JSON"):
-        fit_coco(row, 10, 10)
+        fitted(fit_coco, row, 10, 10)
 
 
 def test_an_rle_too_deep_or_with_broken_text_drops_its_object():
@@ -417,6 +430,6 @@ def test_an_rle_too_deep_or_with_broken_text_drops_its_object():
         seg = {"counts": "ab", "size": [1, 1], "x": extra}
         row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 1, 0, seg),
                                           (8, 1, [0, 0, 5, 5], 1, 0, RLE)]}
-        values, reasons = fit_coco(row, 10, 10)
+        values, reasons = fitted(fit_coco, row, 10, 10)
         assert values["ann_ids"] == [8] and len(reasons) == 1
         assert not data_problem(encode(coco_schema(), values)["segmentation"])

@@ -195,7 +195,8 @@ class ShardFill:
         """Store the held entries if the rows can be read (with ``wait``: once they can;
         the build stopping meanwhile stops the shard)."""
         if not self.job.fields.ready(wait):
-            self.done.stopped = wait
+            if wait:  # the build stopped first
+                self.done.stopped = True
             return
         entries = self.job.fields.source.entries
         for i, status, payload in self.held:

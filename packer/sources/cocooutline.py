@@ -62,12 +62,13 @@ class Outline:
         finally:
             share(None, [])
         root, digest = self.source.root, self.source.annotations.digest
+        raw, text, self.raw, self.text = self.raw, self.text, b"", ""  # not kept for the build
         with gc_paused():
-            got = gathered(self.text, self.pieces, read, digest) if self.pieces else None
+            got = gathered(text, self.pieces, read, digest) if self.pieces else None
             full = got and coco_from_pieces(root, self.file, got, False)
             if full:
                 return full
-            full = coco_images(root, self.file, self.raw, self.text, False)
+            full = coco_images(root, self.file, raw, text, False)
             rows = [packed_row(r) for r in full.annotations.rows]
         return replace(full, annotations=replace(full.annotations, rows=rows))
 

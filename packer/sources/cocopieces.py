@@ -128,12 +128,18 @@ def packed_row(row: Dict[str, Any]) -> Dict[str, Any]:
     """A row the serial read made (``{"image_id", "objects"}``) as plain data for another
     process: its objects packed as ``read_piece`` packs them, or as JSON text where msgpack
     cannot hold a number (an integer beyond 64 bits: the worker's checks name it)."""
-    objs = [[aid, cid, bbox, area, crowd, seg, type(seg) is Deferred]
-            for aid, cid, bbox, area, crowd, seg in row["objects"]]
+    objs = [portable(obj) for obj in row["objects"]]
     try:
         return {"image_id": row["image_id"], "packed": [msgpack.packb(objs)]}
     except (OverflowError, ValueError, TypeError):
         return {"image_id": row["image_id"], "json": json.dumps(objs)}
+
+
+def portable(obj: Object) -> list:
+    """An object as plain data for another process: whether its segmentation is polygon
+    text left unparsed (``Deferred``) goes with it."""
+    aid, cid, bbox, area, crowd, seg = obj
+    return [aid, cid, bbox, area, crowd, seg, type(seg) is Deferred]
 
 
 def row_objects(row: Dict[str, Any]) -> List[Object]:
@@ -181,8 +187,7 @@ def read_piece(j: int) -> Optional[Piece]:
         aid, cid, bbox, area, crowd, seg = obj
         ids.append(aid)
         categories.add(cid)
-        by_image.setdefault(ann["image_id"], []).append(
-            [aid, cid, bbox, area, crowd, seg, type(seg) is Deferred])
+        by_image.setdefault(ann["image_id"], []).append(portable(obj))
     try:
         packed = {iid: msgpack.packb(objs) for iid, objs in by_image.items()}
     except (OverflowError, ValueError, TypeError):  # e.g. an integer beyond 64 bits

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from array import array
 import pickle
 import threading
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from packer.errors import PackerError
-from packer.fields import CheckedData, data_problem, encode
+from packer.fields import CheckedData, data_problem, encode, to_array
 from packer.sources.coco import (checked_annotation, checked_image, coco_schema, fit_coco,
                                  read_annotation, read_coco, read_image)
 from packer.sources.segmentation import plain_polygons
@@ -25,12 +24,11 @@ def fitted(fit, row, width, height):
     """``fit``'s values with the stored arrays as lists, to compare with the JSON's numbers."""
     values, reasons = fit(row, width, height)
     out = dict(values)
-    for name, code in (("boxes", "f"), ("labels", "q"), ("area", "f"), ("iscrowd", "q"),
-                       ("ann_ids", "q")):
-        a = array(code)
-        a.frombytes(values[name])
-        v = a.tolist()
-        out[name] = [v[i:i + 4] for i in range(0, len(v), 4)] if name == "boxes" else v
+    for f in coco_schema():
+        if f["type"] == "array":
+            v = to_array(f, values[f["name"]]).tolist()
+            out[f["name"]] = [v[i:i + 4] for i in range(0, len(v), 4)] if f["name"] == "boxes" \
+                else v
     return out, reasons
 
 def coco(**over):

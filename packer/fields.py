@@ -41,7 +41,15 @@ MAX_DEPTH = 32  # nesting of ``data`` values
 
 class CheckedData(list):
     """A ``data`` value its maker has already checked is plain data (e.g. COCO polygons,
-    checked as they are parsed): ``encode`` stores it without walking it a second time."""
+    checked as they are parsed): ``encode`` stores it without walking it a second time.
+    Its items may be ``PackedData``."""
+
+
+class PackedData(bytes):
+    """An item of a ``CheckedData`` list in its stored form already: the msgpack bytes of
+    plain data its maker checked while packing it (COCO polygon text, which
+    ``packer.sources._polygons`` turns into msgpack without making Python objects).
+    ``packer.format.pack_fields`` splices it in; a reader sees the plain data."""
 
 
 class CheckedArray(bytes):

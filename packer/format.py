@@ -17,7 +17,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import msgpack
 
 from .errors import FormatError
-from .fields import value_problem
+from .fields import CheckedData, PackedData, value_problem
 from .schema import validate_manifest
 
 FORMAT_NAME = "packer"
@@ -100,7 +100,23 @@ def pack_record(image: bytes, *, path: str, width: int, height: int, format: str
 def pack_fields(fields: Dict[str, Any]) -> "PackedFields":
     """Stored fields as msgpack key-value pairs, ready to splice into a record: the build's
     workers pack them, so the single writer process only concatenates."""
-    return PackedFields(b"".join(PACK(k) + PACK(v) for k, v in fields.items()), len(fields))
+    return PackedFields(b"".join(PACK(k) + packed_value(v) for k, v in fields.items()),
+                        len(fields))
+
+
+def packed_value(v: Any) -> bytes:
+    """``v`` as msgpack: a ``CheckedData`` list item by item, its ``PackedData`` items as
+    they are (the same bytes ``msgpack.packb`` gives for the plain data they hold)."""
+    if type(v) is not CheckedData:
+        return PACK(v)
+    return array_head(len(v)) + b"".join(x if type(x) is PackedData else PACK(x) for x in v)
+
+
+def array_head(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` items."""
+    if n < 16:
+        return bytes([0x90 | n])
+    return b"\xdc" + struct.pack(">H", n) if n < 1 << 16 else b"\xdd" + struct.pack(">I", n)
 
 
 class PackedFields(NamedTuple):

@@ -14,9 +14,10 @@ import pytest
 import packer
 from packer.demo import load_photos, make_image, make_image_folder
 from packer.errors import FormatError, PackerError
+from packer.fields import CheckedData, PackedData
 from packer.format import (FORMAT_NAME, FORMAT_VERSION, HASH_CHUNK, MANIFEST, RECORD_FIELDS,
-                           check_version, crc32, file_sha256, key, pack_record, read_manifest,
-                           unpack_record)
+                           check_version, crc32, file_sha256, key, pack_record, packed_value,
+                           read_manifest, unpack_record)
 from packer._fsio import write_json_atomic
 from packer.writer import ShardWriter
 
@@ -235,3 +236,12 @@ def test_first_mistakes_name_the_next_step(tmp_path, photo_src):
     with pytest.raises(FormatError, match=r"is an image folder, not a packed dataset: pack it first "
                                           r"with `packer build .* DST`"):
         read_manifest(photo_src)
+
+
+def test_checked_lists_pack_as_msgpack_packs_them_with_packed_items_spliced_in():
+    for n in (0, 1, 15, 16, 65535, 65536):
+        items = [[1.5, 2]] * n
+        mixed = CheckedData(PackedData(msgpack.packb(x)) if k % 2 else x
+                            for k, x in enumerate(items))
+        assert packed_value(mixed) == msgpack.packb(items)
+    assert packed_value({"a": [1]}) == msgpack.packb({"a": [1]})

@@ -34,7 +34,7 @@ from .lazyjson import Deferred, loads_deferring
 INT64_MAX = 2 ** 63 - 1
 NUMBER_TYPES = {int, float}  # JSON numbers; bool (true/false) is not one
 PIECE_CHARS = 4 << 20  # at least this much text per process: below it, forking costs more
-LAST_SHARE = 0.25      # the last piece parses its polygons too (it finds the list's end)
+LAST_SHARE = 0.25      # the last piece may parse its polygons too (to find the list's end)
 
 Object = Tuple[int, int, list, Any, int, Any]  # (id, category id, bbox, area, iscrowd, seg)
 

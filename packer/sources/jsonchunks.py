@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from .lazyjson import NUL, PLACEHOLDER  # a string no text without a "\\u0000" escape holds
 
 ITEM_GAP = re.compile(r"\}\s*,\s*\{")
+LAST_ITEM_END = re.compile(r"\}\s*\]")  # an object that ends a list
 
 Piece = Tuple[int, Optional[int]]  # text[a:b]; b None for the last piece (to the list's end)
 
@@ -53,17 +54,25 @@ def array_pieces(text: str, key: str, pieces: int, last_share: float) -> List[Pi
 def parse_piece(text: str, piece: Piece,
                 loads: Callable[[str], Any] = json.loads) -> Tuple[list, int]:
     """The items of ``piece`` and where the list ended (the index after its ``]``; for all
-    but the last piece, the piece's end). ``loads`` parses all but the last piece (it must
-    refuse text with anything after the list). Raises ValueError where the piece is not a
-    list of whole items (the cut was not where ``array_pieces`` meant it to be)."""
+    but the last piece, the piece's end). ``loads`` parses each piece (it must refuse text
+    with anything after the list); the last piece's end is where an object first ends a
+    list, and only if that does not parse (a list of objects inside an item, ``}]`` in a
+    string) is the last piece parsed by ``json`` to find it. Raises ValueError where the
+    piece is not a list of whole items (the cut was not where ``array_pieces`` meant)."""
     a, b = piece
-    if b is not None:
-        items = loads("[" + text[a:b] + "]")
-        if type(items) is not list:
-            raise ValueError("not a list")
-        return items, b
-    items, end = json.JSONDecoder().raw_decode("[" + text[a:])
-    return items, a - 1 + end
+    if b is None:
+        end = LAST_ITEM_END.search(text, a)
+        try:
+            if end is not None:
+                return parse_piece(text, (a, end.start() + 1), loads)[0], end.end()
+        except (ValueError, RecursionError):
+            pass  # a list inside an item, or "}]" in a string: found the slow way
+        items, stop = json.JSONDecoder().raw_decode("[" + text[a:])
+        return items, a - 1 + stop
+    items = loads("[" + text[a:b] + "]")
+    if type(items) is not list:
+        raise ValueError("not a list")
+    return items, b
 
 
 def parse_around(text: str, pieces: List[Piece], end: int, key: str) -> Optional[dict]:

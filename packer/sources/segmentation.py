@@ -1,7 +1,9 @@
 """A COCO object's ``segmentation``: polygons or an RLE, checked before it is stored.
 
 Polygons come from the main process as text (``lazyjson``) and are parsed here, in the
-build's workers; the common, plain text is known good from its characters alone.
+build's workers. The common, plain text goes straight to its stored bytes where the C
+accelerator is built (``_polygons``: no Python object per number); else it is parsed, and
+known good from its characters alone. Anything else is checked number by number.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from itertools import chain
 from typing import Any, Tuple
 
 from ..errors import PackerError
-from ..fields import data_problem
+from ..fields import PackedData, data_problem
 from .cocopieces import NUMBER_TYPES, is_id
 from .lazyjson import Deferred
 from .meta import json_problem
@@ -20,6 +22,10 @@ from .meta import json_problem
 POLYGON_TEXT = str.maketrans("0123456789.,-[] \t\r\n", "0" * 10 + " " * 9)
 LONG_DIGITS = "0" * 19
 DECODER = json.JSONDecoder()
+try:
+    from ._polygons import packed_polygons
+except ImportError:  # not compiled (no C compiler at install): the same results, in Python
+    packed_polygons = None
 
 
 def segmentation_ok(seg: Any) -> bool:
@@ -43,10 +49,14 @@ def segmentation_ok(seg: Any) -> bool:
 
 def read_segmentation(aid: int, seg: Any) -> Tuple[Any, str]:
     """``(segmentation, "")`` if it is polygons or an RLE (parsed here if the main process
-    left it as text), else ``(None, why not)``. Polygon text that does not parse means the
+    left it as text; as stored bytes, ``PackedData``, where the accelerator took the text),
+    else ``(None, why not)``. Polygon text that does not parse means the
     file is not JSON: that stops the build, as it would have had the whole file been parsed
     up front."""
     if type(seg) is Deferred:
+        packed = packed_polygons(seg) if packed_polygons is not None else None
+        if packed is not None:
+            return PackedData(packed), ""
         polygons = plain_polygons(seg)
         if polygons is not None:
             return polygons, ""

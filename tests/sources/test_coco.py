@@ -7,10 +7,11 @@ import pickle
 import threading
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from packer.errors import PackerError
-from packer.fields import CheckedData, data_problem, encode, to_array
+from packer.fields import CheckedData, PackedData, data_problem, encode, to_array
 from packer.sources.coco import (checked_annotation, checked_image, coco_schema, fit_coco,
                                  read_annotation, read_coco, read_image)
 from packer.sources.segmentation import plain_polygons
@@ -21,9 +22,12 @@ POLY = [[10.0, 10.0, 30.0, 10.0, 30.0, 20.0]]
 
 
 def fitted(fit, row, width, height):
-    """``fit``'s values with the stored arrays as lists, to compare with the JSON's numbers."""
+    """``fit``'s values as a reader sees them (the stored arrays as lists, segmentations
+    stored as bytes already unpacked), to compare with the JSON's numbers."""
     values, reasons = fit(row, width, height)
     out = dict(values)
+    out["segmentation"] = [msgpack.unpackb(x) if type(x) is PackedData else x
+                           for x in values["segmentation"]]
     for f in coco_schema():
         if f["type"] == "array":
             v = to_array(f, values[f["name"]]).tolist()
@@ -391,10 +395,11 @@ def test_deeply_nested_polygon_text_stops_the_build_with_a_message():
 
 def test_checked_segmentation_is_stored_without_a_second_walk():
     row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, Deferred("[[1, 2, 3, 4]]"))]}
-    values, reasons = fitted(fit_coco, row, 10, 10)
+    values, reasons = fit_coco(row, 10, 10)
     assert not reasons and type(values["segmentation"]) is CheckedData
     stored = encode(coco_schema(), values)
-    assert stored["segmentation"] is values["segmentation"] == [[[1, 2, 3, 4]]]
+    assert stored["segmentation"] is values["segmentation"]
+    assert fitted(fit_coco, row, 10, 10)[0]["segmentation"] == [[[1, 2, 3, 4]]]
     unchecked = [[[1.0, float("nan")]]]
     with pytest.raises(ValueError, match="NaN"):
         encode(coco_schema(), dict(values, segmentation=unchecked))

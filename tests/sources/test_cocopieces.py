@@ -11,8 +11,11 @@ from packer.builder import build, load_source
 from packer.dataset import PackedDataset
 from packer.errors import PackerError
 from packer.sources import cocopieces
-from packer.sources.coco import fit_coco, read_coco
+from packer.fields import encode
+from packer.format import pack_fields
+from packer.sources.coco import coco_schema, fit_coco, read_coco
 from packer.sources.jsonchunks import array_pieces, parse_around, parse_piece
+from packer.sources.lazyjson import Deferred, loads_deferring
 
 WORKERS = 4  # up to 3 pieces, PIECE_CHARS of text each at least: 2 with big_coco's
 
@@ -65,9 +68,16 @@ def assert_same_read(tmp_path, data, pieces_expected: bool, **kw):
     a, b = serial.annotations, parallel.annotations
     assert (b.extra, b.dropped, b.digest, b.schema) == (a.extra, a.dropped, a.digest, a.schema)
     for ra, rb in zip(a.rows, b.rows, strict=True):
-        assert fit_coco(rb, 400, 300) == fit_coco(ra, 400, 300)
-        assert fit_coco(rb, 50, 40) == fit_coco(ra, 50, 40)  # with drops
+        assert stored(rb, 400, 300) == stored(ra, 400, 300)
+        assert stored(rb, 50, 40) == stored(ra, 50, 40)  # with drops
     return parallel
+
+
+def stored(row, width: int, height: int):
+    """A row's fields as a record stores them, and the drop reasons: a polygon may come
+    out parsed in one read and as stored bytes in the other."""
+    values, reasons = fit_coco(row, width, height)
+    return pack_fields(encode(coco_schema(), values)), reasons
 
 
 def test_a_large_file_read_in_pieces_equals_the_serial_read(tmp_path):
@@ -107,6 +117,25 @@ def test_a_piece_cut_inside_a_string_or_a_nested_list_does_not_parse():
     assert rest == [{"t": [{"a": 1}, {"b": 2}]}, {"u": 3}]
     assert parse_around(text, [(start, good + 1), (good + 3, None)], end, "annotations") == \
         {"annotations": "\0"}
+
+
+def test_the_last_piece_finds_the_list_end_without_parsing_its_polygons():
+    """Its end is where an object first ends a list, if the piece parses up to there; so
+    its polygons stay text for the workers, as every other piece's do. A "}]" met earlier
+    (in a string, or a list of objects inside an item) sends it the slow way, as before."""
+    defer = lambda s: loads_deferring(s, "segmentation", None)  # noqa: E731
+    for odd in (None, "string", "nested"):
+        anns = [{"id": k, "segmentation": [[1.5, 2, 3, 4]]} for k in range(3)]
+        if odd == "string":
+            anns[1]["note"] = "}]"
+        if odd == "nested":
+            anns[1]["parts"] = [{"a": 1}]
+        text = json.dumps({"annotations": anns, "categories": [{"id": 1}]})
+        items, end = parse_piece(text, (text.index("[") + 1, None), defer)
+        assert items == [dict(a, segmentation=items[k]["segmentation"])
+                         for k, a in enumerate(anns)]
+        assert text[end - 1] == "]" and text[end:].startswith(', "categories"')
+        assert (type(items[0]["segmentation"]) is Deferred) == (odd is None)
 
 
 def test_annotations_before_images_and_a_bom_read_the_same(tmp_path):

@@ -37,6 +37,7 @@ DTYPES = {"uint8": "B", "int8": "b", "int16": "h", "uint16": "H", "int32": "i", 
 COLUMN_DTYPE = {"int": "int64", "float": "float64", "bool": "uint8"}
 INT64 = (-(1 << 63), (1 << 63) - 1)
 MAX_DEPTH = 32  # nesting of ``data`` values
+BIG_ENDIAN = sys.byteorder == "big"  # stored arrays are little-endian
 
 
 class CheckedData(list):
@@ -62,9 +63,9 @@ class CheckedArray(bytes):
 def checked_array(typecode: str, values) -> CheckedArray:
     """``values`` (numbers its caller checked) as a stored array of ``typecode``."""
     out = array(typecode, values)
-    if sys.byteorder != "little":
+    if BIG_ENDIAN:
         out.byteswap()
-    return CheckedArray(out.tobytes())
+    return CheckedArray(out)
 
 
 def field_problem(f: Any) -> str:

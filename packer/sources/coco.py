@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import math
+from math import isfinite
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -335,7 +335,7 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
             continue
         boxes += xyxy
         labels.append(cid)
-        area.append(object_area(a, xyxy))
+        area.append(a if type(a) is float and 0.0 <= a <= FLOAT32_MAX else object_area(a, xyxy))
         crowds.append(crowd)
         ids.append(aid)
         segmentation.append(seg)
@@ -348,17 +348,19 @@ def fit_coco(row: Dict[str, Any], width: int, height: int):
 def fit_box(box: List[Any], width: int, height: int) -> Tuple[List[float], str]:
     """``([x0, y0, x1, y1] clipped to the image, "")``, or ``([], why the box is unusable)``."""
     try:
-        x, y, w, h = (float(v) for v in box)
+        x, y, w, h = map(float, box)
     except OverflowError:
         return [], "box holds a number too large for a float"
-    if not math.isfinite(x + y + w + h):
+    if not isfinite(x + y + w + h):
         return [], f"box {shown_box(box)} holds a non-finite number"
     if w <= 0 or h <= 0:
         return [], f"zero or negative size box {shown_box(box)}"
-    x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)
+    # max(x, 0.0) and min(x + w, width), written out: every image's every object comes here
+    x0, y0, x1, y1 = 0.0 if x < 0.0 else x, 0.0 if y < 0.0 else y, x + w, y + h
+    x1, y1 = float(width) if x1 > width else x1, float(height) if y1 > height else y1
     if x1 <= x0 or y1 <= y0:
         return [], f"box {shown_box(box)} lies outside the {width}x{height} image"
-    return [x0, y0, float(x1), float(y1)], ""
+    return [x0, y0, x1, y1], ""
 
 
 def object_area(area: Any, xyxy: List[float]) -> float:

@@ -18,7 +18,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
 from ..fields import CheckedData, checked_array
@@ -66,11 +66,13 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
         return coco_images(root, file, raw, text, skip_empty)
 
 
-def coco_images(root: Path, file: Path, raw: bytes, text: str, skip_empty: bool) -> ImageList:
+def coco_images(root: Path, file: Path, raw: bytes, text: str, skip_empty: bool,
+                digest: Optional[str] = None) -> ImageList:
     """``read_coco`` in this process. A row is ``{"image_id", "objects"}``, each object
-    ``read_annotation``'s tuple as given; ``fit_coco`` turns it into the stored fields."""
+    ``read_annotation``'s tuple as given; ``fit_coco`` turns it into the stored fields.
+    ``digest``: the file's sha256 where the caller has it already."""
     with ThreadPoolExecutor(1) as pool:  # sha256 lets go of the GIL: it hashes during the parse
-        digest = pool.submit(hashlib.sha256, raw)
+        hashing = pool.submit(lambda: digest or hashlib.sha256(raw).hexdigest())
         data = load_json(file, text)
     categories = read_categories(file, data["categories"])
     images_by_id, dropped, bad_ids = read_images(file, data["images"])
@@ -94,7 +96,7 @@ def coco_images(root: Path, file: Path, raw: bytes, text: str, skip_empty: bool)
         else:
             rows[iid]["objects"].append(obj)
     return coco_list(root, file, categories, images_by_id, rows, dropped, skip_empty,
-                     digest.result().hexdigest())
+                     hashing.result())
 
 
 def coco_from_pieces(root: Path, file: Path, read: Pieces, skip_empty: bool):

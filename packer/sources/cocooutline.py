@@ -68,7 +68,7 @@ class Outline:
             full = got and coco_from_pieces(root, self.file, got, False)
             if full:
                 return full
-            full = coco_images(root, self.file, raw, text, False)
+            full = coco_images(root, self.file, raw, text, False, digest)
             rows = [packed_row(r) for r in full.annotations.rows]
         return replace(full, annotations=replace(full.annotations, rows=rows))
 

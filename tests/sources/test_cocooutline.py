@@ -3,6 +3,7 @@
 read the serial way, and a broken file stopping the build with nothing left behind."""
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from pathlib import Path
@@ -40,6 +41,18 @@ def test_outline_lists_what_the_full_read_lists(scenes):
     assert out.source.entries == full.entries and out.source.classes == full.classes
     assert out.source.annotations.extra == full.annotations.extra
     assert out.source.annotations.digest == full.annotations.digest
+
+
+def test_the_file_is_hashed_once(scenes, monkeypatch):
+    """The outline hashes it; the full read (here in this process: no pieces) reuses that."""
+    hashed = []
+    real = hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real(data))
+    out = coco_outline(scenes / "images", scenes / "annotations.json", 2)
+    full = out.finish(out.start(None))
+    size = (scenes / "annotations.json").stat().st_size
+    assert hashed == [size] and full.annotations.digest == real(
+        (scenes / "annotations.json").read_bytes()).hexdigest()
 
 
 def test_a_build_that_reads_while_the_workers_run_equals_one_that_reads_first(scenes, tmp_path):

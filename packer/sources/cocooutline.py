@@ -80,11 +80,10 @@ def coco_outline(images: os.PathLike, annotations_json: os.PathLike,
     problem: the serial read names it)."""
     root, file = image_root(images), Path(annotations_json)
     raw = read_data(file, "COCO annotation file")
-    with gc_paused():
+    with gc_paused(), ThreadPoolExecutor(1) as pool:  # sha256 lets go of the GIL: it
+        digest = pool.submit(hashlib.sha256, raw)      # hashes while this thread reads
         text = utf8_text(raw, file, "COCO annotation file")
-        with ThreadPoolExecutor(1) as pool:  # sha256 lets go of the GIL
-            digest = pool.submit(hashlib.sha256, raw)
-            found = top_level_lists(text)
+        found = top_level_lists(text)
         if found is None:
             return None
         try:
@@ -92,9 +91,9 @@ def coco_outline(images: os.PathLike, annotations_json: os.PathLike,
             images_by_id = read_images(file, found["images"])[0]
         except PackerError:
             return None
-    source = coco_source(root, categories, images_by_id, sorted(images_by_id), None,
-                         coco_extra(categories), [], digest.result().hexdigest())
-    pieces = cut(text, workers - 1, PIECE_CHARS)
+        pieces = cut(text, workers - 1, PIECE_CHARS)
+        source = coco_source(root, categories, images_by_id, sorted(images_by_id), None,
+                             coco_extra(categories), [], digest.result().hexdigest())
     share(text, pieces)
     return Outline(source, file, raw, text, pieces)
 

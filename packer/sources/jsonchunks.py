@@ -30,10 +30,10 @@ Piece = Tuple[int, Optional[int]]  # text[a:b]; b None for the last piece (to th
 def array_pieces(text: str, key: str, pieces: int, last_share: float) -> List[Piece]:
     """Where to cut the list that follows the first ``"key": [`` in ``text``: up to
     ``pieces`` pieces, the last about ``last_share`` of the others' size (its parser also
-    finds the list's end, so it parses the slow way). Empty when the text has no such list,
-    holds a ``\\u0000`` escape, or offers no gap to cut at."""
+    finds the list's end, at worst the slow way). Empty when the text has no such list or
+    offers no gap to cut at."""
     m = re.search(r'"%s"\s*:\s*\[' % re.escape(key), text)
-    if m is None or pieces < 2 or "\\u0000" in text:
+    if m is None or pieces < 2:
         return []
     start = m.end()
     step = (len(text) - start) / (pieces - 1 + last_share)
@@ -77,10 +77,15 @@ def parse_piece(text: str, piece: Piece,
 
 def parse_around(text: str, pieces: List[Piece], end: int, key: str) -> Optional[dict]:
     """The top-level object, parsed with a placeholder for the list the pieces cover (it
-    ends at ``end``): None unless the placeholder is the object's ``key`` value."""
+    ends at ``end``): None unless the placeholder is the object's ``key`` value, and the
+    text around the list holds no ``\\u0000`` escape (a key given twice could then hold a
+    NUL string of its own). The pieces check their own text (``lazyjson``)."""
     opening = pieces[0][0] - 1  # the list's "["
+    head, tail = text[:opening], text[end:]
+    if "\\u0000" in head or "\\u0000" in tail:  # a NUL string of its own: not a placeholder
+        return None
     try:
-        data = json.loads(text[:opening] + PLACEHOLDER + text[end:])
+        data = json.loads(head + PLACEHOLDER + tail)
     except (ValueError, RecursionError):
         return None
     return data if type(data) is dict and data.get(key) == NUL else None

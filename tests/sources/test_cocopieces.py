@@ -138,6 +138,22 @@ def test_the_last_piece_finds_the_list_end_without_parsing_its_polygons():
         assert (type(items[0]["segmentation"]) is Deferred) == (odd is None)
 
 
+def test_a_nul_string_inside_the_annotations_keeps_the_pieces(tmp_path):
+    """Each piece checks its own text for a NUL escape (and parses whole if it has one); only
+    the text around the list must have none, as that is where the placeholder goes."""
+    assert_same_read(tmp_path, big_coco(note="\u0000"), True)
+
+
+def test_a_second_annotations_key_holding_a_nul_string_is_not_taken_for_the_pieces(tmp_path):
+    text = json.dumps(big_coco())[:-1] + ', "annotations": "\\u0000"}'
+    images, path = write(tmp_path, text)
+    with pytest.raises(PackerError, match="'annotations' must be a list") as serial:
+        read_coco(images, path)
+    with pytest.raises(PackerError) as parallel:
+        read_coco(images, path, workers=WORKERS)
+    assert str(parallel.value) == str(serial.value)
+
+
 def test_annotations_before_images_and_a_bom_read_the_same(tmp_path):
     data = big_coco()
     reordered = {k: data[k] for k in ("annotations", "categories", "images", "info")}

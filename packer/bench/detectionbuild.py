@@ -25,7 +25,9 @@ def build_section(coco: Path, tmp: Path, opts, out: dict,
     runs: Dict[str, List[float]] = {name: [] for name in variants}
     cpu: Dict[str, List[float]] = {name: [] for name in variants}
     for r in range(opts.rounds):
-        for k, (name, args) in enumerate(variants.items()):
+        order = list(variants.items())
+        # alternating order: neither build always runs right after the other's removal
+        for k, (name, args) in enumerate(order if r % 2 == 0 else order[::-1]):
             dst = tmp / f"build-{r}-{k}"
             before = children_cpu()
             res = cli_build(coco / "images", dst, args, opts.workers)
@@ -35,6 +37,14 @@ def build_section(coco: Path, tmp: Path, opts, out: dict,
             log(f"build round {r + 1}/{opts.rounds}: {name}: {runs[name][-1]:,.0f} images/s, "
                 f"{cpu[name][-1]:,.0f} us of CPU per image")
     add_rows(out, "build", runs, "build --list (label 0)", "x")
+    paired = sorted(c / b for b, c in zip(runs["build --list (label 0)"], runs["build --coco"]))
+    out["notes"].append(f"build --coco / --list round by round (each pair run back to back, "
+                        f"in alternating order): median {statistics.median(paired):.3f}, "
+                        f"range {paired[0]:.3f}-{paired[-1]:.3f}")
+    from ..sources.segmentation import packed_polygons
+    out["notes"].append("COCO polygon text read by " + ("the C accelerator (packer.sources."
+                        "_polygons)" if packed_polygons else "Python (the C accelerator is not "
+                        "built)"))
     per_image = {name: statistics.median(v) for name, v in cpu.items()}
     out["build_cpu_us_per_image"] = per_image
     base = per_image["build --list (label 0)"]

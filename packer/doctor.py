@@ -8,10 +8,12 @@ from typing import Dict, List
 
 from . import __version__
 from ._system import PILLOW_SIMD_HINT, pil_info, pil_summary, usable_cores
+from .sources.segmentation import packed_polygons
 
 
 def doctor() -> Dict[str, object]:
-    """PIL flavour and JPEG library, torch and CUDA, Triton, usable cores."""
+    """PIL flavour and JPEG library, torch and CUDA, Triton, the C accelerator for COCO
+    polygons, usable cores."""
     import torch
     cuda = torch.cuda.is_available()
     try:
@@ -22,7 +24,8 @@ def doctor() -> Dict[str, object]:
     return {"packer": __version__, "python": sys.version.split()[0], "pil": pil_info(),
             "pil_summary": pil_summary(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if cuda else None, "triton": triton_version,
-            "cores": usable_cores(), "cpu_count": os.cpu_count()}
+            "polygons_c": packed_polygons is not None, "cores": usable_cores(),
+            "cpu_count": os.cpu_count()}
 
 
 def format_doctor(d: Dict[str, object]) -> str:
@@ -42,5 +45,10 @@ def format_doctor(d: Dict[str, object]) -> str:
     else:
         lines.append("triton   not available: GPU decoding augments with batched matmuls "
                      "(pip install triton for the fused kernel)")
+    if d["polygons_c"]:
+        lines.append("C        built: --coco builds turn polygon text into records in C")
+    else:
+        lines.append("C        not built: --coco builds parse polygons in Python (slower; "
+                     "reinstall packer with a C compiler, e.g. apt-get install gcc python3-dev)")
     lines.append(f"cores    {d['cores']} usable of {d['cpu_count']}")
     return "\n".join(lines)

@@ -33,7 +33,8 @@ def main(argv=None) -> int:
         r = source_costs(coco, a.images, a.repeats)
     print(f"{r['images']:,} images: reading the COCO file {r['read_coco_ms']:.1f} ms, the same "
           f"names as a --list {r['read_list_ms']:.1f} ms (serial, in the main process); "
-          f"fields {r['fields_us_per_image']:.1f} us per image (in the workers)")
+          f"fields {r['fields_us_per_image']:.1f} us per image (in the workers; "
+          f"{r['fields_python_us_per_image']:.1f} us with polygon text parsed in Python)")
     how = "in pieces by forked processes" if r["pieces"] else "in one process: too small or too few cores for pieces"
     print(f"as a build with a worker per core reads it ({how}): {r['read_coco_pieces_ms']:.1f} ms")
     return 0

@@ -19,6 +19,7 @@ from typing import Dict, List
 from .._system import usable_cores
 from ..builder import load_source, source_schema
 from ..shardwork import FieldMaker
+from ..sources import segmentation
 
 __all__ = ["source_costs", "write_coco_like"]
 
@@ -27,11 +28,14 @@ def source_costs(annotations: Path, images: Path = None, repeats: int = 3) -> Di
     """Medians over ``repeats``: ``read_coco_ms`` (one process), ``read_coco_pieces_ms``
     (as a build with a worker per usable core reads it: large files in pieces, ``pieces``
     says whether they were), ``read_list_ms`` (the same file names as a ``--list``),
-    ``fields_us_per_image`` (at 640x480: the image files are not needed)."""
+    ``fields_us_per_image`` (at 640x480: the image files are not needed), and
+    ``fields_python_us_per_image``: the same with polygon text parsed in Python (the C
+    accelerator turned off; equal to the first where it is not built)."""
     annotations = Path(annotations)
     names = [im["file_name"] for im in json.loads(annotations.read_text("utf-8"))["images"]]
     runs: Dict[str, List[float]] = {"read_coco_ms": [], "read_coco_pieces_ms": [],
-                                    "read_list_ms": [], "fields_us_per_image": []}
+                                    "read_list_ms": [], "fields_us_per_image": [],
+                                    "fields_python_us_per_image": []}
     pieces = False
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(images) if images is not None else Path(tmp)
@@ -50,13 +54,23 @@ def source_costs(annotations: Path, images: Path = None, repeats: int = 3) -> Di
             load_source(root, list=listing)
             runs["read_list_ms"].append((time.perf_counter() - t) * 1e3)
             fields = FieldMaker(src, source_schema(src)["fields"], [])
-            t = time.perf_counter()
-            for i in range(len(src.entries)):
-                fields.encoded(i, 640, 480)
-            runs["fields_us_per_image"].append((time.perf_counter() - t) / len(src.entries) * 1e6)
+            runs["fields_us_per_image"].append(encoding_us(fields, len(src.entries)))
+            accelerator, segmentation.packed_polygons = segmentation.packed_polygons, None
+            try:
+                runs["fields_python_us_per_image"].append(encoding_us(fields, len(src.entries)))
+            finally:
+                segmentation.packed_polygons = accelerator
     out = {k: statistics.median(v) for k, v in runs.items()}
     out["images"], out["pieces"] = len(names), pieces
     return out
+
+
+def encoding_us(fields: FieldMaker, images: int) -> float:
+    """Microseconds per image to encode every image's fields (at 640x480)."""
+    t = time.perf_counter()
+    for i in range(images):
+        fields.encoded(i, 640, 480)
+    return (time.perf_counter() - t) / images * 1e6
 
 
 def write_coco_like(path: Path, images: int, objects: int = 7, points: int = 24,

@@ -26,7 +26,7 @@ def test_source_costs(tmp_path):
     r = source_costs(small_coco(tmp_path / "a.json"), repeats=2)
     assert r["images"] == 3
     assert all(r[k] > 0 for k in ("read_coco_ms", "read_coco_pieces_ms", "read_list_ms",
-                                  "fields_us_per_image"))
+                                  "fields_us_per_image", "fields_python_us_per_image"))
     assert r["pieces"] is False  # three images: one process
 
 
@@ -35,7 +35,8 @@ def test_script_prints_the_three_figures(tmp_path):
                           "--repeats", "1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("3 images: reading the COCO file ")
-    assert "us per image (in the workers)" in run.stdout
+    assert "us per image (in the workers; " in run.stdout
+    assert "us with polygon text parsed in Python)" in run.stdout
     assert "as a build with a worker per core reads it (in one process" in run.stdout
 
 

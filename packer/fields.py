@@ -50,7 +50,8 @@ class PackedData(bytes):
     """An item of a ``CheckedData`` list in its stored form already: the msgpack bytes of
     plain data its maker checked while packing it (COCO polygon text, which
     ``packer.sources._polygons`` turns into msgpack without making Python objects).
-    ``packer.format.pack_fields`` splices it in; a reader sees the plain data."""
+    ``packer.format.pack_fields`` splices it in; a reader sees the plain data. Only ever an
+    item of a ``CheckedData``: anywhere else msgpack would store it as bytes."""
 
 
 class CheckedArray(bytes):

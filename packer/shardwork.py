@@ -105,6 +105,13 @@ class FieldMaker:
         only when the build stopped meanwhile)."""
         return self.late is None or self.late.ready(wait)
 
+    def check(self, i: int) -> None:
+        """For an entry whose image is skipped: the PackerError its row would have given
+        when fitted (``Annotations.check``)."""
+        ann = self.source.annotations
+        if ann is not None and ann.check is not None:
+            ann.check(self.rows[i])
+
     def encoded(self, i: int, width: int, height: int):
         ann = self.source.annotations
         values: dict = {"label": self.source.entries[i][1]} if self.has_label else {}
@@ -202,6 +209,8 @@ class ShardFill:
         for i, status, payload in self.held:
             if status == "ok":
                 status, payload = with_fields(self.job, i, payload)
+            else:
+                self.job.fields.check(i)
             reasons = self.store(i, status, payload, entries[i][0])
             if self.job.strict and (status == "skip" or reasons):
                 self.done.failed = True

@@ -42,6 +42,8 @@ class Annotations:
     added to the manifest (e.g. COCO ``categories``). ``dropped``: annotations the parser
     could not use, ``{"path", "reason"}``. ``digest``: a hash of the input the rows were
     read from; when given, the build's fingerprint uses it instead of hashing every row.
+    ``check(row)``: for a row whose image is skipped, raises the PackerError ``fit`` would
+    have raised for a broken input file (COCO polygon text that is not JSON).
     """
     schema: List[Dict[str, Any]]
     rows: Optional[List[Dict[str, Any]]]
@@ -50,6 +52,7 @@ class Annotations:
     extra: Dict[str, Any] = field(default_factory=dict)
     dropped: List[Dict[str, str]] = field(default_factory=list)
     digest: Optional[str] = None
+    check: Optional[Callable[[Dict[str, Any]], None]] = None
 
 
 @dataclass(frozen=True)

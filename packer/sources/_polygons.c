@@ -13,6 +13,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -130,6 +131,9 @@ static const char *number(const char *s, const char *e, Out *o) {
             return NULL;
         if (m > EXACT) /* beyond Clinger's fast path: Python rounds it */
             return NULL;
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+        return NULL; /* x87 arithmetic could round the division twice: Python does floats */
+#endif
         double d = (double)m / POW10[frac]; /* both exact: one correctly rounded division */
         put_float(o, neg ? -d : d);
         return s;
@@ -208,7 +212,8 @@ static PyObject *packed_polygons(PyObject *self, PyObject *arg) {
         Py_RETURN_NONE;
     Py_ssize_t n = PyUnicode_GET_LENGTH(arg);
     const char *s = (const char *)PyUnicode_DATA(arg); /* ASCII: one byte per character */
-    /* each text byte makes at most 9 bytes (a float from one digit) plus headers */
+    /* at most ~3 bytes per text byte ("[[0.0]]": 19 bytes, headers reserved at 5 each
+     * before they are compacted); 10 per byte leaves room to spare */
     unsigned char *buf = PyMem_Malloc((size_t)n * 10 + 16);
     if (buf == NULL)
         return PyErr_NoMemory();

@@ -27,7 +27,7 @@ from ..text import is_utf8
 from .cocopieces import INT64_MAX, Pieces, glance, is_id, read_pieces, row_objects
 from .lazyjson import loads_deferring
 from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
-from .segmentation import read_segmentation
+from .segmentation import check_text, read_segmentation
 
 FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32
 
@@ -85,16 +85,18 @@ def coco_images(root: Path, file: Path, raw: bytes, text: str, skip_empty: bool,
             raise PackerError(f"{file}: annotation id {aid} appears twice (annotations[{seen[aid]}]"
                               f" and annotations[{k}]); ids must be unique")
         seen[aid] = k
+        if iid in rows and cid in categories:
+            rows[iid]["objects"].append(obj)
+            continue
+        check_text(aid, obj[5])  # not stored, but a file that is not JSON stops the build
         if iid in bad_ids:
             continue  # its image is dropped, with the reason
         if iid not in rows:
             dropped.append({"path": file.name, "reason": f"annotation {aid}: image id {iid} is "
                             f"not in 'images'"})
-        elif cid not in categories:
+        else:
             dropped.append({"path": images_by_id[iid], "reason": f"annotation {aid}: category "
                             f"id {cid} is not in 'categories'"})
-        else:
-            rows[iid]["objects"].append(obj)
     return coco_list(root, file, categories, images_by_id, rows, dropped, skip_empty,
                      hashing.result())
 
@@ -120,8 +122,10 @@ def coco_from_pieces(root: Path, file: Path, read: Pieces, skip_empty: bool):
             row = rows.get(iid)
             if row is not None:
                 row["packed"].append(packed)
-            elif iid not in bad_ids:  # its image is dropped, with the reason
+            elif iid not in bad_ids:
                 return None
+            else:  # its image is dropped, with the reason
+                check_row({"packed": [packed]})
     return coco_list(root, file, categories, images_by_id, rows, dropped, skip_empty,
                      read.digest)
 
@@ -153,7 +157,7 @@ def coco_source(root: Path, categories: Dict[int, Dict[str, Any]], images_by_id:
                 digest: str) -> ImageList:
     """The ImageList of images ``order`` (ids) with their ``rows`` (None: not read yet)."""
     ann = Annotations(schema=coco_schema(), rows=rows, fit=fit_coco, task="detection",
-                      extra=extra, dropped=dropped, digest=digest)
+                      extra=extra, dropped=dropped, digest=digest, check=check_row)
     classes = [categories[c]["name"] for c in sorted(categories)]
     return ImageList(root, classes, [(images_by_id[i], -1) for i in order], ann)
 
@@ -319,6 +323,12 @@ def shown_box(box) -> str:
     return "[" + ", ".join(f"{v:g}" for v in box) + "]"
 
 
+def check_row(row: Dict[str, Any]) -> None:
+    """``Annotations.check``: the row's polygon text must be JSON, its image stored or not."""
+    for obj in row_objects(row):
+        check_text(obj[0], obj[5])
+
+
 def fit_coco(row: Dict[str, Any], width: int, height: int):
     """The row's objects as torchvision-style targets: XYWH boxes -> XYXY clipped to the
     image; degenerate or outside boxes and unusable segmentations dropped (with the
@@ -359,10 +369,10 @@ def fit_box(box: List[Any], width: int, height: int) -> Tuple[List[float], str]:
         return [], f"zero or negative size box {shown_box(box)}"
     # max(x, 0.0) and min(x + w, width), written out: every image's every object comes here
     x0, y0, x1, y1 = 0.0 if x < 0.0 else x, 0.0 if y < 0.0 else y, x + w, y + h
-    x1, y1 = float(width) if x1 > width else x1, float(height) if y1 > height else y1
+    x1, y1 = width if x1 > width else x1, height if y1 > height else y1
     if x1 <= x0 or y1 <= y0:
         return [], f"box {shown_box(box)} lies outside the {width}x{height} image"
-    return [x0, y0, x1, y1], ""
+    return [x0, y0, float(x1), float(y1)], ""
 
 
 def object_area(area: Any, xyxy: List[float]) -> float:

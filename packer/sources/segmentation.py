@@ -72,6 +72,14 @@ def read_segmentation(aid: int, seg: Any) -> Tuple[Any, str]:
     return seg, ""
 
 
+def check_text(aid: int, seg: Any) -> None:
+    """For an object that is not stored (its image skipped or dropped): a PackerError where
+    its polygon text is not JSON, as for a stored one (``read_segmentation``), so a file
+    that is not JSON stops the build whatever became of its images."""
+    if type(seg) is Deferred:
+        read_segmentation(aid, seg)
+
+
 def plain_polygons(text: str) -> Any:
     """The polygons in ``text`` when it is the common case, known good without a walk over
     every number: only digits, signs, points, commas, brackets and spaces (no exponent, NaN

@@ -3,17 +3,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import pickle
+import random
 import threading
 from pathlib import Path
 
 import msgpack
 import pytest
 
+from packer.builder import build
+from packer.demo import load_photos, make_image
 from packer.errors import PackerError
 from packer.fields import CheckedData, PackedData, data_problem, encode, to_array
-from packer.sources.coco import (checked_annotation, checked_image, coco_schema, fit_coco,
-                                 read_annotation, read_coco, read_image)
+from packer.sources.coco import (checked_annotation, checked_image, coco_schema, fit_box,
+                                 fit_coco, read_annotation, read_coco, read_image)
 from packer.sources.segmentation import plain_polygons
 from packer.sources.lazyjson import Deferred
 
@@ -303,6 +307,41 @@ def test_a_broken_polygon_stops_the_build_as_broken_json_does(tmp_path, broken):
         fitted(ann.fit, ann.rows[0], 60, 40)
 
 
+@pytest.mark.parametrize("where", ["unknown image", "bad file name", "unknown category"])
+def test_broken_polygon_text_of_a_dropped_object_still_stops_the_build(tmp_path, where):
+    """An object the read drops is not stored, but its text that is not JSON means the file
+    is not JSON: the build stops as it does for a stored one."""
+    images = [{"id": 2, "file_name": "two.jpg"}, {"id": 3, "file_name": "../three.jpg"}]
+    ann = {"id": 11, "image_id": {"unknown image": 9, "bad file name": 3}.get(where, 2),
+           "category_id": 4 if where == "unknown category" else 90, "bbox": [1, 1, 5, 5],
+           "segmentation": POLY}
+    text = json.dumps(coco(images=images, annotations=[ann]))
+    broken = text.replace(json.dumps(POLY), "[[10 10 30]]")
+    read(tmp_path, text)  # dropped, with a reason
+    with pytest.raises(PackerError, match="annotation 11's 'segmentation' is not valid JSON"):
+        read(tmp_path, broken)
+
+
+def test_broken_polygon_text_of_a_skipped_image_still_stops_the_build(tmp_path):
+    """Its image is not an image (skipped, with a reason): its row is checked all the same,
+    whether the workers got the rows at the start or later (``cocooutline``)."""
+    img = tmp_path / "img"
+    img.mkdir()
+    (img / "two.jpg").write_bytes(b"not a jpeg")
+    path = tmp_path / "instances.json"
+    (img / "one.jpg").write_bytes(make_image(random.Random(1), load_photos()))
+    images = [{"id": 1, "file_name": "one.jpg"}, {"id": 2, "file_name": "two.jpg"}]
+    good = json.dumps(coco(images=images, annotations=[dict(coco()["annotations"][0])]))
+    for workers in (0, 2):
+        path.write_text(good)
+        m = build(img, tmp_path / f"ok-{workers}", coco=path, workers=workers,
+                  progress=False).manifest
+        assert m["count"] == 1 and m["skipped"][0]["path"] == "two.jpg"
+        path.write_text(good.replace(json.dumps(POLY), "[[10 10 30]]"))
+        with pytest.raises(PackerError, match="annotation 11's 'segmentation' is not valid"):
+            build(img, tmp_path / f"bad-{workers}", coco=path, workers=workers, progress=False)
+
+
 def annotation_variants():
     """An annotation, then each field (one, or the three ids together) at the edges of what
     ``read_annotation``'s quick check takes, and a few records that are not objects: the
@@ -415,6 +454,25 @@ def test_both_paths_keep_large_but_storable_coordinates():
                                    10, 10)
         assert not reasons and values["ann_ids"] == [7]
         assert not data_problem(encode(coco_schema(), values)["segmentation"])
+
+
+def test_fit_box_clips_as_min_and_max_do():
+    """Written out for speed, it must keep what ``max(x, 0.0)``, ``min(x + w, width)`` kept,
+    -0.0 and sizes beyond a double's integers included."""
+    def reference(box, width, height):
+        x, y, w, h = (float(v) for v in box)
+        x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)
+        return [] if x1 <= x0 or y1 <= y0 else [x0, y0, float(x1), float(y1)]
+    rng = random.Random(4)
+    cases = [([36.58, 2 ** 53, 889, 5.04e53], 906, 2 ** 53 + 1), ([-0.0, -0.0, 5, 5], 5, 5),
+             ([0, 0, 5, 5], 5, 5), ([-3, 2, 4, 4], 10, 3)]
+    cases += [([rng.uniform(-50, 700) for _ in range(2)] + [rng.uniform(0.1, 300) for _ in range(2)],
+               rng.randint(1, 640), rng.randint(1, 480)) for _ in range(5000)]
+    for box, width, height in cases:
+        xyxy, _ = fit_box(box, width, height)
+        assert xyxy == reference(box, width, height)
+        assert [math.copysign(1, v) for v in xyxy] == [math.copysign(1, v) for v in
+                                                     reference(box, width, height)]
 
 
 def test_polygon_text_that_is_not_json_stops_the_build_even_with_a_bad_box():

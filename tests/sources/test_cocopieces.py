@@ -154,6 +154,21 @@ def test_a_second_annotations_key_holding_a_nul_string_is_not_taken_for_the_piec
     assert str(parallel.value) == str(serial.value)
 
 
+def test_broken_polygon_text_of_a_dropped_image_stops_the_pieces_read_too(tmp_path):
+    data = big_coco()
+    data["images"][0]["file_name"] = "../outside.jpg"  # dropped, with its objects
+    victim = next(a for a in data["annotations"] if a["image_id"] == data["images"][0]["id"]
+                  and isinstance(a["segmentation"], list))
+    text = json.dumps(data)
+    polygon = json.dumps(victim["segmentation"])
+    assert text.count(polygon) == 1
+    images, path = write(tmp_path, text.replace(polygon, "[[1 2]]"))
+    message = f"annotation {victim['id']}'s 'segmentation' is not valid JSON"
+    for workers in (1, WORKERS):
+        with pytest.raises(PackerError, match=message):
+            read_coco(images, path, workers=workers)
+
+
 def test_annotations_before_images_and_a_bom_read_the_same(tmp_path):
     data = big_coco()
     reordered = {k: data[k] for k in ("annotations", "categories", "images", "info")}

@@ -235,7 +235,8 @@ static PyMethodDef methods[] = {
      "polygon text, else None (parse it in Python)."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_polygons",
-                                    "COCO polygon text to msgpack in one pass.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_polygons",
+                                    .m_doc = "COCO polygon text to msgpack in one pass.",
+                                    .m_size = -1, .m_methods = methods};
 
 PyMODINIT_FUNC PyInit__polygons(void) { return PyModule_Create(&module); }

@@ -144,61 +144,55 @@ static const char *number(const char *s, const char *e, Out *o) {
     return s;
 }
 
-/* Polygons from text [s, e) into o (o must hold 10 bytes per text byte); 0 if not simple. */
+/* After an array item: the text past its "," (*closed = 0) or past the array's "]"
+ * (*closed = 1); NULL for anything else. */
+static const char *after_item(const char *s, const char *e, int *closed) {
+    s = skip_ws(s, e);
+    if (s >= e || (*s != ']' && *s != ','))
+        return NULL;
+    *closed = *s == ']';
+    return s + 1;
+}
+
+/* An array of n items packed at head + 5 .. end: its header written at head and the items
+ * moved up to it (the header's size is known only once the items are counted); the new end. */
+static unsigned char *close_array(unsigned char *head, unsigned char *end, Py_ssize_t n) {
+    Out h = {head};
+    put_array_head(&h, n);
+    memmove(h.p, head + 5, (size_t)(end - (head + 5)));
+    return h.p + (end - (head + 5));
+}
+
+/* Polygons from text [s, e) into buf (10 bytes per text byte); 0 if not simple. */
 static int polygons(const char *s, const char *e, unsigned char *buf, Py_ssize_t *size) {
-    Out o = {buf + 5}; /* room for the outer header, moved into place at the end */
+    Out o = {buf + 5}; /* room for the outer header */
     Py_ssize_t count = 0;
+    int closed = 0;
     s = skip_ws(s, e);
     if (s >= e || *s++ != '[')
         return 0;
-    for (;;) {
+    while (!closed) {
         s = skip_ws(s, e);
         if (s >= e || *s++ != '[')
             return 0;
-        /* the polygon's numbers go after room for its header, then are moved up to it */
         unsigned char *head = o.p;
-        o.p += 5;
-        unsigned char *body = o.p;
+        o.p += 5; /* room for the polygon's header */
         Py_ssize_t n = 0;
-        for (;;) {
-            s = skip_ws(s, e);
-            s = number(s, e, &o);
-            if (s == NULL)
+        int last = 0;
+        while (!last) {
+            s = number(skip_ws(s, e), e, &o);
+            if (s == NULL || (s = after_item(s, e, &last)) == NULL)
                 return 0;
             n++;
-            s = skip_ws(s, e);
-            if (s >= e)
-                return 0;
-            if (*s == ']') {
-                s++;
-                break;
-            }
-            if (*s++ != ',')
-                return 0;
         }
-        Py_ssize_t len = o.p - body;
-        Out h = {head};
-        put_array_head(&h, n);
-        memmove(h.p, body, (size_t)len);
-        o.p = h.p + len;
+        o.p = close_array(head, o.p, n);
         count++;
-        s = skip_ws(s, e);
-        if (s >= e)
-            return 0;
-        if (*s == ']') {
-            s++;
-            break;
-        }
-        if (*s++ != ',')
+        if ((s = after_item(s, e, &closed)) == NULL)
             return 0;
     }
     if (skip_ws(s, e) != e)
         return 0;
-    Py_ssize_t len = o.p - (buf + 5);
-    Out h = {buf};
-    put_array_head(&h, count);
-    memmove(h.p, buf + 5, (size_t)len);
-    *size = (h.p - buf) + len;
+    *size = close_array(buf, o.p, count) - buf;
     return 1;
 }
 

@@ -7,7 +7,7 @@ import sys
 from typing import Dict, List
 
 from . import __version__
-from ._system import PILLOW_SIMD_HINT, pil_info, pil_summary, usable_cores
+from ._util.system import PILLOW_SIMD_HINT, pil_info, pil_summary, usable_cores
 from .sources.segmentation import packed_polygons
 
 

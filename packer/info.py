@@ -9,16 +9,17 @@ from typing import Iterator, List, Tuple
 from tqdm.auto import tqdm
 
 from .errors import FormatError
-from .fields import array_shape
-from .format import (crc32, dataset_schema, file_sha256, read_manifest, record_problem,
-                     shard_file, side_tables, unpack_record)
-from ._system import human_size
-from .check import DEFAULT_MAX_PIXELS, BadImage, check_image
-from .masks import segmentation_problem
-from .reader import ShardReader, read_column, read_labels, read_paths
-from .shardfile import shard_records
-from .targets import TargetMaker
-from .text import printable
+from .format.fields import array_shape
+from .format.records import crc32, record_problem, unpack_record
+from .format.manifest import dataset_schema, file_sha256, read_manifest, shard_file, side_tables
+from ._util.system import human_size
+from .writing.check import DEFAULT_MAX_PIXELS, BadImage, check_image
+from .reading.masks import segmentation_problem
+from .reading.reader import ShardReader
+from .format.tables import read_column, read_labels, read_paths
+from .format.lmdbfile import shard_records
+from .reading.targets import TargetMaker
+from ._util.text import printable
 
 
 def info(root: os.PathLike) -> dict:

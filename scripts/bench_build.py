@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from packer.bench.build import bench_build, build_table
-from packer.loader import default_num_workers
+from packer.loading.loader import default_num_workers
 
 
 def main(argv=None) -> int:

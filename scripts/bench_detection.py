@@ -29,8 +29,7 @@ import argparse
 import shlex
 import sys
 
-from packer.bench.detection import (DetectionBenchOptions, bench_detection, detection_table,
-                                    write_json)
+from packer.bench.detection import DetectionBenchOptions, bench_detection, detection_table, write_json
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from packer.loader import default_num_workers
+from packer.loading.loader import default_num_workers
 from packer.bench.efficiency import bench_efficiency, efficiency_table, packed_photos
 
 

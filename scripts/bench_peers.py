@@ -20,7 +20,7 @@ from pathlib import Path
 
 from packer.bench.efficiency import packed_photos
 from packer.bench.peers import bench_peers, peers_table
-from packer.loader import default_num_workers
+from packer.loading.loader import default_num_workers
 
 
 def main(argv=None) -> int:

@@ -40,9 +40,9 @@ import torch.nn as nn
 import packer
 from packer.bench.models import TrainStep, make_model
 from packer.errors import PackerError
-from packer.loader import make_loader
-from packer.prefetch import CUDAPrefetcher
-from packer.sampler import PackedSampler
+from packer.loading.loader import make_loader
+from packer.loading.prefetch import CUDAPrefetcher
+from packer.reading.sampler import PackedSampler
 from packer.staging import stage_once_per_node
 
 

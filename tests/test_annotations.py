@@ -20,13 +20,13 @@ import torch
 
 from helpers import packer_env, run_packer
 from packer import PackedDataset, build, merge
-from packer.decode import DecodeLetterbox, DecodeRandomResizedCrop
+from packer.transforms.decode import DecodeLetterbox, DecodeRandomResizedCrop
 from packer.demo.scenes import boxes_of, make_detection_folder
 from packer.errors import FormatError, PackerError
-from packer.format import column_file, file_sha256, read_manifest
+from packer.format.manifest import column_file, file_sha256, read_manifest
 from packer.info import verify
-from packer.reader import ShardReader
-from packer.writer import ShardWriter
+from packer.reading.reader import ShardReader
+from packer.writing.shard import ShardWriter
 
 N_IMAGES = 40  # ~2.5 MB of JPEGs: three shards at shard_size=1 MiB
 EMPTY = round(N_IMAGES * 0.1)  # make_detection_folder's default empty_fraction

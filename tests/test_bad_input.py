@@ -9,10 +9,10 @@ from PIL import Image
 
 from helpers import bomb_png, corrupt_header_jpeg, corrupt_png, encode, quiet_build, small_photo
 from packer.errors import FormatError, PackerError
-from packer.format import read_manifest
-from packer.check import DEFAULT_MAX_PIXELS, BadImage, check_image
+from packer.format.manifest import read_manifest
+from packer.writing.check import DEFAULT_MAX_PIXELS, BadImage, check_image
 from packer.info import verify
-from packer.reader import ShardReader
+from packer.reading.reader import ShardReader
 
 REASON_PREFIX = {  # what each kind of broken file is reported as
     "empty file": "empty file",

@@ -14,14 +14,14 @@ from click.testing import CliRunner
 from PIL import Image
 
 from packer import build, write
-from packer._system import pil_info
+from packer._util.system import pil_info
 from packer.bench.build import sample_folder
 from packer.bench.efficiency import steady_loader_rate
 from packer.bench.phases import FIGURE_EPOCHS, FIGURE_IMAGES, figure_plan
 from packer.bench.run import run_bench
 from packer.cli import main
-from packer.dataset import PackedDataset
-from packer.decode import DecodeRandomResizedCrop
+from packer.reading.dataset import PackedDataset
+from packer.transforms.decode import DecodeRandomResizedCrop
 from packer.errors import PackerError
 
 QUICK = dict(workers=[1], batch_size=8, repeats=2, seconds_per_variant=0.2, max_images=24,

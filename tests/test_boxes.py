@@ -1,4 +1,4 @@
-"""Detection box maths (packer.boxes) against plain-Python per-box references, and the
+"""Detection box maths (packer.transforms.boxes) against plain-Python per-box references, and the
 letterboxed image against PIL: boxes must land where the pixels of their objects do."""
 import random
 
@@ -7,8 +7,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from packer.gpu.augment import center_crop_boxes, random_resized_crop_boxes
-from packer.boxes import (boxes_to_tensor, crop_boxes, letterbox, letterbox_boxes,
-                              letterbox_params, select_boxes, split_boxes)
+from packer.transforms.boxes import boxes_to_tensor, crop_boxes, letterbox, letterbox_boxes, letterbox_params, select_boxes, split_boxes
 
 from helpers import cuda, rgb_tensor
 

@@ -18,15 +18,16 @@ from PIL import Image
 
 import packer
 from helpers import encode, image_files, imagefolder_rule, quiet_build
-from packer import format as fmt
-from packer._fsio import write_json_atomic
-from packer import writer as writer_mod
+from packer.format import manifest as fmt
+from packer._util.fsio import write_json_atomic
+from packer.writing import shard as writer_mod
 from packer import merge
 from packer.errors import FormatError, PackerError
-from packer.check import Transcode
+from packer.writing.check import Transcode
 from packer.info import ls, verify
-from packer.reader import ShardReader, read_labels
-from packer.writer import ShardWriter
+from packer.reading.reader import ShardReader
+from packer.format.tables import read_labels
+from packer.writing.shard import ShardWriter
 
 PACKER_DIR = Path(packer.__file__).parent
 
@@ -111,14 +112,14 @@ def test_no_pickle_anywhere_in_the_format():
         text = (PACKER_DIR / mod).read_text("utf-8")
         assert not re.search(r"^\s*(import|from)\s+(c?[pP]ickle|dill|cloudpickle)\b", text, re.M), mod
         assert "torch.load" not in text and "marshal" not in text, mod
-    code = "import sys, packer.format, packer.reader; print(sorted(m for m in sys.modules if 'pickle' in m))"
+    code = "import sys, packer.format.manifest, packer.reading.reader; print(sorted(m for m in sys.modules if 'pickle' in m))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_newer_major_format_is_refused_with_a_clear_message(odd_built, tmp_path):
     import shutil
-    from packer.dataset import PackedDataset
+    from packer.reading.dataset import PackedDataset
     dst = tmp_path / "d"
     shutil.copytree(odd_built, dst)
     man = json.loads((dst / "manifest.json").read_text("utf-8"))
@@ -363,7 +364,7 @@ def test_merge_refuses_mismatched_or_repeated_parts(photo_src, odd_built, tmp_pa
 
 
 def test_the_shard_plan_is_a_function_of_the_file_sizes_alone():
-    from packer.shardwork import MIN_PLANNED, PLANNED_SHARDS, plan_shards
+    from packer.writing.worker import MIN_PLANNED, PLANNED_SHARDS, plan_shards
     sizes = [(i * 7919) % 200_000 + 1 for i in range(20_000)]  # ~2 GB of files
     plan = plan_shards(sizes, 1 << 30)
     assert plan == plan_shards(list(sizes), 1 << 30)

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from packer import Transcode
-from packer.check import BadImage, Checked, check_image, to_rgb
+from packer.writing.check import BadImage, Checked, check_image, to_rgb
 from packer.demo import load_photos, make_image
 from packer.errors import PackerError
 

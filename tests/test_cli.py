@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from helpers import image_files, imagefolder_rule
 from packer import __version__
 from packer.cli import Size, main
-from packer._fsio import write_json_atomic
-from packer.format import FORMAT_VERSION, read_manifest
+from packer._util.fsio import write_json_atomic
+from packer.format.manifest import FORMAT_VERSION, read_manifest
 
 
 def invoke(*args, code=0):

@@ -11,9 +11,9 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from helpers import imagefolder_rule
-from packer.dataset import PackedDataset
+from packer.reading.dataset import PackedDataset
 from packer.errors import FormatError
-from packer.decode import DecodeCenterCrop
+from packer.transforms.decode import DecodeCenterCrop
 
 
 def good_samples(odd_tree):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from packer.decode import DecodeCenterCrop, DecodeRandomResizedCrop, image_to_tensor, open_image
+from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop, image_to_tensor, open_image
 from packer.demo import load_photos, make_image
 
 
@@ -206,7 +206,7 @@ def test_center_crop_bad_fraction(fraction):
                                             ((1000, 1200), False)])
 def test_letterbox_backends_agree_with_a_pil_reference(photo_jpeg, size, scale_up):
     """Both resizers give PIL's BILINEAR pixels inside the letterbox, grey 114 outside."""
-    from packer.decode import DecodeLetterbox
+    from packer.transforms.decode import DecodeLetterbox
     im = Image.open(io.BytesIO(photo_jpeg)).convert("RGB")
     w, h = im.size
     oh, ow = size
@@ -233,7 +233,7 @@ def test_letterbox_torch_resize_stays_channels_last(photo_jpeg, monkeypatch):
     a batch stride of 3 (``x[None]``) it wrote a contiguous NCHW output and repacked it: the
     same pixels at twice the time (docs/benchmarks.md)."""
     import torch.nn.functional as F
-    from packer.decode import DecodeLetterbox
+    from packer.transforms.decode import DecodeLetterbox
     seen = []
     real = F.interpolate
 
@@ -276,7 +276,7 @@ def test_torch_resize_crops_whole_pixels_and_says_which(photo_jpeg, photo, size,
 
 
 def test_resize_auto_is_torch_unless_pillow_simd(photo_jpeg, monkeypatch):
-    import packer.decode as decode
+    import packer.transforms.decode as decode
     for simd, torch_path in ((False, True), (True, False)):
         monkeypatch.setattr(decode, "pillow_simd", lambda simd=simd: simd)
         assert DecodeRandomResizedCrop(64).torch_resize() is torch_path

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import packer
-from packer._system import pil_info, usable_cores
+from packer._util.system import pil_info, usable_cores
 from packer.cli import main
 from packer.doctor import doctor, format_doctor
 from packer.sources import segmentation

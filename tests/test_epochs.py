@@ -1,4 +1,4 @@
-"""``EpochLoader`` (packer.epochs): the workers run on into the next epoch, and every epoch
+"""``EpochLoader`` (packer.loading.epochs): the workers run on into the next epoch, and every epoch
 still holds exactly the batches a plain DataLoader over the same ``PackedSampler`` gives —
 with ``set_epoch``, without it, abandoned midway, resumed, split across ranks."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from packer import PackedSampler, make_loader
-from packer.epochs import EpochLoader
+from packer.loading.epochs import EpochLoader
 
 
 class Indices(Dataset):

@@ -42,7 +42,7 @@ LOOP = textwrap.dedent('''
     ds = packer.PackedDataset(root, decode=decode, target_fields="uid")
     sampler = packer.PackedSampler(ds, seed=7, num_replicas=world, rank=rank)
     if gpu:
-        loader = packer.make_gpu_loader(ds, 4, sampler=sampler, num_workers=2, stateful=True)
+        loader = packer.gpu.make_gpu_loader(ds, 4, sampler=sampler, num_workers=2, stateful=True)
         feed = packer.GPUDecoder(loader, size=32)
     else:
         loader = packer.make_loader(ds, 4, sampler=sampler, num_workers=2, stateful=True)
@@ -168,7 +168,8 @@ def test_prefetcher_state_counts_what_the_consumer_received(uid_dataset):
 def test_gpu_decoder_state_counts_what_the_consumer_received(uid_dataset, overlap):
     """The decode threads draw batches well ahead of the consumer (PIL stands in for nvJPEG
     on the CPU here); the state must count only what the consumer got."""
-    from packer import GPUDecoder, GPUOptions, PackedDataset, PackedSampler, make_gpu_loader
+    from packer import GPUDecoder, PackedDataset, PackedSampler
+    from packer.gpu import GPUOptions, make_gpu_loader
     from helpers import pil_decoder
     ds = PackedDataset(uid_dataset, target_fields="uid")
 

@@ -1,5 +1,5 @@
-"""Typed fields (packer.fields), the schema in the manifest (packer.schema), masks from COCO
-segmentations (packer.masks), and records that do not match their schema."""
+"""Typed fields (packer.format.fields), the schema in the manifest (packer.format.validation), masks from COCO
+segmentations (packer.reading.masks), and records that do not match their schema."""
 from __future__ import annotations
 
 import json
@@ -12,10 +12,9 @@ import torch
 
 from packer import PackedDataset, build, verify, write
 from packer.errors import FormatError, PackerError
-from packer.fields import (array_shape, check_schema, data_problem, detection_problem, encode,
-                           field_problem, infer_field, to_array, value_problem)
-from packer.format import read_manifest
-from packer.masks import decode_counts, masks_of, rle_mask
+from packer.format.fields import array_shape, check_schema, data_problem, detection_problem, encode, field_problem, infer_field, to_array, value_problem
+from packer.format.manifest import read_manifest
+from packer.reading.masks import decode_counts, masks_of, rle_mask
 
 BOXES = {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]}
 
@@ -234,7 +233,7 @@ def test_annotation_keys_of_the_manifest_are_validated(tmp_path, photo_src, key,
 def test_checked_arrays_are_stored_as_built_and_equal_the_checked_way():
     """What a source built with ``checked_array`` (COCO's fitted boxes) is kept as it is,
     and is the same bytes the general path makes of the same values."""
-    from packer.fields import CheckedArray, checked_array
+    from packer.format.fields import CheckedArray, checked_array
     f = {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]}
     g = {"name": "ids", "type": "array", "dtype": "int64", "shape": [-1]}
     boxes, ids = [[1.5, 2.0, 30.25, 40.0], [0.0, 0.0, 5.0, 6.0]], [7, 2 ** 40]

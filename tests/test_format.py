@@ -14,12 +14,11 @@ import pytest
 import packer
 from packer.demo import load_photos, make_image, make_image_folder
 from packer.errors import FormatError, PackerError
-from packer.fields import CheckedData, PackedData
-from packer.format import (FORMAT_NAME, FORMAT_VERSION, HASH_CHUNK, MANIFEST, RECORD_FIELDS,
-                           check_version, crc32, file_sha256, key, pack_record, packed_value,
-                           read_manifest, unpack_record)
-from packer._fsio import write_json_atomic
-from packer.writer import ShardWriter
+from packer.format.fields import CheckedData, PackedData
+from packer.format.manifest import FORMAT_NAME, FORMAT_VERSION, HASH_CHUNK, MANIFEST, check_version, file_sha256, read_manifest
+from packer.format.records import RECORD_FIELDS, crc32, key, pack_record, packed_value, unpack_record
+from packer._util.fsio import write_json_atomic
+from packer.writing.shard import ShardWriter
 
 
 @pytest.fixture(scope="module")

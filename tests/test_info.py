@@ -10,8 +10,8 @@ import pytest
 
 from helpers import imagefolder_rule
 from packer.errors import FormatError
-from packer._fsio import write_json_atomic
-from packer.format import FORMAT_VERSION, file_sha256, read_manifest
+from packer._util.fsio import write_json_atomic
+from packer.format.manifest import FORMAT_VERSION, file_sha256, read_manifest
 from packer.info import cat, format_info, info, ls, verify
 
 
@@ -147,9 +147,9 @@ def test_ls_and_cat(odd_tree, odd_built):
 def test_verify_decodes_every_record(odd_tree, tmp_path, monkeypatch):
     """Records whose bytes are intact (checksum fine) but do not decode are reported too."""
     import warnings
-    from packer import builder as build_mod
-    from packer import shardwork
-    from packer.check import Checked
+    from packer.writing import builder as build_mod
+    from packer.writing import worker as shardwork
+    from packer.writing.check import Checked
 
     monkeypatch.setattr(shardwork, "check_image",  # a build that validated nothing
                         lambda data, **kw: Checked(data, 1, 1, "JPEG", "RGB"))

@@ -9,11 +9,11 @@ from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler
 
 from packer import build
-from packer.dataset import PackedDataset
+from packer.reading.dataset import PackedDataset
 from packer.demo import make_image_folder
-from packer.decode import DecodeCenterCrop, DecodeRandomResizedCrop
-from packer.loader import TOTAL_PREFETCH, collate_uint8, default_num_workers, make_loader
-from packer.threaded import background
+from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop
+from packer.loading.loader import TOTAL_PREFETCH, collate_uint8, default_num_workers, make_loader
+from packer.loading.threaded import background
 
 UNIQUE, COPIES, CLASSES = 48, 4, 4
 

@@ -114,7 +114,7 @@ def test_workers_of_a_spawned_process_start_by_forkserver(packed, tmp_path, star
 EPOCH_SCRIPT = textwrap.dedent('''
     import multiprocessing, sys
     from packer import PackedDataset, PackedSampler, make_loader
-    from packer.decode import DecodeLetterbox
+    from packer.transforms.decode import DecodeLetterbox
     if __name__ == "__main__":
         multiprocessing.set_start_method("spawn")
         ds = PackedDataset(sys.argv[1], decode=DecodeLetterbox(480))

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 import packer
-from packer import ShardReader, merge
+from packer import merge
+from packer.reading import ShardReader
 from packer.demo import make_image_folder
 from packer.errors import PackerError
-from packer.reader import read_labels, read_offsets
+from packer.format.tables import read_labels, read_offsets
 
 
 def build(src, dst, **kw) -> Path:

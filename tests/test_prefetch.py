@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from packer.loader import make_loader
-from packer.prefetch import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
+from packer.loading.loader import make_loader
+from packer.loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
 
 # On a GPU machine these run through CUDA, fed from pageable memory on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:CUDAPrefetcher got a batch in pageable memory")

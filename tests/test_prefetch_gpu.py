@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from packer.loader import make_loader
-from packer.prefetch import CUDAPrefetcher, iter_tensors
+from packer.loading.loader import make_loader
+from packer.loading.prefetch import CUDAPrefetcher, iter_tensors
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -63,9 +63,9 @@ def test_unpinned_batches_work_with_a_warning():
 
 def test_packed_dataset_through_make_loader(tmp_path):
     from packer import build
-    from packer.dataset import PackedDataset
+    from packer.reading.dataset import PackedDataset
     from packer.demo import make_image_folder
-    from packer.decode import DecodeCenterCrop
+    from packer.transforms.decode import DecodeCenterCrop
 
     make_image_folder(tmp_path / "src", images=24, classes=3)
     build(tmp_path / "src", tmp_path / "packed", workers=0, progress=False)

@@ -15,13 +15,13 @@ import lmdb
 import pytest
 
 import packer
-from packer import ShardReader
+from packer.reading import ShardReader
 from packer.demo import make_image_folder
 from packer.errors import FormatError
-from packer._fsio import write_json_atomic
-from packer.format import key, unpack_record
-from packer.reader import read_labels, read_offsets
-from packer.shardfile import shard_entries
+from packer._util.fsio import write_json_atomic
+from packer.format.records import key, unpack_record
+from packer.format.tables import read_labels, read_offsets
+from packer.format.lmdbfile import shard_entries
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,14 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import image_files, run_packer
-from packer import packing as packing_mod
-from packer.journal import JOURNAL
+from packer.writing import packing as packing_mod
+from packer.writing.journal import JOURNAL
 from packer.cli import main
 from packer.errors import FormatError, PackerError
-from packer.format import read_manifest
+from packer.format.manifest import read_manifest
 from packer.info import ls, verify
-from packer.reader import ShardReader
-from packer.writer import ShardWriter
+from packer.reading.reader import ShardReader
+from packer.writing.shard import ShardWriter
 
 import helpers
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from packer.loader import make_loader
-from packer.sampler import PackedSampler, global_order
+from packer.loading.loader import make_loader
+from packer.reading.sampler import PackedSampler, global_order
 
 SIZES = [1, 7, 97, 256, 1001]
 
@@ -214,7 +214,7 @@ def test_finished_epoch_state_then_the_next_pass_reads_everything_through_make_l
 
 RESUME_SCRIPT = textwrap.dedent("""
     import json, sys
-    from packer.sampler import PackedSampler
+    from packer.reading.sampler import PackedSampler
     n, w, order, state = json.loads(sys.argv[1])
     out = []
     for r in range(w):
@@ -293,7 +293,7 @@ def test_prefetching_loader_overcounts_unless_told_consumed():
 SDL_SCRIPT = textwrap.dedent("""
     import json, sys
     from torchdata.stateful_dataloader import StatefulDataLoader
-    from packer.sampler import PackedSampler
+    from packer.reading.sampler import PackedSampler
     n, w, bs, workers, state = json.loads(sys.argv[1])
     out = []
     for r in range(w):
@@ -377,7 +377,7 @@ def _batches(seq, b):
 
 @pytest.mark.parametrize("world, factor", [(1, 0), (2, 0), (3, 3)])
 def test_grouped_batches_hold_one_aspect_group_on_every_rank(world, factor):
-    from packer.sampler import aspect_group_ids
+    from packer.reading.sampler import aspect_group_ids
     ds, b = _Ratios(203), 4
     groups = aspect_group_ids(ds.aspect_ratios(), factor)
     outs = [list(PackedSampler(ds, num_replicas=world, rank=r, seed=3, aspect_groups=factor,

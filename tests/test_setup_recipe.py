@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from packer._system import pil_info
+from packer._util.system import pil_info
 
 ON_CI = bool(os.environ.get("CI"))
 

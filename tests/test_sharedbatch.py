@@ -1,5 +1,5 @@
 """A batch crosses from a worker to the main process as one shared block
-(``packer.sharedbatch``), in slots the worker reuses (``packer.batchpool``), and reads back
+(``packer.loading.sharedbatch``), in slots the worker reuses (``packer.loading.batchpool``), and reads back
 exactly as the worker made it."""
 import os
 import pickle
@@ -11,12 +11,12 @@ from multiprocessing.reduction import ForkingPickler
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
 
 from packer import PackedDataset, build, make_loader
-from packer.decode import DecodeLetterbox
+from packer.transforms.decode import DecodeLetterbox
 from packer.demo.scenes import make_detection_folder
 from packer import PackedSampler
-from packer.loader import PooledCollate, collate_detection, default_collate_for
-from packer.batchpool import BatchPool
-from packer.sharedbatch import SharedBatch
+from packer.loading.loader import PooledCollate, collate_detection, default_collate_for
+from packer.loading.batchpool import BatchPool
+from packer.loading.sharedbatch import SharedBatch
 
 tv_tensors = pytest.importorskip("torchvision.tv_tensors")
 

@@ -8,8 +8,7 @@ import pytest
 
 from helpers import TV_IMG_EXTENSIONS, imagefolder_rule
 from packer.errors import PackerError
-from packer.source import (IMG_EXTENSIONS, EmptyClassWarning, ImageList, find_classes, parse_part,
-                           read_list, scan_folder, select)
+from packer.sources.base import IMG_EXTENSIONS, EmptyClassWarning, ImageList, find_classes, parse_part, read_list, scan_folder, select
 
 
 def scan_quietly(root):
@@ -232,7 +231,7 @@ def test_class_folder_name_that_is_not_utf8(tmp_path):
 
 
 def test_symlink_loop_is_skipped_with_a_warning_not_walked_forever(tmp_path):
-    from packer.source import SymlinkLoopWarning, scan_folder
+    from packer.sources.base import SymlinkLoopWarning, scan_folder
     (tmp_path / "cat" / "sub").mkdir(parents=True)
     (tmp_path / "cat" / "a.jpg").write_bytes(b"x")
     (tmp_path / "cat" / "sub" / "b.jpg").write_bytes(b"x")

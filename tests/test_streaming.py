@@ -10,11 +10,11 @@ import pytest
 from PIL import Image
 from torch.utils.data import DataLoader
 
-import packer.streaming as streaming
+import packer.reading.iterable as streaming
 from packer import build
-from packer.reader import ShardReader
-from packer.sampler import PackedSampler, global_order
-from packer.streaming import PackedIterableDataset
+from packer.reading.reader import ShardReader
+from packer.reading.sampler import PackedSampler, global_order
+from packer.reading.iterable import PackedIterableDataset
 
 N = 48  # conftest's photo_src: realistic JPEGs, made once per session
 
@@ -132,9 +132,9 @@ def test_bad_arguments(packed):
 
 
 def test_packed_sampler_with_packed_dataset_and_make_loader(packed):
-    from packer.dataset import PackedDataset
-    from packer.decode import DecodeCenterCrop
-    from packer.loader import make_loader
+    from packer.reading.dataset import PackedDataset
+    from packer.transforms.decode import DecodeCenterCrop
+    from packer.loading.loader import make_loader
     ds = PackedDataset(packed, decode=DecodeCenterCrop(16))
     order = global_order(N, seed=4, epoch=1, order="block", block_size=4, window=2).tolist()
     got = []

@@ -9,8 +9,7 @@ import lmdb
 import pytest
 from PIL import Image
 
-from packer._system import (DISK_FULL_ERRNOS, cpu_quota, disk_full_as, free_bytes, fs_type,
-                            human_size, is_disk_full, meminfo, pil_info, pil_summary, usable_cores)
+from packer._util.system import DISK_FULL_ERRNOS, cpu_quota, disk_full_as, free_bytes, fs_type, human_size, is_disk_full, meminfo, pil_info, pil_summary, usable_cores
 from packer.errors import PackerError
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

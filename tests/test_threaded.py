@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from packer.threaded import BackgroundIterator, background
+from packer.loading.threaded import BackgroundIterator, background
 
 
 def _no_packer_threads(timeout=5.0):

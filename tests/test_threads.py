@@ -9,7 +9,7 @@ import traceback
 
 import pytest
 
-from packer._threads import END, Raised, drain, stoppable_get, stoppable_put
+from packer._util.threads import END, Raised, drain, stoppable_get, stoppable_put
 
 
 def _failing_producer(out: list):

@@ -14,8 +14,8 @@ import pytest
 
 from packer.demo import load_photos, make_image
 from packer.errors import PackerError
-from packer.format import key, pack_record, unpack_record
-from packer.writer import MIN_MAP, ShardWriter, disk_errors, existing_shard_ok, write_table
+from packer.format.records import key, pack_record, unpack_record
+from packer.writing.shard import MIN_MAP, ShardWriter, disk_errors, existing_shard_ok, write_table
 
 
 @pytest.fixture(scope="module")

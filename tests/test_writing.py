@@ -18,11 +18,11 @@ from helpers import packer_env
 from packer import PackedDataset
 from packer.demo.images import load_photos, make_image
 from packer.errors import FormatError, PackerError
-from packer.format import read_manifest
+from packer.format.manifest import read_manifest
 from packer.info import verify
-from packer.journal import JOURNAL
-from packer.reader import ShardReader
-from packer.writing import DatasetWriter, write
+from packer.writing.journal import JOURNAL
+from packer.reading.reader import ShardReader
+from packer.writing.python import DatasetWriter, write
 
 MiB = 1 << 20
 N = 48  # ~2.8 MB of photo-like JPEGs: three shards at shard_size=1 MiB
@@ -398,7 +398,7 @@ def test_a_finished_dataset_needs_overwrite(jpegs, tmp_path):
 LOCKED_CHILD = """
 import sys
 from packer.errors import PackerError
-from packer.writing import DatasetWriter
+from packer.writing.python import DatasetWriter
 try:
     DatasetWriter(sys.argv[1])
 except PackerError as e:

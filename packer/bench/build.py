@@ -18,13 +18,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from PIL import Image
 
-from .._system import pil_summary
+from .._util.system import pil_summary
 from .allcores import rates_on_all_cores
-from ..builder import build
-from ..check import Transcode
-from ..dataset import PackedDataset
+from ..writing.builder import build
+from ..writing.check import Transcode
+from ..reading.dataset import PackedDataset
 from ..demo import make_image_folder
-from ..source import IMG_EXTENSIONS, scan_folder
+from ..sources.base import IMG_EXTENSIONS, scan_folder
 
 __all__ = ["DECODE", "DECODE_LOADED", "GOAL", "bench_build", "build_table", "build_variants",
            "decode_rate", "sample_folder", "time_builds", "build_ratios"]

@@ -20,7 +20,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple
 
-from .._system import fs_type
+from .._util.system import fs_type
 
 CGROUP_V1 = Path("/sys/fs/cgroup/blkio")
 

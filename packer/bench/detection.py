@@ -38,9 +38,9 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from .._system import pil_summary
-from ..builder import build
-from ..loader import default_num_workers
+from .._util.system import pil_summary
+from ..writing.builder import build
+from ..loading.loader import default_num_workers
 from .coldread import SlowDisk, drop_page_cache, storage
 from .detectionbuild import add_rows, build_section
 from .gpu_common import pil_decoder, sync
@@ -126,10 +126,10 @@ def v2_letterbox(size: int):
 def loader_dataset(spec: dict):
     """(dataset, sampler) for a variant ``spec``: ``kind`` (packed / coco-folder /
     torchvision), ``decode`` (letterbox: DecodeLetterbox, v2: ``v2_letterbox``), ``order``."""
-    from ..dataset import PackedDataset
-    from ..decode import DecodeLetterbox
+    from ..reading.dataset import PackedDataset
+    from ..transforms.decode import DecodeLetterbox
     from ..demo.folder import CocoFolderDataset
-    from ..sampler import PackedSampler
+    from ..reading.sampler import PackedSampler
     size, kind = spec["size"], spec["kind"]
     fused = spec["decode"] == "letterbox"
     decode, transforms = (DecodeLetterbox(size), None) if fused else (None, v2_letterbox(size))
@@ -327,10 +327,10 @@ def gpu_decoder(packed: Path, opts: DetectionBenchOptions, dev: torch.device, le
 
 def gpu_feeds(packed: Path, opts: DetectionBenchOptions, dev: torch.device):
     """({name: endless iterator of model batches} for the CPU and the GPU path, classes)."""
-    from ..dataset import PackedDataset
-    from ..decode import DecodeLetterbox
-    from ..loader import make_loader
-    from ..prefetch import CUDAPrefetcher
+    from ..reading.dataset import PackedDataset
+    from ..transforms.decode import DecodeLetterbox
+    from ..loading.loader import make_loader
+    from ..loading.prefetch import CUDAPrefetcher
     ds = PackedDataset(packed, decode=DecodeLetterbox(opts.gpu_size))
     cpu = CUDAPrefetcher(make_loader(ds, opts.gpu_batch, num_workers=opts.workers,
                                      drop_last=True), mean=None, std=None, device=dev)

@@ -11,7 +11,7 @@ in a fixed order; its default collate; no pinning) after its first wave of batch
 baselines show what issue 16's changes gain, in the same run: each batch in a fresh shared
 block (``collate_uint8`` itself, without the reused slots of ``batchpool.BatchPool``), and
 batches handed to the workers in turn (``in_order=True``, not to whichever has room:
-``packer.epochs``). All alternate round by round, so drift in the machine's speed touches
+``packer.loading.epochs``). All alternate round by round, so drift in the machine's speed touches
 all; the median of the rounds' ratios is reported.
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from torch.utils.data import Subset
 
-from .._system import usable_cores
+from .._util.system import usable_cores
 from .allcores import median_rate_on_all_cores
-from ..dataset import PackedDataset
-from ..decode import DecodeRandomResizedCrop
-from ..epochs import unordered
-from ..loader import collate_uint8, make_loader
-from ..sampler import PackedSampler
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeRandomResizedCrop
+from ..loading.epochs import unordered
+from ..loading.loader import collate_uint8, make_loader
+from ..reading.sampler import PackedSampler
 
 GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
 MIN_BATCHES_PER_WORKER = 32  # long enough for a steady state: with 8, 16 workers ran ~1.5 s and
@@ -48,7 +48,7 @@ def packed_photos(data: Optional[Path], images: int) -> Iterator[Path]:
         yield Path(data)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        from ..builder import build
+        from ..writing.builder import build
         from ..demo import make_image_folder
         src = make_image_folder(Path(tmp) / "src", images=images, classes=10,
                                 workers=usable_cores())

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from .._system import usable_cores
-from ..dataset import PackedDataset
-from ..decode import DecodeRandomResizedCrop
-from ..loader import default_num_workers, make_loader
-from ..sampler import PackedSampler
+from .._util.system import usable_cores
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeRandomResizedCrop
+from ..loading.loader import default_num_workers, make_loader
+from ..reading.sampler import PackedSampler
 
 VARIANTS = {"plain DataLoader (epoch by epoch)": False, "EpochLoader (runs on)": True}
 
@@ -67,7 +67,7 @@ class CudaStep:
     def __init__(self, model: str = "resnet50", batch_size: int = 256, size: int = 224,
                  device: str = "cuda"):
         import torch
-        from ..prefetch import CUDAPrefetcher
+        from ..loading.prefetch import CUDAPrefetcher
         from .models import TrainStep, make_model
         torch.backends.cudnn.benchmark = True
         self.dev, self.batch = torch.device(device), batch_size

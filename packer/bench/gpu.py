@@ -25,16 +25,14 @@ from typing import Dict
 
 import torch
 
-from ..dataset import PackedDataset
-from ..decode import DecodeRandomResizedCrop
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeRandomResizedCrop
 from ..doctor import doctor
 from ..gpu import NvjpegDecoder, make_gpu_loader, reserve_cuda_queues
 from ..gpu.nvjpeg import torchvision_decode
-from ..loader import make_loader
+from ..loading.loader import make_loader
 from .gpu_common import SECTIONS, GPUBench, GPUBenchArgs, pil_decoder
-from .gpu_decode import (agreement, augment_only, cpu_path, decode_only, decode_parallel,
-                         make_data, pipeline, pipeline_gpu_time, pipeline_variants,
-                         progressive_vs_baseline)
+from .gpu_decode import agreement, augment_only, cpu_path, decode_only, decode_parallel, make_data, pipeline, pipeline_gpu_time, pipeline_variants, progressive_vs_baseline
 from .gpu_probe import YuvDecoder, dmon, kernel_profile, nvjpeg_probe, profile_augment
 from .gpu_train import beside, contention, fed_diagnostics, resnet
 

@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from ..decode import image_to_tensor, open_image
+from ..transforms.decode import image_to_tensor, open_image
 from ..gpu import GPUDecoder, GPUOptions, make_gpu_loader
 
 __all__ = ["GPUBench", "GPUBenchArgs", "JpgSampler", "SECTIONS", "decoder_passes", "encoded_views",

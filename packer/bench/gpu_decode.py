@@ -16,17 +16,15 @@ from typing import Dict
 
 import torch
 
-from ..builder import build
-from ..check import Transcode
-from ..dataset import PackedDataset
-from ..decode import DecodeCenterCrop, DecodeRandomResizedCrop, image_to_tensor, open_image
+from ..writing.builder import build
+from ..writing.check import Transcode
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop, image_to_tensor, open_image
 from ..demo import load_photos, make_image, make_image_folder
-from ..gpu import (ImageTable, NvjpegDecoder, center_crop_boxes, make_gpu_loader,
-                   random_resized_crop_boxes, resample_crops, triton_available)
+from ..gpu import ImageTable, NvjpegDecoder, center_crop_boxes, make_gpu_loader, random_resized_crop_boxes, resample_crops, triton_available
 from ..gpu.resample import CONFIG
-from ..loader import make_loader
-from .gpu_common import (GPUBench, JpgSampler, decoder_passes, encoded_views, epochs_rate,
-                         gpu_time, median_rate, new_decoder, preload)
+from ..loading.loader import make_loader
+from .gpu_common import GPUBench, JpgSampler, decoder_passes, encoded_views, epochs_rate, gpu_time, median_rate, new_decoder, preload
 
 __all__ = ["agreement", "augment_only", "cpu_path", "decode_only", "decode_parallel",
            "make_data", "make_folder", "pipeline", "pipeline_gpu_time", "pipeline_variants",

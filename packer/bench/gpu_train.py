@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 
 from ..gpu import NvjpegDecoder, make_gpu_loader
-from ..prefetch import CUDAPrefetcher
-from .gpu_common import (GPUBench, encoded_views, endless, fed_rate, median_rate, new_decoder, preload,
-                         synthetic_batch, sync)
+from ..loading.prefetch import CUDAPrefetcher
+from .gpu_common import GPUBench, encoded_views, endless, fed_rate, median_rate, new_decoder, preload, synthetic_batch, sync
 from .gpu_probe import YuvDecoder
 from .models import TrainStep, make_model
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import PackerError
-from ..prefetch import IMAGENET_MEAN, IMAGENET_STD, normalize_uint8
+from ..loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, normalize_uint8
 
 __all__ = ["TinyNet", "TrainStep", "make_model", "resnet50"]
 

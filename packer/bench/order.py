@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
-from ..reader import ShardReader
+from ..reading.reader import ShardReader
 from .coldread import SlowDisk, drop_page_cache, resident, whole_disk
 
 __all__ = ["OrderOptions", "bench_order", "make_dataset", "order_report", "orders", "read_pass",
@@ -48,7 +48,7 @@ class OrderOptions:
 
 def make_dataset(root: Path, images: int, workers: int = 2) -> Path:
     """A packed dataset of ``images`` realistic JPEGs (64 distinct ones, repeated: speed only)."""
-    from ..builder import build
+    from ..writing.builder import build
     from ..demo import make_image_folder
     unique = make_image_folder(root / "unique", images=min(64, images), classes=8,
                                workers=max(1, workers))
@@ -75,7 +75,7 @@ def read_pass(root: str, order: List[int]) -> Tuple[float, float]:
 
 def orders(n: int, records: int, block_size: int, window: int) -> Dict[str, List[int]]:
     """The first ``records`` of each order of ``n`` records (seed 0), by name."""
-    from ..sampler import global_order
+    from ..reading.sampler import global_order
     out = {"random": global_order(n, seed=0),
            f"block {block_size}x{window}": global_order(n, seed=0, order="block",
                                                         block_size=block_size, window=window),
@@ -149,8 +149,8 @@ def time_resume(data: Path, shards: List[str], batch_size: int, drop_all: bool) 
     (samples left in the epoch)."""
     from torch.utils.data import DataLoader
 
-    from ..dataset import PackedDataset
-    from ..sampler import PackedSampler
+    from ..reading.dataset import PackedDataset
+    from ..reading.sampler import PackedSampler
     dataset = PackedDataset(data)
     n = len(dataset)
     state = {"seed": 0, "epoch": 0, "consumed": int(0.9 * n), "size": n}

@@ -30,10 +30,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torch.utils.data import DataLoader, Dataset
 
-from ..dataset import PackedDataset
-from ..decode import DecodeRandomResizedCrop
-from ..loader import make_loader
-from ..sampler import PackedSampler
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeRandomResizedCrop
+from ..loading.loader import make_loader
+from ..reading.sampler import PackedSampler
 from .efficiency import steady_rate
 
 __all__ = ["PEERS", "bench_peers", "peers_table"]

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 
-from .._system import usable_cores
-from ..builder import build
-from ..check import Transcode, check_image
-from ..dataset import PackedDataset
-from ..decode import DecodeRandomResizedCrop, image_to_tensor
-from ..loader import make_loader
-from ..reader import ShardReader
+from .._util.system import usable_cores
+from ..writing.builder import build
+from ..writing.check import Transcode, check_image
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeRandomResizedCrop, image_to_tensor
+from ..loading.loader import make_loader
+from ..reading.reader import ShardReader
 from ..demo import FolderDataset
 from . import build as build_bench
 from .coldread import drop_page_cache, storage

@@ -23,10 +23,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..dataset import PackedDataset
-from ..decode import DecodeRandomResizedCrop
-from ..loader import collate_uint8, make_loader
-from ..prefetch import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher, normalize_affine, normalize_uint8
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeRandomResizedCrop
+from ..loading.loader import collate_uint8, make_loader
+from ..loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher, normalize_affine, normalize_uint8
 from .models import TrainStep, make_model
 
 __all__ = ["MODES", "Endless", "FloatCollate", "PrefetchOptions", "Source", "bench_prefetch",

@@ -37,8 +37,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
-from .._system import PILLOW_SIMD_HINT, free_bytes, human_size, pil_info, pil_summary, usable_cores
-from ..dataset import PackedDataset
+from .._util.system import PILLOW_SIMD_HINT, free_bytes, human_size, pil_info, pil_summary, usable_cores
+from ..reading.dataset import PackedDataset
 from ..demo import FolderDataset
 from ..errors import PackerError
 from ..staging import stage

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from .._system import usable_cores
-from ..builder import load_source, source_schema
-from ..shardwork import FieldMaker
+from .._util.system import usable_cores
+from ..writing.builder import load_source, source_schema
+from ..writing.worker import FieldMaker
 from ..sources import segmentation
 
 __all__ = ["source_costs", "write_coco_like"]

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .._system import fs_type
+from .._util.system import fs_type
 from ..errors import PackerError
-from ..format import read_manifest
+from ..format.manifest import read_manifest
 from .coldread import SlowDisk, drop_page_cache, read_count, whole_disk
 
 __all__ = ["StageOptions", "bench_stage", "child", "prepare", "run_child", "stage_report"]
@@ -69,7 +69,7 @@ def child(spec: dict) -> dict:
                 total += len(f.read())
         seconds = time.perf_counter() - t
     else:
-        from ..reader import ShardReader
+        from ..reading.reader import ShardReader
         reader = ShardReader(spec["path"])  # reads the manifest: set-up, not timed
         reads0 = read_count(spec.get("counter"), spec.get("majmin"))
         t = time.perf_counter()
@@ -95,9 +95,9 @@ def prepare(src: Optional[Path], opts: StageOptions) -> Tuple[Path, Path, List[s
     """(source folder, packed dataset, the folder's image files in record order), made in
     ``opts.workdir`` where missing and kept there for the next run. Raises ``PackerError``
     for a workdir in RAM or a dataset that does not match its folder."""
-    from ..builder import build
+    from ..writing.builder import build
     from ..demo import make_image_folder
-    from ..source import scan_folder
+    from ..sources.base import scan_folder
     opts.workdir.mkdir(parents=True, exist_ok=True)
     if fs_type(opts.workdir) in ("tmpfs", "ramfs"):
         raise PackerError(f"--workdir {opts.workdir} is in RAM ({fs_type(opts.workdir)}); "

@@ -14,11 +14,11 @@ from typing import Callable, Dict, List
 
 import torch
 
-from .._system import usable_cores
-from ..threaded import background
-from ..dataset import PackedDataset
-from ..loader import make_loader
-from ..prefetch import CUDAPrefetcher
+from .._util.system import usable_cores
+from ..loading.threaded import background
+from ..reading.dataset import PackedDataset
+from ..loading.loader import make_loader
+from ..loading.prefetch import CUDAPrefetcher
 from .models import TrainStep, make_model
 from .phases import BenchInput, Runner, SeedWorker, has_module, n_workers
 

@@ -11,7 +11,7 @@ import click
 
 from .. import __version__
 from ..errors import PackerError
-from ..text import terminal_text
+from .._util.text import terminal_text
 
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
               "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30,
@@ -54,7 +54,7 @@ def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command
 def warnings_as_lines():
     """Show packer's warnings (e.g. an empty class folder) as one ``Warning: ...`` line each
     on stderr when they happen, instead of Python's ``file:line: Category: ...`` form."""
-    from ..source import EmptyClassWarning, SymlinkLoopWarning
+    from ..sources.base import EmptyClassWarning, SymlinkLoopWarning
     ours = (EmptyClassWarning, SymlinkLoopWarning)
     with warnings.catch_warnings():
         for category in ours:
@@ -71,13 +71,13 @@ def warnings_as_lines():
 
 
 def version_line() -> str:
-    from .._system import pil_summary
+    from .._util.system import pil_summary
     return f"packer {__version__} (python {sys.version.split()[0]}; PIL: {pil_summary()})"
 
 
 def result_json(result) -> str:
     """A result dataclass (``StageResult``...) as one JSON object; paths as strings."""
     import dataclasses
-    from ..text import json_text
+    from .._util.text import json_text
     return json_text({k: str(v) if isinstance(v, Path) else v
                       for k, v in dataclasses.asdict(result).items()})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..text import json_text, printable, terminal_text
+from .._util.text import json_text, printable, terminal_text
 from .common import Size, library_errors, warnings_as_lines
 
 @click.command()
@@ -96,8 +96,8 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
     An interrupted build (Ctrl-C, kill, power loss) leaves no dataset that readers accept;
     re-run the same command to resume after the last finished shard.
     """
-    from ..builder import build as run_build
-    from ..check import DEFAULT_MAX_PIXELS, Transcode
+    from ..writing.builder import build as run_build
+    from ..writing.check import DEFAULT_MAX_PIXELS, Transcode
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
@@ -149,7 +149,7 @@ def merge(parts, dst, overwrite, as_json):
     DST's manifest refers to the parts' shard files by relative path: keep the parts where
     they are, or `packer stage DST ...` to make a self-contained copy.
     """
-    from ..merging import merge as run_merge
+    from ..writing.merger import merge as run_merge
     m = run_merge(list(parts), dst, overwrite=overwrite)
     if as_json:
         click.echo(json_text({"dst": str(dst), "parts": [str(p) for p in parts],

@@ -20,15 +20,15 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
-from .._system import usable_cores
-from ..builder import build
-from ..dataset import PackedDataset
-from ..decode import DecodeLetterbox
+from .._util.system import usable_cores
+from ..writing.builder import build
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeLetterbox
 from ..errors import PackerError
 from ..info import verify
-from ..loader import collate_detection, default_num_workers, make_loader
-from ..prefetch import CUDAPrefetcher
-from ..sampler import PackedSampler
+from ..loading.loader import collate_detection, default_num_workers, make_loader
+from ..loading.prefetch import CUDAPrefetcher
+from ..reading.sampler import PackedSampler
 from ..staging import stage, unstage
 from .folder import CocoFolderDataset
 from .run import DEMO_MARKER, DemoResult, DemoStep

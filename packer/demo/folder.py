@@ -10,10 +10,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils.data import Dataset
 
-from ..dataset import move_boxes
-from ..decode import open_image
-from ..source import scan_folder
-from ..targets import wrap_boxes
+from ..reading.dataset import move_boxes
+from ..transforms.decode import open_image
+from ..sources.base import scan_folder
+from ..reading.targets import wrap_boxes
 
 
 class FolderDataset(Dataset):

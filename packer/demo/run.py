@@ -14,15 +14,15 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
-from .._system import usable_cores
-from ..builder import build
-from ..dataset import PackedDataset
-from ..decode import DecodeRandomResizedCrop
+from .._util.system import usable_cores
+from ..writing.builder import build
+from ..reading.dataset import PackedDataset
+from ..transforms.decode import DecodeRandomResizedCrop
 from ..errors import PackerError
 from ..info import verify
-from ..loader import default_num_workers, make_loader
-from ..prefetch import CUDAPrefetcher
-from ..sampler import PackedSampler
+from ..loading.loader import default_num_workers, make_loader
+from ..loading.prefetch import CUDAPrefetcher
+from ..reading.sampler import PackedSampler
 from ..staging import stage, unstage
 from .folder import FolderDataset
 from .images import make_image_folder

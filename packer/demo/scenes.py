@@ -22,7 +22,7 @@ from typing import Collection, Dict, List, Optional, Tuple, Union
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
-from .._system import usable_cores
+from .._util.system import usable_cores
 from .images import PHOTOS, load_photos, make_image, random_crop
 
 FIRST_IMAGE_ID, IMAGE_ID_STEP = 1000, 7

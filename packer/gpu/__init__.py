@@ -12,10 +12,8 @@ Importing this package does not start CUDA or change the environment.
 """
 from .augment import center_crop_boxes, random_resized_crop_boxes, resample_crops
 from .decoder import GPUDecoder
-from .encoded import (EncodedBatch, EncodedImage, EncodedSample, JpegInfo, collate_encoded,
-                      gpu_decodable, jpeg_info)
-from .loader import (CUDA_QUEUES, ConnectionsWarning, connections_advice, make_gpu_loader,
-                     reserve_cuda_queues)
+from .encoded import EncodedBatch, EncodedImage, EncodedSample, JpegInfo, collate_encoded, gpu_decodable, jpeg_info
+from .loader import CUDA_QUEUES, ConnectionsWarning, connections_advice, make_gpu_loader, reserve_cuda_queues
 from .nvjpeg import NvjpegDecoder
 from .options import DecodeStats, GPUOptions
 from .resample import ImageTable, triton_available

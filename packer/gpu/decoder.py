@@ -30,10 +30,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .._threads import END
-from ..decode import open_image
+from .._util.threads import END
+from ..transforms.decode import open_image
 from ..errors import PackerError
-from ..prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors, normalize_affine
+from ..loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors, normalize_affine
 from .augment import center_crop_boxes, random_resized_crop_boxes, resample_crops
 from .detection import DetectionTargets, fill_outside, letterbox_crops, place_boxes
 from .encoded import EncodedBatch

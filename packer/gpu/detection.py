@@ -3,7 +3,7 @@
 Workers collate a batch's targets into one :class:`DetectionTargets` (all boxes of the batch
 in one tensor, with per-image counts) so they cross to the GPU in a few copies. After the
 crop / letterbox of :meth:`GPUDecoder.augment_batch`, :func:`place_boxes` moves the boxes with
-the same crop rectangles and flips (``packer.boxes``), drops the objects mostly cut away and
+the same crop rectangles and flips (``packer.transforms.boxes``), drops the objects mostly cut away and
 hands out torchvision's form: one target dict per image, on the GPU.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..boxes import crop_boxes, letterbox_params
-from ..targets import wrap_boxes
+from ..transforms.boxes import crop_boxes, letterbox_params
+from ..reading.targets import wrap_boxes
 
 
 class DetectionTargets(NamedTuple):

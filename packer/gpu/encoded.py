@@ -12,7 +12,7 @@ from typing import Any, List, NamedTuple, Optional
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from ..decode import open_image
+from ..transforms.decode import open_image
 from .detection import is_detection_batch, pack_targets
 
 __all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",

@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from ..dataset import PackedDataset
-from ..loader import make_loader
+from ..reading.dataset import PackedDataset
+from ..loading.loader import make_loader
 from .encoded import EncodedImage, collate_encoded
 
 __all__ = ["CUDA_QUEUES", "ConnectionsWarning", "connections_advice", "make_gpu_loader",

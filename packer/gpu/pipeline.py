@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .._threads import END, Raised, drain, stoppable_get, stoppable_put
+from .._util.threads import END, Raised, drain, stoppable_get, stoppable_put
 
 
 class Pipeline:

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
-from ..fields import CheckedData, checked_array
-from ..source import Annotations, ImageList
-from ..text import is_utf8
+from ..format.fields import CheckedData, checked_array
+from .base import Annotations, ImageList
+from .._util.text import is_utf8
 from .cocopieces import INT64_MAX, Pieces, glance, is_id, read_pieces, row_objects
 from .lazyjson import loads_deferring
-from .meta import image_root, json_problem, read_data, relative_path, show, utf8_text
+from .table import image_root, json_problem, read_data, relative_path, show, utf8_text
 from .segmentation import check_text, read_segmentation
 
 FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32

@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from ..errors import PackerError
-from ..source import ImageList
-from .coco import (coco_extra, coco_from_pieces, coco_images, coco_source, gc_paused,
-                   read_categories, read_images)
+from .base import ImageList
+from .coco import coco_extra, coco_from_pieces, coco_images, coco_source, gc_paused, read_categories, read_images
 from .cocopieces import cut, gathered, packed_row, read_piece, share
-from .meta import image_root, read_data, utf8_text
+from .table import image_root, read_data, utf8_text
 
 ANNOTATIONS_KEY = re.compile(r'"annotations"\s*:\s*\[')
 CATEGORIES_KEY = re.compile(r'"categories"\s*:\s*\[')

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import msgpack
 
-from .._system import die_with_parent
+from .._util.system import die_with_parent
 from .jsonchunks import array_pieces, parse_around, parse_piece
 from .lazyjson import Deferred, loads_deferring
 

@@ -12,10 +12,10 @@ from itertools import chain
 from typing import Any, Tuple
 
 from ..errors import PackerError
-from ..fields import PackedData, data_problem
+from ..format.fields import PackedData, data_problem
 from .cocopieces import NUMBER_TYPES, is_id
 from .lazyjson import Deferred
-from .meta import json_problem
+from .table import json_problem
 
 # Polygon text with its digits as "0" and its other usual characters as " ": plain numbers
 # are then all that is left, and no run of LONG_DIGITS zeros means each is below 1e18.

@@ -23,10 +23,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
-from ..source import IMG_EXTENSIONS, Annotations, ImageList, is_image_file
-from ..text import is_utf8
+from .base import IMG_EXTENSIONS, Annotations, ImageList, is_image_file
+from .._util.text import is_utf8
 from .coco import coco_schema
-from .meta import image_root, read_text, show, walk_files
+from .table import image_root, read_text, show, walk_files
 
 TOLERANCE = 1e-3  # coordinates this far outside [0, 1] are rounding, clipped; beyond, wrong
 KEY = re.compile(r"(.+?):(?:\s+(.*))?\Z")  # `key: value` or `key:`, split at the first ': '

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from .._fsio import open_new
-from .._system import disk_full_as, human_size
+from .._util.fsio import open_new
+from .._util.system import disk_full_as, human_size
 from ..errors import FormatError, PackerError
-from ..format import HASH_CHUNK, file_sha256
+from ..format.manifest import HASH_CHUNK, file_sha256
 
 TMP_SUFFIX = ".staging"
 

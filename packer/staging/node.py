@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from .._system import fs_type, meminfo
+from .._util.system import fs_type, meminfo
 from ..errors import PackerError
-from ..format import read_manifest, side_tables
+from ..format.manifest import read_manifest, side_tables
 from .results import StageResult
 from .stager import stage
 

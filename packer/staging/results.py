@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
-from .._system import human_size
+from .._util.system import human_size
 from .copy import tmpfs_advice
 
 RAM_FS = frozenset({"tmpfs", "ramfs"})

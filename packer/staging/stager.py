@@ -27,11 +27,10 @@ from typing import List, Optional, Tuple
 from tqdm.auto import tqdm
 
 from .. import __version__
-from .._system import fs_type, human_size, meminfo
+from .._util.system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
-from .._fsio import LOCK_NAME, FolderLock, fsync_dir, remove_own, write_json_atomic
-from ..format import (LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256,
-                      read_manifest, set_table, shard_file, side_tables)
+from .._util.fsio import LOCK_NAME, FolderLock, fsync_dir, remove_own, write_json_atomic
+from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256, read_manifest, set_table, shard_file, side_tables
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult, UnstageResult
 

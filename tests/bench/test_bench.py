@@ -12,7 +12,7 @@ from packer.demo import FolderDataset
 from packer import build
 from packer.cli import main
 from packer.bench.coldread import drop_page_cache
-from packer.dataset import PackedDataset
+from packer.reading.dataset import PackedDataset
 from packer.demo import make_image_folder
 from packer.bench.models import make_model, resnet50
 
@@ -157,7 +157,7 @@ def test_training_harness_on_cpu(data, one_thread):
 
 def test_folder_dataset_matches_packed(data):
     src, dst = data
-    from packer.decode import DecodeCenterCrop
+    from packer.transforms.decode import DecodeCenterCrop
     folder = FolderDataset(src, decode=DecodeCenterCrop(64))
     packed = PackedDataset(dst, decode=DecodeCenterCrop(64))
     assert folder.classes == packed.classes and len(folder) == len(packed)

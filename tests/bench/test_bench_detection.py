@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from packer.bench import detection as det
-from packer.bench.detection import (DetectionBenchOptions, bench_detection, detection_table,
-                                    torchvision_baseline, write_json)
+from packer.bench.detection import DetectionBenchOptions, bench_detection, detection_table, torchvision_baseline, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(images=32, workers=0, rounds=1, batch_size=8, size=160)

@@ -6,7 +6,7 @@ import torch
 
 from packer import PackedDataset, build
 from packer.bench.epochs import VARIANTS, CudaStep, bench_epochs, epochs_table, one_run
-from packer.decode import DecodeRandomResizedCrop
+from packer.transforms.decode import DecodeRandomResizedCrop
 
 
 def test_bench_epochs_dry_run(photo_src, tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from packer import PackedDataset, build
 from packer.bench.peers import PACKER, PEERS, bench_peers, peers_table
-from packer.decode import DecodeRandomResizedCrop
+from packer.transforms.decode import DecodeRandomResizedCrop
 
 
 def in_child(fn, *args):

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from packer import build
-from packer.bench.prefetch import (MODES, PrefetchOptions, Source, bench_prefetch, check_modes,
-                                   prefetch_table, synthetic)
+from packer.bench.prefetch import MODES, PrefetchOptions, Source, bench_prefetch, check_modes, prefetch_table, synthetic
 from packer.demo import make_image_folder
-from packer.prefetch import IMAGENET_MEAN, IMAGENET_STD, normalize_affine
+from packer.loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, normalize_affine
 
 REPO = Path(__file__).resolve().parents[2]
 QUICK = dict(model="tiny", batch=4, size=32, steps=2, repeats=1, warmup=1, pool=2, device="cpu")

@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from packer.cli import main
-from packer.dataset import PackedDataset
+from packer.reading.dataset import PackedDataset
 from packer.demo import DEMO_IMAGES, DEMO_MARKER, demo_images, run_demo
 from packer.errors import PackerError
 

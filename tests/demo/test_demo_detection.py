@@ -9,13 +9,13 @@ from click.testing import CliRunner
 
 from packer import build
 from packer.cli import main
-from packer.dataset import PackedDataset
-from packer.decode import DecodeLetterbox, DecodeRandomResizedCrop
+from packer.reading.dataset import PackedDataset
+from packer.transforms.decode import DecodeLetterbox, DecodeRandomResizedCrop
 from packer.demo import DEMO_MARKER, CocoFolderDataset, run_detection_demo
 from packer.demo.detection import compare_targets
 from packer.demo.scenes import make_detection_folder
 from packer.errors import PackerError
-from packer.targets import DETECTION_KEYS
+from packer.reading.targets import DETECTION_KEYS
 
 SMALL = dict(images=48, batch_size=8, workers=1, rounds=1, progress=False)
 STEPS = ["make scenes", "build --coco", "verify", "stage", "folder loader", "packed loader"]

@@ -6,8 +6,7 @@ import pytest
 from PIL import Image, ImageChops
 
 from packer.demo.images import load_photos
-from packer.demo.scenes import (boxes_of, category_id, image_id, make_detection_folder,
-                                photo_names, render_scene)
+from packer.demo.scenes import boxes_of, category_id, image_id, make_detection_folder, photo_names, render_scene
 
 ARGS = dict(images=24, seed=3, max_objects=6, empty_fraction=0.25)
 ASPECTS = [4 / 3, 3 / 2, 1.0, 16 / 9, 3 / 4]

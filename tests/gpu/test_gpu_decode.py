@@ -20,15 +20,13 @@ import pytest
 import torch
 from PIL import Image
 
-from packer.dataset import PackedDataset
+from packer.reading.dataset import PackedDataset
 from packer.errors import PackerError
-from packer.gpu import (EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, GPUOptions, JpegInfo,
-                        NvjpegDecoder, center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info,
-                        make_gpu_loader, random_resized_crop_boxes, resample_crops)
+from packer.gpu import EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, GPUOptions, JpegInfo, NvjpegDecoder, center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info, make_gpu_loader, random_resized_crop_boxes, resample_crops
 from packer.gpu import decoder as decoder_module
 from packer.gpu.nvjpeg import torchvision_decode
 from packer.gpu.augment import PaddedBatch, plan_groups
-from packer.decode import DecodeCenterCrop, DecodeRandomResizedCrop
+from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop
 
 from helpers import KINDS, cuda, kind_bytes, photo_images, pil_decoder, rgb_tensor
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from packer.gpu import (GPUDecoder, GPUOptions, center_crop_boxes, make_gpu_loader,
-                        random_resized_crop_boxes, resample_crops)
+from packer.gpu import GPUDecoder, GPUOptions, center_crop_boxes, make_gpu_loader, random_resized_crop_boxes, resample_crops
 from packer.gpu.resample import ImageTable
 
 from helpers import cuda, photo_images, rgb_tensor

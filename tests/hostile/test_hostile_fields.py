@@ -18,9 +18,9 @@ from packer import PackedDataset, build, verify, write
 from packer.demo.images import load_photos, make_image
 from packer.demo.scenes import make_detection_folder
 from packer.errors import FormatError, PackerError
-from packer.format import pack_record
-from packer.shardfile import shard_records
-from packer.writer import ShardWriter
+from packer.format.records import pack_record
+from packer.format.lmdbfile import shard_records
+from packer.writing.shard import ShardWriter
 
 
 @pytest.fixture(scope="module")

@@ -298,7 +298,7 @@ def test_folder_lock_has_one_holder_at_a_time(tmp_path):
     """Processes taking and releasing one folder's lock in a loop (about 2 s): never two
     inside at once. (A lock file unlinked while held lets a process that opened it just
     before lock the unlinked file while another creates and locks a new one.)"""
-    from packer._fsio import FolderLock
+    from packer._util.fsio import FolderLock
     assert Path(sys.modules[FolderLock.__module__].__file__).parent == REPO / "packer"
     folder = tmp_path / "dst"
     folder.mkdir()

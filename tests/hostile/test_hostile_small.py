@@ -22,7 +22,7 @@ import packer
 from packer import build, merge, stage, unstage, verify
 from packer.demo import make_image_folder
 from packer.errors import FormatError, PackerError
-from packer.format import file_sha256
+from packer.format.manifest import file_sha256
 
 PKG_PARENT = str(Path(packer.__file__).resolve().parents[1])
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(

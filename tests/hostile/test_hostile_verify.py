@@ -29,9 +29,10 @@ from helpers import LIMIT_AFTER_IMPORTS
 from packer import PackedDataset, build, verify
 from packer.demo import make_image_folder
 from packer.errors import FormatError
-from packer.format import file_sha256, pack_record
-from packer.shardfile import shard_records
-from packer.writer import ShardWriter, write_table
+from packer.format.manifest import file_sha256
+from packer.format.records import pack_record
+from packer.format.lmdbfile import shard_records
+from packer.writing.shard import ShardWriter, write_table
 
 PKG_PARENT = str(Path(packer.__file__).resolve().parents[1])
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(

@@ -12,12 +12,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from packer.builder import build
+from packer.writing.builder import build
 from packer.demo import load_photos, make_image
 from packer.errors import PackerError
-from packer.fields import CheckedData, PackedData, data_problem, encode, to_array
-from packer.sources.coco import (checked_annotation, checked_image, coco_schema, fit_box,
-                                 fit_coco, read_annotation, read_coco, read_image)
+from packer.format.fields import CheckedData, PackedData, data_problem, encode, to_array
+from packer.sources.coco import checked_annotation, checked_image, coco_schema, fit_box, fit_coco, read_annotation, read_coco, read_image
 from packer.sources.segmentation import plain_polygons
 from packer.sources.lazyjson import Deferred
 

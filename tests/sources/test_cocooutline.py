@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from packer.builder import build
+from packer.writing.builder import build
 from packer.demo.scenes import make_detection_folder
 from packer.errors import PackerError
-from packer.laterows import ROWS_NAME, LateRows, write_rows
-from packer.shardwork import FieldMaker, ShardJob, ShardTask, write_shards
+from packer.writing.laterows import ROWS_NAME, LateRows, write_rows
+from packer.writing.worker import FieldMaker, ShardJob, ShardTask, write_shards
 from packer.sources.coco import read_coco
 from packer.sources.cocooutline import coco_outline, top_level_lists
 
@@ -135,7 +135,7 @@ def test_workers_hold_checked_images_until_the_rows_come(scenes, tmp_path):
     out = coco_outline(scenes / "images", scenes / "annotations.json", 1)
     written, stop = mp.get_context("fork").Event(), mp.get_context("fork").Event()
     late = LateRows(tmp_path / ROWS_NAME, written, stop)
-    from packer.builder import source_schema
+    from packer.writing.builder import source_schema
     fields = source_schema(full)["fields"]
     job = ShardJob(tmp_path, FieldMaker(out.source, fields, [], late), None, 1 << 30, False,
                    stop=stop)

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from packer.builder import build, load_source
-from packer.dataset import PackedDataset
+from packer.writing.builder import build, load_source
+from packer.reading.dataset import PackedDataset
 from packer.errors import PackerError
 from packer.sources import cocopieces
-from packer.fields import encode
-from packer.format import pack_fields
+from packer.format.fields import encode
+from packer.format.records import pack_fields
 from packer.sources.coco import coco_schema, fit_coco, read_coco
 from packer.sources.jsonchunks import array_pieces, parse_around, parse_piece
 from packer.sources.lazyjson import Deferred, loads_deferring

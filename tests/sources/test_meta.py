@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from packer.errors import PackerError
-from packer.sources.meta import fit_identity, read_meta
+from packer.sources.table import fit_identity, read_meta
 
 ROWS = [
     {"path": "a.jpg", "tags": [1, 4, 7], "emb": [0.5, -1, 2.25], "score": 3, "flag": True,

@@ -11,9 +11,9 @@ import random
 import msgpack
 import pytest
 
-from packer.builder import build
+from packer.writing.builder import build
 from packer.demo.scenes import make_detection_folder
-from packer.fields import PackedData
+from packer.format.fields import PackedData
 from packer.sources import segmentation
 from packer.sources.coco import fit_coco
 from packer.sources.lazyjson import Deferred

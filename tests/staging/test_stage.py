@@ -16,10 +16,11 @@ import pytest
 from packer import build, merge
 from packer.demo import make_image_folder
 from packer.errors import FormatError, PackerError
-from packer.format import MANIFEST, read_manifest
-from packer.reader import ShardReader, read_labels
+from packer.format.manifest import MANIFEST, read_manifest
+from packer.reading.reader import ShardReader
+from packer.format.tables import read_labels
 from packer.staging import stager as stage_mod
-from packer.staging import (STAGE_MARKER, TMP_SUFFIX, stage, stage_once_per_node, unstage)
+from packer.staging import STAGE_MARKER, TMP_SUFFIX, stage, stage_once_per_node, unstage
 
 # Side tables a dataset built today has, in the order staging copies them.
 TABLE_FILES = ["labels.i32", "offsets.u64", "column-width.i32", "column-height.i32", "paths.u64", "paths.utf8"]
@@ -87,7 +88,7 @@ def test_stage_to_folder_is_complete_and_readable(dst, tmp_path):
     assert f"PackedDataset({str(target)!r})" in msg and "packer unstage" in msg
     assert leftovers(target) == []
 
-    from packer.dataset import PackedDataset
+    from packer.reading.dataset import PackedDataset
     ds = PackedDataset(target)
     assert len(ds) == man["count"] and ds.classes == man["classes"]
 

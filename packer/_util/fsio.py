@@ -1,0 +1,140 @@
+"""Writing only where packer was asked to, and only files it created: exclusive temp files,
+atomic renames, and one writer per folder.
+
+packer often runs as root on shared storage (a node's /dev/shm, a team's dataset folder). A
+name packer writes through could be a symlink planted by someone else, pointing at a file
+they could not write themselves; so every file packer writes is created here, new
+(``O_CREAT | O_EXCL | O_NOFOLLOW``), and renamed into place (``rename`` replaces a link, it
+never writes through one). Private to packer; the names are public so modules can share them.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import PackerError
+
+LOCK_NAME = ".packer-lock"  # one per folder packer writes: DST of build/merge, TARGET of stage
+NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_new(path: os.PathLike, mode: str = "wb", *, replace_stale: bool = True):
+    """``path`` created new, for writing, never through a symlink. A leftover file of that
+    name (a temp file of an interrupted run, or a planted link) is first unlinked, which
+    removes the link itself, never its target."""
+    path = Path(path)
+    if replace_stale:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        fd = os.open(path, NEW_FLAGS, 0o644)
+    except FileExistsError:
+        raise PackerError(f"{path} appeared while packer was creating it: another process is "
+                          f"writing in {path.parent}; stop it and re-run") from None
+    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+
+
+def write_new_atomic(path: os.PathLike, data: bytes) -> None:
+    """``data`` to ``path`` via a new temp file, fsynced, then renamed: old or new, never half,
+    and nothing left behind if writing fails."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open_new(tmp) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: os.PathLike, obj: Any) -> None:
+    """``obj`` as indented UTF-8 JSON, atomically (see ``write_new_atomic``)."""
+    text = json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
+    write_new_atomic(path, text.encode("utf-8"))
+
+
+def fsync_dir(path: os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_own(folder: Path, name: str) -> bool:
+    """Delete ``folder/name`` if it is a regular file or a link (the link itself); True if it
+    was there. Callers pass only names their own records list."""
+    try:
+        (folder / name).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+    except IsADirectoryError:
+        raise PackerError(f"{folder / name} is a folder where packer keeps a file; move it away") from None
+
+
+class FolderLock:
+    """One packer writer per folder: an exclusive ``flock`` on ``FOLDER/.packer-lock``, held
+    from the first write to the last. A second writer fails at once, naming the holder."""
+
+    def __init__(self, folder: os.PathLike, what: str):
+        self.folder, self.what = Path(folder), what
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "FolderLock":
+        path = self.folder / LOCK_NAME
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        while True:
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileNotFoundError:
+                raise PackerError(f"{self.folder} was removed (by a concurrent unstage?) before "
+                                  f"packer could lock it; re-run") from None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise PackerError(f"{path} is a symlink; packer locks only files it creates. "
+                                      f"Remove it (it may have been planted) and re-run") from None
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+                os.close(fd)
+                raise PackerError(f"{self.folder} is being written by another packer process "
+                                  f"({holder}); wait for it to finish, or pick another folder") from None
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # the holder removed the file as it finished: lock the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, {self.what}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            # Removed while still held, so the folder is left as it was found.
+            (self.folder / LOCK_NAME).unlink(missing_ok=True)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a lock on a removed file locks
+    nothing another process can see)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)

@@ -1,0 +1,212 @@
+"""Facts about the machine that several modules need: usable cores, memory, filesystem type,
+free space, full-disk errors, human-readable sizes, and which PIL is imported.
+
+Private to packer (the names are public so modules can share them without crossing a
+private boundary); nothing here changes the process.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import os
+import signal
+from typing import Callable, Dict, Optional, Tuple
+
+from ..errors import PackerError
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+# -- cores -----------------------------------------------------------------------------------
+
+def usable_cores() -> int:
+    """Cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def cpu_quota() -> Optional[float]:
+    """CPUs allowed by a container's cgroup v2 ``cpu.max`` (None when unlimited or unknown)."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux ``PR_SET_PDEATHSIG``),
+    so worker processes never outlive a ``kill -9`` of the command that started them."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: workers exit when their pipe closes
+        return
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(1)
+
+
+# -- memory and filesystems -----------------------------------------------------------------
+
+def meminfo() -> Dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    out: Dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def fs_type(path: os.PathLike) -> str:
+    """The type of the filesystem holding ``path`` ("tmpfs", "ext4"...), "" if unknown."""
+    best: Tuple[int, str] = (-1, "")
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = _unescape_mount(fields[1])
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best[0]:
+                    best = (len(mnt), fields[2])
+    except OSError:
+        pass
+    return best[1]
+
+
+def _unescape_mount(text: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 3 < len(text) and text[i + 1:i + 4].isdigit():
+            out.append(chr(int(text[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def free_bytes(path: os.PathLike) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (0 if unknown)."""
+    try:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for a full disk, a quota or a file-size limit, however the error reached us
+    (``OSError`` with an errno, or an ``lmdb.Error`` that only says it in words)."""
+    if getattr(exc, "errno", None) in DISK_FULL_ERRNOS:
+        return True
+    text = str(exc).lower()
+    return "no space left" in text or "quota exceeded" in text or "file too large" in text
+
+
+@contextlib.contextmanager
+def disk_full_as(path: os.PathLike, explain: Callable[[int], str], types=(OSError,)):
+    """A full disk (an error of ``types`` that ``is_disk_full``) inside becomes
+    ``PackerError(explain(free bytes))``: what was kept and how to resume, instead of an
+    errno. Other errors pass through unchanged."""
+    folder = os.path.dirname(os.fspath(path)) or "."
+    try:
+        yield
+    except types as exc:
+        if not (is_disk_full(exc) or _short_write(exc, folder)):
+            raise
+        raise PackerError(explain(free_bytes(folder))) from exc
+
+
+SHORT_WRITE_ROOM = 64 << 20  # one LMDB commit's worth (writer.TXN_BYTES)
+
+
+def _short_write(exc: BaseException, folder: str) -> bool:
+    """LMDB reports a write cut short by a full disk as EIO (its page flush checks only the
+    byte count): one when the disk has less room left than a commit needs."""
+    if "input/output error" not in str(exc).lower():
+        return False
+    try:
+        return free_bytes(folder) < SHORT_WRITE_ROOM
+    except OSError:
+        return False
+
+
+def human_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: powers of 1024, one decimal (whole bytes below 1 KiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# -- PIL -------------------------------------------------------------------------------------
+
+SIMD_KERNEL = b"ImagingResampleHorizontalConvolution8u4x"  # Pillow-SIMD's AVX2/SSE4 resampler
+
+
+def pil_info() -> Dict[str, object]:
+    """Which PIL is really imported, judged from the module itself: Pillow-SIMD when its
+    compiled extension holds Pillow-SIMD's SIMD resample kernel (or, stripped of names, its
+    version has Pillow-SIMD's ``.postN`` form), and whether libjpeg-turbo backs it. pip's
+    record (``installed``) can lie: a package that requires Pillow overwrites Pillow-SIMD's
+    files and leaves pillow-simd listed; ``mismatch`` says so."""
+    from importlib import metadata
+
+    import PIL
+    from PIL import _imaging, features
+    try:
+        with open(_imaging.__file__, "rb") as f:
+            kernel = SIMD_KERNEL in f.read()
+    except OSError:
+        kernel = False
+    version = PIL.__version__
+    flavour = "Pillow-SIMD" if kernel or ".post" in version else "Pillow"
+    installed = []
+    for dist in ("pillow-simd", "pillow"):
+        try:
+            installed.append(f"{metadata.distribution(dist).metadata['Name']} "
+                             f"{metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return {
+        "flavour": flavour,
+        "version": version,
+        "simd": flavour == "Pillow-SIMD",
+        "simd_kernel": kernel,
+        "module": os.path.dirname(PIL.__file__),
+        "installed": installed,
+        "mismatch": flavour == "Pillow" and any("simd" in d.lower() for d in installed),
+        "libjpeg_turbo": bool(features.check_feature("libjpeg_turbo")),
+        "jpeg_version": features.version("libjpeg_turbo") or features.version("jpg"),
+    }
+
+
+PILLOW_SIMD_HINT = ("pip uninstall -y pillow pillow-simd && CC='cc -mavx2' pip install "
+                    "--no-cache-dir --no-binary pillow-simd pillow-simd")
+
+
+def pil_summary() -> str:
+    """One line for manifests, ``--version`` and reports: flavour, version, JPEG library."""
+    i = pil_info()
+    jpeg = f"libjpeg-turbo {i['jpeg_version']}" if i["libjpeg_turbo"] else f"libjpeg {i['jpeg_version']}"
+    hint = "" if i["simd"] else f" (Pillow-SIMD adds SIMD resizes: {PILLOW_SIMD_HINT})"
+    return f"{i['flavour']} {i['version']}, {jpeg}{hint}"

@@ -1,0 +1,209 @@
+"""Every manifest field checked before it drives any work.
+
+A manifest comes from whoever made the dataset. Its numbers decide how much is read,
+allocated and copied, and its paths decide which files are opened, so each one is checked
+here: types, ranges, sums, and paths (``docs/security.md``). A bad manifest is a
+``FormatError`` naming the field, never a ``TypeError``, ``KeyError`` or a runaway loop.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+from typing import Any, Dict, List
+
+from ..errors import FormatError
+from .fields import COLUMN_DTYPE, check_schema, detection_problem
+
+MIN_RECORD_BYTES = 16  # an LMDB entry takes at least its node header and 8-byte key
+SHA256 = re.compile(r"[0-9a-f]{64}")
+TABLE_WIDTH = {"labels": 4, "offsets": 16}  # bytes per record of each side table
+COLUMN_WIDTH = {"int32": 4, "int64": 8, "float64": 8, "uint8": 1}  # bytes per record of a column
+TASKS = ("classification", "detection", "generic")
+
+
+def is_plain_name(name: Any) -> bool:
+    """A file name inside one folder: no separator, no NUL, not hidden, not ``.``/``..``."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not name.startswith(".")
+            and "/" not in name and "\\" not in name and "\0" not in name)
+
+
+def shard_path_problem(path: Any) -> str:
+    """Why ``path`` cannot be a shard path, or "": a plain name in the dataset folder, or
+    ``PART/NAME`` with PART a relative folder (``../part-0``: a merge's part) and NAME plain."""
+    if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
+        return "must be a relative '/'-separated path"
+    p = PurePosixPath(path)
+    if p.is_absolute() or str(p) != path:
+        return "must be relative and normalized (no leading '/', './' or '//')"
+    *folders, name = p.parts
+    if not is_plain_name(name):
+        return "must end in a plain file name"
+    ups = 0
+    while ups < len(folders) and folders[ups] == "..":
+        ups += 1
+    if any(not is_plain_name(f) for f in folders[ups:]):
+        return "may go up ('..') only at its start"
+    return ""
+
+
+class _Check:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, what: str) -> FormatError:
+        return FormatError(f"{self.where}: field {field!r} {what}; the manifest is damaged or "
+                           f"not from packer (rebuild or re-stage the dataset)")
+
+    def int(self, obj: dict, key: str, field: str, low: int = 0) -> int:
+        v = obj.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise self.fail(field, f"must be an integer >= {low}, got {v!r}"[:200])
+        return v
+
+    def str(self, obj: dict, key: str, field: str, optional: bool = False) -> None:
+        v = obj.get(key)
+        if not (isinstance(v, str) or optional and v is None):
+            raise self.fail(field, f"must be a string, got {type(v).__name__}")
+
+    def sha(self, obj: dict, field: str) -> None:
+        v = obj.get("sha256")
+        if not isinstance(v, str) or not SHA256.fullmatch(v):
+            raise self.fail(field, "must be a 64-digit lowercase hex SHA-256")
+
+    def dict(self, obj: dict, key: str, field: str, optional: bool = False) -> Dict[str, Any]:
+        v = obj.get(key)
+        if optional and v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise self.fail(field, f"must be an object, got {type(v).__name__}")
+        return v
+
+    def list(self, obj: dict, key: str, field: str) -> List[Any]:
+        v = obj.get(key)
+        if not isinstance(v, list):
+            raise self.fail(field, f"must be a list, got {type(v).__name__}")
+        return v
+
+
+def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
+    """``man`` if every field packer reads is well formed and consistent, else FormatError."""
+    c = _Check(where)
+    if not isinstance(man, dict):
+        raise FormatError(f"{where} is not a packer manifest (not a JSON object)")
+    count = c.int(man, "count", "count")
+    total = c.int(man, "bytes", "bytes")
+    _classes(c, man)
+    shards = c.list(man, "shards", "shards")
+    if not shards:
+        raise c.fail("shards", "lists no shard")
+    seen = set()
+    for k, s in enumerate(shards):
+        field = f"shards[{k}]"
+        if not isinstance(s, dict):
+            raise c.fail(field, "must be an object")
+        problem = shard_path_problem(s.get("path"))
+        if problem:
+            raise c.fail(f"{field}.path", problem)
+        if s["path"] in seen:
+            raise c.fail(f"{field}.path", f"repeats {s['path']!r} (its records would count twice)")
+        seen.add(s["path"])
+        n, size = c.int(s, "count", f"{field}.count"), c.int(s, "bytes", f"{field}.bytes")
+        if n * MIN_RECORD_BYTES > size:
+            raise c.fail(f"{field}.count", f"says {n} records in {size} bytes: impossible")
+        c.sha(s, f"{field}.sha256")
+    if sum(s["count"] for s in shards) != count:
+        raise c.fail("count", f"is {count}, the shards hold {sum(s['count'] for s in shards)}")
+    if sum(s["bytes"] for s in shards) != total:
+        raise c.fail("bytes", f"is {total}, the shards' sizes add up to "
+                              f"{sum(s['bytes'] for s in shards)}")
+    fields = _schema(c, man)
+    for kind, width in TABLE_WIDTH.items():
+        if man.get(kind) is None and (kind == "offsets" or "label" not in fields):
+            continue  # optional
+        _table(c, c.dict(man, kind, kind), kind, width, count)
+    columns = c.dict(man, "columns", "columns", optional=True)
+    for name, t in columns.items():
+        if not isinstance(t, dict) or t.get("dtype") not in COLUMN_WIDTH:
+            raise c.fail(f"columns.{name}", f"must be an object with a dtype of "
+                                            f"{', '.join(COLUMN_WIDTH)}")
+        if name not in fields and name not in ("width", "height"):
+            raise c.fail(f"columns.{name}", "names no field of the schema")
+        want = "int32" if name in ("width", "height") else COLUMN_DTYPE.get(fields[name]["type"])
+        if t["dtype"] != want:
+            raise c.fail(f"columns.{name}.dtype", f"must be {want}, the dtype of its field")
+        _table(c, t, f"columns.{name}", COLUMN_WIDTH[t["dtype"]], count)
+    paths = c.dict(man, "paths", "paths", optional=True)
+    if paths:
+        _table(c, c.dict(paths, "index", "paths.index"), "paths.index", 8, count)
+        text = c.dict(paths, "text", "paths.text")
+        if not is_plain_name(text.get("path")):
+            raise c.fail("paths.text.path", "must be a plain file name in the dataset folder")
+        c.int(text, "bytes", "paths.text.bytes")
+        c.sha(text, "paths.text.sha256")
+    wanted = [n for n, f in fields.items() if f["type"] in ("int", "float", "bool") and n != "label"]
+    if man.get("schema") is not None and any(n not in columns for n in wanted):
+        raise c.fail("columns", f"must hold a table for each scalar field ({', '.join(wanted)})")
+    for k, s in enumerate(c.list(man, "skipped", "skipped")):
+        if not isinstance(s, dict):
+            raise c.fail(f"skipped[{k}]", "must be an object")
+        c.str(s, "path", f"skipped[{k}].path")
+        c.str(s, "reason", f"skipped[{k}].reason")
+    for k, d in enumerate(c.list(man, "dropped", "dropped") if "dropped" in man else []):
+        if not isinstance(d, dict):
+            raise c.fail(f"dropped[{k}]", "must be an object")
+        c.str(d, "path", f"dropped[{k}].path")
+        c.str(d, "reason", f"dropped[{k}].reason")
+    if "dropped_count" in man:
+        c.int(man, "dropped_count", "dropped_count")
+    for k, cat in enumerate(c.list(man, "categories", "categories") if "categories" in man else []):
+        if not isinstance(cat, dict) or not isinstance(cat.get("name"), str) or not (
+                isinstance(cat.get("id"), int) and not isinstance(cat.get("id"), bool)):
+            raise c.fail(f"categories[{k}]", "must be an object with an int id and a str name")
+    c.dict(man, "options", "options", optional=True)
+    c.dict(man, "staged", "staged", optional=True)
+    for key in ("source", "pil", "created", "packer_version", "build_id"):
+        c.str(man, key, key, optional=True)
+    return man
+
+
+def _table(c: _Check, t: dict, kind: str, width: int, count: int) -> None:
+    if not is_plain_name(t.get("path")):
+        raise c.fail(f"{kind}.path", "must be a plain file name in the dataset folder")
+    if c.int(t, "bytes", f"{kind}.bytes") != width * count:
+        raise c.fail(f"{kind}.bytes", f"must be {width} x count = {width * count}")
+    c.sha(t, f"{kind}.sha256")
+
+
+def _schema(c: _Check, man: dict) -> Dict[str, dict]:
+    """The dataset's fields by name (older datasets: ``label`` alone)."""
+    schema = man.get("schema")
+    if schema is None:
+        return {"label": {"name": "label", "type": "int"}}
+    if not isinstance(schema, dict) or schema.get("task") not in TASKS:
+        raise c.fail("schema", f"must be an object with a task of {', '.join(TASKS)}")
+    try:
+        fields = check_schema(schema.get("fields"), c.where)
+    except FormatError as e:
+        raise c.fail("schema.fields", str(e).split(": ", 1)[-1]) from None
+    by_name = {f["name"]: f for f in fields}
+    if "label" in by_name and by_name["label"]["type"] != "int":
+        raise c.fail("schema.fields", "declares 'label' with a type other than int")
+    problem = detection_problem(fields) if schema["task"] == "detection" else ""
+    if problem:
+        raise c.fail("schema", f"says detection but {problem}")
+    return by_name
+
+
+def _classes(c: _Check, man: dict) -> None:
+    classes = c.list(man, "classes", "classes")
+    if not all(isinstance(x, str) for x in classes):
+        raise c.fail("classes", "must be a list of strings")
+    if len(set(classes)) != len(classes):
+        raise c.fail("classes", "repeats a class name")
+    idx = man.get("class_to_idx")
+    if idx is not None and idx != {name: i for i, name in enumerate(classes)}:
+        raise c.fail("class_to_idx", "does not match classes")
+    counts = man.get("class_counts")
+    if counts is not None and (not isinstance(counts, list) or len(counts) != len(classes) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)):
+        raise c.fail("class_counts", "must list one count >= 0 per class")

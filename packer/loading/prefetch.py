@@ -1,0 +1,291 @@
+"""``CUDAPrefetcher``: the next batch crosses PCIe and is normalized while this step runs.
+
+The NVIDIA APEX ``data_prefetcher`` idea, as a plain re-iterable iterator: batches arrive
+as uint8 (4x fewer bytes than float32 over PCIe), are copied on a side stream from pinned
+memory, converted and normalized there, and handed to the training stream only once ready.
+Without CUDA it applies the same conversion on the CPU, so one script runs anywhere.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from .._util.threads import END
+
+__all__ = ["CUDAPrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "LoaderView", "normalize_affine",
+           "normalize_uint8"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class LoaderView:
+    """What a wrapper around a loader passes through, so it stands in for the loader:
+    ``len()``, ``.dataset``, ``.sampler``, ``.batch_sampler`` and ``set_epoch``."""
+
+    loader: Iterable
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    @property
+    def sampler(self):
+        return self.loader.sampler
+
+    @property
+    def batch_sampler(self):
+        return self.loader.batch_sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call ``set_epoch(epoch)`` on the loader, its sampler(s) and its dataset, where they
+        have one (DistributedSampler needs it to reshuffle each epoch)."""
+        seen = set()
+        candidates = [self.loader]
+        for name in ("sampler", "batch_sampler", "dataset"):
+            candidates.append(getattr(self.loader, name, None))
+        candidates.append(getattr(getattr(self.loader, "batch_sampler", None), "sampler", None))
+        for obj in candidates:
+            fn = getattr(obj, "set_epoch", None)
+            if obj is not None and obj is not self and callable(fn) and id(obj) not in seen:
+                seen.add(id(obj))
+                fn(epoch)
+
+
+class CUDAPrefetcher(LoaderView):
+    """Iterate ``loader`` with each batch already on ``device``, images normalized.
+
+    ``for x, y in CUDAPrefetcher(loader):`` works every epoch (each ``iter()`` is a new pass,
+    ending with StopIteration); ``len()``, ``.sampler``, ``.batch_sampler``, ``.dataset`` pass
+    through and ``set_epoch(e)`` reaches the sampler. ``loader`` may be any re-iterable of
+    batches: tuples, lists and dicts of tensors, nested freely.
+
+    Images are the uint8 tensors with 4 dims (N, C, H, W): they become ``dtype``,
+    normalized as ``(x / 255 - mean) / std`` (``mean``/``std`` on the 0..1 scale, as in
+    torchvision; the 255 is folded in here), in channels_last memory if ``channels_last``.
+    ``mean=None, std=None`` gives ``x / 255``. The arithmetic is float32 whatever ``dtype``.
+    Other tensors (labels) just move to the device; non-tensors pass unchanged. Detection
+    batches (``collate_detection``: images as a list of differently sized uint8 (C, H, W)
+    tensors, targets as a list of dicts) get each image normalized the same way and every
+    target tensor (boxes stay ``tv_tensors.BoundingBoxes``) moved with them.
+
+    Memory safety across streams (the choice the APEX prefetcher makes, kept on purpose):
+    each batch is allocated and written on the side stream ``self.stream`` (one for the
+    object's life). When it is handed out, the consumer's current stream waits on the side
+    stream (so no kernel reads a batch before its copy lands), and every handed-out tensor
+    is ``record_stream``-ed on the consumer's stream (so the caching allocator does not give
+    its memory to the *next* copy while kernels queued on the consumer stream may still read
+    it). The alternative, allocating on the consumer's stream with the side stream waiting on
+    it, makes every copy wait for all work already queued on the consumer stream, i.e. the
+    current step: the overlap this class exists for would be lost. record_stream's cost is
+    that freed batches return to the pool a little later (two or three batches of memory).
+
+    Tensors already on the GPU (decoded there, say) were made on the consumer's stream: the
+    side stream waits for that stream before reading them, which is correct but gives up the
+    overlap for such batches.
+
+    Batches should come from pinned memory (``make_loader`` pins when CUDA is available):
+    from pageable memory the copy blocks the CPU; a warning says so once per pass.
+    """
+
+    def __init__(self, loader: Iterable, mean: Optional[Sequence[float]] = IMAGENET_MEAN,
+                 std: Optional[Sequence[float]] = IMAGENET_STD, *,
+                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32,
+                 channels_last: bool = True):
+        if dtype not in _FLOATS:
+            raise ValueError(f"dtype must be one of torch.float32, bfloat16, float16 or float64 "
+                             f"(what the model consumes), got {dtype}")
+        self.loader = loader
+        self.dtype = dtype
+        self.channels_last = bool(channels_last)
+        self.device = _resolve_device(device)
+        scale, shift = normalize_affine(mean, std)
+        self.mean, self.std = (None, None) if mean is None else (tuple(mean), tuple(std))
+        self._scale = scale.to(self.device)
+        self._shift = shift.to(self.device)
+        self.stream: Optional[torch.cuda.Stream] = None
+        self._warned = False
+        self._state = None  # the loader's state after the last batch handed out
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            # The constants were written on the current stream; the side stream reads them.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self):
+        it = iter(self.loader)
+        self._state = self._loader_state()
+        if self.stream is None:
+            for batch in it:
+                state = self._loader_state()
+                out = self._convert(batch)
+                self._state = state
+                yield out
+            return
+        nxt = self._preload(it), self._loader_state()
+        while nxt[0] is not END:
+            cur = nxt  # (drops our reference to the previous batch before the next copy)
+            self._handoff(cur[0], torch.cuda.current_stream(self.device))
+            nxt = self._preload(it), self._loader_state()
+            self._state = cur[1]  # what the consumer has now received, not what was fetched
+            yield cur[0]
+
+    # -- exactly-once resume -----------------------------------------------------------------
+
+    def _loader_state(self):
+        return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+
+    def state_dict(self) -> dict:
+        """The loader's state as of the last batch this prefetcher handed out (the loader
+        itself is a batch ahead): resuming from it continues with the next unseen batch.
+        Needs a loader with ``state_dict`` (``make_loader(..., stateful=True)``)."""
+        if not hasattr(self.loader, "state_dict"):
+            raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): use "
+                            "make_loader(..., stateful=True) (torchdata's StatefulDataLoader)")
+        state = self._state if self._state is not None else self.loader.state_dict()
+        return {"loader": state}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``iter()`` starts at the first batch not handed out before."""
+        self.loader.load_state_dict(state["loader"])
+        self._state = state["loader"]
+
+    def _preload(self, it):
+        """Start copying and normalizing the next batch on the side stream (returns at once)."""
+        try:
+            batch = next(it)
+        except StopIteration:
+            return END
+        if not self._warned:
+            self._warned = True
+            t = next(iter_tensors(batch), None)
+            if t is not None and t.device.type == "cpu" and not t.is_pinned():
+                warnings.warn("CUDAPrefetcher got a batch in pageable memory: each copy blocks "
+                              "the CPU; use make_loader (or DataLoader(pin_memory=True))",
+                              stacklevel=3)
+        on_gpu = [t for t in iter_tensors(batch) if t.device.type == "cuda"]
+        if on_gpu:  # made on the consumer's stream (GPU decoding, say): wait for it, hold it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in on_gpu:
+                t.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            return self._convert(batch)
+
+    def _handoff(self, batch, stream: torch.cuda.Stream) -> None:
+        """Make ``batch`` safe to use on ``stream``: see the class docstring."""
+        stream.wait_stream(self.stream)
+        for t in iter_tensors(batch):
+            if t.device.type == "cuda":
+                t.record_stream(stream)
+
+    def _convert(self, batch):
+        if is_image_list_batch(batch):  # detection: (list of (C, H, W) images, targets)
+            images = [self._tensor(im[None])[0] for im in batch[0]]
+            return type(batch)([images, *(_apply(x, self._tensor) for x in batch[1:])])
+        return _apply(batch, self._tensor)
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device, non_blocking=True)
+        if t.dtype == torch.uint8 and t.dim() == 4:
+            return normalize_uint8(t, self._scale, self._shift, dtype=self.dtype,
+                                   channels_last=self.channels_last)
+        return t
+
+    def __repr__(self) -> str:
+        return (f"CUDAPrefetcher({self.loader!r}, mean={self.mean}, std={self.std}, "
+                f"device={self.device}, dtype={self.dtype}, channels_last={self.channels_last})")
+
+
+def normalize_uint8(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
+                    dtype: torch.dtype = torch.float32, channels_last: bool = True) -> torch.Tensor:
+    """``x * scale + shift`` for a uint8 (N, C, H, W) batch, in one kernel: read as uint8,
+    computed in float32, written as ``dtype`` in the requested memory format."""
+    c = x.shape[1]
+    if scale.numel() not in (1, c):
+        raise ValueError(f"images have {c} channels but mean/std have {scale.numel()} values")
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.empty(x.shape, dtype=dtype, device=x.device, memory_format=fmt)
+    return torch.addcmul(shift, x, scale, out=out)
+
+
+def normalize_affine(mean, std):
+    """(scale, shift) of shape (1, C, 1, 1) with x * scale + shift == (x / 255 - mean) / std."""
+    if (mean is None) != (std is None):
+        raise ValueError("give both mean and std (0..1 scale, e.g. IMAGENET_MEAN/IMAGENET_STD), "
+                         "or neither for x / 255")
+    if mean is None:
+        mean, std = (0.0,), (1.0,)
+    mean = torch.as_tensor(mean, dtype=torch.float64).flatten()
+    std = torch.as_tensor(std, dtype=torch.float64).flatten()
+    if mean.numel() != std.numel() or mean.numel() == 0:
+        raise ValueError(f"mean and std need one value per channel, got {mean.numel()} and "
+                         f"{std.numel()}")
+    if not bool((std > 0).all()):
+        raise ValueError(f"std must be positive, got {std.tolist()}")
+    if bool((mean.abs() > 1).any()) or bool((std > 1).any()):
+        raise ValueError(f"mean/std are on the 0..1 scale (torchvision's convention; the x255 is "
+                         f"done here), got mean={mean.tolist()}, std={std.tolist()}")
+    scale = (1.0 / (255.0 * std)).float().view(1, -1, 1, 1)
+    shift = (-mean / std).float().view(1, -1, 1, 1)
+    return scale, shift
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device} but CUDA is not available; leave device=None to "
+                             f"use the GPU when there is one and the CPU otherwise")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
+    return device
+
+
+def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``fn`` on every tensor in nested tuples/lists/dicts, keeping the containers' types."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        items = {k: _apply(v, fn) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_apply(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_apply(v, fn) for v in obj)
+    return obj
+
+
+def is_image_list_batch(batch: Any) -> bool:
+    """A ``(images, targets)`` batch whose images are a list of uint8 (C, H, W) tensors."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not isinstance(batch[0], list):
+        return False
+    return bool(batch[0]) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                  and t.dim() == 3 for t in batch[0])
+
+
+def iter_tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)

@@ -1,0 +1,124 @@
+"""``BackgroundIterator``: iterate anything in a background thread, a few items ahead.
+
+For producers that wait or release the GIL (I/O, decoding, a DataLoader's queue) while the
+consumer runs a training step.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterable, Iterator, Optional
+
+from .._util.threads import END, Raised, drain
+
+__all__ = ["BackgroundIterator", "background"]
+
+
+class BackgroundIterator:
+    """Iterate ``iterable`` in a thread, keeping up to ``depth`` items ready.
+
+    The prefetch_generator idea: while the consumer works on one item (a training step,
+    which releases the GIL in torch kernels), the thread produces the next ones. Useful for
+    producers that wait or release the GIL (I/O, decoding, a DataLoader's queue). An
+    exception in the thread is re-raised by the consumer as the same object, so its type
+    and its traceback into the producer survive. If the consumer stops early (``close()``,
+    ``with``, or dropping the iterator), the thread stops and the source iterator is closed.
+    One pass: wrap the iterable again for the next epoch.
+    """
+
+    def __init__(self, iterable: Iterable, depth: int = 2):
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1 (items kept ready), got {depth!r}")
+        self._len = _length(iterable)
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        # The thread must not reference self, or an abandoned iterator could never be freed.
+        self._thread = threading.Thread(target=_produce, args=(iter(iterable), self._queue, self._stop),
+                                        name=f"packer-background-{id(self):x}", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> "BackgroundIterator":
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is END:
+            self._finish()
+            raise StopIteration
+        if isinstance(item, Raised):
+            self._finish()
+            item.reraise()
+        return item
+
+    def __len__(self) -> int:
+        if self._len is None:
+            raise TypeError("the wrapped iterable has no len()")
+        return self._len
+
+    def close(self, timeout: Optional[float] = 10.0) -> None:
+        """Stop the thread (it finishes the item it is producing) and release queued items."""
+        self._done = True
+        self._stop.set()
+        if threading.current_thread() is self._thread:  # collected by GC inside the thread
+            return
+        while self._thread.is_alive():
+            drain(self._queue)  # unblock a put() waiting on a full queue
+            self._thread.join(0.01)
+            if timeout is not None:
+                timeout -= 0.01
+                if timeout <= 0:
+                    break  # the source is stuck in its own next(); the daemon thread is left
+        drain(self._queue)
+
+    def _finish(self) -> None:
+        self._done = True
+        self._thread.join()
+
+    def __enter__(self) -> "BackgroundIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def background(iterable: Iterable, depth: int = 2) -> BackgroundIterator:
+    """``for batch in background(loader):`` — the next items are produced in a thread."""
+    return BackgroundIterator(iterable, depth)
+
+
+def _produce(it: Iterator, q: queue.Queue, stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            try:
+                item = next(it)
+            except StopIteration:
+                q.put(END)
+                return
+            except BaseException as e:  # noqa: B902 - everything reaches the consumer
+                q.put(Raised(e, "the producer thread of packer.loading.BackgroundIterator"))
+                return
+            q.put(item)
+            del item
+    finally:
+        close = getattr(it, "close", None)  # run a generator's finally blocks, here, not in GC
+        if close is not None and stop.is_set():
+            try:
+                close()
+            except Exception:
+                pass
+
+
+def _length(iterable) -> Optional[int]:
+    try:
+        return len(iterable)
+    except TypeError:
+        return None

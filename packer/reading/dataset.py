@@ -1,0 +1,216 @@
+"""``PackedDataset``: a drop-in for ``torchvision.datasets.ImageFolder`` (and, for
+detection datasets, ``CocoDetection`` wrapped for transforms v2) over packed shards.
+
+Same ``classes``, ``class_to_idx``, ``targets`` and pixels (``Image.open(f).convert("RGB")``),
+so a training script changes one line. Nothing per-sample lives in Python objects: labels
+and other columns are compact arrays, shard offsets a short list, so forked workers' memory
+stays flat.
+"""
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Sequence
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import torch
+from torch.utils.data import Dataset
+
+from ..transforms.boxes import crop_boxes
+from ..transforms.decode import open_image
+from ..format.manifest import dataset_schema
+from .reader import ShardReader
+from ..format.tables import read_column, read_labels, read_paths
+from ..sources.base import find_classes
+from .targets import TargetMaker, wrap_boxes
+
+
+class PackedDataset(Dataset):
+    """Map-style dataset over every shard of a packed dataset.
+
+    Args:
+        root: the dataset folder (built by ``packer build``, or staged by ``packer stage``).
+        transform / target_transform: applied to the sample / target, as in torchvision.
+        decode: turns stored image bytes into the sample. Default: a PIL RGB image exactly
+            as ImageFolder's loader gives. Pass ``DecodeRandomResizedCrop(224)`` or
+            ``DecodeCenterCrop(224)`` for uint8 tensors decoded at reduced size (the fast
+            path for ``make_loader``), or any ``bytes -> sample`` callable.
+        exif_orientation: rotate by the EXIF tag (ImageFolder does not, hence off).
+        verify_crc: check each record's CRC-32 as it is read (a ``FormatError`` names a
+            damaged record), for storage one does not trust; off by default (``packer
+            verify`` checks every record once).
+        transforms: a joint ``(image, target) -> (image, target)`` callable, as
+            ``CocoDetection``'s: ``torchvision.transforms.v2`` moves boxes and masks with
+            the image. Applied after ``transform``/``target_transform``.
+        target_fields: return these fields (a dict; one name: that value alone) instead
+            of the task's target (the label; the detection dict; all fields).
+        masks: detection datasets built from COCO: add ``masks`` (``tv_tensors.Mask``,
+            one per object) made from the stored polygons / RLE.
+        min_visible: with a crop decoder (``decode=DecodeRandomResizedCrop(...)``) on a
+            detection dataset, keep a box when at least this fraction of it lies in the crop.
+    """
+
+    def __init__(self, root: os.PathLike, transform: Optional[Callable] = None,
+                 target_transform: Optional[Callable] = None, *,
+                 decode: Optional[Callable[[bytes], Any]] = None,
+                 exif_orientation: bool = False, verify_crc: bool = False,
+                 transforms: Optional[Callable] = None,
+                 target_fields: Union[None, str, Sequence[str]] = None, masks: bool = False,
+                 min_visible: float = 0.25):
+        self.root = os.fspath(root)
+        self.reader = ShardReader(root, verify_crc=verify_crc)
+        self.manifest = self.reader.manifest
+        self.transform = transform
+        self.target_transform = target_transform
+        self.transforms = transforms
+        self.decode = decode
+        self.exif_orientation = exif_orientation
+        self.schema = dataset_schema(self.manifest)
+        self.make_target = TargetMaker(self.schema, target_fields=target_fields, masks=masks)
+        if masks and decode is not None and hasattr(decode, "decode_crop"):
+            raise ValueError("masks=True with a crop decoder is not supported: decode to PIL "
+                             "(decode=None) and crop with torchvision.transforms.v2, which "
+                             "moves masks with the image")
+        self.min_visible = float(min_visible)
+        self.classes: List[str] = list(self.manifest["classes"])
+        self.class_to_idx = dict(self.manifest["class_to_idx"])
+        self.categories = list(self.manifest.get("categories", []))
+        self._labels = read_labels(root, self.manifest)  # array('i'): one buffer, not N objects
+        self._samples: Optional[Samples] = None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    @property
+    def task(self) -> str:
+        """``classification``, ``detection`` or ``generic`` (from the manifest's schema)."""
+        return self.schema["task"]
+
+    @property
+    def targets(self) -> List[int]:
+        """Labels in index order (a fresh list, like ImageFolder's; read without decoding)."""
+        if self.manifest.get("labels") is None:
+            raise AttributeError(f"{self.root} has no class labels (task {self.task!r}); its "
+                                 f"fields: {', '.join(f['name'] for f in self.schema['fields'])}")
+        return self._labels.tolist()
+
+    def target(self, index: int) -> int:
+        return self._labels[index]
+
+    @property
+    def samples(self) -> "Samples":
+        """``(path, class_index)`` per record, as ImageFolder's ``samples``: paths under the
+        source folder the dataset was built from (``manifest["source"]``), read from the
+        paths table (one buffer, not a list of tuples); ``-1`` as the class in datasets
+        without class labels."""
+        if self._samples is None:
+            table = read_paths(self.root, self.manifest)
+            if table is None:  # built before the paths table (format < 1.2): from the records
+                table = [self.reader.record(i)["path"] for i in range(len(self))]
+            self._samples = Samples(self.manifest.get("source") or "", table, self._labels)
+        return self._samples
+
+    @property
+    def imgs(self) -> "Samples":
+        """ImageFolder's alias of ``samples``."""
+        return self.samples
+
+    def find_classes(self, directory: Optional[os.PathLike] = None) -> Tuple[List[str], dict]:
+        """``(classes, class_to_idx)``: this dataset's; or, given ``directory``, what
+        ImageFolder would find there (its sorted class folders)."""
+        if directory is None:
+            return list(self.classes), dict(self.class_to_idx)
+        found = find_classes(directory)
+        return found, {c: i for i, c in enumerate(found)}
+
+    @staticmethod
+    def loader(data: bytes):
+        """The default decode (ImageFolder's ``loader`` reads a path; packer's hooks take the
+        stored bytes): a PIL RGB image, as ``Image.open(f).convert("RGB")``."""
+        return open_image(data)
+
+    def column(self, name: str) -> array:
+        """A scalar field for every record (``label``, ``width``, ``height``, any int,
+        float or bool field), from its side table: no record is read, no image decoded."""
+        return read_column(self.root, name, self.manifest)
+
+    def aspect_ratios(self) -> torch.Tensor:
+        """width / height of every image (float64), from the side tables."""
+        try:
+            w, h = self.column("width"), self.column("height")
+        except KeyError:
+            raise ValueError(f"{self.root} has no width/height columns (built before packer "
+                             f"format 1.2); rebuild it to group batches by aspect ratio") from None
+        return torch.tensor(w, dtype=torch.float64) / torch.tensor(h, dtype=torch.float64)
+
+    def load(self, index: int) -> dict:
+        """The raw record: ``image`` bytes, ``path``, ``width``, ``height``, its fields..."""
+        return self.reader.record(index)
+
+    def __getitem__(self, index: int) -> Tuple[Any, Any]:
+        return to_sample(self.load(index), self.decode, self.transform, self.target_transform,
+                         self.exif_orientation, self.make_target, self.transforms,
+                         self.min_visible)
+
+    def __repr__(self) -> str:
+        return (f"PackedDataset({self.root!r}, {len(self)} records, {len(self.classes)} classes, "
+                f"{len(self.reader.paths)} shards)")
+
+
+class Samples(Sequence):
+    """A read-only sequence of ``(path, class_index)``, built on access from the paths table."""
+
+    def __init__(self, source: str, paths, labels: array):
+        self.source, self.paths, self.labels = source, paths, labels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        label = self.labels[index] if len(self.labels) else -1
+        return os.path.join(self.source, self.paths[index]), label
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} samples under {self.source!r}>"
+
+
+def to_sample(rec: dict, decode: Optional[Callable] = None, transform: Optional[Callable] = None,
+              target_transform: Optional[Callable] = None, exif_orientation: bool = False,
+              make_target: Optional[Callable] = None, transforms: Optional[Callable] = None,
+              min_visible: float = 0.25) -> Tuple[Any, Any]:
+    """(sample, target) from a record: decode (ImageFolder's PIL RGB by default), then the
+    transforms. Shared by the map-style and the streaming datasets."""
+    target = make_target(rec) if make_target is not None else rec["label"]
+    detection = isinstance(target, dict) and "boxes" in target and getattr(
+        make_target, "detection", False)
+    if detection and decode is not None and hasattr(decode, "decode_crop"):
+        sample, crop, flipped = decode.decode_crop(rec["image"])
+        target = move_boxes(target, crop, decode.size, flipped, min_visible)
+    elif decode is not None:
+        sample = decode(rec["image"])
+    else:
+        sample = open_image(rec["image"], exif_orientation=exif_orientation)
+    if transform is not None:
+        sample = transform(sample)
+    if target_transform is not None:
+        target = target_transform(target)
+    if transforms is not None:
+        sample, target = transforms(sample, target)
+    return sample, target
+
+
+def move_boxes(target: dict, crop, size, flipped: bool, min_visible: float) -> dict:
+    """A detection target after its image was cropped to ``crop``, resized to ``size`` and
+    maybe flipped: boxes moved and clipped, objects mostly cut away dropped."""
+    boxes = target["boxes"].as_subclass(torch.Tensor)
+    n = len(boxes)
+    out, keep = crop_boxes(boxes, torch.tensor([n]), torch.tensor([crop], dtype=torch.float64),
+                           size, torch.tensor([bool(flipped)]), min_visible=min_visible)
+    moved = {k: (v[keep] if isinstance(v, torch.Tensor) and v.dim() and len(v) == n else v)
+             for k, v in target.items()}
+    moved["boxes"] = wrap_boxes(out[keep], size)
+    return moved

@@ -1,0 +1,128 @@
+"""``PackedIterableDataset``: stream records nearly sequentially, shuffled through a buffer.
+
+For disks where even block order seeks too much (tape-like network storage, cold object
+stores behind a FUSE mount): each (rank, worker) reads one contiguous run of the epoch's
+order, and a seeded shuffle buffer of raw record bytes mixes what it reads. The epoch's
+order permutes large blocks of consecutive records (``global_order(order="block",
+window=1)``), so a rank sees different data every epoch while each block is still read
+front to back. Runs are cut from one global order, so every record is read exactly once per
+epoch across all ranks and workers; with DDP each rank gets the same count (the tail is
+padded from the start of the order, or dropped with ``drop_last``).
+
+No mid-epoch resume here (the buffer's contents would be state); use ``PackedDataset`` with
+``PackedSampler`` for that.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..format.manifest import dataset_schema
+from ..format.records import unpack_record
+from .dataset import to_sample
+from .targets import TargetMaker
+from .reader import ShardReader
+from .sampler import global_order, rank_count, resolve_world, seed_for
+
+
+class PackedIterableDataset(IterableDataset):
+    """Iterable dataset over a packed dataset, split across DDP ranks and DataLoader workers.
+
+    Args:
+        root: the dataset folder.
+        transform / target_transform / decode: as for ``PackedDataset``.
+        shuffle: permute blocks per epoch and mix through the buffer; ``False`` streams
+            records ``0..n-1`` (split across ranks and workers in that order).
+        shuffle_buffer: records held (as encoded bytes, ~100 KB each for ImageNet-like JPEGs)
+            per worker; larger mixes better. 0 or 1 disables the buffer.
+        block_size: consecutive records read as one sequential run before jumping.
+        seed: with the epoch, fixes the order. Use the same on all ranks.
+        num_replicas / rank / drop_last: as for ``PackedSampler``.
+
+    Call ``set_epoch(epoch)`` before each epoch; the epoch lives in shared memory, so the
+    call reaches workers that already exist (``persistent_workers=True``) as well.
+    """
+
+    def __init__(self, root: os.PathLike, transform: Optional[Callable] = None,
+                 target_transform: Optional[Callable] = None, *,
+                 decode: Optional[Callable[[bytes], Any]] = None, shuffle: bool = True,
+                 shuffle_buffer: int = 1024, block_size: int = 1024, seed: int = 0,
+                 num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 drop_last: bool = False):
+        if shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0 records, got {shuffle_buffer}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 record, got {block_size}")
+        self.root = os.fspath(root)
+        self.reader = ShardReader(root)
+        self.make_target = TargetMaker(dataset_schema(self.reader.manifest))
+        self.transform, self.target_transform, self.decode = transform, target_transform, decode
+        self.shuffle, self.shuffle_buffer, self.block_size = bool(shuffle), int(shuffle_buffer), int(block_size)
+        self.seed, self.drop_last = int(seed), bool(drop_last)
+        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch.fill_(int(epoch))
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (all its workers together)."""
+        return rank_count(len(self.reader), 0, self.num_replicas, self.drop_last)
+
+    def positions(self, worker: int = 0, workers: int = 1) -> Tuple[int, int]:
+        """The [lo, hi) run of global-order positions read by ``worker`` of this rank.
+
+        Positions at or past the dataset length wrap to the start of the order (padding).
+        """
+        per_rank = len(self)
+        lo = self.rank * per_rank
+        return lo + per_rank * worker // workers, lo + per_rank * (worker + 1) // workers
+
+    def __iter__(self) -> Iterator[Tuple[Any, Any]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, n = self.epoch, len(self.reader)
+        lo, hi = self.positions(worker, workers)
+        if hi <= lo:
+            return
+        order = global_order(n, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                             order="block", block_size=self.block_size, window=1)
+        indices = order[torch.arange(lo, hi) % n]
+        rng = random.Random(seed_for(self.seed, epoch, self.rank, worker))
+        records = (self.reader.read(i) for c in range(0, len(indices), 8192)
+                   for i in indices[c:c + 8192].tolist())
+        if self.shuffle and self.shuffle_buffer > 1:
+            records = _buffered(records, self.shuffle_buffer, rng)
+        for data in records:
+            yield self._sample(data)
+
+    def _sample(self, data: bytes) -> Tuple[Any, Any]:
+        return to_sample(unpack_record(data), self.decode, self.transform, self.target_transform,
+                         make_target=self.make_target)
+
+    def __repr__(self) -> str:
+        return (f"PackedIterableDataset({self.root!r}, {len(self.reader)} records, "
+                f"rank={self.rank}/{self.num_replicas}, shuffle_buffer={self.shuffle_buffer}, "
+                f"seed={self.seed}, epoch={self.epoch})")
+
+
+def _buffered(items: Iterator, size: int, rng: random.Random) -> Iterator:
+    """Shuffle a stream through a buffer of ``size`` items (each item yielded once)."""
+    buf = []
+    for item in items:
+        if len(buf) < size:
+            buf.append(item)
+            continue
+        j = rng.randrange(size)
+        yield buf[j]
+        buf[j] = item
+    rng.shuffle(buf)
+    yield from buf

@@ -1,0 +1,389 @@
+"""Per-image metadata tables (``--meta FILE.jsonl|FILE.csv``) as typed record fields.
+
+Every row names an image by ``path`` (relative to IMAGES); its other columns become fields
+whose type is inferred over *all* rows and then checked, so a column cannot quietly change
+meaning half-way (an id read as a float, a caption that is sometimes a number). Types: int,
+float (ints among floats become floats), bool, str, list of int (int64) and list of float
+(float32; a column of only empty lists is int64); a list column has shape ``[n]`` when every
+row has n items, else ``[-1]``. There are no silent defaults: a missing or null value is an
+error naming the line and column, and so is NaN or infinity. CSV cells are text: a column
+is int if every non-empty cell is, else float, else bool (true/false, any case), else text,
+and a list (a JSON array per cell) if every non-empty cell starts with ``[``; an empty cell
+is an empty string in a text column and missing in any other. Only the listed rows are
+packed, in file order. Also home to the small helpers the other sources share.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import PackerError
+from .base import Annotations, ImageList, walk
+from .._util.text import is_utf8
+from .._util.text import printable
+
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+# Names the record itself uses (or the class label): a column may not shadow them.
+RESERVED = ("image", "path", "width", "height", "format", "mode", "crc32", "label")
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+# ASCII names joined by single slashes, no part starting with "." (so no "." or ".."):
+# already safe and normalized, as most dataset paths are.
+PLAIN_PATH = re.compile(r"(?:[\w-][\w.-]*/)*[\w-][\w.-]*\Z", re.ASCII)
+CSV_INT = re.compile(r"[+-]?[0-9]{1,4300}\Z")  # int() reads no longer text
+CSV_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\Z")
+CSV_NONFINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity",
+                 "-infinity"}
+# A column's kinds that may mix, and what they become together.
+MERGES = {frozenset({"int", "float"}): "float",
+          frozenset({"list of int", "list of float"}): "list of float"}
+
+
+def show(text: Any) -> str:
+    """Dataset text made safe for a message: control characters and bad bytes escaped."""
+    try:
+        return printable(str(text))
+    except UnicodeError:  # a lone surrogate from a JSON "\\ud800" escape
+        return ascii(str(text))
+
+
+def read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of ``path`` (a BOM allowed), or a PackerError saying what to fix."""
+    return utf8_text(read_data(path, what), path, what)
+
+
+def read_data(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise PackerError(f"{what} {path} does not exist") from None
+    except OSError as e:
+        raise PackerError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def utf8_text(data: bytes, path: Path, what: str) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise PackerError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                          f"save it as UTF-8") from None
+
+
+def image_root(images: os.PathLike) -> Path:
+    root = Path(images)
+    if not root.is_dir():
+        raise PackerError(f"image folder {root} does not exist or is not a folder")
+    return root
+
+
+def relative_path(rel: Any) -> Tuple[str, str]:
+    """``(normalized posix path, "")`` for a safe path inside IMAGES, else ``("", why not)``:
+    a path from a dataset file must never reach outside the folder it names."""
+    if not isinstance(rel, str):
+        return "", f"must be a string, not {type(rel).__name__}"
+    if PLAIN_PATH.match(rel):  # the common case, already normal: no parsing needed
+        return rel, ""
+    if not is_utf8(rel):
+        return "", "is not valid UTF-8 text"
+    if "\0" in rel:
+        return "", "contains a NUL character"
+    p = PurePosixPath(rel)
+    if p.is_absolute():
+        return "", "is absolute; give it relative to the image folder"
+    if ".." in p.parts:
+        return "", "contains '..'; it must stay inside the image folder"
+    if str(p) in ("", "."):
+        return "", "is empty"
+    return p.as_posix(), ""
+
+
+def walk_files(root: Path, want) -> List[str]:
+    """Relative posix paths of the files ``want`` accepts, in ImageFolder's walk order
+    (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning."""
+    found = []
+    for dirpath, dirnames, fnames in sorted(walk(root)):
+        rel_dir = os.path.relpath(dirpath, root)
+        found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames) if want(f))
+    return found
+
+
+def fit_identity(row: Dict[str, Any], width: int, height: int):
+    """Metadata does not depend on the image's size: stored as read, nothing dropped."""
+    return row, []
+
+
+def read_meta(images: os.PathLike, meta_file: os.PathLike, *,
+              label: Optional[str] = None) -> ImageList:
+    """The images a ``.jsonl`` or ``.csv`` table lists, its other columns as typed fields.
+
+    ``label=COLUMN`` makes that column the class label (str: classes are its sorted distinct
+    values; int: classes "0".."max", none negative); it is then not a field, so its name may
+    be one the record reserves (``label``). Images IMAGES holds but the table does not list
+    are not packed; listed ones are not looked at here (the builder skips missing files).
+    """
+    root = image_root(images)
+    file = Path(meta_file)
+    suffix = file.suffix.lower()
+    if suffix == ".jsonl":
+        records = jsonl_records(file)
+    elif suffix == ".csv":
+        records = csv_records(file)
+    else:
+        raise PackerError(f"metadata file {file} must end in .jsonl (one JSON object per line) "
+                          f"or .csv (a header row naming the columns)")
+    if not records:
+        raise PackerError(f"metadata file {file} lists no images")
+    paths = row_paths(file, records)
+    columns = column_names(file, records, label)
+    types = {c: column_type(file, records, c) for c in columns}
+    labels, classes = [-1] * len(records), []
+    if label is not None:
+        labels, classes = label_column(file, records, label, types.pop(label))
+    schema = [field_schema(c, t, records) for c, t in types.items()]
+    rows = [{c: as_type(rec[c], types[c]) for c in types} for _, rec in records]
+    ann = Annotations(schema=schema, rows=rows, fit=fit_identity, task="generic")
+    return ImageList(root, classes, list(zip(paths, labels)), ann)
+
+
+def jsonl_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line."""
+    records = []
+    for n, line in enumerate(read_text(file, "metadata file").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line, object_pairs_hook=unique_keys)
+        except json.JSONDecodeError as e:
+            raise PackerError(f"{file}:{n}: not valid JSON ({e.msg} at column {e.colno}); "
+                              f"each line must be one JSON object") from None
+        except (ValueError, RecursionError) as e:  # a key twice, nested too deeply...
+            raise PackerError(f"{file}:{n}: {json_problem(e)}") from None
+        if not isinstance(obj, dict):
+            raise PackerError(f"{file}:{n}: expected a JSON object {{\"path\": ...}}, got "
+                              f"{type_name(obj)}")
+        records.append((n, obj))
+    return records
+
+
+def json_problem(e: Exception) -> str:
+    """Why ``json.loads`` refused a text, in words for the dataset's owner."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at column {e.colno}"
+    if isinstance(e, RecursionError):
+        return "JSON nested too deeply"
+    if "integer string conversion" in str(e):
+        return "a number with over 4300 digits"
+    return str(e)  # unique_keys's
+
+
+def unique_keys(pairs):
+    keys = [k for k, _ in pairs]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise ValueError(f"key {show(k)!r} appears twice in one object")
+    return dict(pairs)
+
+
+def csv_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
+    """``(line number, row)`` with each column's cells converted to the one type they all
+    fit (CSV cells are text); an empty cell is missing unless the column is text."""
+    reader = csv.reader(io.StringIO(read_text(file, "metadata file"), newline=""))
+    try:
+        header = [h.strip() for h in next(reader, [])]
+        if not header:
+            return []
+        if "path" not in header:
+            raise PackerError(f"{file}:1: the header has no 'path' column (the image, "
+                              f"relative to the image folder)")
+        cells: List[Tuple[int, List[str]]] = []
+        for row in reader:
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise PackerError(f"{file}:{reader.line_num}: {len(row)} cells, but the header "
+                                  f"names {len(header)} columns")
+            cells.append((reader.line_num, row))
+    except csv.Error as e:
+        raise PackerError(f"{file}:{reader.line_num}: not valid CSV ({e})") from None
+    for i, name in enumerate(header):
+        if name in header[:i]:
+            raise PackerError(f"{file}:1: column {show(name)!r} appears twice in the header")
+    records: List[Tuple[int, Dict[str, Any]]] = [(n, {}) for n, _ in cells]
+    for i, name in enumerate(header):
+        column = [(n, row[i]) for n, row in cells]
+        values = [c for _, c in column] if name == "path" else csv_column(file, name, column)
+        for (_, rec), v in zip(records, values):
+            rec[name] = v
+    return records
+
+
+def csv_column(file: Path, name: str, column: List[Tuple[int, str]]) -> List[Any]:
+    """One CSV column's cells as int, float, bool, str or (JSON) list values."""
+    given = [c.strip() for _, c in column if c.strip()]
+    if given and all(c.startswith("[") for c in given):
+        out = []
+        for n, cell in column:
+            try:
+                out.append(json.loads(cell) if cell.strip() else None)
+            except (ValueError, RecursionError) as e:
+                raise PackerError(f"{file}:{n}: column {name!r}: {show(cell)[:80]!r} is not a "
+                                  f"JSON list ({json_problem(e)})") from None
+        return out
+    if given and all(CSV_INT.match(c) for c in given):
+        convert: Any = int
+    elif given and all(CSV_FLOAT.match(c) or c.lower() in CSV_NONFINITE for c in given):
+        convert = float
+    elif given and all(c.lower() in ("true", "false") for c in given):
+        convert = lambda c: c.lower() == "true"  # noqa: E731
+    else:
+        return [c for _, c in column]  # text: an empty cell is an empty string
+    return [convert(c.strip()) if c.strip() else None for _, c in column]
+
+
+def row_paths(file: Path, records) -> List[str]:
+    """Each row's checked ``path``; the same image twice would be ambiguous."""
+    seen: Dict[str, int] = {}
+    paths = []
+    for n, rec in records:
+        if "path" not in rec:
+            raise PackerError(f"{file}:{n}: no 'path' (the image, relative to the image "
+                              f"folder); every row needs one")
+        raw = rec.pop("path")
+        rel, problem = relative_path(raw)
+        if problem:
+            raise PackerError(f"{file}:{n}: path {show(raw)!r} {problem}")
+        if rel in seen:
+            raise PackerError(f"{file}:{n}: path {show(rel)!r} is listed twice (also line "
+                              f"{seen[rel]}); list each image once")
+        seen[rel] = n
+        paths.append(rel)
+    return paths
+
+
+def column_names(file: Path, records, label: Optional[str]) -> List[str]:
+    """Columns in order of first appearance, each a usable field name."""
+    first: Dict[str, int] = {}
+    for n, rec in records:
+        for c in rec:
+            first.setdefault(c, n)
+    for c, n in first.items():
+        if not isinstance(c, str) or not NAME.match(c):
+            raise PackerError(f"{file}:{n}: column name {show(c)!r} must be a letter or '_' "
+                              f"then up to 63 letters, digits or '_'; rename it")
+        if c in RESERVED and c != label:
+            raise PackerError(f"{file}:{n}: column {c!r} clashes with a name every record "
+                              f"uses ({', '.join(RESERVED)}); rename it"
+                              + (" or pass it as --label" if c == "label" else ""))
+    if label is not None and label not in first:
+        raise PackerError(f"--label {label}: {file} has no such column (columns: "
+                          f"{', '.join(first) or 'none besides path'})")
+    return list(first)
+
+
+def kind(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, list):
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return "list of int"  # an empty list too: it fits a float list as well
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            return "list of float"
+        return "list of something else"
+    return "null" if v is None else type_name(v)
+
+
+def type_name(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null",
+            bool: "a boolean"}.get(type(v), type(v).__name__)
+
+
+def column_type(file: Path, records, column: str) -> str:
+    """The one type every value of ``column`` has (ints in a float column are fine)."""
+    first: Dict[str, int] = {}
+    for n, rec in records:
+        if column not in rec:
+            raise PackerError(f"{file}:{n}: no value for column {column!r}; every row needs "
+                              f"one (packer fills in no defaults)")
+        v = rec[column]
+        k = kind(v)
+        if k not in ("bool", "int", "float", "str", "list of int", "list of float"):
+            what = "null" if k == "null" else f"{k}, which is not a supported type"
+            raise PackerError(f"{file}:{n}: column {column!r} is {what}; give every row an "
+                              f"int, float, bool, string, or a list of numbers")
+        check_value(file, n, column, v)
+        first.setdefault(k, n)
+    kinds = list(first)
+    if len(kinds) == 1:
+        return kinds[0]
+    merged = MERGES.get(frozenset(kinds))
+    if merged is None:
+        a, b = kinds[0], next(k for k in kinds[1:] if MERGES.get(frozenset((kinds[0], k)))
+                              is None)
+        raise PackerError(f"{file}: column {column!r} mixes types: {a} (first at line "
+                          f"{first[a]}) and {b} (first at line {first[b]}); make every value "
+                          f"of a column the same type")
+    return merged
+
+
+def check_value(file: Path, n: int, column: str, v: Any) -> None:
+    """No NaN or infinity, ints within int64, text that is UTF-8."""
+    for x in v if isinstance(v, list) else [v]:
+        if isinstance(x, float) and not math.isfinite(x):
+            raise PackerError(f"{file}:{n}: column {column!r} holds {x} (NaN or infinity); "
+                              f"store a finite number")
+        if isinstance(x, int) and not INT64_MIN <= x <= INT64_MAX:
+            raise PackerError(f"{file}:{n}: column {column!r} holds {x}, beyond 64-bit "
+                              f"integers")
+        if isinstance(x, str) and not is_utf8(x):
+            raise PackerError(f"{file}:{n}: column {column!r} holds text that is not valid "
+                              f"UTF-8: {show(x)!r}")
+
+
+def as_type(v: Any, t: str) -> Any:
+    if t == "float":
+        return float(v)
+    if t == "list of float":
+        return [float(x) for x in v]
+    return v
+
+
+def field_schema(column: str, t: str, records) -> Dict[str, Any]:
+    """A list column is ``[n]`` when every row has n items, else ``[-1]``."""
+    if not t.startswith("list"):
+        return {"name": column, "type": t}
+    lengths = {len(rec[column]) for _, rec in records}
+    n = lengths.pop() if len(lengths) == 1 else -1
+    return {"name": column, "type": "array", "dtype": "int64" if t == "list of int" else
+            "float32", "shape": [n if n > 0 else -1]}
+
+
+def label_column(file: Path, records, column: str, t: str) -> Tuple[List[int], List[str]]:
+    """Entry labels and class names from the ``--label`` column (then not a field)."""
+    values = [rec.pop(column) for _, rec in records]
+    if t == "str":
+        for (n, _), v in zip(records, values):
+            if not v:
+                raise PackerError(f"{file}:{n}: --label column {column!r} is empty; every "
+                                  f"image needs a class")
+        classes = sorted(set(values))
+        idx = {c: i for i, c in enumerate(classes)}
+        return [idx[v] for v in values], classes
+    if t == "int":
+        for (n, _), v in zip(records, values):
+            if v < 0:
+                raise PackerError(f"{file}:{n}: --label column {column!r} holds {v}; class "
+                                  f"indices must be >= 0")
+        return values, [str(i) for i in range(max(values) + 1)]
+    raise PackerError(f"--label {column}: the column holds {t} values; a class label must "
+                      f"be a class name (text) or a class index (int)")

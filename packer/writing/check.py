@@ -1,0 +1,153 @@
+"""Build-time image checks: decode each file as deeply as training will, or say why not;
+optionally transcode it to a smaller baseline JPEG.
+
+Used by the build's worker processes and by ``verify``; training-time decoding is
+``packer.transforms.decode``.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from PIL import Image, UnidentifiedImageError
+
+from ..errors import PackerError
+
+DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own decompression-bomb threshold (~ 0.25 GiB RGB)
+
+
+@dataclass(frozen=True)
+class Transcode:
+    """Pack-time re-encoding: every image becomes a baseline RGB JPEG, downscaled to fit."""
+    max_side: Optional[int] = None    # longer side at most this many pixels
+    short_side: Optional[int] = None  # shorter side at most this many pixels
+    quality: int = 90
+
+    def __post_init__(self):
+        for name in ("max_side", "short_side"):
+            v = getattr(self, name)
+            if v is not None and v < 16:
+                raise PackerError(f"{name} must be at least 16 pixels, got {v}")
+        if not 1 <= self.quality <= 100:
+            raise PackerError(f"quality must be in 1..100, got {self.quality}")
+
+    def target_size(self, w: int, h: int) -> Tuple[int, int]:
+        scale = 1.0
+        if self.max_side:
+            scale = min(scale, self.max_side / max(w, h))
+        if self.short_side:
+            scale = min(scale, self.short_side / min(w, h))
+        if scale >= 1.0:
+            return w, h
+        return max(1, round(w * scale)), max(1, round(h * scale))
+
+
+@dataclass
+class Checked:
+    """A validated image, ready to store."""
+    data: bytes
+    width: int
+    height: int
+    format: str
+    mode: str
+
+
+class BadImage(Exception):
+    """Why one file cannot be packed; the message goes into the manifest's skip list."""
+
+
+def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
+                max_pixels: int = DEFAULT_MAX_PIXELS) -> Checked:
+    """Decode ``data`` as deeply as training will, or raise BadImage with a readable reason.
+
+    JPEGs are checked with draft (DCT-scaled) decoding: every entropy-coded byte is still
+    parsed, so truncation and corruption are caught, at a fraction of a full decode's cost.
+    """
+    if not data:
+        raise BadImage("empty file")
+    with warnings.catch_warnings(), _pil_pixel_limit(max_pixels):
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                fmt, mode, (w, h) = im.format or "?", im.mode, im.size
+                if w * h > max_pixels:
+                    raise BadImage(f"decompression bomb: {w}x{h} = {w * h} pixels "
+                                   f"exceeds max_pixels={max_pixels}")
+                if transcode is not None:
+                    return _transcode(im, transcode)
+                if fmt == "JPEG" and mode in ("RGB", "L", "CMYK"):
+                    im.draft(mode, (max(1, w // 8), max(1, h // 8)))
+                im.load()  # multi-frame files (TIFF pages) train on frame 0, as in ImageFolder
+                if im.mode != "RGB":  # training calls convert("RGB"): some modes cannot
+                    try:
+                        im.convert("RGB")
+                    except Exception as e:
+                        raise BadImage(f"cannot be converted to RGB as training does "
+                                       f"(mode {im.mode}): {str(e).strip() or type(e).__name__}") from None
+        except BadImage:
+            raise
+        except Exception as e:  # PIL raises a zoo of types on bad data; all mean "skip this file"
+            raise BadImage(_reason(e)) from None
+    return Checked(data, w, h, fmt, mode)
+
+
+class _pil_pixel_limit:
+    """PIL's own bomb check (warn above ``Image.MAX_IMAGE_PIXELS``, refuse above twice that)
+    would skip images that ``--max-pixels`` allows: align it with ``max_pixels`` meanwhile.
+    (Build workers are processes, so the module global is not shared with other threads.)"""
+
+    def __init__(self, max_pixels: int):
+        self.max_pixels = max_pixels
+
+    def __enter__(self):
+        self.saved = Image.MAX_IMAGE_PIXELS
+        if self.saved is not None and self.max_pixels > self.saved:
+            Image.MAX_IMAGE_PIXELS = self.max_pixels
+        return self
+
+    def __exit__(self, *exc):
+        Image.MAX_IMAGE_PIXELS = self.saved
+        return False
+
+
+def _reason(e: BaseException) -> str:
+    msg = str(e).strip() or type(e).__name__
+    if isinstance(e, UnidentifiedImageError):
+        return "not an image (PIL cannot identify it)"
+    if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return f"decompression bomb: {msg}"
+    if "truncated" in msg.lower():
+        return f"truncated: {msg}"
+    return f"corrupt ({type(e).__name__}): {msg}"
+
+
+def _transcode(im: Image.Image, t: Transcode) -> Checked:
+    w, h = im.size
+    tw, th = t.target_size(w, h)
+    if im.format == "JPEG" and (tw, th) != (w, h):
+        im.draft("RGB", (tw, th))  # decode at the nearest DCT scale >= target, then resize
+    exif = im.info.get("exif")
+    rgb = to_rgb(im)
+    if rgb.size != (tw, th):
+        rgb = rgb.resize((tw, th), Image.BICUBIC, reducing_gap=None)
+    out = io.BytesIO()
+    kwargs = {"exif": exif} if exif else {}
+    rgb.save(out, "JPEG", quality=t.quality, optimize=False, progressive=False, **kwargs)
+    return Checked(out.getvalue(), tw, th, "JPEG", "RGB")
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """RGB for *transcoding*: like ``convert("RGB")``, but transparency goes on white and
+    16-bit greys are scaled, not clipped. Reading keeps plain ``convert`` (ImageFolder's)."""
+    if im.mode == "RGB":
+        im.load()
+        return im
+    if im.mode.startswith("I;16") or im.mode == "I":
+        return im.convert("I").point(lambda v: v / 256).convert("L").convert("RGB")
+    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(bg, rgba).convert("RGB")
+    return im.convert("RGB")

@@ -1,0 +1,171 @@
+"""What a build has written in DST: the resume journal, and the rule that packer removes only
+files it wrote itself.
+
+The journal (``.packer-build.json``) is created before any shard and lists the finished
+shards; while it exists, the packer-named files in DST (``shard-NNNNN.lmdb`` and the
+``.shard-*`` temp files) are this build's. A fresh build therefore refuses a DST that already
+holds such names without a journal or manifest that claims them, and ``overwrite`` removes
+only what the old manifest lists: a user's file that happens to be called
+``shard-00000.lmdb`` is never deleted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence
+
+import msgpack
+
+from .._util.fsio import fsync_dir, remove_own, write_json_atomic
+from ..errors import PackerError
+from ..format.manifest import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, side_tables
+from .laterows import ROWS_NAME
+from ..format.validation import is_plain_name
+from ..sources.base import ImageList
+from .shard import disk_errors, existing_shard_ok
+
+JOURNAL = ".packer-build.json"
+# Names a build writes: shards, their temp files, side tables, manifest, journal (+ ".tmp"),
+# the annotation rows handed to its workers.
+BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", "paths.*", LABELS, OFFSETS, MANIFEST,
+                  JOURNAL, LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp",
+                  ROWS_NAME)
+
+
+def fingerprint(source: ImageList, options: dict) -> str:
+    """Identifies a build's input and options: a re-run with the same one resumes."""
+    h = hashlib.sha256()
+    h.update(json.dumps([FORMAT_VERSION, source.classes, options], sort_keys=True).encode())
+    for rel, label in source.entries:
+        h.update(f"{rel}\t{label}\n".encode("utf-8", "surrogateescape"))
+    ann = source.annotations
+    if ann is not None:  # the annotations are input too
+        h.update(json.dumps([ann.schema, ann.task, ann.extra,
+                             getattr(ann.fit, "__qualname__", None)], sort_keys=True).encode())
+        if ann.digest is not None:  # the hash of the input the rows were read from
+            h.update(f"digest\t{ann.digest}\n".encode())
+        else:
+            for row in ann.rows:
+                h.update(msgpack.packb(row, use_bin_type=True, default=repr))
+    return h.hexdigest()
+
+
+def packer_names(dst: Path) -> List[str]:
+    """Files in ``dst`` with names a build writes."""
+    return sorted({p.name for pattern in BUILD_PATTERNS for p in dst.glob(pattern)})
+
+
+def refuse_foreign_files(dst: Path, names: Iterable[str]) -> None:
+    """Stop unless ``names`` is empty. The journal's own temp file never counts: a run killed
+    while writing the first journal leaves only that, and writing the journal replaces it
+    (unlinking a link there removes the link, never its target)."""
+    names = sorted(set(names) - {JOURNAL + ".tmp"})
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise PackerError(f"{dst} holds files named like a packer dataset's that no packer "
+                          f"manifest or build journal there lists ({shown}); packer does not "
+                          f"delete files it did not write. Move them away or pick an empty folder")
+
+
+def remove_dataset(dst: Path, manifest: dict) -> None:
+    """Remove a finished dataset in ``dst``: its manifest first, durably (a half-removed
+    dataset must not look complete), then the files it lists inside ``dst`` and the temp
+    and journal files of builds; never a file some other record does not claim."""
+    own = {s["path"] for s in manifest["shards"] if is_plain_name(s["path"])}
+    own |= {entry["path"] for _, entry, _ in side_tables(manifest)}
+    own |= {n for n in packer_names(dst) if n.startswith(".") or n.endswith(".tmp")}
+    own.discard(JOURNAL)
+    refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST})
+    # The journal claims the files before the manifest goes: if this is interrupted, a
+    # re-run still knows they are packer's to remove.
+    claim(dst, own)
+    remove_own(dst, MANIFEST)
+    fsync_dir(dst)
+    for name in sorted(own):
+        remove_own(dst, name)
+
+
+def claim(dst: Path, names: Iterable[str]) -> None:
+    """Record, before writing or removing them, that ``names`` in ``dst`` are packer's: an
+    interrupted merge or overwrite can then be re-run (a journal with no fingerprint)."""
+    with disk_errors(dst / JOURNAL):
+        write_json_atomic(dst / JOURNAL, {"fingerprint": "", "shards": [], "skipped": [],
+                                          "next_entry": 0, "owned": sorted(names)})
+
+
+def claimed(dst: Path) -> set:
+    """Names this folder's journal says packer wrote (or is removing)."""
+    j = _read(dst / JOURNAL) or {}
+    names = {s["path"] for s in j.get("shards", [])} | set(j.get("owned", []))
+    return {n for n in names if is_plain_name(n)} | {JOURNAL}
+
+
+def load(dst: Path, fp: str) -> dict:
+    """The journal of an earlier run with the same fingerprint (its shards re-checked, cut
+    back to the last good one), or a fresh one; written before this run writes a shard."""
+    fresh = {"shards": [], "skipped": [], "next_entry": 0}
+    j = _read(dst / JOURNAL)
+    if j is None:  # a fresh build: whatever has packer's names here is not ours
+        refuse_foreign_files(dst, packer_names(dst))
+        save(dst, fp, fresh["shards"], [], 0)
+        return fresh
+    for name in packer_names(dst):  # temp files of the run that wrote this journal
+        if name.startswith(".shard-"):
+            remove_own(dst, name)
+    if j.get("fingerprint") != fp:  # different source or options: restart cleanly
+        return restart(dst, fp)
+    for n, shard in enumerate(j["shards"]):
+        if existing_shard_ok(shard, dst) is not None:  # keep what checks out, redo the rest
+            cut = j["shards"][n - 1]["next_entry"] if n else 0
+            j["shards"] = j["shards"][:n]
+            j["skipped"] = [s for s in j["skipped"] if s["entry"] < cut]
+            j["dropped"] = [s for s in j.get("dropped", []) if s["entry"] < cut]
+            j["next_entry"] = cut
+            break
+    return {"shards": [dict(s) for s in j["shards"]], "skipped": j["skipped"],
+            "dropped": j.get("dropped", []), "next_entry": j["next_entry"]}
+
+
+def restart(dst: Path, fp: str) -> dict:
+    """Drop what the interrupted run this journal belongs to wrote; a fresh journal for ``fp``."""
+    mine = claimed(dst) - {JOURNAL}
+    for name in packer_names(dst):
+        if name in mine or name.startswith("shard-") or name.startswith(".shard-"):
+            remove_own(dst, name)
+    save(dst, fp, [], [], 0)
+    return {"shards": [], "skipped": [], "dropped": [], "next_entry": 0}
+
+
+def _read(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        j = json.loads(path.read_text("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    ok = (isinstance(j, dict) and isinstance(j.get("shards"), list)
+          and isinstance(j.get("skipped"), list) and isinstance(j.get("next_entry"), int)
+          and isinstance(j.get("dropped", []), list)
+          and all(isinstance(s, dict) and is_plain_name(s.get("path")) for s in j["shards"])
+          and isinstance(j.get("owned", []), list)
+          and all(is_plain_name(n) for n in j.get("owned", [])))
+    return j if ok else {}
+
+
+def save(dst: Path, fp: str, shards: List[dict], skipped: List[dict], next_entry: int,
+         dropped: Sequence[dict] = ()) -> None:
+    if shards:
+        shards[-1]["next_entry"] = next_entry
+    with disk_errors(dst / JOURNAL):
+        write_json_atomic(dst / JOURNAL, {"fingerprint": fp, "shards": shards,
+                                          "skipped": skipped, "dropped": list(dropped),
+                                          "next_entry": next_entry})
+
+
+def remove_leftovers(dst: Path, keep: set) -> None:
+    """After the manifest: the journal, temp files, and shard files the manifest does not
+    list (an interrupted earlier attempt of this build whose shards came out differently)."""
+    for name in packer_names(dst):
+        if name not in keep and (name.startswith(".") or name.startswith("shard-")):
+            remove_own(dst, name)

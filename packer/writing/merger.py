@@ -1,0 +1,150 @@
+"""``merge``: join datasets built with ``--part K/N`` into one, without copying shard data.
+
+The merged manifest refers to the parts' shard files by relative path (``../part-0/
+shard-00000.lmdb``) and lists the part folders under ``parts``; readers accept a shard path
+outside the dataset folder only inside a folder that is itself a packer dataset. Crash safety
+is the build's: DST's old manifest goes first (durably), the new tables are written new and
+renamed in, and the new manifest comes last.
+"""
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from pathlib import Path
+from typing import List, Sequence, Tuple
+
+from . import journal
+from .._util.fsio import FolderLock, remove_own, write_json_atomic
+from ..errors import FormatError, PackerError
+from ..format.manifest import MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, dataset_schema, read_manifest, shard_file, side_tables
+from .packing import new_manifest
+from ..format.tables import read_column, read_offsets, read_paths
+from ..format.lmdbfile import shard_records
+from .shard import write_table
+
+
+def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = False) -> dict:
+    """Join finished part datasets into one in ``dst``; returns its manifest.
+
+    Keep the parts where they are (or stage the merged dataset, which copies everything it
+    references). Refused: a part given twice (any spelling, or two datasets sharing a shard
+    file), parts with different classes, labels outside the classes, a ``dst`` that is a
+    part, and an existing dataset in ``dst`` unless ``overwrite``.
+    """
+    dst = Path(dst)
+    if not parts:
+        raise PackerError("merge needs at least one part")
+    mans = [(Path(p), read_manifest(p)) for p in parts]
+    _refuse_duplicates(mans, dst)
+    classes = mans[0][1]["classes"]
+    for p, m in mans[1:]:
+        if m["classes"] != classes:
+            raise PackerError(f"{p} has different classes from {mans[0][0]}; parts of one "
+                              f"dataset must be built from the same source")
+        if dataset_schema(m) != dataset_schema(mans[0][1]):
+            raise PackerError(f"{p} has different fields from {mans[0][0]}; parts of one "
+                              f"dataset must be built from the same source")
+    dst.mkdir(parents=True, exist_ok=True)
+    with FolderLock(dst, f"packer merge into {dst}"):
+        return _write(mans, dst, classes, overwrite)
+
+
+def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
+    """A record may be merged once: no part twice, no shard file shared by two parts."""
+    seen: dict = {}
+    for p, m in mans:  # the same folder twice, or the same part built twice
+        opts = m.get("options") or {}
+        same_part = json.dumps([m.get("source"), opts], sort_keys=True) if opts.get("part") else None
+        for ident in (str(p.resolve()), same_part):
+            if ident is not None and ident in seen:
+                raise PackerError(f"{p} is the same part as {seen[ident]} (given more than once); "
+                                  f"merging it twice would duplicate its records")
+            seen[ident] = p
+    files: dict = {}
+    for p, m in mans:  # two datasets sharing a file: a merged dataset and its own part
+        for s in m["shards"]:
+            try:
+                st = os.stat(shard_file(p, s["path"]))
+            except OSError:
+                raise FormatError(f"{p / s['path']}, a shard of {p}, is missing") from None
+            ident = (st.st_dev, st.st_ino)
+            if ident in files:
+                raise PackerError(f"{p} and {files[ident]} share the shard file {s['path']} (the same "
+                                  f"part given twice, or a merged dataset with its own part); "
+                                  f"merging would duplicate its records")
+            files[ident] = p
+        if dst.exists() and dst.resolve() == p.resolve():
+            raise PackerError(f"DST {dst} is one of the parts; merge into a new folder")
+
+
+def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwrite: bool) -> dict:
+    if (dst / MANIFEST).exists():
+        if not overwrite:
+            raise PackerError(f"{dst} already holds a finished dataset; replace it with "
+                              f"overwrite=True (--overwrite)")
+        journal.remove_dataset(dst, read_manifest(dst))  # its manifest first, durably
+    else:  # an interrupted overwrite's journal claims what it was removing
+        mine = journal.claimed(dst)
+        journal.refuse_foreign_files(dst, [n for n in journal.packer_names(dst) if n not in mine])
+        for name in sorted(mine & set(journal.packer_names(dst))):
+            remove_own(dst, name)
+    first = mans[0][1]
+    # Tables every part has (older parts lack the width/height columns: then none has them).
+    keys = [k for k, _, _ in side_tables(first) if k != "offsets" and not k.startswith("paths.")
+            and all(k in {kk for kk, _, _ in side_tables(m)} for _, m in mans)]
+    with_paths = all(m.get("paths") for _, m in mans)
+    names = {k: name for k, _, name in side_tables(first)}
+    journal.claim(dst, [OFFSETS, PATHS_INDEX, PATHS_TEXT] + [names[k] for k in keys])  # re-runnable
+    shards, skipped, dropped, offsets, part_dirs = [], [], [], array("Q"), []
+    path_ends, path_text = array("Q"), bytearray()
+    tables = {k: None for k in keys}
+    for p, m in mans:
+        rel = os.path.relpath(p.resolve(), dst.resolve()).replace(os.sep, "/")
+        part_dirs.append(rel)
+        for s in m["shards"]:
+            shards.append(dict(s, path=os.path.normpath(os.path.join(rel, s["path"])).replace(os.sep, "/")))
+        skipped.extend(m["skipped"])
+        dropped.extend(m.get("dropped", []))
+        for k in keys:
+            part = read_column(p, "label" if k == "labels" else k.split(".", 1)[1], m)
+            if k == "labels" and any(not 0 <= lab < len(classes) for lab in part):
+                raise FormatError(f"{p}: labels.i32 holds labels outside 0..{len(classes) - 1}; "
+                                  f"the part is damaged (run `packer verify {p}`)")
+            tables[k] = part if tables[k] is None else tables[k] + part
+        if with_paths:  # each part's path ends shift by the text before it
+            table = read_paths(p, m)
+            path_ends.extend(e + len(path_text) for e in table.ends)
+            path_text += table.text
+        part_offsets = read_offsets(p, m)
+        if part_offsets is None:  # an older part: read its shards' trees
+            part_offsets = array("Q")
+            for s in m["shards"]:
+                part_offsets.extend(shard_records(shard_file(p, s["path"])))
+        offsets.extend(part_offsets)  # per shard: they concatenate
+    written = {"offsets": write_table(dst, OFFSETS, offsets)}
+    paths = {"index": write_table(dst, PATHS_INDEX, path_ends),
+             "text": write_table(dst, PATHS_TEXT, path_text)} if with_paths else None
+    for k in keys:
+        written[k] = write_table(dst, names[k], tables[k])
+        if k.startswith("columns."):
+            written[k]["dtype"] = first["columns"][k.split(".", 1)[1]]["dtype"]
+    columns = {k.split(".", 1)[1]: v for k, v in written.items() if k.startswith("columns.")}
+    counts = None
+    if "labels" in tables:
+        counts = [0] * len(classes)
+        for lab in tables["labels"]:
+            counts[lab] += 1
+    extra = {k: first[k] for k in ("categories",) if k in first}
+    manifest = new_manifest(
+        classes=classes, class_counts=counts, shards=shards, labels=written.get("labels"),
+        offsets=written["offsets"], columns=columns or None, paths=paths,
+        schema=first.get("schema"), dropped=dropped, extra=extra,
+        dropped_count=sum(m.get("dropped_count", len(m.get("dropped", []))) for _, m in mans),
+        skipped=skipped, source=first.get("source", ""),
+        options=dict(first.get("options") or {}, part=None,
+                     merged_from=[str(p) for p, _ in mans]))
+    manifest["parts"] = part_dirs
+    write_json_atomic(dst / MANIFEST, manifest)
+    remove_own(dst, journal.JOURNAL)  # the overwrite's claim, if any: done
+    return manifest

@@ -1,0 +1,226 @@
+"""One pass of the writer over checked samples: shards, skip lists, side tables, journal,
+and last the manifest. ``packer build`` and ``packer.write`` both feed one.
+
+Crash safety rests on ordering: a shard is renamed into place only when complete, the
+journal lists finished shards only, and the manifest — the one file readers require — is
+written last. A re-run with the same fingerprint resumes after the last finished shard,
+recovering the side tables of the shards before it from their records.
+"""
+from __future__ import annotations
+
+import datetime
+import uuid
+from array import array
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .. import __version__
+from . import journal
+from .._util.fsio import write_json_atomic
+from .._util.system import pil_summary
+from ..errors import PackerError
+from ..format.fields import COLUMN_DTYPE, DTYPES, encode, is_column
+from ..format.manifest import FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file
+from ..format.records import PackedFields, pack_fields, record_bytes, unpack_record
+from ..format.lmdbfile import shard_records
+from .._util.text import printable
+from .shard import ShardWriter, disk_errors, write_table
+
+MAX_DROPPED = 100_000  # object-level drops listed in a manifest (the count is always exact)
+
+
+class Packing:
+    """Appends checked samples to shards in ``dst``; ``finish`` writes tables and manifest.
+
+    ``schema``: ``{"task", "fields"}``; a ``label`` field goes to ``labels.i32``, other
+    int/float/bool fields to ``column-NAME.*`` tables, width and height to int32 tables.
+    """
+
+    def __init__(self, dst: Path, fingerprint: str, state: dict, *, schema: dict,
+                 shard_size: int, strict: bool):
+        self.dst, self.fingerprint, self.schema = dst, fingerprint, schema
+        self.fields: List[dict] = schema["fields"]
+        self.shard_size, self.strict = shard_size, strict
+        self.shards: List[dict] = state["shards"]
+        self.skipped: List[dict] = state["skipped"]
+        self.dropped: List[dict] = state.get("dropped", [])
+        self.start = state["next_entry"]
+        self.has_label = any(f["name"] == "label" for f in self.fields)
+        self.labels = array("i")
+        self.path_ends, self.path_text = array("Q"), bytearray()  # the paths table
+        self.columns: Dict[str, array] = {n: array("i") for n in SIZE_COLUMNS}
+        for f in self.fields:
+            if is_column(f) and f["name"] != "label":
+                self.columns[f["name"]] = array(DTYPES[COLUMN_DTYPE[f["type"]]])
+        self.column_names = [n for n in self.columns if n not in SIZE_COLUMNS]
+        self.column_names += ["label"] if self.has_label else []
+        self.writer: Optional[ShardWriter] = None
+        self.shard_note = None  # () -> dict: more facts for a finished shard's journal entry
+        if self.shards:
+            self._recover()
+
+    @property
+    def count(self) -> int:
+        return len(self.columns["width"])
+
+    def skip(self, entry: int, path: str, reason: str) -> None:
+        if self.strict:
+            raise PackerError(f"strict: {printable(path)}: {reason}; no dataset was written "
+                              f"(fix or remove the file, then re-run)")
+        self.skipped.append({"path": printable(path), "reason": reason, "entry": entry})
+
+    def drop(self, entry: int, path: str, reasons: List[str]) -> None:
+        """Objects of a kept image left out (a box outside the image...), with the reasons."""
+        if reasons and self.strict:
+            raise PackerError(f"strict: {printable(path)}: {reasons[0]}; no dataset was written "
+                              f"(fix the annotation, then re-run)")
+        self.dropped.extend({"path": printable(path), "reason": r, "entry": entry} for r in reasons)
+
+    def add(self, entry: int, path: str, image: bytes, width: int, height: int, fmt: str,
+            mode: str, values: Dict[str, Any]) -> bool:
+        """Store one checked image with its field ``values``; False (and skipped) if they do
+        not fit the schema."""
+        try:
+            stored = encode(self.fields, values)
+        except ValueError as e:
+            self.skip(entry, path, f"annotation: {e}")
+            return False
+        self.add_packed(entry, path, image, width, height, fmt, mode, pack_fields(stored),
+                        self.column_values(stored))
+        return True
+
+    def column_values(self, stored: Dict[str, Any]) -> Dict[str, Any]:
+        """The stored values that also go to side tables (label and scalar columns)."""
+        return {k: stored[k] for k in self.column_names}
+
+    def add_packed(self, entry: int, path: str, image: bytes, width: int, height: int,
+                   fmt: str, mode: str, fields: PackedFields, columns: Dict[str, Any]) -> None:
+        """Store one checked image whose fields a build worker encoded and packed already."""
+        if self.writer is None:
+            self.writer = ShardWriter(self.dst / SHARD_PATTERN.format(len(self.shards)),
+                                      expected_bytes=self.shard_size)
+        self.writer.append(record_bytes(image, path=path, width=width, height=height,
+                                        format=fmt, mode=mode, fields=fields))
+        self.add_row(columns, path, width, height)
+        if self.writer.bytes >= self.shard_size:
+            self.end_shard(entry + 1)
+
+    def add_row(self, stored: Dict[str, Any], path: str, width: int, height: int) -> None:
+        self.path_text += path.encode("utf-8")
+        self.path_ends.append(len(self.path_text))
+        if self.has_label:
+            self.labels.append(stored["label"])
+        self.columns["width"].append(width)
+        self.columns["height"].append(height)
+        for name, col in self.columns.items():
+            if name not in SIZE_COLUMNS:
+                col.append(stored[name])
+
+    def add_shard(self, shard: Optional[dict], next_entry: int) -> None:
+        """A shard a build worker finished (None: all its images were skipped), in plan
+        order, after its rows (``add_row``): recorded in the journal."""
+        if shard is not None:
+            self.shards.append(shard)
+        journal.save(self.dst, self.fingerprint, self.shards, self.skipped, next_entry,
+                     self.dropped)
+
+    def end_shard(self, next_entry: int) -> None:
+        """Finish the open shard (if any) and record it in the journal."""
+        if self.writer is not None:
+            self.shards.append(self.writer.finish())
+            self.writer = None
+            if self.shard_note is not None:
+                self.shards[-1].update(self.shard_note())
+            journal.save(self.dst, self.fingerprint, self.shards, self.skipped, next_entry,
+                         self.dropped)
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+    def _recover(self) -> None:
+        """Side tables of the finished shards of an interrupted run, from their records."""
+        for s in self.shards:  # checked against the journal's hashes by journal.load
+            table = shard_records(self.dst / s["path"])
+            with open(self.dst / s["path"], "rb") as f:
+                for k in range(0, len(table), 2):
+                    f.seek(table[k])
+                    rec = unpack_record(f.read(table[k + 1]))
+                    self.add_row(rec, rec["path"], rec["width"], rec["height"])
+
+    def finish(self, *, classes: List[str], source: str, options: dict,
+               extra: Optional[dict] = None) -> dict:
+        """Side tables, then the manifest (last: it makes the dataset complete)."""
+        if not self.count:
+            if self.skipped:
+                first = self.skipped[0]
+                raise PackerError(f"all {len(self.skipped)} images were skipped (e.g. "
+                                  f"{first['path']}: {first['reason']}); no dataset was written")
+            raise PackerError("no samples to pack; no dataset was written")
+        count = sum(s["count"] for s in self.shards)
+        assert count == self.count, (count, self.count)
+        tables: Dict[str, Any] = {}
+        if self.has_label:
+            bad = next((x for x in self.labels if not 0 <= x < len(classes)), None)
+            if bad is not None:
+                raise PackerError(f"label {bad} is outside the {len(classes)} classes "
+                                  f"(0..{len(classes) - 1}); no dataset was written")
+            tables["labels"] = write_table(self.dst, LABELS, self.labels)
+            counts = [0] * len(classes)
+            for lab in self.labels:
+                counts[lab] += 1
+            tables["class_counts"] = counts
+        tables["offsets"] = write_table(self.dst, OFFSETS, _offsets(self.dst, self.shards))
+        tables["paths"] = {"index": write_table(self.dst, PATHS_INDEX, self.path_ends),
+                           "text": write_table(self.dst, PATHS_TEXT, self.path_text)}
+        columns = {}
+        for name, col in self.columns.items():
+            dtype = next(k for k, v in DTYPES.items() if v == col.typecode)
+            columns[name] = dict(write_table(self.dst, column_file(name, dtype), col), dtype=dtype)
+        manifest = new_manifest(
+            classes=classes, shards=[{k: s[k] for k in ("path", "count", "bytes", "sha256")}
+                                     for s in self.shards],
+            skipped=[{"path": s["path"], "reason": s["reason"]} for s in self.skipped],
+            source=source, options=options, schema=self.schema, columns=columns,
+            dropped=self.dropped, extra=extra, **tables)
+        with disk_errors(self.dst / MANIFEST):
+            write_json_atomic(self.dst / MANIFEST, manifest)
+        return manifest
+
+
+def _offsets(dst: Path, shards: List[dict]) -> array:
+    """Every record's byte range in its shard, read once now so readers never walk LMDB."""
+    table = array("Q")
+    for s in shards:
+        table.extend(shard_records(dst / s["path"]))
+    return table
+
+
+def new_manifest(*, classes, shards, skipped, source, options, labels=None, offsets=None,
+                 class_counts=None, schema=None, columns=None, paths=None, dropped=(),
+                 dropped_count=None, extra=None) -> dict:
+    """A manifest with every key readers expect, in a stable order."""
+    man: Dict[str, Any] = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "packer_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "count": sum(s["count"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
+        "classes": list(classes), "class_to_idx": {c: i for i, c in enumerate(classes)},
+    }
+    if class_counts is not None:
+        man["class_counts"] = list(class_counts)
+    if schema is not None:
+        man["schema"] = schema
+    man["shards"] = shards
+    for key, value in (("labels", labels), ("offsets", offsets), ("columns", columns),
+                       ("paths", paths)):
+        if value is not None:
+            man[key] = value
+    man["skipped"] = skipped
+    if dropped:
+        man["dropped_count"] = len(dropped) if dropped_count is None else dropped_count
+        man["dropped"] = [{"path": d["path"], "reason": d["reason"]} for d in dropped[:MAX_DROPPED]]
+    man.update(extra or {})
+    man.update({"source": source, "options": options, "pil": pil_summary(),
+                "build_id": uuid.uuid4().hex})
+    return man

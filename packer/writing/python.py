@@ -1,0 +1,267 @@
+"""``packer.write``: pack any iterable of samples from Python, as ``packer build`` packs a folder.
+
+A sample is a dict ``{"image": bytes | path | PIL.Image, field: value, ...}``. Every image is
+checked as the build checks it (decoded, pixel limit, optional transcode), records go to the
+same shards with the same side tables and manifest, and the same crash rules hold: finished
+shards survive a crash, and a re-run with the same samples resumes after the last finished
+one (the samples are re-read and hashed up to there, to be sure they are the same).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
+
+import msgpack
+from tqdm.auto import tqdm
+
+from . import journal
+from .._util.fsio import FolderLock
+from .._util.system import usable_cores
+from .builder import DEFAULT_SHARD_SIZE, MAX_SHARD_SIZE, BuildResult
+from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
+from ..errors import PackerError
+from ..format.fields import check_schema, detection_problem, encode, infer_field
+from ..format.manifest import FORMAT_VERSION, MANIFEST, read_manifest
+from .packing import Packing
+
+TASKS = ("classification", "detection", "generic")
+
+
+def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
+          schema: Optional[Sequence[dict]] = None, classes: Optional[Sequence[str]] = None,
+          task: Optional[str] = None, shard_size: int = DEFAULT_SHARD_SIZE,
+          workers: Optional[int] = None, transcode: Optional[Transcode] = None,
+          max_pixels: int = DEFAULT_MAX_PIXELS, strict: bool = False, overwrite: bool = False,
+          progress: bool = True, total: Optional[int] = None) -> BuildResult:
+    """Pack ``samples`` into a dataset in ``dst`` (what ``litdata.optimize`` and
+    ``MDSWriter`` do, with packer's checks and crash safety); see :class:`DatasetWriter`."""
+    t0 = time.perf_counter()
+    if total is None and hasattr(samples, "__len__"):
+        total = len(samples)  # type: ignore[arg-type]
+    with DatasetWriter(dst, schema=schema, classes=classes, task=task, shard_size=shard_size,
+                       workers=workers, transcode=transcode, max_pixels=max_pixels,
+                       strict=strict, overwrite=overwrite) as w:
+        with tqdm(total=total, unit="img", disable=not progress, desc=f"writing {Path(dst).name}",
+                  dynamic_ncols=True) as bar:
+            for sample in samples:
+                w.add(sample)
+                bar.update(1)
+        manifest = w.finish()
+    return BuildResult(manifest, time.perf_counter() - t0, w.resumed_shards)
+
+
+class DatasetWriter:
+    """Writes one dataset, a sample at a time: ``add(sample)``, then ``finish()`` (or use it
+    as a context manager, which finishes on success and leaves a resumable state on error).
+
+    Args:
+        dst: the dataset folder (created; refused if it holds a finished dataset, unless
+            ``overwrite``).
+        schema: the fields, ``[{"name", "type"[, "dtype", "shape"]}]`` (``packer.format.fields``);
+            default: inferred from the first sample (ints, floats, bools, str, lists of
+            numbers as int64/float32 arrays, tensors and numpy arrays by their dtype,
+            other nested data as ``data``). A ``label`` int field makes a classification
+            dataset (``classes`` then names its values).
+        classes: class names (``label`` values index them); default: ``str(i)`` for
+            ``0..max(label)`` when there is a ``label``.
+        task: "classification", "detection" (needs ``boxes`` float [-1, 4] XYXY pixels and
+            ``labels``, ``image_id``) or "generic"; default from the fields.
+        workers: threads checking images (PIL decodes without the GIL); default: the cores.
+        transcode / max_pixels / strict / shard_size: as for ``packer build``. PIL images
+            are stored as PNG (lossless) unless ``transcode`` makes them JPEG.
+    """
+
+    def __init__(self, dst: os.PathLike, *, schema: Optional[Sequence[dict]] = None,
+                 classes: Optional[Sequence[str]] = None, task: Optional[str] = None,
+                 shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
+                 transcode: Optional[Transcode] = None, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 strict: bool = False, overwrite: bool = False):
+        if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
+            raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}")
+        if task is not None and task not in TASKS:
+            raise PackerError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        self.dst = Path(dst)
+        self.schema = check_schema(list(schema), "schema") if schema is not None else None
+        self.classes, self.task = list(classes) if classes is not None else None, task
+        self.options = {"shard_size": shard_size, "max_pixels": max_pixels, "strict": strict,
+                        "transcode": asdict(transcode) if transcode else None, "writer": True}
+        self.transcode, self.max_pixels, self.strict = transcode, max_pixels, strict
+        self.overwrite = overwrite
+        threads = usable_cores() if workers is None else max(1, workers)
+        self.pool = ThreadPoolExecutor(threads)
+        self.window = 4 * threads  # samples checked ahead of the one stored next
+        self.pending: Deque = deque()
+        self.entry = 0  # samples seen
+        self.digest = hashlib.sha256()
+        self.run: Optional[Packing] = None
+        self.resumed_shards = 0
+        self.dst.mkdir(parents=True, exist_ok=True)
+        self.lock = FolderLock(self.dst, f"packer.write into {self.dst}")
+        self.lock.__enter__()
+
+    # -- the first sample fixes the schema; then the journal decides: fresh or resume -------
+
+    def _open(self, sample: Dict[str, Any]) -> None:
+        if self.schema is None:
+            self.schema = infer_schema(sample)
+        self.task = self.task or guess_task(self.schema)
+        problem = detection_problem(self.schema) if self.task == "detection" else ""
+        if problem:
+            raise PackerError(f"a detection dataset {problem}")
+        if (self.dst / MANIFEST).exists():
+            if not self.overwrite:
+                raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
+                                  f"overwrite=True")
+            journal.remove_dataset(self.dst, read_manifest(self.dst))
+        self.fingerprint = hashlib.sha256(json.dumps(
+            [FORMAT_VERSION, self.schema, self.task, self.classes, self.options],
+            sort_keys=True).encode()).hexdigest()
+        if self.overwrite and (self.dst / journal.JOURNAL).is_file():  # an interrupted write
+            state = journal.restart(self.dst, self.fingerprint)
+        else:
+            state = journal.load(self.dst, self.fingerprint)
+        self.replay = state["next_entry"]  # samples the interrupted run packed
+        self.want_digest = state["shards"][-1].get("input_digest") if state["shards"] else None
+        self.run = Packing(self.dst, self.fingerprint, state, strict=self.strict,
+                           shard_size=self.options["shard_size"],
+                           schema={"task": self.task, "fields": self.schema})
+        self.run.shard_note = lambda: {"input_digest": self.digest.hexdigest()}
+        self.resumed_shards = len(self.run.shards)
+
+    def add(self, sample: Dict[str, Any]) -> None:
+        """Queue one sample; its image is checked in a thread, stored in order."""
+        if not isinstance(sample, dict) or "image" not in sample:
+            raise PackerError(f"sample {self.entry} must be a dict with an 'image' (bytes, a path "
+                              f"or a PIL image), got {type(sample).__name__}")
+        if self.run is None:
+            self._open(sample)
+        i = self.entry
+        self.entry += 1
+        data, path = image_bytes(sample["image"], i)
+        path = str(sample.get("path", path))
+        values = {k: v for k, v in sample.items() if k not in ("image", "path")}
+        digest = sample_digest(data, self.schema, values, i, path)
+        if i < self.replay:  # packed by the interrupted run: only checked to be the same
+            self.digest.update(digest)
+            if i + 1 == self.replay and self.digest.hexdigest() != self.want_digest:
+                raise PackerError(
+                    f"the samples differ from those an interrupted write into {self.dst} packed "
+                    f"(its first {self.replay}); pass overwrite=True to start over, or the same "
+                    f"samples in the same order to resume")
+            return
+        check = self.pool.submit(check_sample, data, self.transcode, self.max_pixels)
+        self.pending.append((i, path, values, digest, check))
+        while self.pending and (len(self.pending) > self.window or self.pending[0][4].done()):
+            self._store(*self.pending.popleft())
+
+    def _store(self, i: int, path: str, values: dict, digest: bytes, check: Future) -> None:
+        self.digest.update(digest)  # before the record: a shard it ends notes the digest
+        status, payload = check.result()
+        if status == "skip":
+            self.run.skip(i, path, payload)
+        else:
+            self.run.add(i, path, *payload, values)
+
+    def finish(self) -> dict:
+        """Store what is queued, write tables and manifest; the dataset's manifest."""
+        if self.run is None:
+            raise PackerError("no samples were added; no dataset was written")
+        if self.entry < self.replay:
+            raise PackerError(f"only {self.entry} samples were given, the interrupted write "
+                              f"packed {self.replay}; pass the same samples to resume")
+        while self.pending:
+            self._store(*self.pending.popleft())
+        self.run.end_shard(self.entry)
+        classes = self.classes
+        if classes is None:
+            labels = self.run.labels
+            classes = [str(i) for i in range(max(labels) + 1)] if len(labels) else []
+        manifest = self.run.finish(classes=classes, source="packer.write", options=self.options)
+        journal.remove_leftovers(self.dst, {s["path"] for s in manifest["shards"]})
+        self.close()
+        return manifest
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.lock is not None:
+            self.lock.__exit__(None, None, None)
+            self.lock = None
+
+    def __enter__(self) -> "DatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            if self.run is not None:
+                self.run.abort()
+            self.close()
+
+
+# -- samples --------------------------------------------------------------------------------
+
+def image_bytes(image: Any, i: int):
+    """(stored bytes, default path) of a sample's image: bytes as given, a file's bytes, or
+    a PIL image encoded losslessly as PNG."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image), f"{i:08d}"
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            with open(image, "rb") as f:
+                return f.read(), os.fspath(image)
+        except OSError as e:
+            raise PackerError(f"sample {i}: cannot read image {image}: {e.strerror or e}") from None
+    if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image
+        out = io.BytesIO()
+        image.save(out, "PNG")
+        return out.getvalue(), f"{i:08d}"
+    raise PackerError(f"sample {i}: 'image' must be bytes, a path or a PIL image, got "
+                      f"{type(image).__name__}")
+
+
+def sample_digest(data: bytes, schema: List[dict], values: dict, i: int, path: str) -> bytes:
+    """What makes a sample this sample: its image bytes, its path and its encoded fields."""
+    try:
+        stored = encode(schema, values)
+    except ValueError as e:
+        raise PackerError(f"sample {i}: {e}") from None
+    h = hashlib.sha256(data)
+    h.update(msgpack.packb([path, stored], use_bin_type=True))
+    return h.digest()
+
+
+def check_sample(data: bytes, transcode, max_pixels: int):
+    """In a thread: ("ok", (bytes, width, height, format, mode)) or ("skip", reason)."""
+    try:
+        c = check_image(data, transcode=transcode, max_pixels=max_pixels)
+    except BadImage as e:
+        return "skip", str(e)
+    return "ok", (c.data, c.width, c.height, c.format, c.mode)
+
+
+def infer_schema(sample: Dict[str, Any]) -> List[dict]:
+    """Fields from the first sample's values (see ``packer.format.fields.infer_field``)."""
+    out = []
+    for name, v in sample.items():
+        if name in ("image", "path"):
+            continue
+        f = infer_field(name, v)
+        if f is None:
+            raise PackerError(f"cannot tell the type of field {name!r} from {str(v)[:60]!r} (an "
+                              f"empty list?); pass schema=[...] (see docs/annotations.md)")
+        out.append(f)
+    return check_schema(out, "the fields of the first sample")
+
+
+def guess_task(schema: List[dict]) -> str:
+    names = {f["name"] for f in schema}
+    if {"boxes", "labels"} <= names:
+        return "detection"
+    return "classification" if names == {"label"} else "generic"

@@ -1,0 +1,132 @@
+"""Writing a dataset's files: one shard (append records to an LMDB file in big transactions,
+finish it atomically), and the per-record side tables.
+
+While writing, the shard is ``.NAME.partial`` (a sparse file with a generous map); a
+finished shard is a compacted copy — only its data, safe to copy or sync — renamed into
+place only after it is fsynced and hashed. A crash therefore leaves either nothing or a
+``.partial`` file that the next build deletes.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from array import array
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import lmdb
+
+from .._util.system import disk_full_as
+from .._util.fsio import fsync_dir, open_new, write_new_atomic
+from ..format.manifest import file_sha256
+from ..format.records import key
+
+TXN_BYTES = 64 << 20   # one commit per ~64 MiB: few fsync-free commits, bounded RAM
+MIN_MAP = 64 << 20
+
+
+class ShardWriter:
+    """Append-only writer for one shard file."""
+
+    def __init__(self, path: os.PathLike, *, expected_bytes: int):
+        self.path = Path(path)
+        self.partial = self.path.with_name("." + self.path.name + ".partial")
+        self.map_size = max(MIN_MAP, int(expected_bytes * 1.25))
+        # meminit=True: zero page tails before writing them. Without it LMDB writes stale heap
+        # bytes into the file, so shards differ from build to build (and leak memory contents).
+        with disk_errors(self.path):
+            open_new(self.partial).close()  # LMDB then opens this new file, not a planted link
+            self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
+                                 sync=False, metasync=False, readahead=False, meminit=True,
+                                 max_dbs=0, lock=False)
+        self.count = 0
+        self.bytes = 0  # record bytes appended (payload, not file size)
+        self._pending: List[Tuple[bytes, bytes]] = []
+        self._pending_bytes = 0
+
+    def append(self, record: bytes) -> None:
+        self._pending.append((key(self.count), record))
+        self.count += 1
+        self.bytes += len(record)
+        self._pending_bytes += len(record)
+        if self._pending_bytes >= TXN_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        while True:
+            try:
+                with disk_errors(self.path), self.env.begin(write=True) as txn:
+                    cur = txn.cursor()
+                    consumed, added = cur.putmulti(self._pending, append=True)
+                    assert added == len(self._pending), "keys must be new and increasing"
+                break
+            except lmdb.MapFullError:
+                # The map is only address space: grow it and redo the (rolled back) commit.
+                self.map_size *= 2
+                self.env.set_mapsize(self.map_size)
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    def finish(self) -> dict:
+        """Compact into the final file; returns the manifest's shard entry."""
+        self.flush()
+        tmp = self.path.with_name("." + self.path.name + ".compact")
+        with disk_errors(self.path):
+            with open_new(tmp) as f:
+                self.env.copyfd(f.fileno(), compact=True)
+                f.flush()
+                os.fsync(f.fileno())
+        self.close()
+        self.partial.unlink(missing_ok=True)
+        digest = file_sha256(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+        return {"path": self.path.name, "count": self.count, "bytes": size, "sha256": digest}
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+
+    def abort(self) -> None:
+        self.close()
+        for p in (self.partial, self.path.with_name("." + self.path.name + ".compact")):
+            p.unlink(missing_ok=True)
+
+
+def disk_errors(path: Path):
+    """Turn a full disk while writing ``path`` into a PackerError that says what was kept and
+    what to do."""
+    return disk_full_as(path, lambda free: (
+        f"disk full while writing {path} ({free / 2**20:.1f} MiB free). Shards finished before "
+        f"this one are kept; free some space (or pick another DST) and re-run the same command "
+        f"to resume"), types=(OSError, lmdb.Error))  # lmdb says it only in words
+
+
+def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optional[str]:
+    """None if ``root/entry['path']`` matches its manifest entry, else what is wrong."""
+    p = root / entry["path"]
+    if not p.is_file():
+        return "missing"
+    size = p.stat().st_size
+    if size != entry["bytes"]:
+        return f"size {size} != {entry['bytes']}"
+    if check_hash and file_sha256(p) != entry["sha256"]:
+        return "checksum mismatch"
+    return None
+
+
+def write_table(dst: Path, name: str, table) -> dict:
+    """Write a per-record table (an ``array``: little-endian; or bytes as they are),
+    atomically; its manifest entry."""
+    if isinstance(table, array):
+        if sys.byteorder != "little":
+            table = array(table.typecode, table)
+            table.byteswap()
+        table = table.tobytes()
+    with disk_errors(dst / name):
+        write_new_atomic(dst / name, bytes(table))
+    return {"path": name, "bytes": (dst / name).stat().st_size, "sha256": file_sha256(dst / name)}

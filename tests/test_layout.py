@@ -11,7 +11,7 @@ from typing import Dict, List, Set, Tuple
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "packer"
-ROOTS = [PKG, PKG.parent / "scripts", PKG.parent / "tests"]
+ROOTS = [PKG, PKG.parent / "scripts", PKG.parent / "benchmarks", PKG.parent / "tests"]
 
 
 def modules() -> Dict[str, Tuple[Path, ast.AST]]:

@@ -1,4 +1,4 @@
-"""What ``scripts/bench_build.py`` measures: build throughput against the cost of decoding
+"""What ``benchmarks/bench_build.py`` measures: build throughput against the cost of decoding
 every image once on all cores, in the same run on the same files.
 
 Goal (issue 2): build images/s >= 0.8 x cores x one core's full-decode rate. ``bench_build``

@@ -1,4 +1,4 @@
-"""What ``scripts/bench_loader_efficiency.py`` measures: loader efficiency, as issue 16 defines
+"""What ``benchmarks/bench_loader_efficiency.py`` measures: loader efficiency, as issue 16 defines
 it — images/s of ``make_loader`` with W workers ÷ (W × one core's images/s for the same
 per-sample work).
 

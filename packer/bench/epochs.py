@@ -1,4 +1,4 @@
-"""What ``scripts/bench_epochs.py`` measures: the stall at every epoch boundary, with and
+"""What ``benchmarks/bench_epochs.py`` measures: the stall at every epoch boundary, with and
 without ``EpochLoader`` (``make_loader(..., across_epochs=...)``).
 
 The training step is either stood in for (``StandInStep``: a fixed wait in the main process,

@@ -1,4 +1,4 @@
-"""``packer.bench.build`` (``scripts/bench_build.py``): decode and build rates on a small
+"""``packer.bench.build`` (``benchmarks/bench_build.py``): decode and build rates on a small
 realistic folder, and the table made of them."""
 import os
 import subprocess
@@ -47,7 +47,7 @@ def test_bench_build_makes_its_own_folder():
 
 def test_script_help():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_build.py"), "--help"],
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_build.py"), "--help"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--decode-sample" in proc.stdout and "--repeats" in proc.stdout

@@ -1,5 +1,5 @@
 """``packer.bench.models``: the one copy of the models and the training step that ``packer
-bench``, ``scripts/bench_prefetch.py`` and ``scripts/train_example.py`` use."""
+bench``, ``benchmarks/bench_prefetch.py`` and ``scripts/train_example.py`` use."""
 import copy
 import runpy
 from pathlib import Path

@@ -1,0 +1,1 @@
+"""What the benchmark scripts beside this folder compute; not part of the packer wheel."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Sequence
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, List, Optional, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
@@ -42,10 +42,17 @@ class PackedDataset(Dataset):
         transforms: a joint ``(image, target) -> (image, target)`` callable, as
             ``CocoDetection``'s: ``torchvision.transforms.v2`` moves boxes and masks with
             the image. Applied after ``transform``/``target_transform``.
-        target_fields: return these fields (a dict; one name: that value alone) instead
-            of the task's target (the label; the detection dict; all fields).
+        target_keys: detection datasets: the target dict's keys, as
+            ``wrap_dataset_for_transforms_v2``'s: by default ``boxes``, ``labels`` and
+            ``image_id``; ``"all"`` adds ``area``, ``iscrowd`` and, for COCO builds,
+            ``masks`` and ``segmentation`` (and any other stored field); or a collection
+            of those names.
+        target_fields: return these stored fields (a dict; one name: that value alone)
+            instead of the task's target (the label; the detection dict; all fields), for
+            any task; not with ``target_keys``.
         masks: detection datasets built from COCO: add ``masks`` (``tv_tensors.Mask``,
-            one per object) made from the stored polygons / RLE.
+            one per object, pycocotools' pixels) made from the stored polygons / RLE; the
+            same as ``"masks"`` in ``target_keys``.
         min_visible: with a crop decoder (``decode=DecodeRandomResizedCrop(...)``) on a
             detection dataset, keep a box when at least this fraction of it lies in the crop.
     """
@@ -56,7 +63,8 @@ class PackedDataset(Dataset):
                  exif_orientation: bool = False, verify_crc: bool = False,
                  transforms: Optional[Callable] = None,
                  target_fields: Union[None, str, Sequence[str]] = None, masks: bool = False,
-                 min_visible: float = 0.25):
+                 min_visible: float = 0.25,
+                 target_keys: Union[None, str, Collection[str]] = None):
         self.root = os.fspath(root)
         self.reader = ShardReader(root, verify_crc=verify_crc)
         self.manifest = self.reader.manifest
@@ -66,8 +74,9 @@ class PackedDataset(Dataset):
         self.decode = decode
         self.exif_orientation = exif_orientation
         self.schema = dataset_schema(self.manifest)
-        self.make_target = TargetMaker(self.schema, target_fields=target_fields, masks=masks)
-        if masks and decode is not None and hasattr(decode, "decode_crop"):
+        self.make_target = TargetMaker(self.schema, target_fields=target_fields,
+                                       target_keys=target_keys, masks=masks)
+        if self.make_target.masks and decode is not None and hasattr(decode, "decode_crop"):
             raise ValueError("masks=True with a crop decoder is not supported: decode to PIL "
                              "(decode=None) and crop with torchvision.transforms.v2, which "
                              "moves masks with the image")
@@ -77,6 +86,7 @@ class PackedDataset(Dataset):
         self.categories = list(self.manifest.get("categories", []))
         self._labels = read_labels(root, self.manifest)  # array('i'): one buffer, not N objects
         self._samples: Optional[Samples] = None
+        self._sizes: Optional[Tuple[array, array]] = None
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -136,12 +146,26 @@ class PackedDataset(Dataset):
 
     def aspect_ratios(self) -> torch.Tensor:
         """width / height of every image (float64), from the side tables."""
-        try:
-            w, h = self.column("width"), self.column("height")
-        except KeyError:
-            raise ValueError(f"{self.root} has no width/height columns (built before packer "
-                             f"format 1.2); rebuild it to group batches by aspect ratio") from None
+        w, h = self.sizes()
         return torch.tensor(w, dtype=torch.float64) / torch.tensor(h, dtype=torch.float64)
+
+    def get_height_and_width(self, index: int) -> Tuple[int, int]:
+        """``(height, width)`` of image ``index`` (the stored image's), from the side tables:
+        torchvision's detection reference groups batches by aspect ratio with it instead of
+        decoding every image (``GroupedBatchSampler``, ``--aspect-ratio-group-factor``)."""
+        w, h = self.sizes()
+        return h[index], w[index]
+
+    def sizes(self) -> Tuple[array, array]:
+        """The width and height columns (read once: a dataset may be asked per index)."""
+        if self._sizes is None:
+            try:
+                self._sizes = self.column("width"), self.column("height")
+            except KeyError:
+                raise ValueError(f"{self.root} has no width/height columns (built before "
+                                 f"packer format 1.2); rebuild it to group batches by aspect "
+                                 f"ratio") from None
+        return self._sizes
 
     def load(self, index: int) -> dict:
         """The raw record: ``image`` bytes, ``path``, ``width``, ``height``, its fields..."""

@@ -2,8 +2,8 @@
 """Evaluation decode: ``DecodeCenterCrop(224)`` against torchvision's
 ``Resize(256) + CenterCrop(224)`` on ``Image.open(f).convert("RGB")`` (issue 30).
 
-Photo-like JPEGs made from the photos packer ships (``packer.demo``: a crop of a photo,
-unsharp mask, sensor grain), held in memory, decoded on one core; per set, the best of
+Photo-like JPEGs made from the photos packer ships (``packer.demo.make_image``: a crop of
+a photo, unsharp mask, sensor grain, quality 75-95), held in memory, decoded on one core; per set, the best of
 --rounds passes in CPU milliseconds per image, and the largest and mean difference from
 torchvision's pixels:
 
@@ -28,19 +28,6 @@ SETS = {"imagenet": [(500, 375), (500, 333), (333, 500), (640, 427), (375, 500)]
         "large": [(2000, 1500), (3000, 2000), (4000, 3000), (2448, 3264)]}
 
 
-def photo_jpeg(rng: random.Random, photos, w: int, h: int, quality: int) -> bytes:
-    """A JPEG of exactly ``w`` x ``h``, made as ``packer.demo.make_image`` makes its own."""
-    from PIL import Image, ImageChops, ImageFilter
-    from packer.demo.images import _noise, random_crop
-    im = random_crop(rng, rng.choice(photos), w, h, (0.45, 1.0))
-    im = im.filter(ImageFilter.UnsharpMask(radius=2, percent=rng.randint(100, 200), threshold=1))
-    grain = _noise(w, h, rng.uniform(3, 6), rng.getrandbits(63))
-    im = ImageChops.add(im, Image.merge("RGB", [grain] * 3), offset=-128)
-    out = io.BytesIO()
-    im.save(out, "JPEG", quality=quality)
-    return out.getvalue()
-
-
 def best_ms(fn, datas, rounds: int) -> float:
     best = float("inf")
     for _ in range(rounds):
@@ -61,7 +48,7 @@ def main(argv=None) -> int:
     from torchvision import transforms as T
     import packer
     from packer._util.system import pil_info
-    from packer.demo import load_photos
+    from packer.demo import load_photos, make_image
     from packer.transforms.decode import DecodeCenterCrop
     torch.set_num_threads(1)
     photos = load_photos()
@@ -74,8 +61,7 @@ def main(argv=None) -> int:
     print(json.dumps({"packer": packer.__file__, "pil": f"{info['flavour']} {info['version']}",
                       "libjpeg": info.get("jpeg_version")}))
     for name, sizes in SETS.items():
-        datas = [photo_jpeg(rng, photos, w, h, rng.randint(75, 95))
-                 for w, h in sizes for _ in range(args.per_size)]
+        datas = [make_image(rng, photos, (w, h)) for w, h in sizes for _ in range(args.per_size)]
         dec = DecodeCenterCrop(224)
         diffs = [(dec(d).int() - torchvision_decode(d).int()).abs() for d in datas]
         print(json.dumps({

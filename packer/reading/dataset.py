@@ -17,12 +17,12 @@ import torch
 from torch.utils.data import Dataset
 
 from ..transforms.boxes import crop_boxes
-from ..transforms.decode import open_image
+from ..transforms.decode import exif_tag, open_image
 from ..format.manifest import dataset_schema
 from .reader import ShardReader
 from ..format.tables import read_column, read_labels, read_paths
 from ..sources.base import find_classes
-from .targets import TargetMaker, wrap_boxes
+from .targets import TargetMaker, oriented, wrap_boxes
 
 
 class PackedDataset(Dataset):
@@ -35,7 +35,9 @@ class PackedDataset(Dataset):
             as ImageFolder's loader gives. Pass ``DecodeRandomResizedCrop(224)`` or
             ``DecodeCenterCrop(224)`` for uint8 tensors decoded at reduced size (the fast
             path for ``make_loader``), or any ``bytes -> sample`` callable.
-        exif_orientation: rotate by the EXIF tag (ImageFolder does not, hence off).
+        exif_orientation: rotate by the EXIF tag (ImageFolder does not, hence off); a
+            detection target's boxes (``canvas_size``) and masks turn with the image (they
+            are stored in the stored image's pixels, as torchvision reads COCO).
         verify_crc: check each record's CRC-32 as it is read (a ``FormatError`` names a
             damaged record), for storage one does not trust; off by default (``packer
             verify`` checks every record once).
@@ -218,6 +220,8 @@ def to_sample(rec: dict, decode: Optional[Callable] = None, transform: Optional[
         sample = decode(rec["image"])
     else:
         sample = open_image(rec["image"], exif_orientation=exif_orientation)
+        if exif_orientation and detection:  # the boxes and masks turn with the image
+            target = oriented(target, exif_tag(rec["image"]), rec["width"], rec["height"])
     if transform is not None:
         sample = transform(sample)
     if target_transform is not None:

@@ -171,3 +171,40 @@ def wrap_boxes(boxes: torch.Tensor, canvas_size) -> torch.Tensor:
     if tv is None:
         return boxes
     return tv.BoundingBoxes(boxes, format="XYXY", canvas_size=tuple(int(s) for s in canvas_size))
+
+
+# EXIF orientation (2-8) as PIL's ``exif_transpose`` applies it: where a point (x, y) of
+# the stored W x H image goes (the function of (x, y, W, H)), and whether the sides swap.
+ORIENTATIONS = {2: (lambda x, y, w, h: (w - x, y), False),
+                3: (lambda x, y, w, h: (w - x, h - y), False),
+                4: (lambda x, y, w, h: (x, h - y), False),
+                5: (lambda x, y, w, h: (y, x), True),
+                6: (lambda x, y, w, h: (h - y, x), True),
+                7: (lambda x, y, w, h: (h - y, w - x), True),
+                8: (lambda x, y, w, h: (y, w - x), True)}
+MASK_FLIPS = {2: [-1], 3: [-1, -2], 4: [-2], 5: [], 6: [-1], 7: [-1, -2], 8: [-2]}  # after .T
+
+
+def oriented(target: Dict[str, Any], orientation: int, width: int, height: int) -> Dict[str, Any]:
+    """A detection target of a stored ``width`` x ``height`` image, moved as its image is by
+    ``exif_transpose`` for this EXIF orientation: boxes (and ``canvas_size``), masks."""
+    if orientation not in ORIENTATIONS:
+        return target
+    move, swap = ORIENTATIONS[orientation]
+    out = dict(target)
+    if "boxes" in target:
+        b = target["boxes"].as_subclass(torch.Tensor)
+        x0, y0 = move(b[:, 0], b[:, 1], width, height)
+        x1, y1 = move(b[:, 2], b[:, 3], width, height)
+        boxes = torch.stack([torch.minimum(x0, x1), torch.minimum(y0, y1),
+                             torch.maximum(x0, x1), torch.maximum(y0, y1)], 1)
+        out["boxes"] = wrap_boxes(boxes, (width, height) if swap else (height, width))
+    if "masks" in target:
+        m = target["masks"].as_subclass(torch.Tensor)
+        m = m.transpose(-1, -2) if swap else m      # (y, x) -> (x, y) first, then the flips
+        flips = MASK_FLIPS[orientation]
+        m = (m.flip(flips) if flips else m).contiguous()
+        tv = tv_tensors()
+        out["masks"] = tv.Mask(m) if tv is not None else m
+    return out
+

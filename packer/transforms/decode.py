@@ -31,6 +31,11 @@ def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
     return im.convert("RGB")
 
 
+def exif_tag(data: bytes) -> int:
+    """The EXIF orientation (1-8) ``exif_transpose`` would apply to these image bytes."""
+    return Image.open(io.BytesIO(data)).getexif().get(0x0112, 1)
+
+
 # -- uint8 decoders: decode + crop + resize + flip in one PIL pass, no float tensors ----------
 
 RESIZERS = ("auto", "pil", "torch")

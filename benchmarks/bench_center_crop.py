@@ -3,9 +3,9 @@
 ``Resize(256) + CenterCrop(224)`` on ``Image.open(f).convert("RGB")`` (issue 30).
 
 Photo-like JPEGs made from the photos packer ships (``packer.demo.make_image``: a crop of
-a photo, unsharp mask, sensor grain, quality 75-95), held in memory, decoded on one core; per set, the best of
---rounds passes in CPU milliseconds per image, and the largest and mean difference from
-torchvision's pixels:
+a photo, unsharp mask, sensor grain, quality 75-95), held in memory, decoded on one core;
+per set, the best of --rounds passes in CPU milliseconds per image, and the largest and
+mean difference from torchvision's pixels:
 
   imagenet   ImageNet's common sizes (500x375, 500x333, 333x500, 640x427, 375x500)
   large      2000-4000 px photos (where JPEG draft decoding used to apply)

@@ -42,7 +42,8 @@ def add_crowds(root) -> None:
         else:
             flat = a.T.reshape(-1).astype(np.int8)
             bounds = np.concatenate([[0], np.flatnonzero(np.diff(flat)) + 1, [len(flat)]])
-            seg = {"size": rle["size"], "counts": ([0] if flat[0] else []) + np.diff(bounds).tolist()}
+            runs = ([0] if flat[0] else []) + np.diff(bounds).tolist()
+            seg = {"size": rle["size"], "counts": runs}
         coco["annotations"].append({
             "id": 10 ** 6 + k, "image_id": im["id"], "category_id": coco["categories"][0]["id"],
             "bbox": mask_api.toBbox(rle).tolist(), "area": float(mask_api.area(rle)),

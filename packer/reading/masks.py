@@ -17,11 +17,11 @@ object with more than ``MAX_POLYGON_VERTICES`` vertices, a coordinate beyond
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from .polygons import crossings, outline, polygon_intervals
+from .polygons import Outline, crossings, outline, polygon_intervals
 
 MAX_MASK_PIXELS = 1 << 28        # a mask's height x width: beyond any image packer accepts
 MAX_POLYGON_VERTICES = 100_000   # per object, over all its polygons
@@ -36,32 +36,33 @@ def segmentation_problem(segmentation: Any, height: int, width: int) -> str:
     return parse(segmentation, height, width)[0]
 
 
-def parse(segmentation: Any, height: int, width: int) -> Tuple[str, Parsed]:
-    """``("", parts)``: per object its run lengths (an RLE) or its polygons; or
-    ``(problem, [])``."""
+def parse(segmentation: Any, height: int, width: int) -> Tuple[str, Parsed, Optional[Outline]]:
+    """``("", parts, outline)``: per object its run lengths (an RLE) or its polygons, and
+    the outline of the polygon objects (None without any); or ``(problem, [], None)``."""
     if not (isinstance(height, int) and isinstance(width, int) and 0 < height and 0 < width
             and height * width <= MAX_MASK_PIXELS):
-        return f"image size {width}x{height} is not a size masks can be made for", []
+        return f"image size {width}x{height} is not a size masks can be made for", [], None
     if not isinstance(segmentation, list):
-        return "segmentation is not a list (one entry per object)", []
+        return "segmentation is not a list (one entry per object)", [], None
     parts: Parsed = []
     for seg in segmentation:
         problem, part = (rle_counts(seg, height, width) if isinstance(seg, dict)
                          else (polygons_problem(seg), seg))
         if problem:
-            return problem, []
+            return problem, [], None
         parts.append(part)
     polygons = [(k, p) for k, p in enumerate(parts) if not isinstance(p, torch.Tensor)]
-    if polygons:
-        work = crossings(outline(polygons, width), len(parts))
-        if int(work.max()) > crossing_budget(height, width):
-            return (f"a polygon outline crossing {int(work.max())} pixel columns, more than "
-                    f"masks of a {width}x{height} image may cost "
-                    f"({crossing_budget(height, width)})"), []
-    return "", parts
+    if not polygons:
+        return "", parts, None
+    lines = outline(polygons, width)
+    work, budget = int(crossings(lines, len(parts)).max()), crossing_budget(height, width)
+    if work > budget:
+        return (f"a polygon outline crossing {work} pixel columns, more than masks of a "
+                f"{width}x{height} image may cost ({budget})"), [], None
+    return "", parts, lines
 
 
-def rle_counts(seg: dict, height: int, width: int) -> Tuple[str, torch.Tensor]:
+def rle_counts(seg: dict, height: int, width: int) -> Tuple[str, Optional[torch.Tensor]]:
     size, counts = seg.get("size"), seg.get("counts")
     if size != [height, width]:
         return f"an RLE of size {str(size)[:40]} on a {height}x{width} image", None
@@ -70,11 +71,13 @@ def rle_counts(seg: dict, height: int, width: int) -> Tuple[str, torch.Tensor]:
             counts = counts_tensor(counts)
         except ValueError:
             return "a compressed RLE string that does not decode", None
-    elif isinstance(counts, list) and all(type(c) is int for c in counts):
+    elif isinstance(counts, list) and all(type(c) is int and 0 <= c <= height * width
+                                          for c in counts):
         counts = torch.tensor(counts, dtype=torch.int64)
     else:
         counts = None
-    if counts is None or (len(counts) and int(counts.min()) < 0) or int(counts.sum()) > height * width:
+    if counts is None or (len(counts) and int(counts.min()) < 0) \
+            or int(counts.sum()) > height * width:
         return "RLE counts that are not run lengths within the image", None
     return "", counts
 
@@ -101,7 +104,7 @@ def crossing_budget(height: int, width: int) -> int:
 def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
     """``(N, height, width)`` uint8 masks, one per object's segmentation (ValueError for a
     segmentation that cannot be one: see ``segmentation_problem``)."""
-    problem, parts = parse(segmentation, height, width)
+    problem, parts, lines = parse(segmentation, height, width)
     if problem:
         raise ValueError(problem)
     n, hw = len(parts), height * width
@@ -111,9 +114,8 @@ def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
             stop = counts.cumsum(0)
             starts.append((stop - counts)[1::2] + k * hw)
             ends.append(stop[1::2] + k * hw)
-    polygons = [(k, p) for k, p in enumerate(parts) if not isinstance(p, torch.Tensor)]
-    if polygons:
-        s, e = polygon_intervals(outline(polygons, width), height, width)
+    if lines is not None:
+        s, e = polygon_intervals(lines, height, width)
         starts.append(s)
         ends.append(e)
     none = torch.zeros(0, dtype=torch.int64)
@@ -171,7 +173,7 @@ def counts_tensor(s: str) -> torch.Tensor:
     group = torch.cat([c.new_zeros(1), last[:-1].cumsum(0)]) if len(c) else c
     first = torch.cat([c.new_zeros(1), last.nonzero().flatten()[:-1] + 1]) if len(c) else c
     k = torch.arange(len(c)) - first[group]                   # character index in its count
-    if len(c) and int(k.max()) > 12:
+    if len(c) and int(k.max()) > 11:  # 12 characters hold 60 bits: more is no count
         raise ValueError("a compressed RLE string with a count out of range")
     x = torch.zeros(int(last.sum()), dtype=torch.int64)
     x.index_add_(0, group, (c & 0x1F) << (5 * k))

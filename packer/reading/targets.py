@@ -22,8 +22,10 @@ from ..format.fields import array_shape, to_array
 from .._util.text import printable
 
 DEFAULT_KEYS = ("boxes", "labels", "image_id")  # torchvision's wrapper's default
-# The detection keys, in the order a target dict holds them; then any other stored field.
-DETECTION_KEYS = DEFAULT_KEYS + ("area", "iscrowd", "masks", "segmentation")
+DETECTION_KEYS = DEFAULT_KEYS + ("area", "iscrowd")  # what any detection dataset can give
+# The keys in the order a target dict holds them (COCO builds add the last two); then any
+# other stored field.
+KEY_ORDER = DETECTION_KEYS + ("masks", "segmentation")
 PER_OBJECT = ("labels", "area", "iscrowd", "ann_ids", "segmentation")  # one entry per box
 NOT_KEYS = {"bbox": "packer stores 'boxes' (XYXY, clipped to the image) instead",
             "category_id": "'labels' holds the COCO category ids"}
@@ -79,10 +81,10 @@ class TargetMaker:
         self.label_only = self.task == "classification" and list(self.fields) == ["label"]
 
     def detection_keys(self, target_keys, masks: bool) -> tuple:
-        """The keys of this dataset's detection targets, in ``DETECTION_KEYS`` order."""
-        available = [k for k in DETECTION_KEYS if k not in ("masks", "segmentation")
+        """The keys of this dataset's detection targets, in ``KEY_ORDER``."""
+        available = [k for k in KEY_ORDER if k not in ("masks", "segmentation")
                      or "segmentation" in self.fields]
-        available += [n for n in self.fields if n not in DETECTION_KEYS + ("label",)]
+        available += [n for n in self.fields if n not in KEY_ORDER + ("label",)]
         if target_keys is None:
             keys = set(DEFAULT_KEYS)
         elif target_keys == "all":

@@ -223,8 +223,8 @@ class DecodeCenterCrop(CropDecoder):
         # The output pixels that fall on the resized image; the rest is CenterCrop's padding.
         j0, j1 = max(0, -left), min(ow, rw - left)
         i0, i1 = max(0, -top), min(oh, rh - top)
-        part = im.resize((j1 - j0, i1 - i0), Image.BILINEAR, reducing_gap=None,
-                         box=((left + j0) * sx, (top + i0) * sy, (left + j1) * sx, (top + i1) * sy))
+        box = ((left + j0) * sx, (top + i0) * sy, (left + j1) * sx, (top + i1) * sy)
+        part = im.resize((j1 - j0, i1 - i0), Image.BILINEAR, box=box, reducing_gap=None)
         if (j0, i0, j1, i1) != (0, 0, ow, oh):
             canvas = Image.new("RGB", (ow, oh))
             canvas.paste(part, (j0, i0))

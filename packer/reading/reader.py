@@ -74,7 +74,13 @@ class ShardReader:
             self._fds, self._pid = [None] * len(self.paths), os.getpid()
         fd = self._fds[shard]
         if fd is None:
-            fd = os.open(self.paths[shard], READ_FLAGS)
+            try:
+                fd = os.open(self.paths[shard], READ_FLAGS)
+            except OSError as e:
+                raise FormatError(
+                    f"{self.paths[shard]} cannot be opened ({e.strerror}): it was removed or "
+                    f"made unreadable after this dataset was opened (unstaged?); stage or open "
+                    f"the dataset again") from None
             st = os.fstat(fd)
             if _stat_identity(st) != self.identity[shard]:
                 os.close(fd)

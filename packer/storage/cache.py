@@ -79,13 +79,15 @@ class ShardCache:
             raise PackerError(f"cache_limit ({human_size(self.limit)}) is smaller than one shard "
                               f"of {self.store.shown} ({human_size(biggest)}); raise it")
         self.prefetch_workers = max(1, prefetch_workers)
-        self.downloads = self.downloaded_bytes = self.hits = self.evictions = 0
         self._reset()
         self.clean_leftovers()
+        self.downloads = self.downloaded_bytes = self.hits = self.evictions = 0
         for key, entry, staged_name in side_tables(remote):
             name = _content_name(entry, remote, staged_name)
             self._ensure(name, entry["path"], entry["bytes"], entry.get("sha256"), pin=False)
             set_table(self.manifest, key, dict(entry, path=name))
+        # What this process did with shards (the side tables above are not counted):
+        self.downloads = self.downloaded_bytes = self.hits = self.evictions = 0
 
     def _reset(self) -> None:
         self._pid = os.getpid()

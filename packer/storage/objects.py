@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional
 from .._util.fsio import open_new
 from ..errors import FormatError, PackerError
 from .retry import ShortBody, with_retries
-from .urls import filesystem, redact, redact_text, secret_values, split_options
+from .urls import filesystem, redact, redact_text, secret_values, split_options, url_secrets
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Store:
         self.url = url.rstrip("/")
         self.shown = redact(self.url)
         self.options, self.transfer = split_options(storage_options)
-        self.secrets = secret_values(self.options)
+        self.secrets = secret_values(self.options) + url_secrets(url)
         self._fs: Any = None
         self._pid: Optional[int] = None
         self.root = self.fs_root()

@@ -30,7 +30,7 @@ class ShortBody(ConnectionError):
 # Exception class names (anywhere in the MRO) that mean "the network or the server had a
 # moment": matched by name so that no client library is imported to classify its errors.
 TRANSIENT_NAMES = {
-    "ConnectionError", "TimeoutError", "BotoCoreError", "HTTPClientError", "IncompleteRead",
+    "ConnectionError", "TimeoutError", "HTTPClientError", "IncompleteRead", "IncompleteReadError",
     "ResponseStreamingError", "ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError",
     "ClientPayloadError", "ClientConnectionError", "ServerDisconnectedError", "ClientOSError",
     "FSTimeoutError", "ProtocolError", "ChunkedEncodingError", "RemoteDisconnected",

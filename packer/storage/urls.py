@@ -75,15 +75,31 @@ def secret_values(options: Dict[str, Any]) -> Tuple[str, ...]:
     return tuple(out)
 
 
+def url_secrets(url: str) -> Tuple[str, ...]:
+    """The parts of ``url`` that ``redact`` hides (userinfo, query values), to blank them
+    where a client quotes them without the URL around them."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return ()
+    out = []
+    if "@" in parts.netloc:
+        userinfo = parts.netloc.rsplit("@", 1)[0]
+        out += [userinfo, *userinfo.split(":")]
+    for pair in (parts.query + "&" + parts.fragment).split("&"):
+        out += [pair, pair.split("=", 1)[-1]]
+    return tuple(s for s in out if s)
+
+
 def split_options(storage_options: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Transfer]:
     """``storage_options`` -> (fsspec's options, packer's ``Transfer``)."""
     options = dict(storage_options or {})
-    ours = {k[len("packer_"):]: options.pop(k) for k in list(options) if k.startswith("packer_")}
-    try:
-        transfer = Transfer(**ours)
-    except TypeError:
-        raise PackerError(f"unknown packer_* key in storage_options ({', '.join(sorted(ours))}); "
-                          f"known: packer_part_size, packer_parallel, packer_retry_seconds") from None
+    ours = {k: options.pop(k) for k in list(options) if k.startswith("packer_")}
+    unknown = sorted(set(ours) - {f"packer_{f}" for f in Transfer.__dataclass_fields__})
+    if unknown:
+        raise PackerError(f"storage_options has unknown packer keys ({', '.join(unknown)}); "
+                          f"known: packer_part_size, packer_parallel, packer_retry_seconds")
+    transfer = Transfer(**{k[len("packer_"):]: v for k, v in ours.items()})
     if transfer.part_size < 1 or transfer.parallel < 1 or transfer.retry_seconds < 0:
         raise PackerError(f"storage_options: packer_part_size and packer_parallel must be >= 1, "
                           f"packer_retry_seconds >= 0 (got {transfer})")
@@ -117,4 +133,4 @@ def filesystem(url: str, options: Dict[str, Any]):
         client = CLIENTS.get(scheme, f"the fsspec client for {scheme}://")
         raise PackerError(f"reading {redact(url)} needs {client}: {CLOUD_EXTRA}") from None
     except ValueError as e:
-        raise PackerError(f"{redact(url)}: {redact_text(str(e), secret_values(options))}") from None
+        raise PackerError(f"{redact(url)}: {redact_text(str(e), secret_values(options) + url_secrets(url))}") from None

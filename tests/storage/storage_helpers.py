@@ -97,9 +97,13 @@ def _read_request(conn: socket.socket):
             return None, b""
         buf += chunk
     head, body = buf.split(b"\r\n\r\n", 1)
-    head += b"\r\n\r\n"
+    lines = head.split(b"\r\n")
+    if any(h.lower().startswith(b"expect: 100-continue") for h in lines):
+        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client sends the body after this
+        lines = [h for h in lines if not h.lower().startswith(b"expect:")]
+    head = b"\r\n".join(lines) + b"\r\n\r\n"
     length = 0
-    for h in head.split(b"\r\n"):
+    for h in lines:
         if h.lower().startswith(b"content-length:"):
             length = int(h.split(b":", 1)[1])
     while len(body) < length:

@@ -32,7 +32,7 @@ class Transfer:
     """packer's own knobs, given as ``packer_*`` keys of ``storage_options`` (the other keys
     go to fsspec): the size of one ranged GET, how many run at once per file, and how long
     one request may keep failing (resets, 5xx, throttling, short bodies) before giving up."""
-    part_size: int = 16 << 20
+    part_size: int = 8 << 20
     parallel: int = 16
     retry_seconds: float = 120.0
 

@@ -75,8 +75,7 @@ def _status(e: BaseException):
     return None
 
 
-def with_retries(fn: Callable[[], T], what: str, seconds: float, secrets: Iterable[str] = (),
-                 *, sleep: Callable[[float], None] = time.sleep) -> T:
+def with_retries(fn: Callable[[], T], what: str, seconds: float, secrets: Iterable[str] = ()) -> T:
     """``fn()``, retried while it fails transiently and ``seconds`` have not passed since the
     first failure; then a PackerError naming ``what`` and the last error (redacted)."""
     first, tries = None, 0
@@ -99,13 +98,13 @@ def with_retries(fn: Callable[[], T], what: str, seconds: float, secrets: Iterab
                                   f"last: {reason}); check the network and the store, or raise "
                                   f"storage_options['packer_retry_seconds'], and re-run") from None
             delay = min(10.0, 0.1 * 2 ** min(tries - 1, 10)) * random.uniform(0.5, 1.0)
-            sleep(min(delay, max(0.0, first + seconds - now)))
+            time.sleep(min(delay, max(0.0, first + seconds - now)))
 
 
 def advice(e: BaseException) -> str:
     if isinstance(e, FileNotFoundError):
         return " (no such object: check the URL, and that the upload finished)"
-    if isinstance(e, PermissionError):
+    if isinstance(e, PermissionError) or "Credential" in type(e).__name__:
         return (" (access denied: check the credentials: storage_options, or the client's "
                 "usual environment variables and config files)")
     return ""

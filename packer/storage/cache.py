@@ -173,7 +173,8 @@ class ShardCache:
                     _touch(path)
                     self.hits += not fetched
                     return fd
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             fd = self._lock(name, "fetch")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # one writer per name: waits for another's download

@@ -1,9 +1,9 @@
 """GPU decoding (packer.gpu).
 
 Everything that needs neither CUDA nor torchvision runs in CI: JPEG header parsing, the
-worker hook and collate, routing to the CPU fallback, crop-box maths, the batched resample
-(against PIL), the thread pipeline (with a PIL stand-in for nvJPEG) and the errors when
-torchvision or CUDA is missing. Tests marked ``gpu`` run nvJPEG itself on a CUDA machine.
+worker hook and collate, routing to the CPU fallback, crop-box maths, the resample's CPU
+reference (against PIL), the thread pipeline (with a PIL stand-in for nvJPEG) and the errors
+when torchvision, CUDA or Triton is missing. Tests marked ``gpu`` run nvJPEG itself on a CUDA machine.
 """
 import io
 import json
@@ -22,10 +22,12 @@ from PIL import Image
 
 from packer.reading.dataset import PackedDataset
 from packer.errors import PackerError
-from packer.gpu import EncodedBatch, EncodedImage, EncodedSample, GPUDecoder, GPUOptions, JpegInfo, NvjpegDecoder, center_crop_boxes, collate_encoded, gpu_decodable, jpeg_info, make_gpu_loader, random_resized_crop_boxes, resample_crops
+from packer.gpu import EncodedImage, GPUDecoder, GPUOptions, collate_encoded, make_gpu_loader
 from packer.gpu import decoder as decoder_module
-from packer.gpu.nvjpeg import torchvision_decode
-from packer.gpu.augment import PaddedBatch, plan_groups
+from packer.gpu.augment import center_crop_boxes, random_resized_crop_boxes
+from packer.gpu.encoded import EncodedBatch, EncodedSample, JpegInfo, gpu_decodable, jpeg_info
+from packer.gpu.nvjpeg import NvjpegDecoder, torchvision_decode
+from packer.gpu.resample import ImageTable, resample_crops
 from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop
 
 from helpers import KINDS, cuda, kind_bytes, photo_images, pil_decoder, rgb_tensor
@@ -165,7 +167,7 @@ def test_center_crop_boxes_match_cpu_decoder(size, frac):
         assert box == pytest.approx(ref.box(ww, hh))
 
 
-# -- the batched resample --------------------------------------------------------------------
+# -- the resample's CPU reference (the kernel's maths in torch) --------------------------------
 
 @pytest.mark.parametrize("train", [True, False])
 def test_resample_crops_matches_pil(photos, train):
@@ -188,13 +190,11 @@ def test_resample_crops_matches_pil(photos, train):
         d = (rgb_tensor(ref).int() - out[k].int()).abs()
         worst, total = max(worst, int(d.max())), total + float(d.float().mean())
     assert worst <= 1 and total / 6 < 0.3  # PIL rounds between its two passes; we do not
-    # Grouping (padding budget) and memory format change nothing but float rounding (the
-    # CPU's matmul kernels sum in an order that depends on the padded width).
-    small = resample_crops(imgs, boxes, (224, 224), flips, budget=1 << 20,
-                           out=torch.empty(6, 3, 224, 224, dtype=torch.uint8).contiguous(
-                               memory_format=torch.channels_last))
-    diff = (small.int() - out.int()).abs()
-    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    # The output's memory format and the input's layout change nothing.
+    last = resample_crops(ImageTable.from_images([im.contiguous() for im in imgs]), boxes,
+                          (224, 224), flips, out=torch.empty(6, 3, 224, 224, dtype=torch.uint8)
+                          .contiguous(memory_format=torch.channels_last))
+    assert torch.equal(last, out)
     # Normalisation: x * scale + shift on the unrounded values.
     scale = (1 / (255 * torch.tensor(STD))).view(1, 3, 1, 1)
     shift = (-torch.tensor(MEAN) / torch.tensor(STD)).view(1, 3, 1, 1)
@@ -235,7 +235,7 @@ def _slow_pil(datas, device):
 
 
 @pytest.mark.parametrize("overlap,threads,augment_thread",
-                         [(0, 1, None), (1, 1, None), (2, 1, True), (2, 3, True), (2, 3, False)])
+                         [(0, 1, False), (1, 1, False), (2, 1, True), (2, 3, True), (2, 3, False)])
 def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads, augment_thread):
     loader = make_gpu_loader(mixed, 5, shuffle=False, num_workers=1)
     dec = _cpu_decoder(loader, overlap=overlap, seed=0, dtype=torch.float32,
@@ -257,7 +257,7 @@ def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads, augm
               1: {"loader", "decode+augment", "decode+augment blocked", "consumer", "throttle"},
               2: {"loader", "decode", "decode blocked", "augment waits", "augment",
                   "augment blocked", "consumer", "throttle"}}[overlap]
-    if augment_thread is False:
+    if overlap == 2 and not augment_thread:
         stages = {"loader", "decode+augment", "decode+augment blocked", "consumer", "throttle"}
     assert set(seconds) == stages and all(v >= 0 for v in seconds.values())
 
@@ -265,7 +265,7 @@ def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads, augm
 def test_pipeline_same_result_for_every_overlap_and_epoch_seeding(mixed):
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
     runs = []
-    for overlap, threads, augment_thread in ((0, 1, None), (1, 1, None), (2, 1, True),
+    for overlap, threads, augment_thread in ((0, 1, False), (1, 1, False), (2, 1, True),
                                              (2, 2, True), (2, 3, False)):
         dec = _cpu_decoder(loader, overlap=overlap, seed=7, decode_threads=threads,
                            augment_thread=augment_thread,
@@ -318,48 +318,35 @@ def test_eval_mode_matches_cpu_center_crop_maths(mixed):
     assert torch.equal(x, x2)  # evaluation is deterministic
 
 
-class PaddedPIL:
+class FlatPIL:
     """NvjpegDecoder's two entry points with PIL behind them: the list one, and
-    ``decode_padded``, which writes each image top-left into zeroed padded groups."""
+    ``decode_flat``, which writes the batch planar into one buffer."""
 
-    def __init__(self, lie=False, budget=512 << 20):
-        self.padded_calls, self.lie, self.budget = 0, lie, budget
+    def __init__(self):
+        self.flat_calls = 0
 
     def __call__(self, datas, device):
         return pil_decoder(datas, device)
 
-    def decode_padded(self, data, offsets, device):
-        self.padded_calls += 1
+    def decode_flat(self, data, offsets, device, sizes):
+        self.flat_calls += 1
         images = pil_decoder(torch.split(data, torch.diff(offsets).tolist()), device)
         hw = torch.tensor([im.shape[1:] for im in images], dtype=torch.int64)
-        index = plan_groups(hw, self.budget, 4)
-        groups = []
-        for idx in index:
-            g = torch.zeros((len(idx), 3, *((int(hw[idx, k].max()) + 7) // 8 * 8 for k in (0, 1))),
-                            dtype=torch.uint8)
-            for slot, i in enumerate(idx):
-                g[slot, :, :hw[i, 0], :hw[i, 1]] = images[i]
-            groups.append(g)
-        return PaddedBatch(groups, index), hw + 1 if self.lie else hw
+        assert torch.equal(hw, sizes)
+        buffer = torch.cat([im.flatten() for im in images])
+        starts = torch.cumsum(3 * hw[:, 0] * hw[:, 1], 0) - 3 * hw[:, 0] * hw[:, 1]
+        return ImageTable.planar(buffer, starts, hw)
 
 
-@pytest.mark.parametrize("budget", [512 << 20, 600_000])  # one group; several (out of order)
-def test_padded_decode_path_matches_the_list_path(mixed, budget):
+def test_flat_decode_path_matches_the_list_path(mixed):
     loader = make_gpu_loader(mixed, 5, shuffle=False, num_workers=0)
-    padded = PaddedPIL(budget=budget)
+    flat = FlatPIL()
     for train in (False, True):
-        a = [x for x, _ in _cpu_decoder(loader, decoder=padded, train=train, seed=3, dtype=torch.uint8)]
+        a = [x for x, _ in _cpu_decoder(loader, decoder=flat, train=train, seed=3, dtype=torch.uint8)]
         b = [x for x, _ in _cpu_decoder(loader, train=train, seed=3, dtype=torch.uint8)]
-        d = max(int((x.int() - y.int()).abs().max()) for x, y in zip(a, b))
-        # One group: the same matmuls. Several: other padded shapes, other float rounding.
-        assert d == 0 if budget > 1 << 20 else d <= 1
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
     mixed_batches = sum(1 for batch in loader if bool(batch.decoded.any()))
-    assert padded.padded_calls == 2 * (len(loader) - mixed_batches) > 0  # fallbacks: list path
-    with pytest.raises(RuntimeError, match="other sizes"):
-        list(_cpu_decoder(loader, decoder=PaddedPIL(lie=True), overlap=0))
-    with pytest.raises(ValueError, match="sizes="):
-        resample_crops(PaddedBatch([torch.zeros(1, 3, 8, 8, dtype=torch.uint8)], [[0]]),
-                       torch.tensor([[0.0, 0, 8, 8]]), (4, 4))
+    assert flat.flat_calls == 2 * (len(loader) - mixed_batches) > 0  # fallbacks: list path
 
 
 def test_decoder_refusing_a_batch_retries_images_alone(mixed):
@@ -404,10 +391,13 @@ def test_constructor_errors(mixed, monkeypatch):
     for kw, match in [({"size": 0}, "size"), ({"dtype": torch.int32}, "dtype"),
                       ({"scale": (0.5, 0.1)}, "scale"), ({"overlap": 3}, "overlap"),
                       ({"crop_fraction": 1.5}, "crop_fraction"), ({"mean": (0.5,)}, "mean"),
-                      ({"decode_threads": 0}, "decode_threads"),
-                      ({"decode_threads": 2, "overlap": 1}, "decode_threads")]:
+                      ({"min_visible": 2.0}, "min_visible"), ({"decode_threads": 0}, "decode_threads"),
+                      ({"decode_threads": 2, "overlap": 1}, "decode_threads"),
+                      ({"backend": "dali"}, "backend")]:
         with pytest.raises(ValueError, match=match):
             _cpu_decoder(loader, **kw)
+    with pytest.raises(TypeError, match="resample"):  # one augment kernel: no choice left
+        _cpu_decoder(loader, resample="matmul")
 
     def no_lib():
         raise OSError("libnvjpeg not found")
@@ -416,18 +406,6 @@ def test_constructor_errors(mixed, monkeypatch):
         monkeypatch.setattr(decoder_module, "load_nvjpeg", no_lib)
         with pytest.raises(PackerError, match="pip install torchvision.*DecodeRandomResizedCrop"):
             GPUDecoder(loader)
-    with pytest.raises(ValueError, match="backend"):
-        _cpu_decoder(loader, backend="dali")
-    with pytest.raises(ValueError, match="resample must be"):
-        _cpu_decoder(loader, resample="cuda")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(decoder_module, "triton_available", lambda: True)
-    with pytest.raises(ValueError, match="resample='triton' runs on a CUDA device"):
-        _cpu_decoder(loader, resample="triton")
-    monkeypatch.setattr(decoder_module, "triton_available", lambda: False)
-    with pytest.raises(PackerError, match="needs Triton.*pip install triton"):
-        _cpu_decoder(loader, resample="triton")
-    assert _cpu_decoder(loader).resample == "matmul"  # auto, on the CPU
     fake = types.ModuleType("torchvision")
     fake.io = types.ModuleType("torchvision.io")
     monkeypatch.setitem(sys.modules, "torchvision", fake)
@@ -435,6 +413,12 @@ def test_constructor_errors(mixed, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(PackerError, match="CUDA.*CUDAPrefetcher"):
         GPUDecoder(loader)
+    # Triton missing (CUDA present): one clear error, before any CUDA call.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    with pytest.raises(PackerError, match="needs Triton.*pip install triton.*CPU path.*CUDAPrefetcher"):
+        GPUDecoder(loader, device="cuda:0")
 
 
 # -- on a GPU: nvJPEG itself -------------------------------------------------------------------
@@ -565,7 +549,7 @@ def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):
     make_gpu_loader calls) raises the hardware queues to 32 unless the user chose; a low
     value gets advice (nvJPEG then waits behind training kernels)."""
     import subprocess
-    code = ("import os, packer.gpu as g; print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'));"
+    code = ("import os, packer.gpu.loader as g; print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'));"
             "print(g.reserve_cuda_queues()); print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS']);"
             "print(g.connections_advice())")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
@@ -578,21 +562,3 @@ def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):
         assert out[:3] == [value, "False", value]  # the user's choice stays
         assert f"CUDA_DEVICE_MAX_CONNECTIONS is {value}" in out[3]
         assert "packer.gpu.reserve_cuda_queues()" in out[3]
-
-
-@pytest.mark.gpu
-@cuda
-def test_gpu_nvjpeg_decode_padded_layout(mixed):
-    nv = _backend("nvjpeg")
-    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
-    batch = next(b for b in loader if not bool(b.decoded.any()))
-    dev = torch.device("cuda")
-    for budget in (512 << 20, 2_000_000):  # one group, then several
-        padded, hw = nv.decode_padded(batch.data, batch.offsets, dev, budget)
-        assert torch.equal(hw, batch.sizes) and sorted(sum(padded.index, [])) == list(range(8))
-        alone = nv([v for v in batch.images()], dev)
-        for g, idx in zip(padded.groups, padded.index):
-            for slot, i in enumerate(idx):
-                h, w = hw[i].tolist()
-                assert torch.equal(g[slot, :, :h, :w], alone[i])
-                assert int(g[slot, :, h:].abs().sum()) == 0 and int(g[slot, :, :, w:].abs().sum()) == 0

@@ -160,12 +160,6 @@ class EncodedImage:
                 f"crafted file, or raise the limit: make_gpu_loader(..., max_pixels=N) or "
                 f"EncodedImage(max_pixels=N)")
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, EncodedImage) and other.max_pixels == self.max_pixels
-
-    def __hash__(self) -> int:
-        return hash(("EncodedImage", self.max_pixels))
-
     def __repr__(self) -> str:
         return f"EncodedImage(max_pixels={self.max_pixels})"
 

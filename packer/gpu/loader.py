@@ -79,19 +79,19 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     Also calls :func:`reserve_cuda_queues`, which only helps if CUDA has not started yet.
     """
     reserve_cuda_queues()
+    own = getattr(dataset, "decode", None)
+    own = own.max_pixels if isinstance(own, EncodedImage) else None
     if max_pixels is None:
-        own = getattr(dataset, "decode", None)
-        max_pixels = own.max_pixels if isinstance(own, EncodedImage) else DEFAULT_MAX_PIXELS
-    hook = EncodedImage(max_pixels)
+        max_pixels = own or DEFAULT_MAX_PIXELS
     if isinstance(dataset, (str, os.PathLike)):
-        dataset = PackedDataset(dataset, decode=hook)
+        dataset = PackedDataset(dataset, decode=EncodedImage(max_pixels))
     elif isinstance(dataset, PackedDataset):
         if dataset.transform is not None:
             raise ValueError("the GPU path augments on the GPU (GPUDecoder(train=..., size=...)): "
                              "build the PackedDataset without transform=")
-        if dataset.decode != hook:
+        if own != max_pixels:
             dataset = copy.copy(dataset)
-            dataset.decode = hook
+            dataset.decode = EncodedImage(max_pixels)
     kwargs.setdefault("collate_fn", collate_encoded)
     kwargs.setdefault("pin_memory", False)
     return make_loader(dataset, batch_size, **kwargs)

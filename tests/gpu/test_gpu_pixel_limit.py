@@ -104,7 +104,7 @@ def test_crafted_record_stops_the_loader_in_its_worker(crafted_set):
 
 
 def test_make_gpu_loader_max_pixels(crafted_set):
-    assert make_gpu_loader(crafted_set, 2, num_workers=0).dataset.decode == EncodedImage()
+    assert make_gpu_loader(crafted_set, 2, num_workers=0).dataset.decode.max_pixels == DEFAULT_MAX_PIXELS
     own = PackedDataset(crafted_set, decode=EncodedImage(max_pixels=100))
     assert make_gpu_loader(own, 2, num_workers=0).dataset is own  # its own limit kept
     other = make_gpu_loader(own, 2, num_workers=0, max_pixels=10).dataset

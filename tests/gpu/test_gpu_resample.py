@@ -1,4 +1,5 @@
-"""The fused crop + resize kernel (packer.gpu.resample, Triton) and its CPU reference.
+"""Crop boxes (packer.gpu.augment), the fused crop + resize kernel (packer.gpu.resample,
+Triton) and its CPU reference, against torchvision's rules and PIL.
 
 On a CPU machine the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set in a
 subprocess because Triton reads it when the kernel is defined): the same source the GPU
@@ -7,6 +8,7 @@ Tests marked ``gpu`` run it compiled, on nvJPEG's output, and inside GPUDecoder.
 """
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -20,7 +22,11 @@ from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
 from packer.gpu.augment import center_crop_boxes, random_resized_crop_boxes
 from packer.gpu.resample import ImageTable, resample_crops
 
+from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop
+
 from helpers import cuda, photo_images, rgb_tensor
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 # Runs in a subprocess under the interpreter; prints one JSON line per case.
 _INTERPRETED = textwrap.dedent("""
@@ -111,6 +117,93 @@ def test_image_table_layouts():
         ImageTable(torch.zeros(3), t.layout, t.sizes)
     with pytest.raises(TypeError, match="uint8 images on one device.*float32"):
         ImageTable.from_images([other, torch.zeros(3, 2, 2)])
+
+
+# -- crop boxes --------------------------------------------------------------------------------
+
+def test_random_resized_crop_boxes_match_torchvision_rules():
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([[375, 500], [500, 333], [300, 300], [480, 640]] * 500)
+    b = random_resized_crop_boxes(sizes, (0.08, 1.0), (3 / 4, 4 / 3), generator=g)
+    w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
+    assert torch.equal(b, b.round()) and (b[:, :2] >= 0).all()
+    assert (b[:, 2] <= sizes[:, 1]).all() and (b[:, 3] <= sizes[:, 0]).all()
+    frac = w * h / (sizes[:, 0] * sizes[:, 1])
+    assert frac.min() >= 0.07 and frac.max() <= 1.0
+    ar = w / h
+    assert ar.min() > 0.7 and ar.max() < 1.43  # ratio range, widened by integer rounding
+    # Same distribution as the CPU decoder's per-image sampler.
+    random.seed(0)
+    ref = DecodeRandomResizedCrop(224)
+    cpu = torch.tensor([ref.box(int(s[1]), int(s[0])) for s in sizes.tolist()], dtype=torch.float64)
+    cfrac = (cpu[:, 2] - cpu[:, 0]) * (cpu[:, 3] - cpu[:, 1]) / (sizes[:, 0] * sizes[:, 1])
+    assert abs(frac.mean() - cfrac.mean()) < 0.03
+    # Centre of crops: uniform placement, so about the image centre on average.
+    cx = ((b[:, 0] + b[:, 2]) / 2 / sizes[:, 1]).mean()
+    assert abs(cx - 0.5) < 0.02
+
+
+def test_random_resized_crop_fallback_is_torchvisions():
+    sizes = torch.tensor([[20, 1000], [1000, 20], [300, 300]])
+    g = torch.Generator().manual_seed(1)
+    b = random_resized_crop_boxes(sizes, (0.9, 1.0), (3 / 4, 4 / 3), generator=g)
+    for (hh, ww), box in zip(sizes.tolist()[:2], b.tolist()[:2]):
+        ref = DecodeRandomResizedCrop(224, scale=(0.9, 1.0)).box(ww, hh)  # no try fits
+        assert tuple(box) == tuple(float(v) for v in ref)
+
+
+@pytest.mark.parametrize("size,frac", [((224, 224), 0.875), ((160, 128), 0.9), ((224, 224), 1.0)])
+def test_center_crop_boxes_match_cpu_decoder(size, frac):
+    sizes = torch.tensor([[375, 500], [500, 333], [100, 1000], [224, 224]])
+    b = center_crop_boxes(sizes, size, frac)
+    ref = DecodeCenterCrop(size, crop_fraction=frac)
+    for (hh, ww), box in zip(sizes.tolist(), b.tolist()):
+        assert box == pytest.approx(ref.box(ww, hh))
+
+
+# -- the resample's CPU reference (the kernel's maths in torch) --------------------------------
+
+@pytest.mark.parametrize("train", [True, False])
+def test_resample_crops_matches_pil(photos, train):
+    pil = photo_images(photos, 6)
+    imgs = [rgb_tensor(im) for im in pil]
+    sizes = torch.tensor([[im.height, im.width] for im in pil])
+    g = torch.Generator().manual_seed(2)
+    if train:
+        boxes = random_resized_crop_boxes(sizes, generator=g)
+        flips = torch.tensor([True, False] * 3)
+    else:
+        boxes, flips = center_crop_boxes(sizes, (224, 224)), None
+    out = resample_crops(imgs, boxes, (224, 224), flips,
+                         out=torch.empty(6, 3, 224, 224, dtype=torch.uint8))
+    worst, total = 0, 0.0
+    for k, im in enumerate(pil):
+        ref = im.resize((224, 224), Image.BILINEAR, box=tuple(boxes[k].tolist()), reducing_gap=None)
+        if flips is not None and flips[k]:
+            ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
+        d = (rgb_tensor(ref).int() - out[k].int()).abs()
+        worst, total = max(worst, int(d.max())), total + float(d.float().mean())
+    assert worst <= 1 and total / 6 < 0.3  # PIL rounds between its two passes; we do not
+    # The output's memory format and the input's layout change nothing.
+    last = resample_crops(ImageTable.from_images([im.contiguous() for im in imgs]), boxes,
+                          (224, 224), flips, out=torch.empty(6, 3, 224, 224, dtype=torch.uint8)
+                          .contiguous(memory_format=torch.channels_last))
+    assert torch.equal(last, out)
+    # Normalisation: x * scale + shift on the unrounded values.
+    scale = (1 / (255 * torch.tensor(STD))).view(1, 3, 1, 1)
+    shift = (-torch.tensor(MEAN) / torch.tensor(STD)).view(1, 3, 1, 1)
+    f = resample_crops(imgs, boxes, (224, 224), flips, scale=scale, shift=shift)
+    expect = (out.float() / 255 - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    assert (f - expect).abs().max() < 0.6 / 255 / min(STD)
+
+
+def test_resample_crops_upscale_and_rectangular(photos):
+    im = photo_images(photos, 1, seed=5)[0]
+    box = torch.tensor([[10.0, 20.0, 50.0, 40.0]])  # 40 x 20 -> 96 x 128 (upscaling)
+    out = resample_crops([rgb_tensor(im)], box, (96, 128),
+                         out=torch.empty(1, 3, 96, 128, dtype=torch.uint8))
+    ref = rgb_tensor(im.resize((128, 96), Image.BILINEAR, box=(10, 20, 50, 40), reducing_gap=None))
+    assert (ref.int() - out[0].int()).abs().max() <= 1
 
 
 # -- on a GPU ----------------------------------------------------------------------------------

@@ -32,12 +32,12 @@ class NvjpegDecoder:
     Same library and hardware engine as torchvision's decoder (pixels are identical), but
     one output allocation per batch (:meth:`decode_flat`, which the fused kernel reads in
     place) and no global lock (one handle per decode thread). Work runs on a stream of
-    ``priority`` (default: the highest, so decoding is not queued behind training kernels).
-    The hardware engine (A100/H100/H200) is used when nvJPEG has it, else its default
-    backend. Raises OSError/RuntimeError when libnvjpeg cannot be loaded or set up. Calls
-    are serialised by a lock (one nvJPEG state); :meth:`shared` gives one instance per
-    (device, slot), as nvJPEG handles are never freed here (freeing them at interpreter
-    exit can run after CUDA has shut down); threads that decode at once use one slot each.
+    ``priority`` (default: the highest). The hardware engine (A100/H100/H200) is used when
+    nvJPEG has it, else its default backend. Raises OSError/RuntimeError when libnvjpeg
+    cannot be loaded or set up. Calls are serialised by a lock (one nvJPEG state);
+    :meth:`shared` gives one instance per (device, slot), as nvJPEG handles are never freed
+    here (freeing them at interpreter exit can run after CUDA has shut down); threads that
+    decode at once use one slot each.
     """
     _shared: dict = {}
 

@@ -67,7 +67,7 @@ _INTERPRETED = textwrap.dedent("""
         fused = resample_crops(imgs, boxes, size, flips, out=out())
         table = ImageTable.from_images(imgs)
         again = resample_crops(table, boxes, size, flips, out=out())
-        ref = reference(imgs, boxes, size, flips, out=out())
+        plain = reference(imgs, boxes, size, flips, out=out())
         pil_max = 0
         for k, im in enumerate(pil):
             ref = im.resize(size[::-1], Image.BILINEAR, box=tuple(boxes[k].tolist()), reducing_gap=None)
@@ -80,7 +80,7 @@ _INTERPRETED = textwrap.dedent("""
         fr = reference(imgs, boxes, size, flips, scale=scale.view(1, 3, 1, 1),
                        shift=shift.view(1, 3, 1, 1))
         print(json.dumps({"case": name, "vs_pil_max": pil_max,
-                          "vs_reference_max": int((fused.int() - ref.int()).abs().max()),
+                          "vs_reference_max": int((fused.int() - plain.int()).abs().max()),
                           "table_equal": bool(torch.equal(fused, again)),
                           "float_vs_reference_max": float((f - fr).abs().max()),
                           "float_channels_last": f.is_contiguous(memory_format=torch.channels_last)}))

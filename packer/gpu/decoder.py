@@ -207,7 +207,6 @@ class GPUDecoder(LoaderView):
                             f"PackedDataset(decode=EncodedImage()) with collate_fn="
                             f"collate_encoded), got {type(batch).__name__}")
         decoder = decoder or self.decoders[0]
-        labels = batch.labels.to(self.device, non_blocking=True)
         flat = getattr(decoder, "decode_flat", None)  # NvjpegDecoder: one buffer per batch
         if flat is not None and not bool(batch.decoded.any()):
             try:
@@ -216,7 +215,7 @@ class GPUDecoder(LoaderView):
                 pass  # nvJPEG refused the batch: the path below retries image by image
             else:
                 self.stats.add(gpu=len(images), batches=1)
-                return images, batch.sizes, labels
+                return images, batch.sizes, batch.labels.to(self.device, non_blocking=True)
         views = batch.images()
         n = len(views)
         on_gpu = (~batch.decoded).nonzero().flatten().tolist()
@@ -238,7 +237,8 @@ class GPUDecoder(LoaderView):
             if out[i] is None:
                 out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
         self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
-        return ImageTable.from_images(out), batch.sizes, labels
+        return (ImageTable.from_images(out), batch.sizes,
+                batch.labels.to(self.device, non_blocking=True))
 
     def _decode_alone(self, data: torch.Tensor, decoder) -> torch.Tensor:
         try:

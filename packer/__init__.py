@@ -45,6 +45,9 @@ _WHERE = {
     ".writing.merger": ["merge"],
     ".writing.python": ["DatasetWriter", "write"],
 }
+# the subpackages too, so ``import packer`` is enough for ``packer.gpu.make_gpu_loader(...)``
+_WHERE.update({f".{p}": [p] for p in ("format", "gpu", "loading", "reading", "sources",
+                                       "staging", "storage", "transforms", "writing")})
 
 __all__ = ["CUDAPrefetcher", "DatasetWriter", "DecodeCenterCrop", "DecodeLetterbox",
            "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "PackedDataset",

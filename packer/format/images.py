@@ -15,6 +15,7 @@ from PIL import Image
 # PIL format names: what torchvision's IMG_EXTENSIONS hold (PPM covers .pgm), plus GIF.
 # JPEG includes phone cameras' multi-picture JPEGs, which PIL reports as MPO.
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own decompression-bomb threshold (~ 0.25 GiB RGB)
 
 
 def pil_open(data: bytes) -> Image.Image:

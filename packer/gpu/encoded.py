@@ -14,7 +14,7 @@ from torch.utils.data import default_collate, get_worker_info
 
 from ..errors import FormatError
 from ..transforms.decode import open_image
-from ..writing.check import DEFAULT_MAX_PIXELS
+from ..format.images import DEFAULT_MAX_PIXELS
 from .detection import is_detection_batch, pack_targets
 
 __all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",

@@ -11,7 +11,7 @@ import torch
 
 from ..reading.dataset import PackedDataset
 from ..loading.loader import make_loader
-from ..writing.check import DEFAULT_MAX_PIXELS
+from ..format.images import DEFAULT_MAX_PIXELS
 from .encoded import EncodedImage, collate_encoded
 
 __all__ = ["ConnectionsWarning", "connections_advice", "make_gpu_loader", "reserve_cuda_queues"]

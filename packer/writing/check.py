@@ -14,9 +14,8 @@ from typing import Optional, Tuple
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import PackerError
-from ..format.images import IMAGE_FORMATS, pil_open
+from ..format.images import DEFAULT_MAX_PIXELS, IMAGE_FORMATS, pil_open
 
-DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own decompression-bomb threshold (~ 0.25 GiB RGB)
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,9 @@ _WHERE = {
     ".writing.python": ["DatasetWriter", "write"],
 }
 # the subpackages too, so ``import packer`` is enough for ``packer.gpu.make_gpu_loader(...)``
-_WHERE.update({f".{p}": [p] for p in ("format", "gpu", "loading", "reading", "sources",
-                                       "staging", "storage", "transforms", "writing")})
+for _sub in ("format", "gpu", "loading", "reading", "sources", "staging", "storage",
+             "transforms", "writing"):
+    _WHERE.setdefault(f".{_sub}", []).append(_sub)
 
 __all__ = ["CUDAPrefetcher", "DatasetWriter", "DecodeCenterCrop", "DecodeLetterbox",
            "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "PackedDataset",

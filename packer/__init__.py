@@ -49,6 +49,7 @@ _WHERE = {
 for _sub in ("format", "gpu", "loading", "reading", "sources", "staging", "storage",
              "transforms", "writing"):
     _WHERE.setdefault(f".{_sub}", []).append(_sub)
+del _sub
 
 __all__ = ["CUDAPrefetcher", "DatasetWriter", "DecodeCenterCrop", "DecodeLetterbox",
            "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "PackedDataset",

@@ -46,7 +46,7 @@ def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
 
 def exif_tag(data: bytes) -> int:
     """The EXIF orientation (1-8) ``exif_transpose`` would apply to these image bytes."""
-    return Image.open(io.BytesIO(data)).getexif().get(0x0112, 1)
+    return stored_image(data).getexif().get(0x0112, 1)
 
 
 # -- uint8 decoders: decode + crop + resize + flip in one PIL pass, no float tensors ----------
@@ -225,7 +225,7 @@ class DecodeCenterCrop(CropDecoder):
         return left * sx, top * sy, (left + ow) * sx, (top + oh) * sy
 
     def decode_crop(self, data: bytes):
-        im = Image.open(io.BytesIO(data))
+        im = stored_image(data)
         w, h = im.size
         rw, rh, left, top = self.geometry(w, h)
         oh, ow = self.size

@@ -297,16 +297,17 @@ def test_bad_boxes_are_dropped_and_their_images_kept(scenes, coco, by_name, tmp_
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_damaged_polygon_stops_the_build(scenes, coco, tmp_path, workers):
-    """The polygons are parsed in the workers: one that is not JSON fails the build there,
-    with the reason, and leaves no finished dataset."""
+    """A polygon that is not JSON makes the file not JSON: the build stops before it
+    starts, naming where, and leaves nothing behind."""
     text = json.dumps(coco)
     first = json.dumps(coco["annotations"][0]["segmentation"])
     assert first.startswith("[[") and first in text
     ann = tmp_path / "damaged.json"
     ann.write_text(text.replace(first, first[:-2] + ",]]", 1))
-    with pytest.raises(PackerError, match="'segmentation' is not valid JSON .* fetch it again"):
+    with pytest.raises(PackerError, match=r"damaged\.json:1:\d+: not valid JSON \(trailing "
+                                          r"comma in array\).* fetch it again"):
         quiet(scenes / "images", tmp_path / "d", coco=ann, workers=workers)
-    assert not (tmp_path / "d" / "manifest.json").exists()
+    assert not (tmp_path / "d").exists()
 
 
 def test_unknown_category_is_dropped_with_a_reason(scenes, coco, by_name, tmp_path):

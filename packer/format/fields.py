@@ -49,7 +49,7 @@ class CheckedData(list):
 class PackedData(bytes):
     """An item of a ``CheckedData`` list in its stored form already: the msgpack bytes of
     plain data its maker checked while packing it (COCO polygon text, which
-    ``packer.sources._polygons`` turns into msgpack without making Python objects).
+    ``packer.sources.coco`` packs with msgspec).
     ``packer.format.manifest.pack_fields`` splices it in; a reader sees the plain data. Only ever an
     item of a ``CheckedData``: anywhere else msgpack would store it as bytes."""
 

@@ -33,26 +33,23 @@ class Annotations:
     """Typed fields beyond the class label, one row per entry of an ``ImageList``.
 
     ``schema``: the fields in record order, ``{"name", "type"[, "dtype", "shape"]}`` (see
-    ``packer.format.fields``). ``rows[i]``: entry *i*'s field values as plain Python data, before
-    ``fit`` (None where a build takes them later: ``cocooutline``). ``fit(row, width,
-    height) -> (values, reasons)``: a module-level function (it is called in the build's
-    writer once the image's size is known) that turns a row into the
-    stored values (e.g. normalized YOLO boxes into pixels, boxes clipped to the image) and
-    says why any object was dropped. ``task``: "detection" or "generic". ``extra``: keys
-    added to the manifest (e.g. COCO ``categories``). ``dropped``: annotations the parser
-    could not use, ``{"path", "reason"}``. ``digest``: a hash of the input the rows were
-    read from; when given, the build's fingerprint uses it instead of hashing every row.
-    ``check(row)``: for a row whose image is skipped, raises the PackerError ``fit`` would
-    have raised for a broken input file (COCO polygon text that is not JSON).
+    ``packer.format.fields``). ``rows[i]``: entry *i*'s annotation, before ``fit`` (plain
+    data, or the source's own picklable objects). ``fit(row, width, height) -> (values,
+    reasons)``: a module-level function (it is called in the build's workers once the
+    image's size is known) that turns a row into the stored values (e.g. normalized YOLO
+    boxes into pixels, boxes clipped to the image) and says why any object was dropped.
+    ``task``: "detection" or "generic". ``extra``: keys added to the manifest (e.g. COCO
+    ``categories``). ``dropped``: annotations the parser could not use, ``{"path",
+    "reason"}``. ``digest``: a hash of the input the rows were read from; when given, the
+    build's fingerprint uses it instead of hashing every row.
     """
     schema: List[Dict[str, Any]]
-    rows: Optional[List[Dict[str, Any]]]
-    fit: Optional[Callable[[Dict[str, Any], int, int], Tuple[Dict[str, Any], List[str]]]] = None
+    rows: List[Any]
+    fit: Optional[Callable[[Any, int, int], Tuple[Dict[str, Any], List[str]]]] = None
     task: str = "generic"
     extra: Dict[str, Any] = field(default_factory=dict)
     dropped: List[Dict[str, str]] = field(default_factory=list)
     digest: Optional[str] = None
-    check: Optional[Callable[[Dict[str, Any]], None]] = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +215,6 @@ def select(source: ImageList, *, part: Optional[Tuple[int, int]] = None,
         k, n = part
         order = order[k::n]
     ann = source.annotations
-    if ann is not None and ann.rows is not None:  # None: the rows come later (the same select)
+    if ann is not None:
         ann = replace(ann, rows=[ann.rows[i] for i in order])
     return ImageList(source.root, source.classes, [source.entries[i] for i in order], ann)

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 from collections import deque
-from itertools import islice
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,13 +27,11 @@ from .check import DEFAULT_MAX_PIXELS, Transcode
 from ..errors import PackerError
 from ..format.manifest import LABEL_FIELD, MANIFEST, read_manifest, shard_number
 from .packing import Packing
-from .laterows import ROWS_NAME, LateRows, write_rows
-from .worker import FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker, plan_shards, write_shard, write_shards
+from .worker import FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker, plan_shards, write_shard
 from ..sources.base import IMG_EXTENSIONS, ImageList, parse_part, read_list, scan_folder, select
 
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
-FIRST_GROUP = 4  # shards per worker's first task while the annotations are read
 
 
 @dataclass
@@ -83,27 +80,9 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
         if value is not None:  # only what was given: older manifests' options stay as they were
             options[key] = value if isinstance(value, (bool, str)) else str(value)
     run = _Run(src, dst, options, workers, transcode, parse_part(part), overwrite, progress)
-    check_source_options(**given, names=names, label=label, skip_empty=skip_empty)
-    outline = None
-    if coco is not None and not skip_empty and workers > 1 and sys.platform == "linux":
-        from ..sources.cocooutline import coco_outline  # the workers start before the rows
-        outline = coco_outline(src, coco, workers)
-    try:
-        source = outline.source if outline is not None else \
-            load_source(src, **given, names=names, label=label, skip_empty=skip_empty,
-                        workers=workers, **folder)
-        manifest, resumed = run.pack(source, outline)
-    except _ReadAgain as again:  # the full read disagrees with the outline: start afresh
-        manifest, resumed = run.pack(again.source, None)
+    source = load_source(src, **given, names=names, label=label, skip_empty=skip_empty, **folder)
+    manifest, resumed = run.pack(source)
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
-
-
-class _ReadAgain(Exception):
-    """The annotation file, read whole, lists other images or classes than its outline."""
-
-    def __init__(self, source: ImageList):
-        super().__init__("the source changed while read")
-        self.source = source
 
 
 @dataclass
@@ -118,28 +97,14 @@ class _Run:
     overwrite: bool
     progress: bool
 
-    def pack(self, source: ImageList, outline) -> tuple:
-        """(manifest, shards resumed): ``source`` packed into ``dst``. With an ``outline``,
-        the source has no rows yet: the workers start on the images while it reads them."""
+    def pack(self, source: ImageList) -> tuple:
+        """(manifest, shards resumed): ``source`` packed into ``dst``."""
         src, dst, o = self.src, self.dst, self.options
         if not source.entries:
             raise PackerError(f"found no images in {src} (extensions: "
                               f"{', '.join(IMG_EXTENSIONS)}, any case); nothing to pack")
         source = select(source, part=self.part, shuffle=o["shuffle"], seed=o["seed"])
-        made = not dst.exists()
         dst.mkdir(parents=True, exist_ok=True)
-        try:
-            return self.pack_locked(source, outline)
-        except BaseException:
-            if made and outline is not None:  # as when the file is read first: no folder
-                try:
-                    dst.rmdir()  # only if empty (``pack_locked`` removed its journal)
-                except OSError:
-                    pass
-            raise
-
-    def pack_locked(self, source: ImageList, outline) -> tuple:
-        src, dst, o = self.src, self.dst, self.options
         with FolderLock(dst, f"packer build into {dst}"):
             if (dst / MANIFEST).exists():
                 if not self.overwrite:
@@ -153,46 +118,21 @@ class _Run:
             bar = tqdm(total=len(source.entries), initial=run.start, unit="img",
                        disable=not self.progress, desc=f"packing {src.name or src}",
                        dynamic_ncols=True, smoothing=0.05)
-            late, reading, stop = None, None, None
-            if outline is None:
-                _drop_unusable(run, source)
-            else:  # forked workers: events made now reach them
-                stop = mp.get_context("fork").Event()
-                late = LateRows(dst / ROWS_NAME, mp.get_context("fork").Event(), stop)
-                reading = (outline.start, lambda started: self.deliver(outline, started, source,
-                                                                       run, late))
+            _drop_unusable(run, source)
             try:
-                job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names, late),
-                               self.transcode, o["max_pixels"], o["strict"], stop=stop)
-                _pack(source, run, job, self.workers, bar, reading)
+                job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names),
+                               self.transcode, o["max_pixels"], o["strict"])
+                _pack(source, run, job, self.workers, bar)
             except BaseException:
                 run.abort()
-                if outline is not None and not run.shards:  # e.g. the annotations are
-                    remove_own(dst, journal.JOURNAL)  # broken: DST as it was found
                 raise
             finally:
                 bar.close()
-                if late is not None:
-                    remove_own(dst, ROWS_NAME)
             ann = source.annotations
             manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
                                   options=o, extra=ann.extra if ann is not None else None)
             journal.remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
         return manifest, resumed
-
-    def deliver(self, outline, started: list, source: ImageList, run: Packing,
-                late: LateRows) -> None:
-        """The annotations read in full, checked against what the workers started on, and
-        handed to them (``laterows``)."""
-        o = self.options
-        full = outline.finish(started)
-        chosen = select(full, part=self.part, shuffle=o["shuffle"], seed=o["seed"])
-        if (chosen.entries != source.entries or chosen.classes != source.classes
-                or chosen.annotations.extra != source.annotations.extra):
-            raise _ReadAgain(full)
-        _drop_unusable(run, chosen)
-        write_rows(self.dst / ROWS_NAME, chosen.annotations.rows)
-        late.written.set()
 
 
 def _drop_unusable(run: Packing, source: ImageList) -> None:
@@ -209,15 +149,13 @@ def load_source(src: Path, *, list: Optional[os.PathLike] = None,
                 meta: Optional[os.PathLike] = None, names: Optional[os.PathLike] = None,
                 label: Optional[str] = None, skip_empty: bool = False, allow_empty: bool = False,
                 extensions: Optional[Sequence[str]] = None,
-                is_valid_file: Optional[Callable[[str], bool]] = None,
-                workers: int = 0) -> ImageList:
-    """What to pack, from the one source the options name (ImageFolder when none);
-    ``workers`` processes may share the reading (a large COCO file's annotations)."""
+                is_valid_file: Optional[Callable[[str], bool]] = None) -> ImageList:
+    """What to pack, from the one source the options name (ImageFolder when none)."""
     check_source_options(list=list, coco=coco, yolo=yolo, meta=meta, names=names, label=label,
                          skip_empty=skip_empty)
     if coco is not None:
         from ..sources.coco import read_coco
-        return read_coco(src, coco, skip_empty=skip_empty, workers=workers)
+        return read_coco(src, coco, skip_empty=skip_empty)
     if yolo is not None:
         from ..sources.yolo import read_yolo
         return read_yolo(src, yolo, names)
@@ -258,15 +196,13 @@ def source_schema(source: ImageList) -> dict:
     return {"task": task, "fields": fields + list(ann.schema)}
 
 
-def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar,
-          reading: Optional[tuple] = None) -> None:
+def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar) -> None:
     """The planned shards, written by the workers, taken in plan order: each one's samples
     into the side tables and skip lists, then the shard into the journal. Shards after one
-    that was cut short are not taken (a strict build's failure stopped them). ``reading``:
-    the annotations still to read (see ``_shards``)."""
+    that was cut short are not taken (a strict build's failure stopped them)."""
     sizes = file_sizes(source)
     broken, in_bytes = False, 0
-    for done in _shards(_remaining(sizes, run, source), workers, job, bar, reading):
+    for done in _shards(_remaining(sizes, run, source), workers, job, bar):
         in_bytes += done.in_bytes
         if not done.failed and (done.stopped or broken):
             broken = True
@@ -323,12 +259,9 @@ def _is_within(path: Path, folder: Path) -> bool:
 
 # -- workers ---------------------------------------------------------------------------------
 
-def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar,
-            reading: Optional[tuple] = None) -> Iterator[ShardDone]:
+def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar) -> Iterator[ShardDone]:
     """Finished shards in plan order, about two per worker in flight; the bar follows the
-    workers' shared image counter. ``reading``: ``(start, deliver)`` where the annotations
-    are read while the workers run: ``start(submit)`` hands the pool its share of the
-    reading before any shard, ``deliver(started)`` finishes it and hands the rows over.
+    workers' shared image counter.
 
     On an error (a full disk, Ctrl-C, a strict build's bad image) the ``stop`` event makes
     running shards give up at their next image, queued ones are cancelled, and shards that
@@ -348,41 +281,33 @@ def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar,
             _remove_untaken(job.dst, [current])
         return
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    job.progress, job.stop = ctx.Value("q", 0), job.stop or ctx.Event()
+    job.progress, job.stop = ctx.Value("q", 0), ctx.Event()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
                                initargs=(os.getpid(), job))
     pending: Deque[Future] = deque()
     todo, base = iter(tasks), bar.n
-    # shards in each worker's first task: more while the annotations are read, if every
-    # worker still gets some
-    group = max(1, min(FIRST_GROUP, len(tasks) // (2 * workers))) if reading else 1
-    batch: List[ShardDone] = []  # a finished task's shards, not all taken yet
+    done: Optional[ShardDone] = None  # finished, not taken yet
     try:
-        started = reading[0](pool.submit) if reading else None
         while True:
             while len(pending) < 2 * workers:
-                chunk = [t for t in islice(todo, group if len(pending) < workers else 1)]
-                if not chunk:
+                task = next(todo, None)
+                if task is None:
                     break
-                pending.append(pool.submit(write_shards, chunk))
-            if reading:
-                reading[1](started)  # the workers check images meanwhile
-                reading, group = None, 1
+                pending.append(pool.submit(write_shard, task))
             if not pending:
                 break
             while not pending[0].done():
                 wait([pending[0]], timeout=0.2)
                 bar.update(base + job.progress.value - bar.n)
-            batch = pending.popleft().result()
-            for done in batch:
-                yield done
-            batch = []
+            done = pending.popleft().result()
+            yield done
+            done = None
     finally:
         job.stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
         bar.update(base + job.progress.value - bar.n)
-        _remove_untaken(job.dst, batch + [d for f in pending if f.done() and not f.cancelled()
-                                            and f.exception() is None for d in f.result()])
+        _remove_untaken(job.dst, [done] + [f.result() for f in pending if f.done()
+                                           and not f.cancelled() and f.exception() is None])
 
 
 def _remove_untaken(dst: Path, results: List[Optional[ShardDone]]) -> None:

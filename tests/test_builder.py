@@ -208,7 +208,7 @@ def test_dst_inside_src_is_refused(photo_src, tmp_path):
     import shutil
     src = tmp_path / "src"
     shutil.copytree(photo_src, src)
-    with pytest.raises(PackerError, match="inside the source folder"):
+    with pytest.raises(PackerError, match="inside the image folder"):
         quiet_build(src, src / "packed")
     assert not (src / "packed").exists()
 

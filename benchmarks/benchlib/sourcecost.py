@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from packer.sources.base import read_list
+from packer.sources.folder import read_list
 from packer.sources.coco import read_coco
 from packer.writing.builder import source_schema
 from packer.writing.worker import FieldMaker

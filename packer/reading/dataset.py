@@ -21,7 +21,7 @@ from ..transforms.decode import open_image
 from ..format.manifest import dataset_schema
 from .reader import ShardReader
 from ..format.tables import read_column, read_labels, read_paths
-from ..sources.base import find_classes
+from ..sources.folder import find_classes
 from .targets import TargetMaker, wrap_boxes
 
 

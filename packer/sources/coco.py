@@ -1,4 +1,4 @@
-"""COCO instances JSON (``--coco FILE``) as detection targets.
+"""COCO instances JSON (``Coco(images, annotations)``; ``--coco FILE``) as detection targets.
 
 The stored fields are what ``torchvision.datasets.wrap_dataset_for_transforms_v2`` makes of
 ``CocoDetection``: XYXY pixel boxes and the COCO ``category_id`` as the label (not an index
@@ -29,8 +29,7 @@ from msgspec import Meta, Raw, Struct
 
 from ..errors import PackerError
 from ..format.fields import CheckedData, PackedData, checked_array, data_problem
-from .base import Annotations, ImageList
-from .table import image_root, read_data, relative_path, show, utf8_text
+from .base import Annotations, ImageList, Source, image_root, read_data, relative_path, show, utf8_text
 
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32
@@ -81,6 +80,7 @@ class Row(Struct, gc=False):
 
 
 INSTANCES = msgspec.json.Decoder(Instances)
+WHO = "Coco(images, annotations)"
 # Polygons: numbers only (no bool, string or null), ints within int64, floats finite.
 POLYGONS = msgspec.json.Decoder(List[List[Union[Annotated[int, Meta(ge=INT64_MIN,
                                                                      le=INT64_MAX)], float]]])
@@ -98,17 +98,29 @@ def coco_schema() -> List[Dict[str, Any]]:
             {"name": "segmentation", "type": "data"}]
 
 
+class Coco(Source):
+    """The images under ``images`` that the COCO instances JSON ``annotations`` lists, with
+    their objects (see the module). ``skip_empty`` leaves out images with no usable object
+    (counted in the manifest's ``skipped_empty``). Listed images whose file is missing are
+    kept: the build skips them as unreadable."""
+
+    def __init__(self, images: os.PathLike, annotations: os.PathLike, skip_empty: bool = False):
+        self.root, self.annotations, self.skip_empty = Path(images), Path(annotations), skip_empty
+
+    def read(self) -> ImageList:
+        return read_coco(self.root, self.annotations, skip_empty=self.skip_empty)
+
+    def options(self) -> Dict[str, Any]:
+        return {"coco": str(self.annotations), **({"skip_empty": True} if self.skip_empty else {})}
+
+
 def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
               skip_empty: bool = False) -> ImageList:
-    """The images a COCO instances JSON lists, with their objects (rows of ``Row``).
-
-    ``skip_empty`` leaves out images with no usable object (counted in
-    ``extra["skipped_empty"]``). Listed images whose file is missing are kept: the builder
-    skips them as unreadable. ``annotations.digest`` is the file's sha256.
-    """
-    root = image_root(images)
+    """``Coco(images, annotations_json, skip_empty).read()``: rows of ``Row``, and
+    ``annotations.digest`` the file's sha256."""
+    root = image_root(images, WHO)
     file = Path(annotations_json)
-    raw = read_data(file, "COCO annotation file")
+    raw = read_data(file, f"{WHO}: annotations")
     with ThreadPoolExecutor(1) as pool:  # sha256 lets go of the GIL: it hashes during the parse
         hashing = pool.submit(lambda: hashlib.sha256(raw).hexdigest())
         data = decode(file, raw)
@@ -137,8 +149,8 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
         kept = [i for i in order if rows[i].objects]
         extra["skipped_empty"], order = len(order) - len(kept), kept
         if not order:
-            raise PackerError(f"{file}: no image has a usable annotation, so skip_empty "
-                              f"leaves nothing to pack")
+            raise PackerError(f"{file}: no image has a usable annotation, so {WHO[:-1]}, "
+                              f"skip_empty=True) leaves nothing to pack")
     ann = Annotations(schema=coco_schema(), rows=[rows[i] for i in order], fit=fit_coco,
                       task="detection", extra=extra, dropped=dropped, digest=hashing.result())
     classes = [categories[c]["name"] for c in sorted(categories)]
@@ -148,7 +160,7 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
 def decode(file: Path, raw: bytes) -> Instances:
     """The file's top-level object, typed; a PackerError naming what is wrong, and where."""
     if not raw.isascii():
-        utf8_text(raw, file, "COCO annotation file")  # refuses bytes that are not UTF-8
+        utf8_text(raw, file, f"{WHO}: annotations")  # refuses bytes that are not UTF-8
     view = memoryview(raw)[3:] if raw.startswith(codecs.BOM_UTF8) else raw
     try:
         data = INSTANCES.decode(view)

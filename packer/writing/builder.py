@@ -16,7 +16,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Deque, Iterator, List, Optional, Sequence
+from typing import Deque, Iterator, List, Optional, Union
 
 from tqdm.auto import tqdm
 
@@ -28,7 +28,8 @@ from ..errors import PackerError
 from ..format.manifest import LABEL_FIELD, MANIFEST, read_manifest, shard_number
 from .packing import Packing
 from .worker import FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker, plan_shards, write_shard
-from ..sources.base import IMG_EXTENSIONS, ImageList, parse_part, read_list, scan_folder, select
+from ..sources.base import ImageList, Source, parse_part, select
+from ..sources.folder import ImageFolder
 
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
@@ -48,47 +49,49 @@ class BuildResult:
                 f"skipped {len(m['skipped'])}{dropped}; {self.seconds:.1f} s")
 
 
-def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike] = None,
+def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
           shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
           transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
           part: Optional[str] = None, strict: bool = False, overwrite: bool = False,
-          max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True,
-          coco: Optional[os.PathLike] = None, yolo: Optional[os.PathLike] = None,
-          names: Optional[os.PathLike] = None, meta: Optional[os.PathLike] = None,
-          label: Optional[str] = None, skip_empty: bool = False, allow_empty: bool = False,
-          extensions: Optional[Sequence[str]] = None,
-          is_valid_file: Optional[Callable[[str], bool]] = None) -> BuildResult:
-    """Pack ``src`` into shards in ``dst``: an ImageFolder layout, or the images that
-    ``list_file`` lines, a COCO instances JSON (``coco``), YOLO label files (``yolo`` with
-    ``names``) or a JSONL/CSV table (``meta``, ``label`` naming its class column) describe.
-    ImageFolder options as torchvision's: ``extensions`` or ``is_valid_file`` pick the
-    files; an empty class folder is an error unless ``allow_empty``."""
+          max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True) -> BuildResult:
+    """Pack ``source`` into shards in ``dst``: a folder path (an ImageFolder), or a source
+    object from ``packer.sources`` (``ImageFolder``, ``FileList``, ``Coco``, ``Yolo``,
+    ``Table``, or your own with their protocol).
+
+    ``shard_size``: bytes of source files per shard; ``workers``: processes that check and
+    write images (0: this process; default: the usable cores); ``transcode``: smaller JPEGs;
+    ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"``, this build's share (join
+    the parts with ``merge``); ``strict``: fail on the first bad image or annotation;
+    ``overwrite``: replace a finished dataset in ``dst``; ``max_pixels``: skip larger images."""
     t0 = time.perf_counter()
-    src, dst = Path(src), Path(dst)
+    source, dst = as_source(source), Path(dst)
     workers = usable_cores() if workers is None else workers
-    _check_arguments(src, dst, list_file, shard_size, workers, max_pixels)
-    given = {"list": list_file, "coco": coco, "yolo": yolo, "meta": meta}
-    folder = {"extensions": extensions, "is_valid_file": is_valid_file, "allow_empty": allow_empty}
+    _check_arguments(shard_size, workers, max_pixels)
+    chosen = parse_part(part)
+    source.check_destination(dst)
+    # the source's options after the build's own; "list" always there, as it always was
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, "strict": strict,
-               "max_pixels": max_pixels, "list": str(list_file) if list_file else None}
-    for key, value in (("coco", coco), ("yolo", yolo), ("names", names), ("meta", meta),
-                       ("label", label), ("skip_empty", skip_empty or None),
-                       ("allow_empty", allow_empty or None),
-                       ("extensions", ",".join(extensions) if extensions else None),
-                       ("is_valid_file", getattr(is_valid_file, "__qualname__", None))):
-        if value is not None:  # only what was given: older manifests' options stay as they were
-            options[key] = value if isinstance(value, (bool, str)) else str(value)
-    run = _Run(src, dst, options, workers, transcode, parse_part(part), overwrite, progress)
-    source = load_source(src, **given, names=names, label=label, skip_empty=skip_empty, **folder)
-    manifest, resumed = run.pack(source)
+               "max_pixels": max_pixels, "list": None, **source.options()}
+    run = _Run(dst, options, workers, transcode, chosen, overwrite, progress)
+    manifest, resumed = run.pack(source.read())
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
+
+
+def as_source(source: Union[os.PathLike, str, Source]) -> Source:
+    """``source`` itself, or for a folder path the ImageFolder it names."""
+    if isinstance(source, (str, os.PathLike)):
+        return ImageFolder(source)
+    if not callable(getattr(source, "read", None)):
+        raise PackerError(f"build(source, dst): source must be a folder path or a source "
+                          f"(packer.sources.ImageFolder, FileList, Coco, Yolo, Table), got "
+                          f"{type(source).__name__}")
+    return source
 
 
 @dataclass
 class _Run:
     """One build's settings, for ``pack``."""
-    src: Path
     dst: Path
     options: dict
     workers: int
@@ -99,17 +102,16 @@ class _Run:
 
     def pack(self, source: ImageList) -> tuple:
         """(manifest, shards resumed): ``source`` packed into ``dst``."""
-        src, dst, o = self.src, self.dst, self.options
+        dst, o, src = self.dst, self.options, source.root
         if not source.entries:
-            raise PackerError(f"found no images in {src} (extensions: "
-                              f"{', '.join(IMG_EXTENSIONS)}, any case); nothing to pack")
+            raise PackerError(f"{src}: no images to pack")
         source = select(source, part=self.part, shuffle=o["shuffle"], seed=o["seed"])
         dst.mkdir(parents=True, exist_ok=True)
         with FolderLock(dst, f"packer build into {dst}"):
             if (dst / MANIFEST).exists():
                 if not self.overwrite:
                     raise PackerError(f"{dst} already holds a finished dataset; replace it with "
-                                      f"overwrite=True (--overwrite)")
+                                      f"overwrite=True")
                 journal.remove_dataset(dst, read_manifest(dst))
             fp = journal.fingerprint(source, o)
             run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
@@ -142,46 +144,6 @@ def _drop_unusable(run: Packing, source: ImageList) -> None:
     if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
         for d in ann.dropped:
             run.drop(-1, d["path"], [d["reason"]])
-
-
-def load_source(src: Path, *, list: Optional[os.PathLike] = None,
-                coco: Optional[os.PathLike] = None, yolo: Optional[os.PathLike] = None,
-                meta: Optional[os.PathLike] = None, names: Optional[os.PathLike] = None,
-                label: Optional[str] = None, skip_empty: bool = False, allow_empty: bool = False,
-                extensions: Optional[Sequence[str]] = None,
-                is_valid_file: Optional[Callable[[str], bool]] = None) -> ImageList:
-    """What to pack, from the one source the options name (ImageFolder when none)."""
-    check_source_options(list=list, coco=coco, yolo=yolo, meta=meta, names=names, label=label,
-                         skip_empty=skip_empty)
-    if coco is not None:
-        from ..sources.coco import read_coco
-        return read_coco(src, coco, skip_empty=skip_empty)
-    if yolo is not None:
-        from ..sources.yolo import read_yolo
-        return read_yolo(src, yolo, names)
-    if meta is not None:
-        from ..sources.table import read_meta
-        return read_meta(src, meta, label=label)
-    if list is not None:
-        return read_list(src, list)
-    return scan_folder(src, extensions=extensions, is_valid_file=is_valid_file,
-                       allow_empty=allow_empty)
-
-
-def check_source_options(*, list=None, coco=None, yolo=None, meta=None, names=None, label=None,
-                         skip_empty: bool = False) -> None:
-    """A PackerError where the source options do not go together."""
-    chosen = [k for k, v in (("list", list), ("coco", coco), ("yolo", yolo), ("meta", meta))
-              if v is not None]
-    if len(chosen) > 1:
-        raise PackerError(f"pass one source: {' and '.join('--' + c for c in chosen)} exclude "
-                          f"each other")
-    if (names is not None) != (yolo is not None):
-        raise PackerError("--yolo LABELS_DIR and --names NAMES go together")
-    if label is not None and meta is None:
-        raise PackerError("--label COLUMN picks a column of --meta FILE; pass --meta too")
-    if skip_empty and coco is None:
-        raise PackerError("--skip-empty applies to --coco datasets (images with no annotation)")
 
 
 def source_schema(source: ImageList) -> dict:
@@ -238,8 +200,7 @@ def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardT
             for j, (a, e, n) in enumerate(rest)]
 
 
-def _check_arguments(src: Path, dst: Path, list_file, shard_size: int, workers: int,
-                     max_pixels: int) -> None:
+def _check_arguments(shard_size: int, workers: int, max_pixels: int) -> None:
     if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
         raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}: "
                           f"shards are mapped whole into each reader's address space")
@@ -247,14 +208,6 @@ def _check_arguments(src: Path, dst: Path, list_file, shard_size: int, workers: 
         raise PackerError(f"max_pixels must be a positive pixel count, got {max_pixels}")
     if workers < 0:
         raise PackerError("workers must be >= 0 (0 checks images in this process)")
-    if not list_file and _is_within(dst, src):
-        raise PackerError(f"DST {dst} is inside the source folder {src}: it would become a class "
-                          f"of its own source; put the dataset outside SRC")
-
-
-def _is_within(path: Path, folder: Path) -> bool:
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
 
 
 # -- workers ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from packer.writing.builder import build
 from packer.demo import load_photos, make_image
 from packer.errors import PackerError
 from packer.format.fields import CheckedData, PackedData, data_problem, encode, to_array
-from packer.sources.coco import Annotation, Row, coco_schema, fit_box, fit_coco, read_coco, stored_segmentation
+from packer.sources.coco import Annotation, Coco, Row, coco_schema, fit_box, fit_coco, read_coco, stored_segmentation
 
 RLE = {"counts": "0`0Q0", "size": [40, 60]}
 POLY = [[10.0, 10.0, 30.0, 10.0, 30.0, 20.0]]
@@ -293,7 +293,7 @@ def test_not_utf8_missing_file_and_missing_folder(tmp_path):
         read_coco(img, path)
     with pytest.raises(PackerError, match="does not exist"):
         read_coco(img, tmp_path / "nope.json")
-    with pytest.raises(PackerError, match="image folder .* does not exist"):
+    with pytest.raises(PackerError, match=r"Coco\(images, annotations\): images .* does not"):
         read_coco(tmp_path / "nope", path)
 
 
@@ -353,11 +353,11 @@ def test_a_broken_file_stops_the_build_before_dst_is_made(tmp_path):
     good = json.dumps(coco(images=[{"id": 2, "file_name": "one.jpg"}]))
     for workers in (0, 2):
         path.write_text(good)
-        assert build(img, tmp_path / f"ok-{workers}", coco=path, workers=workers,
+        assert build(Coco(img, path), tmp_path / f"ok-{workers}", workers=workers,
                      progress=False).manifest["count"] == 1
         path.write_text(good.replace(json.dumps(POLY), "[[10 10 30]]"))
         with pytest.raises(PackerError, match="not valid JSON"):
-            build(img, tmp_path / f"bad-{workers}", coco=path, workers=workers, progress=False)
+            build(Coco(img, path), tmp_path / f"bad-{workers}", workers=workers, progress=False)
         assert not (tmp_path / f"bad-{workers}").exists()
 
 

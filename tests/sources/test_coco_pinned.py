@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from packer.sources import Coco
 from packer.writing.builder import build
 
 SHARD_SHA256 = "83cb70a1cc6c58bbcddb08be0c1fbb0419e160eb996024b9ef2546b2f5e6a4b3"
@@ -95,7 +96,7 @@ def coco_input(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_coco_build_stores_the_pinned_records(coco_input, tmp_path, workers):
-    m = build(coco_input / "images", tmp_path / "d", coco=coco_input / "instances.json",
+    m = build(Coco(coco_input / "images", coco_input / "instances.json"), tmp_path / "d",
               workers=workers, progress=False).manifest
     assert m["count"] == 3 and len(m["shards"]) == 1
     assert [s["path"] for s in m["skipped"]] == ["missing.ppm", "broken.ppm"]

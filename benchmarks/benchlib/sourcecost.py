@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from packer.format.fields import field_of
 from packer.sources.folder import read_list
 from packer.sources.coco import read_coco
 from packer.writing.builder import source_schema
@@ -42,7 +43,7 @@ def source_costs(annotations: Path, images: Path = None, repeats: int = 3) -> Di
             t = time.perf_counter()
             read_list(root, listing)
             runs["read_list_ms"].append((time.perf_counter() - t) * 1e3)
-            fields = FieldMaker(src, source_schema(src)["fields"], [])
+            fields = FieldMaker(src, [field_of(f) for f in source_schema(src)["fields"]], [])
             runs["fields_us_per_image"].append(encoding_us(fields, len(src.entries)))
     out = {k: statistics.median(v) for k, v in runs.items()}
     out["images"] = len(names)

@@ -43,7 +43,9 @@ class Annotations:
     ``task``: "detection" or "generic". ``extra``: keys added to the manifest (e.g. COCO
     ``categories``). ``dropped``: annotations the parser could not use, ``{"path",
     "reason"}``. ``digest``: a hash of the input the rows were read from; when given, the
-    build's fingerprint uses it instead of hashing every row.
+    build's fingerprint uses it instead of hashing every row. ``stored``: ``fit`` gives the
+    values as stored (the fields' ``encode`` applied by the source, which checked them as it
+    made them; ``msgspec.Raw`` for msgpack it made), so the build does not encode them again.
     """
     schema: List[Dict[str, Any]]
     rows: List[Any]
@@ -52,6 +54,7 @@ class Annotations:
     extra: Dict[str, Any] = field(default_factory=dict)
     dropped: List[Dict[str, str]] = field(default_factory=list)
     digest: Optional[str] = None
+    stored: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,6 @@ class Source:
 
     def check_destination(self, dst: Path) -> None:
         pass
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.root)!r})"
 
 
 def is_image_file(name: str) -> bool:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import sys
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from math import isfinite
 from pathlib import Path
@@ -28,7 +30,7 @@ import msgspec
 from msgspec import Meta, Raw, Struct
 
 from ..errors import PackerError
-from ..format.fields import CheckedData, PackedData, checked_array, data_problem
+from ..format.fields import data_problem
 from .base import Annotations, ImageList, Source, image_root, read_data, relative_path, show, utf8_text
 
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
@@ -152,7 +154,8 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
             raise PackerError(f"{file}: no image has a usable annotation, so {WHO[:-1]}, "
                               f"skip_empty=True) leaves nothing to pack")
     ann = Annotations(schema=coco_schema(), rows=[rows[i] for i in order], fit=fit_coco,
-                      task="detection", extra=extra, dropped=dropped, digest=hashing.result())
+                      task="detection", extra=extra, dropped=dropped, digest=hashing.result(),
+                      stored=True)
     classes = [categories[c]["name"] for c in sorted(categories)]
     return ImageList(root, classes, [(paths[i], -1) for i in order], ann)
 
@@ -246,12 +249,12 @@ def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dic
 def fit_coco(row: Row, width: int, height: int):
     """The row's objects as torchvision-style targets: XYWH boxes -> XYXY clipped to the
     image; degenerate or outside boxes and unusable segmentations dropped (with the
-    object's other fields, so every per-object array stays aligned). The arrays come out
-    as stored (``checked_array``), the segmentations as msgpack: every value was checked
-    by the read or here."""
+    object's other fields, so every per-object array stays aligned). The values come out as
+    stored (``Annotations.stored``): arrays as little-endian bytes, each segmentation as
+    its msgpack; every value was checked by the read or here."""
     boxes: List[float] = []
     labels, area, crowds, ids = [], [], [], []
-    segmentation = CheckedData()
+    segmentation: List[Raw] = []
     reasons = []
     for obj in row.objects:
         xyxy, problem = fit_box(obj.bbox, width, height)
@@ -266,18 +269,26 @@ def fit_coco(row: Row, width: int, height: int):
         crowds.append(obj.iscrowd)
         ids.append(obj.id)
         segmentation.append(seg)
-    return {"image_id": row.image_id, "boxes": checked_array("f", boxes),
-            "labels": checked_array("q", labels), "area": checked_array("f", area),
-            "iscrowd": checked_array("q", crowds), "ann_ids": checked_array("q", ids),
+    return {"image_id": row.image_id, "boxes": stored_array("f", boxes),
+            "labels": stored_array("q", labels), "area": stored_array("f", area),
+            "iscrowd": stored_array("q", crowds), "ann_ids": stored_array("q", ids),
             "segmentation": segmentation}, reasons
 
 
-def stored_segmentation(raw: Raw) -> Optional[PackedData]:
+def stored_array(typecode: str, values: List[Any]) -> bytes:
+    """Numbers the fit checked, as an array field stores them (little-endian)."""
+    out = array(typecode, values)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()
+
+
+def stored_segmentation(raw: Raw) -> Optional[Raw]:
     """A segmentation as stored (msgpack of the JSON's value): polygons (lists of numbers,
     ints within int64) or an RLE (``counts`` text or run lengths, ``size`` [h, w], any other
     keys plain data); None for anything else."""
     try:
-        return PackedData(MSGPACK.encode(POLYGONS.decode(raw)))
+        return Raw(MSGPACK.encode(POLYGONS.decode(raw)))
     except msgspec.ValidationError:
         pass
     try:
@@ -292,7 +303,7 @@ def stored_segmentation(raw: Raw) -> Optional[PackedData]:
             and all(type(s) is int and 0 <= s <= INT64_MAX for s in size)):
         return None
     # stored one level down, in the image's list: checked at that depth
-    return None if data_problem(rle, 1) else PackedData(MSGPACK.encode(rle))
+    return None if data_problem(rle, 1) else Raw(MSGPACK.encode(rle))
 
 
 def fit_box(box: Tuple[float, float, float, float], width: int,

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .._util.system import die_with_parent
 from .check import BadImage, Checked, Transcode, check_image
-from ..format.fields import encode
+from ..format.fields import Field, encode
 from ..format.manifest import SHARD_PATTERN
 from ..format.records import pack_fields, record_bytes
 from ..sources.base import ImageList
@@ -87,22 +87,22 @@ def file_sizes(source: ImageList) -> List[int]:
 
 class FieldMaker:
     """Each entry's stored fields for an image of a given size: its label, and its
-    annotation row fitted (``Annotations.fit``), encoded (``packer.format.fields``) and
-    packed as msgpack, with the values its side tables take. Forked workers share the rows."""
+    annotation row fitted (``Annotations.fit``), encoded (``packer.format.fields``; a source
+    whose ``fit`` gives stored values itself is not encoded again) and packed as msgpack,
+    with the values its side tables take. Forked workers share the rows."""
 
-    def __init__(self, source: ImageList, fields: list, column_names: list):
-        self.source, self.fields, self.column_names = source, fields, column_names
-        self.has_label = any(f["name"] == "label" for f in fields)
+    def __init__(self, source: ImageList, fields: List[Field], column_names: list):
+        self.source, self.column_names = source, column_names
+        self.label = [f for f in fields if f.name == "label"]
+        self.others = [f for f in fields if f.name != "label"]
 
     def encoded(self, i: int, width: int, height: int):
         ann = self.source.annotations
-        values: dict = {"label": self.source.entries[i][1]} if self.has_label else {}
+        stored = encode(self.label, {"label": self.source.entries[i][1]}) if self.label else {}
         reasons: list = []
         if ann is not None:
-            row = ann.rows[i]
-            row, reasons = ann.fit(row, width, height) if ann.fit is not None else (row, [])
-            values.update(row)
-        stored = encode(self.fields, values)
+            row, reasons = ann.fit(ann.rows[i], width, height) if ann.fit else (ann.rows[i], [])
+            stored.update(row if ann.stored else encode(self.others, row))
         return pack_fields(stored), {k: stored[k] for k in self.column_names}, reasons
 
 

@@ -16,7 +16,8 @@ import pytest
 from packer.writing.builder import build
 from packer.demo import load_photos, make_image
 from packer.errors import PackerError
-from packer.format.fields import CheckedData, PackedData, data_problem, encode, to_array
+from packer.format.fields import data_problem, encode, field_of
+from packer.format.records import pack_fields
 from packer.sources.coco import Annotation, Coco, Row, coco_schema, fit_box, fit_coco, read_coco, stored_segmentation
 
 RLE = {"counts": "0`0Q0", "size": [40, 60]}
@@ -28,13 +29,11 @@ def fitted(fit, row, width, height):
     stored as bytes already unpacked), to compare with the JSON's numbers."""
     values, reasons = fit(row, width, height)
     out = dict(values)
-    out["segmentation"] = [msgpack.unpackb(x) if type(x) is PackedData else x
-                           for x in values["segmentation"]]
-    for f in coco_schema():
-        if f["type"] == "array":
-            v = to_array(f, values[f["name"]]).tolist()
-            out[f["name"]] = [v[i:i + 4] for i in range(0, len(v), 4)] if f["name"] == "boxes" \
-                else v
+    out["segmentation"] = [msgpack.unpackb(bytes(x)) for x in values["segmentation"]]
+    for f in map(field_of, coco_schema()):
+        if f.type == "array":
+            v = f.values(values[f.name]).tolist()
+            out[f.name] = [v[i:i + 4] for i in range(0, len(v), 4)] if f.name == "boxes" else v
     return out, reasons
 
 
@@ -470,21 +469,22 @@ def test_stored_polygons_are_the_bytes_msgpack_gives_for_the_parsed_json():
     """Records stay byte-for-byte what a msgpack of ``json.loads``'s value gives: ints stay
     ints, floats parse to the same double."""
     for text in polygon_texts(3000):
-        assert stored_segmentation(msgspec.Raw(text.encode())) == \
+        assert bytes(stored_segmentation(msgspec.Raw(text.encode()))) == \
             msgpack.packb(json.loads(text), use_bin_type=True), text
 
 
-def test_checked_segmentation_is_stored_without_a_second_walk():
-    row = Row(1, [obj(7, 1, [0, 0, 5, 5], 25.0, 0, "[[1, 2, 3, 4]]")])
+def test_fitted_values_pack_as_the_checked_way_packs_the_plain_data():
+    """``fit_coco`` gives stored values itself (``Annotations.stored``: its arrays as bytes,
+    its segmentations as msgpack): the record's bytes are what encoding the plain values the
+    general way gives."""
+    row = Row(1, [obj(7, 3, [0, 0, 5, 5], 25.0, 0, "[[1, 2.5, 3, 4]]"),
+                  obj(8, 1, [-1, 2, 50, 5], None, 1, RLE)])
     values, reasons = fit_coco(row, 10, 10)
-    assert not reasons and type(values["segmentation"]) is CheckedData
-    stored = encode(coco_schema(), values)
-    assert stored["segmentation"] is values["segmentation"]
-    assert fitted(fit_coco, row, 10, 10)[0]["segmentation"] == [[[1, 2, 3, 4]]]
-    unchecked = [[[1.0, float("nan")]]]
-    with pytest.raises(ValueError, match="NaN"):
-        encode(coco_schema(), dict(values, segmentation=unchecked))
-    assert data_problem(unchecked)
+    assert not reasons and all(type(s) is msgspec.Raw for s in values["segmentation"])
+    plain = fitted(fit_coco, row, 10, 10)[0]
+    general = encode(list(map(field_of, coco_schema())), plain)
+    assert pack_fields(values) == pack_fields(general)
+    assert plain["segmentation"] == [[[1, 2.5, 3, 4]], RLE]
 
 
 def test_large_but_storable_coordinates_are_kept():
@@ -493,7 +493,7 @@ def test_large_but_storable_coordinates_are_kept():
     for seg in (text, [[5 * 10 ** 18, 5 * 10 ** 18]], [[1e19, 0.0]]):
         values, reasons = fitted(fit_coco, Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, seg)]), 10, 10)
         assert not reasons and values["ann_ids"] == [7]
-        assert not data_problem(encode(coco_schema(), values)["segmentation"])
+        assert not data_problem(values["segmentation"])
 
 
 def test_fit_box_clips_as_min_and_max_do():
@@ -526,4 +526,4 @@ def test_an_rle_too_deep_drops_its_object():
     row = Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, seg), obj(8, 1, [0, 0, 5, 5], 1, 0, RLE)])
     values, reasons = fitted(fit_coco, row, 10, 10)
     assert values["ann_ids"] == [8] and len(reasons) == 1
-    assert not data_problem(encode(coco_schema(), values)["segmentation"])
+    assert not data_problem(values["segmentation"])

@@ -41,7 +41,7 @@ def format_doctor(d: Dict[str, object]) -> str:
     if d["triton"]:
         lines.append(f"triton   {d['triton']}: GPU decoding augments in one fused kernel")
     else:
-        lines.append("triton   not available: GPU decoding augments with batched matmuls "
-                     "(pip install triton for the fused kernel)")
+        lines.append("triton   not available: GPU decoding needs it for its fused augment kernel "
+                     "(pip install triton); the CPU path does not")
     lines.append(f"cores    {d['cores']} usable of {d['cpu_count']}")
     return "\n".join(lines)

@@ -8,12 +8,10 @@ from typing import Dict, List
 
 from . import __version__
 from ._util.system import PILLOW_SIMD_HINT, pil_info, pil_summary, usable_cores
-from .sources.segmentation import packed_polygons
 
 
 def doctor() -> Dict[str, object]:
-    """PIL flavour and JPEG library, torch and CUDA, Triton, the C accelerator for COCO
-    polygons, usable cores."""
+    """PIL flavour and JPEG library, torch and CUDA, Triton, usable cores."""
     import torch
     cuda = torch.cuda.is_available()
     try:
@@ -24,7 +22,7 @@ def doctor() -> Dict[str, object]:
     return {"packer": __version__, "python": sys.version.split()[0], "pil": pil_info(),
             "pil_summary": pil_summary(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if cuda else None, "triton": triton_version,
-            "polygons_c": packed_polygons is not None, "cores": usable_cores(),
+            "cores": usable_cores(),
             "cpu_count": os.cpu_count()}
 
 
@@ -45,10 +43,5 @@ def format_doctor(d: Dict[str, object]) -> str:
     else:
         lines.append("triton   not available: GPU decoding needs it for its fused augment kernel "
                      "(pip install triton); the CPU path does not")
-    if d["polygons_c"]:
-        lines.append("C        built: --coco builds turn polygon text into records in C")
-    else:
-        lines.append("C        not built: --coco builds parse polygons in Python (slower; "
-                     "reinstall packer with a C compiler, e.g. apt-get install gcc python3-dev)")
     lines.append(f"cores    {d['cores']} usable of {d['cpu_count']}")
     return "\n".join(lines)

@@ -77,6 +77,7 @@ print(json.dumps(out))
 def make_attack(work: Path, size: int, polygons: int) -> Path:
     from PIL import Image
     import packer
+    from packer.sources import Coco
     images = work / "big"
     images.mkdir()
     Image.new("RGB", (size, size), (90, 120, 150)).save(images / "a.jpg", quality=50)
@@ -92,15 +93,16 @@ def make_attack(work: Path, size: int, polygons: int) -> Path:
     ann.write_text(json.dumps(coco))
     print(f"attack: {size}x{size} image, {polygons} polygons, annotation file "
           f"{ann.stat().st_size} bytes", file=sys.stderr)
-    packer.build(images, work / "attack", coco=ann, progress=False, workers=0)
+    packer.build(Coco(images, ann), work / "attack", progress=False, workers=0)
     return work / "attack"
 
 
 def make_coco(work: Path, images: int) -> Path:
     import packer
+    from packer.sources import Coco
     from packer.demo.scenes import make_detection_folder
     src = make_detection_folder(work / "scenes", images=images, seed=1)
-    packer.build(src / "images", work / "coco", coco=src / "annotations.json", progress=False,
+    packer.build(Coco(src / "images", src / "annotations.json"), work / "coco", progress=False,
                  workers=0)
     return work / "coco"
 

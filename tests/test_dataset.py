@@ -136,6 +136,7 @@ def test_exif_orientation_turns_detection_boxes_and_masks(tmp_path, orientation)
     from PIL import ImageOps
     from packer import build
     from packer.demo import load_photos
+    from packer.sources import Coco
     w, h, box = 200, 120, (30, 20, 80, 50)  # the object, in the stored pixels
     exif = Image.Exif()
     exif[0x0112] = orientation
@@ -148,7 +149,7 @@ def test_exif_orientation_turns_detection_boxes_and_masks(tmp_path, orientation)
                              "bbox": [x0, y0, x1 - x0, y1 - y0],
                              "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]}]}
     (tmp_path / "a.json").write_text(json.dumps(coco))
-    build(tmp_path / "images", tmp_path / "ds", coco=tmp_path / "a.json", progress=False,
+    build(Coco(tmp_path / "images", tmp_path / "a.json"), tmp_path / "ds", progress=False,
           workers=0)
     # Where the object is upright: its stored mask turned by PIL itself.
     stored = Image.new("L", (w, h))

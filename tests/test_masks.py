@@ -22,6 +22,7 @@ from packer import PackedDataset, build, verify, write
 from packer.demo import load_photos
 from packer.demo.scenes import make_detection_folder
 from packer.errors import FormatError
+from packer.sources import Coco
 from packer.reading.masks import (MAX_COORDINATE, MAX_POLYGON_VERTICES, crossing_budget,
                                   decode_counts, masks_of, segmentation_problem)
 
@@ -235,7 +236,7 @@ def test_hostile_polygons_cost_the_images_pixels_not_more(tmp_path):
                              "segmentation": polys}]}
     (tmp_path / "a.json").write_text(json.dumps(coco))
     assert (tmp_path / "a.json").stat().st_size < 2000
-    build(tmp_path / "images", tmp_path / "ds", coco=tmp_path / "a.json", progress=False,
+    build(Coco(tmp_path / "images", tmp_path / "a.json"), tmp_path / "ds", progress=False,
           workers=0)
     budget = 2 * s * s * 3 + 10 * s * s  # the image decoded twice, its mask ten times
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(ATTACK), str(tmp_path / "ds"),

@@ -216,7 +216,7 @@ def decimal_coco(root) -> None:
 def test_boxes_with_coco_decimals_are_torchvisions_to_the_bit(tmp_path):
     root = make_detection_folder(tmp_path / "det", images=8, seed=5)
     decimal_coco(root)
-    build(root / "images", tmp_path / "packed", coco=root / "annotations.json",
+    build(Coco(root / "images", root / "annotations.json"), tmp_path / "packed",
           progress=False, workers=0)
     ref, ds = reference(root), PackedDataset(tmp_path / "packed")
     for i in range(len(ds)):

@@ -66,6 +66,7 @@ def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike
     ``names``) or a JSONL/CSV table (``meta``, ``label`` naming its class column) describe.
     ImageFolder options as torchvision's: ``extensions`` or ``is_valid_file`` pick the
     files; an empty class folder is an error unless ``allow_empty``."""
+    journal.check_dst(dst)  # before anything is written: packer writes only where asked
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     workers = usable_cores() if workers is None else workers

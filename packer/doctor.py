@@ -18,7 +18,7 @@ from .sources.segmentation import packed_polygons
 
 # Optional packages: what each adds, and the command that installs it.
 OPTIONAL = {
-    "torchvision": ("GPU decoding (nvJPEG), tv_tensors detection targets, bench --model",
+    "torchvision": ("GPU decoding with nvJPEG, tv_tensors detection targets, bench --model",
                     "pip install torchvision"),
     "triton": ("GPU decoding augments in one fused kernel", "pip install triton"),
     "torchdata": ("make_loader(stateful=True): mid-epoch resume", "pip install torchdata"),
@@ -87,8 +87,7 @@ def format_doctor(d: Dict[str, object]) -> str:
     optional = d.get("optional") or {}
     missing = [name for name in OPTIONAL if name != "triton" and not optional.get(name)]
     for name in missing:
-        lines.append(f"{name:<8} not installed: {OPTIONAL[name][0]} need it "
-                     f"({OPTIONAL[name][1]})")
+        lines.append(f"{name:<8} not installed: {OPTIONAL[name][1]} (for {OPTIONAL[name][0]})")
     if d["polygons_c"]:
         lines.append("C        built: --coco builds turn polygon text into records in C")
     else:

@@ -310,7 +310,7 @@ def _gpu_device(device, need_nvjpeg: bool, backend: str = "auto") -> torch.devic
             except OSError:
                 raise PackerError(
                     "GPU decoding needs nvJPEG, which comes with torchvision (pip install "
-                    "torchvision, or pip install 'packer[gpu]'); without it use the CPU path: "
+                    "torchvision, or pip install 'packer-lmdb[gpu]'); without it use the CPU path: "
                     "PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with make_loader "
                     "and CUDAPrefetcher") from None
         if not torch.cuda.is_available():

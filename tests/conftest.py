@@ -6,9 +6,14 @@ plain folder of ImageNet-like JPEGs for the shard, resume and disk-full tests. B
 session-scoped and must be treated as read-only; builds go to each test's ``tmp_path``
 (or to the session-scoped ``odd_built``, also read-only: copy it before tampering).
 Helper functions are in ``helpers.py``.
+
+Whatever the code under test (or a process it starts) puts in a temporary folder lands under
+pytest's own basetemp (``TMPDIR``): a test run leaves nothing else in /tmp.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -16,6 +21,22 @@ import pytest
 
 from helpers import OddTree, make_odd_tree
 from packer.demo import load_photos, make_image_folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tmpdir_under_basetemp(tmp_path_factory):
+    """``TMPDIR`` (and so ``tempfile``, multiprocessing's and torch's temporary folders, in
+    this process and the ones it starts) inside pytest's basetemp for the session."""
+    tmp = tmp_path_factory.mktemp("TMPDIR", numbered=False)
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = None  # recomputed from TMPDIR on next use
+    yield tmp
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
 
 
 @pytest.fixture(scope="session")

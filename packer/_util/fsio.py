@@ -93,6 +93,7 @@ def check_folder(folder: os.PathLike, *, marks: Iterable[str], leftovers: Iterab
     marker) and more than ``leftovers`` (what a killed run of packer leaves). ``fix`` ends
     the message: what to do instead."""
     folder = Path(folder)
+    lock_module()
     try:
         names = set(os.listdir(folder))
     except (FileNotFoundError, NotADirectoryError):
@@ -108,6 +109,16 @@ def check_folder(folder: os.PathLike, *, marks: Iterable[str], leftovers: Iterab
                           f"not delete files it did not write: {fix}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise PackerError(f"cannot write in {folder}: {_why_not_writable(folder)}")
+
+
+def lock_module():
+    """``fcntl``, which packer's writers lock folders with; a PackerError where it is absent."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        raise PackerError("writing a dataset needs file locks (fcntl), which this platform "
+                          "lacks: build, merge, write and stage run on Linux and macOS") from None
+    return fcntl
 
 
 def _check_creatable(folder: Path) -> None:
@@ -147,13 +158,7 @@ class FolderLock:
         self.fd: Optional[int] = None
 
     def __enter__(self) -> "FolderLock":
-        try:
-            import fcntl
-        except ImportError:  # Windows
-            raise PackerError("writing a dataset needs file locks (fcntl), which this platform "
-                              "lacks: build, merge, write and stage run on Linux and macOS; "
-                              "reading works everywhere") from None
-        self.fcntl = fcntl
+        self.fcntl = fcntl = lock_module()
         path = self.folder / LOCK_NAME
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         while True:

@@ -60,7 +60,8 @@ def stage(dst, target, remove, no_verify, quiet, as_json):
 @library_errors
 def unstage(target, as_json):
     """Remove a staged copy made by `packer stage` and free its RAM. Only files that staging
-    wrote are removed; a folder holding a built (unstaged) dataset is refused."""
+    wrote are removed, then TARGET and the parent folders stage created, when empty; a
+    folder holding a built (unstaged) dataset is refused."""
     from ..staging import unstage as run_unstage
     res = run_unstage(target)
     click.echo(result_json(res) if as_json else res.message())

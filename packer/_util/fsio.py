@@ -98,7 +98,7 @@ def check_folder(folder: os.PathLike, *, marks: Iterable[str], leftovers: Iterab
         names = set(os.listdir(folder))
     except (FileNotFoundError, NotADirectoryError):
         if os.path.lexists(folder):
-            raise PackerError(f"{folder} is a file, not a folder; {fix}") from None
+            raise PackerError(f"{folder} is a file, not a folder") from None
         return _check_creatable(folder)
     except OSError as e:
         raise PackerError(f"cannot read the folder {folder}: {e.strerror}") from None

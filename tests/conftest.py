@@ -23,20 +23,28 @@ from helpers import OddTree, make_odd_tree
 from packer.demo import load_photos, make_image_folder
 
 
-@pytest.fixture(scope="session", autouse=True)
-def tmpdir_under_basetemp(tmp_path_factory):
-    """``TMPDIR`` (and so ``tempfile``, multiprocessing's and torch's temporary folders, in
-    this process and the ones it starts) inside pytest's basetemp for the session."""
-    tmp = tmp_path_factory.mktemp("TMPDIR", numbered=False)
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(tmp)
-    tempfile.tempdir = None  # recomputed from TMPDIR on next use
-    yield tmp
-    if old is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = old
-    tempfile.tempdir = None
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """``TMPDIR`` (and so ``tempfile``'s, multiprocessing's and torch's temporary folders, in
+    this process and the ones it starts) inside pytest's basetemp, before the test modules
+    are imported: importing torchvision already makes a folder in the temporary folder."""
+    factory = getattr(config, "_tmp_path_factory", None)  # set by pytest's tmp_path plugin
+    if factory is not None:
+        config.stash[OLD_TMPDIR] = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(factory.mktemp("TMPDIR", numbered=False))
+        tempfile.tempdir = None  # recomputed from TMPDIR on next use
+
+
+def pytest_unconfigure(config):
+    if OLD_TMPDIR in config.stash:
+        if config.stash[OLD_TMPDIR] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = config.stash[OLD_TMPDIR]
+        tempfile.tempdir = None
+
+
+OLD_TMPDIR = pytest.StashKey()
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", type=Path, help="image folder (default: make --images photo JPEGs in --workdir)")
     ap.add_argument("--workdir", type=Path, default=d.workdir,
-                    help="on the disk to measure (not a tmpfs); reused between runs")
+                    help="on the disk to measure (not a tmpfs), kept and reused between runs "
+                         "[default: a fresh private folder under /var/tmp, removed after]")
     ap.add_argument("--images", type=int, default=d.images)
     ap.add_argument("--records", type=int, default=d.records, help="records read per variant (0: all)")
     ap.add_argument("--shm", type=Path, default=d.shm, help="where to stage (a tmpfs)")

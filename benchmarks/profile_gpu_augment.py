@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where the GPU augment's time goes (GPU machine): torch.profiler over the batched crop +
-resize of decoded stored-size batches, host and device time per op, and the padded sizes.
+resize of decoded stored-size batches: host and device time per op.
 The profile lives in benchlib.gpu (profile_augment); this script is its command line.
 
     python3 benchmarks/profile_gpu_augment.py --data /tmp/packer-gpu-bench/stored

@@ -45,6 +45,11 @@ _WHERE = {
     ".writing.merger": ["merge"],
     ".writing.python": ["DatasetWriter", "write"],
 }
+# the subpackages too, so ``import packer`` is enough for ``packer.gpu.make_gpu_loader(...)``
+for _sub in ("format", "gpu", "loading", "reading", "sources", "staging", "storage",
+             "transforms", "writing"):
+    _WHERE.setdefault(f".{_sub}", []).append(_sub)
+del _sub
 
 __all__ = ["CUDAPrefetcher", "DatasetWriter", "DecodeCenterCrop", "DecodeLetterbox",
            "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "PackedDataset",

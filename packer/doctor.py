@@ -20,7 +20,7 @@ from .sources.segmentation import packed_polygons
 OPTIONAL = {
     "torchvision": ("GPU decoding with nvJPEG, tv_tensors detection targets, bench --model",
                     "pip install torchvision"),
-    "triton": ("GPU decoding augments in one fused kernel", "pip install triton"),
+    "triton": ("GPU decoding: its fused augment kernel", "pip install triton"),
     "torchdata": ("make_loader(stateful=True): mid-epoch resume", "pip install torchdata"),
     "matplotlib": ("packer bench --plot", "pip install matplotlib"),
 }
@@ -82,8 +82,8 @@ def format_doctor(d: Dict[str, object]) -> str:
     if d["triton"]:
         lines.append(f"triton   {d['triton']}: GPU decoding augments in one fused kernel")
     else:
-        lines.append("triton   not available: GPU decoding augments with batched matmuls "
-                     "(pip install triton for the fused kernel)")
+        lines.append("triton   not available: GPU decoding needs it for its fused augment kernel "
+                     "(pip install triton); the CPU path does not")
     optional = d.get("optional") or {}
     missing = [name for name in OPTIONAL if name != "triton" and not optional.get(name)]
     for name in missing:

@@ -3,6 +3,8 @@ images made on the fly, ImageFolder's rule as torchvision writes it, running pac
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import io
 import os
 import random
@@ -14,15 +16,20 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from array import array
 from typing import Dict, List, Tuple
 
 import ctypes
+
+import lmdb
 
 import pytest
 import torch
 from PIL import Image, features
 
 from packer.demo import make_image
+from packer.format.lmdbfile import shard_records
+from packer.writing.shard import ShardWriter
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, copied here on purpose (not from packer).
 TV_IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -346,3 +353,48 @@ def packer_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
+
+
+# -- crafted datasets: records and side tables rewritten, the manifest made to agree ----------
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def edit_manifest(root: Path, fn) -> None:
+    man = json.loads((root / "manifest.json").read_text())
+    fn(man)
+    (root / "manifest.json").write_text(json.dumps(man))
+
+
+def retable(root: Path, key: str, name: str, table: array) -> None:
+    """Rewrite a side table and make the manifest agree with it (a crafted, consistent set)."""
+    (root / name).write_bytes(table.tobytes())
+
+    def fix(man):
+        entry = man[key] if "." not in key else man[key.split(".")[0]][key.split(".")[1]]
+        entry.update(bytes=(root / name).stat().st_size, sha256=sha(root / name))
+    edit_manifest(root, fix)
+
+
+def rewrite_first_record(root: Path, record: bytes) -> None:
+    """Replace record 0 of shard 0 by ``record`` bytes; shard entry and offsets made consistent."""
+    reader_recs = shard_records(root / "shard-00000.lmdb")
+    env = lmdb.open(str(root / "shard-00000.lmdb"), subdir=False, readonly=True, lock=False)
+    with env.begin() as txn:
+        values = [bytes(v) for _, v in txn.cursor()]
+    env.close()
+    values[0] = record
+    tmp = root / "rebuilt.lmdb"
+    w = ShardWriter(tmp, expected_bytes=1 << 22)
+    for v in values:
+        w.append(v)
+    entry = w.finish()
+    (root / "rebuilt.lmdb").replace(root / "shard-00000.lmdb")
+    offsets = array("Q", shard_records(root / "shard-00000.lmdb"))
+    assert len(offsets) == len(reader_recs)
+    edit_manifest(root, lambda man: man["shards"][0].update(bytes=entry["bytes"],
+                                                            sha256=entry["sha256"]))
+    man = json.loads((root / "manifest.json").read_text())
+    edit_manifest(root, lambda m: m.update(bytes=sum(s["bytes"] for s in m["shards"])))
+    retable(root, "offsets", man["offsets"]["path"], offsets)

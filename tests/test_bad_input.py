@@ -18,7 +18,7 @@ REASON_PREFIX = {  # what each kind of broken file is reported as
     "empty file": "empty file",
     "truncated": "truncated: image file is truncated",
     "corrupt": "corrupt (",
-    "not an image": "not an image (PIL cannot identify it)",
+    "not an image": "not an image packer opens (formats: JPEG, PNG, WEBP, GIF, BMP, TIFF, PPM)",
     "decompression bomb": "decompression bomb: ",
     "unreadable": "unreadable: No such file or directory",
 }

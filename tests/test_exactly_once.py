@@ -176,7 +176,7 @@ def test_gpu_decoder_state_counts_what_the_consumer_received(uid_dataset, overla
     def feed():
         loader = make_gpu_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=0,
                                  stateful=True)
-        opts = GPUOptions(decoder=pil_decoder, resample="matmul", overlap=overlap, queue_depth=3)
+        opts = GPUOptions(decoder=pil_decoder, overlap=overlap, queue_depth=3)
         return GPUDecoder(loader, size=32, device="cpu", options=opts)
     first, got = feed(), []
     it = iter(first)

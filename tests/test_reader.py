@@ -204,6 +204,17 @@ def test_missing_shard(copy):
         ShardReader(copy)
 
 
+def test_a_shard_removed_after_opening_is_a_format_error(copy):
+    """Unstaged (or deleted) while a training job still reads it: the job's next read of that
+    shard says so, as docs/security.md promises, not a raw FileNotFoundError."""
+    reader = ShardReader(copy)
+    reader.read(0)
+    last = len(reader) - 1
+    (copy / manifest(copy)["shards"][-1]["path"]).unlink()
+    with pytest.raises(FormatError, match="cannot be opened .*removed .*after this dataset was opened"):
+        reader.read(last)
+
+
 @pytest.mark.parametrize("change", ["truncate", "extend"])
 def test_shard_of_the_wrong_size(copy, change):
     s = manifest(copy)["shards"][0]

@@ -316,9 +316,9 @@ def model_batch(images, targets):
 def gpu_decoder(packed: Path, opts: DetectionBenchOptions, dev: torch.device, letterbox: bool,
                 **kw) -> Iterator:
     """An endless ``GPUDecoder`` (train=True: random crops or letterbox, and flips) over
-    ``packed``; in a dry run on the CPU with PIL decoding and the matmul resize."""
+    ``packed``; in a dry run on the CPU with PIL decoding and the resize's CPU reference."""
     from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
-    options = GPUOptions(decoder=pil_decoder, resample="matmul") if opts.dry_run else None
+    options = GPUOptions(decoder=pil_decoder) if opts.dry_run else None
     loader = make_gpu_loader(str(packed), opts.gpu_batch, num_workers=opts.workers,
                              drop_last=True)
     return endless(GPUDecoder(loader, size=opts.gpu_size, letterbox=letterbox, device=dev,

@@ -28,8 +28,8 @@ import torch
 from packer.reading.dataset import PackedDataset
 from packer.transforms.decode import DecodeRandomResizedCrop
 from packer.doctor import doctor
-from packer.gpu import NvjpegDecoder, make_gpu_loader, reserve_cuda_queues
-from packer.gpu.nvjpeg import torchvision_decode
+from packer.gpu import make_gpu_loader, reserve_cuda_queues
+from packer.gpu.nvjpeg import NvjpegDecoder, torchvision_decode
 from packer.loading.loader import make_loader
 from benchlib.gpu_common import SECTIONS, GPUBench, GPUBenchArgs, pil_decoder
 from benchlib.gpu_decode import agreement, augment_only, cpu_path, decode_only, decode_parallel, make_data, pipeline, pipeline_gpu_time, pipeline_variants, progressive_vs_baseline
@@ -158,7 +158,7 @@ def _decode_sections(b: GPUBench, loaders: Dict[str, object], pinned) -> None:
 
 
 def _variant_sections(b: GPUBench, sets: Dict[str, Path]) -> None:
-    """Step 7: GPUDecoder's settings (decode threads, augment thread, resample, pinning)."""
+    """Step 7: GPUDecoder's settings (decode threads, augment thread, pinning)."""
     if "variants" in b.skip:
         return
     dname, decoder = next(iter(b.decoders.items()))
@@ -168,7 +168,6 @@ def _variant_sections(b: GPUBench, sets: Dict[str, Path]) -> None:
         if b.dev.type == "cuda":
             variants += [(f"decode_threads={k}", {"decode_threads": k}) for k in (1, 3)]
             variants += [("augment thread", {"augment_thread": True}),
-                         ("resample matmul (padded groups, augment thread)", {"resample": "matmul"}),
                          ("loader pinned, decode_threads=3", {**pinned, "decode_threads": 3}),
                          ("loader pinned", pinned),
                          ("default settings", {})]
@@ -209,8 +208,7 @@ def _resnet_sections(b: GPUBench, sets: Dict[str, Path], cpu_loaders: Dict[str, 
             variants = [("default settings", {})]
             if b.dev.type == "cuda":
                 if name == "stored":
-                    variants += [("loader pinned", {"loader": {"pin_memory": True}}),
-                                 ("resample matmul", {"resample": "matmul"})]
+                    variants += [("loader pinned", {"loader": {"pin_memory": True}})]
                 variants += [(f"{label}, step as one CUDA graph", {**kw, "graphed": True})
                              for label, kw in variants]
             resnet(b, name, cpu_loaders.get(name), variants, sets[name])

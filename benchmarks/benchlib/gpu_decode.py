@@ -21,8 +21,10 @@ from packer.writing.check import Transcode
 from packer.reading.dataset import PackedDataset
 from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop, image_to_tensor, open_image
 from packer.demo import load_photos, make_image, make_image_folder
-from packer.gpu import ImageTable, NvjpegDecoder, center_crop_boxes, make_gpu_loader, random_resized_crop_boxes, resample_crops, triton_available
-from packer.gpu.resample import CONFIG
+from packer.gpu import make_gpu_loader
+from packer.gpu.augment import center_crop_boxes, random_resized_crop_boxes
+from packer.gpu.nvjpeg import NvjpegDecoder
+from packer.gpu.resample import CONFIG, ImageTable, resample_crops
 from packer.loading.loader import make_loader
 from benchlib.gpu_common import GPUBench, JpgSampler, decoder_passes, encoded_views, epochs_rate, gpu_time, median_rate, new_decoder, preload
 
@@ -148,64 +150,58 @@ def decode_parallel(b: GPUBench, name: str, batches, threads=(1, 2, 3)) -> None:
               f"JPG engine util max/mean {js.summary()['jpg_max_mean']}")
 
 
-def _resample_methods(dev: torch.device) -> list:
-    methods = [("matmul", None)]
-    if dev.type == "cuda" and triton_available():
-        methods += [("triton", cfg) for cfg in ({"rows": 8, "num_warps": 4}, {"rows": 4, "num_warps": 4},
-                                                  {"rows": 8, "num_warps": 2}, {"rows": 16, "num_warps": 4})]
-    return methods
+def _tiles(dev: torch.device) -> list:
+    """The kernel's launch shapes to compare (None: the CPU reference, in a dry run)."""
+    if dev.type != "cuda":
+        return [None]
+    return [{"rows": 8, "num_warps": 4}, {"rows": 4, "num_warps": 4}, {"rows": 8, "num_warps": 2},
+            {"rows": 16, "num_warps": 4}]
 
 
 def augment_only(b: GPUBench, name: str, batches, decoder) -> None:
-    """The batched crop+resize+flip+normalize alone on decoded batches in memory, per method
-    (and, for the fused kernel, per tile shape): images/s, and the GPU time it takes from
-    the GPU per batch (kernel time summed by the profiler: what a training step beside it
-    loses)."""
+    """The batched crop+resize+flip+normalize alone on decoded batches in memory, per tile
+    shape of the fused kernel: images/s, and the GPU time it takes from the GPU per batch
+    (kernel time summed by the profiler: what a training step beside it loses)."""
     dev = b.dev
-    decoded = [decoder(encoded_views(x), dev) for x in batches[:4]]
-    sizes = [torch.tensor([tuple(im.shape[-2:]) for im in d]) for d in decoded]
-    tables = [ImageTable.from_images(d) for d in decoded]
+    tables = [ImageTable.from_images(decoder(encoded_views(x), dev)) for x in batches[:4]]
     scale = torch.ones(1, 3, 1, 1, device=dev)
     shift = scale * 0
     default = dict(CONFIG)
     for train in (True, False):
-        for method, cfg in _resample_methods(dev):
-            if cfg:
-                CONFIG.update(cfg)
+        for cfg in _tiles(dev):
+            CONFIG.update(cfg or {})
             g = torch.Generator().manual_seed(0)
 
             def run():
-                for imgs, tab, sz in zip(decoded, tables, sizes):
-                    boxes = random_resized_crop_boxes(sz, generator=g) if train else \
-                        center_crop_boxes(sz, (224, 224))
-                    flips = torch.rand(len(imgs), generator=g) < 0.5 if train else None
-                    out = torch.empty(len(imgs), 3, 224, 224, dtype=torch.bfloat16, device=dev,
+                for tab in tables:
+                    boxes = random_resized_crop_boxes(tab.sizes, generator=g) if train else \
+                        center_crop_boxes(tab.sizes, (224, 224))
+                    flips = torch.rand(len(tab), generator=g) < 0.5 if train else None
+                    out = torch.empty(len(tab), 3, 224, 224, dtype=torch.bfloat16, device=dev,
                                       memory_format=torch.channels_last)
-                    resample_crops(tab if method == "triton" else imgs, boxes, (224, 224), flips,
-                                   out=out, scale=scale, shift=shift, sizes=sz, method=method)
+                    resample_crops(tab, boxes, (224, 224), flips, out=out, scale=scale, shift=shift)
             run()
-            rate, rates = median_rate(run, sum(len(d) for d in decoded), b.a.repeats, dev)
-            gpu_ms = gpu_time(run, dev) / len(decoded)
+            rate, rates = median_rate(run, sum(len(t) for t in tables), b.a.repeats, dev)
+            gpu_ms = gpu_time(run, dev) / len(tables)
             CONFIG.clear()
             CONFIG.update(default)
-            label = method + (f" rows={cfg['rows']} warps={cfg['num_warps']}" if cfg else "")
+            label = f"kernel rows={cfg['rows']} warps={cfg['num_warps']}" if cfg else "CPU reference"
             mode = "train" if train else "eval"
             b.results[f"augment_only_{name}_{mode}_{label}"] = {"rates": rates, "gpu_ms_per_batch": gpu_ms}
             b.row("3a", f"crop+resize+flip+normalize only, {label}, {mode} [{name}]",
                   rate, f"GPU time {gpu_ms:.2f} ms/batch")
 
 
-def pipeline_gpu_time(b: GPUBench, name: str, batches, methods=("triton", "matmul")) -> None:
-    """GPU time per batch of the whole GPU stage (nvJPEG + augment), by resample method: the
-    share of a training step's GPU that decoding beside it takes."""
-    for method in methods:
-        g = new_decoder(b, [], {}, resample=method, backend="nvjpeg", overlap=0)
-        run = lambda: [g.augment_batch(g.decode_batch(x), 0) for x in batches[:4]]  # noqa: E731
-        run()
-        ms = gpu_time(run, b.dev) / 4
-        b.results[f"gpu_time_{name}_{method}"] = ms
-        b.row("3g", f"GPU time of decode+augment per batch of {b.a.batch}, {method} [{name}]",
-              1e3 * b.a.batch / ms, f"{ms:.2f} ms/batch of GPU work (images/s if alone on the GPU)")
+def pipeline_gpu_time(b: GPUBench, name: str, batches) -> None:
+    """GPU time per batch of the whole GPU stage (nvJPEG + augment): the share of a
+    training step's GPU that decoding beside it takes."""
+    g = new_decoder(b, [], {}, backend="nvjpeg", overlap=0)
+    run = lambda: [g.augment_batch(g.decode_batch(x), 0) for x in batches[:4]]  # noqa: E731
+    run()
+    ms = gpu_time(run, b.dev) / 4
+    b.results[f"gpu_time_{name}"] = ms
+    b.row("3g", f"GPU time of decode+augment per batch of {b.a.batch} [{name}]",
+          1e3 * b.a.batch / ms, f"{ms:.2f} ms/batch of GPU work (images/s if alone on the GPU)")
 
 
 def _ms_per_batch(g) -> dict:

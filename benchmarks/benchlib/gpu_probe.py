@@ -13,7 +13,8 @@ from typing import List, Optional
 
 import torch
 
-from packer.gpu import GPUDecoder, GPUOptions, NvjpegDecoder, make_gpu_loader, reserve_cuda_queues
+from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader, reserve_cuda_queues
+from packer.gpu.nvjpeg import NvjpegDecoder
 from benchlib.gpu_common import GPUBench, encoded_views, preload, sync
 
 __all__ = ["YuvDecoder", "dmon", "kernel_profile", "nvjpeg_probe", "profile_augment"]
@@ -138,16 +139,13 @@ def dmon(b: GPUBench, seconds: int, out: Path) -> Optional[subprocess.Popen]:
 
 def profile_augment(data, batches: int = 8, batch_size: int = 256, workers: int = 8) -> int:
     """Where the GPU augment's time goes (GPU machine): torch.profiler over the batched crop
-    + resize of decoded stored-size batches of the packed set ``data``, host and device time
-    per op, and the padded sizes (matmul resample). Prints its tables; returns 0."""
+    + resize of decoded stored-size batches of the packed set ``data``: host and device time
+    per op. Prints its tables; returns 0."""
     from torch.profiler import ProfilerActivity, profile
     reserve_cuda_queues()  # before any CUDA work
     loader = make_gpu_loader(data, batch_size, num_workers=workers, drop_last=True)
     g = GPUDecoder(loader, seed=0, options=GPUOptions(overlap=0))
     items = [g.decode_batch(x) for x in preload(loader, batches)]
-    for item in items:
-        if hasattr(item[0], "groups"):
-            print("groups", [tuple(t.shape) for t in item[0].groups])
     for _ in range(2):
         for item in items:
             g.augment_batch(item, 0)

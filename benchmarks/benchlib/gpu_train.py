@@ -4,7 +4,6 @@ beside it, the fed loop's diagnostics, and decoding under load (contention).
 """
 from __future__ import annotations
 
-import copy
 import gc
 import statistics
 import sys
@@ -14,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from packer.gpu import NvjpegDecoder, make_gpu_loader
+from packer.gpu import make_gpu_loader
+from packer.gpu.nvjpeg import NvjpegDecoder
 from packer.loading.prefetch import CUDAPrefetcher
 from benchlib.gpu_common import GPUBench, encoded_views, endless, fed_rate, median_rate, new_decoder, preload, synthetic_batch, sync
 from benchlib.gpu_probe import YuvDecoder
@@ -150,21 +150,15 @@ def _beside_parts(b: GPUBench, path: Path, count: list) -> dict:
     yuv = YuvDecoder(NvjpegDecoder.shared(dev, 8))
     g = new_decoder(b, [], {}, backend="nvjpeg", overlap=0)
     decoded = [g.decode_batch(x) for x in batches]
-    gm = copy.copy(g)
-    gm.resample = "matmul"
     parts = {
         "nvJPEG decode (RGB, decode_flat)":
-            _side_loop(dev, lambda x: len(nv.decode_flat(x.data, x.offsets, dev)[1]), batches, count),
+            _side_loop(dev, lambda x: len(nv.decode_flat(x.data, x.offsets, dev)), batches, count),
         "nvJPEG decode (YUV planes)":
             _side_loop(dev, lambda x: (yuv(x.images(), dev), len(x.labels))[1], batches, count),
         "fused augment (triton)":
             _side_loop(dev, lambda it: len(g.augment_batch(it, 0)[1]), decoded, count),
-        "matmul augment":
-            _side_loop(dev, lambda it: len(gm.augment_batch((it[0].views(), *it[1:]), 0)[1]),
-                       decoded, count),
     }
-    for label, kw in (("default settings", {}), ("loader pinned", {"loader": {"pin_memory": True}}),
-                      ("resample matmul", {"resample": "matmul"})):
+    for label, kw in (("default settings", {}), ("loader pinned", {"loader": {"pin_memory": True}})):
         parts[f"whole GPUDecoder, {label}"] = _pipeline_loop(b, path, kw, count)
 
     def loader_only(stop):  # make_gpu_loader's DataLoader (unpinned) and nothing else

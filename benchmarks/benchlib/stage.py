@@ -15,9 +15,10 @@ import os
 import platform
 import random
 import shutil
+import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -35,7 +36,8 @@ READERS = ("folder", "shards/disk", "shards/RAM")
 @dataclass(frozen=True)
 class StageOptions:
     """What ``bench_stage`` reads and how (``benchmarks/bench_stage.py``'s options)."""
-    workdir: Path = Path("/var/tmp/packer-bench-stage")  # on the disk to measure; reused
+    workdir: Optional[Path] = None  # on the disk to measure, kept for reuse (None: a fresh
+    #                                 private folder under /var/tmp, removed after the run)
     images: int = 2000            # images made when no source folder is given
     records: int = 0              # records read per variant (0: all)
     shm: Path = Path("/dev/shm")  # where to stage (a tmpfs)
@@ -130,6 +132,9 @@ def bench_stage(src: Optional[os.PathLike], opts: StageOptions = StageOptions())
     ``shards``, ``disk``, ``ram`` (where staged, with its filesystem), ``throttle`` (what
     is in force) and ``cgroup_counter`` (whether disk reads were counted per cgroup).
     """
+    if opts.workdir is None:  # never a fixed name: the script runs as root (sudo)
+        with tempfile.TemporaryDirectory(prefix="packer-bench-stage-", dir="/var/tmp") as work:
+            return bench_stage(src, replace(opts, workdir=Path(work)))
     src, packed, files = prepare(None if src is None else Path(src), opts)
     order = list(range(len(files)))
     random.Random(opts.seed).shuffle(order)

@@ -151,8 +151,7 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainS
         from ..gpu import GPUDecoder, make_gpu_loader  # needs torchvision or libnvjpeg: on demand
         loader = make_gpu_loader(ds, batch_size, sampler=order, num_workers=w, drop_last=True,
                                  persistent_workers=False)
-        g = iter(GPUDecoder(loader, size=size, dtype=torch.float32, channels_last=True,
-                            device=device, seed=r))
+        g = iter(GPUDecoder(loader, size=size, dtype=torch.float32, device=device, seed=r))
         return g, [g.close]
     gpu = device.type == "cuda"
     pin = gpu and name != "plain"

@@ -7,8 +7,16 @@ import click
 
 from .common import library_errors, result_json
 
+class PathOrURL(click.Path):
+    """A folder, or a URL (``s3://...``) passed on untouched."""
+
+    def convert(self, value, param, ctx):
+        from ..storage.urls import is_url
+        return value if is_url(value) else super().convert(value, param, ctx)
+
+
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, path_type=Path))
 @click.argument("target", type=click.Path(file_okay=False, path_type=Path), required=False,
                 metavar="TARGET")
 @click.option("--remove", is_flag=True, help="Free a staged copy instead: `packer stage --remove TARGET` "
@@ -32,11 +40,14 @@ def stage(dst, target, remove, no_verify, quiet, as_json):
     Each shard is copied under a temporary name and renamed once its checksum matches; the
     manifest goes last, so TARGET is complete or not a dataset at all. Re-running repairs an
     interrupted or damaged copy, recopying only what differs. Train with
-    PackedDataset(TARGET): nothing else changes.
+    PackedDataset(TARGET): nothing else changes. DST may be a URL (s3://, gs://, az://...):
+    credentials and endpoints come from the client's usual environment variables
+    (AWS_ENDPOINT_URL for an S3-compatible store; docs/object_storage.md).
 
     \b
     Examples:
       packer stage /data/packed/train /dev/shm/train
+      packer stage s3://bucket/packed/train /dev/shm/train
       sudo mount -t tmpfs -o size=200G tmpfs /mnt/ram && packer stage /data/packed/train /mnt/ram/train
       packer stage --remove /dev/shm/train
     """

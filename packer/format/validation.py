@@ -27,6 +27,13 @@ def is_plain_name(name: Any) -> bool:
             and "/" not in name and "\\" not in name and "\0" not in name)
 
 
+def is_data_name(name: Any) -> bool:
+    """A plain name a dataset's own file may have: not one packer uses for itself (the
+    manifest, or a temp file, ``NAME.tmp``, that a write renames into place), which packer's
+    own writes would replace or delete under the dataset."""
+    return is_plain_name(name) and name != "manifest.json" and not name.endswith(".tmp")
+
+
 def shard_path_problem(path: Any) -> str:
     """Why ``path`` cannot be a shard path, or "": a plain name in the dataset folder, or
     ``PART/NAME`` with PART a relative folder (``../part-0``: a merge's part) and NAME plain."""
@@ -36,8 +43,8 @@ def shard_path_problem(path: Any) -> str:
     if p.is_absolute() or str(p) != path:
         return "must be relative and normalized (no leading '/', './' or '//')"
     *folders, name = p.parts
-    if not is_plain_name(name):
-        return "must end in a plain file name"
+    if not is_data_name(name):
+        return "must end in a plain file name that is not one of packer's own (manifest.json, *.tmp)"
     ups = 0
     while ups < len(folders) and folders[ups] == "..":
         ups += 1
@@ -136,7 +143,7 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     if paths:
         _table(c, c.dict(paths, "index", "paths.index"), "paths.index", 8, count)
         text = c.dict(paths, "text", "paths.text")
-        if not is_plain_name(text.get("path")):
+        if not is_data_name(text.get("path")):
             raise c.fail("paths.text.path", "must be a plain file name in the dataset folder")
         c.int(text, "bytes", "paths.text.bytes")
         c.sha(text, "paths.text.sha256")
@@ -167,7 +174,7 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
 
 
 def _table(c: _Check, t: dict, kind: str, width: int, count: int) -> None:
-    if not is_plain_name(t.get("path")):
+    if not is_data_name(t.get("path")):
         raise c.fail(f"{kind}.path", "must be a plain file name in the dataset folder")
     if c.int(t, "bytes", f"{kind}.bytes") != width * count:
         raise c.fail(f"{kind}.bytes", f"must be {width} x count = {width * count}")

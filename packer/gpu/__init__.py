@@ -1,25 +1,26 @@
 """GPU decoding: DataLoader workers ship stored JPEG bytes, the GPU decodes them (nvJPEG) and
-augments them in one fused kernel.
+augments them in one fused Triton kernel (docs/gpu_decode.md).
 
     loader.py    make_gpu_loader, reserve_cuda_queues: the workers' side and the CUDA setting
-    encoded.py   EncodedImage / collate_encoded: header parse in workers, one flat buffer a batch
+    encoded.py   EncodedImage / collate_encoded: header parse and pixel limit in workers, one
+                 flat buffer a batch
     decoder.py   GPUDecoder: the iterator a training loop uses; options.py: GPUOptions, DecodeStats
     pipeline.py  its decode/augment threads, each on its own CUDA stream
     nvjpeg.py    libnvjpeg through ctypes (NvjpegDecoder), torchvision's decoder as fallback
-    augment.py   crop boxes and the matmul resize; resample.py + kernel.py: the fused Triton kernel
+    augment.py   crop boxes; resample.py + kernel.py: the fused Triton kernel
+    detection.py detection targets moved with the crops
 
-Importing this package does not start CUDA or change the environment.
+``EncodedImage`` and ``collate_encoded`` are exported for a DataLoader made by hand
+(``PackedDataset(root, decode=EncodedImage())`` with ``collate_fn=collate_encoded``);
+everything else is reached through ``GPUDecoder`` and ``make_gpu_loader``. Importing this
+package imports nothing until a name is used, starts no CUDA and changes no environment.
 """
-from .augment import center_crop_boxes, random_resized_crop_boxes, resample_crops
-from .decoder import GPUDecoder
-from .encoded import EncodedBatch, EncodedImage, EncodedSample, JpegInfo, collate_encoded, gpu_decodable, jpeg_info
-from .loader import CUDA_QUEUES, ConnectionsWarning, connections_advice, make_gpu_loader, reserve_cuda_queues
-from .nvjpeg import NvjpegDecoder
-from .options import DecodeStats, GPUOptions
-from .resample import ImageTable, triton_available
+from .._util.lazy import lazy_names
 
-__all__ = ["CUDA_QUEUES", "ConnectionsWarning", "DecodeStats", "EncodedBatch", "EncodedImage",
-           "EncodedSample", "GPUDecoder", "GPUOptions", "ImageTable", "JpegInfo", "NvjpegDecoder",
-           "center_crop_boxes", "collate_encoded", "connections_advice", "gpu_decodable",
-           "jpeg_info", "make_gpu_loader", "random_resized_crop_boxes", "resample_crops",
-           "reserve_cuda_queues", "triton_available"]
+_WHERE = {".decoder": ["GPUDecoder"], ".options": ["GPUOptions"],
+          ".loader": ["make_gpu_loader", "reserve_cuda_queues"],
+          ".encoded": ["EncodedImage", "collate_encoded"]}
+__all__ = ["EncodedImage", "GPUDecoder", "GPUOptions", "collate_encoded", "make_gpu_loader",
+           "reserve_cuda_queues"]
+
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, globals())

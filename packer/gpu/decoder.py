@@ -1,14 +1,14 @@
-"""GPU decoding: the loader ships stored JPEG bytes, the GPU decodes (nvJPEG) and augments.
+"""``GPUDecoder``: the iterator a training loop uses on the GPU path.
 
-Pillow on 16 cores decodes and resizes 4,600-8,000 ImageNet JPEGs/s; one H200 trains a
-ResNet-18 on ~13,000/s. So here the DataLoader workers only read records and parse JPEG
-headers (microseconds), and the GPU does the rest in whole batches:
+The CPU path's workers spend most of their time decoding and resizing; on the GPU path the
+DataLoader workers only read records and parse JPEG headers (microseconds), and the GPU does
+the rest in whole batches:
 
-    workers   EncodedImage: header parse; CPU decode only for what nvJPEG can't take
-              collate_encoded: one flat byte buffer per batch (one shared-memory block)
+    workers   EncodedImage: header parse and pixel limit; CPU decode only for what nvJPEG
+              can't take; collate_encoded: one flat byte buffer per batch
     decode    2 threads, batches in turn: NvjpegDecoder (libnvjpeg via ctypes, hardware
               engine on A100/H100/H200) writes each batch into one buffer;
-              torchvision.io.decode_jpeg is the fallback
+              torchvision.io.decode_jpeg where libnvjpeg can't be loaded directly
     augment   in the same thread: crop boxes, then ONE Triton kernel crops, resizes
               (antialiased bilinear), flips, normalizes and writes bf16 channels_last,
               reading each image where it lies (packer.gpu.resample)
@@ -16,14 +16,13 @@ headers (microseconds), and the GPU does the rest in whole batches:
 
 Each thread has its own CUDA stream; batches cross with events and ``record_stream``, as in
 ``CUDAPrefetcher``, so the training stream waits for a batch only until it is ready.
-docs/gpu_decode.md has the measurements, the reasons for each choice, and the limits.
+docs/gpu_decode.md has the reasons for each choice, the measurements, and the limits.
 """
 from __future__ import annotations
 
 import ctypes
 import importlib
 import itertools
-import os
 import time
 import warnings
 from typing import List, Optional, Sequence
@@ -34,29 +33,34 @@ from .._util.threads import END
 from ..transforms.decode import open_image
 from ..errors import PackerError
 from ..loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors, normalize_affine
-from .augment import center_crop_boxes, random_resized_crop_boxes, resample_crops
+from .augment import center_crop_boxes, random_resized_crop_boxes
 from .detection import DetectionTargets, fill_outside, letterbox_crops, place_boxes
 from .encoded import EncodedBatch
 from .loader import ConnectionsWarning, connections_advice
 from .nvjpeg import NvjpegDecoder, load_nvjpeg, torchvision_decode
 from .options import DecodeStats, GPUOptions
 from .pipeline import Pipeline
-from .resample import ImageTable, triton_available
+from .resample import TRITON_MISSING, ImageTable, resample_crops, triton_available
 
 __all__ = ["GPUDecoder"]
 
 LETTERBOX_FILL = 114  # YOLO's grey
+CPU_PATH = ("use the CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
+            "make_loader and CUDAPrefetcher")
+
 
 class GPUDecoder(LoaderView):
     """Iterate a :func:`make_gpu_loader` loader as ``(images, labels)`` ready on the GPU.
 
     ``images``: ``(B, 3, *size)`` in ``dtype``, normalized as ``(x / 255 - mean) / std``
-    (``mean``/``std`` on the 0..1 scale), channels_last if asked; ``dtype=torch.uint8``
-    gives the rounded pixels instead, unnormalized. Training (``train=True``):
-    RandomResizedCrop(``size``, ``scale``, ``ratio``) + horizontal flip; evaluation: resize
-    the shorter side to ``size / crop_fraction`` and center-crop, as ``DecodeCenterCrop``.
-    ``seed`` fixes the crops (with ``set_epoch``, per epoch); ``options`` (:class:`GPUOptions`)
-    tunes threads, queues and backends.
+    (``mean``/``std`` on the 0..1 scale; both None: ``x / 255``), channels_last unless
+    ``options`` says otherwise; ``dtype=torch.uint8`` gives the rounded pixels instead,
+    unnormalized. Training (``train=True``): RandomResizedCrop(``size``) + horizontal flip;
+    evaluation: resize the shorter side to ``size / crop_fraction`` and center-crop, as
+    ``DecodeCenterCrop``. ``seed`` fixes the crops (with ``set_epoch``, per epoch);
+    ``options`` (:class:`GPUOptions`) holds the augmentation's finer settings (``scale``,
+    ``ratio``, ``flip``, ``crop_fraction``, ``min_visible``, ``channels_last``) and how it
+    runs (threads, queues, backends).
 
     Detection datasets (``make_gpu_loader`` over a ``--coco``/``--yolo`` build): batches are
     ``(images, targets)`` with ``targets`` a list of torchvision target dicts on the GPU
@@ -65,20 +69,19 @@ class GPUDecoder(LoaderView):
     ``size`` keeping its aspect ratio, padded with grey 114 (YOLO's evaluation and
     training input; flipped too when ``train``), instead of cropping.
 
-    The iterator protocol is ``CUDAPrefetcher``'s: re-iterable, ``len()``, ``set_epoch``
-    (sampler, and the crop generator when ``seed`` is given), ``.sampler``,
-    ``.batch_sampler``, ``.dataset``. ``stats`` counts GPU- and CPU-decoded images and where
-    the time went; ``backend`` and ``resample`` say which ran.
+    Needs CUDA, nvJPEG (torchvision's copy, or the CUDA toolkit's) and Triton; without them
+    it raises ``PackerError`` naming what to install (or the CPU path). The iterator protocol
+    is ``CUDAPrefetcher``'s: re-iterable, ``len()``, ``set_epoch`` (sampler, and the crop
+    generator when ``seed`` is given), ``.sampler``, ``.batch_sampler``, ``.dataset``.
+    ``stats`` counts GPU- and CPU-decoded images and where the time went; ``backend`` says
+    which decoder ran.
     """
 
     def __init__(self, loader, *, size=224, train: bool = True,
                  mean: Optional[Sequence[float]] = IMAGENET_MEAN,
                  std: Optional[Sequence[float]] = IMAGENET_STD,
-                 dtype: torch.dtype = torch.bfloat16, channels_last: bool = True, device=None,
-                 scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True,
-                 crop_fraction: float = 0.875, seed: Optional[int] = None,
-                 letterbox: bool = False, min_visible: float = 0.25,
-                 options: Optional[GPUOptions] = None):
+                 dtype: torch.dtype = torch.bfloat16, device=None, seed: Optional[int] = None,
+                 letterbox: bool = False, options: Optional[GPUOptions] = None):
         self.options = opts = options if options is not None else GPUOptions()
         self.size = (size, size) if isinstance(size, int) else tuple(int(s) for s in size)
         if len(self.size) != 2 or min(self.size) < 1:
@@ -86,29 +89,17 @@ class GPUDecoder(LoaderView):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8):
             raise ValueError(f"dtype must be a float dtype (normalized) or torch.uint8 (pixels), "
                              f"got {dtype}")
-        if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
-            raise ValueError(f"scale must be within (0, 1] and ratio positive, got {scale}, {ratio}")
-        if not 0 < crop_fraction <= 1:
-            raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction}")
         self.device = _gpu_device(device, opts.decoder is None, opts.backend)
-        self.resample = _choose_resample(opts.resample, self.device)
-        # The fused kernel takes under 1 ms per batch: the decode threads launch it
-        # themselves. The matmul form takes ~10 ms of host time: it gets a thread of its own.
-        self.augment_thread = (self.resample != "triton" if opts.augment_thread is None
-                               else bool(opts.augment_thread))
         advice = connections_advice() if self.device.type == "cuda" else None
         if advice:
             warnings.warn(advice, ConnectionsWarning, stacklevel=2)
         self.decoders, self.backend = _decoders(opts, self.device)
         self.decode_threads = len(self.decoders)
         self.loader = loader
-        self.train, self.flip, self.dtype = bool(train), bool(flip), dtype
-        self.scale, self.ratio, self.crop_fraction = tuple(scale), tuple(ratio), crop_fraction
-        self.channels_last = bool(channels_last)
+        self.train, self.dtype, self.letterbox = bool(train), dtype, bool(letterbox)
         s, t = normalize_affine(mean, std)
         self.norm_scale, self.norm_shift = s.to(self.device), t.to(self.device)
         self.seed = seed
-        self.letterbox, self.min_visible = bool(letterbox), float(min_visible)
         self._state = None  # the loader's state after the last batch handed out
         self._gen = torch.Generator()
         self._gen.manual_seed(seed if seed is not None else int(torch.randint(1 << 62, ()).item()))
@@ -196,9 +187,8 @@ class GPUDecoder(LoaderView):
         is full, then blocks inside a launch, holding the driver's lock: every CUDA call of
         the decode threads (several per image in nvJPEG) then waits about one kernel, and
         every batch handed out holds its memory. Too tight a limit idles the GPU whenever a
-        batch comes a little late (measured, ResNet-18 as one CUDA graph: 76.6 % of the
-        synthetic speed with 1, 89.3 % with 3, 91.2 % with 4). The event recorded at each
-        request marks the end of the previous step's work.
+        batch comes a little late (docs/gpu_decode.md). The event recorded at each request
+        marks the end of the previous step's work.
         """
         max_ahead = self.options.max_ahead
         if max_ahead is None or self.device.type != "cuda":
@@ -210,26 +200,21 @@ class GPUDecoder(LoaderView):
             ahead.pop(0).synchronize()
 
     def decode_batch(self, batch, decoder=None):
-        """nvJPEG for the encoded images, a copy for CPU-decoded ones; all on self.device."""
+        """``(ImageTable on self.device, sizes, labels)``: nvJPEG for the encoded images, a
+        copy for those the workers decoded."""
         if not isinstance(batch, EncodedBatch):
             raise TypeError(f"GPUDecoder needs batches of EncodedBatch (make_gpu_loader(root), or "
                             f"PackedDataset(decode=EncodedImage()) with collate_fn="
                             f"collate_encoded), got {type(batch).__name__}")
         decoder = decoder or self.decoders[0]
-        fused = self.resample == "triton"
-        # NvjpegDecoder: the whole batch into one buffer (fused resize) or straight into the
-        # matmul resize's padded groups.
-        whole = getattr(decoder, "decode_flat" if fused else "decode_padded", None)
-        if whole is not None and not bool(batch.decoded.any()):
+        flat = getattr(decoder, "decode_flat", None)  # NvjpegDecoder: one buffer per batch
+        if flat is not None and not bool(batch.decoded.any()):
             try:
-                images, got = whole(batch.data, batch.offsets, self.device)
+                images = flat(batch.data, batch.offsets, self.device, sizes=batch.sizes)
             except RuntimeError:
                 pass  # nvJPEG refused the batch: the path below retries image by image
             else:
-                if not torch.equal(got, batch.sizes):
-                    raise RuntimeError("the decoder returned images of other sizes than their "
-                                       "JPEG headers say")
-                self.stats.add(gpu=len(got), batches=1)
+                self.stats.add(gpu=len(images), batches=1)
                 return images, batch.sizes, batch.labels.to(self.device, non_blocking=True)
         views = batch.images()
         n = len(views)
@@ -252,8 +237,8 @@ class GPUDecoder(LoaderView):
             if out[i] is None:
                 out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
         self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
-        images = ImageTable.from_images(out) if fused else out
-        return images, batch.sizes, batch.labels.to(self.device, non_blocking=True)
+        return (ImageTable.from_images(out), batch.sizes,
+                batch.labels.to(self.device, non_blocking=True))
 
     def _decode_alone(self, data: torch.Tensor, decoder) -> torch.Tensor:
         try:
@@ -267,36 +252,39 @@ class GPUDecoder(LoaderView):
         """Crop, resize, flip, normalize one decoded batch; its randomness comes from
         ``seed`` alone, so threads that augment batches at once give the same crops."""
         images, sizes, labels = item
+        o = self.options
         gen = torch.Generator().manual_seed(seed)
         inside = None
         if self.letterbox:
             boxes, inside = letterbox_crops(sizes, self.size)
         elif self.train:
-            boxes = random_resized_crop_boxes(sizes, self.scale, self.ratio, generator=gen)
+            boxes = random_resized_crop_boxes(sizes, o.scale, o.ratio, generator=gen)
         else:
-            boxes = center_crop_boxes(sizes, self.size, self.crop_fraction)
-        flips = (torch.rand(len(sizes), generator=gen) < 0.5) if self.train and self.flip else None
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+            boxes = center_crop_boxes(sizes, self.size, o.crop_fraction)
+        flips = (torch.rand(len(sizes), generator=gen) < 0.5) if self.train and o.flip else None
+        fmt = torch.channels_last if o.channels_last else torch.contiguous_format
         out = torch.empty((len(sizes), 3, *self.size), dtype=self.dtype, device=self.device,
                           memory_format=fmt)
         out = resample_crops(images, boxes, self.size, flips, out=out, scale=self.norm_scale,
-                             shift=self.norm_shift, sizes=sizes, method=self.resample)
+                             shift=self.norm_shift)
         if inside is not None:
             grey = torch.full((3,), float(LETTERBOX_FILL), device=self.device)
             if self.dtype != torch.uint8:
                 grey = grey * self.norm_scale.flatten().expand(3) + self.norm_shift.flatten().expand(3)
             fill_outside(out, inside, flips, grey)
         if isinstance(labels, DetectionTargets):
-            labels = place_boxes(labels, boxes, self.size, flips, self.min_visible)
+            labels = place_boxes(labels, boxes, self.size, flips, o.min_visible)
         return out, labels
 
     def __repr__(self) -> str:
         return (f"GPUDecoder({self.loader!r}, size={self.size}, train={self.train}, "
                 f"dtype={self.dtype}, device={self.device}, overlap={self.options.overlap}, "
-                f"backend={self.backend!r}, resample={self.resample!r})")
+                f"backend={self.backend!r})")
 
 
 def _gpu_device(device, need_nvjpeg: bool, backend: str = "auto") -> torch.device:
+    """The device to decode to, after checking that what it needs is here: nvJPEG (unless a
+    custom decoder replaces it), CUDA, and Triton for a CUDA device."""
     if need_nvjpeg:
         try:
             if backend == "nvjpeg":
@@ -310,37 +298,23 @@ def _gpu_device(device, need_nvjpeg: bool, backend: str = "auto") -> torch.devic
             except OSError:
                 raise PackerError(
                     "GPU decoding needs nvJPEG, which comes with torchvision (pip install "
-                    "torchvision, or pip install 'packer-lmdb[gpu]'); without it use the CPU path: "
-                    "PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with make_loader "
-                    "and CUDAPrefetcher") from None
+                    f"torchvision, or pip install 'packer-lmdb[gpu]'); without it {CPU_PATH}") from None
         if not torch.cuda.is_available():
-            raise PackerError(
-                "GPU decoding needs a CUDA device, and torch.cuda.is_available() is False; use the "
-                "CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
-                "make_loader and CUDAPrefetcher")
+            raise PackerError("GPU decoding needs a CUDA device, and torch.cuda.is_available() "
+                              f"is False; {CPU_PATH}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise PackerError(f"device={device} but CUDA is not available")
+        if not triton_available():
+            raise PackerError(TRITON_MISSING)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     elif need_nvjpeg:
         raise ValueError(f"nvJPEG decodes to a CUDA device, got device={device}")
     return device
-
-
-def _choose_resample(resample: str, device: torch.device) -> str:
-    if resample == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "matmul"
-    if resample == "triton" and not triton_available():
-        raise PackerError("resample='triton' needs Triton (it comes with PyTorch's CUDA "
-                          "wheels on Linux: pip install triton); resample='matmul' needs none")
-    if resample == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"resample='triton' runs on a CUDA device, got {device}; "
-                         f"use resample='matmul' (or TRITON_INTERPRET=1 to debug the kernel)")
-    return resample
 
 
 def _decoders(opts: GPUOptions, device: torch.device):

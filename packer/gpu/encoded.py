@@ -12,7 +12,9 @@ from typing import Any, List, NamedTuple, Optional
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from ..errors import FormatError
 from ..transforms.decode import open_image
+from ..format.images import DEFAULT_MAX_PIXELS
 from .detection import is_detection_batch, pack_targets
 
 __all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",
@@ -125,17 +127,41 @@ class EncodedImage:
     worker, exactly as ImageFolder does (``Image.open(f).convert("RGB")``), and travel as
     pixels: the GPU stage then crops and resizes them like the others. EXIF orientation is
     ignored on both paths, as in ImageFolder.
+
+    ``max_pixels`` bounds every image before any of its pixels exist on the GPU: a JPEG
+    whose header claims more (width x height) is refused from the header alone, before any
+    decoding, and a file decoded here is refused after its decode (PIL's own bomb check
+    bounds that). Refused means ``FormatError``, which stops the loop: such an image is
+    damaged or crafted, or the dataset was built with a larger ``max_pixels`` (then raise
+    this one, knowing each image costs 3 x its pixels of GPU memory). The limit is the
+    caller's, never read from the dataset, which may be a stranger's.
     """
+
+    def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS):
+        if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+            raise ValueError(f"max_pixels must be a positive int, got {max_pixels!r}")
+        self.max_pixels = max_pixels
 
     def __call__(self, data: bytes) -> EncodedSample:
         info = jpeg_info(data)
+        if info is not None:
+            self._check(info.width, info.height, "its JPEG header claims")
         if gpu_decodable(info):
             return EncodedSample(bytes(data), info.height, info.width, False)
         im = open_image(data)
+        self._check(im.width, im.height, "it decodes to")
         return EncodedSample(im.tobytes(), im.height, im.width, True)
 
+    def _check(self, width: int, height: int, what: str) -> None:
+        if width * height > self.max_pixels:
+            raise FormatError(
+                f"an image is too large for the GPU path: {what} {width} x {height} = "
+                f"{width * height:,} pixels, over max_pixels={self.max_pixels:,}; a damaged or "
+                f"crafted file, or raise the limit: make_gpu_loader(..., max_pixels=N) or "
+                f"EncodedImage(max_pixels=N)")
+
     def __repr__(self) -> str:
-        return "EncodedImage()"
+        return f"EncodedImage(max_pixels={self.max_pixels})"
 
 
 class EncodedBatch(NamedTuple):

@@ -1,6 +1,7 @@
-"""The Triton kernel behind :func:`packer.gpu.resample.fused_resample` (imported on first
-use: importing Triton takes about a second). Set ``TRITON_INTERPRET=1`` before importing it
-to run it on the CPU (the tests do, in a subprocess).
+"""The Triton kernel behind :func:`packer.gpu.resample.resample_crops` (imported on first
+use: importing Triton's compiler takes about a second). With ``TRITON_INTERPRET=1`` set
+before it is imported it runs on CPU tensors in Triton's interpreter (the tests do, in a
+subprocess).
 """
 import triton
 import triton.language as tl

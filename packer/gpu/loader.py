@@ -11,18 +11,17 @@ import torch
 
 from ..reading.dataset import PackedDataset
 from ..loading.loader import make_loader
+from ..format.images import DEFAULT_MAX_PIXELS
 from .encoded import EncodedImage, collate_encoded
 
-__all__ = ["CUDA_QUEUES", "ConnectionsWarning", "connections_advice", "make_gpu_loader",
-           "reserve_cuda_queues"]
+__all__ = ["ConnectionsWarning", "connections_advice", "make_gpu_loader", "reserve_cuda_queues"]
 
 # nvJPEG works image by image on the GPU (a bitstream copy, a colour-conversion kernel and
 # an event wait per image). The GPU feeds its streams through CUDA_DEVICE_MAX_CONNECTIONS
-# hardware queues, 8 by default; streams that share one queue are serialised, so each of
-# those per-image steps waited behind a training kernel: decoding beside a ResNet-18 step
-# fell from ~21,000 to 1,300-10,000 images/s. With 32 queues it stayed at 12,000-20,000
-# (docs/gpu_decode.md). The variable is read when the CUDA context is created:
-# reserve_cuda_queues() sets it, explicitly, before that.
+# hardware queues, 8 by default; streams that share one queue are serialised, so with 8 each
+# of those per-image steps can wait behind a training kernel (docs/gpu_decode.md). CUDA reads
+# the variable when its context is created: reserve_cuda_queues() sets it, explicitly,
+# before that.
 CUDA_QUEUES = 32
 
 
@@ -56,35 +55,43 @@ def connections_advice() -> Optional[str]:
         return None
     now = "unset (8)" if value is None else value
     return (f"CUDA_DEVICE_MAX_CONNECTIONS is {now}: GPU decoding shares the GPU's hardware "
-            f"queues with training kernels and waits behind them (measured 2-6x slower beside a "
-            f"ResNet-18 step). Call packer.gpu.reserve_cuda_queues() (or make_gpu_loader) before "
+            f"queues with training kernels and waits behind them (several times slower beside a "
+            f"training step). Call packer.gpu.reserve_cuda_queues() (or make_gpu_loader) before "
             f"any CUDA work, or set CUDA_DEVICE_MAX_CONNECTIONS={CUDA_QUEUES} in the environment")
 
 
-def make_gpu_loader(dataset, batch_size: int = 256, **kwargs):
+def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int] = None,
+                    **kwargs):
     """``make_loader`` for the GPU path: ``dataset`` (a path or a ``PackedDataset``) hands
     out :class:`EncodedSample` and batches are :class:`EncodedBatch`.
 
-    ``pin_memory`` defaults to False here (make_loader's is True with CUDA): nvJPEG reads
-    the bytes on the host, and measured on an H200 (docs/gpu_decode.md), a ResNet-18 step
-    fed by GPUDecoder kept 93-97 % of its synthetic-data speed unpinned against 87-93 %
-    pinned (DataLoader's pin thread and its copy compete with the training process), while
-    the pipeline alone ran 20-26k images/s unpinned and 25-34k pinned. Pass
-    ``pin_memory=True`` when decoding throughput matters more than the step beside it.
-    Others go to ``make_loader`` (``shuffle``, ``sampler``, ``num_workers``, ``drop_last``...).
-    A dataset with a ``decode``/``transform`` of its own is copied with ``decode=EncodedImage()``.
+    ``max_pixels``: the largest image (width x height) a worker lets through, read from the
+    JPEG header before anything is decoded (:class:`EncodedImage`), so a crafted header
+    cannot make the GPU allocate beyond it. None: the dataset's own ``EncodedImage``'s limit
+    if it has one, else build's default (PIL's bomb threshold). A dataset with another
+    ``decode`` (or limit) is copied with ``decode=EncodedImage(max_pixels)``.
+
+    Other keywords go to ``make_loader`` (``shuffle``, ``sampler``, ``num_workers``,
+    ``drop_last``...). ``pin_memory`` defaults to False here (make_loader's is True with
+    CUDA): nvJPEG reads the bytes on the host, and DataLoader's pin thread competes with the
+    training step beside it; ``pin_memory=True`` gives more decoding throughput when nothing
+    trains beside it (docs/gpu_decode.md).
     Also calls :func:`reserve_cuda_queues`, which only helps if CUDA has not started yet.
     """
     reserve_cuda_queues()
+    own = getattr(dataset, "decode", None)
+    own = own.max_pixels if isinstance(own, EncodedImage) else None
+    if max_pixels is None:
+        max_pixels = own or DEFAULT_MAX_PIXELS
     if isinstance(dataset, (str, os.PathLike)):
-        dataset = PackedDataset(dataset, decode=EncodedImage())
+        dataset = PackedDataset(dataset, decode=EncodedImage(max_pixels))
     elif isinstance(dataset, PackedDataset):
         if dataset.transform is not None:
             raise ValueError("the GPU path augments on the GPU (GPUDecoder(train=..., size=...)): "
                              "build the PackedDataset without transform=")
-        if not isinstance(dataset.decode, EncodedImage):
+        if own != max_pixels:
             dataset = copy.copy(dataset)
-            dataset.decode = EncodedImage()
+            dataset.decode = EncodedImage(max_pixels)
     kwargs.setdefault("collate_fn", collate_encoded)
     kwargs.setdefault("pin_memory", False)
     return make_loader(dataset, batch_size, **kwargs)

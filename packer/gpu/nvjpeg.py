@@ -1,5 +1,5 @@
-"""nvJPEG decoders for ``packer.gpu``: torchvision's batched ``decode_jpeg``
-(``torchvision_decode``) and :class:`NvjpegDecoder`, libnvjpeg called directly through ctypes.
+"""nvJPEG decoders for ``packer.gpu``: :class:`NvjpegDecoder` (libnvjpeg called directly
+through ctypes, the default) and torchvision's batched ``decode_jpeg`` (``torchvision_decode``).
 """
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["NvjpegDecoder"]
+from ..errors import FormatError
+from .resample import ImageTable
+
+__all__ = ["NvjpegDecoder", "load_nvjpeg", "torchvision_decode"]
 
 
 def torchvision_decode(datas: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
@@ -27,14 +30,11 @@ class NvjpegDecoder:
     """nvJPEG's batched decoder called directly (ctypes): GPU decoding without torchvision.
 
     Same library and hardware engine as torchvision's decoder (pixels are identical), but
-    one output allocation per batch, no global lock (one handle per decode thread),
-    :meth:`decode_flat` (a whole batch into one buffer, for the fused resize: GPUDecoder's
-    default) and :meth:`decode_padded` (straight into the padded groups the matmul resize
-    works on; docs/gpu_decode.md). Work runs on a stream of
-    ``priority`` (default: the highest; measured, it does not let decoding overtake
-    training kernels). The hardware engine (A100/H100/H200) is used when nvJPEG has it,
-    else its default backend. Raises OSError/RuntimeError when
-    libnvjpeg cannot be loaded or set up. Calls are serialised by a lock (one nvJPEG state);
+    one output allocation per batch (:meth:`decode_flat`, which the fused kernel reads in
+    place) and no global lock (one handle per decode thread). Work runs on a stream of
+    ``priority`` (default: the highest). The hardware engine (A100/H100/H200) is used when
+    nvJPEG has it, else its default backend. Raises OSError/RuntimeError when libnvjpeg
+    cannot be loaded or set up. Calls are serialised by a lock (one nvJPEG state);
     :meth:`shared` gives one instance per (device, slot), as nvJPEG handles are never freed
     here (freeing them at interpreter exit can run after CUDA has shut down); threads that
     decode at once use one slot each.
@@ -84,57 +84,37 @@ class NvjpegDecoder:
         ptrs = torch.tensor([d.data_ptr() for d in datas], dtype=torch.int64)
         lens = torch.tensor([d.numel() for d in datas], dtype=torch.int64)
         with self._lock:
-            return self._decode(ptrs, lens, device)
+            return self._flat(ptrs, lens, device).views()
 
-    def decode_padded(self, data: torch.Tensor, offsets: torch.Tensor, device: torch.device,
-                      budget: int = 512 << 20):
-        """Decode every image of a flat buffer laid out by ``offsets`` (an ``EncodedBatch``'s)
-        straight into zero-padded groups (:func:`~packer.gpu.augment.plan_groups`, via
-        nvJPEG's row pitch), ready for the batched resize: no per-image tensors, no padding
-        copy. Returns a :class:`~packer.gpu.augment.PaddedBatch` and the (n, 2) sizes."""
-        from .augment import PaddedBatch, plan_groups
-        ptrs, lens = offsets[:-1] + data.data_ptr(), (offsets[1:] - offsets[:-1]).contiguous()
-        with self._lock:
-            hw = self._sizes(ptrs, lens)
-            index = plan_groups(hw, budget)
-            groups, c0, plane, pitch = [], *torch.empty((3, len(hw)), dtype=torch.int64)
-            for idx in index:  # zeros: the resize's filter reaches a little into the padding
-                hg, wg = (int(hw[idx, k].max() + 7) // 8 * 8 for k in (0, 1))
-                groups.append(torch.zeros((len(idx), 3, hg, wg), dtype=torch.uint8, device=device))
-                at = torch.tensor(idx)
-                c0[at] = groups[-1].data_ptr() + torch.arange(len(idx)) * (3 * hg * wg)
-                plane[at], pitch[at] = hg * wg, wg
-            self._run(ptrs, lens, c0, plane, pitch, device)
-        return PaddedBatch(groups, index), hw
-
-    def decode_flat(self, data: torch.Tensor, offsets: torch.Tensor, device: torch.device):
+    def decode_flat(self, data: torch.Tensor, offsets: torch.Tensor, device: torch.device,
+                    sizes: Optional[torch.Tensor] = None) -> ImageTable:
         """Decode every image of a flat buffer laid out by ``offsets`` (an ``EncodedBatch``'s)
         into one allocation, planar RGB back to back: nothing zeroed, nothing padded, for the
-        fused resize that reads each image where it lies. Returns an
-        :class:`~packer.gpu.resample.ImageTable` and the (n, 2) sizes."""
+        fused kernel that reads each image where it lies.
+
+        ``sizes`` ((n, 2) h, w: what the workers read from the headers, and checked against
+        the pixel limit) must be what nvJPEG's own header parser reads, or ``FormatError`` is
+        raised before anything is allocated: a file that parses differently cannot make it
+        allocate more."""
         ptrs, lens = offsets[:-1] + data.data_ptr(), (offsets[1:] - offsets[:-1]).contiguous()
         with self._lock:
-            table = self._flat(ptrs, lens, device)
-        return table, table.sizes
+            return self._flat(ptrs, lens, device, sizes)
 
-    def _flat(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device):
-        from .resample import ImageTable
-        hw = self._sizes(ptrs, lens)
+    def _flat(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device,
+              expect: Optional[torch.Tensor] = None) -> ImageTable:
+        hw = torch.tensor([self._size(p, k) for p, k in zip(ptrs.tolist(), lens.tolist())],
+                          dtype=torch.int64).view(-1, 2)
+        if expect is not None and not torch.equal(hw, expect):
+            bad = int((hw != expect).any(1).nonzero()[0])
+            raise FormatError(f"image {bad} of the batch: its JPEG header reads "
+                              f"{tuple(expect[bad].tolist())} (height, width) to packer but "
+                              f"{tuple(hw[bad].tolist())} to nvJPEG; a damaged or crafted file")
         planes = hw[:, 0] * hw[:, 1]
         ends = torch.cumsum(3 * planes, 0)
         out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=device)
         starts = ends - 3 * planes
         self._run(ptrs, lens, out.data_ptr() + starts, planes, hw[:, 1], device)
         return ImageTable.planar(out, starts, hw)
-
-    def _sizes(self, ptrs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """(n, 2) heights and widths from nvJPEG's own header parser: the buffers must be
-        what it will write."""
-        return torch.tensor([self._size(p, k) for p, k in zip(ptrs.tolist(), lens.tolist())],
-                            dtype=torch.int64).view(-1, 2)
-
-    def _decode(self, ptrs: torch.Tensor, lens: torch.Tensor, device: torch.device) -> List[torch.Tensor]:
-        return self._flat(ptrs, lens, device).views()
 
     def _run(self, ptrs, lens, c0, plane, pitch, device) -> None:
         """One batched decode: image i's R, G, B planes at c0[i] + k * plane[i], rows

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -12,9 +12,20 @@ __all__ = ["DecodeStats", "GPUOptions"]
 
 @dataclass(frozen=True)
 class GPUOptions:
-    """How ``GPUDecoder`` runs: threads, queues, backends. The defaults are the measured best
-    on an H100/H200 (docs/gpu_decode.md); most users never pass this.
+    """What ``GPUDecoder`` does beyond its common arguments: the augmentation's finer
+    settings, then how it runs (threads, queues, decoder). The defaults suit training on one
+    GPU (docs/gpu_decode.md says why each was chosen); most users never pass this.
 
+    Augmentation:
+    scale, ratio: RandomResizedCrop's area fraction and aspect-ratio ranges (training).
+    flip: a random horizontal flip per image (training).
+    crop_fraction: evaluation resizes the shorter side to ``size / crop_fraction``, then
+        center-crops ``size``, as ``DecodeCenterCrop``.
+    min_visible: detection: an object with less than this fraction of its box left in
+        the crop is dropped.
+    channels_last: the output batch's memory format (else contiguous NCHW).
+
+    Running:
     overlap: 2 works in background threads, each on its own CUDA stream, so the next
         batches decode (and augment) while the current one trains; 1 does it all in one
         thread; 0 works inline on the current stream (debugging, measurements).
@@ -25,28 +36,37 @@ class GPUOptions:
     queue_depth: decoded batches waiting between stages (bounds GPU memory).
     max_ahead: training steps the consumer may queue on the GPU beyond the last one
         finished (None: no limit; see ``GPUDecoder.throttle``).
-    backend: "nvjpeg" calls libnvjpeg directly (:class:`NvjpegDecoder`: one buffer per
-        batch that the fused resize reads in place; no torchvision needed); "torchvision"
-        uses ``torchvision.io.decode_jpeg``; "auto" the first of the two that loads.
-    resample: "triton" crops, resizes, flips and normalizes a batch in one fused kernel
-        (``packer.gpu.resample``); "matmul" pads images into groups and runs batched
-        matmuls (no Triton needed; 10x the GPU time); "auto": "triton" wherever it imports.
+    backend: "nvjpeg" calls libnvjpeg directly (``packer.gpu.nvjpeg.NvjpegDecoder``: one
+        buffer per batch that the fused kernel reads in place); "torchvision" uses
+        ``torchvision.io.decode_jpeg``; "auto" the first of the two that loads.
     augment_thread: with ``overlap=2``, augment in a thread of its own rather than in the
-        decode threads; None: only for ``resample="matmul"``, whose ~10 ms of host work per
-        batch would slow decoding (the fused kernel takes under 1 ms).
+        decode threads (the kernel's launch is short, so a hand-off costs more than it saves).
     decoder: replaces both backends: ``(list of 1-D uint8 CPU tensors, device) -> list of
-        (3, h, w) uint8 tensors``.
+        (3, h, w) uint8 tensors``; with it ``device`` may be the CPU (tests, dry runs).
     """
+    scale: Tuple[float, float] = (0.08, 1.0)
+    ratio: Tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+    crop_fraction: float = 0.875
+    min_visible: float = 0.25
+    channels_last: bool = True
     overlap: int = 2
     decode_threads: Optional[int] = None
     queue_depth: int = 2
     max_ahead: Optional[int] = 3
     backend: str = "auto"
-    resample: str = "auto"
-    augment_thread: Optional[bool] = None
+    augment_thread: bool = False
     decoder: Optional[Callable[[List[torch.Tensor], torch.device], List[torch.Tensor]]] = None
 
     def __post_init__(self):
+        scale, ratio = self.scale, self.ratio
+        if not (len(scale) == 2 and len(ratio) == 2 and 0 < scale[0] <= scale[1] <= 1
+                and 0 < ratio[0] <= ratio[1]):
+            raise ValueError(f"scale must be within (0, 1] and ratio positive, got {scale}, {ratio}")
+        if not 0 < self.crop_fraction <= 1:
+            raise ValueError(f"crop_fraction must be in (0, 1], got {self.crop_fraction}")
+        if not 0 <= self.min_visible <= 1:
+            raise ValueError(f"min_visible must be in [0, 1], got {self.min_visible}")
         if self.overlap not in (0, 1, 2):
             raise ValueError(f"overlap must be 0, 1 or 2, got {self.overlap!r}")
         if not isinstance(self.queue_depth, int) or self.queue_depth < 1:
@@ -60,8 +80,6 @@ class GPUOptions:
                              f"got {threads!r}")
         if self.backend not in ("auto", "nvjpeg", "torchvision"):
             raise ValueError(f"backend must be 'auto', 'nvjpeg' or 'torchvision', got {self.backend!r}")
-        if self.resample not in ("auto", "triton", "matmul"):
-            raise ValueError(f"resample must be 'auto', 'triton' or 'matmul', got {self.resample!r}")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from .._util.threads import END, Raised, drain, stoppable_get, stoppable_put
 
 class Pipeline:
     """The decode thread(s), each augmenting its own batches, or feeding an augment thread
-    (``augment_thread``); one thread for ``overlap=1``; joined by bounded queues.
+    (``GPUOptions.augment_thread``); one thread for ``overlap=1``; joined by bounded queues.
 
     Several decode threads take batches from the loader in turn, numbered; the consumer
     (or the augment thread) puts them back in that order. Threads hold no reference to the
@@ -48,7 +48,7 @@ class Pipeline:
         if dec.options.overlap == 1:
             stages = [("decode+augment", src, functools.partial(_both, dec, dec.decoders[0], base),
                        streams[0], self.out, False)]
-        elif not dec.augment_thread:  # each decode thread augments its own batches
+        elif not dec.options.augment_thread:  # each decode thread augments its own batches
             stages = [("decode+augment", src, functools.partial(_both, dec, dec.decoders[k], base),
                        streams[k], self.out, True) for k in range(dec.decode_threads)]
             self._ordered = self._in_order(self.out, dec.decode_threads)
@@ -61,7 +61,7 @@ class Pipeline:
                 (images, sizes, labels), event = item
                 if event is not None:
                     s_aug.wait_event(event)
-                    for t in (images.tensors() if hasattr(images, "tensors") else images):
+                    for t in images.tensors():
                         t.record_stream(s_aug)
                     labels.record_stream(s_aug)
                 return dec.augment_batch((images, sizes, labels), base + n)

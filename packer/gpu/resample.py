@@ -1,29 +1,36 @@
-"""The fused GPU augment: crop + antialiased bilinear resize + flip + normalize + dtype of a
-whole batch in ONE Triton kernel that reads every decoded image where it lies.
+"""Crop + antialiased bilinear resize + flip + normalize + dtype of a whole batch:
+:func:`resample_crops`. On a CUDA device it is ONE Triton kernel (``kernel.py``) that reads
+every decoded image where it lies; images on the CPU (tests, dry runs, a custom decoder with
+``device="cpu"``) go through :func:`reference_resample`, the same maths in plain torch.
 
-The matmul form (:func:`packer.gpu.augment.resample_crops` with ``method="matmul"``) needs
-images zero-padded to a common size, dense weight matrices and some twenty launches per
-group, and its GPU time (3.9 ms per batch of 256 stored-size images on an H200, against
-0.38 ms here) is taken from the training step it runs beside. Here the batch is described by an :class:`ImageTable` (a
-base tensor, and per image a byte offset and strides), so nvJPEG's flat output, a list of
-tensors or CPU-decoded HWC pixels all work without a copy; each program computes a tile of
-output rows of one image, filtering the source rows it needs horizontally and accumulating
-them vertically, all in registers. Triton comes with PyTorch's CUDA wheels; without it
-packer uses the matmul form.
+The filter is PIL's BILINEAR with a box (a triangle whose support widens with the downscale
+factor, so it is antialiased), the one the CPU decoders use: outputs match PIL's resize of the
+same pixels to within one level (PIL rounds to uint8 between its two passes, this does not).
+A batch is described by an :class:`ImageTable` (a base tensor, and per image a byte offset
+and strides), so nvJPEG's flat output, a list of tensors and CPU-decoded HWC pixels are all
+read without a copy.
 """
 from __future__ import annotations
 
 import importlib
+import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ImageTable", "fused_resample", "triton_available"]
+from ..errors import PackerError
 
-# Output rows per program and warps. Measured on an H200 (packer.bench.gpu, section 3a),
-# GPU time per batch of 256 stored-size images: 8 rows/4 warps 0.38 ms, 4/4 0.34-0.35, 8/2
-# 0.45, 16/8 0.53, 16/4 0.61, 32/8 0.96 (the pipeline and training rows ran with 8/4).
+__all__ = ["ImageTable", "reference_resample", "resample_crops", "triton_available"]
+
+# Output rows per program and warps of the kernel's launch (docs/gpu_decode.md has the
+# tile shapes measured).
 CONFIG = {"rows": 8, "num_warps": 4}
+
+TRITON_MISSING = (
+    "GPU decoding needs Triton for its fused augment kernel: pip install triton (it comes with "
+    "PyTorch's CUDA wheels on Linux; pip install 'packer-lmdb[gpu]' names it); without it use the CPU "
+    "path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with make_loader and "
+    "CUDAPrefetcher")
 
 
 class ImageTable:
@@ -47,7 +54,7 @@ class ImageTable:
 
     @classmethod
     def from_images(cls, images: Sequence[torch.Tensor]) -> "ImageTable":
-        """(3, h, w) uint8 tensors of any strides (HWC pixels permuted, padded groups' slices)."""
+        """(3, h, w) uint8 tensors of any strides (HWC pixels permuted, slices of a buffer)."""
         images = list(images)
         if not images:
             raise ValueError("ImageTable.from_images needs at least one image")
@@ -64,7 +71,7 @@ class ImageTable:
         return len(self.sizes)
 
     def views(self) -> List[torch.Tensor]:
-        """The images as (3, h, w) tensors (for the matmul form and for tests)."""
+        """The images as (3, h, w) tensors."""
         if self._views is None:
             so = self.base.storage_offset()
             self._views = [self.base.as_strided((3, h, w), (c, r, x), so + off)
@@ -76,43 +83,105 @@ class ImageTable:
         return [self.base] if self._images is None else list(self._images)
 
 
-_TRITON: list = []
-
-
 def triton_available() -> bool:
-    """Whether the fused kernel can run (Triton importable); cached."""
-    if not _TRITON:
-        try:
-            importlib.import_module("triton.language")
-            _TRITON.append(True)
-        except Exception:  # ImportError, or a Triton that fails to set itself up
-            _TRITON.append(False)
-    return _TRITON[0]
+    """Whether the fused kernel can run here (Triton importable and set up)."""
+    try:
+        importlib.import_module("triton.language")
+        return True
+    except Exception:  # ImportError, or a Triton that fails to set itself up
+        return False
 
 
-def fused_resample(images: ImageTable, params: torch.Tensor, size: Tuple[int, int],
-                   out: torch.Tensor, affine: Optional[torch.Tensor]) -> torch.Tensor:
-    """Run the kernel: ``params`` (B, 8) per image (y0, sy, filter scale y, h, x0, sx, filter
-    scale x, w) as :func:`~packer.gpu.augment.resample_crops` builds them (CPU, float64),
-    ``affine`` (6,) float32 scale then shift per channel on ``out``'s device (None for uint8)."""
-    import triton
-    b = len(images)
-    oh, ow = size
+def resample_crops(images, boxes: torch.Tensor, size: Tuple[int, int],
+                   flips: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
+                   scale: Optional[torch.Tensor] = None,
+                   shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Crop ``boxes`` ((B, 4) x0, y0, x1, y1 in pixels, any fractions, may reach outside the
+    image) out of ``images`` (an :class:`ImageTable`, or a list of uint8 (3, h, w) tensors of
+    any strides on one device), resize each to ``size`` (h, w), flip where ``flips``, write
+    ``x * scale + shift`` per channel into ``out`` (default float32; any float dtype and
+    memory format; for uint8 the rounded pixels, ``scale``/``shift`` unused). Pixels outside
+    an image get no weight; an output pixel none of whose taps lies inside is 0.
+
+    CUDA images run the Triton kernel (``PackerError`` when Triton is missing); CPU images run
+    :func:`reference_resample`, or the kernel in Triton's interpreter under ``TRITON_INTERPRET=1``.
+    """
+    table = images if isinstance(images, ImageTable) else None
+    b, (oh, ow) = len(images), size
+    device = boxes.device if not b else (table.base if table else images[0]).device
+    if out is None:
+        out = torch.empty((b, 3, oh, ow), dtype=torch.float32, device=device)
     if b == 0:
         return out
+    if table is None:
+        table = ImageTable.from_images(images)
+    hw = table.sizes.to("cpu", torch.float64)
+    boxes = boxes.to("cpu", torch.float64)
+    flips = torch.zeros(b, dtype=torch.bool) if flips is None else flips.to("cpu", torch.bool)
+    # Per axis: centre of output pixel i is start + (i + 0.5) * step; filter half-width
+    # max(|step|, 1); a flip walks x backwards from the box's right edge.
+    x0, y0, x1, y1 = boxes.unbind(1)
+    sy, sx = (y1 - y0) / oh, (x1 - x0) / ow
+    params = torch.stack([y0, sy, sy.clamp(min=1), hw[:, 0], torch.where(flips, x1, x0),
+                          torch.where(flips, -sx, sx), sx.clamp(min=1), hw[:, 1]], 1)
+    affine = None
+    if out.dtype != torch.uint8:  # (6,): scale then shift per channel
+        sc = torch.ones(3) if scale is None else scale.flatten().expand(3)
+        sh = torch.zeros(3) if shift is None else shift.flatten().expand(3)
+        affine = torch.cat([sc.to(out.device), sh.to(out.device)]).float()
+    if out.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return reference_resample(table, params, size, out, affine)
+    if not triton_available():
+        raise PackerError(TRITON_MISSING)
+    return launch_kernel(table, params, size, out, affine)
+
+
+def launch_kernel(images: ImageTable, params: torch.Tensor, size: Tuple[int, int],
+                  out: torch.Tensor, affine: Optional[torch.Tensor]) -> torch.Tensor:
+    """The fused kernel over the batch: ``params`` (B, 8) float64 per image (y0, sy, filter
+    half-width y, h, x0, sx, filter half-width x, w) as :func:`resample_crops` builds them,
+    ``affine`` (6,) float32 scale then shift per channel on ``out``'s device (None: uint8)."""
+    import triton
+
+    from .kernel import crop_resize  # imports Triton's compiler: on first use only
+    b, (oh, ow) = len(images), size
     p = params.to(torch.float64)
     # One table, one copy: (offset, channel, row, column strides, h, w, y0, sy, fy, x0, sx, fx).
     tab = torch.cat([images.layout.to(torch.float64), images.sizes.to(torch.float64),
                      p[:, 0:3], p[:, 4:7]], 1).contiguous()
     dev = out.device
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # pinned, so the copy does not wait for the stream's queued work
         tab = tab.pin_memory().to(dev, non_blocking=True)
     if affine is None:
         affine = torch.zeros(6, dtype=torch.float32, device=dev)
     rows, cols = CONFIG["rows"], min(256, triton.next_power_of_2(ow))
     grid = (b, triton.cdiv(oh, rows), triton.cdiv(ow, cols))
-    from .kernel import crop_resize
     crop_resize[grid](images.base, tab, out, affine, *out.stride(), oh, ow,
-                    UINT8=out.dtype == torch.uint8, BI=rows, BJ=cols,
-                    num_warps=CONFIG["num_warps"])
+                      UINT8=out.dtype == torch.uint8, BI=rows, BJ=cols,
+                      num_warps=CONFIG["num_warps"])
     return out
+
+
+def reference_resample(images: ImageTable, params: torch.Tensor, size: Tuple[int, int],
+                       out: torch.Tensor, affine: Optional[torch.Tensor]) -> torch.Tensor:
+    """The kernel's maths in plain torch, image by image (``Wy @ image @ Wx^T``, the filter
+    being separable), for images on the CPU; arguments as :func:`launch_kernel`'s."""
+    oh, ow = size
+    for k, (im, p) in enumerate(zip(images.views(), params.tolist())):
+        wy = _filter(p[0], p[1], p[2], oh, im.shape[1])
+        wx = _filter(p[4], p[5], p[6], ow, im.shape[2])
+        o = wy @ im.to(torch.float32) @ wx.T  # (3, oh, ow)
+        if affine is None:
+            out[k] = o.add_(0.5).floor_().clamp_(0, 255)
+        else:
+            out[k] = o * affine[:3, None, None] + affine[3:, None, None]
+    return out
+
+
+def _filter(start: float, step: float, half: float, n_out: int, n_in: int) -> torch.Tensor:
+    """(n_out, n_in) float32: PIL's triangle filter for each output pixel over the input
+    pixels, each row divided by its sum (a row with no pixel inside stays 0)."""
+    centre = start + (torch.arange(n_out, dtype=torch.float64) + 0.5) * step
+    pos = torch.arange(n_in, dtype=torch.float64) + 0.5
+    w = (1 - (pos[None, :] - centre[:, None]).abs() / half).clamp_(min=0)
+    return (w / w.sum(1, keepdim=True).clamp_(min=1e-12)).float()

@@ -21,7 +21,9 @@ from ..transforms.decode import open_image
 from ..format.manifest import dataset_schema
 from .reader import ShardReader, record_index
 from ..format.tables import read_column, read_labels, read_paths
+from ..errors import PackerError
 from ..sources.base import find_classes
+from ..storage import ShardCache, is_url, redact
 from .targets import TargetMaker, wrap_boxes
 
 
@@ -48,6 +50,9 @@ class PackedDataset(Dataset):
             one per object) made from the stored polygons / RLE.
         min_visible: with a crop decoder (``decode=DecodeRandomResizedCrop(...)``) on a
             detection dataset, keep a box when at least this fraction of it lies in the crop.
+        cache_dir / cache_limit / storage_options: for a ``root`` in object storage (``s3://``,
+            ``gs://``...): shards are fetched into ``cache_dir`` on first use, once per node,
+            keeping at most ``cache_limit`` bytes (``packer.storage.ShardCache``).
     """
 
     def __init__(self, root: os.PathLike, transform: Optional[Callable] = None,
@@ -56,9 +61,16 @@ class PackedDataset(Dataset):
                  exif_orientation: bool = False, verify_crc: bool = False,
                  transforms: Optional[Callable] = None,
                  target_fields: Union[None, str, Sequence[str]] = None, masks: bool = False,
-                 min_visible: float = 0.25):
-        self.root = os.fspath(root)
-        self.reader = ShardReader(root, verify_crc=verify_crc)
+                 min_visible: float = 0.25, cache_dir: Optional[os.PathLike] = None,
+                 cache_limit: Union[int, str, None] = None, storage_options: Optional[dict] = None):
+        cache = None
+        if is_url(root):
+            if cache_dir is None:
+                raise PackerError(f"reading {redact(root)} needs cache_dir= (a node-local folder "
+                                  f"for its shards), or stage it first: packer.stage(URL, TARGET)")
+            cache = ShardCache(root, cache_dir, cache_limit, storage_options)
+        self.root = os.fspath(root) if cache is None else os.fspath(cache.root)  # its side tables
+        self.reader = ShardReader(root, verify_crc=verify_crc, cache=cache)
         self.manifest = self.reader.manifest
         self.transform = transform
         self.target_transform = target_transform
@@ -75,7 +87,7 @@ class PackedDataset(Dataset):
         self.classes: List[str] = list(self.manifest["classes"])
         self.class_to_idx = dict(self.manifest["class_to_idx"])
         self.categories = list(self.manifest.get("categories", []))
-        self._labels = read_labels(root, self.manifest)  # array('i'): one buffer, not N objects
+        self._labels = read_labels(self.root, self.manifest)  # array('i'): one buffer, not N objects
         self._samples: Optional[Samples] = None
 
     def __len__(self) -> int:

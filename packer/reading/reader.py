@@ -48,7 +48,10 @@ class ShardReader:
     """
 
     def __init__(self, root: os.PathLike, manifest: Optional[dict] = None, *,
-                 verify_crc: bool = False):
+                 verify_crc: bool = False, cache=None):
+        self.cache = cache  # a packer.storage.ShardCache: shards fetched on first use, pinned while open
+        if cache is not None:
+            root, manifest = cache.root, cache.manifest
         self.root = Path(root)
         self.manifest = manifest if manifest is not None else read_manifest(self.root)
         self.verify_crc = bool(verify_crc)
@@ -58,15 +61,17 @@ class ShardReader:
         self.starts = [0]
         for s in self.manifest["shards"]:
             self.starts.append(self.starts[-1] + s["count"])
-        self.identity = [_identity(p, s, self.root) for p, s in zip(self.paths, self.manifest["shards"])]
+        self.identity = [None if cache else _identity(p, s, self.root)
+                         for p, s in zip(self.paths, self.manifest["shards"])]
         offsets = read_offsets(self.root, self.manifest)
         if offsets is None:  # older datasets: read each shard's tree once, here
             offsets = array("Q")
-            for p in self.paths:
-                offsets.extend(shard_records(p))
+            for k, p in enumerate(self.paths):
+                offsets.extend(shard_records(cache.shard_path(k, pin=False) if cache else p))
         self.offsets = offsets  # (offset, length) pairs
         self._pid: Optional[int] = None
         self._fds: List[Optional[int]] = []
+        self._order: List[int] = []  # shards open from the cache, oldest first
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -79,11 +84,21 @@ class ShardReader:
 
     def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():  # first use in this process (or we were forked): reopen
-            self._fds, self._pid = [None] * len(self.paths), os.getpid()
+            self._fds, self._pid, self._order = [None] * len(self.paths), os.getpid(), []
         fd = self._fds[shard]
         if fd is None:
-            fd = os.open(self.paths[shard], READ_FLAGS)
+            if self.cache is not None:
+                self._cached(shard)
+            try:
+                fd = os.open(self.paths[shard], READ_FLAGS)
+            except OSError as e:
+                raise FormatError(
+                    f"{self.paths[shard]} cannot be opened ({e.strerror}): it was removed or "
+                    f"made unreadable after this dataset was opened (unstaged?); stage or open "
+                    f"the dataset again") from None
             st = os.fstat(fd)
+            if self.cache is not None and st.st_size == self.manifest["shards"][shard]["bytes"]:
+                self.identity[shard] = _stat_identity(st)  # named by its SHA-256: any copy is it
             if _stat_identity(st) != self.identity[shard]:
                 os.close(fd)
                 raise FormatError(
@@ -98,11 +113,12 @@ class ShardReader:
         shard, local = self.locate(index)
         i = 2 * (self.starts[shard] + local)
         offset, length = self.offsets[i], self.offsets[i + 1]
+        fd = self._fd(shard)
         if offset + length > self.identity[shard][2]:  # the table from a stranger: never trusted
             raise FormatError(f"record {index}: offsets.u64 points past the end of "
                               f"{self.paths[shard].name} (a damaged or crafted table); run "
                               f"`packer verify {self.root}`")
-        data = os.pread(self._fd(shard), length, offset)
+        data = os.pread(fd, length, offset)
         if len(data) != length:
             raise FormatError(f"{self.paths[shard]} is shorter than its offsets say; damaged shard")
         return data
@@ -114,16 +130,30 @@ class ShardReader:
                               f"(damaged storage?); run `packer verify {self.root}`")
         return rec
 
+    def _cached(self, shard: int, keep: int = 2) -> None:
+        """Close and unpin the oldest shards open from the cache beyond ``keep - 1`` (so that
+        the cache may evict what this process no longer reads), then fetch (once per node)
+        and pin ``shard``."""
+        while len(self._order) >= keep:
+            k = self._order.pop(0)
+            os.close(self._fds[k])
+            self._fds[k] = None
+            self.cache.release(k)
+        self.cache.shard_path(shard)
+        self._order.append(shard)
+
     def close(self) -> None:
         if self._pid == os.getpid():
             for fd in self._fds:
                 if fd is not None:
                     os.close(fd)
-        self._fds, self._pid = [], None
+            if self.cache is not None:
+                self.cache.close()
+        self._fds, self._pid, self._order = [], None, []
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_fds"], state["_pid"] = [], None  # descriptors stay in their process
+        state["_fds"], state["_pid"], state["_order"] = [], None, []  # descriptors stay in their process
         return state
 
     def __del__(self):

@@ -21,7 +21,8 @@ TMP_SUFFIX = ".staging"
 
 @dataclass
 class StagedFile:
-    """One file of the dataset to stage: its flat name in TARGET and where it is now."""
+    """One file of the dataset to stage: its flat name in TARGET and where it is now (a
+    ``packer.storage.remote.RemoteFile`` for a dataset in object storage)."""
     name: str
     src: Path
     bytes: int
@@ -42,6 +43,10 @@ def copy_file(f: StagedFile, target: Path, progress) -> Path:
     hashed in a second thread while it is written and chunk i+1 is read.
     """
     tmp = target / ("." + f.name + TMP_SUFFIX)
+    if not isinstance(f.src, Path):  # in object storage: fetched and verified by packer.storage
+        with disk_full(target / f.name):
+            f.src.download(tmp, f.bytes, f.sha256, progress)
+        return tmp
     h = hashlib.sha256()
     size = 0
     try:

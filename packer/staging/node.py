@@ -10,6 +10,7 @@ from typing import Optional
 from .._util.system import fs_type, meminfo
 from ..errors import PackerError
 from ..format.manifest import read_manifest, side_tables
+from ..storage import is_url, redact
 from .results import StageResult
 from .stager import stage
 
@@ -84,7 +85,8 @@ def stage_once_per_node(src: os.PathLike, target: os.PathLike, *, local_rank: Op
         return result
     target = Path(target)
     man = read_manifest(target)  # cheap: local rank 0 just verified every byte
-    waited = StageResult(source=Path(src), target=target, waited=True, fstype=fs_type(target),
+    source = redact(src) if is_url(src) else Path(src)  # a URL's credentials are never shown
+    waited = StageResult(source=source, target=target, waited=True, fstype=fs_type(target),
                          swap=meminfo().get("SwapTotal", 0) > 0)
     tables = [entry for _, entry, _ in side_tables(man)]
     waited.kept = [s["path"] for s in man["shards"]] + [t["path"] for t in tables]

@@ -16,6 +16,7 @@ writes a manifest with rewritten paths, so TARGET is self-contained and
 from __future__ import annotations
 
 import copy
+import json
 import os
 import stat
 import shutil
@@ -31,6 +32,7 @@ from .._util.system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
 from .._util.fsio import FolderLock, check_folder, fsync_dir, write_json_atomic
 from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256, read_manifest, set_table, shard_file, side_tables
+from ..storage import RemoteDataset, is_url
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult
 from .unstager import (STAGE_LOCK, STAGE_MARKER, previous_names, read_marker, remove_folders,
@@ -52,11 +54,11 @@ def ram_margin(mem_total: int) -> int:
 # -- stage -----------------------------------------------------------------------------------
 
 def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
-          verify: bool = True) -> StageResult:
+          verify: bool = True, storage_options: Optional[dict] = None) -> StageResult:
     """Copy the dataset ``src`` (shards, tables, manifest) into ``target`` and verify it.
 
     Args:
-        src: a finished dataset (built or merged).
+        src: a finished dataset (built or merged): a folder, or a URL (``s3://``, ``gs://``...).
         target: where to put the copy, typically ``/dev/shm/NAME`` or a tmpfs mount; created
             (parents too; ``unstage`` removes what it created) if missing. An existing
             ``target`` must be empty or a staged copy (of this or another dataset): staging
@@ -66,6 +68,7 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
             file from ``target`` to check it against the manifest. With ``verify=False``
             files already there are checked by size only, and copies are checked by the hash
             computed while copying (which still catches a source that changed or rotted).
+        storage_options: for a URL: fsspec's options (endpoint, credentials) and packer's.
 
     Returns a ``StageResult``; ``print(result.message())`` tells the user where the data is.
     Raises ``PackerError`` for an incomplete source, a target that is not safe to write, or
@@ -74,11 +77,12 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     keeps it, so that the same call resumes (or ``unstage`` removes it).
     """
     t0 = time.perf_counter()
-    src, target = Path(src), Path(target)
-    man = read_manifest(src)
+    src, target = (RemoteDataset(src, storage_options) if is_url(src) else Path(src)), Path(target)
+    man = read_manifest(src) if isinstance(src, Path) else src.read_manifest()
     plan = staging_plan(src, man)
+    name = os.path.basename(str(src.resolve()).rstrip("/")) or "data"  # a folder's or a URL's
     check_folder(target, marks=(STAGE_MARKER, MANIFEST), leftovers=(STAGE_LOCK,),
-                 fix=f"stage into a folder of its own, e.g. {target / (src.resolve().name or 'data')}")
+                 fix=f"stage into a folder of its own, e.g. {target / name}")
     made = [p for p in [target] + list(target.absolute().parents) if not p.exists()]
     try:
         with vanishing(target):
@@ -207,11 +211,12 @@ def staging_plan(src: Path, man: dict) -> List[StagedFile]:
     files = []
     for i, (s, base) in enumerate(zip(shards, bases)):
         name = base if flat else f"shard-{i:0{width}d}.lmdb"
-        files.append(StagedFile(name, shard_file(src, s["path"]), s["bytes"], s["sha256"], "shard"))
+        where = shard_file(src, s["path"]) if isinstance(src, Path) else src.shard(s["path"])
+        files.append(StagedFile(name, where, s["bytes"], s["sha256"], "shard"))
     for kind, entry, name in side_tables(man):  # offsets and columns are optional in older datasets
         files.append(StagedFile(name, src / entry["path"], entry["bytes"], entry["sha256"], kind))
     for f in files:
-        size = _size(f.src)
+        size = _size(f.src) if isinstance(f.src, Path) else f.src.size
         if size is None:
             hint = "keep the parts of a merged dataset where they are, or " if f.kind == "shard" else ""
             raise FormatError(f"{f.src}, listed in {src / MANIFEST}, is missing or not a regular "
@@ -240,7 +245,7 @@ def _refuse_unsafe_target(src: Path, target: Path, plan: List[StagedFile]) -> No
                           f"(e.g. /dev/shm/{src.resolve().name})")
     for f in plan:
         there = target / f.name
-        if there.exists() and os.path.samefile(there, f.src):
+        if there.exists() and isinstance(f.src, Path) and os.path.samefile(there, f.src):
             raise PackerError(f"staging to {target} would overwrite the source file {f.src}; "
                               f"pick an empty folder")
     if (target / ".packer-build.json").exists():
@@ -301,7 +306,6 @@ def _same_manifest(target: Path, staged: dict) -> bool:
 
 
 def _json_size(obj) -> int:
-    import json
     return len(json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")) + 1
 
 

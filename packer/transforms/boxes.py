@@ -1,6 +1,6 @@
 """Box maths for detection augmentation: object boxes that move with the images.
 
-The GPU decoder crops and resizes whole batches (:func:`~packer.gpu.augment.resample_crops`)
+The GPU decoder crops and resizes whole batches (:func:`~packer.gpu.resample.resample_crops`)
 and a YOLO-style loader letterboxes them; the boxes of every image must follow without a
 Python loop per box. Boxes are XYXY in pixels (continuous coordinates: pixel ``j`` spans
 ``[j, j + 1)``, the convention of the resizers), stored as one ``(N, 4)`` tensor for the

@@ -8,12 +8,25 @@ the work when the crop is large relative to the output).
 from __future__ import annotations
 
 import functools
-import io
 import math
 import random
 from typing import Optional, Tuple
 
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from ..errors import FormatError
+from ..format.images import IMAGE_FORMATS, pil_open
+
+
+def stored_image(data: bytes) -> Image.Image:
+    """A record's image opened (lazily) by an allowed decoder (``packer.format.images``):
+    a build stores only such images, so anything else is a damaged or crafted record."""
+    try:
+        return pil_open(data)
+    except UnidentifiedImageError:
+        raise FormatError(f"a record's image is not in a format packer opens "
+                          f"({', '.join(IMAGE_FORMATS)}): the dataset is damaged or "
+                          f"crafted") from None
 
 
 def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
@@ -23,7 +36,7 @@ def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
     ``size_hint`` (w, h) allows JPEG draft decoding to the smallest DCT scale whose result is
     still at least that large: pixels then differ from a full decode, so it is opt-in.
     """
-    im = Image.open(io.BytesIO(data))
+    im = stored_image(data)
     if size_hint is not None and im.format == "JPEG":
         im.draft("RGB", size_hint)
     if exif_orientation:
@@ -61,7 +74,7 @@ class CropDecoder:
     def decode_crop(self, data: bytes):
         """``(tensor, crop, flipped)``: the crop ``(x0, y0, x1, y1)`` in the stored image's
         pixels and the flip, so a detection target's boxes can follow (``packer.transforms.boxes``)."""
-        im = Image.open(io.BytesIO(data))
+        im = stored_image(data)
         w, h = im.size
         crop = x0, y0, x1, y1 = self.box(w, h)
         oh, ow = self.size
@@ -198,7 +211,7 @@ class DecodeLetterbox(CropDecoder):
         self.fill, self.scale_up = int(fill), bool(scale_up)
 
     def decode_crop(self, data: bytes):
-        im = Image.open(io.BytesIO(data))
+        im = stored_image(data)
         w, h = im.size
         oh, ow = self.size
         r = min(oh / h, ow / w)

@@ -14,8 +14,8 @@ from typing import Optional, Tuple
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import PackerError
+from ..format.images import DEFAULT_MAX_PIXELS, IMAGE_FORMATS, pil_open
 
-DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own decompression-bomb threshold (~ 0.25 GiB RGB)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
     with warnings.catch_warnings(), _pil_pixel_limit(max_pixels):
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            with Image.open(io.BytesIO(data)) as im:
+            with pil_open(data) as im:
                 fmt, mode, (w, h) = im.format or "?", im.mode, im.size
                 if w * h > max_pixels:
                     raise BadImage(f"decompression bomb: {w}x{h} = {w * h} pixels "
@@ -115,7 +115,7 @@ class _pil_pixel_limit:
 def _reason(e: BaseException) -> str:
     msg = str(e).strip() or type(e).__name__
     if isinstance(e, UnidentifiedImageError):
-        return "not an image (PIL cannot identify it)"
+        return f"not an image packer opens (formats: {', '.join(IMAGE_FORMATS)})"
     if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
         return f"decompression bomb: {msg}"
     if "truncated" in msg.lower():

@@ -87,3 +87,13 @@ def test_script_help():
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--workdir" in proc.stdout and "--no-throttle" in proc.stdout
+
+
+
+def test_default_workdir_is_fresh_and_private(src, tmp_path):
+    """Run as root (the script says sudo), a fixed folder under /var/tmp would let another
+    user plant links that packer then writes through: each run makes its own and removes it."""
+    before = set(Path("/var/tmp").glob("packer-bench-stage*"))
+    result = bench_stage(src, quick(tmp_path, workdir=None))
+    assert result["results"]["shards/RAM"]["records"] == 20
+    assert set(Path("/var/tmp").glob("packer-bench-stage*")) == before

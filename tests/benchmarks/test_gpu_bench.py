@@ -33,7 +33,7 @@ def test_dry_run_end_to_end(tmp_path):
     assert agree["eval_vs_pil_full_decode_same_resize"]["max_abs"] <= 1
     rows = (out / "results.md").read_text()
     for row in ("decode only (pil), batches in memory [stored]",
-                "crop+resize+flip+normalize only, matmul, train [stored]",
+                "crop+resize+flip+normalize only, CPU reference, train [stored]",
                 "GPUDecoder train, pil, 1 decode thread [stored]",
                 "GPUDecoder eval, pil, 1 decode thread [stored]",
                 "decode_jpeg batch of 16 progressive JPEGs"):

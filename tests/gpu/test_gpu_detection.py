@@ -11,7 +11,8 @@ import torch
 
 from packer import PackedDataset, build
 from packer.demo.scenes import make_detection_folder
-from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader, random_resized_crop_boxes
+from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
+from packer.gpu.augment import random_resized_crop_boxes
 from packer.gpu.detection import DetectionTargets
 
 from helpers import cuda, pil_decoder
@@ -27,10 +28,10 @@ def det(tmp_path_factory):
     return dst
 
 
-def decoder(det, device, **kw):
-    opts = dict(overlap=0)
+def decoder(det, device, min_visible=0.25, **kw):
+    opts = dict(overlap=0, min_visible=min_visible)
     if device == "cpu":
-        opts.update(decoder=pil_decoder, resample="matmul")
+        opts.update(decoder=pil_decoder)
     loader = make_gpu_loader(det, 6, num_workers=0, shuffle=False)
     return GPUDecoder(loader, size=SIZE, device=device, dtype=torch.uint8, seed=0,
                       options=GPUOptions(**opts), **kw)
@@ -63,7 +64,7 @@ def check_crops(det, device):
     item = dec.decode_batch(batch)
     images, out = dec.augment_batch(item, seed=1234)
     gen = torch.Generator().manual_seed(1234)
-    crops = random_resized_crop_boxes(batch.sizes, dec.scale, dec.ratio, generator=gen)
+    crops = random_resized_crop_boxes(batch.sizes, dec.options.scale, dec.options.ratio, generator=gen)
     flips = torch.rand(len(batch.sizes), generator=gen) < 0.5
     assert images.shape == (6, 3, *SIZE) and images.device.type == torch.device(device).type
     dropped = 0

@@ -3,8 +3,6 @@ reader gives a FormatError naming the problem, never a raw exception or an alloc
 by the attacker; ``packer verify`` reports them."""
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import subprocess
 import sys
@@ -19,8 +17,8 @@ from packer.demo.images import load_photos, make_image
 from packer.demo.scenes import make_detection_folder
 from packer.errors import FormatError, PackerError
 from packer.format.records import pack_record
-from packer.format.lmdbfile import shard_records
-from packer.writing.shard import ShardWriter
+
+from helpers import edit_manifest, retable, rewrite_first_record, sha
 
 
 @pytest.fixture(scope="module")
@@ -36,50 +34,6 @@ def ds(det, tmp_path) -> Path:
     out = tmp_path / "ds"
     shutil.copytree(det, out)
     return out
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def edit_manifest(root: Path, fn) -> None:
-    man = json.loads((root / "manifest.json").read_text())
-    fn(man)
-    (root / "manifest.json").write_text(json.dumps(man))
-
-
-def retable(root: Path, key: str, name: str, table: array) -> None:
-    """Rewrite a side table and make the manifest agree with it (a crafted, consistent set)."""
-    (root / name).write_bytes(table.tobytes())
-
-    def fix(man):
-        entry = man[key] if "." not in key else man[key.split(".")[0]][key.split(".")[1]]
-        entry.update(bytes=(root / name).stat().st_size, sha256=sha(root / name))
-    edit_manifest(root, fix)
-
-
-def rewrite_first_record(root: Path, record: bytes) -> None:
-    """Replace record 0 of shard 0 by ``record`` bytes; shard entry and offsets made consistent."""
-    reader_recs = shard_records(root / "shard-00000.lmdb")
-    import lmdb
-    env = lmdb.open(str(root / "shard-00000.lmdb"), subdir=False, readonly=True, lock=False)
-    with env.begin() as txn:
-        values = [bytes(v) for _, v in txn.cursor()]
-    env.close()
-    values[0] = record
-    tmp = root / "rebuilt.lmdb"
-    w = ShardWriter(tmp, expected_bytes=1 << 22)
-    for v in values:
-        w.append(v)
-    entry = w.finish()
-    (root / "rebuilt.lmdb").replace(root / "shard-00000.lmdb")
-    offsets = array("Q", shard_records(root / "shard-00000.lmdb"))
-    assert len(offsets) == len(reader_recs)
-    edit_manifest(root, lambda man: man["shards"][0].update(bytes=entry["bytes"],
-                                                            sha256=entry["sha256"]))
-    man = json.loads((root / "manifest.json").read_text())
-    edit_manifest(root, lambda m: m.update(bytes=sum(s["bytes"] for s in m["shards"])))
-    retable(root, "offsets", man["offsets"]["path"], offsets)
 
 
 def test_offsets_past_the_shard_are_refused_before_reading(ds):

@@ -1,0 +1,289 @@
+"""A node-local cache of a remote dataset's shards, for reading without staging.
+
+Every process of a node (ranks, DataLoader workers) that opens ``ShardCache(url, cache_dir)``
+shares one folder, ``cache_dir/<name>-<hash of the URL>/``, and one rule per file: it is
+written only by the process holding an exclusive ``flock`` on ``.locks/NAME.fetch``, under a
+temporary name, verified against the manifest's SHA-256, then renamed into place. So a shard
+is downloaded once per node however many processes want it at once, a reader never sees
+half a file, and a process killed mid-download leaves only a ``.NAME.*.part`` file that the
+next one to lock NAME removes. Locks are files in the folder and die with their process:
+nothing global (no shared-memory names) survives a crash.
+
+Files are named by content (their SHA-256), so a dataset rewritten under the same URL never
+reads a stale shard. A process *pins* the shards it reads (a shared ``flock`` on
+``.locks/NAME.pin``, held until ``release``); when the shards exceed ``cache_limit``, the least recently used unpinned ones
+are evicted before the next download. The side tables and the manifest are fetched at start
+(small: bytes per sample) and never evicted; ``cache_limit`` bounds the shards.
+"""
+from __future__ import annotations
+
+try:
+    import fcntl
+except ImportError:  # Windows: a ShardCache says so when made; importing this works
+    fcntl = None
+
+import hashlib
+import os
+import re
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from copy import deepcopy
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Union
+
+from .._util.fsio import lock_module
+from .._util.system import human_size
+from ..errors import PackerError
+from ..format.manifest import set_table, side_tables
+from .objects import Store
+from .remote import fetch_manifest
+
+LOCKS = ".locks"
+OPEN_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: Union[int, str, None]) -> Optional[int]:
+    """``None``, a byte count, or text such as ``"200G"`` / ``"1.5T"`` (powers of 1024)."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)I?B?\s*", str(value).upper())
+    if not m:
+        raise PackerError(f"cache_limit={value!r} is not a size (examples: 200G, 1.5T, 10**12)")
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+class ShardCache:
+    """Shards of the dataset at ``url`` on this node's disk, fetched on first use.
+
+    ``shard_path(k)`` is the call a reader makes before opening shard ``k``; ``manifest`` is
+    the dataset's manifest with paths naming the files in ``root``, for
+    ``ShardReader(cache.root, manifest=cache.manifest)``. ``cache_limit`` (bytes or ``"200G"``;
+    None: unbounded) must hold at least the shards the node's processes read at once.
+    """
+
+    def __init__(self, url: str, cache_dir: os.PathLike, cache_limit: Union[int, str, None] = None,
+                 storage_options: Optional[Dict[str, Any]] = None, *, prefetch_workers: int = 2):
+        lock_module()  # no fcntl (Windows): one PackerError saying so
+        self.store = Store(url, storage_options)
+        self.limit = parse_size(cache_limit)
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", self.store.shown.split("://", 1)[-1])[-60:].strip("-.")
+        self.root = Path(cache_dir) / f"{slug}-{hashlib.sha256(self.store.shown.encode()).hexdigest()[:12]}"
+        (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
+        remote = fetch_manifest(self.store)
+        self.manifest = deepcopy(remote)
+        self._entries = []  # per shard: (local name, remote path, bytes, sha256)
+        for s in remote["shards"]:
+            name = _content_name(s, remote, "lmdb")
+            self._entries.append((name, s["path"], s["bytes"], s.get("sha256")))
+        self.manifest["shards"] = [dict(s, path=e[0]) for s, e in zip(remote["shards"], self._entries)]
+        self.manifest["cached"] = {"from": self.store.shown}
+        biggest = max((s["bytes"] for s in remote["shards"]), default=0)
+        if self.limit is not None and biggest > self.limit:
+            raise PackerError(f"cache_limit ({human_size(self.limit)}) is smaller than one shard "
+                              f"of {self.store.shown} ({human_size(biggest)}); raise it")
+        self.prefetch_workers = max(1, prefetch_workers)
+        self._reset()
+        self.clean_leftovers()
+        self.downloads = self.downloaded_bytes = self.hits = self.evictions = 0
+        for key, entry, staged_name in side_tables(remote):
+            name = _content_name(entry, remote, staged_name)
+            self._ensure(name, entry["path"], entry["bytes"], entry.get("sha256"), pin=False)
+            set_table(self.manifest, key, dict(entry, path=name))
+        # What this process did with shards (the side tables above are not counted):
+        self.downloads = self.downloaded_bytes = self.hits = self.evictions = 0
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._pins: Dict[int, int] = {}  # shard -> fd holding a shared lock
+        self._mutex = threading.Lock()
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pins", "_mutex", "_pool", "_pid")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset()
+
+    def _here(self) -> None:
+        """After a fork: the parent's pins and threads are not this process's."""
+        if self._pid != os.getpid():
+            for fd in self._pins.values():
+                os.close(fd)  # the parent's lock stays: it holds its own descriptor
+            self._reset()
+
+    # -- the reader's calls --------------------------------------------------------------
+    def shard_path(self, k: int, *, pin: bool = True) -> Path:
+        """The local path of shard ``k``, downloaded (once per node) if it is not here yet.
+        With ``pin`` it is not evicted until ``release(k)``."""
+        self._here()
+        name, rel, size, sha = self._entries[k]
+        with self._mutex:
+            if k in self._pins:
+                _touch(self.root / name)
+                self.hits += 1
+                return self.root / name
+        fd = self._ensure(name, rel, size, sha, pin=pin)
+        if fd is not None:
+            with self._mutex:
+                if k in self._pins:
+                    os.close(fd)
+                else:
+                    self._pins[k] = fd
+        return self.root / name
+
+    def release(self, k: int) -> None:
+        """Unpin shard ``k`` (it may be evicted from now on)."""
+        self._here()
+        with self._mutex:
+            fd = self._pins.pop(k, None)
+        if fd is not None:
+            os.close(fd)
+
+    def prefetch(self, shards: Iterable[int]) -> List[Future]:
+        """Fetch these shards in the background (``prefetch_workers`` at a time), unpinned;
+        the futures raise what a failed fetch raised (a later ``shard_path`` retries)."""
+        self._here()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.prefetch_workers, thread_name_prefix="packer-cache")
+        return [self._pool.submit(self.shard_path, k, pin=False) for k in shards]
+
+    def close(self) -> None:
+        """Stop prefetching and drop this process's pins."""
+        self._here()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        for k in list(self._pins):
+            self.release(k)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- files ---------------------------------------------------------------------------
+    def _lock(self, name: str, kind: str) -> int:
+        return os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
+
+    def _ensure(self, name: str, rel: str, size: int, sha: Optional[str], pin: bool) -> Optional[int]:
+        """Make ``root/name`` present; with ``pin``, return the fd holding its pin (shared)."""
+        path, fetched = self.root / name, False
+        while True:
+            if _size(path) == size:
+                fd = self._lock(name, "pin") if pin else None
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                if _size(path) == size:  # not evicted between the look and the pin
+                    _touch(path)
+                    self.hits += not fetched
+                    return fd
+                if fd is not None:
+                    os.close(fd)
+            fd = self._lock(name, "fetch")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # one writer per name: waits for another's download
+                if _size(path) != size:
+                    self._fetch(name, rel, size, sha)
+                    fetched = True
+            finally:
+                os.close(fd)
+
+    def _fetch(self, name: str, rel: str, size: int, sha: Optional[str]) -> None:
+        """Download ``rel`` to ``name``; the caller holds NAME's fetch lock."""
+        for p in self.root.glob(f".{name}.*.part"):  # a killed process's (we hold the lock)
+            p.unlink(missing_ok=True)
+        if name.endswith(".lmdb"):
+            self._make_room(size)
+        tmp = self.root / f".{name}.{os.getpid()}-{threading.get_ident()}.part"
+        self.store.download(rel, tmp, size, sha)
+        os.replace(tmp, self.root / name)
+        self.downloads += 1
+        self.downloaded_bytes += size
+
+    def _make_room(self, need: int) -> None:
+        """Evict least recently used, unpinned shards until ``need`` more bytes fit."""
+        if self.limit is None:
+            return
+        guard = self._lock("", "evict")
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # one evicting process at a time
+            files = [(st.st_atime_ns, e.name, st.st_size) for e in os.scandir(self.root)
+                     if e.name.endswith((".lmdb", ".part")) for st in [_stat(e)] if st is not None]
+            used = sum(size for _, _, size in files)
+            for _, name, size in sorted(f for f in files if not f[1].startswith(".")):
+                if used + need <= self.limit:
+                    return
+                if self._evict(name):
+                    used -= size
+            if used + need > self.limit:
+                warnings.warn(f"the shards in use in {self.root} ({human_size(used)}) and the next "
+                              f"({human_size(need)}) exceed cache_limit ({human_size(self.limit)}): "
+                              f"raise it, or read with fewer processes per node", RuntimeWarning)
+        finally:
+            os.close(guard)
+
+    def _evict(self, name: str) -> bool:
+        """Remove shard ``name`` unless some process pins it."""
+        fd = self._lock(name, "pin")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            (self.root / name).unlink(missing_ok=True)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+        self.evictions += 1
+        return True
+
+    def clean_leftovers(self) -> int:
+        """Remove ``.part`` files no live process is writing (a crash's); returns how many."""
+        removed = 0
+        for p in self.root.glob(".*.part"):
+            fd = self._lock(p.name[1:].rsplit(".", 2)[0], "fetch")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                p.unlink(missing_ok=True)
+                removed += 1
+            except BlockingIOError:
+                pass  # being written now
+            finally:
+                os.close(fd)
+        return removed
+
+    def usage(self) -> int:
+        """Bytes of shards in the cache now (all processes')."""
+        return sum(st.st_size for e in os.scandir(self.root) if e.name.endswith(".lmdb")
+                   for st in [_stat(e)] if st is not None)
+
+
+def _content_name(entry: dict, manifest: dict, suffix: str) -> str:
+    """A file's name in the cache, from its content: its SHA-256 (else what identifies it)."""
+    key = entry.get("sha256") or hashlib.sha256(
+        f"{manifest.get('build_id')}/{entry['path']}/{entry['bytes']}".encode()).hexdigest()
+    return f"{key[:32]}.{suffix}" if "." not in suffix else f"{key[:32]}-{suffix}"
+
+
+def _size(path: Path) -> Optional[int]:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _stat(entry: os.DirEntry):
+    try:
+        return entry.stat()
+    except FileNotFoundError:
+        return None
+
+
+def _touch(path: Path) -> None:
+    """Mark ``path`` used now: its access time (the LRU clock; its mtime, which readers
+    check to notice a replaced file, stays)."""
+    try:
+        st = path.stat()
+        os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,212 @@
+"""Whole files to and from object storage, bounded, retried and verified.
+
+fsspec speaks the protocols; this module adds what a dataset needs on top: a large object
+arrives as parallel ranged GETs written to a new local file and hashed in order on the way,
+and is accepted only if its length, its SHA-256 (when the manifest gives one) and its
+version (ETag, generation) all held from the first request to the last. A body of the wrong
+length is retried; an object that changed underneath is a ``PackerError``; a failed or
+interrupted download never leaves its file behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from .._util.fsio import open_new
+from ..errors import FormatError, PackerError
+from .retry import ShortBody, with_retries
+from .urls import filesystem, redact, redact_text, secret_values, split_options, url_secrets
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    version: Optional[str]  # ETag / generation / mtime: whatever the store says changes with it
+
+
+class Store:
+    """A folder in object storage (``url``): read, download and upload the files in it.
+
+    ``storage_options`` go to fsspec (endpoint, credentials, ...) except packer's own
+    ``packer_*`` keys (``Transfer``). A Store pickles without its client (each process makes
+    its own: fsspec's async clients do not survive a fork)."""
+
+    def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None):
+        self.url = url.rstrip("/")
+        self.shown = redact(self.url)
+        self.options, self.transfer = split_options(storage_options)
+        self.secrets = secret_values(self.options) + url_secrets(url)
+        self._fs: Any = None
+        self._pid: Optional[int] = None
+        self.root = self.fs_root()
+
+    def fs_root(self) -> str:
+        fs, root = filesystem(self.url, self.options)
+        self._fs, self._pid = fs, os.getpid()
+        return root.rstrip("/")
+
+    @property
+    def fs(self):
+        if self._pid != os.getpid():
+            self.fs_root()
+        return self._fs
+
+    def __getstate__(self):
+        return dict(self.__dict__, _fs=None, _pid=None)
+
+    # -- names --------------------------------------------------------------------------
+    def key(self, rel: str) -> str:
+        """The store's path of ``rel`` (``NAME``, or ``../part/NAME`` from a merge): '..' may
+        climb out of the dataset folder, never out of the bucket."""
+        path = posixpath.normpath(posixpath.join(self.root, rel))
+        bucket = self.root.split("/", 1)[0]
+        if path != bucket and not path.startswith(bucket + "/"):
+            raise FormatError(f"{rel!r} in {self.shown} leads out of its bucket; refusing it")
+        return path
+
+    def show(self, rel: str) -> str:
+        """The URL of ``rel`` as messages show it (credentials redacted)."""
+        scheme = self.url.split("://", 1)[0]
+        return redact(f"{scheme}://{self.key(rel)}")
+
+    def call(self, fn: Callable, what: str):
+        return with_retries(fn, what, self.transfer.retry_seconds, self.secrets)
+
+    # -- reading ------------------------------------------------------------------------
+    def stat(self, rel: str) -> ObjectInfo:
+        key = self.key(rel)
+
+        def head():
+            self.fs.invalidate_cache(key)
+            return self.fs.info(key)
+        info = self.call(head, f"looking up {self.show(rel)}")
+        if info.get("type") == "directory":
+            raise PackerError(f"{self.show(rel)} is a folder, not a file")
+        return ObjectInfo(int(info["size"]), version_of(info))
+
+    def listing(self) -> Dict[str, ObjectInfo]:
+        """Every object directly in the folder, by name: one LIST request (a page per 1,000)."""
+        entries = self.call(lambda: self.fs.ls(self.root, detail=True, refresh=True),
+                            f"listing {self.shown}")
+        return {posixpath.basename(e["name"].rstrip("/")): ObjectInfo(int(e.get("size") or 0), version_of(e))
+                for e in entries if e.get("type") != "directory"}
+
+    def read_bytes(self, rel: str, limit: int = 1 << 30) -> bytes:
+        """A whole small object (a manifest): one GET, checked against its listed size."""
+        info = self.stat(rel)
+        if info.size > limit:
+            raise FormatError(f"{self.show(rel)} is {info.size} bytes, more than the {limit} "
+                              f"expected; is it the right file?")
+        return self.get_range(rel, 0, info.size)
+
+    def get_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``rel``, retried; a body of another length is retried too."""
+        key = self.key(rel)
+
+        def get():
+            data = self.fs.cat_file(key, start=start, end=end) if end > start else b""
+            if len(data) != end - start:
+                raise ShortBody(f"got {len(data)} bytes of {end - start}")
+            return data
+        return self.call(get, f"reading bytes {start}-{end} of {self.show(rel)}")
+
+    def download(self, rel: str, dest: Path, size: int, sha256: Optional[str] = None,
+                 progress: Optional[Callable[[int], None]] = None,
+                 expect: Optional[ObjectInfo] = None) -> None:
+        """``rel`` into the new file ``dest`` (replaced if left over): parallel ranged GETs,
+        written and hashed in order, fsynced. ``size``/``sha256`` are what the manifest says;
+        ``expect`` the object as listed before (else it is looked up now). Without a SHA-256,
+        the object's version after the last GET must be the one before the first. On any
+        failure ``dest`` is removed and a PackerError says why (a changed object says so)."""
+        try:
+            before = expect if expect is not None else self.stat(rel)
+            if before.size != size:
+                raise FormatError(f"{self.show(rel)} is {before.size} bytes, the manifest says "
+                                  f"{size}: the dataset in object storage is damaged or being "
+                                  f"rewritten; check it (packer verify on a copy) and rebuild")
+            try:
+                digest = self._fetch_into(rel, dest, size, progress)
+            except PackerError as e:
+                try:
+                    change = self._change(rel, before)
+                except PackerError:  # the store is unreachable: the first error says it all
+                    change = ""
+                if change:
+                    raise PackerError(change) from None
+                raise e
+            if sha256 is not None and digest == sha256:
+                return  # every byte is the manifest's, whatever else happened to the object
+            change = self._change(rel, before)
+            if change:
+                raise PackerError(change)
+            if sha256 is not None:
+                raise FormatError(f"{self.show(rel)} does not match its manifest entry (SHA-256 "
+                                  f"{digest[:12]}... for {sha256[:12]}...): the dataset in object "
+                                  f"storage is damaged; rebuild or re-upload it")
+        except BaseException:
+            Path(dest).unlink(missing_ok=True)
+            raise
+
+    def _fetch_into(self, rel: str, dest: Path, size: int, progress) -> str:
+        part, window = self.transfer.part_size, 2 * self.transfer.parallel
+        ranges = [(o, min(size, o + part)) for o in range(0, size, part)]
+        h = hashlib.sha256()
+        pool = ThreadPoolExecutor(min(self.transfer.parallel, max(1, len(ranges))))
+        done = False
+        try:
+            with open_new(dest) as out:
+                pending = [pool.submit(self.get_range, rel, a, b) for a, b in ranges[:window]]
+                for i in range(len(ranges)):  # in order: hash and write part i while i+1.. arrive
+                    data = pending[i].result()
+                    pending[i] = None  # the bytes go as soon as they are written
+                    if i + window < len(ranges):
+                        pending.append(pool.submit(self.get_range, rel, *ranges[i + window]))
+                    h.update(data)
+                    out.write(data)
+                    if progress is not None:
+                        progress(len(data))
+                out.flush()
+                os.fsync(out.fileno())
+            done = True
+        finally:  # on failure, parts still queued are dropped and running ones not waited for
+            pool.shutdown(wait=done, cancel_futures=True)
+        return h.hexdigest()
+
+    def _change(self, rel: str, before: ObjectInfo) -> str:
+        """What changed in ``rel`` since ``before`` was seen ("" for nothing)."""
+        after = self.stat(rel)
+        if after == before:
+            return ""
+        return (f"{self.show(rel)} changed while packer read it (version {before.version} -> "
+                f"{after.version}, {before.size} -> {after.size} bytes): is the dataset being "
+                f"rewritten? Nothing half-read was kept; re-run when the upload has finished")
+
+    # -- writing ------------------------------------------------------------------------
+    def upload(self, local: Path, rel: str) -> None:
+        """Put the finished local file ``local`` at ``rel`` (the client splits a large one into
+        parts uploaded in parallel), then check the stored size."""
+        key, size = self.key(rel), os.path.getsize(local)
+        self.call(lambda: self.fs.put_file(os.fspath(local), key),
+                  f"uploading {local} to {self.show(rel)}")
+        got = self.stat(rel).size
+        if got != size:
+            raise PackerError(f"{self.show(rel)} holds {got} bytes after uploading {size}; "
+                              f"re-run the upload")
+
+    def redacted(self, text: str) -> str:
+        return redact_text(text, self.secrets)
+
+
+def version_of(info: Dict[str, Any]) -> Optional[str]:
+    """What changes when the object does: ETag (S3, Azure), generation (GCS), else mtime."""
+    for k in ("ETag", "etag", "generation", "version_id", "VersionId", "md5Hash",
+              "LastModified", "last_modified", "mtime", "updated"):
+        v = info.get(k)
+        if v not in (None, ""):
+            return str(v).strip('"')
+    return None

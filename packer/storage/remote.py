@@ -1,0 +1,160 @@
+"""A packed dataset in object storage: its manifest, its files, and uploading one there.
+
+``RemoteDataset`` is what ``packer.staging`` stages from when given a URL: a string (the URL
+as shown, credentials redacted, which is all that results, markers and messages ever hold)
+that also fetches the files the manifest lists. ``upload_dataset`` puts a finished local
+dataset under a URL with the manifest last, so a reader never sees half of one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ..errors import FormatError, PackerError
+from ..format.manifest import FORMAT_NAME, MANIFEST, check_version, read_manifest, side_tables
+from ..format.validation import validate_manifest
+from .objects import ObjectInfo, Store
+from .retry import NotFound
+
+UPLOAD_MARKER = ".packer-upload.json"  # present while an upload is unfinished
+
+
+def parse_manifest(data: bytes, where: str) -> Dict[str, Any]:
+    """A manifest's bytes, checked as ``read_manifest`` checks a local one."""
+    try:
+        man = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise FormatError(f"{where} is damaged ({reason}); rebuild or re-upload the dataset") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where} is not a packer manifest")
+    check_version(man.get("format_version", "?"), where)
+    return validate_manifest(man, where)
+
+
+def fetch_manifest(store: Store) -> Dict[str, Any]:
+    """The manifest of the dataset at ``store``; a missing one says it is not (yet) a dataset."""
+    try:
+        data = store.read_bytes(MANIFEST)
+    except NotFound:
+        raise FormatError(f"{store.shown} is not a packer dataset: {store.show(MANIFEST)} not "
+                          f"found (a wrong URL, or an upload that has not finished)") from None
+    return parse_manifest(data, store.show(MANIFEST))
+
+
+class RemoteDataset(str):
+    """The dataset at ``url`` (see the module docstring); ``storage_options`` as for ``Store``."""
+    store: Store
+
+    def __new__(cls, url: str, storage_options: Optional[Dict[str, Any]] = None):
+        store = Store(url, storage_options)
+        self = super().__new__(cls, store.shown)
+        self.store, self._listing, self._parts = store, None, set()
+        return self
+
+    def resolve(self) -> "RemoteDataset":
+        """Itself: the source a staged copy records (as a local dataset records its real path)."""
+        return self
+
+    def __deepcopy__(self, memo) -> "RemoteDataset":
+        return self
+
+    def __reduce__(self):
+        return str, (str(self),)  # pickled, it is the URL as shown, nothing more
+
+    def read_manifest(self) -> Dict[str, Any]:
+        return fetch_manifest(self.store)
+
+    def __truediv__(self, rel: str) -> "RemoteFile":
+        return RemoteFile(self, rel)
+
+    def shard(self, rel: str) -> "RemoteFile":
+        """The shard at manifest path ``rel``. As for a local dataset, one outside the folder
+        (a merged dataset's part) must lie in a packer dataset."""
+        parent = posixpath.dirname(rel)
+        if parent and parent not in self._parts:
+            try:
+                self.store.stat(posixpath.join(parent, MANIFEST))
+            except NotFound:
+                raise FormatError(f"shard {rel} in {self.store.show(MANIFEST)} lies in "
+                                  f"{self.store.show(parent)}, which is not a packer dataset; "
+                                  f"refusing it") from None
+            self._parts.add(parent)
+        return RemoteFile(self, rel)
+
+    def info(self, rel: str) -> Optional[ObjectInfo]:
+        """``rel`` as listed (one LIST for the folder; a HEAD for a part's file); None if absent."""
+        if "/" not in rel:
+            if self._listing is None:
+                try:
+                    self._listing = self.store.listing()
+                except NotFound:
+                    self._listing = {}
+            return self._listing.get(rel)
+        try:
+            return self.store.stat(rel)
+        except NotFound:
+            return None
+
+
+class RemoteFile(str):
+    """One file of a ``RemoteDataset``: its URL as shown, its listed size, and a download."""
+
+    def __new__(cls, dataset: RemoteDataset, rel: str):
+        self = super().__new__(cls, dataset.store.show(rel))
+        self.dataset, self.rel = dataset, rel
+        return self
+
+    def __reduce__(self):
+        return str, (str(self),)
+
+    @property
+    def size(self) -> Optional[int]:
+        info = self.dataset.info(self.rel)
+        return None if info is None else info.size
+
+    def download(self, dest: Path, size: int, sha256: Optional[str], progress=None) -> None:
+        """Into the new file ``dest``, verified (``Store.download``)."""
+        self.dataset.store.download(self.rel, dest, size, sha256, progress,
+                                    expect=self.dataset.info(self.rel))
+
+
+def upload_dataset(src: os.PathLike, url: str, storage_options: Optional[Dict[str, Any]] = None,
+                   *, workers: int = 4) -> List[str]:
+    """Put the finished local dataset ``src`` under ``url``: shards and side tables in
+    parallel (each large one in parallel parts), then the manifest. An interrupted upload
+    resumes (objects of the right size are kept while ``.packer-upload.json`` says they
+    belong to this dataset); an older dataset there stops being one (its manifest is
+    deleted) before anything is replaced. Returns the names uploaded."""
+    src = Path(src)
+    man = read_manifest(src)
+    files = [(s["path"], s["bytes"]) for s in man["shards"]]
+    files += [(e["path"], e["bytes"]) for _, e, _ in side_tables(man)]
+    if any("/" in rel for rel, _ in files):
+        raise PackerError(f"{src} is a merged dataset whose shards live in its parts; stage it "
+                          f"into one folder first (packer stage), then upload the staged copy")
+    store = Store(url, storage_options)
+    body = (src / MANIFEST).read_bytes()
+    ident = json.dumps({"build_id": man.get("build_id"), "manifest_bytes": len(body),
+                        "shards": [s["sha256"] for s in man["shards"]]}).encode()
+    try:
+        there = store.listing()
+    except NotFound:
+        there = {}
+    if MANIFEST in there and store.read_bytes(MANIFEST) == body:
+        return []
+    resuming = UPLOAD_MARKER in there and store.read_bytes(UPLOAD_MARKER) == ident
+    store.call(lambda: store.fs.pipe_file(store.key(UPLOAD_MARKER), ident), f"writing {store.shown}")
+    if MANIFEST in there:
+        store.call(lambda: store.fs.rm_file(store.key(MANIFEST)), f"replacing {store.show(MANIFEST)}")
+    todo = [rel for rel, size in files
+            if not (resuming and rel in there and there[rel].size == size)]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(lambda rel: store.upload(src / rel, rel), todo))
+    store.upload(src / MANIFEST, MANIFEST)
+    store.call(lambda: store.fs.rm_file(store.key(UPLOAD_MARKER)), f"finishing {store.shown}")
+    return todo + [MANIFEST]

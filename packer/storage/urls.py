@@ -1,0 +1,136 @@
+"""Naming data in object storage: which strings are URLs, how they are shown, and the fsspec
+filesystem that serves them.
+
+A URL is ``SCHEME://...`` (``s3://``, ``gs://``, ``az://``, or any protocol fsspec knows);
+anything else is a local path and never comes here. Credentials reach fsspec only: every
+URL packer shows (messages, results, manifests it writes) has its userinfo and query string
+replaced by ``***``, and every text that leaves this package has the secret values of
+``storage_options`` blanked too, since a client library may quote them in an error.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Optional, Tuple
+from urllib.parse import urlsplit
+
+from ..errors import PackerError
+
+CLOUD_EXTRA = 'pip install "packer-lmdb[cloud]"'
+URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# A URL inside free text (an error message), up to the next blank or quote.
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+SECRET_KEYS = re.compile(r"key|secret|token|password|passwd|credential|sas|signature|auth",
+                         re.IGNORECASE)
+CLIENTS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
+           "abfs": "adlfs", "abfss": "adlfs"}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """packer's own knobs, given as ``packer_*`` keys of ``storage_options`` (the other keys
+    go to fsspec): the size of one ranged GET, how many run at once per file, and how long
+    one request may keep failing (resets, 5xx, throttling, short bodies) before giving up."""
+    part_size: int = 8 << 20
+    parallel: int = 16
+    retry_seconds: float = 120.0
+
+
+def is_url(name: Any) -> bool:
+    """True for ``SCHEME://...`` strings; a ``Path`` (or anything else) is a local path."""
+    return isinstance(name, str) and bool(URL_RE.match(name))
+
+
+def redact(url: str) -> str:
+    """``url`` fit to show: userinfo and query string (signatures, SAS tokens) as ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    out = f"{parts.scheme}://{netloc}{parts.path}"
+    return out + ("?***" if parts.query else "") + ("#***" if parts.fragment else "")
+
+
+def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every URL redacted and each of ``secrets`` (4+ characters) blanked."""
+    text = URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+    for s in sorted(secrets, key=len, reverse=True):
+        if len(s) >= 4:
+            text = text.replace(s, "***")
+    return text
+
+
+def secret_values(options: Dict[str, Any]) -> Tuple[str, ...]:
+    """The string values under credential-like keys of ``options`` (nested dicts too)."""
+    out = []
+    for k, v in options.items():
+        if isinstance(v, dict):
+            out += secret_values(v)
+        elif isinstance(v, str) and SECRET_KEYS.search(str(k)):
+            out.append(v)
+    return tuple(out)
+
+
+def url_secrets(url: str) -> Tuple[str, ...]:
+    """The parts of ``url`` that ``redact`` hides (userinfo, query values), to blank them
+    where a client quotes them without the URL around them."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return ()
+    out = []
+    if "@" in parts.netloc:
+        userinfo = parts.netloc.rsplit("@", 1)[0]
+        out += [userinfo, *userinfo.split(":")]
+    for pair in (parts.query + "&" + parts.fragment).split("&"):
+        out += [pair, pair.split("=", 1)[-1]]
+    return tuple(s for s in out if s)
+
+
+def split_options(storage_options: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Transfer]:
+    """``storage_options`` -> (fsspec's options, packer's ``Transfer``)."""
+    options = dict(storage_options or {})
+    ours = {k: options.pop(k) for k in list(options) if k.startswith("packer_")}
+    unknown = sorted(set(ours) - {f"packer_{f}" for f in Transfer.__dataclass_fields__})
+    if unknown:
+        raise PackerError(f"storage_options has unknown packer keys ({', '.join(unknown)}); "
+                          f"known: packer_part_size, packer_parallel, packer_retry_seconds")
+    transfer = Transfer(**{k[len("packer_"):]: v for k, v in ours.items()})
+    if transfer.part_size < 1 or transfer.parallel < 1 or transfer.retry_seconds < 0:
+        raise PackerError(f"storage_options: packer_part_size and packer_parallel must be >= 1, "
+                          f"packer_retry_seconds >= 0 (got {transfer})")
+    return options, transfer
+
+
+def filesystem(url: str, options: Dict[str, Any]):
+    """(fsspec filesystem, path within it) for ``url``. A missing client is one PackerError
+    naming the pip command. S3 gets bounded connect/read timeouts unless given (a stalled
+    server must become an error that is retried, never a hang); ``AWS_ENDPOINT_URL`` (an
+    S3-compatible store) is honoured by the client itself."""
+    try:
+        import fsspec
+    except ImportError:
+        raise PackerError(f"reading {redact(url)} needs the object-storage clients: "
+                          f"{CLOUD_EXTRA}") from None
+    scheme = url.split("://", 1)[0].lower()
+    options = dict(options)
+    if scheme in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", 10)
+        config.setdefault("read_timeout", 60)
+        options["config_kwargs"] = config
+        if "endpoint_url" not in options and "endpoint_url" not in (options.get("client_kwargs") or {}):
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                options["endpoint_url"] = endpoint
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError:
+        client = CLIENTS.get(scheme, f"the fsspec client for {scheme}://")
+        raise PackerError(f"reading {redact(url)} needs {client}: {CLOUD_EXTRA}") from None
+    except ValueError as e:
+        raise PackerError(f"{redact(url)}: {redact_text(str(e), secret_values(options) + url_secrets(url))}") from None

@@ -1,0 +1,128 @@
+"""The workers' side of the GPU path (packer.gpu.encoded, packer.gpu.loader): JPEG header
+parsing, routing to the CPU fallback, the decode hook and collate, make_gpu_loader, and the
+CUDA hardware-queue setting. Everything here runs without CUDA."""
+import io
+import os
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from packer.gpu import EncodedImage, collate_encoded, make_gpu_loader
+from packer.gpu.encoded import EncodedBatch, EncodedSample, JpegInfo, gpu_decodable, jpeg_info
+from packer.reading.dataset import PackedDataset
+from packer.transforms.decode import DecodeCenterCrop
+
+from helpers import KINDS, kind_bytes
+
+# -- JPEG headers ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_jpeg_info_and_routing(photos, name):
+    data = kind_bytes(photos, name)
+    info = jpeg_info(data)
+    what, on_gpu = KINDS[name]
+    assert gpu_decodable(info) is on_gpu, what
+    if name == "image.png":
+        assert info is None
+        return
+    im = Image.open(io.BytesIO(data))
+    assert (info.width, info.height) == im.size == (200, 150)
+    assert info.precision == 8 and not info.arithmetic
+    assert info.process == ("progressive" if name == "progressive.jpg" else "baseline")
+    assert info.components == {"gray.jpg": 1, "cmyk.jpg": 4}.get(name, 3)
+    expect = {"gray.jpg": "gray", "q444.jpg": "4:4:4", "cmyk.jpg": "other"}.get(name, "4:2:0")
+    assert info.subsampling == expect
+    if name == "cmyk.jpg":
+        assert info.adobe_transform is not None  # PIL writes an Adobe marker for CMYK
+
+
+def test_jpeg_info_odd_streams(photos):
+    base = kind_bytes(photos, "baseline.jpg")
+    sof = base.index(b"\xff\xc0")
+    arith = base[:sof + 1] + b"\xc9" + base[sof + 2:]
+    assert jpeg_info(arith).arithmetic and not gpu_decodable(jpeg_info(arith))
+    twelve = base[:sof + 4] + b"\x0c" + base[sof + 5:]
+    assert jpeg_info(twelve).precision == 12 and not gpu_decodable(jpeg_info(twelve))
+    rgb_coded = base[:2] + b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00\x00" + base[2:]
+    info = jpeg_info(rgb_coded)
+    assert info.adobe_transform == 0 and not gpu_decodable(info)  # RGB-coded, not YCbCr
+    filled = base[:2] + b"\xff\xff" + base[2:]  # fill bytes before a marker are legal
+    assert jpeg_info(filled) == jpeg_info(base)
+    for bad in (b"", b"\xff\xd8", base[:sof], b"\xff\xd8\xff\xda\x00\x02", b"GIF89a" + base):
+        assert jpeg_info(bad) is None and not gpu_decodable(jpeg_info(bad))
+    assert jpeg_info(memoryview(base)) == jpeg_info(bytearray(base)) == jpeg_info(base)
+    assert isinstance(jpeg_info(base), JpegInfo)
+
+
+# -- worker side -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_encoded_image_hook(photos, name):
+    data = kind_bytes(photos, name)
+    s = EncodedImage()(data)
+    assert isinstance(s, EncodedSample) and (s.height, s.width) == (150, 200)
+    if KINDS[name][1]:
+        assert not s.decoded and s.data == data  # the stored bytes, untouched
+    else:  # decoded exactly as ImageFolder would
+        assert s.decoded and s.data == Image.open(io.BytesIO(data)).convert("RGB").tobytes()
+
+
+def test_collate_encoded(photos):
+    samples = [(EncodedImage()(kind_bytes(photos, n)), k) for k, n in enumerate(KINDS)]
+    b = collate_encoded(samples)
+    assert isinstance(b, EncodedBatch)
+    assert b.labels.tolist() == list(range(len(KINDS)))
+    assert b.sizes.tolist() == [[150, 200]] * len(KINDS)
+    assert b.decoded.tolist() == [not on_gpu for _, on_gpu in KINDS.values()]
+    assert b.offsets[0] == 0 and b.offsets[-1] == b.data.numel()
+    for (s, _), v in zip(samples, b.images()):
+        if s.decoded:
+            assert v.shape == (150, 200, 3) and bytes(v.flatten().numpy()) == s.data
+        else:
+            assert v.dim() == 1 and bytes(v.numpy()) == s.data
+    with pytest.raises(TypeError, match="EncodedImage"):
+        collate_encoded([(torch.zeros(3, 2, 2, dtype=torch.uint8), 0)])
+
+
+def test_make_gpu_loader_routes_fallbacks_in_workers(mixed):
+    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
+    ds = loader.dataset
+    assert isinstance(ds.decode, EncodedImage) and loader.pin_memory is False
+    seen = {}
+    for batch in loader:
+        assert isinstance(batch, EncodedBatch) and (batch.data.is_shared() or batch.data.is_pinned())
+        for i, (lab, dec, v) in enumerate(zip(batch.labels.tolist(), batch.decoded.tolist(), batch.images())):
+            seen[len(seen)] = (lab, dec, v.shape)
+    paths = [ds.load(i)["path"] for i in range(len(ds))]
+    assert [seen[i][0] for i in range(len(ds))] == ds.targets
+    for i, p in enumerate(paths):
+        name = p.split("odd_")[-1]
+        assert seen[i][1] is (not KINDS[name][1] if "odd_" in p else False), p
+    # A dataset made for the CPU path is copied with the hook, not changed.
+    cpu_ds = PackedDataset(mixed, decode=DecodeCenterCrop(224))
+    gl = make_gpu_loader(cpu_ds, 4, num_workers=0)
+    assert isinstance(gl.dataset.decode, EncodedImage) and isinstance(cpu_ds.decode, DecodeCenterCrop)
+    with pytest.raises(ValueError, match="transform"):
+        make_gpu_loader(PackedDataset(mixed, transform=lambda x: x), 4)
+
+
+def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):
+    """Importing packer.gpu leaves the environment alone; reserve_cuda_queues() (which
+    make_gpu_loader calls) raises the hardware queues to 32 unless the user chose; a low
+    value gets advice (nvJPEG then waits behind training kernels)."""
+    import subprocess
+    code = ("import os, packer.gpu.loader as g; print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'));"
+            "print(g.reserve_cuda_queues()); print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS']);"
+            "print(g.connections_advice())")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["None", "True", "32", "None"]
+    for value in ("1", "8", "lots"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": value}).stdout.splitlines()
+        assert out[:3] == [value, "False", value]  # the user's choice stays
+        assert f"CUDA_DEVICE_MAX_CONNECTIONS is {value}" in out[3]
+        assert "packer.gpu.reserve_cuda_queues()" in out[3]

@@ -1,0 +1,113 @@
+"""ShardCache: shards of a dataset in S3 on a node's disk, once per node, within a limit."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import s3_options
+from packer.errors import PackerError
+from packer.format.tables import read_labels
+from packer.reading.reader import ShardReader
+from packer.storage import ShardCache
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from packer.storage import ShardCache
+    url, cache_dir, opts, go = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4])
+    cache = ShardCache(url, cache_dir, None, opts)
+    print("ready", flush=True)
+    while not go.exists():
+        time.sleep(0.005)
+    path = cache.shard_path(1)
+    print(json.dumps({"downloads": cache.downloads, "bytes": path.stat().st_size}), flush=True)
+""")
+
+
+def child(remote, cache_dir, opts, go):
+    return subprocess.Popen([sys.executable, "-c", CHILD, remote, str(cache_dir), json.dumps(opts),
+                             str(go)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_reads_through_the_cache_match_the_dataset(s3, remote, local_dataset, tmp_path):
+    cache = ShardCache(remote, tmp_path / "cache", None, s3["options"])
+    paths = [cache.shard_path(k) for k in range(len(cache))]
+    assert all(p.parent == cache.root for p in paths) and cache.downloads == len(paths)
+    reader, local = ShardReader(cache.root, cache.manifest), ShardReader(local_dataset)
+    assert [reader.read(i) for i in range(len(reader))] == [local.read(i) for i in range(len(local))]
+    assert read_labels(cache.root, cache.manifest) == read_labels(local_dataset, local.manifest)
+    again = ShardCache(remote, tmp_path / "cache", None, s3["options"])
+    assert again.shard_path(0) == paths[0] and again.downloads == 0 and again.hits > 0
+
+
+def test_two_processes_download_a_shard_once(s3, remote, proxy, tmp_path):
+    """Both ask at the same moment (through a slow link); one downloads, the other waits."""
+    go = tmp_path / "go"
+    opts = s3_options(proxy.url)
+    procs = [child(remote, tmp_path / "cache", opts, go) for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    proxy.delay = 0.1
+    go.touch()
+    results = [json.loads(p.communicate(timeout=120)[0].strip()) for p in procs]
+    assert sorted(r["downloads"] for r in results) == [0, 1]
+    assert results[0]["bytes"] == results[1]["bytes"] > 0
+
+
+def test_evicts_least_recently_used_unpinned_shards(s3, remote, tmp_path):
+    probe = ShardCache(remote, tmp_path / "probe", None, s3["options"])
+    sizes = [s["bytes"] for s in probe.manifest["shards"]]
+    assert len(sizes) >= 3
+    limit = sizes[0] + sizes[1] + sizes[2] - 1  # all three never fit
+    cache = ShardCache(remote, tmp_path / "cache", limit, s3["options"])
+    pinned = cache.shard_path(0)  # pinned: stays whatever happens
+    cache.shard_path(1)
+    cache.release(1)
+    cache.shard_path(2)  # 1 (least recently used, unpinned) goes
+    assert pinned.exists() and not (cache.root / cache.manifest["shards"][1]["path"]).exists()
+    assert cache.evictions == 1 and cache.usage() <= limit
+    cache.release(0)
+    cache.release(2)
+    cache.shard_path(1)  # now 0 is the oldest unpinned: it goes
+    assert not pinned.exists() and cache.evictions == 2 and cache.usage() <= limit
+    with pytest.raises(PackerError, match="smaller than one shard"):
+        ShardCache(remote, tmp_path / "tiny", max(sizes) - 1, s3["options"])
+
+
+def test_crash_leftovers_are_cleaned(s3, remote, proxy, tmp_path):
+    """A process killed mid-download leaves a .part file; the next one removes it."""
+    go = tmp_path / "go"
+    p = child(remote, tmp_path / "cache", s3_options(proxy.url, packer_parallel=1), go)
+    assert p.stdout.readline().strip() == "ready"
+    proxy.delay = 0.5
+    go.touch()
+    root = next((tmp_path / "cache").iterdir())
+    deadline = time.monotonic() + 60
+    while not list(root.glob(".*.part")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert list(root.glob(".*.part"))
+    cache = ShardCache(remote, tmp_path / "cache", None, s3["options"])
+    assert not list(root.glob(".*.part"))
+    assert cache.shard_path(1).stat().st_size == cache.manifest["shards"][1]["bytes"]
+
+
+def test_prefetch_in_the_background(s3, remote, tmp_path):
+    cache = ShardCache(remote, tmp_path / "cache", None, s3["options"])
+    futures = cache.prefetch(range(len(cache)))
+    assert [f.result(timeout=60) for f in futures] == [cache.root / s["path"] for s in cache.manifest["shards"]]
+    assert cache.downloads == len(cache)
+    cache.shard_path(0)
+    assert cache.hits >= 1 and cache.downloads == len(cache)
+    cache.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -162,3 +163,25 @@ def test_stage_progress_counts_the_data_once(dataset, tmp_path, monkeypatch):
 def test_os_errors_are_one_line(dataset, tmp_path):
     res = invoke("cat", dataset, "0", "-o", tmp_path / "no" / "such" / "x.jpg", code=1)
     assert res.stderr == f"Error: {tmp_path / 'no' / 'such' / 'x.jpg'}: No such file or directory\n"
+
+
+BROKEN_PIPE = """
+import click
+from packer.cli import library_errors
+
+@click.command()
+@library_errors
+def ls():
+    print("0\tfirst line", flush=True)
+    raise BrokenPipeError(32, "Broken pipe")  # what writing to a closed `| head` raises
+
+ls()
+"""
+
+
+def test_a_closed_pipe_is_silent():
+    """`packer ls DST | head -1`: when the reader has gone, exit 1 without a word."""
+    from helpers import packer_env
+    done = subprocess.run([sys.executable, "-c", BROKEN_PIPE], capture_output=True, text=True,
+                          env=packer_env(), timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (1, "0\tfirst line\n", "")

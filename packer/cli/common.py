@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -51,6 +52,9 @@ def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command
             if line is None:
                 raise
             raise click.ClickException(terminal_text(line)) from e
+        except BrokenPipeError:  # `packer ls DST | head`: the reader is gone, nothing to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except OSError as e:
             where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
             raise click.ClickException(terminal_text(

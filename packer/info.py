@@ -104,8 +104,10 @@ def build_line(m: dict, seconds: float) -> str:
         parts.append(f"left out {m['skipped_empty']} without annotations (--skip-empty)")
     if m.get("dropped_count"):
         parts.append(f"dropped {m['dropped_count']} annotation(s)")
-    return (f"packed {m['count']} images ({_classes(m)}) into {len(m['shards'])} shard(s), "
-            f"{human_size(m['bytes'])}; {', '.join(parts)}; {seconds:.1f} s")
+    classes = _classes(m)
+    return (f"packed {m['count']} images {'with' if classes.startswith('no ') else 'in'} "
+            f"{classes} into {len(m['shards'])} shard(s), {human_size(m['bytes'])}; "
+            f"{', '.join(parts)}; {seconds:.1f} s")
 
 
 @dataclass

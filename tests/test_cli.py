@@ -24,7 +24,7 @@ def invoke(*args, code=0):
     return res
 
 
-SUMMARY = r"packed (\d+) images \((\d+) classes\) into (\d+) shard\(s\), [\d.]+ (?:KiB|MiB); skipped (\d+); [\d.]+ s -> "
+SUMMARY = r"packed (\d+) images in (\d+) classes into (\d+) shard\(s\), [\d.]+ (?:KiB|MiB); skipped (\d+); [\d.]+ s -> "
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def test_a_meta_build_says_it_has_no_class_labels(photo_src, tmp_path):
             enumerate(p for p, _ in imagefolder_rule(photo_src)[2])]
     meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = invoke("build", photo_src, tmp_path / "d", "--meta", meta, "-q").stdout
-    assert re.fullmatch(r"packed 48 images \(no class labels\) into 1 shard\(s\), [\d.]+ (?:KiB|MiB); "
+    assert re.fullmatch(r"packed 48 images with no class labels into 1 shard\(s\), [\d.]+ (?:KiB|MiB); "
                         r"skipped 0; [\d.]+ s -> .*\n", out), out
     assert invoke("info", tmp_path / "d").stdout.startswith(
         f"{tmp_path / 'd'}: 48 images, no class labels, 1 shard(s), ")
@@ -75,7 +75,7 @@ def test_coco_info_lists_category_ids_and_skip_empty_counts(coco, tmp_path):
     ann = json.loads((coco / "annotations.json").read_text())
     out = invoke("build", coco / "images", tmp_path / "d", "--coco", coco / "annotations.json",
                  "--skip-empty", "-q", "-j", "0").stdout
-    assert re.fullmatch(rf"packed 9 images \({len(ann['categories'])} categories\) into 1 "
+    assert re.fullmatch(rf"packed 9 images in {len(ann['categories'])} categories into 1 "
                         r"shard\(s\), [\d.]+ (?:KiB|MiB); skipped 0, left out 1 without annotations "
                         r"\(--skip-empty\); [\d.]+ s -> .*\n", out), out
     text = invoke("info", tmp_path / "d").stdout

@@ -1,14 +1,11 @@
 #!/usr/bin/env python3
 """What a COCO annotation file costs a build besides the image checks: the main process's
-serial read against a --list of the same images, and each image's field encoding (what
-the workers add per image). Run it on each machine to see how the --coco build's ratio
-will move with its cores. The measurement is ``benchlib.sourcecost``.
+read against a --list of the same images, and each image's field encoding (what the
+workers add per image). Run it on each machine to see how the --coco build's ratio will
+move with its cores. The measurement is ``benchlib.sourcecost``.
 
     python3 benchmarks/profile_annotation_costs.py --coco instances_val2017.json
     python3 benchmarks/profile_annotation_costs.py --synthetic 60000   # a large file's read
-
-The second line of the output times the read as a build with a worker per usable core
-does it: a large file's annotations parsed in pieces by forked processes.
 """
 import argparse
 import sys
@@ -32,11 +29,8 @@ def main(argv=None) -> int:
         coco = a.coco or write_coco_like(Path(tmp) / "instances.json", a.synthetic)
         r = source_costs(coco, a.images, a.repeats)
     print(f"{r['images']:,} images: reading the COCO file {r['read_coco_ms']:.1f} ms, the same "
-          f"names as a --list {r['read_list_ms']:.1f} ms (serial, in the main process); "
-          f"fields {r['fields_us_per_image']:.1f} us per image (in the workers; "
-          f"{r['fields_python_us_per_image']:.1f} us with polygon text parsed in Python)")
-    how = "in pieces by forked processes" if r["pieces"] else "in one process: too small or too few cores for pieces"
-    print(f"as a build with a worker per core reads it ({how}): {r['read_coco_pieces_ms']:.1f} ms")
+          f"names as a --list {r['read_list_ms']:.1f} ms (in the main process); "
+          f"fields {r['fields_us_per_image']:.1f} us per image (in the workers)")
     return 0
 
 

@@ -14,7 +14,6 @@ from typing import Dict, List, Optional
 
 from . import __version__
 from ._util.system import PILLOW_SIMD_HINT, pil_info, pil_summary, usable_cores
-from .sources.segmentation import packed_polygons
 
 # Optional packages: what each adds, and the command that installs it.
 OPTIONAL = {
@@ -28,7 +27,7 @@ OPTIONAL = {
 
 def doctor(cuda: bool = False) -> Dict[str, object]:
     """PIL flavour and JPEG library, torch (and, with ``cuda``, its GPU), the optional
-    packages, the C accelerator for COCO polygons, usable cores.
+    packages, usable cores.
 
     ``cuda`` is None unless ``cuda=True``; then the GPU's name, or False without one.
     """
@@ -41,7 +40,7 @@ def doctor(cuda: bool = False) -> Dict[str, object]:
             "pil_summary": summary, "torch": installed("torch"),
             "cuda": cuda_device() if cuda else None, "triton": installed("triton"),
             "optional": {name: installed(name) for name in OPTIONAL},
-            "polygons_c": packed_polygons is not None, "cores": usable_cores(),
+            "cores": usable_cores(),
             "cpu_count": os.cpu_count()}
 
 
@@ -88,10 +87,5 @@ def format_doctor(d: Dict[str, object]) -> str:
     missing = [name for name in OPTIONAL if name != "triton" and not optional.get(name)]
     for name in missing:
         lines.append(f"{name:<8} not installed: {OPTIONAL[name][1]} (for {OPTIONAL[name][0]})")
-    if d["polygons_c"]:
-        lines.append("C        built: --coco builds turn polygon text into records in C")
-    else:
-        lines.append("C        not built: --coco builds parse polygons in Python (slower; "
-                     "reinstall packer with a C compiler, e.g. apt-get install gcc python3-dev)")
     lines.append(f"cores    {d['cores']} usable of {d['cpu_count']}")
     return "\n".join(lines)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Iterator, List, Tuple
 
 from .errors import FormatError
-from .format.fields import array_shape
+from .format.fields import ArrayField, DataField, field_of
 from .format.records import crc32, record_problem, unpack_record
 from .format.manifest import dataset_schema, file_sha256, read_manifest, shard_file, side_tables
 from ._util.system import human_size
@@ -210,7 +210,8 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
     except FormatError as e:
         rep.problems.append(str(e))
         paths = None
-    segmented = any(f["name"] == "segmentation" for f in dataset_schema(m)["fields"])
+    fields = [field_of(f) for f in dataset_schema(m)["fields"]]
+    segmented = any(f.name == "segmentation" for f in fields)
 
     def target_problem(rec: dict, i: int) -> str:
         try:
@@ -232,7 +233,7 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
             except FormatError as e:
                 rep.problems.append(f"{where}: unreadable: {e}")
                 continue
-            problem = record_problem(rec, dataset_schema(m)["fields"]) or target_problem(rec, i)
+            problem = record_problem(rec, fields) or target_problem(rec, i)
             wrong = next((n for n, col in columns.items() if rec.get(n) != col[i]), None)
             if problem:
                 rep.problems.append(f"{where}: {problem}")
@@ -267,7 +268,7 @@ def ls_fields(root: os.PathLike) -> Iterator[dict]:
     """Every record's fields, for a listing: scalars and text as they are, arrays as their
     shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size."""
     reader = ShardReader(root)
-    fields = dataset_schema(reader.manifest)["fields"]
+    fields = [field_of(f) for f in dataset_schema(reader.manifest)["fields"]]
     try:
         for i in range(len(reader)):
             rec = reader.record(i)
@@ -276,12 +277,12 @@ def ls_fields(root: os.PathLike) -> Iterator[dict]:
                 raise FormatError(f"record {i} of {root}: {problem}; run `packer verify {root}`")
             row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
             for f in fields:
-                v = rec.get(f["name"])
-                if f["type"] == "array":
-                    v = list(array_shape(f, len(v)))
-                elif f["type"] == "data":
+                v = rec.get(f.name)
+                if isinstance(f, ArrayField):
+                    v = list(f.shape_of(len(v)))
+                elif isinstance(f, DataField):
                     v = f"<{type(v).__name__} of {len(v)}>" if isinstance(v, (list, dict)) else v
-                row[f["name"]] = v
+                row[f.name] = v
             yield row
     finally:
         reader.close()

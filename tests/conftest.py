@@ -61,10 +61,12 @@ def odd_tree(tmp_path_factory, photos) -> OddTree:
 def odd_built(odd_tree, tmp_path_factory) -> Path:
     """``odd_tree`` built with default options (read-only: copy before changing it)."""
     from packer import build
+    from packer.sources import ImageFolder
     dst = tmp_path_factory.mktemp("odd_built") / "dst"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build(odd_tree.root, dst, workers=2, progress=False, shard_size=1 << 20, allow_empty=True)
+        build(ImageFolder(odd_tree.root, allow_empty=True), dst, workers=2, progress=False,
+              shard_size=1 << 20)
     return dst
 
 

@@ -232,12 +232,13 @@ def run_packer(*args, check=True, **kw) -> subprocess.CompletedProcess:
 
 
 def quiet_build(src, dst, **kw):
-    """``build`` in this process, no progress bar, empty classes allowed (the odd tree has
-    two), their warnings silenced."""
+    """``build`` in this process, no progress bar, a folder path's empty classes allowed (the
+    odd tree has two), their warnings silenced."""
     from packer import build
+    from packer.sources import ImageFolder
     kw.setdefault("progress", False)
-    if not kw.get("list_file"):
-        kw.setdefault("allow_empty", True)
+    if isinstance(src, (str, os.PathLike)):
+        src = ImageFolder(src, allow_empty=True)
     kw.setdefault("workers", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

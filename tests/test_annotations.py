@@ -26,6 +26,7 @@ from packer.errors import FormatError, PackerError
 from packer.format.manifest import column_file, file_sha256, read_manifest
 from packer.info import verify
 from packer.reading.reader import ShardReader
+from packer.sources import Coco, Table, Yolo
 from packer.writing.shard import ShardWriter
 
 N_IMAGES = 40  # ~2.5 MB of JPEGs: three shards at shard_size=1 MiB
@@ -82,14 +83,14 @@ def by_name(coco):
 @pytest.fixture(scope="module")
 def coco_built(scenes, tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("coco") / "dst"
-    quiet(scenes / "images", dst, coco=scenes / "annotations.json", workers=2, shard_size=MiB)
+    quiet(Coco(scenes / "images", scenes / "annotations.json"), dst, workers=2, shard_size=MiB)
     return dst
 
 
 @pytest.fixture(scope="module")
 def yolo_built(scenes, tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("yolo") / "dst"
-    quiet(scenes / "images", dst, yolo=scenes / "labels", names=scenes / "names.txt")
+    quiet(Yolo(scenes / "images", scenes / "labels", scenes / "names.txt"), dst)
     return dst
 
 
@@ -240,17 +241,14 @@ def test_images_without_annotations_are_kept_or_skipped(scenes, coco_built, yolo
             assert plain(t["boxes"]).shape == (0, 4) and t["boxes"].dtype == torch.float32
             assert t["labels"].shape == (0,) and t["labels"].dtype == torch.int64
             assert t["area"].shape == (0,) and t["iscrowd"].shape == (0,)
-    m = quiet(scenes / "images", tmp_path / "d", coco=scenes / "annotations.json",
-              skip_empty=True).manifest
+    m = quiet(Coco(scenes / "images", scenes / "annotations.json", skip_empty=True),
+              tmp_path / "d").manifest
     assert m["count"] == N_IMAGES - EMPTY and m["skipped_empty"] == EMPTY
     ds = PackedDataset(tmp_path / "d")
     kept = [ds.load(i)["path"] for i in range(len(ds))]
     assert kept == sorted(set(by_name) - set(empty))
     assert all(len(ds[i][1]["boxes"]) for i in range(len(ds)))
     assert verify(tmp_path / "d", progress=False).ok
-    with pytest.raises(PackerError, match="--skip-empty"):  # YOLO has no such option
-        quiet(scenes / "images", tmp_path / "y", yolo=scenes / "labels",
-              names=scenes / "names.txt", skip_empty=True)
 
 
 def test_side_tables_equal_the_records(coco_built, yolo_built):
@@ -274,7 +272,7 @@ def test_bad_boxes_are_dropped_and_their_images_kept(scenes, coco, by_name, tmp_
     ann = write_json(tmp_path / "bad.json", with_bad_annotations(coco, {3: ["zero", "outside"],
                                                                        9: ["outside",
                                                                            "segmentation"]}))
-    m = quiet(scenes / "images", tmp_path / "d", coco=ann).manifest
+    m = quiet(Coco(scenes / "images", ann), tmp_path / "d").manifest
     assert m["count"] == N_IMAGES and m["skipped"] == []
     name3, name9 = coco["images"][3]["file_name"], coco["images"][9]["file_name"]
     assert m["dropped_count"] == 4
@@ -297,21 +295,22 @@ def test_bad_boxes_are_dropped_and_their_images_kept(scenes, coco, by_name, tmp_
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_damaged_polygon_stops_the_build(scenes, coco, tmp_path, workers):
-    """The polygons are parsed in the workers: one that is not JSON fails the build there,
-    with the reason, and leaves no finished dataset."""
+    """A polygon that is not JSON makes the file not JSON: the build stops before it
+    starts, naming where, and leaves nothing behind."""
     text = json.dumps(coco)
     first = json.dumps(coco["annotations"][0]["segmentation"])
     assert first.startswith("[[") and first in text
     ann = tmp_path / "damaged.json"
     ann.write_text(text.replace(first, first[:-2] + ",]]", 1))
-    with pytest.raises(PackerError, match="'segmentation' is not valid JSON .* fetch it again"):
-        quiet(scenes / "images", tmp_path / "d", coco=ann, workers=workers)
-    assert not (tmp_path / "d" / "manifest.json").exists()
+    with pytest.raises(PackerError, match=r"damaged\.json:1:\d+: not valid JSON \(trailing "
+                                          r"comma in array\).* fetch it again"):
+        quiet(Coco(scenes / "images", ann), tmp_path / "d", workers=workers)
+    assert not (tmp_path / "d").exists()
 
 
 def test_unknown_category_is_dropped_with_a_reason(scenes, coco, by_name, tmp_path):
     ann = write_json(tmp_path / "bad.json", with_bad_annotations(coco, {5: ["category"]}))
-    m = quiet(scenes / "images", tmp_path / "d", coco=ann).manifest
+    m = quiet(Coco(scenes / "images", ann), tmp_path / "d").manifest
     name = coco["images"][5]["file_name"]
     ds = PackedDataset(tmp_path / "d")
     paths = [ds.load(i)["path"] for i in range(len(ds))]
@@ -328,7 +327,7 @@ def test_unknown_category_is_dropped_with_a_reason(scenes, coco, by_name, tmp_pa
 def test_strict_refuses_a_bad_annotation(scenes, coco, tmp_path, kind):
     ann = write_json(tmp_path / "bad.json", with_bad_annotations(coco, {7: [kind]}))
     with pytest.raises(PackerError, match="strict"):
-        quiet(scenes / "images", tmp_path / "d", coco=ann, strict=True)
+        quiet(Coco(scenes / "images", ann), tmp_path / "d", strict=True)
     assert not (tmp_path / "d" / "manifest.json").exists()
     with pytest.raises(FormatError):
         read_manifest(tmp_path / "d")
@@ -339,7 +338,7 @@ def test_yolo_bad_lines_are_listed_as_dropped(scenes, tmp_path):
     shutil.copytree(scenes / "labels", labels)
     f = sorted(labels.glob("*.txt"))[1]
     f.write_text(f.read_text() + "99 0.5 0.5 0.1 0.1\n")  # class out of range
-    m = quiet(scenes / "images", tmp_path / "d", yolo=labels, names=scenes / "names.txt").manifest
+    m = quiet(Yolo(scenes / "images", labels, scenes / "names.txt"), tmp_path / "d").manifest
     assert m["count"] == N_IMAGES
     assert [d["path"] for d in m.get("dropped", [])] == [f"{f.stem}.jpg"], m.get("dropped")
     assert "out of range" in m["dropped"][0]["reason"]
@@ -477,7 +476,7 @@ def write_jsonl(path: Path, rows) -> Path:
 
 def test_meta_jsonl_fields(scenes, meta_rows, tmp_path):
     meta = write_jsonl(tmp_path / "meta.jsonl", meta_rows)
-    m = quiet(scenes / "images", tmp_path / "d", meta=meta).manifest
+    m = quiet(Table(scenes / "images", meta), tmp_path / "d").manifest
     assert m["schema"] == {"task": "generic", "fields": [
         {"name": "caption", "type": "str"},
         {"name": "tags", "type": "array", "dtype": "int64", "shape": [-1]},
@@ -515,7 +514,7 @@ def test_meta_jsonl_fields(scenes, meta_rows, tmp_path):
 def test_meta_label_column_makes_a_classification_dataset(scenes, meta_rows, tmp_path):
     rows = [{"path": r["path"], "kind": r["kind"]} for r in meta_rows]
     meta = write_jsonl(tmp_path / "labels.jsonl", rows)
-    m = quiet(scenes / "images", tmp_path / "d", meta=meta, label="kind").manifest
+    m = quiet(Table(scenes / "images", meta, label="kind"), tmp_path / "d").manifest
     classes = sorted({r["kind"] for r in rows})
     ds = PackedDataset(tmp_path / "d")
     assert ds.task == "classification" and m["schema"]["task"] == "classification"
@@ -526,7 +525,7 @@ def test_meta_label_column_makes_a_classification_dataset(scenes, meta_rows, tmp
     assert verify(tmp_path / "d", progress=False).ok
     # with other columns too: the label is one more field, targets still equal the column
     meta = write_jsonl(tmp_path / "all.jsonl", meta_rows)
-    quiet(scenes / "images", tmp_path / "e", meta=meta, label="kind")
+    quiet(Table(scenes / "images", meta, label="kind"), tmp_path / "e")
     ds = PackedDataset(tmp_path / "e")
     assert ds.targets == [classes.index(r["kind"]) for r in meta_rows]
     assert ds.column("label").tolist() == ds.targets
@@ -542,7 +541,7 @@ def test_meta_csv(scenes, meta_rows, tmp_path):
                      f"\"hi, {k}\",\"[{k}, {k + 1}]\"")
     meta = tmp_path / "meta.csv"
     meta.write_text("\n".join(lines) + "\n")
-    m = quiet(scenes / "images", tmp_path / "d", meta=meta, label="cls").manifest
+    m = quiet(Table(scenes / "images", meta, label="cls"), tmp_path / "d").manifest
     assert [f["name"] for f in m["schema"]["fields"]] == ["label", "weight", "flag", "note", "box"]
     ds = PackedDataset(tmp_path / "d")
     n = len(meta_rows)
@@ -560,8 +559,8 @@ def test_killed_coco_build_resumes_to_the_same_dataset(scenes, coco, tmp_path, m
     # bad boxes before the kill, in the shard being written when it comes, and after it
     ann = write_json(tmp_path / "bad.json", with_bad_annotations(
         coco, {2: ["zero"], 20: ["outside"], N_IMAGES - 3: ["zero", "outside"]}))
-    kw = dict(coco=ann, shard_size=MiB, workers=2)
-    ref = quiet(scenes / "images", tmp_path / "ref", **kw).manifest
+    kw = dict(shard_size=MiB, workers=2)
+    ref = quiet(Coco(scenes / "images", ann), tmp_path / "ref", **kw).manifest
     assert len(ref["shards"]) >= 3 and ref["dropped_count"] == 4
     real, calls = ShardWriter.finish, []
 
@@ -574,11 +573,11 @@ def test_killed_coco_build_resumes_to_the_same_dataset(scenes, coco, tmp_path, m
     with monkeypatch.context() as mp:
         mp.setattr(ShardWriter, "finish", finish)
         with pytest.raises(KeyboardInterrupt):
-            quiet(scenes / "images", dst, **kw)
+            quiet(Coco(scenes / "images", ann), dst, **kw)
     assert not (dst / "manifest.json").exists()
     left = sorted(p.name for p in dst.glob("shard-*.lmdb"))
     assert "shard-00000.lmdb" in left and len(left) <= 2  # at most one finished per worker
-    r = quiet(scenes / "images", dst, **kw)
+    r = quiet(Coco(scenes / "images", ann), dst, **kw)
     assert r.resumed_shards >= 1
     m = r.manifest
     assert records(dst) == records(tmp_path / "ref")
@@ -601,9 +600,9 @@ def targets_by_image_id(root):
 
 def test_merged_parts_read_like_one_build(scenes, coco, tmp_path):
     ann = write_json(tmp_path / "bad.json", with_bad_annotations(coco, {1: ["zero"], 6: ["outside"]}))
-    single = quiet(scenes / "images", tmp_path / "single", coco=ann).manifest
+    single = quiet(Coco(scenes / "images", ann), tmp_path / "single").manifest
     for k in range(2):
-        quiet(scenes / "images", tmp_path / f"part{k}", coco=ann, part=f"{k}/2")
+        quiet(Coco(scenes / "images", ann), tmp_path / f"part{k}", part=f"{k}/2")
     m = merge([tmp_path / "part0", tmp_path / "part1"], tmp_path / "merged")
     assert m["count"] == N_IMAGES
     assert m["schema"] == single["schema"]
@@ -644,8 +643,13 @@ def test_cli_coco_and_yolo_exclude_each_other(scenes, tmp_path):
 
 
 def test_build_arguments_that_do_not_go_together(scenes, tmp_path):
-    with pytest.raises(PackerError, match="--names"):
-        quiet(scenes / "images", tmp_path / "d", yolo=scenes / "labels")
-    with pytest.raises(PackerError, match="--meta"):
-        quiet(scenes / "images", tmp_path / "d", label="kind")
-    assert not (tmp_path / "d" / "manifest.json").exists()
+    """The CLI's flags that need each other; from Python, each source takes what it needs."""
+    for args, message in [(["--yolo", scenes / "labels"], "--yolo LABELS_DIR and --names NAMES"),
+                          (["--label", "kind"], "--label COLUMN picks a column of --meta FILE"),
+                          (["--skip-empty"], "--skip-empty applies to --coco datasets")]:
+        proc = run_packer("build", scenes / "images", tmp_path / "d", *args, "-q",
+                          check=False, env=packer_env())
+        assert proc.returncode == 1 and f"Error: {message}" in proc.stderr, proc.stderr
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(PackerError, match=r"build\(source, dst\): source must be a folder path"):
+        build(42, tmp_path / "d")

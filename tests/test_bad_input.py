@@ -13,6 +13,7 @@ from packer.format.manifest import read_manifest
 from packer.writing.check import DEFAULT_MAX_PIXELS, BadImage, check_image
 from packer.info import verify
 from packer.reading.reader import ShardReader
+from packer.sources import FileList
 
 REASON_PREFIX = {  # what each kind of broken file is reported as
     "empty file": "empty file",
@@ -115,7 +116,7 @@ def test_list_with_missing_and_bad_files(odd_tree, tmp_path):
     lst = tmp_path / "list.tsv"
     lst.write_text("B/a.jpg\tcat\nnot/there.jpg\tdog\nwith space/empty.jpg\tdog\n"
                    "Z10/cmyk.jpg\tdog\n_x/notes.txt\tcat\n", encoding="utf-8")
-    m = quiet_build(odd_tree.root, tmp_path / "d", list_file=lst).manifest
+    m = quiet_build(FileList(lst, root=odd_tree.root), tmp_path / "d").manifest
     assert m["classes"] == ["cat", "dog"] and m["count"] == 2
     reasons = {s["path"]: s["reason"] for s in m["skipped"]}
     assert reasons["not/there.jpg"].startswith("unreadable: No such file")
@@ -130,8 +131,9 @@ def test_list_with_missing_and_bad_files(odd_tree, tmp_path):
 def test_list_with_a_missing_source_folder_is_an_error(tmp_path):
     lst = tmp_path / "list.tsv"
     lst.write_text("a.jpg\t0\n")
-    with pytest.raises(PackerError, match="does not exist or is not a folder"):
-        quiet_build(tmp_path / "nope", tmp_path / "d", list_file=lst)
+    with pytest.raises(PackerError, match=r"FileList\(list_file, root\): root .* does not exist "
+                                          r"or is not a folder"):
+        quiet_build(FileList(lst, root=tmp_path / "nope"), tmp_path / "d")
 
 
 # -- --strict ----------------------------------------------------------------------------------

@@ -14,14 +14,12 @@ import packer
 from packer._util.system import pil_info, usable_cores
 from packer.cli import main
 from packer.doctor import doctor, format_doctor
-from packer.sources import segmentation
 
 
 def test_doctor_facts():
     d = doctor()
     assert set(d) == {"packer", "python", "pil", "pil_summary", "torch", "cuda", "triton",
-                      "optional", "polygons_c", "cores", "cpu_count"}
-    assert d["polygons_c"] == (segmentation.packed_polygons is not None)
+                      "optional", "cores", "cpu_count"}
     assert d["packer"] == packer.__version__
     assert d["python"] == "%d.%d.%d" % sys.version_info[:3]
     assert d["pil"] == pil_info()
@@ -69,9 +67,6 @@ def test_format_doctor_for_other_environments():
     assert "torch    not installed: pip install torch (training needs it: PackedDataset, " \
         "make_loader)" in bare.splitlines()
     assert "PIL      not installed: pip install Pillow" in bare.splitlines()
-    assert "C        built" in format_doctor(dict(base, polygons_c=True))
-    assert "C        not built: --coco builds parse polygons in Python" in \
-        format_doctor(dict(base, polygons_c=False))
     assert ("Pillow-SIMD has SIMD resize and convert: pip uninstall -y pillow pillow-simd && "
             "CC='cc -mavx2' pip install --no-cache-dir --no-binary pillow-simd pillow-simd") in text
     # pip says pillow-simd, the imported module is stock Pillow: one line names it and the fix.

@@ -12,11 +12,11 @@ import torch
 
 from packer import PackedDataset, build, verify, write
 from packer.errors import FormatError, PackerError
-from packer.format.fields import array_shape, check_schema, data_problem, detection_problem, encode, field_problem, infer_field, to_array, value_problem
+from packer.format.fields import ArrayField, DataField, IntField, StrField, check_schema, data_problem, detection_problem, encode, field_of, field_problem, infer_field
 from packer.format.manifest import read_manifest
 from packer.reading.masks import decode_counts, masks_of, rle_mask
 
-BOXES = {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]}
+BOXES = ArrayField("boxes", "float32", (-1, 4))
 
 
 # -- encode / decode ---------------------------------------------------------------------------
@@ -24,8 +24,8 @@ BOXES = {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]}
 def test_arrays_round_trip_through_bytes():
     raw = encode([BOXES], {"boxes": [[1, 2, 3, 4], [5, 6, 7, 8.5]]})["boxes"]
     assert isinstance(raw, bytes) and len(raw) == 2 * 4 * 4
-    assert array_shape(BOXES, len(raw)) == (2, 4)
-    assert list(to_array(BOXES, raw)) == [1, 2, 3, 4, 5, 6, 7, 8.5]
+    assert BOXES.shape_of(len(raw)) == (2, 4)
+    assert list(BOXES.values(raw)) == [1, 2, 3, 4, 5, 6, 7, 8.5]
     t = torch.tensor([[0.5, 1, 2, 3]], dtype=torch.float32)
     assert encode([BOXES], {"boxes": t})["boxes"] == array("f", [0.5, 1, 2, 3]).tobytes()
     assert encode([BOXES], {"boxes": []})["boxes"] == b""  # no objects
@@ -49,7 +49,7 @@ def test_bad_arrays_name_the_field(value, message):
     ("bool", 1, None), ("str", "café", "café"), ("str", b"x", None), ("str", "\ud800", None),
 ])
 def test_scalars_are_checked_not_coerced(kind, value, ok):
-    f = {"name": "x", "type": kind}
+    f = field_of({"name": "x", "type": kind})
     if ok is None:
         with pytest.raises(ValueError, match="'x'"):
             encode([f], {"x": value})
@@ -60,7 +60,7 @@ def test_scalars_are_checked_not_coerced(kind, value, ok):
 
 def test_fields_must_match_the_schema_exactly():
     with pytest.raises(ValueError, match=r"missing \['b'\], unexpected \['c'\]"):
-        encode([{"name": "a", "type": "int"}, {"name": "b", "type": "str"}], {"a": 1, "c": 2})
+        encode([IntField("a"), StrField("b")], {"a": 1, "c": 2})
 
 
 def test_data_fields_are_plain_data_only():
@@ -83,17 +83,32 @@ def test_data_fields_are_plain_data_only():
 
 
 def test_inference():
-    assert infer_field("a", 3) == {"name": "a", "type": "int"}
-    assert infer_field("a", 0.5) == {"name": "a", "type": "float"}
-    assert infer_field("a", True) == {"name": "a", "type": "bool"}
-    assert infer_field("a", "x") == {"name": "a", "type": "str"}
-    assert infer_field("a", [1, 2]) == {"name": "a", "type": "array", "dtype": "int64", "shape": [-1]}
-    assert infer_field("a", [[1.0, 2, 3, 4]])["shape"] == [-1, 4]
-    assert infer_field("a", torch.zeros(3, 4, dtype=torch.int32))["dtype"] == "int32"
-    assert infer_field("a", torch.zeros(3, 4))["shape"] == [-1, 4]
-    assert infer_field("a", torch.tensor(True)) == {"name": "a", "type": "bool"}
-    assert infer_field("a", {"k": 1}) == {"name": "a", "type": "data"}
+    def spec(v):
+        return infer_field("a", v).spec()
+    assert spec(3) == {"name": "a", "type": "int"}
+    assert spec(0.5) == {"name": "a", "type": "float"}
+    assert spec(True) == {"name": "a", "type": "bool"}
+    assert spec("x") == {"name": "a", "type": "str"}
+    assert spec([1, 2]) == {"name": "a", "type": "array", "dtype": "int64", "shape": [-1]}
+    assert spec([[1.0, 2, 3, 4]])["shape"] == [-1, 4]
+    assert spec(torch.zeros(3, 4, dtype=torch.int32))["dtype"] == "int32"
+    assert spec(torch.zeros(3, 4))["shape"] == [-1, 4]
+    assert spec(torch.tensor(True)) == {"name": "a", "type": "bool"}
+    assert spec({"k": 1}) == {"name": "a", "type": "data"}
     assert infer_field("a", []) is None  # cannot tell: a schema is needed
+
+
+@pytest.mark.parametrize("spec", [
+    {"name": "n", "type": "int"}, {"name": "x", "type": "float"}, {"name": "b", "type": "bool"},
+    {"name": "s", "type": "str"}, {"name": "d", "type": "data"},
+    {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]},
+    {"name": "m", "type": "array", "dtype": "uint8", "shape": [2, 3, 4]}])
+def test_each_field_is_built_from_its_schema_entry_and_writes_it_back(spec):
+    """The manifest's schema JSON stays what it was: a field class writes its entry back
+    exactly, and the side table it gets is the one older datasets have."""
+    f = field_of(spec)
+    assert f.spec() == spec and check_schema([spec], "here") == [f]
+    assert f.column == {"int": "int64", "float": "float64", "bool": "uint8"}.get(spec["type"])
 
 
 @pytest.mark.parametrize("f, problem", [
@@ -112,15 +127,15 @@ def test_schema_entries_are_checked(f, problem):
 
 def test_detection_schema_needs_boxes_labels_image_id():
     assert detection_problem([BOXES]).startswith("needs a 'labels'")
-    ok = [BOXES, {"name": "labels", "type": "array", "dtype": "int64", "shape": [-1]},
-          {"name": "image_id", "type": "int"}]
+    ok = [BOXES, ArrayField("labels", "int64", (-1,)), IntField("image_id")]
     assert detection_problem(ok) == ""
+    assert "image_id" in detection_problem(ok[:2] + [StrField("image_id")])
 
 
-def test_value_problem_finds_damaged_values():
-    assert value_problem(BOXES, b"\0" * 15) != ""
-    assert value_problem({"name": "n", "type": "int"}, True) != ""
-    assert value_problem({"name": "n", "type": "int"}, 5) == ""
+def test_check_finds_damaged_values():
+    assert BOXES.check(b"\0" * 15) != "" and BOXES.check([1.0]) != ""
+    assert IntField("n").check(True) != "" and IntField("n").check(5) == ""
+    assert DataField("d").check({"a": [1]}) == "" and "NaN" in DataField("d").check([math.nan])
 
 
 # -- masks --------------------------------------------------------------------------------------
@@ -228,17 +243,3 @@ def test_annotation_keys_of_the_manifest_are_validated(tmp_path, photo_src, key,
     (dst / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(FormatError, match=key):
         read_manifest(dst)
-
-
-def test_checked_arrays_are_stored_as_built_and_equal_the_checked_way():
-    """What a source built with ``checked_array`` (COCO's fitted boxes) is kept as it is,
-    and is the same bytes the general path makes of the same values."""
-    from packer.format.fields import CheckedArray, checked_array
-    f = {"name": "boxes", "type": "array", "dtype": "float32", "shape": [-1, 4]}
-    g = {"name": "ids", "type": "array", "dtype": "int64", "shape": [-1]}
-    boxes, ids = [[1.5, 2.0, 30.25, 40.0], [0.0, 0.0, 5.0, 6.0]], [7, 2 ** 40]
-    made = encode([f, g], {"boxes": checked_array("f", [v for b in boxes for v in b]),
-                           "ids": checked_array("q", ids)})
-    general = encode([f, g], {"boxes": boxes, "ids": ids})
-    assert type(made["boxes"]) is CheckedArray and made == general
-    assert encode([g], {"ids": checked_array("q", [])}) == encode([g], {"ids": []})

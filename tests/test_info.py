@@ -148,6 +148,7 @@ def test_verify_decodes_every_record(odd_tree, tmp_path, monkeypatch):
     """Records whose bytes are intact (checksum fine) but do not decode are reported too."""
     import warnings
     from packer.writing import builder as build_mod
+    from packer.sources import ImageFolder
     from packer.writing import worker as shardwork
     from packer.writing.check import Checked
 
@@ -155,7 +156,8 @@ def test_verify_decodes_every_record(odd_tree, tmp_path, monkeypatch):
                         lambda data, **kw: Checked(data, 1, 1, "JPEG", "RGB"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_mod.build(odd_tree.root, tmp_path / "d", workers=0, progress=False, allow_empty=True)
+        build_mod.build(ImageFolder(odd_tree.root, allow_empty=True), tmp_path / "d", workers=0,
+                        progress=False)
     rep = verify(tmp_path / "d", progress=False)
     # everything broken that could be read, and the bomb: verify keeps the build's pixel limit
     broken = {rel for rel, kind in odd_tree.bad.items() if kind != "unreadable"}

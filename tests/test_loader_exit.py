@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from packer import build
+from packer.sources import Coco
 
 SCRIPT = textwrap.dedent('''
     import atexit, sys
@@ -130,7 +131,7 @@ def test_an_epoch_loader_in_a_spawned_process_exits_cleanly(tmp_path):
     runs on the 2-core box); by forkserver they exit at once. Two runs, a clean exit each."""
     from packer.demo.scenes import make_detection_folder
     src = make_detection_folder(tmp_path / "scenes", images=96, seed=2)
-    build(src / "images", tmp_path / "d", coco=src / "annotations.json", progress=False,
+    build(Coco(src / "images", src / "annotations.json"), tmp_path / "d", progress=False,
           workers=0)
     for _ in range(2):
         r = run_script(tmp_path, EPOCH_SCRIPT, tmp_path / "d", timeout=180)

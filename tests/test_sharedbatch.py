@@ -11,6 +11,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
 
 from packer import PackedDataset, build, make_loader
+from packer.sources import Coco
 from packer.transforms.decode import DecodeLetterbox
 from packer.demo.scenes import make_detection_folder
 from packer import PackedSampler
@@ -25,7 +26,7 @@ tv_tensors = pytest.importorskip("torchvision.tv_tensors")
 def detection(tmp_path_factory):
     base = tmp_path_factory.mktemp("shared")
     src = make_detection_folder(base / "coco", images=24, seed=5)
-    build(src / "images", base / "packed", coco=src / "annotations.json", workers=0,
+    build(Coco(src / "images", src / "annotations.json"), base / "packed", workers=0,
           progress=False)
     return PackedDataset(base / "packed", decode=DecodeLetterbox(160))
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 import packer.reading.iterable as streaming
 from packer import build
+from packer.sources import Coco
 from packer.reading.reader import ShardReader
 from packer.reading.sampler import PackedSampler, global_order
 from packer.reading.iterable import PackedIterableDataset
@@ -152,7 +153,7 @@ def test_streaming_a_detection_dataset_gives_its_targets(tmp_path):
     from packer import PackedIterableDataset, PackedDataset, build
     from packer.demo.scenes import make_detection_folder
     root = make_detection_folder(tmp_path / "det", images=10, seed=1)
-    build(root / "images", tmp_path / "p", coco=root / "annotations.json", progress=False,
+    build(Coco(root / "images", root / "annotations.json"), tmp_path / "p", progress=False,
           workers=0)
     by_id = {t["image_id"]: t for _, t in PackedDataset(tmp_path / "p")}
     got = [t for _, t in PackedIterableDataset(tmp_path / "p", shuffle=False)]

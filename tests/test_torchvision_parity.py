@@ -15,6 +15,7 @@ from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2  
 from torchvision.transforms import v2  # noqa: E402
 
 from packer import PackedDataset, build  # noqa: E402
+from packer.sources import Coco, ImageFolder as PackedFolder  # noqa: E402
 from packer.demo.scenes import make_detection_folder  # noqa: E402
 
 KEYS = ("boxes", "labels", "image_id", "area", "iscrowd")
@@ -24,7 +25,7 @@ KEYS = ("boxes", "labels", "image_id", "area", "iscrowd")
 def coco(tmp_path_factory):
     root = make_detection_folder(tmp_path_factory.mktemp("det") / "det", images=24, seed=3)
     dst = root.parent / "packed"
-    build(root / "images", dst, coco=root / "annotations.json", progress=False, workers=0)
+    build(Coco(root / "images", root / "annotations.json"), dst, progress=False, workers=0)
     return root, dst
 
 
@@ -122,6 +123,6 @@ def test_imagefolder_surface_attribute_by_attribute(tmp_path):
         assert y == ref_y and im.size == ref_im.size and im.tobytes() == ref_im.tobytes()
     # The same file choices: extensions and is_valid_file as torchvision's.
     pick = ImageFolder(str(src), is_valid_file=lambda p: p.endswith("0.jpg"), allow_empty=True)
-    build(src, tmp_path / "q", progress=False, workers=0, allow_empty=True,
-          is_valid_file=lambda p: p.endswith("0.jpg"))
+    build(PackedFolder(src, is_valid_file=lambda p: p.endswith("0.jpg"), allow_empty=True),
+          tmp_path / "q", progress=False, workers=0)
     assert list(PackedDataset(tmp_path / "q").samples) == pick.samples

@@ -40,6 +40,7 @@ import torch
 
 from packer._util.system import pil_summary
 from packer.writing.builder import build
+from packer.sources import Coco
 from packer.loading.loader import default_num_workers
 from packer.bench.coldread import SlowDisk, drop_page_cache, storage
 from benchlib.detectionbuild import add_rows, build_section
@@ -79,7 +80,7 @@ def torchvision_baseline() -> bool:
 def bench_detection(sections, opts: DetectionBenchOptions = DetectionBenchOptions(),
                     log: Log = print) -> dict:
     """Make ``opts.images`` scenes under ``opts.root`` (default: a temporary folder, removed),
-    build them once with ``coco=``, run ``sections`` (names from ``SECTIONS``) and return
+    build them once (``Coco``), run ``sections`` (names from ``SECTIONS``) and return
     ``{"options", "environment", "rows": [...], "notes": [...]}``."""
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -95,7 +96,7 @@ def bench_detection(sections, opts: DetectionBenchOptions = DetectionBenchOption
         from packer.demo.scenes import make_detection_folder
         t = time.perf_counter()
         coco = make_detection_folder(tmp / "coco", opts.images, seed=opts.seed)
-        packed = build(coco / "images", tmp / "packed", coco=coco / "annotations.json",
+        packed = build(Coco(coco / "images", coco / "annotations.json"), tmp / "packed",
                        workers=opts.workers, progress=False).manifest
         log(f"made and built {packed['count']} scenes in {time.perf_counter() - t:.1f} s "
             f"under {tmp} ({out['environment']['storage']}); baseline: "

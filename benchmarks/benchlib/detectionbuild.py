@@ -41,10 +41,6 @@ def build_section(coco: Path, tmp: Path, opts, out: dict,
     out["notes"].append(f"build --coco / --list round by round (each pair run back to back, "
                         f"in alternating order): median {statistics.median(paired):.3f}, "
                         f"range {paired[0]:.3f}-{paired[-1]:.3f}")
-    from packer.sources.segmentation import packed_polygons
-    out["notes"].append("COCO polygon text read by " + ("the C accelerator (packer.sources."
-                        "_polygons)" if packed_polygons else "Python (the C accelerator is not "
-                        "built)"))
     per_image = {name: statistics.median(v) for name, v in cpu.items()}
     out["build_cpu_us_per_image"] = per_image
     base = per_image["build --list (label 0)"]

@@ -1,10 +1,10 @@
 """What a COCO source costs a build outside the image checks, in one process: the main
-process's serial read (``load_source``) against a list of the same images, and each image's
-field encoding (``FieldMaker.encoded``: fit, check, encode, msgpack), which the workers do.
+process's read (``read_coco``) against a list of the same images, and each image's field
+encoding (``FieldMaker.encoded``: fit, check, encode, msgpack), which the workers do.
 
-On a machine whose cores run Python slower, the serial read weighs more against a build
-that many workers make short: this is how the ``--coco`` build's ratio was explained on the
-16-core box (docs/benchmarks.md, issue 14, third session).
+On a machine whose cores run Python slower, the read weighs more against a build that many
+workers make short: this is how the ``--coco`` build's ratio was explained on the 16-core box
+(docs/benchmarks.md, issue 14, third session).
 """
 from __future__ import annotations
 
@@ -16,52 +16,37 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from packer._util.system import usable_cores
-from packer.writing.builder import load_source, source_schema
+from packer.format.fields import field_of
+from packer.sources.folder import read_list
+from packer.sources.coco import read_coco
+from packer.writing.builder import source_schema
 from packer.writing.worker import FieldMaker
-from packer.sources import segmentation
 
 __all__ = ["source_costs", "write_coco_like"]
 
 
 def source_costs(annotations: Path, images: Path = None, repeats: int = 3) -> Dict[str, float]:
-    """Medians over ``repeats``: ``read_coco_ms`` (one process), ``read_coco_pieces_ms``
-    (as a build with a worker per usable core reads it: large files in pieces, ``pieces``
-    says whether they were), ``read_list_ms`` (the same file names as a ``--list``),
-    ``fields_us_per_image`` (at 640x480: the image files are not needed), and
-    ``fields_python_us_per_image``: the same with polygon text parsed in Python (the C
-    accelerator turned off; equal to the first where it is not built)."""
+    """Medians over ``repeats``: ``read_coco_ms``, ``read_list_ms`` (the same file names as a
+    ``--list``) and ``fields_us_per_image`` (at 640x480: the image files are not needed)."""
     annotations = Path(annotations)
     names = [im["file_name"] for im in json.loads(annotations.read_text("utf-8"))["images"]]
-    runs: Dict[str, List[float]] = {"read_coco_ms": [], "read_coco_pieces_ms": [],
-                                    "read_list_ms": [], "fields_us_per_image": [],
-                                    "fields_python_us_per_image": []}
-    pieces = False
+    runs: Dict[str, List[float]] = {"read_coco_ms": [], "read_list_ms": [],
+                                    "fields_us_per_image": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(images) if images is not None else Path(tmp)
         listing = Path(tmp) / "labels0.txt"
         listing.write_text("".join(f"{n}\t0\n" for n in names), "utf-8")
         for _ in range(repeats):
             t = time.perf_counter()
-            src = load_source(root, coco=annotations, workers=usable_cores())
-            runs["read_coco_pieces_ms"].append((time.perf_counter() - t) * 1e3)
-            pieces = "packed" in src.annotations.rows[0]
-            del src
-            t = time.perf_counter()
-            src = load_source(root, coco=annotations)
+            src = read_coco(root, annotations)
             runs["read_coco_ms"].append((time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
-            load_source(root, list=listing)
+            read_list(root, listing)
             runs["read_list_ms"].append((time.perf_counter() - t) * 1e3)
-            fields = FieldMaker(src, source_schema(src)["fields"], [])
+            fields = FieldMaker(src, [field_of(f) for f in source_schema(src)["fields"]], [])
             runs["fields_us_per_image"].append(encoding_us(fields, len(src.entries)))
-            accelerator, segmentation.packed_polygons = segmentation.packed_polygons, None
-            try:
-                runs["fields_python_us_per_image"].append(encoding_us(fields, len(src.entries)))
-            finally:
-                segmentation.packed_polygons = accelerator
     out = {k: statistics.median(v) for k, v in runs.items()}
-    out["images"], out["pieces"] = len(names), pieces
+    out["images"] = len(names)
     return out
 
 

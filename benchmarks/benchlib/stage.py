@@ -99,7 +99,7 @@ def prepare(src: Optional[Path], opts: StageOptions) -> Tuple[Path, Path, List[s
     for a workdir in RAM or a dataset that does not match its folder."""
     from packer.writing.builder import build
     from packer.demo import make_image_folder
-    from packer.sources.base import scan_folder
+    from packer.sources.folder import scan_folder
     opts.workdir.mkdir(parents=True, exist_ok=True)
     if fs_type(opts.workdir) in ("tmpfs", "ramfs"):
         raise PackerError(f"--workdir {opts.workdir} is in RAM ({fs_type(opts.workdir)}); "

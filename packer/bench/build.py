@@ -24,7 +24,7 @@ from ..writing.builder import build
 from ..writing.check import Transcode
 from ..reading.dataset import PackedDataset
 from ..demo import make_image_folder
-from ..sources.base import IMG_EXTENSIONS, scan_folder
+from ..sources.folder import IMG_EXTENSIONS, scan_folder
 
 __all__ = ["DECODE", "DECODE_LOADED", "GOAL", "bench_build", "build_table", "build_variants",
            "decode_rate", "sample_folder", "time_builds", "build_ratios"]

@@ -1,6 +1,8 @@
 """Commands that make and look into datasets: build, merge, info, verify, ls, cat."""
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -98,19 +100,17 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
     """
     from ..writing.builder import build as run_build
     from ..writing.check import DEFAULT_MAX_PIXELS, Transcode
+    source = build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_column,
+                          allow_empty, extensions)
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
-    with warnings_as_lines():
-        result = run_build(src, dst, list_file=list_file, shard_size=shard_size, workers=workers,
+    with warnings_as_lines(), flag_words():
+        result = run_build(source, dst, shard_size=shard_size, workers=workers,
                            transcode=transcode, shuffle=shuffle, seed=seed, part=part,
                            strict=strict, overwrite=overwrite,
                            max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
-                           progress=not (quiet or as_json),
-                           coco=coco, yolo=yolo, names=names, meta=meta, label=label_column,
-                           skip_empty=skip_empty, allow_empty=allow_empty,
-                           extensions=extensions and [e.strip() for e in extensions.split(",")
-                                                      if e.strip()])
+                           progress=not (quiet or as_json))
     if as_json:
         m = result.manifest
         click.echo(json_text({
@@ -135,6 +135,62 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
         click.echo(terminal_text(f"{result.manifest['dropped_count']} annotation(s) dropped, e.g. "
                                  f"{first['path']}: {first['reason']} (all listed by `packer info "
                                  f"{dst} --json`)"), err=True)
+
+
+# The sources' Python words in their messages, as the build command's flags say them.
+FLAG_WORDS = [(r"ImageFolder\(root, allow_empty=True\)", "--allow-empty"),
+              (r"ImageFolder\(root\): ", "source folder "),
+              (r"pack a FileList:", "pass --list FILE with"),
+              (r"overwrite=True", "--overwrite"),
+              (r"Coco\(images, annotations, skip_empty=True\)", "--skip-empty"),
+              (r"Coco\(images, annotations\): annotations ", "--coco "),
+              (r"Yolo\(images, labels, names\): labels ", "--yolo "),
+              (r"Yolo\(images, labels, names\): names ", "--names "),
+              (r"Table\(images, table, label\): table ", "--meta "),
+              (r"Table\(images, table, label='([^']*)'\)", r"--label \1"),
+              (r"\w+\((images|list_file), [^)]*\): (images|root) ", "SRC ")]
+
+
+@contextlib.contextmanager
+def flag_words():
+    """A PackerError from the build with the sources' argument names as flags."""
+    from ..errors import PackerError
+    try:
+        yield
+    except PackerError as e:
+        text = str(e)
+        for pattern, flag in FLAG_WORDS:
+            text = re.sub(pattern, flag, text)
+        if text == str(e):
+            raise
+        raise PackerError(text) from None
+
+
+def build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_column,
+                 allow_empty, extensions):
+    """The ``packer.sources`` object the build's flags name (an ImageFolder when none)."""
+    from ..errors import PackerError
+    from ..sources import Coco, FileList, ImageFolder, Table, Yolo
+    chosen = [flag for flag, value in (("--list", list_file), ("--coco", coco), ("--yolo", yolo),
+                                       ("--meta", meta)) if value is not None]
+    if len(chosen) > 1:
+        raise PackerError(f"pass one source: {' and '.join(chosen)} exclude each other")
+    if (names is not None) != (yolo is not None):
+        raise PackerError("--yolo LABELS_DIR and --names NAMES go together")
+    if label_column is not None and meta is None:
+        raise PackerError("--label COLUMN picks a column of --meta FILE; pass --meta too")
+    if skip_empty and coco is None:
+        raise PackerError("--skip-empty applies to --coco datasets (images with no annotation)")
+    if list_file is not None:
+        return FileList(list_file, root=src)
+    if coco is not None:
+        return Coco(src, coco, skip_empty=skip_empty)
+    if yolo is not None:
+        return Yolo(src, yolo, names)
+    if meta is not None:
+        return Table(src, meta, label=label_column)
+    exts = extensions and [e.strip() for e in extensions.split(",") if e.strip()]
+    return ImageFolder(src, extensions=exts or None, allow_empty=allow_empty)
 
 
 @click.command()

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._util.system import human_size, usable_cores
+from ..sources.coco import Coco
 from ..writing.builder import build
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeLetterbox
@@ -99,7 +100,7 @@ def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[in
                        stage_dir: Optional[os.PathLike] = "/dev/shm", rounds: int = 2,
                        seed: int = 0, progress: bool = True,
                        on_step: Optional[Callable[[str], None]] = None) -> DetectionDemoResult:
-    """Make COCO scenes, build them with ``coco=``, verify, stage, then read epochs through
+    """Make COCO scenes, build them (``Coco``), verify, stage, then read epochs through
     ``CocoFolderDataset`` and ``PackedDataset`` + ``PackedSampler`` in turn (both with
     ``DecodeLetterbox(size)``, the same ``make_loader`` settings, + ``CUDAPrefetcher`` when
     a GPU is present) and compare their rates and every image's targets.
@@ -152,7 +153,7 @@ def make_build_verify(steps: Steps, work: Path, images: int, seed: int, workers:
     steps.done("make scenes", t, f"{images} photo scenes with pasted objects, "
                                  f"{human_size(nbytes)}, COCO annotations.json in {coco}")
     t = steps.start("build --coco")
-    built = build(coco / "images", work / "packed", coco=coco / "annotations.json",
+    built = build(Coco(coco / "images", coco / "annotations.json"), work / "packed",
                   workers=workers, progress=progress)
     steps.done("build --coco", t, build_line(built.manifest, built.seconds))
     steps.res.classes = len(built.manifest["classes"])

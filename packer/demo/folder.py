@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from ..reading.dataset import move_boxes
 from ..transforms.decode import open_image
-from ..sources.base import scan_folder
+from ..sources.folder import scan_folder
 from ..reading.targets import wrap_boxes
 
 

@@ -1,17 +1,19 @@
-"""Typed record fields: the schema a manifest declares, and values <-> stored data.
+"""Typed record fields: one class per field type, made from the manifest's ``schema`` entries
+(``{"name", "type"[, "dtype", "shape"]}``, ``field_of``) and written back to them unchanged
+(``Field.spec``).
 
-A record holds its image and, per the manifest's ``schema``, any number of named fields:
+A record holds its image and, per the schema, any number of named fields:
 
-- ``int`` (int64), ``float`` (float64, finite), ``bool``, ``str`` (UTF-8): scalars. Scalars
-  also go to a side table (one fixed-width value per record), so a column loads without
-  reading a record;
+- ``int`` (int64), ``float`` (float64, finite), ``bool``, ``str`` (UTF-8): scalars. Fixed-width
+  scalars also go to a side table (``Field.column``: one value per record), so a column
+  loads without reading a record;
 - ``array``: raw little-endian bytes with the schema's ``dtype`` and ``shape`` (``-1`` as
   the first dimension: any count, e.g. boxes ``[-1, 4]``) — never a pickled object;
 - ``data``: plain nested data (lists, string-keyed maps, str, int, float, bool, None), e.g.
   COCO segmentation polygons and RLE, stored as msgpack without extension types.
 
-Everything is checked on the way in (a wrong type names the field and the sample) and on
-the way out (a record that does not match its schema is a damaged record).
+Each class checks a value on the way in (``encode``: a ValueError names the field) and a
+stored one on the way out (``check``: a record that does not match its schema is damaged).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import math
 import re
 import sys
 from array import array
+from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ..errors import FormatError
 from .._util.text import is_utf8
@@ -28,45 +31,200 @@ from .._util.text import is_utf8
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # The record's own keys: no field may take them.
 RESERVED = frozenset({"image", "path", "width", "height", "format", "mode", "crc32"})
-SCALAR_TYPES = ("int", "float", "bool", "str")
-TYPES = SCALAR_TYPES + ("array", "data")
 # dtype name -> array typecode (all fixed-width on every platform packer runs on).
 DTYPES = {"uint8": "B", "int8": "b", "int16": "h", "uint16": "H", "int32": "i", "uint32": "I",
           "int64": "q", "float32": "f", "float64": "d"}
-# Side-table dtype of each scalar type; label, width and height are int32 as labels.i32 has been.
-COLUMN_DTYPE = {"int": "int64", "float": "float64", "bool": "uint8"}
 INT64 = (-(1 << 63), (1 << 63) - 1)
 MAX_DEPTH = 32  # nesting of ``data`` values
-BIG_ENDIAN = sys.byteorder == "big"  # stored arrays are little-endian
 
 
-class CheckedData(list):
-    """A ``data`` value its maker has already checked is plain data (e.g. COCO polygons,
-    checked as they are parsed): ``encode`` stores it without walking it a second time.
-    Its items may be ``PackedData``."""
+@dataclass(frozen=True)
+class Field:
+    """A schema entry. ``encode(value)``: the stored form of a sample's value; ``check(stored)``:
+    why a stored value is not one of this field's, or ""; ``column``: the side-table dtype
+    (None: no side table)."""
+    name: str
+    type: ClassVar[str] = ""
+    column: ClassVar[Optional[str]] = None
+
+    def spec(self) -> Dict[str, Any]:
+        return {"name": self.name, "type": self.type}
+
+    def encode(self, v: Any) -> Any:
+        raise NotImplementedError
+
+    def check(self, v: Any) -> str:
+        raise NotImplementedError
 
 
-class PackedData(bytes):
-    """An item of a ``CheckedData`` list in its stored form already: the msgpack bytes of
-    plain data its maker checked while packing it (COCO polygon text, which
-    ``packer.sources._polygons`` turns into msgpack without making Python objects).
-    ``packer.format.manifest.pack_fields`` splices it in; a reader sees the plain data. Only ever an
-    item of a ``CheckedData``: anywhere else msgpack would store it as bytes."""
+class Scalar(Field):
+    """``int``, ``float``, ``bool``, ``str``: a Python value of ``want``; a 0-d tensor or numpy
+    value is taken by its own dtype (2.7 stays a float, refused for int)."""
+    want: ClassVar[type] = object
+
+    def value(self, v: Any) -> Any:
+        if hasattr(v, "dtype") and hasattr(v, "shape"):
+            if tuple(v.shape) != ():  # a tensor or numpy array: only a 0-d one is a scalar
+                raise ValueError(f"field {self.name!r} is a {self.type}, got an array of shape "
+                                 f"{tuple(v.shape)}")
+            v = v.item()
+        return v
+
+    def check(self, v: Any) -> str:
+        if not isinstance(v, self.want) or self.want is int and isinstance(v, bool):
+            return f"field {self.name!r} is {type(v).__name__}, not {self.type}"
+        return ""
 
 
-class CheckedArray(bytes):
-    """An ``array`` value its maker built as stored (``checked_array``: little-endian, the
-    schema's dtype, a whole number of rows, finite): ``encode`` keeps it as it is. The
-    build's workers fit every object of every image: the general checks cost them more
-    than the rest of a COCO image's fields."""
+class IntField(Scalar):
+    type, column, want = "int", "int64", int
+
+    def encode(self, v: Any) -> int:
+        v = self.value(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"field {self.name!r}: {v!r} is not an int")
+        v = int(v)
+        if not INT64[0] <= v <= INT64[1]:
+            raise ValueError(f"field {self.name!r}: {shown_int(v)} does not fit in int64")
+        return v
 
 
-def checked_array(typecode: str, values) -> CheckedArray:
-    """``values`` (numbers its caller checked) as a stored array of ``typecode``."""
-    out = array(typecode, values)
-    if BIG_ENDIAN:
-        out.byteswap()
-    return CheckedArray(out)
+class FloatField(Scalar):
+    type, column, want = "float", "float64", float
+
+    def encode(self, v: Any) -> float:
+        v = self.value(v)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"field {self.name!r}: {v!r} is not a number")
+        v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(f"field {self.name!r}: {v} is not finite (NaN and inf are refused)")
+        return v
+
+
+class BoolField(Scalar):
+    type, column, want = "bool", "uint8", bool
+
+    def encode(self, v: Any) -> bool:
+        v = self.value(v)
+        if not isinstance(v, bool):
+            raise ValueError(f"field {self.name!r}: {v!r} is not a bool")
+        return v
+
+
+class StrField(Scalar):
+    type, want = "str", str  # no side table: variable width
+
+    def encode(self, v: Any) -> str:
+        v = self.value(v)
+        if not isinstance(v, str):
+            raise ValueError(f"field {self.name!r}: {type(v).__name__} is not a str")
+        if not is_utf8(v):
+            raise ValueError(f"field {self.name!r}: the text is not valid Unicode")
+        return v
+
+
+@dataclass(frozen=True)
+class ArrayField(Field):
+    """Numbers of ``dtype`` in ``shape`` (``-1`` first: any count), stored little-endian."""
+    dtype: str = "float32"
+    shape: Tuple[int, ...] = (-1,)
+    type: ClassVar[str] = "array"
+
+    def spec(self) -> Dict[str, Any]:
+        return {"name": self.name, "type": "array", "dtype": self.dtype, "shape": list(self.shape)}
+
+    def encode(self, v: Any) -> bytes:
+        """Nested lists, an ``array.array``, a tensor or a numpy array -> little-endian bytes."""
+        code, rows = DTYPES[self.dtype], self.shape[1:]
+        if len(rows) == 1 and isinstance(v, list) and v and isinstance(v[0], (list, tuple)):
+            try:  # rows of numbers (boxes): flattened in C; anything odd: the general path says
+                if set(map(len, v)) == {rows[0]}:
+                    v = array(code, chain.from_iterable(v))
+            except (TypeError, OverflowError):
+                pass
+        elif not rows and type(v) is list and not (v and isinstance(v[0], (list, tuple))):
+            try:  # a flat list of numbers (labels, ids): straight into the array
+                v = array(code, v)
+            except (TypeError, OverflowError):
+                pass
+        if hasattr(v, "detach"):  # a torch tensor: no torch import needed here
+            v = v.detach().cpu().reshape(-1).tolist()
+        elif hasattr(v, "tolist") and not isinstance(v, array):  # numpy
+            v = v.reshape(-1).tolist() if hasattr(v, "reshape") else v.tolist()
+        if isinstance(v, array) and v.typecode == code:
+            out = v
+        else:
+            try:
+                out = array(code, v if isinstance(v, array) else flatten(v, self.name))
+            except (TypeError, OverflowError) as e:
+                raise ValueError(f"field {self.name!r}: values do not fit {self.dtype} ({e})") \
+                    from None
+        if code in "fd" and not all(map(math.isfinite, out)):
+            raise ValueError(f"field {self.name!r}: holds NaN or inf (refused)")
+        self.shape_of(len(out) * out.itemsize)  # checks the element count against the shape
+        if sys.byteorder != "little":
+            out = array(code, out)  # a copy: the caller's array stays as it was
+            out.byteswap()
+        return out.tobytes()
+
+    def check(self, v: Any) -> str:
+        if not isinstance(v, bytes):
+            return f"field {self.name!r} is {type(v).__name__}, not array bytes"
+        try:
+            self.shape_of(len(v))
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    def shape_of(self, nbytes: int) -> Tuple[int, ...]:
+        """The shape of a value stored in ``nbytes`` bytes (ValueError if impossible)."""
+        size = array(DTYPES[self.dtype]).itemsize
+        shape, inner = list(self.shape), math.prod(self.shape[1:])
+        if shape[0] == -1:
+            if inner == 0:
+                raise ValueError(f"field {self.name!r}: shape {shape} has no size")
+            if nbytes % (inner * size):
+                raise ValueError(f"field {self.name!r}: {nbytes} bytes is no whole number of "
+                                 f"{self.dtype} rows of shape {shape[1:]}")
+            shape[0] = nbytes // (inner * size)
+        elif nbytes != inner * shape[0] * size:
+            raise ValueError(f"field {self.name!r}: {nbytes // size} values do not make shape "
+                             f"{shape}")
+        return tuple(shape)
+
+    def values(self, raw: bytes) -> array:
+        """A stored value as a flat ``array.array`` in native byte order (shape: ``shape_of``)."""
+        out = array(DTYPES[self.dtype])
+        out.frombytes(raw)
+        if sys.byteorder != "little":
+            out.byteswap()
+        return out
+
+
+class DataField(Field):
+    type = "data"
+
+    def encode(self, v: Any) -> Any:
+        problem = data_problem(v)
+        if problem:
+            raise ValueError(f"field {self.name!r}: {problem}")
+        return v
+
+    def check(self, v: Any) -> str:
+        problem = data_problem(v)
+        return f"field {self.name!r}: {problem}" if problem else ""
+
+
+FIELD_TYPES = {c.type: c for c in (IntField, FloatField, BoolField, StrField, ArrayField,
+                                   DataField)}
+
+
+def field_of(spec: Dict[str, Any]) -> Field:
+    """The field a valid schema entry (``field_problem`` finds nothing) describes."""
+    if spec["type"] == "array":
+        return ArrayField(spec["name"], spec["dtype"], tuple(spec["shape"]))
+    return FIELD_TYPES[spec["type"]](spec["name"])
 
 
 def field_problem(f: Any) -> str:
@@ -78,8 +236,8 @@ def field_problem(f: Any) -> str:
         return f"name {name!r} must match {NAME.pattern}"
     if name in RESERVED:
         return f"name {name!r} is reserved for the record's own data"
-    if kind not in TYPES:
-        return f"type {kind!r} must be one of {', '.join(TYPES)}"
+    if kind not in FIELD_TYPES:
+        return f"type {kind!r} must be one of {', '.join(FIELD_TYPES)}"
     if kind == "array":
         if f.get("dtype") not in DTYPES:
             return f"dtype {f.get('dtype')!r} must be one of {', '.join(DTYPES)}"
@@ -91,137 +249,54 @@ def field_problem(f: Any) -> str:
     return ""
 
 
-def check_schema(fields: Any, where: str) -> List[dict]:
-    """``fields`` if it is a list of valid, uniquely named entries, else FormatError."""
-    if not isinstance(fields, list):
+def check_schema(specs: Any, where: str) -> List[Field]:
+    """The fields of ``specs``, a list of valid, uniquely named entries, or FormatError."""
+    if not isinstance(specs, list):
         raise FormatError(f"{where}: schema fields must be a list")
     seen = set()
-    for f in fields:
+    for f in specs:
         problem = field_problem(f)
         if problem:
             raise FormatError(f"{where}: schema field {str(f)[:80]}: {problem}")
         if f["name"] in seen:
             raise FormatError(f"{where}: schema names field {f['name']!r} twice")
         seen.add(f["name"])
-    return fields
+    return [field_of(f) for f in specs]
 
 
-def detection_problem(fields: List[dict]) -> str:
+def detection_problem(fields: List[Field]) -> str:
     """Why ``fields`` cannot be a detection dataset's, or "": detection targets need
     ``boxes`` (float, ``[-1, 4]``, XYXY pixels), ``labels`` (int, ``[-1]``), ``image_id`` (int);
     other per-object arrays (``area``, ``iscrowd``...) must have one row per box."""
-    by = {f["name"]: f for f in fields}
+    by = {f.name: f for f in fields}
     b, lab, iid = by.get("boxes"), by.get("labels"), by.get("image_id")
-    if not b or b["type"] != "array" or b["shape"] != [-1, 4] or b["dtype"] not in ("float32", "float64"):
+    if (not isinstance(b, ArrayField) or b.shape != (-1, 4)
+            or b.dtype not in ("float32", "float64")):
         return "needs a 'boxes' field: array float32 [-1, 4] (XYXY pixels)"
-    if not lab or lab["type"] != "array" or lab["shape"] != [-1] or lab["dtype"][0] not in "iu":
+    if not isinstance(lab, ArrayField) or lab.shape != (-1,) or lab.dtype[0] not in "iu":
         return "needs a 'labels' field: array int64 [-1] (one per box)"
-    if not iid or iid["type"] != "int":
+    if not isinstance(iid, IntField):
         return "needs an 'image_id' field: int"
     return ""
 
 
-def is_column(f: dict) -> bool:
-    """Scalars of fixed width go to side tables too (``str`` does not: variable width)."""
-    return f["type"] in COLUMN_DTYPE
-
-
-# -- values in ----------------------------------------------------------------------------
-
-def encode(fields: List[dict], values: Dict[str, Any]) -> Dict[str, Any]:
+def encode(fields: List[Field], values: Dict[str, Any]) -> Dict[str, Any]:
     """The stored form of a sample's ``values`` (a ValueError names what does not fit)."""
-    missing = [f["name"] for f in fields if f["name"] not in values]
-    extra = sorted(set(values) - {f["name"] for f in fields})
+    missing = [f.name for f in fields if f.name not in values]
+    extra = sorted(set(values) - {f.name for f in fields})
     if missing or extra:
         raise ValueError(f"fields do not match the schema: missing {missing}, unexpected {extra}")
-    return {f["name"]: encode_value(f, values[f["name"]]) for f in fields}
+    return {f.name: f.encode(values[f.name]) for f in fields}
 
 
-def encode_value(f: dict, v: Any) -> Any:
-    kind, name = f["type"], f["name"]
-    if kind in SCALAR_TYPES and hasattr(v, "dtype") and hasattr(v, "shape"):
-        if tuple(v.shape) != ():  # a tensor or numpy array: only a 0-d one is a scalar
-            raise ValueError(f"field {name!r} is a {kind}, got an array of shape {tuple(v.shape)}")
-        v = v.item()  # its Python value, by its own dtype: 2.7 stays a float (refused for int)
-    if kind == "int":
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"field {name!r}: {v!r} is not an int")
-        v = int(v)
-        if not INT64[0] <= v <= INT64[1]:
-            raise ValueError(f"field {name!r}: {shown_int(v)} does not fit in int64")
-        return v
-    if kind == "float":
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"field {name!r}: {v!r} is not a number")
-        v = float(v)
-        if not math.isfinite(v):
-            raise ValueError(f"field {name!r}: {v} is not finite (NaN and inf are refused)")
-        return v
-    if kind == "bool":
-        if not isinstance(v, bool):
-            raise ValueError(f"field {name!r}: {v!r} is not a bool")
-        return v
-    if kind == "str":
-        if not isinstance(v, str):
-            raise ValueError(f"field {name!r}: {type(v).__name__} is not a str")
-        if not is_utf8(v):
-            raise ValueError(f"field {name!r}: the text is not valid Unicode")
-        return v
-    if kind == "array":
-        return v if type(v) is CheckedArray else encode_array(f, v)
-    if type(v) is CheckedData:
-        return v
-    problem = data_problem(v)
-    if problem:
-        raise ValueError(f"field {name!r}: {problem}")
-    return v
-
-
-def encode_array(f: dict, v: Any) -> bytes:
-    """Nested lists, an ``array.array``, a tensor or a numpy array -> little-endian bytes."""
-    code = DTYPES[f["dtype"]]
-    rows = f["shape"][1:]
-    if len(rows) == 1 and isinstance(v, list) and v and isinstance(v[0], (list, tuple)):
-        try:  # rows of numbers (boxes): flattened in C; anything odd: the general path says
-            if set(map(len, v)) == {rows[0]}:
-                v = array(code, chain.from_iterable(v))
-        except (TypeError, OverflowError):
-            pass
-    elif not rows and type(v) is list and not (v and isinstance(v[0], (list, tuple))):
-        try:  # a flat list of numbers (labels, ids): straight into the array
-            v = array(code, v)
-        except (TypeError, OverflowError):
-            pass
-    if hasattr(v, "detach"):  # a torch tensor: no torch import needed here
-        v = v.detach().cpu().reshape(-1).tolist()
-    elif hasattr(v, "tolist") and not isinstance(v, array):  # numpy
-        v = v.reshape(-1).tolist() if hasattr(v, "reshape") else v.tolist()
-    if isinstance(v, array) and v.typecode == code:
-        out = v
-    else:
-        flat = _flatten(v, f["name"]) if not isinstance(v, array) else v
-        try:
-            out = array(code, flat)
-        except (TypeError, OverflowError) as e:
-            raise ValueError(f"field {f['name']!r}: values do not fit {f['dtype']} ({e})") \
-                from None
-    if code in "fd" and not all(map(math.isfinite, out)):
-        raise ValueError(f"field {f['name']!r}: holds NaN or inf (refused)")
-    array_shape(f, len(out) * out.itemsize)  # checks the element count against the shape
-    if sys.byteorder != "little":
-        out = array(code, out)  # a copy: the caller's array stays as it was
-        out.byteswap()
-    return out.tobytes()
-
-
-def _flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
+def flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
     if not isinstance(v, (list, tuple)):
         return [v]
     if depth > 8:
         raise ValueError(f"field {name!r}: nested too deeply for an array")
     out: List[Any] = []
     for x in v:
-        out.extend(_flatten(x, name, depth + 1) if isinstance(x, (list, tuple)) else [x])
+        out.extend(flatten(x, name, depth + 1) if isinstance(x, (list, tuple)) else [x])
     return out
 
 
@@ -257,11 +332,7 @@ def data_problem(v: Any, depth: int = 0) -> str:
                 return ""
         elif v and not isinstance(v[0], (list, tuple, dict, str)) and numbers_fit(v):
             return ""
-        for x in v:
-            p = data_problem(x, depth + 1)
-            if p:
-                return p
-        return ""
+        return next((p for p in (data_problem(x, depth + 1) for x in v) if p), "")
     if isinstance(v, dict):
         for k, x in v.items():
             if not isinstance(k, str):
@@ -273,94 +344,35 @@ def data_problem(v: Any, depth: int = 0) -> str:
     return f"{type(v).__name__} is not plain data (lists, maps, str, numbers, bool, None)"
 
 
-# -- values out ---------------------------------------------------------------------------
-
-def array_shape(f: dict, nbytes: int) -> Tuple[int, ...]:
-    """The shape of an array field stored in ``nbytes`` bytes (ValueError if impossible)."""
-    size = array(DTYPES[f["dtype"]]).itemsize
-    shape = list(f["shape"])
-    inner = 1
-    for d in shape[1:]:
-        inner *= d
-    if shape[0] == -1:
-        if inner == 0:
-            raise ValueError(f"field {f['name']!r}: shape {shape} has no size")
-        if nbytes % (inner * size):
-            raise ValueError(f"field {f['name']!r}: {nbytes} bytes is no whole number of "
-                             f"{f['dtype']} rows of shape {shape[1:]}")
-        shape[0] = nbytes // (inner * size)
-    elif nbytes != inner * shape[0] * size:
-        raise ValueError(f"field {f['name']!r}: {nbytes // size} values do not make shape {shape}")
-    return tuple(shape)
-
-
-def value_problem(f: dict, v: Any) -> str:
-    """Why a stored value does not match its schema entry, or "" (a damaged record)."""
-    kind = f["type"]
-    if kind == "array":
-        if not isinstance(v, bytes):
-            return f"field {f['name']!r} is {type(v).__name__}, not array bytes"
-        try:
-            array_shape(f, len(v))
-        except ValueError as e:
-            return str(e)
-        return ""
-    if kind == "data":
-        p = data_problem(v)
-        return f"field {f['name']!r}: {p}" if p else ""
-    want = {"int": int, "float": float, "bool": bool, "str": str}[kind]
-    if not isinstance(v, want) or want is int and isinstance(v, bool):
-        return f"field {f['name']!r} is {type(v).__name__}, not {kind}"
-    return ""
-
-
-def to_array(f: dict, raw: bytes) -> array:
-    """A stored array field as a flat ``array.array`` in native byte order (shape: array_shape)."""
-    out = array(DTYPES[f["dtype"]])
-    out.frombytes(raw)
-    if sys.byteorder != "little":
-        out.byteswap()
-    return out
-
-
-# -- inference (for ``packer.write`` without a schema) ------------------------------------
-
-def infer_field(name: str, v: Any) -> Optional[dict]:
-    """A schema entry for one example value, or None if it cannot be told from it (an empty
-    list: pass ``schema=``). Lists of ints are int64 arrays, of floats float32 (torch's
+def infer_field(name: str, v: Any) -> Optional[Field]:
+    """The field one example value asks for, or None if it cannot be told from it (an
+    empty list: pass ``schema=``). Lists of ints are int64 arrays, of floats float32 (torch's
     default dtype; pass a schema for float64)."""
-    if isinstance(v, bool):
-        return {"name": name, "type": "bool"}
-    if isinstance(v, int):
-        return {"name": name, "type": "int"}
-    if isinstance(v, float):
-        return {"name": name, "type": "float"}
-    if isinstance(v, str):
-        return {"name": name, "type": "str"}
+    for kind, cls in ((bool, BoolField), (int, IntField), (float, FloatField), (str, StrField)):
+        if isinstance(v, kind):
+            return cls(name)
     if hasattr(v, "dtype") and hasattr(v, "shape"):  # a tensor or numpy array
         dtype = str(v.dtype).replace("torch.", "")
         if len(v.shape) == 0:  # a 0-d tensor or numpy scalar: a scalar field
-            kind = "bool" if dtype == "bool" else "float" if "float" in dtype else "int"
-            return {"name": name, "type": kind}
+            return (BoolField if dtype == "bool" else FloatField if "float" in dtype
+                    else IntField)(name)
         if dtype in DTYPES:
-            return {"name": name, "type": "array", "dtype": dtype, "shape": [-1, *v.shape[1:]]
-                    if len(v.shape) else [1]}
+            return ArrayField(name, dtype, (-1, *v.shape[1:]))
     if isinstance(v, (list, tuple)) and v:
-        flat = _flatten(v, name)
+        flat = flatten(v, name)
         if all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
             dtype = "int64"
         elif all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in flat):
             dtype = "float32"
         else:
-            return {"name": name, "type": "data"}
-        inner = list(_shape_of(v)[1:])
-        return {"name": name, "type": "array", "dtype": dtype, "shape": [-1, *inner]}
-    if isinstance(v, (dict, list, tuple)) or v is None:
-        return None if isinstance(v, (list, tuple)) else {"name": name, "type": "data"}
+            return DataField(name)
+        return ArrayField(name, dtype, (-1, *shape_of_value(v)[1:]))
+    if isinstance(v, dict) or v is None:
+        return DataField(name)
     return None
 
 
-def _shape_of(v: Any) -> Tuple[int, ...]:
+def shape_of_value(v: Any) -> Tuple[int, ...]:
     if isinstance(v, (list, tuple)):
-        return (len(v),) + (_shape_of(v[0]) if v else ())
+        return (len(v),) + (shape_of_value(v[0]) if v else ())
     return ()

@@ -8,10 +8,10 @@ import zlib
 from typing import Any, Dict, NamedTuple, Optional, Sequence
 
 import msgpack
+import msgspec
 
 from ..errors import FormatError
-from .fields import CheckedData, PackedData, value_problem
-from .manifest import LABEL_FIELD
+from .fields import Field, IntField
 
 KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
 # Every record's own keys; its schema's fields (``label`` for classification) come beside them.
@@ -39,24 +39,10 @@ def pack_record(image: bytes, *, path: str, width: int, height: int, format: str
 
 def pack_fields(fields: Dict[str, Any]) -> "PackedFields":
     """Stored fields as msgpack key-value pairs, ready to splice into a record: the build's
-    workers pack them, so the single writer process only concatenates."""
-    return PackedFields(b"".join(PACK(k) + packed_value(v) for k, v in fields.items()),
-                        len(fields))
-
-
-def packed_value(v: Any) -> bytes:
-    """``v`` as msgpack: a ``CheckedData`` list item by item, its ``PackedData`` items as
-    they are (the same bytes ``msgpack.packb`` gives for the plain data they hold)."""
-    if type(v) is not CheckedData:
-        return PACK(v)
-    return array_head(len(v)) + b"".join(x if type(x) is PackedData else PACK(x) for x in v)
-
-
-def array_head(n: int) -> bytes:
-    """The msgpack header of an array of ``n`` items."""
-    if n < 16:
-        return bytes([0x90 | n])
-    return b"\xdc" + struct.pack(">H", n) if n < 1 << 16 else b"\xdd" + struct.pack(">I", n)
+    workers pack them, so the single writer process only concatenates. A ``msgspec.Raw``
+    anywhere in a value is msgpack already (a source's own, e.g. COCO segmentations) and is
+    spliced in as it is; the result is the bytes ``msgpack.packb`` gives for the plain data."""
+    return PackedFields(b"".join(PACK(k) + PACK(v) for k, v in fields.items()), len(fields))
 
 
 class PackedFields(NamedTuple):
@@ -64,7 +50,18 @@ class PackedFields(NamedTuple):
     count: int
 
 
-PACK = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+def base_type(v: Any) -> Any:
+    """A subclass of int, float or str (an IntEnum, numpy's float64) as its base type, as
+    msgpack-python packs it; anything else is no plain data."""
+    for t in (int, float, str):
+        if isinstance(v, t):
+            return t(v)
+    raise TypeError(f"a {type(v).__name__} cannot be stored in a record")
+
+
+# The same bytes as ``msgpack.Packer(use_bin_type=True).pack`` for plain data (smallest int,
+# str and bin forms, float64), and it splices ``msgspec.Raw`` (tests/test_format.py).
+PACK = msgspec.msgpack.Encoder(enc_hook=base_type).encode
 
 
 def record_bytes(image: bytes, *, path: str, width: int, height: int, format: str, mode: str,
@@ -97,7 +94,7 @@ def _refuse_ext(code: int, data: bytes):
                       f"plain data (a damaged or foreign shard)")
 
 
-def record_problem(rec: Dict[str, Any], fields: Sequence[Dict[str, Any]] = (LABEL_FIELD,)) -> str:
+def record_problem(rec: Dict[str, Any], fields: Sequence[Field] = (IntField("label"),)) -> str:
     """What is wrong with an unpacked record (its own keys, then its schema's ``fields``:
     names and types), or ""."""
     for name, kind in RECORD_TYPES.items():
@@ -105,9 +102,9 @@ def record_problem(rec: Dict[str, Any], fields: Sequence[Dict[str, Any]] = (LABE
         if not isinstance(value, kind) or kind is int and isinstance(value, bool):
             return f"field {name!r} is {type(value).__name__}, not {kind.__name__}"
     for f in fields:
-        if f["name"] not in rec:
-            return f"field {f['name']!r} is missing"
-        problem = value_problem(f, rec[f["name"]])
+        if f.name not in rec:
+            return f"field {f.name!r} is missing"
+        problem = f.check(rec[f.name])
         if problem:
             return problem
     return ""

@@ -12,7 +12,7 @@ from pathlib import PurePosixPath
 from typing import Any, Dict, List
 
 from ..errors import FormatError
-from .fields import COLUMN_DTYPE, check_schema, detection_problem
+from .fields import Field, IntField, check_schema, detection_problem
 
 MIN_RECORD_BYTES = 16  # an LMDB entry takes at least its node header and 8-byte key
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -135,7 +135,7 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
                                             f"{', '.join(COLUMN_WIDTH)}")
         if name not in fields and name not in ("width", "height"):
             raise c.fail(f"columns.{name}", "names no field of the schema")
-        want = "int32" if name in ("width", "height") else COLUMN_DTYPE.get(fields[name]["type"])
+        want = "int32" if name in ("width", "height") else fields[name].column
         if t["dtype"] != want:
             raise c.fail(f"columns.{name}.dtype", f"must be {want}, the dtype of its field")
         _table(c, t, f"columns.{name}", COLUMN_WIDTH[t["dtype"]], count)
@@ -147,7 +147,7 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
             raise c.fail("paths.text.path", "must be a plain file name in the dataset folder")
         c.int(text, "bytes", "paths.text.bytes")
         c.sha(text, "paths.text.sha256")
-    wanted = [n for n, f in fields.items() if f["type"] in ("int", "float", "bool") and n != "label"]
+    wanted = [n for n, f in fields.items() if f.column and n != "label"]
     if man.get("schema") is not None and any(n not in columns for n in wanted):
         raise c.fail("columns", f"must hold a table for each scalar field ({', '.join(wanted)})")
     for k, s in enumerate(c.list(man, "skipped", "skipped")):
@@ -181,19 +181,19 @@ def _table(c: _Check, t: dict, kind: str, width: int, count: int) -> None:
     c.sha(t, f"{kind}.sha256")
 
 
-def _schema(c: _Check, man: dict) -> Dict[str, dict]:
+def _schema(c: _Check, man: dict) -> Dict[str, Field]:
     """The dataset's fields by name (older datasets: ``label`` alone)."""
     schema = man.get("schema")
     if schema is None:
-        return {"label": {"name": "label", "type": "int"}}
+        return {"label": IntField("label")}
     if not isinstance(schema, dict) or schema.get("task") not in TASKS:
         raise c.fail("schema", f"must be an object with a task of {', '.join(TASKS)}")
     try:
         fields = check_schema(schema.get("fields"), c.where)
     except FormatError as e:
         raise c.fail("schema.fields", str(e).split(": ", 1)[-1]) from None
-    by_name = {f["name"]: f for f in fields}
-    if "label" in by_name and by_name["label"]["type"] != "int":
+    by_name = {f.name: f for f in fields}
+    if "label" in by_name and not isinstance(by_name["label"], IntField):
         raise c.fail("schema.fields", "declares 'label' with a type other than int")
     problem = detection_problem(fields) if schema["task"] == "detection" else ""
     if problem:

@@ -22,7 +22,7 @@ from ..format.manifest import dataset_schema
 from .reader import ShardReader, record_index
 from ..format.tables import read_column, read_labels, read_paths
 from ..errors import PackerError
-from ..sources.base import find_classes
+from ..sources.folder import find_classes
 from ..storage import ShardCache, is_url, redact
 from .targets import TargetMaker, wrap_boxes
 

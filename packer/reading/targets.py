@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..errors import FormatError
-from ..format.fields import array_shape, to_array
+from ..format.fields import ArrayField, field_of
 from .._util.text import printable
 
 DETECTION_KEYS = ("boxes", "labels", "image_id", "area", "iscrowd")
@@ -26,10 +26,9 @@ TORCH_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
                 "int64": torch.int64, "float32": torch.float32, "float64": torch.float64}
 
 
-def array_tensor(f: dict, raw: bytes) -> torch.Tensor:
+def array_tensor(f: ArrayField, raw: bytes) -> torch.Tensor:
     """A stored array field as a tensor of its schema's shape (a copy: records are bytes)."""
-    shape = array_shape(f, len(raw))
-    return torch.tensor(to_array(f, raw), dtype=TORCH_DTYPES[f["dtype"]]).reshape(shape)
+    return torch.tensor(f.values(raw), dtype=TORCH_DTYPES[f.dtype]).reshape(f.shape_of(len(raw)))
 
 
 def tv_tensors():
@@ -47,7 +46,7 @@ class TargetMaker:
     def __init__(self, schema: dict, *, target_fields: Union[None, str, Sequence[str]] = None,
                  masks: bool = False):
         self.task = schema["task"]
-        self.fields = {f["name"]: f for f in schema["fields"]}
+        self.fields = {f["name"]: field_of(f) for f in schema["fields"]}
         if isinstance(target_fields, str):
             names: Optional[List[str]] = [target_fields]
         else:
@@ -88,7 +87,7 @@ class TargetMaker:
 
     def value(self, name: str, v: Any) -> Any:
         f = self.fields[name]
-        return array_tensor(f, v) if f["type"] == "array" else v
+        return array_tensor(f, v) if isinstance(f, ArrayField) else v
 
     def detection_target(self, rec: Dict[str, Any]) -> Dict[str, Any]:
         """torchvision's detection target for one record, boxes in the stored image's pixels."""

@@ -1,16 +1,15 @@
-"""Finding images and their labels: torchvision's ImageFolder rule, ``--list`` files, parts.
-
-Label *i* must mean the same class here as in ``torchvision.datasets.ImageFolder`` over the
-same folder, so the class order and the file walk copy its rules exactly (see
-``find_classes`` and ``make_dataset`` in torchvision/datasets/folder.py).
+"""What every source shares: the ``ImageList`` a source reads, the ``Source`` base the builder
+calls (see ``packer.sources``), the walk and file helpers, and the build's part/shuffle
+selection.
 """
 from __future__ import annotations
 
 import os
 import random
+import re
 import warnings
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PackerError
@@ -18,6 +17,9 @@ from .._util.text import is_utf8, printable
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively as there.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# ASCII names joined by single slashes, no part starting with "." (so no "." or ".."):
+# already safe and normalized, as most dataset paths are.
+PLAIN_PATH = re.compile(r"(?:[\w-][\w.-]*/)*[\w-][\w.-]*\Z", re.ASCII)
 
 
 class EmptyClassWarning(UserWarning):
@@ -33,26 +35,26 @@ class Annotations:
     """Typed fields beyond the class label, one row per entry of an ``ImageList``.
 
     ``schema``: the fields in record order, ``{"name", "type"[, "dtype", "shape"]}`` (see
-    ``packer.format.fields``). ``rows[i]``: entry *i*'s field values as plain Python data, before
-    ``fit`` (None where a build takes them later: ``cocooutline``). ``fit(row, width,
-    height) -> (values, reasons)``: a module-level function (it is called in the build's
-    writer once the image's size is known) that turns a row into the
-    stored values (e.g. normalized YOLO boxes into pixels, boxes clipped to the image) and
-    says why any object was dropped. ``task``: "detection" or "generic". ``extra``: keys
-    added to the manifest (e.g. COCO ``categories``). ``dropped``: annotations the parser
-    could not use, ``{"path", "reason"}``. ``digest``: a hash of the input the rows were
-    read from; when given, the build's fingerprint uses it instead of hashing every row.
-    ``check(row)``: for a row whose image is skipped, raises the PackerError ``fit`` would
-    have raised for a broken input file (COCO polygon text that is not JSON).
+    ``packer.format.fields``). ``rows[i]``: entry *i*'s annotation, before ``fit`` (plain
+    data, or the source's own picklable objects). ``fit(row, width, height) -> (values,
+    reasons)``: a module-level function (it is called in the build's workers once the
+    image's size is known) that turns a row into the stored values (e.g. normalized YOLO
+    boxes into pixels, boxes clipped to the image) and says why any object was dropped.
+    ``task``: "detection" or "generic". ``extra``: keys added to the manifest (e.g. COCO
+    ``categories``). ``dropped``: annotations the parser could not use, ``{"path",
+    "reason"}``. ``digest``: a hash of the input the rows were read from; when given, the
+    build's fingerprint uses it instead of hashing every row. ``stored``: ``fit`` gives the
+    values as stored (the fields' ``encode`` applied by the source, which checked them as it
+    made them; ``msgspec.Raw`` for msgpack it made), so the build does not encode them again.
     """
     schema: List[Dict[str, Any]]
-    rows: Optional[List[Dict[str, Any]]]
-    fit: Optional[Callable[[Dict[str, Any], int, int], Tuple[Dict[str, Any], List[str]]]] = None
+    rows: List[Any]
+    fit: Optional[Callable[[Any, int, int], Tuple[Dict[str, Any], List[str]]]] = None
     task: str = "generic"
     extra: Dict[str, Any] = field(default_factory=dict)
     dropped: List[Dict[str, str]] = field(default_factory=list)
     digest: Optional[str] = None
-    check: Optional[Callable[[Dict[str, Any]], None]] = None
+    stored: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,65 +71,24 @@ class ImageList:
         return {c: i for i, c in enumerate(self.classes)}
 
 
-def find_classes(root: os.PathLike) -> List[str]:
-    """Immediate subfolders (symlinks followed), sorted by code point as torchvision does."""
-    root = Path(root)
-    if not root.is_dir():
-        raise PackerError(f"source folder {root} does not exist or is not a folder")
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-    for c in classes:
-        if not is_utf8(c):
-            raise PackerError(f"class folder '{printable(c)}' in {root} has a name that is not valid "
-                              f"UTF-8, so it cannot be a class name in the manifest: rename it "
-                              f"(e.g. `convmv -r -f latin1 -t utf8 --notest {root}`)")
-    if not classes:
-        raise PackerError(
-            f"no class folders in {root}: expected ImageFolder layout ROOT/CLASS/IMAGE "
-            f"(or pass list_file / --list FILE with 'relative/path<TAB>label' lines)")
-    return classes
+class Source:
+    """Base of the objects ``packer.build`` packs (the protocol: ``packer.sources``). A
+    subclass sets ``root`` and defines ``read``; ``options`` and ``check_destination`` have
+    defaults that record nothing and allow any DST."""
+    root: Path
+
+    def read(self) -> ImageList:
+        raise NotImplementedError
+
+    def options(self) -> Dict[str, Any]:
+        return {}
+
+    def check_destination(self, dst: Path) -> None:
+        pass
 
 
 def is_image_file(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS)
-
-
-def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None,
-                is_valid_file: Optional[Callable[[str], bool]] = None,
-                allow_empty: bool = False) -> ImageList:
-    """Walk ``root`` in ImageFolder order: classes sorted, files found recursively and sorted.
-
-    torchvision's ``make_dataset`` rules: files whose lower-cased name ends with one of
-    ``extensions`` (default ``IMG_EXTENSIONS``), or for which ``is_valid_file(full path)`` is
-    true (not both); a class folder with no such file is an error unless ``allow_empty``
-    (then it keeps its label, with a warning, and has no samples).
-    """
-    root = Path(root)
-    if extensions is not None and is_valid_file is not None:
-        raise PackerError("pass extensions or is_valid_file, not both (as torchvision's ImageFolder)")
-    if is_valid_file is None:
-        exts = tuple(e.lower() for e in (extensions or IMG_EXTENSIONS))
-        is_valid_file = lambda path: path.lower().endswith(exts)  # noqa: E731
-    classes = find_classes(root)
-    entries: List[Tuple[str, int]] = []
-    empty = []
-    for label, cls in enumerate(classes):
-        before = len(entries)
-        for dirpath, _, fnames in sorted(walk(root / cls)):
-            rel_dir = os.path.relpath(dirpath, root)
-            for fname in sorted(fnames):
-                if is_valid_file(os.path.join(dirpath, fname)):
-                    entries.append((Path(rel_dir, fname).as_posix(), label))
-        if len(entries) == before:
-            empty.append(cls)
-            if allow_empty:
-                warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "
-                              f"but contributes no samples", EmptyClassWarning, stacklevel=2)
-    if empty and not allow_empty:
-        shown = ", ".join(printable(c) for c in empty[:10]) + (" ..." if len(empty) > 10 else "")
-        raise PackerError(f"found no images in the class folder(s) {shown} of {root} (as "
-                          f"torchvision's ImageFolder refuses them); remove them, or keep them as "
-                          f"classes without samples with --allow-empty (allow_empty=True)")
-    return ImageList(root, classes, entries)
 
 
 def walk(top: Path):
@@ -148,49 +109,74 @@ def walk(top: Path):
         yield dirpath, dirnames, fnames
 
 
-def read_list(root: os.PathLike, list_file: os.PathLike) -> ImageList:
-    """``relative/path<TAB>label`` lines; labels are all integers or all class names."""
-    root = Path(root)
-    if not root.is_dir():
-        raise PackerError(f"source folder {root} does not exist or is not a folder "
-                          f"(list_file paths are relative to it)")
-    rows: List[Tuple[str, str]] = []
+def show(text: Any) -> str:
+    """Dataset text made safe for a message: control characters and bad bytes escaped."""
     try:
-        text = Path(list_file).read_text(encoding="utf-8")  # newlines: \n, \r\n or \r
+        return printable(str(text))
+    except UnicodeError:  # a lone surrogate from a JSON "\\ud800" escape
+        return ascii(str(text))
+
+
+def read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of ``path`` (a BOM allowed), or a PackerError saying what to fix."""
+    return utf8_text(read_data(path, what), path, what)
+
+
+def read_data(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise PackerError(f"{what} {path} does not exist") from None
+    except OSError as e:
+        raise PackerError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def utf8_text(data: bytes, path: Path, what: str) -> str:
+    try:
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise PackerError(f"{list_file} is not UTF-8 text ({e.reason} at byte {e.start}); "
+        raise PackerError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
                           f"save it as UTF-8") from None
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        parts = line.rsplit("\t", 1)
-        if len(parts) != 2 or not parts[0] or not parts[1].strip():
-            raise PackerError(f"{list_file}:{n}: expected 'relative/path<TAB>label', got {line!r}")
-        rel = parts[0]
-        if os.path.isabs(rel) or ".." in Path(rel).parts:
-            raise PackerError(f"{list_file}:{n}: path {rel!r} must be relative to {root} "
-                              f"and stay inside it")
-        rows.append((Path(rel).as_posix(), parts[1].strip()))
-    if not rows:
-        raise PackerError(f"{list_file} lists no images")
-    labels = [lab for _, lab in rows]
-    if all(_is_int(lab) for lab in labels):
-        ints = [int(lab) for lab in labels]
-        if min(ints) < 0:
-            raise PackerError(f"{list_file}: labels must be >= 0")
-        classes = [str(i) for i in range(max(ints) + 1)]
-        return ImageList(root, classes, [(p, i) for (p, _), i in zip(rows, ints)])
-    classes = sorted(set(labels))
-    idx = {c: i for i, c in enumerate(classes)}
-    return ImageList(root, classes, [(p, idx[lab]) for p, lab in rows])
 
 
-def _is_int(s: str) -> bool:
-    try:
-        int(s)
-        return True
-    except ValueError:
-        return False
+def image_root(images: os.PathLike, who: str) -> Path:
+    """``images`` as the folder a source's paths are relative to; ``who``: the source's
+    signature, for the error (``Coco(images, annotations)``)."""
+    root = Path(images)
+    if not root.is_dir():
+        raise PackerError(f"{who}: images {root} does not exist or is not a folder")
+    return root
+
+
+def relative_path(rel: Any) -> Tuple[str, str]:
+    """``(normalized posix path, "")`` for a safe path inside IMAGES, else ``("", why not)``:
+    a path from a dataset file must never reach outside the folder it names."""
+    if not isinstance(rel, str):
+        return "", f"must be a string, not {type(rel).__name__}"
+    if PLAIN_PATH.match(rel):  # the common case, already normal: no parsing needed
+        return rel, ""
+    if not is_utf8(rel):
+        return "", "is not valid UTF-8 text"
+    if "\0" in rel:
+        return "", "contains a NUL character"
+    p = PurePosixPath(rel)
+    if p.is_absolute():
+        return "", "is absolute; give it relative to the image folder"
+    if ".." in p.parts:
+        return "", "contains '..'; it must stay inside the image folder"
+    if str(p) in ("", "."):
+        return "", "is empty"
+    return p.as_posix(), ""
+
+
+def walk_files(root: Path, want) -> List[str]:
+    """Relative posix paths of the files ``want`` accepts, in ImageFolder's walk order
+    (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning."""
+    found = []
+    for dirpath, dirnames, fnames in sorted(walk(root)):
+        rel_dir = os.path.relpath(dirpath, root)
+        found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames) if want(f))
+    return found
 
 
 def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:
@@ -218,6 +204,6 @@ def select(source: ImageList, *, part: Optional[Tuple[int, int]] = None,
         k, n = part
         order = order[k::n]
     ann = source.annotations
-    if ann is not None and ann.rows is not None:  # None: the rows come later (the same select)
+    if ann is not None:
         ann = replace(ann, rows=[ann.rows[i] for i in order])
     return ImageList(source.root, source.classes, [source.entries[i] for i in order], ann)

@@ -1,4 +1,5 @@
-"""Per-image metadata tables (``--meta FILE.jsonl|FILE.csv``) as typed record fields.
+"""Per-image metadata tables (``Table(images, table, label=None)``; ``--meta FILE.jsonl|FILE.csv``)
+as typed record fields.
 
 Every row names an image by ``path`` (relative to IMAGES); its other columns become fields
 whose type is inferred over *all* rows and then checked, so a column cannot quietly change
@@ -10,7 +11,7 @@ error naming the line and column, and so is NaN or infinity. CSV cells are text:
 is int if every non-empty cell is, else float, else bool (true/false, any case), else text,
 and a list (a JSON array per cell) if every non-empty cell starts with ``[``; an empty cell
 is an empty string in a text column and missing in any other. Only the listed rows are
-packed, in file order. Also home to the small helpers the other sources share.
+packed, in file order.
 """
 from __future__ import annotations
 
@@ -20,21 +21,18 @@ import json
 import math
 import os
 import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
-from .base import Annotations, ImageList, walk
 from .._util.text import is_utf8
-from .._util.text import printable
+from .base import Annotations, ImageList, Source, image_root, read_text, relative_path, show
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 # Names the record itself uses (or the class label): a column may not shadow them.
 RESERVED = ("image", "path", "width", "height", "format", "mode", "crc32", "label")
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
-# ASCII names joined by single slashes, no part starting with "." (so no "." or ".."):
-# already safe and normalized, as most dataset paths are.
-PLAIN_PATH = re.compile(r"(?:[\w-][\w.-]*/)*[\w-][\w.-]*\Z", re.ASCII)
+TABLE = "Table(images, table, label): table"  # for errors reading it
 CSV_INT = re.compile(r"[+-]?[0-9]{1,4300}\Z")  # int() reads no longer text
 CSV_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\Z")
 CSV_NONFINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity",
@@ -44,89 +42,35 @@ MERGES = {frozenset({"int", "float"}): "float",
           frozenset({"list of int", "list of float"}): "list of float"}
 
 
-def show(text: Any) -> str:
-    """Dataset text made safe for a message: control characters and bad bytes escaped."""
-    try:
-        return printable(str(text))
-    except UnicodeError:  # a lone surrogate from a JSON "\\ud800" escape
-        return ascii(str(text))
-
-
-def read_text(path: Path, what: str) -> str:
-    """The UTF-8 text of ``path`` (a BOM allowed), or a PackerError saying what to fix."""
-    return utf8_text(read_data(path, what), path, what)
-
-
-def read_data(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise PackerError(f"{what} {path} does not exist") from None
-    except OSError as e:
-        raise PackerError(f"cannot read {what} {path}: {e.strerror or e}") from None
-
-
-def utf8_text(data: bytes, path: Path, what: str) -> str:
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise PackerError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                          f"save it as UTF-8") from None
-
-
-def image_root(images: os.PathLike) -> Path:
-    root = Path(images)
-    if not root.is_dir():
-        raise PackerError(f"image folder {root} does not exist or is not a folder")
-    return root
-
-
-def relative_path(rel: Any) -> Tuple[str, str]:
-    """``(normalized posix path, "")`` for a safe path inside IMAGES, else ``("", why not)``:
-    a path from a dataset file must never reach outside the folder it names."""
-    if not isinstance(rel, str):
-        return "", f"must be a string, not {type(rel).__name__}"
-    if PLAIN_PATH.match(rel):  # the common case, already normal: no parsing needed
-        return rel, ""
-    if not is_utf8(rel):
-        return "", "is not valid UTF-8 text"
-    if "\0" in rel:
-        return "", "contains a NUL character"
-    p = PurePosixPath(rel)
-    if p.is_absolute():
-        return "", "is absolute; give it relative to the image folder"
-    if ".." in p.parts:
-        return "", "contains '..'; it must stay inside the image folder"
-    if str(p) in ("", "."):
-        return "", "is empty"
-    return p.as_posix(), ""
-
-
-def walk_files(root: Path, want) -> List[str]:
-    """Relative posix paths of the files ``want`` accepts, in ImageFolder's walk order
-    (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning."""
-    found = []
-    for dirpath, dirnames, fnames in sorted(walk(root)):
-        rel_dir = os.path.relpath(dirpath, root)
-        found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames) if want(f))
-    return found
-
-
 def fit_identity(row: Dict[str, Any], width: int, height: int):
     """Metadata does not depend on the image's size: stored as read, nothing dropped."""
     return row, []
 
 
-def read_meta(images: os.PathLike, meta_file: os.PathLike, *,
-              label: Optional[str] = None) -> ImageList:
-    """The images a ``.jsonl`` or ``.csv`` table lists, its other columns as typed fields.
+class Table(Source):
+    """The images a ``.jsonl`` or ``.csv`` ``table`` lists (paths relative to ``images``),
+    its other columns as typed fields.
 
     ``label=COLUMN`` makes that column the class label (str: classes are its sorted distinct
     values; int: classes "0".."max", none negative); it is then not a field, so its name may
-    be one the record reserves (``label``). Images IMAGES holds but the table does not list
-    are not packed; listed ones are not looked at here (the builder skips missing files).
+    be one the record reserves (``label``). Images ``images`` holds but the table does not
+    list are not packed; listed ones are not looked at here (the builder skips missing files).
     """
-    root = image_root(images)
+
+    def __init__(self, images: os.PathLike, table: os.PathLike, label: Optional[str] = None):
+        self.root, self.table, self.label = Path(images), Path(table), label
+
+    def read(self) -> ImageList:
+        return read_meta(self.root, self.table, label=self.label)
+
+    def options(self) -> Dict[str, Any]:
+        return {"meta": str(self.table), **({"label": self.label} if self.label else {})}
+
+
+def read_meta(images: os.PathLike, meta_file: os.PathLike, *,
+              label: Optional[str] = None) -> ImageList:
+    """``Table(images, meta_file, label).read()``."""
+    root = image_root(images, "Table(images, table, label)")
     file = Path(meta_file)
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
@@ -134,8 +78,8 @@ def read_meta(images: os.PathLike, meta_file: os.PathLike, *,
     elif suffix == ".csv":
         records = csv_records(file)
     else:
-        raise PackerError(f"metadata file {file} must end in .jsonl (one JSON object per line) "
-                          f"or .csv (a header row naming the columns)")
+        raise PackerError(f"Table(images, table, label): table {file} must end in .jsonl (one "
+                          f"JSON object per line) or .csv (a header row naming the columns)")
     if not records:
         raise PackerError(f"metadata file {file} lists no images")
     paths = row_paths(file, records)
@@ -153,7 +97,7 @@ def read_meta(images: os.PathLike, meta_file: os.PathLike, *,
 def jsonl_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
     """``(line number, object)`` for every non-blank line."""
     records = []
-    for n, line in enumerate(read_text(file, "metadata file").split("\n"), 1):
+    for n, line in enumerate(read_text(file, TABLE).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -192,7 +136,7 @@ def unique_keys(pairs):
 def csv_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
     """``(line number, row)`` with each column's cells converted to the one type they all
     fit (CSV cells are text); an empty cell is missing unless the column is text."""
-    reader = csv.reader(io.StringIO(read_text(file, "metadata file"), newline=""))
+    reader = csv.reader(io.StringIO(read_text(file, TABLE), newline=""))
     try:
         header = [h.strip() for h in next(reader, [])]
         if not header:
@@ -278,10 +222,10 @@ def column_names(file: Path, records, label: Optional[str]) -> List[str]:
         if c in RESERVED and c != label:
             raise PackerError(f"{file}:{n}: column {c!r} clashes with a name every record "
                               f"uses ({', '.join(RESERVED)}); rename it"
-                              + (" or pass it as --label" if c == "label" else ""))
+                              + (" or make it the label (label='label')" if c == "label" else ""))
     if label is not None and label not in first:
-        raise PackerError(f"--label {label}: {file} has no such column (columns: "
-                          f"{', '.join(first) or 'none besides path'})")
+        raise PackerError(f"Table(images, table, label={label!r}): {file} has no such column "
+                          f"(columns: {', '.join(first) or 'none besides path'})")
     return list(first)
 
 
@@ -369,12 +313,12 @@ def field_schema(column: str, t: str, records) -> Dict[str, Any]:
 
 
 def label_column(file: Path, records, column: str, t: str) -> Tuple[List[int], List[str]]:
-    """Entry labels and class names from the ``--label`` column (then not a field)."""
+    """Entry labels and class names from the ``label`` column (then not a field)."""
     values = [rec.pop(column) for _, rec in records]
     if t == "str":
         for (n, _), v in zip(records, values):
             if not v:
-                raise PackerError(f"{file}:{n}: --label column {column!r} is empty; every "
+                raise PackerError(f"{file}:{n}: the label column {column!r} is empty; every "
                                   f"image needs a class")
         classes = sorted(set(values))
         idx = {c: i for i, c in enumerate(classes)}
@@ -382,8 +326,8 @@ def label_column(file: Path, records, column: str, t: str) -> Tuple[List[int], L
     if t == "int":
         for (n, _), v in zip(records, values):
             if v < 0:
-                raise PackerError(f"{file}:{n}: --label column {column!r} holds {v}; class "
+                raise PackerError(f"{file}:{n}: the label column {column!r} holds {v}; class "
                                   f"indices must be >= 0")
         return values, [str(i) for i in range(max(values) + 1)]
-    raise PackerError(f"--label {column}: the column holds {t} values; a class label must "
-                      f"be a class name (text) or a class index (int)")
+    raise PackerError(f"Table(images, table, label={column!r}): the column holds {t} values; a "
+                      f"class label must be a class name (text) or a class index (int)")

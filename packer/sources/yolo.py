@@ -1,4 +1,5 @@
-"""Ultralytics YOLO detection labels (``--yolo LABELS --names NAMES``) as detection targets.
+"""Ultralytics YOLO detection labels (``Yolo(images, labels, names)``; ``--yolo LABELS --names
+NAMES``) as detection targets.
 
 Every image under IMAGES is packed (recursively, in ImageFolder's walk order); its labels
 are ``LABELS/<same relative path>.txt`` as ultralytics lays them out, or ``LABELS/<stem>.txt``
@@ -11,36 +12,51 @@ Lines that cannot be used (malformed, 6 values as in predictions, class out of r
 coordinates outside [0, 1], no area, an exact duplicate) are dropped with
 ``labels/a.txt:3: why``. An image whose label file is not UTF-8 is not packed at all (packing
 it with no objects would be silently wrong), nor is one whose flat ``<stem>.txt`` images in
-several folders would share, nor one whose name is not UTF-8.
+several folders would share, nor one whose name is not UTF-8. NAMES is a text file (a class
+per line) or a dataset YAML, read with PyYAML as ultralytics reads it.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Tuple
 
+import yaml
+
 from ..errors import PackerError
-from .base import IMG_EXTENSIONS, Annotations, ImageList, is_image_file
 from .._util.text import is_utf8
+from .base import IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, is_image_file, read_data, show, utf8_text, walk_files
 from .coco import coco_schema
-from .table import image_root, read_text, show, walk_files
 
 TOLERANCE = 1e-3  # coordinates this far outside [0, 1] are rounding, clipped; beyond, wrong
-KEY = re.compile(r"(.+?):(?:\s+(.*))?\Z")  # `key: value` or `key:`, split at the first ': '
-YAML_HELP = ("packer reads only these YAML shapes: a list ('- person' lines or [person, car]), "
-             "or 'names:' followed by such a list, by indented '0: person' lines or by "
-             "{0: person, 1: car}; or give NAMES as a text file with one class per line")
+MAX_NAMES_BYTES = 4 << 20  # a names file holds class names (and a dataset's settings)
+YAML_HELP = ("a names YAML is a list ('- person' lines or [person, car]), or 'names:' followed "
+             "by such a list, by indented '0: person' lines or by {0: person, 1: car}; or give "
+             "names as a text file with one class per line")
+
+
+class Yolo(Source):
+    """Every image under ``images`` with the objects of its label file under ``labels``;
+    ``names``: the class names, a text file or a dataset YAML (see the module)."""
+
+    def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike):
+        self.root, self.labels, self.names = Path(images), Path(labels), Path(names)
+
+    def read(self) -> ImageList:
+        return read_yolo(self.root, self.labels, self.names)
+
+    def options(self) -> Dict[str, Any]:
+        return {"yolo": str(self.labels), "names": str(self.names)}
 
 
 def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike) -> ImageList:
-    """Every image under IMAGES with the objects of its YOLO label file (see the module)."""
-    root = image_root(images)
+    """``Yolo(images, labels_dir, names).read()``."""
+    root = image_root(images, "Yolo(images, labels, names)")
     labels_root = Path(labels_dir)
     if not labels_root.is_dir():
-        raise PackerError(f"label folder {labels_root} does not exist or is not a folder")
+        raise PackerError(f"Yolo(images, labels, names): labels {labels_root} does not exist "
+                          f"or is not a folder")
     classes = read_names(Path(names))
     label_files = set(walk_files(labels_root, lambda f: f.lower().endswith(".txt")))
     names_path = Path(names).resolve()
@@ -195,8 +211,13 @@ def fit_yolo(row: Dict[str, Any], width: int, height: int):
 
 
 def read_names(path: Path) -> List[str]:
-    """Class names from a text file (one per line) or a dataset YAML (see ``yaml_names``)."""
-    text = read_text(path, "class names file")
+    """Class names from a text file (one per line) or a dataset YAML (``yaml_names``)."""
+    what = "Yolo(images, labels, names): names"
+    data = read_data(path, what)
+    if len(data) > MAX_NAMES_BYTES:
+        raise PackerError(f"{what} {path} holds {len(data):,} bytes, more than a names file "
+                          f"needs ({MAX_NAMES_BYTES:,} at most); is it the right file?")
+    text = utf8_text(data, path, what)
     if path.suffix.lower() in (".yaml", ".yml"):
         names = yaml_names(text, path)
     else:
@@ -214,184 +235,78 @@ def read_names(path: Path) -> List[str]:
     return names
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML keeps the
+    last, which would drop a class silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def yaml_names(text: str, file: Path) -> List[str]:
-    """The class list of a YAML names file, read without a YAML library (only the shapes
-    in ``YAML_HELP``); anything else is an error, never a guess."""
-    lines = yaml_lines(text, file)
-    if not lines:
+    """The class list of a YAML names file, as ultralytics reads it: the file is a list of
+    names, or a mapping whose ``names`` is such a list or an ``{index: name}`` map (indices
+    0..N-1); names are scalars, as text. Anything else is an error, never a guess."""
+    try:
+        data = yaml.load(text, Loader=UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise PackerError(f"{file}{where}: not valid YAML ({getattr(e, 'problem', None) or e}); "
+                          f"{YAML_HELP}") from None
+    if data is None:
         raise PackerError(f"{file} is empty; {YAML_HELP}")
-    n0, _, first = lines[0]
-    if first.startswith("["):
-        return flow(" ".join(s for _, _, s in lines), file, n0)
-    if is_item(first):
-        return block_list(lines, file)
-    keys = top_keys(lines, file)
-    if "names" not in keys:
-        raise PackerError(f"{file} has no top-level 'names:'; {YAML_HELP}")
-    n, value, children = keys["names"]
-    if value:
-        names = flow(" ".join([value] + [s for _, _, s in children]), file, n)
-    elif not children:
-        raise PackerError(f"{file}:{n}: 'names:' is empty; {YAML_HELP}")
-    elif is_item(children[0][2]):
-        names = block_list(children, file)
+    if isinstance(data, dict):
+        if "names" not in data:
+            raise PackerError(f"{file} has no top-level 'names:'; {YAML_HELP}")
+        names, nc = data["names"], data.get("nc")
+        if names is None:
+            raise PackerError(f"{file}: 'names:' is empty; {YAML_HELP}")
+    elif isinstance(data, list):
+        names, nc = data, None
     else:
-        names = block_map(children, file)
-    nc = keys.get("nc")
-    if nc is not None and nc[1].isdigit() and int(nc[1]) != len(names):
-        raise PackerError(f"{file}:{nc[0]}: nc is {nc[1]} but 'names' lists {len(names)} "
-                          f"classes; make them agree")
-    return names
-
-
-def yaml_lines(text: str, file: Path) -> List[Tuple[int, int, str]]:
-    """``(line number, indent, content)`` of each line holding more than a comment."""
-    out = []
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = strip_comment(raw).rstrip()
-        content = line.lstrip(" ")
-        if not content or content in ("---", "..."):
-            continue
-        if content.startswith("\t"):
-            raise PackerError(f"{file}:{n}: indented with a tab; YAML indents with spaces")
-        out.append((n, len(line) - len(content), content))
+        raise PackerError(f"{file}: expected a list of names or 'names:', got "
+                          f"{show(data)[:80]!r}; {YAML_HELP}")
+    if isinstance(names, dict):
+        names = indexed(names, file)
+    elif not isinstance(names, list):
+        raise PackerError(f"{file}: 'names' must be a list or an {{index: name}} map, got "
+                          f"{show(names)[:80]!r}; {YAML_HELP}")
+    out = [class_name(v, i, file) for i, v in enumerate(names)]
+    if type(nc) is int and nc != len(out):
+        raise PackerError(f"{file}: nc is {nc} but 'names' lists {len(out)} classes; make them "
+                          f"agree")
     return out
 
 
-def strip_comment(line: str) -> str:
-    """``line`` up to a ``#`` that starts a comment (at the start or after a space, not in
-    quotes; a quote opens quoted text only where a value can start)."""
-    quote = ""
-    i = 0
-    while i < len(line):
-        ch = line[i]
-        if quote:
-            if ch == "\\" and quote == '"':
-                i += 1
-            elif ch == quote:
-                quote = ""
-        elif ch in "'\"" and (i == 0 or line[i - 1] in " [{,:-"):
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
-            return line[:i]
-        i += 1
-    return line
-
-
-def is_item(content: str) -> bool:
-    return content == "-" or content.startswith("- ")
-
-
-def top_keys(lines, file: Path) -> Dict[str, Tuple[int, str, list]]:
-    """Top-level ``key: value`` lines, each with the deeper lines below it (skipped unless
-    the key is ``names``: other keys may hold anything, such as a download script)."""
-    base = lines[0][1]
-    keys: Dict[str, Tuple[int, str, list]] = {}
-    current = None
-    for n, indent, content in lines:
-        if indent < base:
-            raise PackerError(f"{file}:{n}: indented less than the first key; {YAML_HELP}")
-        if indent == base and not is_item(content):
-            m = KEY.match(content)
-            if not m:
-                raise PackerError(f"{file}:{n}: expected 'key: value', got "
-                                  f"{show(content)!r}; {YAML_HELP}")
-            current = keys[scalar(m.group(1), file, n)] = (n, m.group(2) or "", [])
-        else:
-            current[2].append((n, indent, content))
-    return keys
-
-
-def block_list(lines, file: Path) -> List[str]:
-    indent = lines[0][1]
-    for n, ind, content in lines:
-        if ind != indent or not is_item(content):
-            raise PackerError(f"{file}:{n}: expected a '- name' item like the line above, got "
-                              f"{show(content)!r}; {YAML_HELP}")
-    return [scalar(content[1:], file, n) for n, _, content in lines]
-
-
-def block_map(lines, file: Path) -> List[str]:
-    pairs = []
-    for n, ind, content in lines:
-        m = KEY.match(content)
-        if ind != lines[0][1] or not m:
-            raise PackerError(f"{file}:{n}: expected '<index>: <name>' like the line above, "
-                              f"got {show(content)!r}; {YAML_HELP}")
-        pairs.append((n, m.group(1), m.group(2) or ""))
-    return indexed(pairs, file)
-
-
-def indexed(pairs, file: Path) -> List[str]:
-    """``{index: name}`` as a list; the indices must be 0..N-1, each once."""
-    names: Dict[int, str] = {}
-    for n, key, value in pairs:
-        key = scalar(key, file, n)
-        if not key.isdigit():
-            raise PackerError(f"{file}:{n}: class index {show(key)!r} is not a number 0, 1, ...")
-        if int(key) in names:
-            raise PackerError(f"{file}:{n}: class index {int(key)} is given twice")
-        names[int(key)] = scalar(value, file, n)
-    missing = sorted(set(range(len(names))) - set(names))
+def indexed(names: dict, file: Path) -> list:
+    """``{index: name}`` as a list; the indices must be 0..N-1 (ints or digit text), each once."""
+    by_index: Dict[int, Any] = {}
+    for key, value in names.items():
+        if type(key) is not int and not (isinstance(key, str) and key.isdigit()):
+            raise PackerError(f"{file}: class index {show(key)!r} is not a number 0, 1, ...")
+        if int(key) in by_index:
+            raise PackerError(f"{file}: class index {int(key)} is given twice")
+        by_index[int(key)] = value
+    missing = sorted(set(range(len(by_index))) - set(by_index))
     if missing:
-        raise PackerError(f"{file}: class indices must be 0..{len(names) - 1} with none "
+        raise PackerError(f"{file}: class indices must be 0..{len(by_index) - 1} with none "
                           f"missing; {missing[0]} is missing")
-    return [names[i] for i in range(len(names))]
+    return [by_index[i] for i in range(len(by_index))]
 
 
-def flow(value: str, file: Path, n: int) -> List[str]:
-    """``[a, b]`` or ``{0: a, 1: b}`` on one line (or joined continuation lines)."""
-    close = {"[": "]", "{": "}"}.get(value[:1])
-    if close is None or not value.endswith(close):
-        raise PackerError(f"{file}:{n}: expected [a, b, ...] or {{0: a, ...}}, got "
-                          f"{show(value)[:80]!r}; {YAML_HELP}")
-    items = split_flow(value[1:-1], file, n)
-    if close == "]":
-        return [scalar(item, file, n) for item in items]
-    pairs = []
-    for item in items:
-        m = KEY.match(item)
-        if not m:
-            raise PackerError(f"{file}:{n}: expected 'index: name' in {{...}}, got "
-                              f"{show(item)!r}")
-        pairs.append((n, m.group(1), m.group(2) or ""))
-    return indexed(pairs, file)
-
-
-def split_flow(inner: str, file: Path, n: int) -> List[str]:
-    """Items between commas outside quotes; one trailing comma allowed, no nesting."""
-    items, quote, start = [], "", 0
-    for i, ch in enumerate(inner):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"" and not inner[start:i].strip():
-            quote = ch
-        elif ch in "[]{}":
-            raise PackerError(f"{file}:{n}: nested lists or maps are not class names; "
-                              f"{YAML_HELP}")
-        elif ch == ",":
-            items.append(inner[start:i])
-            start = i + 1
-    items.append(inner[start:])
-    if not items[-1].strip() and len(items) > 1:
-        items.pop()
-    if len(items) == 1 and not items[0].strip():
-        return []
-    return items
-
-
-def scalar(token: str, file: Path, n: int) -> str:
-    """A plain, 'single' or "double" quoted YAML scalar as text."""
-    tok = token.strip()
-    if len(tok) >= 2 and tok[0] == tok[-1] == '"':
-        try:
-            return json.loads(tok)
-        except json.JSONDecodeError:
-            pass
-    elif len(tok) >= 2 and tok[0] == tok[-1] == "'" and "'" not in tok[1:-1].replace("''", ""):
-        return tok[1:-1].replace("''", "'")
-    elif tok and tok[0] not in "'\"[]{}&*!|>%@`," and not is_item(tok) \
-            and ": " not in tok and not tok.endswith(":"):
-        return tok
-    raise PackerError(f"{file}:{n}: cannot read {show(tok)!r} as a class name"
-                      f"{' (empty)' if not tok else ''}; {YAML_HELP}")
+def class_name(value: Any, i: int, file: Path) -> str:
+    """A scalar as the class name ultralytics makes of it (``str``: ``yes`` is ``True``, as
+    YAML reads it); a list, a map or an empty value is no name."""
+    what = ("a list" if isinstance(value, list) else "a map" if isinstance(value, dict)
+            else "empty" if value is None or value == "" else "")
+    if what:
+        raise PackerError(f"{file}: class {i} is {what}, not a name; {YAML_HELP}")
+    return str(value)

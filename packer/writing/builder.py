@@ -13,11 +13,10 @@ import os
 import sys
 import time
 from collections import deque
-from itertools import islice
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Deque, Iterator, List, Optional, Sequence
+from typing import Deque, Iterator, List, Optional, Union
 
 from tqdm.auto import tqdm
 
@@ -28,13 +27,12 @@ from .check import DEFAULT_MAX_PIXELS, Transcode
 from ..errors import PackerError
 from ..format.manifest import LABEL_FIELD, MANIFEST, read_manifest, shard_number
 from .packing import Packing
-from .laterows import ROWS_NAME, LateRows, write_rows
-from .worker import FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker, plan_shards, write_shard, write_shards
-from ..sources.base import IMG_EXTENSIONS, ImageList, parse_part, read_list, scan_folder, select
+from .worker import FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker, plan_shards, write_shard
+from ..sources.base import ImageList, Source, parse_part, select
+from ..sources.folder import ImageFolder
 
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
-FIRST_GROUP = 4  # shards per worker's first task while the annotations are read
 
 
 @dataclass
@@ -51,66 +49,50 @@ class BuildResult:
                 f"skipped {len(m['skipped'])}{dropped}; {self.seconds:.1f} s")
 
 
-def build(src: os.PathLike, dst: os.PathLike, *, list_file: Optional[os.PathLike] = None,
+def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
           shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
           transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
           part: Optional[str] = None, strict: bool = False, overwrite: bool = False,
-          max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True,
-          coco: Optional[os.PathLike] = None, yolo: Optional[os.PathLike] = None,
-          names: Optional[os.PathLike] = None, meta: Optional[os.PathLike] = None,
-          label: Optional[str] = None, skip_empty: bool = False, allow_empty: bool = False,
-          extensions: Optional[Sequence[str]] = None,
-          is_valid_file: Optional[Callable[[str], bool]] = None) -> BuildResult:
-    """Pack ``src`` into shards in ``dst``: an ImageFolder layout, or the images that
-    ``list_file`` lines, a COCO instances JSON (``coco``), YOLO label files (``yolo`` with
-    ``names``) or a JSONL/CSV table (``meta``, ``label`` naming its class column) describe.
-    ImageFolder options as torchvision's: ``extensions`` or ``is_valid_file`` pick the
-    files; an empty class folder is an error unless ``allow_empty``."""
+          max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True) -> BuildResult:
+    """Pack ``source`` into shards in ``dst``: a folder path (an ImageFolder), or a source
+    object from ``packer.sources`` (``ImageFolder``, ``FileList``, ``Coco``, ``Yolo``,
+    ``Table``, or your own with their protocol).
+
+    ``shard_size``: bytes of source files per shard; ``workers``: processes that check and
+    write images (0: this process; default: the usable cores); ``transcode``: smaller JPEGs;
+    ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"``, this build's share (join
+    the parts with ``merge``); ``strict``: fail on the first bad image or annotation;
+    ``overwrite``: replace a finished dataset in ``dst``; ``max_pixels``: skip larger images."""
     journal.check_dst(dst)  # before anything is written: packer writes only where asked
     t0 = time.perf_counter()
-    src, dst = Path(src), Path(dst)
+    source, dst = as_source(source), Path(dst)
     workers = usable_cores() if workers is None else workers
-    _check_arguments(src, dst, list_file, shard_size, workers, max_pixels)
-    given = {"list": list_file, "coco": coco, "yolo": yolo, "meta": meta}
-    folder = {"extensions": extensions, "is_valid_file": is_valid_file, "allow_empty": allow_empty}
+    _check_arguments(shard_size, workers, max_pixels)
+    chosen = parse_part(part)
+    source.check_destination(dst)
+    # the source's options after the build's own; "list" always there, as it always was
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, "strict": strict,
-               "max_pixels": max_pixels, "list": str(list_file) if list_file else None}
-    for key, value in (("coco", coco), ("yolo", yolo), ("names", names), ("meta", meta),
-                       ("label", label), ("skip_empty", skip_empty or None),
-                       ("allow_empty", allow_empty or None),
-                       ("extensions", ",".join(extensions) if extensions else None),
-                       ("is_valid_file", getattr(is_valid_file, "__qualname__", None))):
-        if value is not None:  # only what was given: older manifests' options stay as they were
-            options[key] = value if isinstance(value, (bool, str)) else str(value)
-    run = _Run(src, dst, options, workers, transcode, parse_part(part), overwrite, progress)
-    check_source_options(**given, names=names, label=label, skip_empty=skip_empty)
-    outline = None
-    if coco is not None and not skip_empty and workers > 1 and sys.platform == "linux":
-        from ..sources.cocooutline import coco_outline  # the workers start before the rows
-        outline = coco_outline(src, coco, workers)
-    try:
-        source = outline.source if outline is not None else \
-            load_source(src, **given, names=names, label=label, skip_empty=skip_empty,
-                        workers=workers, **folder)
-        manifest, resumed = run.pack(source, outline)
-    except _ReadAgain as again:  # the full read disagrees with the outline: start afresh
-        manifest, resumed = run.pack(again.source, None)
+               "max_pixels": max_pixels, "list": None, **source.options()}
+    run = _Run(dst, options, workers, transcode, chosen, overwrite, progress)
+    manifest, resumed = run.pack(source.read())
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
 
 
-class _ReadAgain(Exception):
-    """The annotation file, read whole, lists other images or classes than its outline."""
-
-    def __init__(self, source: ImageList):
-        super().__init__("the source changed while read")
-        self.source = source
+def as_source(source: Union[os.PathLike, str, Source]) -> Source:
+    """``source`` itself, or for a folder path the ImageFolder it names."""
+    if isinstance(source, (str, os.PathLike)):
+        return ImageFolder(source)
+    if not callable(getattr(source, "read", None)):
+        raise PackerError(f"build(source, dst): source must be a folder path or a source "
+                          f"(packer.sources.ImageFolder, FileList, Coco, Yolo, Table), got "
+                          f"{type(source).__name__}")
+    return source
 
 
 @dataclass
 class _Run:
     """One build's settings, for ``pack``."""
-    src: Path
     dst: Path
     options: dict
     workers: int
@@ -119,33 +101,18 @@ class _Run:
     overwrite: bool
     progress: bool
 
-    def pack(self, source: ImageList, outline) -> tuple:
-        """(manifest, shards resumed): ``source`` packed into ``dst``. With an ``outline``,
-        the source has no rows yet: the workers start on the images while it reads them."""
-        src, dst, o = self.src, self.dst, self.options
+    def pack(self, source: ImageList) -> tuple:
+        """(manifest, shards resumed): ``source`` packed into ``dst``."""
+        dst, o, src = self.dst, self.options, source.root
         if not source.entries:
-            raise PackerError(f"found no images in {src} (extensions: "
-                              f"{', '.join(IMG_EXTENSIONS)}, any case); nothing to pack")
+            raise PackerError(f"{src}: no images to pack")
         source = select(source, part=self.part, shuffle=o["shuffle"], seed=o["seed"])
-        made = not dst.exists()
         dst.mkdir(parents=True, exist_ok=True)
-        try:
-            return self.pack_locked(source, outline)
-        except BaseException:
-            if made and outline is not None:  # as when the file is read first: no folder
-                try:
-                    dst.rmdir()  # only if empty (``pack_locked`` removed its journal)
-                except OSError:
-                    pass
-            raise
-
-    def pack_locked(self, source: ImageList, outline) -> tuple:
-        src, dst, o = self.src, self.dst, self.options
         with FolderLock(dst, f"packer build into {dst}"):
             if (dst / MANIFEST).exists():
                 if not self.overwrite:
                     raise PackerError(f"{dst} already holds a finished dataset; replace it with "
-                                      f"overwrite=True (--overwrite)")
+                                      f"overwrite=True")
                 journal.remove_dataset(dst, read_manifest(dst))
             fp = journal.fingerprint(source, o)
             run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
@@ -154,46 +121,21 @@ class _Run:
             bar = tqdm(total=len(source.entries), initial=run.start, unit="img",
                        disable=not self.progress, desc=f"packing {src.name or src}",
                        dynamic_ncols=True, smoothing=0.05)
-            late, reading, stop = None, None, None
-            if outline is None:
-                _drop_unusable(run, source)
-            else:  # forked workers: events made now reach them
-                stop = mp.get_context("fork").Event()
-                late = LateRows(dst / ROWS_NAME, mp.get_context("fork").Event(), stop)
-                reading = (outline.start, lambda started: self.deliver(outline, started, source,
-                                                                       run, late))
+            _drop_unusable(run, source)
             try:
-                job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names, late),
-                               self.transcode, o["max_pixels"], o["strict"], stop=stop)
-                _pack(source, run, job, self.workers, bar, reading)
+                job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names),
+                               self.transcode, o["max_pixels"], o["strict"])
+                _pack(source, run, job, self.workers, bar)
             except BaseException:
                 run.abort()
-                if outline is not None and not run.shards:  # e.g. the annotations are
-                    remove_own(dst, journal.JOURNAL)  # broken: DST as it was found
                 raise
             finally:
                 bar.close()
-                if late is not None:
-                    remove_own(dst, ROWS_NAME)
             ann = source.annotations
             manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
                                   options=o, extra=ann.extra if ann is not None else None)
             journal.remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
         return manifest, resumed
-
-    def deliver(self, outline, started: list, source: ImageList, run: Packing,
-                late: LateRows) -> None:
-        """The annotations read in full, checked against what the workers started on, and
-        handed to them (``laterows``)."""
-        o = self.options
-        full = outline.finish(started)
-        chosen = select(full, part=self.part, shuffle=o["shuffle"], seed=o["seed"])
-        if (chosen.entries != source.entries or chosen.classes != source.classes
-                or chosen.annotations.extra != source.annotations.extra):
-            raise _ReadAgain(full)
-        _drop_unusable(run, chosen)
-        write_rows(self.dst / ROWS_NAME, chosen.annotations.rows)
-        late.written.set()
 
 
 def _drop_unusable(run: Packing, source: ImageList) -> None:
@@ -203,48 +145,6 @@ def _drop_unusable(run: Packing, source: ImageList) -> None:
     if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
         for d in ann.dropped:
             run.drop(-1, d["path"], [d["reason"]])
-
-
-def load_source(src: Path, *, list: Optional[os.PathLike] = None,
-                coco: Optional[os.PathLike] = None, yolo: Optional[os.PathLike] = None,
-                meta: Optional[os.PathLike] = None, names: Optional[os.PathLike] = None,
-                label: Optional[str] = None, skip_empty: bool = False, allow_empty: bool = False,
-                extensions: Optional[Sequence[str]] = None,
-                is_valid_file: Optional[Callable[[str], bool]] = None,
-                workers: int = 0) -> ImageList:
-    """What to pack, from the one source the options name (ImageFolder when none);
-    ``workers`` processes may share the reading (a large COCO file's annotations)."""
-    check_source_options(list=list, coco=coco, yolo=yolo, meta=meta, names=names, label=label,
-                         skip_empty=skip_empty)
-    if coco is not None:
-        from ..sources.coco import read_coco
-        return read_coco(src, coco, skip_empty=skip_empty, workers=workers)
-    if yolo is not None:
-        from ..sources.yolo import read_yolo
-        return read_yolo(src, yolo, names)
-    if meta is not None:
-        from ..sources.table import read_meta
-        return read_meta(src, meta, label=label)
-    if list is not None:
-        return read_list(src, list)
-    return scan_folder(src, extensions=extensions, is_valid_file=is_valid_file,
-                       allow_empty=allow_empty)
-
-
-def check_source_options(*, list=None, coco=None, yolo=None, meta=None, names=None, label=None,
-                         skip_empty: bool = False) -> None:
-    """A PackerError where the source options do not go together."""
-    chosen = [k for k, v in (("list", list), ("coco", coco), ("yolo", yolo), ("meta", meta))
-              if v is not None]
-    if len(chosen) > 1:
-        raise PackerError(f"pass one source: {' and '.join('--' + c for c in chosen)} exclude "
-                          f"each other")
-    if (names is not None) != (yolo is not None):
-        raise PackerError("--yolo LABELS_DIR and --names NAMES go together")
-    if label is not None and meta is None:
-        raise PackerError("--label COLUMN picks a column of --meta FILE; pass --meta too")
-    if skip_empty and coco is None:
-        raise PackerError("--skip-empty applies to --coco datasets (images with no annotation)")
 
 
 def source_schema(source: ImageList) -> dict:
@@ -259,15 +159,13 @@ def source_schema(source: ImageList) -> dict:
     return {"task": task, "fields": fields + list(ann.schema)}
 
 
-def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar,
-          reading: Optional[tuple] = None) -> None:
+def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar) -> None:
     """The planned shards, written by the workers, taken in plan order: each one's samples
     into the side tables and skip lists, then the shard into the journal. Shards after one
-    that was cut short are not taken (a strict build's failure stopped them). ``reading``:
-    the annotations still to read (see ``_shards``)."""
+    that was cut short are not taken (a strict build's failure stopped them)."""
     sizes = file_sizes(source)
     broken, in_bytes = False, 0
-    for done in _shards(_remaining(sizes, run, source), workers, job, bar, reading):
+    for done in _shards(_remaining(sizes, run, source), workers, job, bar):
         in_bytes += done.in_bytes
         if not done.failed and (done.stopped or broken):
             broken = True
@@ -303,8 +201,7 @@ def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardT
             for j, (a, e, n) in enumerate(rest)]
 
 
-def _check_arguments(src: Path, dst: Path, list_file, shard_size: int, workers: int,
-                     max_pixels: int) -> None:
+def _check_arguments(shard_size: int, workers: int, max_pixels: int) -> None:
     if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
         raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}: "
                           f"shards are mapped whole into each reader's address space")
@@ -312,24 +209,13 @@ def _check_arguments(src: Path, dst: Path, list_file, shard_size: int, workers: 
         raise PackerError(f"max_pixels must be a positive pixel count, got {max_pixels}")
     if workers < 0:
         raise PackerError("workers must be >= 0 (0 checks images in this process)")
-    if not list_file and _is_within(dst, src):
-        raise PackerError(f"DST {dst} is inside the source folder {src}: it would become a class "
-                          f"of its own source; put the dataset outside SRC")
-
-
-def _is_within(path: Path, folder: Path) -> bool:
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
 
 
 # -- workers ---------------------------------------------------------------------------------
 
-def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar,
-            reading: Optional[tuple] = None) -> Iterator[ShardDone]:
+def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar) -> Iterator[ShardDone]:
     """Finished shards in plan order, about two per worker in flight; the bar follows the
-    workers' shared image counter. ``reading``: ``(start, deliver)`` where the annotations
-    are read while the workers run: ``start(submit)`` hands the pool its share of the
-    reading before any shard, ``deliver(started)`` finishes it and hands the rows over.
+    workers' shared image counter.
 
     On an error (a full disk, Ctrl-C, a strict build's bad image) the ``stop`` event makes
     running shards give up at their next image, queued ones are cancelled, and shards that
@@ -349,41 +235,33 @@ def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar,
             _remove_untaken(job.dst, [current])
         return
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    job.progress, job.stop = ctx.Value("q", 0), job.stop or ctx.Event()
+    job.progress, job.stop = ctx.Value("q", 0), ctx.Event()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
                                initargs=(os.getpid(), job))
     pending: Deque[Future] = deque()
     todo, base = iter(tasks), bar.n
-    # shards in each worker's first task: more while the annotations are read, if every
-    # worker still gets some
-    group = max(1, min(FIRST_GROUP, len(tasks) // (2 * workers))) if reading else 1
-    batch: List[ShardDone] = []  # a finished task's shards, not all taken yet
+    done: Optional[ShardDone] = None  # finished, not taken yet
     try:
-        started = reading[0](pool.submit) if reading else None
         while True:
             while len(pending) < 2 * workers:
-                chunk = [t for t in islice(todo, group if len(pending) < workers else 1)]
-                if not chunk:
+                task = next(todo, None)
+                if task is None:
                     break
-                pending.append(pool.submit(write_shards, chunk))
-            if reading:
-                reading[1](started)  # the workers check images meanwhile
-                reading, group = None, 1
+                pending.append(pool.submit(write_shard, task))
             if not pending:
                 break
             while not pending[0].done():
                 wait([pending[0]], timeout=0.2)
                 bar.update(base + job.progress.value - bar.n)
-            batch = pending.popleft().result()
-            for done in batch:
-                yield done
-            batch = []
+            done = pending.popleft().result()
+            yield done
+            done = None
     finally:
         job.stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
         bar.update(base + job.progress.value - bar.n)
-        _remove_untaken(job.dst, batch + [d for f in pending if f.done() and not f.cancelled()
-                                            and f.exception() is None for d in f.result()])
+        _remove_untaken(job.dst, [done] + [f.result() for f in pending if f.done()
+                                           and not f.cancelled() and f.exception() is None])
 
 
 def _remove_untaken(dst: Path, results: List[Optional[ShardDone]]) -> None:

@@ -20,17 +20,14 @@ import msgpack
 from .._util.fsio import LOCK_NAME, check_folder, fsync_dir, remove_own, write_json_atomic
 from ..errors import PackerError
 from ..format.manifest import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, side_tables
-from .laterows import ROWS_NAME
 from ..format.validation import is_plain_name
 from ..sources.base import ImageList
 from .shard import disk_errors, existing_shard_ok
 
 JOURNAL = ".packer-build.json"
-# Names a build writes: shards, their temp files, side tables, manifest, journal (+ ".tmp"),
-# the annotation rows handed to its workers.
+# Names a build writes: shards, their temp files, side tables, manifest, journal (+ ".tmp").
 BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", "paths.*", LABELS, OFFSETS, MANIFEST,
-                  JOURNAL, LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp",
-                  ROWS_NAME)
+                  JOURNAL, LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp")
 
 
 def fingerprint(source: ImageList, options: dict) -> str:

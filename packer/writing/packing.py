@@ -19,7 +19,7 @@ from . import journal
 from .._util.fsio import write_json_atomic
 from .._util.system import pil_summary
 from ..errors import PackerError
-from ..format.fields import COLUMN_DTYPE, DTYPES, encode, is_column
+from ..format.fields import DTYPES, encode, field_of
 from ..format.manifest import FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file
 from ..format.records import PackedFields, pack_fields, record_bytes, unpack_record
 from ..format.lmdbfile import shard_records
@@ -39,19 +39,19 @@ class Packing:
     def __init__(self, dst: Path, fingerprint: str, state: dict, *, schema: dict,
                  shard_size: int, strict: bool):
         self.dst, self.fingerprint, self.schema = dst, fingerprint, schema
-        self.fields: List[dict] = schema["fields"]
+        self.fields = [field_of(f) for f in schema["fields"]]
         self.shard_size, self.strict = shard_size, strict
         self.shards: List[dict] = state["shards"]
         self.skipped: List[dict] = state["skipped"]
         self.dropped: List[dict] = state.get("dropped", [])
         self.start = state["next_entry"]
-        self.has_label = any(f["name"] == "label" for f in self.fields)
+        self.has_label = any(f.name == "label" for f in self.fields)
         self.labels = array("i")
         self.path_ends, self.path_text = array("Q"), bytearray()  # the paths table
         self.columns: Dict[str, array] = {n: array("i") for n in SIZE_COLUMNS}
         for f in self.fields:
-            if is_column(f) and f["name"] != "label":
-                self.columns[f["name"]] = array(DTYPES[COLUMN_DTYPE[f["type"]]])
+            if f.column and f.name != "label":
+                self.columns[f.name] = array(DTYPES[f.column])
         self.column_names = [n for n in self.columns if n not in SIZE_COLUMNS]
         self.column_names += ["label"] if self.has_label else []
         self.writer: Optional[ShardWriter] = None

@@ -28,7 +28,7 @@ from .._util.system import usable_cores
 from .builder import DEFAULT_SHARD_SIZE, MAX_SHARD_SIZE, BuildResult
 from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
 from ..errors import PackerError
-from ..format.fields import check_schema, detection_problem, encode, infer_field
+from ..format.fields import Field, check_schema, detection_problem, encode, infer_field
 from ..format.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from .packing import Packing
 
@@ -122,8 +122,9 @@ class DatasetWriter:
                 raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
                                   f"overwrite=True")
             journal.remove_dataset(self.dst, read_manifest(self.dst))
+        specs = [f.spec() for f in self.schema]
         self.fingerprint = hashlib.sha256(json.dumps(
-            [FORMAT_VERSION, self.schema, self.task, self.classes, self.options],
+            [FORMAT_VERSION, specs, self.task, self.classes, self.options],
             sort_keys=True).encode()).hexdigest()
         if self.overwrite and (self.dst / journal.JOURNAL).is_file():  # an interrupted write
             state = journal.restart(self.dst, self.fingerprint)
@@ -133,7 +134,7 @@ class DatasetWriter:
         self.want_digest = state["shards"][-1].get("input_digest") if state["shards"] else None
         self.run = Packing(self.dst, self.fingerprint, state, strict=self.strict,
                            shard_size=self.options["shard_size"],
-                           schema={"task": self.task, "fields": self.schema})
+                           schema={"task": self.task, "fields": specs})
         self.run.shard_note = lambda: {"input_digest": self.digest.hexdigest()}
         self.resumed_shards = len(self.run.shards)
 
@@ -227,7 +228,7 @@ def image_bytes(image: Any, i: int):
                       f"{type(image).__name__}")
 
 
-def sample_digest(data: bytes, schema: List[dict], values: dict, i: int, path: str) -> bytes:
+def sample_digest(data: bytes, schema: List[Field], values: dict, i: int, path: str) -> bytes:
     """What makes a sample this sample: its image bytes, its path and its encoded fields."""
     try:
         stored = encode(schema, values)
@@ -247,7 +248,7 @@ def check_sample(data: bytes, transcode, max_pixels: int):
     return "ok", (c.data, c.width, c.height, c.format, c.mode)
 
 
-def infer_schema(sample: Dict[str, Any]) -> List[dict]:
+def infer_schema(sample: Dict[str, Any]) -> List[Field]:
     """Fields from the first sample's values (see ``packer.format.fields.infer_field``)."""
     out = []
     for name, v in sample.items():
@@ -257,12 +258,12 @@ def infer_schema(sample: Dict[str, Any]) -> List[dict]:
         if f is None:
             raise PackerError(f"cannot tell the type of field {name!r} from {str(v)[:60]!r} (an "
                               f"empty list?); pass schema=[...] (see docs/annotations.md)")
-        out.append(f)
+        out.append(f.spec())
     return check_schema(out, "the fields of the first sample")
 
 
-def guess_task(schema: List[dict]) -> str:
-    names = {f["name"] for f in schema}
+def guess_task(schema: List[Field]) -> str:
+    names = {f.name for f in schema}
     if {"boxes", "labels"} <= names:
         return "detection"
     return "classification" if names == {"label"} else "generic"

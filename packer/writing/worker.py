@@ -18,16 +18,14 @@ from typing import List, Optional, Sequence, Tuple
 
 from .._util.system import die_with_parent
 from .check import BadImage, Checked, Transcode, check_image
-from ..format.fields import encode
+from ..format.fields import Field, encode
 from ..format.manifest import SHARD_PATTERN
 from ..format.records import pack_fields, record_bytes
-from .laterows import LateRows
 from ..sources.base import ImageList
 from .._util.text import is_utf8
 from .shard import ShardWriter
 
 PROGRESS_EVERY = 16  # images between a worker's progress reports (a shared counter)
-HOLD_BYTES = 64 << 20  # a worker's checked images held while the annotations are read
 PLANNED_SHARDS = 256    # a dataset smaller than this many shards is cut into about this many,
 MIN_PLANNED = 4 << 20   # but none planned under 4 MiB: shards for every core to write, and a
 #                         short tail (the last wave of shards leaves cores idle)
@@ -89,39 +87,22 @@ def file_sizes(source: ImageList) -> List[int]:
 
 class FieldMaker:
     """Each entry's stored fields for an image of a given size: its label, and its
-    annotation row fitted (``Annotations.fit``), encoded (``packer.format.fields``) and packed as
-    msgpack, with the values its side tables take. Forked workers share the rows, or take
-    them from ``late`` (``LateRows``) when they were read after the workers started."""
+    annotation row fitted (``Annotations.fit``), encoded (``packer.format.fields``; a source
+    whose ``fit`` gives stored values itself is not encoded again) and packed as msgpack,
+    with the values its side tables take. Forked workers share the rows."""
 
-    def __init__(self, source: ImageList, fields: list, column_names: list,
-                 late: Optional[LateRows] = None):
-        self.source, self.fields, self.column_names = source, fields, column_names
-        self.has_label = any(f["name"] == "label" for f in fields)
-        self.late = late
-        ann = source.annotations
-        self.rows = late if late is not None else ann.rows if ann is not None else None
-
-    def ready(self, wait: bool = False) -> bool:
-        """Whether ``encoded`` can run now (False: the rows are not read yet; with ``wait``,
-        only when the build stopped meanwhile)."""
-        return self.late is None or self.late.ready(wait)
-
-    def check(self, i: int) -> None:
-        """For an entry whose image is skipped: the PackerError its row would have given
-        when fitted (``Annotations.check``)."""
-        ann = self.source.annotations
-        if ann is not None and ann.check is not None:
-            ann.check(self.rows[i])
+    def __init__(self, source: ImageList, fields: List[Field], column_names: list):
+        self.source, self.column_names = source, column_names
+        self.label = [f for f in fields if f.name == "label"]
+        self.others = [f for f in fields if f.name != "label"]
 
     def encoded(self, i: int, width: int, height: int):
         ann = self.source.annotations
-        values: dict = {"label": self.source.entries[i][1]} if self.has_label else {}
+        stored = encode(self.label, {"label": self.source.entries[i][1]}) if self.label else {}
         reasons: list = []
         if ann is not None:
-            row = self.rows[i]
-            row, reasons = ann.fit(row, width, height) if ann.fit is not None else (row, [])
-            values.update(row)
-        stored = encode(self.fields, values)
+            row, reasons = ann.fit(ann.rows[i], width, height) if ann.fit else (ann.rows[i], [])
+            stored.update(row if ann.stored else encode(self.others, row))
         return pack_fields(stored), {k: stored[k] for k in self.column_names}, reasons
 
 
@@ -180,120 +161,46 @@ def with_fields(job: ShardJob, i: int, c: Checked):
     return "ok", (c.data, c.width, c.height, c.format, c.mode, packed, columns, reasons)
 
 
-class ShardFill:
-    """One shard being written, entry by entry in order. While the annotation rows are not
-    read yet (``FieldMaker.ready``), checked images are held, up to ``HOLD_BYTES``, and
-    stored once they are: the workers check images while the main process reads."""
-
-    def __init__(self, task: ShardTask, job: ShardJob):
-        self.task, self.job, self.done = task, job, ShardDone(task)
-        self.writer: Optional[ShardWriter] = None
-        self.held: List[tuple] = []  # (entry, status, checked image or skip reason)
-        self.held_bytes = self.unreported = 0
-
-    def take(self, i: int) -> None:
-        status, payload, nbytes = read_entry(self.job, i)
-        self.done.in_bytes += nbytes
-        self.held.append((i, status, payload))
-        self.held_bytes += nbytes
-        # a strict build's first problem must be the first in order: rows for those before
-        self.flush(self.held_bytes > HOLD_BYTES or self.job.strict and status == "skip")
-
-    def flush(self, wait: bool) -> None:
-        """Store the held entries if the rows can be read (with ``wait``: once they can;
-        the build stopping meanwhile stops the shard)."""
-        if not self.job.fields.ready(wait):
-            if wait:  # the build stopped first
-                self.done.stopped = True
-            return
-        entries = self.job.fields.source.entries
-        for i, status, payload in self.held:
-            if status == "ok":
-                status, payload = with_fields(self.job, i, payload)
-            else:
-                self.job.fields.check(i)
-            reasons = self.store(i, status, payload, entries[i][0])
-            if self.job.strict and (status == "skip" or reasons):
-                self.done.failed = True
-                break
-            self.unreported = _report(self.job, self.unreported + 1)
-        self.held, self.held_bytes = [], 0
-
-    def take_all(self) -> None:
-        """Every entry's image, checked and held or stored (until a stop or a failure)."""
-        for i in range(self.task.start, self.task.end):
-            if self.job.stop is not None and self.job.stop.is_set():
-                self.done.stopped = True
-                return
-            self.take(i)
-            if self.done.failed or self.done.stopped:
-                return
-
-    def complete(self) -> None:
-        """Store what is held (waiting for the rows), then finish the shard file (or
-        abandon it: stopped or failed)."""
-        done = self.done
-        if self.held and not (done.failed or done.stopped):
-            self.flush(wait=True)
-        _report(self.job, self.unreported, force=True)
-        self.unreported = 0
-        if self.writer is not None:
-            if done.failed or done.stopped:
-                self.writer.abort()
-            else:
-                done.shard = self.writer.finish()
-            self.writer = None
-
-    def store(self, i: int, status: str, payload, rel: str) -> list:
-        if status == "skip":
-            self.done.samples.append((i, None, payload))
-            return []
-        data, width, height, fmt, mode, packed, columns, reasons = payload
-        if self.writer is None:
-            self.writer = ShardWriter(self.job.dst / SHARD_PATTERN.format(self.task.index),
-                                      expected_bytes=self.task.expected_bytes)
-        self.writer.append(record_bytes(data, path=rel, width=width, height=height,
-                                        format=fmt, mode=mode, fields=packed))
-        self.done.samples.append((i, (width, height, columns), reasons))
-        return reasons
-
-
 def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
     """Check and store entries ``task.start .. task.end`` into the shard file ``task.index``
     (runs in a worker; ``job`` given when run in-process). A set ``stop`` event, or a
     problem in a strict build, abandons the shard (its temp files removed)."""
-    return write_shards([task], job)[0]
-
-
-def write_shards(tasks: List[ShardTask], job: Optional[ShardJob] = None) -> List[ShardDone]:
-    """``write_shard`` for consecutive shards. While the annotation rows are not read yet,
-    a shard whose images are all checked stays open and the next one's images are checked
-    (up to ``HOLD_BYTES`` held): a worker's first task covers the time the read takes."""
     job = job or _JOB[0]
-    fills: List[ShardFill] = []
-    open_fills: List[ShardFill] = []
+    done, writer, unreported = ShardDone(task), None, 0
+    entries = job.fields.source.entries
     try:
-        for task in tasks:
-            fill = ShardFill(task, job)
-            fills.append(fill)
-            open_fills.append(fill)
-            fill.take_all()
-            if (not fill.done.failed and not fill.done.stopped and not job.strict
-                    and not job.fields.ready() and task is not tasks[-1]
-                    and sum(f.held_bytes for f in open_fills) < HOLD_BYTES):
-                continue  # its rows are not read yet: on to the next shard's images
-            for f in open_fills:
-                f.complete()
-            open_fills = []
-            if fill.done.failed or fill.done.stopped:
+        for i in range(task.start, task.end):
+            if job.stop is not None and job.stop.is_set():
+                done.stopped = True
                 break
+            status, payload, nbytes = read_entry(job, i)
+            done.in_bytes += nbytes
+            if status == "ok":
+                status, payload = with_fields(job, i, payload)
+            if status == "skip":
+                done.samples.append((i, None, payload))
+                reasons = [payload]
+            else:
+                data, width, height, fmt, mode, packed, columns, reasons = payload
+                if writer is None:
+                    writer = ShardWriter(job.dst / SHARD_PATTERN.format(task.index),
+                                         expected_bytes=task.expected_bytes)
+                writer.append(record_bytes(data, path=entries[i][0], width=width,
+                                           height=height, format=fmt, mode=mode, fields=packed))
+                done.samples.append((i, (width, height, columns), reasons))
+            if job.strict and reasons:
+                done.failed = True
+                break
+            unreported = _report(job, unreported + 1)
+        _report(job, unreported, force=True)
+        if writer is not None and not (done.failed or done.stopped):
+            done.shard, writer = writer.finish(), None
     finally:
-        for f in fills:
-            if f.writer is not None:  # an exception: leave no temp files
-                f.writer.abort()
-    if any(f.done.failed for f in fills) and job.stop is not None:
+        if writer is not None:  # stopped, failed or an exception: leave no temp files
+            writer.abort()
+    if done.failed and job.stop is not None:
         job.stop.set()  # the build fails: the other shards need not finish
-    return [f.done for f in fills]
+    return done
 
 
 def _report(job: ShardJob, n: int, force: bool = False) -> int:

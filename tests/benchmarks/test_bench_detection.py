@@ -131,10 +131,11 @@ def test_packer_bench_runs_on_a_detection_dataset(tmp_path):
     """`packer bench` (its training harness run on the CPU) feeds a detection dataset's
     images to the step; the targets (lists of dicts) do not break it."""
     from packer import build
+    from packer.sources import Coco
     from packer.bench.run import run_bench
     from packer.demo.scenes import make_detection_folder
     root = make_detection_folder(tmp_path / "det", images=24, seed=2)
-    build(root / "images", tmp_path / "p", coco=root / "annotations.json", progress=False,
+    build(Coco(root / "images", root / "annotations.json"), tmp_path / "p", progress=False,
           workers=0)
     rep = run_bench(tmp_path / "p", cuda=True, device="cpu", model="tiny", repeats=1,
                     seconds_per_variant=0.3, workers=[1], batch_size=4, progress=False,

@@ -25,28 +25,21 @@ def small_coco(path: Path) -> Path:
 def test_source_costs(tmp_path):
     r = source_costs(small_coco(tmp_path / "a.json"), repeats=2)
     assert r["images"] == 3
-    assert all(r[k] > 0 for k in ("read_coco_ms", "read_coco_pieces_ms", "read_list_ms",
-                                  "fields_us_per_image", "fields_python_us_per_image"))
-    assert r["pieces"] is False  # three images: one process
+    assert all(r[k] > 0 for k in ("read_coco_ms", "read_list_ms", "fields_us_per_image"))
 
 
-def test_script_prints_the_three_figures(tmp_path):
+def test_script_prints_the_figures(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), "--coco", str(small_coco(tmp_path / "a.json")),
                           "--repeats", "1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("3 images: reading the COCO file ")
-    assert "us per image (in the workers; " in run.stdout
-    assert "us with polygon text parsed in Python)" in run.stdout
-    assert "as a build with a worker per core reads it (in one process" in run.stdout
+    assert "us per image (in the workers)" in run.stdout
 
 
-def test_a_coco_like_file_is_large_enough_to_read_in_pieces(tmp_path):
+def test_a_coco_like_file_reads(tmp_path):
     path = write_coco_like(tmp_path / "train.json", 4000)
-    assert path.stat().st_size > 8 << 20  # two pieces of 4 MiB
     (tmp_path / "img").mkdir()
-    src = read_coco(tmp_path / "img", path, workers=4)
-    assert "packed" in src.annotations.rows[0]
+    src = read_coco(tmp_path / "img", path)
     assert len(src.entries) == 4000 and len(src.classes) == 80
     assert src.entries[:2] == [("000000000001.jpg", -1), ("000000000002.jpg", -1)]
-    serial = read_coco(tmp_path / "img", path)
-    assert all(len(r["objects"]) == 7 for r in serial.annotations.rows)
+    assert all(len(r.objects) == 7 for r in src.annotations.rows)

@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from packer import build
+from packer.sources import Coco
 from packer.cli import main
 from packer.reading.dataset import PackedDataset
 from packer.transforms.decode import DecodeLetterbox, DecodeRandomResizedCrop
@@ -36,7 +37,7 @@ def coco(tmp_path_factory):
     """(scenes folder, packed dataset) of 24 scenes, 2 of them empty."""
     root = make_detection_folder(tmp_path_factory.mktemp("det") / "coco", images=24, seed=5)
     dst = root.parent / "packed"
-    build(root / "images", dst, coco=root / "annotations.json", progress=False, workers=0)
+    build(Coco(root / "images", root / "annotations.json"), dst, progress=False, workers=0)
     return root, dst
 
 

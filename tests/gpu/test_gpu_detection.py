@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from packer import PackedDataset, build
+from packer.sources import Coco
 from packer.demo.scenes import make_detection_folder
 from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
 from packer.gpu.augment import random_resized_crop_boxes
@@ -24,7 +25,7 @@ SIZE = (256, 320)
 def det(tmp_path_factory):
     root = make_detection_folder(tmp_path_factory.mktemp("det") / "det", images=12, seed=5)
     dst = root.parent / "packed"
-    build(root / "images", dst, coco=root / "annotations.json", progress=False, workers=0)
+    build(Coco(root / "images", root / "annotations.json"), dst, progress=False, workers=0)
     return dst
 
 

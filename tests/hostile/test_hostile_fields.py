@@ -13,6 +13,7 @@ import msgpack
 import pytest
 
 from packer import PackedDataset, build, verify, write
+from packer.sources import Coco
 from packer.demo.images import load_photos, make_image
 from packer.demo.scenes import make_detection_folder
 from packer.errors import FormatError, PackerError
@@ -25,7 +26,7 @@ from helpers import edit_manifest, retable, rewrite_first_record, sha
 def det(tmp_path_factory) -> Path:
     root = make_detection_folder(tmp_path_factory.mktemp("det") / "det", images=6, seed=4)
     dst = root.parent / "ds"
-    build(root / "images", dst, coco=root / "annotations.json", progress=False, workers=0)
+    build(Coco(root / "images", root / "annotations.json"), dst, progress=False, workers=0)
     return dst
 
 

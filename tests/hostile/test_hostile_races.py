@@ -299,7 +299,7 @@ def test_folder_lock_has_one_holder_at_a_time(tmp_path):
     inside at once. (A lock file unlinked while held lets a process that opened it just
     before lock the unlinked file while another creates and locks a new one.)"""
     from packer._util.fsio import FolderLock
-    assert Path(sys.modules[FolderLock.__module__].__file__).parent == REPO / "packer"
+    assert Path(sys.modules[FolderLock.__module__].__file__).parent == REPO / "packer" / "_util"
     folder = tmp_path / "dst"
     folder.mkdir()
     ctx = mp.get_context("fork")

@@ -10,15 +10,15 @@ import threading
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 
 from packer.writing.builder import build
 from packer.demo import load_photos, make_image
 from packer.errors import PackerError
-from packer.format.fields import CheckedData, PackedData, data_problem, encode, to_array
-from packer.sources.coco import checked_annotation, checked_image, coco_schema, fit_box, fit_coco, read_annotation, read_coco, read_image
-from packer.sources.segmentation import plain_polygons
-from packer.sources.lazyjson import Deferred
+from packer.format.fields import data_problem, encode, field_of
+from packer.format.records import pack_fields
+from packer.sources.coco import Annotation, Coco, Row, coco_schema, fit_box, fit_coco, read_coco, stored_segmentation
 
 RLE = {"counts": "0`0Q0", "size": [40, 60]}
 POLY = [[10.0, 10.0, 30.0, 10.0, 30.0, 20.0]]
@@ -29,14 +29,20 @@ def fitted(fit, row, width, height):
     stored as bytes already unpacked), to compare with the JSON's numbers."""
     values, reasons = fit(row, width, height)
     out = dict(values)
-    out["segmentation"] = [msgpack.unpackb(x) if type(x) is PackedData else x
-                           for x in values["segmentation"]]
-    for f in coco_schema():
-        if f["type"] == "array":
-            v = to_array(f, values[f["name"]]).tolist()
-            out[f["name"]] = [v[i:i + 4] for i in range(0, len(v), 4)] if f["name"] == "boxes" \
-                else v
+    out["segmentation"] = [msgpack.unpackb(bytes(x)) for x in values["segmentation"]]
+    for f in map(field_of, coco_schema()):
+        if f.type == "array":
+            v = f.values(values[f.name]).tolist()
+            out[f.name] = [v[i:i + 4] for i in range(0, len(v), 4)] if f.name == "boxes" else v
     return out, reasons
+
+
+def obj(aid, cid, box, area=None, crowd=0, seg=()):
+    """An object as the read gives it; ``seg`` as JSON text, or a value to write as JSON."""
+    text = seg if isinstance(seg, str) else json.dumps(list(seg) if seg == () else seg)
+    return Annotation(aid, 1, cid, tuple(map(float, box)), area, crowd,
+                      msgspec.Raw(text.encode()))
+
 
 def coco(**over):
     """A small valid instances dict: non-contiguous category ids given out of order, image
@@ -89,7 +95,7 @@ def test_classes_entries_schema_and_rows(tmp_path):
         {"id": 3, "name": "car"},
         {"id": 90, "name": "toothbrush", "supercategory": "indoor"}]}
     assert ann.dropped == []
-    assert ann.rows[1] == {"image_id": 5, "objects": []}  # kept, no objects
+    assert ann.rows[1] == Row(5, [])  # kept, no objects
 
 
 def test_fit_gives_torchvision_style_targets(tmp_path):
@@ -114,13 +120,14 @@ def test_fit_gives_torchvision_style_targets(tmp_path):
 
 def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
     boxes = [[-10, 5, 30, 20], [0, 0, 0, 5], [1, 1, 4, -2], [float("nan"), 0, 1, 1],
-             [200, 10, 5, 5], [90, 40, 20, 20], [100, 0, 5, 5], [0, 0, 10 ** 400, 1],
+             [200, 10, 5, 5], [90, 40, 20, 20], [100, 0, 5, 5], [0, 0, 1e308, 1e308],
              [1, 1, 2, 2], [1, 1, 2, 2]]
     areas = [None, 1.0, 1.0, 1.0, 1.0, 7.5, 1.0, 1.0, 10 ** 400, 2]
     rle = {"counts": "x", "size": [50, 100]}
     segs = [[[1, 2, 3, 4.5, 5, 6]], [], [], [], [], rle, [], [], "poly", [[1]]]
-    row = {"image_id": 1, "objects": [(31 + k, 1 + k, box, area, int(k == 5), seg) for k, (
-        box, area, seg) in enumerate(zip(boxes, areas, segs))]}
+    row = Row(1, [obj(31 + k, 1 + k, box, area, int(k == 5), [seg]) if seg == "poly" else
+                  obj(31 + k, 1 + k, box, area, int(k == 5), seg)
+                  for k, (box, area, seg) in enumerate(zip(boxes, areas, segs))])
     values, reasons = fitted(fit_coco, row, 100, 50)
     assert values == {"image_id": 1, "boxes": [[0.0, 5.0, 20.0, 25.0], [90.0, 40.0, 100.0, 50.0],
                                                [1.0, 1.0, 3.0, 3.0]],
@@ -133,7 +140,7 @@ def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
         "annotation 34: box [nan, 0, 1, 1] holds a non-finite number",
         "annotation 35: box [200, 10, 5, 5] lies outside the 100x50 image",
         "annotation 37: box [100, 0, 5, 5] lies outside the 100x50 image",
-        "annotation 38: box holds a number too large for a float",
+        "annotation 38: box [0, 0, 1e+308, 1e+308] holds a non-finite number",
         "annotation 39: 'segmentation' must be polygons [[x1, y1, ...], ...] of finite "
         "numbers or an RLE {\"counts\", \"size\"}"]
 
@@ -142,7 +149,7 @@ def test_skip_empty_leaves_out_images_without_objects(tmp_path):
     src = read(tmp_path, coco(), skip_empty=True)
     assert [p for p, _ in src.entries] == ["two.jpg", "b/seven.jpg"]
     assert src.annotations.extra["skipped_empty"] == 1
-    assert [r["image_id"] for r in src.annotations.rows] == [2, 7]
+    assert [r.image_id for r in src.annotations.rows] == [2, 7]
     assert "skipped_empty" not in read(tmp_path, coco()).annotations.extra
 
 
@@ -168,16 +175,25 @@ def test_only_listed_images_are_packed_and_files_are_not_checked(tmp_path):
     ("a/../../x.jpg", "file_name contains '..'"),
     (17, "file_name must be a string, not int"),
     ("", "file_name is empty"),
-    ("bad\udcff.jpg", "file_name is not valid UTF-8"),
     ("nul\0.jpg", "file_name contains a NUL"),
 ])
 def test_unsafe_file_names_drop_the_image(tmp_path, name, why):
     imgs = [{"id": 2, "file_name": "two.jpg"}, {"id": 3, "file_name": name}]
     anns = [{"id": 1, "image_id": 3, "category_id": 1, "bbox": [0, 0, 1, 1]}]
-    src = read(tmp_path, coco(images=imgs, annotations=anns))  # json escapes \udcff, \0
+    src = read(tmp_path, coco(images=imgs, annotations=anns))  # json escapes \0
     assert src.entries == [("two.jpg", -1)]
     (drop,) = src.annotations.dropped  # its annotation goes with it, unreported
     assert drop["reason"].startswith(f"image id 3: {why}")
+
+
+def test_text_that_is_no_unicode_is_not_json(tmp_path):
+    """A lone surrogate escape (``"\\udcff"``) holds no Unicode text: the file is refused
+    with where it is, not read with a name no file system has."""
+    imgs = [{"id": 2, "file_name": "two.jpg"}, {"id": 3, "file_name": "bad\udcff.jpg"}]
+    text = json.dumps(coco(images=imgs))
+    with pytest.raises(PackerError, match=r"instances\.json:1:\d+: not valid JSON \(invalid "
+                                          r"utf-16 surrogate pair\)"):
+        read(tmp_path, text)
 
 
 def test_unknown_image_and_category_drop_the_object(tmp_path):
@@ -188,7 +204,7 @@ def test_unknown_image_and_category_drop_the_object(tmp_path):
     assert src.annotations.dropped == [
         {"path": "instances.json", "reason": "annotation 1: image id 99 is not in 'images'"},
         {"path": "two.jpg", "reason": "annotation 2: category id 4 is not in 'categories'"}]
-    assert [o[0] for o in src.annotations.rows[0]["objects"]] == [3]
+    assert [o.id for o in src.annotations.rows[0].objects] == [3]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -196,25 +212,41 @@ def test_unknown_image_and_category_drop_the_object(tmp_path):
      "image id 7 appears twice"),
     (lambda d: d["annotations"].append({"id": 11, "image_id": 2, "category_id": 1,
                                         "bbox": [0, 0, 1, 1]}),
-     r"annotation id 11 appears twice \(annotations\[0\] and annotations\[3\]\)"),
+     r"\$\.annotations\[3\]\.id: annotation id 11 appears twice \(\$\.annotations\[0\] and "
+     r"\[3\]\)"),
     (lambda d: d["images"].append({"id": 8, "file_name": "two.jpg"}),
      "images 2 and 8 are both 'two.jpg'"),
     (lambda d: d["categories"].append({"id": 3, "name": "bus"}), "category id 3 appears twice"),
     (lambda d: d["categories"].append({"id": 4, "name": "car"}),
      "categories 3 and 4 are both named 'car'"),
-    (lambda d: d.pop("annotations"), "no 'annotations' list"),
-    (lambda d: d.update(images={}), "'images' must be a list, got an object"),
-    (lambda d: d.update(images=[]), "'images' is empty"),
-    (lambda d: d.update(categories=[]), "'categories' is empty"),
-    (lambda d: d["images"][0].pop("file_name"), r"images\[0\] \(id 7\) has no 'file_name'"),
-    (lambda d: d["images"].append("x.jpg"), r"images\[3\] must be an object, got a string"),
-    (lambda d: d["images"][1].update(id="2"), r"images\[1\]: 'id' must be a non-negative "),
-    (lambda d: d["annotations"][1].pop("bbox"), r"annotations\[1\] \(id 12\) has no 'bbox'"),
+    (lambda d: d.pop("annotations"), r"\$: object missing required field annotations "
+                                     r"\(annotations: a list of"),
+    (lambda d: d.update(images={}), r"\$\.images: expected array, got object \(images: a list"),
+    (lambda d: d.update(images=[]), r"\$\.images is empty"),
+    (lambda d: d.update(categories=[]), r"\$\.categories is empty"),
+    (lambda d: d["images"][0].pop("file_name"),
+     r"\$\.images\[0\]: object missing required field file_name"),
+    (lambda d: d["images"].append("x.jpg"), r"\$\.images\[3\]: expected object, got str"),
+    (lambda d: d["images"][1].update(id="2"),
+     r"\$\.images\[1\]\.id: expected int, got str \(id: a non-negative integer id\)"),
+    (lambda d: d["images"][1].update(id=-2), r"\$\.images\[1\]\.id: expected int >= 0"),
+    (lambda d: d["annotations"][1].pop("bbox"),
+     r"\$\.annotations\[1\]: object missing required field bbox \(bbox: \[x, y, width, "
+     r"height\] numbers\)"),
     (lambda d: d["annotations"][1].update(bbox=[1, 2, 3]),
-     r"'bbox' must be \[x, y, width, height\]"),
-    (lambda d: d["annotations"][1].update(image_id=None), "'image_id' must be a non-negative"),
-    (lambda d: d["annotations"][1].update(iscrowd=2), "'iscrowd' must be 0 or 1, got 2"),
-    (lambda d: d["categories"][0].pop("name"), r"categories\[0\] has no 'name'"),
+     r"\$\.annotations\[1\]\.bbox: expected array of length 4"),
+    (lambda d: d["annotations"][1].update(bbox=[1, 2, 3, "4"]),
+     r"\$\.annotations\[1\]\.bbox\[3\]: expected float, got str"),
+    (lambda d: d["annotations"][1].update(image_id=None),
+     r"\$\.annotations\[1\]\.image_id: expected int, got null"),
+    (lambda d: d["annotations"][1].update(iscrowd=2),
+     r"\$\.annotations\[1\]\.iscrowd: expected int <= 1 \(iscrowd: 0 or 1\)"),
+    (lambda d: d["annotations"][1].update(iscrowd=True),
+     r"\$\.annotations\[1\]\.iscrowd: expected int, got bool"),
+    (lambda d: d["categories"][0].pop("name"),
+     r"\$\.categories\[0\]: object missing required field name"),
+    (lambda d: d["categories"][0].update(name=""),
+     r"\$\.categories\[0\]\.name: expected str of length >= 1"),
 ])
 def test_ambiguous_or_malformed_json_is_an_error(tmp_path, change, message):
     data = coco()
@@ -244,9 +276,9 @@ def test_truncated_json_names_line_and_column(tmp_path):
 
 
 @pytest.mark.parametrize("data, message", [
-    ([1, 2], "expected a COCO instances object .* got a list"),
+    ([1, 2], r"\$: expected object, got array \(a COCO instances object with images, "),
     ("", "not valid JSON"),
-    ("null", "got null"),
+    ("null", r"\$: expected object, got null"),
 ])
 def test_wrong_top_level(tmp_path, data, message):
     with pytest.raises(PackerError, match=message):
@@ -260,7 +292,7 @@ def test_not_utf8_missing_file_and_missing_folder(tmp_path):
         read_coco(img, path)
     with pytest.raises(PackerError, match="does not exist"):
         read_coco(img, tmp_path / "nope.json")
-    with pytest.raises(PackerError, match="image folder .* does not exist"):
+    with pytest.raises(PackerError, match=r"Coco\(images, annotations\): images .* does not"):
         read_coco(tmp_path / "nope", path)
 
 
@@ -272,9 +304,13 @@ def test_bad_area_falls_back_to_the_box(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"images": [' + "[" * 5000 + "]" * 5000 + "]}", "nested too deeply"),
-    ('{"images": [{"id": ' + "7" * 5000 + "}]}", "a number with over 4300 digits"),
+    ('{"info": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply"),
+    ('{"images": [' + "[" * 5000 + "]" * 5000 + "]}", r"\$\.images\[0\]: expected object"),
+    ('{"images": [{"id": ' + "7" * 5000 + "}]}", r"\$\.images\[0\]\.id: integer value out of"),
     ('{"annotations": [{"segmentation": [[1, 2]]]}', "not valid JSON"),  # a stray ]
+    ('{"annotations": [{"segmentation": ' + "[" * 100000 + "]]}]}", "nested too deeply"),
+    ('{"annotations": [{"segmentation": [[1, NaN]]}]}', r"1:40: not valid JSON \(invalid "
+                                                        r"character\)"),
 ])
 def test_hostile_json_is_an_error_not_a_crash(tmp_path, text, message):
     with pytest.raises(PackerError, match=message):
@@ -287,64 +323,46 @@ def test_polygons_reach_the_workers_as_text_and_read_back_the_same(tmp_path):
              "segmentation": p} for k, p in enumerate(polys)]
     text = json.dumps(coco(annotations=anns), indent=2)  # newlines inside the lists too
     ann = read(tmp_path, text).annotations
-    assert all(isinstance(o[5], str) for o in ann.rows[0]["objects"])  # not parsed here
+    assert all(type(o.segmentation) is msgspec.Raw for o in ann.rows[0].objects)  # not parsed
     assert fitted(ann.fit, ann.rows[0], 50, 50)[0]["segmentation"] == polys
 
 
 @pytest.mark.parametrize("broken", ["[[10.0, 10.0, 30.0,, 20.0]]", "[[10 10 30]]",
-                                    "[[1, " + "7" * 5000 + "]]", "[[10, 10, 30, 20]\f]"])
-def test_a_broken_polygon_stops_the_build_as_broken_json_does(tmp_path, broken):
-    """Polygon text is parsed in the workers; text that does not parse there means the file
-    was never JSON, and that stops the build, as parsing it whole up front would have."""
-    good = json.dumps(coco())
-    cut = good.replace(json.dumps(POLY), broken)
-    assert cut != good
-    with pytest.raises(ValueError):
-        json.loads(cut)
-    ann = read(tmp_path, cut).annotations  # the rest parses: the polygon is left as text
-    with pytest.raises(PackerError, match="annotation 11's 'segmentation' is not valid JSON"):
-        fitted(ann.fit, ann.rows[0], 60, 40)
-
-
-@pytest.mark.parametrize("where", ["unknown image", "bad file name", "unknown category"])
-def test_broken_polygon_text_of_a_dropped_object_still_stops_the_build(tmp_path, where):
-    """An object the read drops is not stored, but its text that is not JSON means the file
-    is not JSON: the build stops as it does for a stored one."""
+                                    "[[10, 10, 30, 20]\f]", "[[10, 10, 30, 20]"])
+@pytest.mark.parametrize("where", ["stored", "unknown image", "bad file name",
+                                   "unknown category"])
+def test_a_broken_polygon_stops_the_read_whatever_its_object(tmp_path, broken, where):
+    """Polygon text that is not JSON means the file is not JSON: the read stops, naming the
+    line and column, whether or not its object would be stored."""
     images = [{"id": 2, "file_name": "two.jpg"}, {"id": 3, "file_name": "../three.jpg"}]
     ann = {"id": 11, "image_id": {"unknown image": 9, "bad file name": 3}.get(where, 2),
            "category_id": 4 if where == "unknown category" else 90, "bbox": [1, 1, 5, 5],
            "segmentation": POLY}
-    text = json.dumps(coco(images=images, annotations=[ann]))
-    broken = text.replace(json.dumps(POLY), "[[10 10 30]]")
-    read(tmp_path, text)  # dropped, with a reason
-    with pytest.raises(PackerError, match="annotation 11's 'segmentation' is not valid JSON"):
-        read(tmp_path, broken)
+    good = json.dumps(coco(images=images, annotations=[ann]))
+    read(tmp_path, good)  # stored, or dropped with a reason
+    with pytest.raises(PackerError, match=r"instances\.json:1:\d+: not valid JSON"):
+        read(tmp_path, good.replace(json.dumps(POLY), broken))
 
 
-def test_broken_polygon_text_of_a_skipped_image_still_stops_the_build(tmp_path):
-    """Its image is not an image (skipped, with a reason): its row is checked all the same,
-    whether the workers got the rows at the start or later (``cocooutline``)."""
+def test_a_broken_file_stops_the_build_before_dst_is_made(tmp_path):
     img = tmp_path / "img"
     img.mkdir()
-    (img / "two.jpg").write_bytes(b"not a jpeg")
-    path = tmp_path / "instances.json"
     (img / "one.jpg").write_bytes(make_image(random.Random(1), load_photos()))
-    images = [{"id": 1, "file_name": "one.jpg"}, {"id": 2, "file_name": "two.jpg"}]
-    good = json.dumps(coco(images=images, annotations=[dict(coco()["annotations"][0])]))
+    path = tmp_path / "instances.json"
+    good = json.dumps(coco(images=[{"id": 2, "file_name": "one.jpg"}]))
     for workers in (0, 2):
         path.write_text(good)
-        m = build(img, tmp_path / f"ok-{workers}", coco=path, workers=workers,
-                  progress=False).manifest
-        assert m["count"] == 1 and m["skipped"][0]["path"] == "two.jpg"
+        assert build(Coco(img, path), tmp_path / f"ok-{workers}", workers=workers,
+                     progress=False).manifest["count"] == 1
         path.write_text(good.replace(json.dumps(POLY), "[[10 10 30]]"))
-        with pytest.raises(PackerError, match="annotation 11's 'segmentation' is not valid"):
-            build(img, tmp_path / f"bad-{workers}", coco=path, workers=workers, progress=False)
+        with pytest.raises(PackerError, match="not valid JSON"):
+            build(Coco(img, path), tmp_path / f"bad-{workers}", workers=workers, progress=False)
+        assert not (tmp_path / f"bad-{workers}").exists()
 
 
 def annotation_variants():
     """An annotation, then each field (one, or the three ids together) at the edges of what
-    ``read_annotation``'s quick check takes, and a few records that are not objects: the
-    quick check must give what the field-by-field checks give, or leave it to them."""
+    the read takes, and a few records that are not objects."""
     base = {"id": 5, "image_id": 2, "category_id": 3, "bbox": [1, 2.5, 3, 4], "area": 1,
             "iscrowd": 0, "segmentation": POLY}
     yield base
@@ -352,7 +370,7 @@ def annotation_variants():
     values = {"id": ids, "image_id": ids, "category_id": ids,
               "bbox": [[1.0, 2, 3, 4], [True, 1, 1, 1], ["1", 1, 1, 1], [None, 1, 1, 1],
                        [1, True, 1, 1], [1, 1, "1", 1], [1, 1, 1, None], [1, 1, 1, False],
-                       [1, 2, 3], [1, 2, 3, 4, 5], {"x": 1}, "1,2,3,4", [float("nan")] * 4],
+                       [1, 2, 3], [1, 2, 3, 4, 5], {"x": 1}, "1,2,3,4"],
               "iscrowd": [1, True, False, 1.0, 0.0, 2, -1, None, "1"]}
     for key, options in values.items():
         for v in options:
@@ -363,17 +381,35 @@ def annotation_variants():
     yield from ([base], "x", None, {})
 
 
-def outcome(read, record) -> str:
-    """What ``read`` gives for ``record`` (types too, so 1 and True differ) or its error."""
-    try:
-        return repr(read(Path("x.json"), 3, record))
-    except PackerError as e:
-        return str(e)
+def is_id(v) -> bool:
+    return type(v) is int and 0 <= v < 2 ** 63
+
+
+def usable(ann) -> bool:
+    """Whether an annotation record is one the read takes (what it checks, written out)."""
+    if type(ann) is not dict or not all(k in ann for k in ("id", "image_id", "category_id", "bbox")):
+        return False
+    box, crowd = ann["bbox"], ann.get("iscrowd", 0)
+    return (all(is_id(ann[k]) for k in ("id", "image_id", "category_id"))
+            and type(box) is list and len(box) == 4
+            and all(type(v) in (int, float) for v in box) and type(crowd) is int
+            and crowd in (0, 1))
 
 
 @pytest.mark.parametrize("ann", list(annotation_variants()))
-def test_the_quick_annotation_check_agrees_with_the_full_one(ann):
-    assert outcome(read_annotation, ann) == outcome(checked_annotation, ann)
+def test_each_annotation_is_read_or_refused_naming_its_path(tmp_path, ann):
+    data = coco(annotations=[ann])
+    if usable(ann):
+        ann_list = read(tmp_path, data).annotations
+        got = [(o.id, o.category_id, list(o.bbox), o.iscrowd) for o in ann_list.rows[0].objects]
+        if ann["image_id"] != 2 or ann["category_id"] not in (1, 3, 90):
+            assert got == [] and len(ann_list.dropped) == 1
+        else:
+            assert got == [(ann["id"], ann["category_id"], [float(v) for v in ann["bbox"]],
+                            ann.get("iscrowd", 0))]
+    else:
+        with pytest.raises(PackerError, match=r"instances\.json: \$\.annotations\[0\]"):
+            read(tmp_path, data)
 
 
 IDS = [7, 0, 2 ** 63 - 1, 2 ** 63, -1, True, 7.0, "7", None]
@@ -382,84 +418,89 @@ NAMES = ["a.jpg", "", None, 5, ["a.jpg"], "../a.jpg"]
 
 @pytest.mark.parametrize("img", [{"id": i, "file_name": n} for i in IDS for n in NAMES]
                          + [{"id": 7}, {"file_name": "a.jpg"}, {}, [7, "a.jpg"], "a.jpg", None])
-def test_the_quick_image_check_agrees_with_the_full_one(img):
-    assert outcome(read_image, img) == outcome(checked_image, img)
+def test_each_image_is_read_dropped_or_refused_naming_its_path(tmp_path, img):
+    data = coco(images=[img])
+    if type(img) is not dict or not is_id(img.get("id")) or "file_name" not in img:
+        with pytest.raises(PackerError, match=r"instances\.json: \$\.images\[0\]"):
+            read(tmp_path, data)
+    elif img["file_name"] == "a.jpg":
+        assert read(tmp_path, data).entries == [("a.jpg", -1)]
+    else:
+        with pytest.raises(PackerError, match=r"\$\.images is empty|image id .* file_name"):
+            src = read(tmp_path, data)
+            raise PackerError(src.annotations.dropped[0]["reason"])
 
 
-@pytest.mark.parametrize("seg", [[[1.0, float("nan"), 3.0]], [[1, 2, 2 ** 63]],
-                                 [[1.0, float("inf")]], {"counts": [1, 2 ** 64], "size": [2, 2]},
-                                 {"counts": "0`0Q0", "size": [2, 2], "note": float("nan")},
-                                 Deferred("[[1, 2, " + "9" * 19 + "]]"),
-                                 Deferred("[[1, 2, " + "1" * 400 + ".5]]"),  # inf as a float
-                                 Deferred("[[1, 2, 1e400]]"), Deferred("[[1, NaN]]"),
-                                 Deferred("[[1, 2], 3]"), Deferred("[[[1]], 3]"),
-                                 Deferred('[[1, "2"]]'), Deferred("[[1, true]]")])
+@pytest.mark.parametrize("seg", ["[[1, 2, 9223372036854775808]]", "[[1, 2, " + "9" * 19 + "]]",
+                                 '{"counts": [1, 18446744073709551616], "size": [2, 2]}',
+                                 '{"counts": [1, -2], "size": [2, 2]}',
+                                 '{"counts": "0`0Q0", "size": [2]}',
+                                 '{"counts": "0`0Q0", "size": [2, 2], "note": 1e400}',
+                                 '{"counts": "0`0Q0", "size": [2, 2], "n": 9223372036854775808}',
+                                 "[[1, 2, " + "1" * 400 + ".5]]", "[[1, 2, 1e400]]",
+                                 "[[1, 2, " + "7" * 5000 + "]]",
+                                 "[[1, 2], 3]", "[[[1]], 3]", '[[1, "2"]]', "[[1, true]]",
+                                 "[[1, null]]", '"poly"', "7", "null"])
 def test_an_unstorable_segmentation_drops_its_object_not_the_image(seg):
-    row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, seg),
-                                      (8, 1, [0, 0, 5, 5], 1e39, 0, [[0, 0, 5, 0, 5, 5]])]}
+    row = Row(1, [obj(7, 1, [0, 0, 5, 5], 25.0, 0, seg),
+                  obj(8, 1, [0, 0, 5, 5], 1e39, 0, [[0, 0, 5, 0, 5, 5]])])
     values, reasons = fitted(fit_coco, row, 10, 10)
     assert values["ann_ids"] == [8] and values["area"] == [25.0]  # 1e39 overflows float32
     assert reasons == ["annotation 7: 'segmentation' must be polygons [[x1, y1, ...], ...] of "
                        "finite numbers or an RLE {\"counts\", \"size\"}"]
 
 
-@pytest.mark.parametrize("text, fast", [
-    ("[[1, 2.5, 3, 4]]", True), ("[[-1.25, 0, 7, 8], [1, 2, 3, 4]]", True), ("[[]]", True),
-    ("[[1,2],[]]", True), ("[\n  [\n    1,\n    2\r\n  ]\n]", True),
-    ("[[1, 2, " + "9" * 18 + "]]", True), ("[[0." + "1" * 30 + "]]", False),
-    ("[[1e2, 3E-1]]", False), ("[[1, 2], 3]", False), ("[[[1]], 3]", False),
-    ("[[1, [2]]]", False), ("[[1, -]]", False), ("[[1, 2]]]", False),
-    ("[[1, 2, 9223372036854775808]]", False), ("[[1, NaN]]", False), ("[[1, null]]", False)])
-def test_plain_polygon_text_reads_as_the_full_check_does(text, fast):
-    """The fast path (no walk over the numbers) takes only text whose polygons the full
-    check accepts, and gives the same values, ints staying ints; the rest goes the long way."""
-    got = plain_polygons(text)
-    assert (got is not None) == fast
-    if fast:
-        full = json.loads(text)
-        assert got == full and [list(map(type, p)) for p in got] == \
-            [list(map(type, p)) for p in full]
-        assert not fitted(fit_coco, {"image_id": 1, "objects": [(1, 1, [0, 0, 5, 5], 1, 0, full)]},
-                            9, 9)[1]
+def polygon_texts(n: int):
+    """JSON texts of polygons as files write them: ints, decimals, exponents, negative zero,
+    any spacing."""
+    rng = random.Random(7)
+    numbers = [lambda: str(rng.randint(-10 ** 6, 10 ** 6)), lambda: repr(rng.uniform(-700, 700)),
+               lambda: str(round(rng.uniform(0, 640), rng.randint(0, 6))), lambda: "-0",
+               lambda: "-0.0", lambda: f"{rng.uniform(-9, 9):.3e}", lambda: "1E2",
+               lambda: str(rng.randint(-2 ** 63, 2 ** 63 - 1)), lambda: repr(rng.random() * 1e-300)]
+    for _ in range(n):
+        polys = [[rng.choice(numbers)() for _ in range(rng.randint(0, 40))]
+                 for _ in range(rng.randint(0, 4))]
+        space = rng.choice(["", " ", "\n  ", "\t"])
+        yield "[" + ("," + space).join("[" + ("," + space).join(p) + "]" for p in polys) + "]"
 
 
-def test_deeply_nested_polygon_text_stops_the_build_with_a_message():
-    """Brackets alone pass the text check; 100,000 of them must still end in the
-    not-JSON message, not a RecursionError from the fast path's parse."""
-    row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, Deferred("[" * 100000 + "]]"))]}
-    with pytest.raises(PackerError, match="annotation 7's 'segmentation' is not valid JSON"):
-        fitted(fit_coco, row, 10, 10)
+def test_stored_polygons_are_the_bytes_msgpack_gives_for_the_parsed_json():
+    """Records stay byte-for-byte what a msgpack of ``json.loads``'s value gives: ints stay
+    ints, floats parse to the same double."""
+    for text in polygon_texts(3000):
+        assert bytes(stored_segmentation(msgspec.Raw(text.encode()))) == \
+            msgpack.packb(json.loads(text), use_bin_type=True), text
 
 
-def test_checked_segmentation_is_stored_without_a_second_walk():
-    row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 25.0, 0, Deferred("[[1, 2, 3, 4]]"))]}
+def test_fitted_values_pack_as_the_checked_way_packs_the_plain_data():
+    """``fit_coco`` gives stored values itself (``Annotations.stored``: its arrays as bytes,
+    its segmentations as msgpack): the record's bytes are what encoding the plain values the
+    general way gives."""
+    row = Row(1, [obj(7, 3, [0, 0, 5, 5], 25.0, 0, "[[1, 2.5, 3, 4]]"),
+                  obj(8, 1, [-1, 2, 50, 5], None, 1, RLE)])
     values, reasons = fit_coco(row, 10, 10)
-    assert not reasons and type(values["segmentation"]) is CheckedData
-    stored = encode(coco_schema(), values)
-    assert stored["segmentation"] is values["segmentation"]
-    assert fitted(fit_coco, row, 10, 10)[0]["segmentation"] == [[[1, 2, 3, 4]]]
-    unchecked = [[[1.0, float("nan")]]]
-    with pytest.raises(ValueError, match="NaN"):
-        encode(coco_schema(), dict(values, segmentation=unchecked))
-    assert data_problem(unchecked)
+    assert not reasons and all(type(s) is msgspec.Raw for s in values["segmentation"])
+    plain = fitted(fit_coco, row, 10, 10)[0]
+    general = encode(list(map(field_of, coco_schema())), plain)
+    assert pack_fields(values) == pack_fields(general)
+    assert plain["segmentation"] == [[[1, 2.5, 3, 4]], RLE]
 
 
-def test_both_paths_keep_large_but_storable_coordinates():
-    """Each number fits int64, their sum does not: the text path and the parsed path (a
-    file parsed whole) both keep the object, as the record can store it."""
+def test_large_but_storable_coordinates_are_kept():
+    """Each number fits int64, their sum does not: the record can store them."""
     text = "[[" + ", ".join(["999999999999999999"] * 10) + "]]"
-    for seg in (Deferred(text), json.loads(text), [[5 * 10 ** 18, 5 * 10 ** 18]], [[1e19, 0.0]]):
-        values, reasons = fitted(fit_coco, {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 1, 0, seg)]},
-                                   10, 10)
+    for seg in (text, [[5 * 10 ** 18, 5 * 10 ** 18]], [[1e19, 0.0]]):
+        values, reasons = fitted(fit_coco, Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, seg)]), 10, 10)
         assert not reasons and values["ann_ids"] == [7]
-        assert not data_problem(encode(coco_schema(), values)["segmentation"])
+        assert not data_problem(values["segmentation"])
 
 
 def test_fit_box_clips_as_min_and_max_do():
     """Written out for speed, it must keep what ``max(x, 0.0)``, ``min(x + w, width)`` kept,
     -0.0 and sizes beyond a double's integers included."""
     def reference(box, width, height):
-        x, y, w, h = (float(v) for v in box)
+        x, y, w, h = box
         x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)
         return [] if x1 <= x0 or y1 <= y0 else [x0, y0, float(x1), float(y1)]
     rng = random.Random(4)
@@ -468,28 +509,21 @@ def test_fit_box_clips_as_min_and_max_do():
     cases += [([rng.uniform(-50, 700) for _ in range(2)] + [rng.uniform(0.1, 300) for _ in range(2)],
                rng.randint(1, 640), rng.randint(1, 480)) for _ in range(5000)]
     for box, width, height in cases:
+        box = tuple(map(float, box))
         xyxy, _ = fit_box(box, width, height)
         assert xyxy == reference(box, width, height)
         assert [math.copysign(1, v) for v in xyxy] == [math.copysign(1, v) for v in
                                                      reference(box, width, height)]
 
 
-def test_polygon_text_that_is_not_json_stops_the_build_even_with_a_bad_box():
-    row = {"image_id": 1, "objects": [(7, 1, [0, 0, 0, 0], 1, 0, Deferred("[[1,, 2]]"))]}
-    with pytest.raises(PackerError, match="annotation 7's 'segmentation' is not valid JSON"):
-        fitted(fit_coco, row, 10, 10)
-
-
-def test_an_rle_too_deep_or_with_broken_text_drops_its_object():
-    """Checked at the depth it is stored at (inside the image's list), and its text for
-    UTF-8: else the record would fail ``verify``, or the whole image would be skipped."""
+def test_an_rle_too_deep_drops_its_object():
+    """Checked at the depth it is stored at (inside the image's list): else the record
+    would fail ``verify``, or the whole image would be skipped."""
     deep = "a"
     for _ in range(31):
         deep = [deep]
-    for extra in (deep, "\ud800"):
-        seg = {"counts": "ab", "size": [1, 1], "x": extra}
-        row = {"image_id": 1, "objects": [(7, 1, [0, 0, 5, 5], 1, 0, seg),
-                                          (8, 1, [0, 0, 5, 5], 1, 0, RLE)]}
-        values, reasons = fitted(fit_coco, row, 10, 10)
-        assert values["ann_ids"] == [8] and len(reasons) == 1
-        assert not data_problem(encode(coco_schema(), values)["segmentation"])
+    seg = {"counts": "ab", "size": [1, 1], "x": deep}
+    row = Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, seg), obj(8, 1, [0, 0, 5, 5], 1, 0, RLE)])
+    values, reasons = fitted(fit_coco, row, 10, 10)
+    assert values["ann_ids"] == [8] and len(reasons) == 1
+    assert not data_problem(values["segmentation"])

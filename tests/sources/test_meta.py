@@ -97,11 +97,11 @@ def test_label_column_of_indices_may_be_named_label(tmp_path):
 
 @pytest.mark.parametrize("rows, label, message", [
     ([{"path": "a.jpg", "c": 1}, {"path": "b.jpg", "c": -1}], "c",
-     r"meta\.jsonl:2: --label column 'c' holds -1; class indices must be >= 0"),
+     r"meta\.jsonl:2: the label column 'c' holds -1; class indices must be >= 0"),
     ([{"path": "a.jpg", "c": 1.5}], "c", "holds float values; a class label must be"),
     ([{"path": "a.jpg", "c": "x"}, {"path": "b.jpg", "c": ""}], "c",
-     r"meta\.jsonl:2: --label column 'c' is empty"),
-    ([{"path": "a.jpg", "c": 1}], "d", "--label d: .* has no such column"),
+     r"meta\.jsonl:2: the label column 'c' is empty"),
+    ([{"path": "a.jpg", "c": 1}], "d", r"Table\(images, table, label='d'\): .* has no such column"),
 ])
 def test_bad_label_column(tmp_path, rows, label, message):
     with pytest.raises(PackerError, match=message):
@@ -143,7 +143,7 @@ def test_fixed_length_int_lists_get_a_fixed_shape(tmp_path):
      r"meta\.jsonl:2: column name 'a-b'"),
     ([{"path": "a.jpg", "x" * 65: 1}], "column name 'x{65}' must be"),
     ([{"path": "a.jpg", "width": 1}], "column 'width' clashes with a name every record uses"),
-    ([{"path": "a.jpg", "label": 1}], "column 'label' clashes .* or pass it as --label"),
+    ([{"path": "a.jpg", "label": 1}], r"column 'label' clashes .* or make it the label \(label='label'\)"),
     (['{"path": "a.jpg", "x": 1', ], r"meta\.jsonl:1: not valid JSON \(.* at column \d+\)"),
     (['["a.jpg"]'], r"meta\.jsonl:1: expected a JSON object"),
     (['{"path": "a.jpg", "path": "b.jpg"}'], r"meta\.jsonl:1: key 'path' appears twice"),
@@ -202,7 +202,7 @@ def test_unsupported_file_and_encoding(tmp_path):
     path.write_bytes(b"path,x\ncaf\xe9.jpg,1\n")
     with pytest.raises(PackerError, match="is not UTF-8 text"):
         read_meta(img, path)
-    with pytest.raises(PackerError, match="image folder .* does not exist"):
+    with pytest.raises(PackerError, match=r"Table\(images, table, label\): images .* does not"):
         read_meta(tmp_path / "nope", path)
     with pytest.raises(PackerError, match="does not exist"):
         read_meta(img, tmp_path / "nope.csv")

@@ -158,12 +158,14 @@ def test_image_name_not_utf8_is_dropped(tmp_path):
 def test_missing_folders_and_no_images(tmp_path):
     (tmp_path / "images").mkdir()
     (tmp_path / "names.txt").write_text("cat\n")
-    with pytest.raises(PackerError, match="label folder .* does not exist"):
+    with pytest.raises(PackerError, match=r"Yolo\(images, labels, names\): labels .* does not "
+                                          r"exist or is not a folder"):
         read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt")
     (tmp_path / "labels").mkdir()
     with pytest.raises(PackerError, match="no images"):
         read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt")
-    with pytest.raises(PackerError, match="class names file .* does not exist"):
+    with pytest.raises(PackerError, match=r"Yolo\(images, labels, names\): names .* does not "
+                                          r"exist"):
         read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "nope.txt")
 
 
@@ -222,27 +224,45 @@ def test_ultralytics_dataset_yaml(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("names: person\n", r"data\.yaml:1: expected \[a, b, \.\.\.\] or \{0: a, \.\.\.\}"),
-    ("names:\n  - [a, b]\n", r"data\.yaml:2: cannot read '\[a, b\]' as a class name"),
-    ("names:\n  - a\n  b: c\n", r"data\.yaml:3: expected a '- name' item"),
+    ("names: person\n", r"data\.yaml: 'names' must be a list or an \{index: name\} map, got "
+                       r"'person'"),
+    ("names:\n  - [a, b]\n", r"data\.yaml: class 0 is a list, not a name"),
+    ("names:\n  - a\n  b: c\n", r"data\.yaml:3: not valid YAML \(expected <block end>"),
     ("names:\n  0: a\n  2: b\n", "class indices must be 0..1 with none missing; 1 is missing"),
-    ("names:\n  0: a\n  0: b\n", "class index 0 is given twice"),
+    ("names:\n  0: a\n  0: b\n", r"data\.yaml:3: not valid YAML \(key 0 is given twice\)"),
     ("names:\n  x: a\n", "class index 'x' is not a number"),
     ("names: [a, b]\nnc: 3\n", "nc is 3 but 'names' lists 2 classes"),
     ("train: x\nval: y\n", "has no top-level 'names:'"),
-    ("names:\n", r"data\.yaml:1: 'names:' is empty"),
+    ("names:\n", r"data\.yaml: 'names:' is empty"),
     ("# only a comment\n", "is empty"),
-    ("- a\n- b: c\n", "cannot read 'b: c' as a class name"),
-    ("names: [a, [b]]\n", "nested lists or maps"),
-    ("just text\n", r"data\.yaml:1: expected 'key: value'"),
+    ("- a\n- b: c\n", r"class 1 is a map, not a name"),
+    ("names: [a, [b]]\n", r"class 1 is a list, not a name"),
+    ("names: [a, null]\n", r"class 1 is empty, not a name"),
+    ("just text\n", r"data\.yaml: expected a list of names or 'names:', got 'just text'"),
     ("names: [a, b, a]\n", "classes 0 and 2 are both named 'a'"),
-    ("names:\n\t- a\n", "indented with a tab"),
+    ("names:\n\t- a\n", r"data\.yaml:2: not valid YAML \(found character '\\t' that cannot "
+                        r"start any token\)"),
     ("names: []\n", "names no classes"),
+    ("names: [a\n", r"data\.yaml:2: not valid YAML"),
 ])
 def test_yaml_shapes_packer_does_not_read(tmp_path, text, message):
     with pytest.raises(PackerError, match=message) as e:
         names(tmp_path, text)
     assert "data.yaml" in str(e.value)
+
+
+def test_yaml_scalars_are_names_as_ultralytics_reads_them(tmp_path):
+    """``yaml.safe_load`` makes ``yes`` a bool and ``007`` an int; ultralytics then names
+    classes ``str(value)``: so does packer, so the classes agree with a model's."""
+    assert names(tmp_path, "names: [yes, 007, 2.5, dog]\n") == ["True", "7", "2.5", "dog"]
+
+
+def test_a_names_file_too_large_is_refused_before_it_is_parsed(tmp_path):
+    path = tmp_path / "data.yaml"
+    path.write_bytes(b"names: [a]\n" + b"#" * (4 << 20))
+    with pytest.raises(PackerError, match=r"names .*data\.yaml holds 4,194,315 bytes, more "
+                                          r"than a names file needs"):
+        read_names(path)
 
 
 def test_duplicate_and_empty_text_names(tmp_path):

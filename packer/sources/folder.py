@@ -1,0 +1,171 @@
+"""torchvision's ImageFolder layout and ``relative/path<TAB>label`` lists: classification.
+
+Label *i* must mean the same class here as in ``torchvision.datasets.ImageFolder`` over the
+same folder, so the class order and the file walk copy its rules exactly (see
+``find_classes`` and ``make_dataset`` in torchvision/datasets/folder.py).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import PackerError
+from .._util.text import is_utf8, printable
+from .base import IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source, read_data, walk
+
+
+class ImageFolder(Source):
+    """``root/CLASS/.../IMAGE`` with torchvision's ``ImageFolder`` rules: classes are
+    ``root``'s subfolders (sorted), files are found recursively; ``extensions`` or
+    ``is_valid_file(path)`` pick them (not both; default: torchvision's
+    ``IMG_EXTENSIONS``, any case). A class folder without images is an error unless
+    ``allow_empty`` (then it keeps its label, with a warning, and has no samples)."""
+
+    def __init__(self, root: os.PathLike, extensions: Optional[Sequence[str]] = None,
+                 is_valid_file: Optional[Callable[[str], bool]] = None,
+                 allow_empty: bool = False):
+        self.root, self.extensions = Path(root), extensions
+        self.is_valid_file, self.allow_empty = is_valid_file, allow_empty
+
+    def read(self) -> ImageList:
+        found = scan_folder(self.root, extensions=self.extensions,
+                            is_valid_file=self.is_valid_file, allow_empty=self.allow_empty)
+        if not found.entries:
+            raise PackerError(f"found no images in {self.root} (extensions: "
+                              f"{', '.join(self.extensions or IMG_EXTENSIONS)}, any case); "
+                              f"nothing to pack")
+        return found
+
+    def options(self) -> Dict[str, Any]:
+        given = {"allow_empty": self.allow_empty or None,
+                 "extensions": ",".join(self.extensions) if self.extensions else None,
+                 "is_valid_file": getattr(self.is_valid_file, "__qualname__", None)}
+        return {k: v for k, v in given.items() if v is not None}
+
+    def check_destination(self, dst: Path) -> None:
+        dst, root = Path(dst).resolve(), self.root.resolve()
+        if dst == root or root in dst.parents:
+            raise PackerError(f"DST {dst} is inside the image folder {self.root}: it would "
+                              f"become a class of its own source; put the dataset elsewhere")
+
+
+class FileList(Source):
+    """The images ``list_file`` lists, one ``relative/path<TAB>label`` line each (``#``
+    comments and blank lines skipped); labels are all integers (classes "0".."max") or all
+    class names (sorted). Paths are relative to ``root`` (default: the list's folder)."""
+
+    def __init__(self, list_file: os.PathLike, root: Optional[os.PathLike] = None):
+        self.list_file = Path(list_file)
+        self.root = Path(root) if root is not None else self.list_file.parent
+
+    def read(self) -> ImageList:
+        return read_list(self.root, self.list_file)
+
+    def options(self) -> Dict[str, Any]:
+        return {"list": str(self.list_file)}
+
+
+def find_classes(root: os.PathLike) -> List[str]:
+    """Immediate subfolders (symlinks followed), sorted by code point as torchvision does."""
+    root = Path(root)
+    if not root.is_dir():
+        raise PackerError(f"ImageFolder(root): {root} does not exist or is not a folder")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    for c in classes:
+        if not is_utf8(c):
+            raise PackerError(f"class folder '{printable(c)}' in {root} has a name that is not valid "
+                              f"UTF-8, so it cannot be a class name in the manifest: rename it "
+                              f"(e.g. `convmv -r -f latin1 -t utf8 --notest {root}`)")
+    if not classes:
+        raise PackerError(
+            f"no class folders in {root}: expected ImageFolder layout ROOT/CLASS/IMAGE "
+            f"(or pack a FileList: 'relative/path<TAB>label' lines)")
+    return classes
+
+
+def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None,
+                is_valid_file: Optional[Callable[[str], bool]] = None,
+                allow_empty: bool = False) -> ImageList:
+    """Walk ``root`` in ImageFolder order: classes sorted, files found recursively and sorted.
+
+    torchvision's ``make_dataset`` rules: files whose lower-cased name ends with one of
+    ``extensions`` (default ``IMG_EXTENSIONS``), or for which ``is_valid_file(full path)`` is
+    true (not both); a class folder with no such file is an error unless ``allow_empty``
+    (then it keeps its label, with a warning, and has no samples).
+    """
+    root = Path(root)
+    if extensions is not None and is_valid_file is not None:
+        raise PackerError("ImageFolder(root, extensions, is_valid_file): pass extensions or "
+                          "is_valid_file, not both (as torchvision's ImageFolder)")
+    if is_valid_file is None:
+        exts = tuple(e.lower() for e in (extensions or IMG_EXTENSIONS))
+        is_valid_file = lambda path: path.lower().endswith(exts)  # noqa: E731
+    classes = find_classes(root)
+    entries: List[Tuple[str, int]] = []
+    empty = []
+    for label, cls in enumerate(classes):
+        before = len(entries)
+        for dirpath, _, fnames in sorted(walk(root / cls)):
+            rel_dir = os.path.relpath(dirpath, root)
+            for fname in sorted(fnames):
+                if is_valid_file(os.path.join(dirpath, fname)):
+                    entries.append((Path(rel_dir, fname).as_posix(), label))
+        if len(entries) == before:
+            empty.append(cls)
+            if allow_empty:
+                warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "
+                              f"but contributes no samples", EmptyClassWarning, stacklevel=2)
+    if empty and not allow_empty:
+        shown = ", ".join(printable(c) for c in empty[:10]) + (" ..." if len(empty) > 10 else "")
+        raise PackerError(f"found no images in the class folder(s) {shown} of {root} (as "
+                          f"torchvision's ImageFolder refuses them); remove them, or keep them as "
+                          f"classes without samples: ImageFolder(root, allow_empty=True)")
+    return ImageList(root, classes, entries)
+
+
+def read_list(root: os.PathLike, list_file: os.PathLike) -> ImageList:
+    """``relative/path<TAB>label`` lines; labels are all integers or all class names."""
+    root = Path(root)
+    if not root.is_dir():
+        raise PackerError(f"FileList(list_file, root): root {root} does not exist or is not a "
+                          f"folder (list_file's paths are relative to it)")
+    rows: List[Tuple[str, str]] = []
+    try:
+        text = read_data(Path(list_file), "list_file").decode("utf-8")
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # as universal newlines read
+    except UnicodeDecodeError as e:
+        raise PackerError(f"{list_file} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                          f"save it as UTF-8") from None
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        parts = line.rsplit("\t", 1)
+        if len(parts) != 2 or not parts[0] or not parts[1].strip():
+            raise PackerError(f"{list_file}:{n}: expected 'relative/path<TAB>label', got {line!r}")
+        rel = parts[0]
+        if os.path.isabs(rel) or ".." in Path(rel).parts:
+            raise PackerError(f"{list_file}:{n}: path {rel!r} must be relative to {root} "
+                              f"and stay inside it")
+        rows.append((Path(rel).as_posix(), parts[1].strip()))
+    if not rows:
+        raise PackerError(f"{list_file} lists no images")
+    labels = [lab for _, lab in rows]
+    if all(_is_int(lab) for lab in labels):
+        ints = [int(lab) for lab in labels]
+        if min(ints) < 0:
+            raise PackerError(f"{list_file}: labels must be >= 0")
+        classes = [str(i) for i in range(max(ints) + 1)]
+        return ImageList(root, classes, [(p, i) for (p, _), i in zip(rows, ints)])
+    classes = sorted(set(labels))
+    idx = {c: i for i, c in enumerate(classes)}
+    return ImageList(root, classes, [(p, idx[lab]) for p, lab in rows])
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+        return True
+    except ValueError:
+        return False

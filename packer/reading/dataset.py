@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from ..transforms.boxes import crop_boxes
 from ..transforms.decode import exif_tag, open_image
 from ..format.manifest import dataset_schema
-from .reader import ShardReader
+from .reader import ShardReader, record_index
 from ..format.tables import read_column, read_labels, read_paths
 from ..errors import PackerError
 from ..sources.folder import find_classes
@@ -207,10 +207,16 @@ class Samples(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
+        index = record_index(index, len(self))
         label = self.labels[index] if len(self.labels) else -1
         return os.path.join(self.source, self.paths[index]), label
+
+    def __eq__(self, other) -> bool:  # as a list: ImageFolder(...).samples == ds.samples
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list, which has no hash
 
     def __repr__(self) -> str:
         return f"<{len(self)} samples under {self.source!r}>"

@@ -1,6 +1,7 @@
-"""``EpochLoader`` (packer.loading.epochs): the workers run on into the next epoch, and every epoch
-still holds exactly the batches a plain DataLoader over the same ``PackedSampler`` gives —
-with ``set_epoch``, without it, abandoned midway, resumed, split across ranks."""
+"""``make_loader`` over a ``PackedSampler`` (``packer.loading.epochs``): the workers run on into the
+next epoch, and every epoch still holds exactly the batches a plain DataLoader over the same
+``PackedSampler`` gives — with ``set_epoch``, without it, abandoned midway, resumed, split
+across ranks, and with the sampler ``make_loader`` makes when given none."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from packer import PackedSampler, make_loader
-from packer.loading.epochs import EpochLoader
+from packer.loading import PackedLoader, collate_uint8
 
 
 class Indices(Dataset):
@@ -43,8 +44,8 @@ def epochs_of(loader, epochs, set_epoch=True):
 
 
 def plain(ds, sampler, bs, drop_last=False):
-    return make_loader(ds, bs, sampler=sampler, num_workers=2, across_epochs=False,
-                       drop_last=drop_last, pin_memory=False)
+    return DataLoader(ds, bs, sampler=sampler, num_workers=2, drop_last=drop_last,
+                      collate_fn=collate_uint8)
 
 
 @pytest.mark.parametrize("n, bs, world, drop_last", [(50, 8, 1, False), (50, 8, 2, True),
@@ -56,12 +57,12 @@ def test_same_batches_as_a_plain_loader_every_epoch(n, bs, world, drop_last):
                                    drop_last=drop_last)
         fast = make_loader(ds, bs, sampler=mk(), num_workers=2, drop_last=drop_last,
                            pin_memory=False)
-        assert isinstance(fast, EpochLoader) and len(fast) == len(plain(ds, mk(), bs, drop_last))
-        assert epochs_of(fast, 3) == epochs_of(plain(ds, mk(), bs, drop_last), 3)
-        # Without set_epoch every epoch repeats (here epoch 2), as with the plain loader.
-        again = plain(ds, mk(), bs, drop_last)
-        again.sampler.set_epoch(2)
-        assert epochs_of(fast, 2, set_epoch=False) == epochs_of(again, 1, set_epoch=False) * 2
+        assert isinstance(fast, PackedLoader) and fast.stream is not None
+        assert len(fast) == len(plain(ds, mk(), bs, drop_last))
+        want = epochs_of(plain(ds, mk(), bs, drop_last), 5)
+        assert epochs_of(fast, 3) == want[:3]
+        # Without set_epoch each complete pass is the next epoch (3, then 4).
+        assert epochs_of(fast, 2, set_epoch=False) == want[3:]
 
 
 def test_abandoned_epoch_and_resume_restart_the_stream_where_the_sampler_is():
@@ -167,7 +168,7 @@ def test_worker_init_fn_reaches_the_dataset_through_the_epoch_stream():
     ds = Opened(8)
     loader = make_loader(ds, 4, sampler=PackedSampler(ds, shuffle=False), num_workers=1,
                          worker_init_fn=open_in_worker, pin_memory=False)
-    assert isinstance(loader, EpochLoader) and loader.dataset is ds
+    assert isinstance(loader, PackedLoader) and loader.dataset is ds
     assert loader.collate_fn.func.__name__ == "collate_uint8"  # the caller's, not the stream's
     assert [y.tolist() for _, y in loader] == [[1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007]]
 
@@ -182,3 +183,58 @@ def test_an_iterable_dataset_with_a_packed_sampler_is_refused_when_made():
 
     with pytest.raises(ValueError, match="IterableDataset"):
         make_loader(Stream(), 2, sampler=PackedSampler(range(4)), num_workers=1)
+
+
+def test_without_a_sampler_the_loader_makes_a_seeded_packed_sampler():
+    """``make_loader(ds, B)``: the fast path, seeded from torch's generator (or
+    ``generator=``) as RandomSampler is, the whole dataset in this process, each pass the
+    next epoch; ``shuffle=False`` reads in order."""
+    ds = Indices(40)
+    torch.manual_seed(5)
+    fast = make_loader(ds, 4, num_workers=2, pin_memory=False)
+    torch.manual_seed(5)
+    serial = make_loader(ds, 4, num_workers=0)
+    assert isinstance(fast.sampler, PackedSampler) and fast.stream is not None
+    assert (fast.sampler.num_replicas, fast.sampler.rank) == (1, 0)
+    got = epochs_of(fast, 3, set_epoch=False)
+    assert got == epochs_of(serial, 3, set_epoch=False)
+    assert got[0] != got[1] != got[2] and sorted(i for b in got[1] for i in b) == list(range(40))
+    fast.set_epoch(1)  # set_epoch honoured: epoch 1 again
+    assert epochs_of(fast, 1, set_epoch=False) == got[1:2]
+    seeded = make_loader(ds, 4, num_workers=0, generator=torch.Generator().manual_seed(1))
+    again = make_loader(ds, 4, num_workers=0, generator=torch.Generator().manual_seed(1))
+    assert seeded.sampler.seed == again.sampler.seed != fast.sampler.seed
+    ordered = make_loader(ds, 4, shuffle=False, num_workers=0)
+    assert [i for b in epochs_of(ordered, 1)[0] for i in b] == list(range(40))
+
+
+def test_the_default_loader_resumes_after_the_last_batch_it_handed_out():
+    ds = Indices(40)
+    first = make_loader(ds, 4, num_workers=2, pin_memory=False)
+    it = iter(first)
+    head = [next(it)[1].tolist() for _ in range(4)]  # the workers have made more by now
+    state = first.state_dict()
+    assert state == {"sampler": {"seed": first.sampler.seed, "epoch": 0, "consumed": 16,
+                                 "size": 40}}
+    second = make_loader(ds, 4, num_workers=2, pin_memory=False)
+    second.load_state_dict(state)
+    rest = [y.tolist() for _, y in second]
+    assert sorted(i for b in head + rest for i in b) == list(range(40)) and len(rest) == 6
+    with pytest.raises(ValueError, match="PackedSampler"):
+        second.load_state_dict({"_snapshot": {}})
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_loader_that_cannot_resume_has_no_state_dict():
+    """Over a foreign sampler, ``hasattr(loader, "state_dict")`` is False (how the prefetcher
+    and training frameworks ask), and the attribute error says what resumes."""
+    ds = Indices(8)
+    other = make_loader(ds, 4, sampler=torch.utils.data.SequentialSampler(ds), num_workers=0)
+    assert other.stream is None and not other.resumable and not hasattr(other, "state_dict")
+    with pytest.raises(AttributeError, match="PackedSampler .* or with stateful=True"):
+        other.load_state_dict({})
+    assert [y.tolist() for _, y in other] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    pytest.importorskip("torchdata")
+    stateful = make_loader(ds, 4, sampler=torch.utils.data.SequentialSampler(ds),
+                           num_workers=0, stateful=True)
+    assert stateful.resumable and "_num_yielded" in str(stateful.state_dict())

@@ -14,8 +14,8 @@ from packer import PackedDataset, build, make_loader
 from packer.transforms.decode import DecodeLetterbox
 from packer.demo.scenes import make_detection_folder
 from packer import PackedSampler
-from packer.loading.loader import PooledCollate, collate_detection, default_collate_for
-from packer.loading.batchpool import BatchPool
+from packer.loading.batchpool import BatchPool, PooledCollate
+from packer.loading.collate import collate_detection, default_collate_for
 from packer.loading.sharedbatch import SharedBatch
 
 tv_tensors = pytest.importorskip("torchvision.tv_tensors")

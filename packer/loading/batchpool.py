@@ -1,19 +1,22 @@
-"""Shared memory that a DataLoader worker reuses batch after batch (``BatchPool``).
+"""Shared memory that DataLoader workers reuse batch after batch (``BatchPool``), and the
+collate that writes into it (``PooledCollate``).
 
-A fresh shared block per batch (``packer.loading.sharedbatch``, and torch's way) costs the worker a
-new file whose pages are all faulted in and zeroed (~2,400 for a batch of 64 crops of 224
-px), and the main process a round trip, a map and an unmap: 8 % of a worker's time on the
-2-core box (docs/benchmarks.md, issue 16). A ``BatchPool``, made by the main process just
-before the workers fork, gives each worker a file of reusable slots and a shared byte per
-slot saying "in use". The worker writes a batch into a free slot and sends where it lies;
-the main process maps each file once and hands out views of the slot; when the last of
-them is freed, the slot is marked free again. A batch that finds no free slot (the
-training loop holds them all) takes a fresh block, so holding on to batches is safe.
+A fresh shared block per batch (torch's way, and ``torchapi.shared_empty``) costs the worker
+a new file whose every page is faulted in and zeroed, and the main process a descriptor
+round trip, a map and an unmap, batch after batch (what that costs is in docs/benchmarks.md).
+A ``BatchPool``, made by the main process just before the workers fork, gives each worker a
+file of reusable slots and a shared byte per slot saying "in use". The worker writes a batch
+into a free slot and sends where it lies; the main process maps each file once and hands out
+views of the slot; when the last of them is freed, the slot is marked free again. A batch
+that finds no free slot (the training loop holds them all) takes a fresh block, so holding
+on to batches is safe.
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
+import multiprocessing as mp
 import os
 import threading
 import weakref
@@ -23,9 +26,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils.data import get_worker_info
 
-from .sharedbatch import Handover, aligned, contiguous_strides, fill_tensors, itemsize, layout_entry, pack_tensors, rebuild_batch, strip_tensors, tensor_layout, tensors_at, view_of
+from .sharedbatch import (Handover, aligned, fill_tensors, layout_entry, pack_tensors,
+                          rebuild_batch, strip_tensors, tensor_layout, tensors_at, view_of)
+from .torchapi import shared_empty
 
-__all__ = ["BatchPool", "rebuild_lent", "shared_empty"]
+__all__ = ["BatchPool", "PooledCollate", "batch_empty", "rebuild_lent", "renew_pool"]
 
 SLOT_STEP = 1 << 20  # slot sizes in whole MiB, with HEADROOM: pages never written cost nothing
 HEADROOM = 1.25  # room in a new slot for a batch a little larger than the one that made it
@@ -45,10 +50,10 @@ class BatchPool:
         self.owner, self.slots = os.getpid(), slots
         self.flags = mmap.mmap(-1, workers * slots)  # shared with the forked workers
         self.maps: Dict[int, mmap.mmap] = {}  # main process: each worker's file, mapped
-        self.lent: Dict[Tuple[int, int], Tuple[int, int]] = {}  # (worker, slot): its last bytes
+        self.lent: Dict[Tuple[int, int], Tuple[int, int]] = {}  # (worker, slot) viewed: bytes
         self.gone = [False]  # set when the pool goes: slots freed after that give their pages back
         self.files: List[int] = []
-        weakref.finalize(self, retire, self.files, self.lent, self.flags, slots, self.gone)
+        weakref.finalize(self, retire, self.files, self.lent, self.gone)
         for k in range(workers):  # the finalizer closes those made if one of them fails
             self.files.append(os.memfd_create(f"packer-batches-{k}"))
         self.token = next(TOKENS)
@@ -139,7 +144,7 @@ class BatchPool:
             self.lent[worker, slot] = (offset, size)
         mv = memoryview(m)[offset:offset + size]
         weakref.finalize(mv, free_slot, self.flags, worker * self.slots + slot, m, offset, size,
-                         self.gone).atexit = False
+                         self.gone, self.lent, (worker, slot)).atexit = False
         return torch.frombuffer(mv, dtype=torch.uint8)  # holds mv until its storage goes
 
 
@@ -156,7 +161,7 @@ class Slot:
 
     def empty(self, size, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """A contiguous tensor inside the slot, or None where there is no room."""
-        nbytes = math.prod(size) * itemsize(dtype)
+        nbytes = math.prod(size) * dtype.itemsize
         if self.index is None:
             self.index = self.pool.claim(self.worker, nbytes + self.pool.extra)
             if self.index is None:
@@ -229,9 +234,11 @@ class Slot:
 
 
 def free_slot(flags: mmap.mmap, index: int, m: mmap.mmap, offset: int, size: int,
-              gone: List[bool]) -> None:
-    """The last view of a lent slot is gone: the slot is free for its worker; if the pool
-    went first (its workers with it), its pages go back to the system."""
+              gone: List[bool], lent: dict, key: Tuple[int, int]) -> None:
+    """The last view of a lent slot is gone: the slot is free for its worker (no longer in
+    ``lent`` first: the worker may claim and the main process lend it again at once); if
+    the pool went first (its workers with it), its pages go back to the system."""
+    lent.pop(key, None)
     flags[index] = 0
     if gone[0]:
         give_pages_back(m, [(offset, offset + size)])
@@ -247,16 +254,16 @@ def give_pages_back(m: mmap.mmap, ranges: List[Tuple[int, int]]) -> None:
             m.madvise(mmap.MADV_REMOVE, lo, hi - lo)
 
 
-def retire(fds: List[int], lent: Dict[Tuple[int, int], Tuple[int, int]], flags: mmap.mmap,
-           slots: int, gone: List[bool]) -> None:
+def retire(fds: List[int], lent: Dict[Tuple[int, int], Tuple[int, int]],
+           gone: List[bool]) -> None:
     """A pool is gone (its workers with it): every page of its files that no kept batch
     still views goes back to the system (the rest as each kept batch goes, ``free_slot``),
-    then the files are closed. A batch kept beyond its loader would otherwise keep its
-    worker's whole file (every slot) in memory."""
+    then the files are closed; slots the workers had filled for batches never received go
+    back too. A batch kept beyond its loader would otherwise keep its worker's whole file
+    (every slot) in memory."""
     gone[0] = True
     for worker, fd in enumerate(fds):
-        held = sorted((at, at + n) for (w, j), (at, n) in lent.items()
-                      if w == worker and flags[w * slots + j])
+        held = sorted((at, at + n) for (w, _), (at, n) in list(lent.items()) if w == worker)
         try:
             size = os.fstat(fd).st_size
             if size:
@@ -280,16 +287,13 @@ def holes(held: List[Tuple[int, int]], size: int) -> List[Tuple[int, int]]:
     return out
 
 
-def shared_empty(size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+def batch_empty(size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """A contiguous tensor in shared memory for a batch a worker is collating: in its pool
     slot while ``BatchPool.collate`` runs (and there is room), else a fresh shared block,
     which crosses to the main process without a copy either way."""
     slot = getattr(ACTIVE, "slot", None)
     out = slot.empty(size, dtype) if slot is not None else None
-    if out is None:
-        storage = torch.UntypedStorage._new_shared(max(1, math.prod(size) * itemsize(dtype)))
-        out = torch.empty(0, dtype=dtype).set_(storage, 0, tuple(size), contiguous_strides(size))
-    return out
+    return shared_empty(size, dtype) if out is None else out
 
 
 def rebuild_lent(token: int, worker: int, slot: int, offset: int, size: int, layout: list,
@@ -300,3 +304,32 @@ def rebuild_lent(token: int, worker: int, slot: int, offset: int, size: int, lay
         raise RuntimeError("a batch arrived from the workers of a DataLoader iterator that is "
                            "gone; iterate a loader through the iterator that started its workers")
     return fill_tensors(skeleton, tensors_at(pool.lend(worker, slot, offset, size), layout))
+
+
+class PooledCollate(functools.partial):
+    """``func(batch, **keywords)``, which a forked worker writes into its slots of the
+    ``BatchPool`` made for the current workers (``renew_pool``); a plain call anywhere else,
+    and in a spawned worker (the pool stays home when it is pickled)."""
+    pool: Optional[BatchPool] = None
+
+    def __call__(self, batch):
+        pool = self.pool
+        return super().__call__(batch) if pool is None else pool.collate(super().__call__, batch)
+
+    def __reduce__(self):
+        return type(self), (self.func,), (self.func, self.args, self.keywords, None)
+
+
+def renew_pool(loader) -> Optional[BatchPool]:
+    """A new ``BatchPool`` for the workers ``loader`` (a DataLoader) is about to start,
+    given to its ``PooledCollate`` (also inside a ``StampedCollate``); None where there is
+    none to give or the workers will not be forked. One per set of workers: a second set, or
+    another loader's sharing the collate, must not write into the first one's slots; the
+    caller keeps it as long as those workers live."""
+    collate = getattr(loader.collate_fn, "collate", loader.collate_fn)
+    if not isinstance(collate, PooledCollate) or loader.num_workers == 0:
+        return None
+    ctx = loader.multiprocessing_context or mp.get_context()
+    collate.pool = BatchPool.create(loader.num_workers, loader.prefetch_factor + 2) \
+        if ctx.get_start_method() == "fork" else None
+    return collate.pool

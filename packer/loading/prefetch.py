@@ -146,10 +146,12 @@ class CUDAPrefetcher(LoaderView):
     def state_dict(self) -> dict:
         """The loader's state as of the last batch this prefetcher handed out (the loader
         itself is a batch ahead): resuming from it continues with the next unseen batch.
-        Needs a loader with ``state_dict`` (``make_loader(..., stateful=True)``)."""
+        Needs a loader with ``state_dict`` (``make_loader``'s, over a ``PackedSampler`` or
+        with ``stateful=True``)."""
         if not hasattr(self.loader, "state_dict"):
-            raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): use "
-                            "make_loader(..., stateful=True) (torchdata's StatefulDataLoader)")
+            raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): "
+                            "make_loader's over a PackedSampler (its default when given no "
+                            "sampler), or make_loader(..., stateful=True)")
         state = self._state if self._state is not None else self.loader.state_dict()
         return {"loader": state}
 

@@ -1,22 +1,19 @@
 """A batch that crosses from a DataLoader worker to the main process as one shared-memory
-block, however many tensors it holds.
+block, however many tensors it holds (``SharedBatch``), and the helpers that take a batch's
+structure apart and put it back, shared with ``packer.loading.batchpool``.
 
-A worker hands each tensor of its batch to the main process as a separate shared-memory
-file whose descriptor the main process fetches over a socket from the worker, one round
-trip per tensor. A detection batch of 32 images carries 4-5 small target tensors per image:
-130-160 round trips, all in the one main process, which held a 15-worker packed loader to
-~0.6x torchvision's (whose targets carry two tensors; docs/benchmarks.md). ``SharedBatch``
-copies every tensor of a batch into one shared block when it is pickled; the main process
-rebuilds the same structure (dicts, lists, tuples; tensor subclasses such as
-``tv_tensors.BoundingBoxes`` with their metadata) as views of that block: one round trip.
-The helpers that take a structure apart and put it back are shared with
-``packer.loading.batchpool``, whose blocks are reused.
+A worker hands each tensor of its batch to the main process as a separate shared-memory file
+whose descriptor the main process fetches over a socket, one round trip per tensor, all in
+the one main process; a detection batch carries several small target tensors per image, so
+that hand-over became the main process's bottleneck with many workers (docs/benchmarks.md).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+
+from .torchapi import shared_storage
 
 __all__ = ["Handover", "SharedBatch", "rebuild_batch"]
 
@@ -88,7 +85,7 @@ def _offsets(tensors: List[torch.Tensor]) -> Tuple[List[int], int]:
 def pack_tensors(tensors: List[torch.Tensor]) -> torch.Tensor:
     """One uint8 tensor in shared memory holding every tensor's bytes at ``_offsets``."""
     offsets, total = _offsets(tensors)
-    block = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(1, total)))
+    block = torch.empty(0, dtype=torch.uint8).set_(shared_storage(total))
     for t, off in zip(tensors, offsets):
         view_of(block, off, t.dtype, t.shape).copy_(t)
     return block
@@ -119,12 +116,8 @@ def view_of(block: torch.Tensor, offset: int, dtype: torch.dtype, shape,
     """A ``dtype`` tensor of ``shape`` (contiguous unless ``strides``) over ``block``'s bytes
     from ``offset``."""
     return torch.empty(0, dtype=dtype).set_(
-        block.untyped_storage(), (block.storage_offset() + offset) // itemsize(dtype),
+        block.untyped_storage(), (block.storage_offset() + offset) // dtype.itemsize,
         tuple(shape), strides if strides is not None else contiguous_strides(shape))
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return getattr(dtype, "itemsize", None) or torch.empty(0, dtype=dtype).element_size()  # torch < 2.1
 
 
 def rebuild_batch(block: torch.Tensor, layout: list, skeleton: Any) -> Any:

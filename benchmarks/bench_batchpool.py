@@ -39,7 +39,7 @@ def one(data: str, variant: str, batch_size: int, workers: int, batches: int):
     import multiprocessing
     import torch
     from packer import DecodeRandomResizedCrop, PackedDataset, PackedSampler, make_loader
-    from packer.loading.loader import collate_uint8
+    from packer.loading import collate_uint8
     ds = PackedDataset(data, decode=DecodeRandomResizedCrop(224))
     kw = {"collate_fn": functools.partial(collate_uint8)} if variant == "fresh" else {}
     sampler = PackedSampler(ds, seed=0)

@@ -11,8 +11,8 @@ in a fixed order; its default collate; no pinning) after its first wave of batch
 baselines show what issue 16's changes gain, in the same run: each batch in a fresh shared
 block (``collate_uint8`` itself, without the reused slots of ``batchpool.BatchPool``), and
 batches handed to the workers in turn (``in_order=True``, not to whichever has room:
-``packer.loading.epochs``). All alternate round by round, so drift in the machine's speed touches
-all; the median of the rounds' ratios is reported.
+``packer.loading.epochs``). All alternate round by round, so drift in the machine's speed
+touches all; the median of the rounds' ratios is reported.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from .._util.system import usable_cores
 from .allcores import median_rate_on_all_cores
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeRandomResizedCrop
-from ..loading.epochs import unordered
-from ..loading.loader import collate_uint8, make_loader
+from ..loading.collate import collate_uint8
+from ..loading.loader import make_loader
 from ..reading.sampler import PackedSampler
 
 GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
@@ -132,13 +132,11 @@ def core_rates(ds, indices: List[int], workers: int) -> Tuple[float, float]:
 
 
 def baselines() -> Dict[str, dict]:
-    """``make_loader`` keywords undoing one of issue 16's loader changes each: ``fresh``, a
-    fresh shared block per batch (``collate_uint8`` itself, no ``BatchPool``); ``in_order``,
-    batches given to the workers in turn (torch >= 2.6 only)."""
-    out = {"fresh": {"collate_fn": functools.partial(collate_uint8)}}
-    if unordered():
-        out["in_order"] = {"in_order": True}
-    return out
+    """``make_loader`` keywords undoing one of its choices each: ``fresh``, a fresh shared
+    block per batch (``collate_uint8`` itself, no ``BatchPool``); ``in_order``, batches
+    given to the workers in turn."""
+    return {"fresh": {"collate_fn": functools.partial(collate_uint8)},
+            "in_order": {"in_order": True}}
 
 
 def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,

@@ -125,8 +125,6 @@ class OneSlowWorker(Dataset):
         return torch.zeros(3, 2, 2, dtype=torch.uint8), i, worker
 
 
-@pytest.mark.skipif("in_order" not in __import__("inspect").signature(DataLoader).parameters,
-                    reason="DataLoader(in_order=) needs torch >= 2.6")
 def test_a_slow_worker_gets_fewer_batches_and_they_still_come_in_order():
     """In order, DataLoader gives batch k to worker k mod W, so every worker waits for the
     slowest; here the batches go to the workers with room and come back in the sampler's

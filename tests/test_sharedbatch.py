@@ -18,11 +18,11 @@ from packer.loading.batchpool import BatchPool, PooledCollate
 from packer.loading.collate import collate_detection, default_collate_for
 from packer.loading.sharedbatch import SharedBatch
 
-tv_tensors = pytest.importorskip("torchvision.tv_tensors")
 
 
 @pytest.fixture(scope="module")
 def detection(tmp_path_factory):
+    pytest.importorskip("torchvision.tv_tensors")  # detection targets are tv_tensors
     base = tmp_path_factory.mktemp("shared")
     src = make_detection_folder(base / "coco", images=24, seed=5)
     build(src / "images", base / "packed", coco=src / "annotations.json", workers=0,
@@ -61,6 +61,7 @@ def test_workers_hand_over_all_targets_of_a_batch_in_one_block(detection):
 
 
 def test_any_structure_round_trips_through_the_worker_pickler():
+    tv_tensors = pytest.importorskip("torchvision.tv_tensors")
     boxes = tv_tensors.BoundingBoxes(torch.tensor([[1.0, 2, 30, 40]]), format="XYXY",
                                      canvas_size=(50, 60))
     odd = torch.arange(12, dtype=torch.int16).reshape(3, 4)[:, ::2]  # not contiguous
@@ -349,8 +350,8 @@ def test_a_batch_kept_beyond_its_loader_keeps_only_its_own_memory():
     every slot of every worker's file (it held ~4x before), and reads back unchanged."""
     import gc
     ds = Images(64, side=224)  # 0.6 MB batches of 4: 1 MiB slots
-    loader = make_loader(ds, 4, num_workers=1, shuffle=False, pin_memory=False,
-                         persistent_workers=False, prefetch_factor=2)
+    loader = make_loader(ds, 4, sampler=torch.utils.data.SequentialSampler(ds), num_workers=1,
+                         pin_memory=False, persistent_workers=False, prefetch_factor=2)
     kept = []
     for epoch in range(3):
         for k, (x, y) in enumerate(loader):

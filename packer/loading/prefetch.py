@@ -76,16 +76,11 @@ class CUDAPrefetcher(LoaderView):
     tensors, targets as a list of dicts) get each image normalized the same way and every
     target tensor (boxes stay ``tv_tensors.BoundingBoxes``) moved with them.
 
-    Memory safety across streams (the choice the APEX prefetcher makes, kept on purpose):
-    each batch is allocated and written on the side stream ``self.stream`` (one for the
-    object's life). When it is handed out, the consumer's current stream waits on the side
-    stream (so no kernel reads a batch before its copy lands), and every handed-out tensor
-    is ``record_stream``-ed on the consumer's stream (so the caching allocator does not give
-    its memory to the *next* copy while kernels queued on the consumer stream may still read
-    it). The alternative, allocating on the consumer's stream with the side stream waiting on
-    it, makes every copy wait for all work already queued on the consumer stream, i.e. the
-    current step: the overlap this class exists for would be lost. record_stream's cost is
-    that freed batches return to the pool a little later (two or three batches of memory).
+    Memory safety across streams: each batch is allocated and written on the side stream
+    ``self.stream`` (one for the object's life); at hand-out the consumer's current stream
+    waits on it, and every handed-out tensor is ``record_stream``-ed on the consumer's stream,
+    so its memory is not reused while queued kernels may still read it (docs/loading.md says
+    why not the other way round).
 
     Tensors already on the GPU (decoded there, say) were made on the consumer's stream: the
     side stream waits for that stream before reading them, which is correct but gives up the

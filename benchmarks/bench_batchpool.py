@@ -4,7 +4,7 @@ the workers' reused BatchPool slots) against the same loader with a fresh shared
 batch (``collate_fn=functools.partial(collate_uint8)``, torch's way).
 
 Each round starts both variants at once, each in a fresh process with its own workers, and
-counts the images each one's training loop receives in the same wall-clock window (after a
+times the batches each one's training loop receives in the same wall-clock window (after a
 warm-up): whatever else the machine runs slows both alike, and so the ratio holds even on a
 busy machine; costs that a process's own CPU time does not show (page faults served outside
 a virtual machine's view) count too. The loop copies each batch into one preallocated buffer,
@@ -24,7 +24,8 @@ import time
 
 
 def one(data: str, variant: str, batch_size: int, workers: int, start: float, end: float):
-    """images/s that arrive in the window [start, end) (``time.time()``)."""
+    """images/s in the window [start, end) (``time.time()``): the images of the batches that
+    arrived in it after its first, over the time from the first to the last."""
     import functools
     import torch
     from packer import DecodeRandomResizedCrop, PackedDataset, make_loader
@@ -34,15 +35,18 @@ def one(data: str, variant: str, batch_size: int, workers: int, start: float, en
     loader = make_loader(ds, batch_size, num_workers=workers, pin_memory=False, **kw)
     buf = torch.empty(batch_size, 3, 224, 224, dtype=torch.uint8).contiguous(
         memory_format=torch.channels_last)
-    images = 0
+    arrivals = []  # (time, images) in the window
     while time.time() < end:
         for x, _ in loader:
             buf[:len(x)].copy_(x)  # what the pin-memory thread does with each batch
             now = time.time()
             if now >= end:
                 break
-            images += len(x) if now >= start else 0
-    return images / (end - start)
+            if now >= start:
+                arrivals.append((now, len(x)))
+    if len(arrivals) < 3:
+        raise SystemExit(f"{len(arrivals)} batches in the window: give more --seconds or --warm-up")
+    return sum(n for _, n in arrivals[1:]) / (arrivals[-1][0] - arrivals[0][0])
 
 
 def main(argv=None) -> int:
@@ -50,8 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data", required=True, help="a packed dataset")
     ap.add_argument("--batch-sizes", default="64,128,256")
     ap.add_argument("--workers", type=int, default=2, help="per variant")
-    ap.add_argument("--warm-up", type=float, default=20.0, help="seconds before the window")
-    ap.add_argument("--seconds", type=float, default=30.0, help="the window")
+    ap.add_argument("--warm-up", type=float, default=25.0, help="seconds before the window")
+    ap.add_argument("--seconds", type=float, default=45.0, help="the window")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--one", nargs=4, metavar=("VARIANT", "BATCH", "START", "END"),
                     help=argparse.SUPPRESS)

@@ -236,3 +236,40 @@ def test_a_loader_that_cannot_resume_has_no_state_dict():
     stateful = make_loader(ds, 4, sampler=torch.utils.data.SequentialSampler(ds),
                            num_workers=0, stateful=True)
     assert stateful.resumable and "_num_yielded" in str(stateful.state_dict())
+
+
+class SomeBad(Dataset):
+    """Sample i: an image-shaped tensor and label i; a label of None (which no collate
+    takes) for the indices in ``bad``."""
+
+    def __init__(self, n: int, bad=()):
+        self.n, self.bad = n, set(bad)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise KeyError("sample 13 cannot be read")
+        return torch.zeros(3, 2, 2, dtype=torch.uint8), None if i in self.bad else i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_that_raises_raises_in_its_turn_and_the_epoch_goes_on(workers):
+    """As with a DataLoader: reading (index 13) or collating (a None label) a batch raised;
+    that batch raises the same type when its turn comes, and the next ``next()`` goes on
+    with the batch after it, counted as handed out."""
+    ds = SomeBad(40, bad={4, 28})
+    loader = make_loader(ds, 4, shuffle=False, num_workers=workers, pin_memory=False)
+    it, seen = iter(loader), []
+    for k in range(10):
+        try:
+            seen.append(next(it)[1].tolist())
+        except (TypeError, KeyError) as e:
+            seen.append(type(e).__name__)
+            assert k != 3 or "sample 13 cannot be read" in str(e)
+    with pytest.raises(StopIteration):
+        next(it)
+    want = [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    want[1], want[3], want[7] = "TypeError", "KeyError", "TypeError"
+    assert seen == want and loader.sampler.epoch == 1

@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from .batchpool import PooledCollate, batch_empty
 from .sharedbatch import SharedBatch
+from .torchapi import shared_empty
 
 __all__ = ["collate_detection", "collate_uint8", "default_collate_for"]
 
@@ -59,8 +59,8 @@ def collate_uint8(batch, *, channels_last: bool = True):
 
 
 def stack_images(images, channels_last: bool) -> torch.Tensor:
-    """uint8 ``(C, H, W)`` tensors of one size as one ``(N, C, H, W)`` batch (in a worker:
-    in shared memory, a pool slot where there is one)."""
+    """uint8 ``(C, H, W)`` tensors of one size as one ``(N, C, H, W)`` batch (in shared
+    memory in a worker)."""
     shape = images[0].shape
     for t in images:
         if t.shape != shape or t.dtype != torch.uint8:
@@ -69,7 +69,7 @@ def stack_images(images, channels_last: bool) -> torch.Tensor:
                              f"e.g. PackedDataset(root, decode=DecodeRandomResizedCrop(224))")
     c, h, w = shape
     size = (len(images), h, w, c) if channels_last else (len(images), c, h, w)
-    out = batch_empty(size) if get_worker_info() is not None else torch.empty(size, dtype=torch.uint8)
+    out = shared_empty(size) if get_worker_info() is not None else torch.empty(size, dtype=torch.uint8)
     if channels_last:
         torch.stack([t.permute(1, 2, 0) for t in images], out=out)
         return out.permute(0, 3, 1, 2)  # logical NCHW, channels_last strides
@@ -97,9 +97,8 @@ def collate_detection(batch, *, channels_last: bool = True):
 
 
 def default_collate_for(dataset, channels_last: bool = True) -> Callable:
-    """``collate_detection`` for a detection ``PackedDataset``, else ``collate_uint8``; as a
-    ``PooledCollate``, so forked workers write batches into reused shared memory."""
+    """``collate_detection`` for a detection ``PackedDataset``, else ``collate_uint8``."""
     detection = getattr(dataset, "task", None) == "detection" and getattr(
         getattr(dataset, "make_target", None), "detection", False)
-    return PooledCollate(collate_detection if detection else collate_uint8,
-                         channels_last=channels_last)
+    return functools.partial(collate_detection if detection else collate_uint8,
+                             channels_last=channels_last)

@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .._util.system import usable_cores
 from ..reading.sampler import PackedSampler
-from .batchpool import renew_pool
 from .collate import default_collate_for
 from .epochs import EpochBatches, EpochStream, StampedCollate, StampedDataset
 from .prefetch import LoaderView
@@ -24,6 +23,7 @@ from .torchapi import shutdown_workers
 __all__ = ["PackedLoader", "default_context", "default_num_workers", "make_loader"]
 
 TOTAL_PREFETCH = 8  # batches in flight across all workers, see make_loader
+_HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # worker iterators with an exit hook
 
 
 class PackedLoader(LoaderView):
@@ -51,7 +51,6 @@ class PackedLoader(LoaderView):
 
     def __init__(self, loader: DataLoader, stream: Optional[EpochStream] = None):
         self.loader, self.stream = loader, stream
-        self._began = False  # iter(loader) called once: persistent workers started
 
     @property
     def dataset(self):
@@ -80,19 +79,15 @@ class PackedLoader(LoaderView):
         return self.stream.epoch(self._start) if self.stream else self._start()
 
     def _start(self) -> Iterator:
-        """``iter(loader)``. Where that forks new workers, they get a new ``BatchPool``,
-        kept by their iterator (``packer_pool``) as long as it lives, and are shut down at
-        interpreter exit before multiprocessing's exit handler joins them one by one: with
-        persistent workers and a pin-memory thread under CUDA that handler waited on each in
-        turn (pytorch#81794). The hook is registered when the workers start, so it runs
-        before the hooks of whatever was set up earlier, and holds the iterator weakly: a
-        dropped loader's workers stop at once."""
-        loader = self.loader
-        forks = loader.num_workers > 0 and not (loader.persistent_workers and self._began)
-        pool = renew_pool(loader) if forks else None
-        it, self._began = iter(loader), True
-        if forks:
-            it.packer_pool = pool
+        """``iter(loader)``, its workers (when new) shut down at interpreter exit before
+        multiprocessing's exit handler joins them one by one: with persistent workers and a
+        pin-memory thread under CUDA that handler waited on each in turn (pytorch#81794). The
+        hook is registered when the workers start, so it runs before the hooks of whatever
+        was set up earlier, and holds the iterator weakly: a dropped loader's workers stop at
+        once."""
+        it = iter(self.loader)
+        if self.loader.num_workers and it not in _HOOKED:
+            _HOOKED.add(it)
             atexit.register(_stop_at_exit, weakref.ref(it))
         return it
 

@@ -209,9 +209,9 @@ class EpochPass:
             stream.begin(self.start)
             self.count, self.first = stream.batches.per_epoch(len(s)), s.start
         if self.done == self.count:
-            if self.done >= 0:
-                stream.end()
-                self.done = -1  # StopIteration from now on
+            stream.end()
+            self.done = -1  # StopIteration from now on, as iterators do
+        if self.done < 0:
             raise StopIteration
         batch = stream.next_in_order()
         self.done += 1

@@ -66,7 +66,7 @@ _INTERPRETED = textwrap.dedent("""
     size = (10, 12)
     assert CONFIG["rows"] < size[0] < 2 * CONFIG["rows"] and size[0] % CONFIG["rows"]
     cases = {"train": (random_resized_crop_boxes(sizes, generator=g), torch.tensor([1, 0, 1]).bool()),
-             "eval": (center_crop_boxes(sizes, size), None),
+             "eval": (center_crop_boxes(sizes, size, 0.8), None),  # the crops lie on each image,
              "upscale": (torch.tensor([[1.0, 2.0, 5.0, 6.5]] * 3), torch.tensor([0, 1, 0]).bool())}
     for name, (boxes, flips) in cases.items():
         out = lambda: torch.empty(3, 3, *size, dtype=torch.uint8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+from array import array
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,8 @@ def test_yolo_boxes_on_exif_rotated_photos_are_in_the_stored_pixels(rotated, tmp
         assert t["boxes"].canvas_size == (image.height, image.width)
         assert plain(t["boxes"]).tolist() == [pytest.approx(want, abs=1e-3)], o
         assert magenta_box(image) == pytest.approx(want, abs=2), o  # the object is there
-        assert t["area"].tolist() == [pytest.approx(100 * 60 * scale * scale, rel=1e-5)]
+        area = array("f", ds.load(i)["area"]).tolist()  # (not in torchvision's default keys)
+        assert area == [pytest.approx(100 * 60 * scale * scale, rel=1e-5)]
 
 
 def reader_turns_targets() -> bool:
@@ -163,3 +165,131 @@ def test_the_test_photos_are_what_a_camera_writes(rotated):
         assert im.getexif().get(0x0112) == o
         assert ImageOps.exif_transpose(im).size == (W, H)
         assert magenta_box(ImageOps.exif_transpose(im)) == pytest.approx(list(BOX), abs=2)
+
+
+# -- COCO files as torchvision reads them -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """Five real JPEGs of ImageNet-like sizes."""
+    import random
+    from packer.demo import make_image
+    root = tmp_path_factory.mktemp("photos")
+    rng, base = random.Random(5), load_photos()
+    for k in range(5):
+        (root / f"{k:012d}.jpg").write_bytes(make_image(rng, base))
+    return root
+
+
+def sizes(images: Path) -> dict:
+    return {p.name: Image.open(p).size for p in sorted(images.glob("*.jpg"))}
+
+
+def torchvision_style_file(images: Path, path: Path, seed: int) -> None:
+    """An instances file written the way torchvision's own dataset tests write theirs: no
+    'categories', no image sizes, random float boxes and ids, random crowds; plus COCO-like
+    decimal boxes and an image id sharing another's file."""
+    g = torch.Generator().manual_seed(seed)
+    names = sorted(sizes(images))
+    imgs = [{"file_name": n, "id": int(n[:-4])} for n in names]
+    imgs.append({"file_name": names[1], "id": 77})  # a second record of the same file
+    anns = []
+    for k, im in enumerate(imgs[1:] * 2):  # the first image has none
+        box = torch.rand(4, generator=g).tolist() if k % 2 else \
+            [round(float(v), 2) for v in torch.rand(4, generator=g) * 150]
+        anns.append({"image_id": im["id"], "id": k, "bbox": box,
+                     "segmentation": [torch.rand(8, generator=g).tolist()],
+                     "category_id": int(torch.randint(91, (), generator=g)),
+                     "area": float(torch.rand(1, generator=g)),
+                     "iscrowd": int(torch.randint(2, (), generator=g))})
+    path.write_text(json.dumps({"images": imgs, "annotations": anns}))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_torchvision_style_files_build_as_cocodetection_reads_them(photos, tmp_path, seed):
+    """No 'categories', shared file names, decimal boxes: the same records, image ids,
+    labels (category ids) and boxes as ``wrap_dataset_for_transforms_v2(CocoDetection)``,
+    the boxes to the bit (float32(x) + float32(w), as its XYWH tensor adds them)."""
+    datasets = pytest.importorskip("torchvision.datasets")
+    pytest.importorskip("pycocotools")
+    torchvision_style_file(photos, tmp_path / "ann.json", seed)
+    m = quiet(Coco(photos, tmp_path / "ann.json"), tmp_path / "d").manifest
+    assert m["skipped"] == [] and m.get("dropped_count", 0) == 0 and m["categories"] == []
+    ref = datasets.wrap_dataset_for_transforms_v2(
+        datasets.CocoDetection(str(photos), str(tmp_path / "ann.json")))
+    ds = PackedDataset(tmp_path / "d")
+    assert len(ds) == len(ref) == 6
+    checked = 0
+    for i in range(len(ds)):
+        (image, got), (ref_image, want) = ds[i], ref[i]
+        assert image.size == ref_image.size and got["image_id"] == want["image_id"]
+        if set(want) == {"image_id"}:  # no objects: torchvision gives the id alone
+            assert len(got["boxes"]) == 0
+            continue
+        assert got["boxes"].canvas_size == want["boxes"].canvas_size
+        assert torch.equal(plain(got["boxes"]), plain(want["boxes"]))
+        assert torch.equal(got["labels"], want["labels"])
+        checked += len(want["labels"])
+    assert checked == 10
+
+
+def test_odd_but_valid_coco_builds_a_dataset_that_verifies(photos, tmp_path):
+    """Segmentations of every kind a COCO file may hold, good and bad: the bad ones are
+    dropped at build, each with its reason, and the dataset verifies and gives masks for
+    every record."""
+    mask_api = pytest.importorskip("pycocotools.mask")
+    import numpy as np
+    shape = sizes(photos)
+    first = next(n for n, (w, h) in shape.items() if w != h)  # where (h, w) != (w, h)
+    (w0, h0), (w1, h1) = shape[first], next(s for s in shape.values() if s != shape[first])
+    full = mask_api.encode(np.asfortranarray(np.ones((h0, w0), dtype=np.uint8)))
+    segs = {  # name: (segmentation, kept)
+        "compressed RLE": ({"counts": full["counts"].decode(), "size": [h0, w0]}, True),
+        "RLE of (width, height)": ({"counts": full["counts"].decode(), "size": [w0, h0]}, False),
+        "RLE of another image": ({"counts": [0, w1 * h1], "size": [h1, w1]}, False),
+        "runs short of the image": ({"counts": [5, 10], "size": [h0, w0]}, True),
+        "runs past the image": ({"counts": [5, w0 * h0], "size": [h0, w0]}, False),
+        "polygon a little outside": ([[-3.5, -2, w0 + 4, 0, w0 + 4, h0 + 1.25]], True),
+        "polygon of another scale": ([[0, 0, 4 * w0, 0, 4 * w0, 4 * h0]], False),
+        "one vertex": ([[5, 5]], True),
+        "odd coordinate count": ([[5, 5, 50, 5, 50, 50, 7]], True),
+        "no polygon": ([], True),
+        "too many crossings": ([[v for k in range(3000) for v in (0, k % 2, w0, k % 2 + 1)]],
+                               False),
+    }
+    anns = [{"id": k, "image_id": 0, "category_id": 1, "bbox": [10.25, 20.5, 100.125, 50.75],
+             "iscrowd": int(isinstance(seg, dict)), "segmentation": seg}
+            for k, (seg, _) in enumerate(segs.values())]
+    imgs = [{"id": 0, "file_name": first}]
+    (tmp_path / "ann.json").write_text(json.dumps({
+        "images": imgs, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]}))
+    m = quiet(Coco(photos, tmp_path / "ann.json"), tmp_path / "d").manifest
+    dropped = {int(d["reason"].split(":")[0].split()[1]) for d in m["dropped"]}
+    assert dropped == {k for k, (_, kept) in enumerate(segs.values()) if not kept}, m["dropped"]
+    rep = verify(tmp_path / "d", progress=False)
+    assert rep.ok, rep.problems
+    ds = PackedDataset(tmp_path / "d", masks=True)
+    _, t = ds[0]
+    assert t["masks"].shape == (len(segs) - len(dropped), h0, w0)
+    assert int(t["masks"][0].sum()) == w0 * h0  # the compressed RLE: every pixel
+
+
+@pytest.mark.skipif(not hasattr(__import__("packer.reading.masks").reading.masks, "parse"),
+                    reason="this reader has no polygon work limits (the read side's change)")
+def test_the_builds_segmentation_limits_are_the_readers():
+    """What the build stores, the reader turns into masks: the same limits, the same count
+    of column crossings (the reader's in torch, the build's without)."""
+    import random
+    from packer.reading import masks
+    from packer.reading.polygons import crossings, outline
+    from packer.sources import segmentation
+    for name in ("MAX_POLYGON_VERTICES", "MAX_COORDINATE", "CROSSING_ALLOWANCE"):
+        assert getattr(segmentation, name) == getattr(masks, name), name
+    rng = random.Random(2)
+    for _ in range(300):
+        width = rng.randint(1, 700)
+        polygons = [[rng.choice([rng.uniform(-50, width + 50), rng.randint(-9, width + 9),
+                                 rng.randint(0, 3) + 0.4 * rng.randint(0, 3)])
+                     for _ in range(rng.randint(0, 41))] for _ in range(rng.randint(1, 3))]
+        want = int(crossings(outline([(0, polygons)], width), 1)[0])
+        assert segmentation.crossings(polygons, width) == want, (polygons, width)

@@ -31,6 +31,10 @@ from .common import Size, library_errors, warnings_as_lines
 @click.option("--names", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="With --yolo: class names, a text file (one per line) or a YAML list or "
                    "'names:' map (e.g. the dataset's data.yaml).")
+@click.option("--yolo-rules", type=click.Choice(["ultralytics", "lines"]), default=None,
+              help="With --yolo: 'ultralytics' leaves out (and lists) an image with any invalid "
+                   "label line, as ultralytics does; 'lines' drops the line and keeps the image "
+                   "[default: ultralytics].")
 @click.option("--meta", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               metavar="FILE",
               help="Any fields: a .jsonl or .csv file with one row per image: a 'path' "
@@ -72,8 +76,8 @@ from .common import Size, library_errors, warnings_as_lines
               help="No progress bar; print one JSON object (dst, count, bytes, shards, task, "
                    "seconds, resumed_shards, skipped, dropped_count, dropped).")
 @library_errors
-def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column, allow_empty,
-          extensions, shard_size, workers, max_side, short_side, quality, shuffle, seed, part,
+def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, label_column,
+          allow_empty, extensions, shard_size, workers, max_side, short_side, quality, shuffle, seed, part,
           strict, max_pixels, overwrite, quiet, as_json):
     """Pack the image folder SRC into LMDB shards in DST.
 
@@ -100,8 +104,8 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
     """
     from ..writing.builder import build as run_build
     from ..writing.check import DEFAULT_MAX_PIXELS, Transcode
-    source = build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_column,
-                          allow_empty, extensions)
+    source = build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
+                          label_column, allow_empty, extensions)
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
@@ -166,8 +170,8 @@ def flag_words():
         raise PackerError(text) from None
 
 
-def build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_column,
-                 allow_empty, extensions):
+def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
+                 label_column, allow_empty, extensions):
     """The ``packer.sources`` object the build's flags name (an ImageFolder when none)."""
     from ..errors import PackerError
     from ..sources import Coco, FileList, ImageFolder, Table, Yolo
@@ -177,6 +181,8 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_colu
         raise PackerError(f"pass one source: {' and '.join(chosen)} exclude each other")
     if (names is not None) != (yolo is not None):
         raise PackerError("--yolo LABELS_DIR and --names NAMES go together")
+    if yolo_rules is not None and yolo is None:
+        raise PackerError("--yolo-rules applies to --yolo datasets")
     if label_column is not None and meta is None:
         raise PackerError("--label COLUMN picks a column of --meta FILE; pass --meta too")
     if skip_empty and coco is None:
@@ -186,7 +192,7 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_colu
     if coco is not None:
         return Coco(src, coco, skip_empty=skip_empty)
     if yolo is not None:
-        return Yolo(src, yolo, names)
+        return Yolo(src, yolo, names, rules=yolo_rules or "ultralytics")
     if meta is not None:
         return Table(src, meta, label=label_column)
     exts = extensions and [e.strip() for e in extensions.split(",") if e.strip()]

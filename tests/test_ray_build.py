@@ -159,6 +159,8 @@ def test_no_ray_is_one_line(folder, tmp_path):
     assert proc.stderr == ("Error: building on Ray needs Ray installed: pip install "
                            "'packer[ray]' (or pip install ray)\n")
     assert not (tmp_path / "dst").exists()
+    with pytest.raises(PackerError, match="workers must be a process count, 'ray' or an engine"):
+        build(folder, tmp_path / "dst", workers="dask")
     code = "import sys, packer; packer.build; import packer.writing.ray_engine; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True).stdout == "False\n"

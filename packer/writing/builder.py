@@ -1,5 +1,6 @@
 """The build: worker processes read, check and write whole planned shards
-(``packer.writing.worker``); this process takes them in plan order into the journal and tables.
+(``packer.writing.worker``), or an engine's tasks do (``ray_engine``: on a Ray cluster); this
+process takes them in plan order into the journal and tables.
 
 Crash safety rests on ordering: a shard is renamed into place only when complete, the
 journal (``.packer-build.json``) lists finished shards only, and the manifest — the one
@@ -101,7 +102,7 @@ def as_engine(workers: Union[int, str, Any]) -> Union[int, Any]:
     shard writing, so its datasets equal the local build's byte for byte."""
     if isinstance(workers, int):
         return workers
-    if isinstance(workers, str) and workers == "ray":
+    if workers == "ray":
         from .ray_engine import RayEngine
         return RayEngine()
     if callable(getattr(workers, "shards", None)):

@@ -65,7 +65,7 @@ class RayEngine:
             ray.init(address=address, logging_level="WARNING", **extra)
         try:
             write = ray.remote(num_cpus=1, max_retries=self.max_retries)(write_part)
-            yield from _in_order(ray, write, tasks, _portable(job), bar)
+            yield from _in_order(ray, write, tasks, job, bar)
         finally:
             if started:
                 ray.shutdown()
@@ -128,25 +128,18 @@ def _quiet_results(ray, refs) -> List[ShardDone]:
     return out
 
 
-def _portable(job: ShardJob) -> ShardJob:
-    """``job`` with absolute paths (a Ray worker's working folder is not the driver's)."""
-    src = job.fields.source
-    fields = copy.copy(job.fields)
-    fields.source = ImageList(Path(os.path.abspath(src.root)), src.classes, src.entries,
-                              src.annotations)
-    return replace(job, dst=Path(os.path.abspath(job.dst)), fields=fields)
-
-
 def _slice(job: ShardJob, task: ShardTask):
     """(job, local task, task) for one shard: the job holds only the task's entries and
-    annotation rows (a task is sent only what it writes), the local task counts from 0."""
+    annotation rows (a task is sent only what it writes) and absolute paths (a Ray worker's
+    working folder is not the driver's); the local task counts from 0."""
     src, a, e = job.fields.source, task.start, task.end
     ann = src.annotations
     if ann is not None:
         ann = replace(ann, rows=list(ann.rows[a:e]), dropped=[], extra={})
     fields = copy.copy(job.fields)
-    fields.source = ImageList(src.root, src.classes, src.entries[a:e], ann)
-    return replace(job, fields=fields), ShardTask(task.index, 0, e - a, task.expected_bytes), task
+    fields.source = ImageList(Path(os.path.abspath(src.root)), src.classes, src.entries[a:e], ann)
+    return (replace(job, dst=Path(os.path.abspath(job.dst)), fields=fields),
+            ShardTask(task.index, 0, e - a, task.expected_bytes), task)
 
 
 def write_part(job: ShardJob, local: ShardTask, task: ShardTask, version: str) -> ShardDone:

@@ -6,19 +6,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
-from tqdm.auto import tqdm
-
 from .errors import FormatError
 from .format.fields import ArrayField, DataField, field_of
 from .format.records import crc32, record_problem, unpack_record
 from .format.manifest import dataset_schema, file_sha256, read_manifest, shard_file, side_tables
 from ._util.system import human_size
 from .writing.check import DEFAULT_MAX_PIXELS, BadImage, check_image
-from .reading.masks import segmentation_problem
 from .reading.reader import ShardReader
 from .format.tables import read_column, read_labels, read_paths
 from .format.lmdbfile import shard_records
-from .reading.targets import TargetMaker
 from ._util.text import printable
 
 
@@ -36,7 +32,8 @@ def info(root: os.PathLike) -> dict:
         "options": m.get("options", {}), "source": m.get("source"), "pil": m.get("pil"),
         "task": dataset_schema(m)["task"], "fields": dataset_schema(m)["fields"],
         "columns": sorted(["label"] * bool(m.get("labels")) + list(m.get("columns") or {})),
-        "dropped_count": m.get("dropped_count", 0),
+        "dropped_count": m.get("dropped_count", 0), "skipped_empty": m.get("skipped_empty", 0),
+        "categories": m.get("categories"),
         "dropped": [{"path": d["path"], "reason": d["reason"]} for d in m.get("dropped", [])],
     }
 
@@ -44,7 +41,7 @@ def info(root: os.PathLike) -> dict:
 def format_info(i: dict, max_classes: int = 20) -> str:
     """A human summary of :func:`info`; every name from the dataset is made printable."""
     p = _text
-    lines = [f"{p(i['path'])}: {i['count']} images, {len(i['classes'])} classes, "
+    lines = [f"{p(i['path'])}: {i['count']} images, {_classes(i)}, "
              f"{len(i['shards'])} shard(s), {human_size(i['bytes'])} (format "
              f"{p(i['format_version'])}, packer {p(i['packer_version'])}, {p(i['created'])})"]
     opts = i.get("options") if isinstance(i.get("options"), dict) else {}
@@ -59,13 +56,19 @@ def format_info(i: dict, max_classes: int = 20) -> str:
     lines.append(f"task: {p(i['task'])}; fields: " + (", ".join(
         p(f["name"]) + " " + (f"{p(f['dtype'])}{p(f['shape'])}" if f["type"] == "array" else p(f["type"]))
         for f in i["fields"]) or "none") + f"; columns: {', '.join(map(p, i['columns'])) or 'none'}")
-    lines.append("classes:")
-    counts = i.get("class_counts") or [None] * len(i["classes"])
-    for n, (c, k) in enumerate(zip(i["classes"], counts)):
+    categories = i.get("categories")
+    if isinstance(categories, list) and all(isinstance(c, dict) for c in categories):
+        lines.append("categories (labels are these ids):")  # COCO: labels are category ids
+        rows = [(c.get("id"), c.get("name"), None) for c in categories]
+    else:
+        lines.append("classes:")
+        rows = list(zip(range(len(i["classes"])), i["classes"],
+                        i.get("class_counts") or [None] * len(i["classes"])))
+    for n, (label, c, k) in enumerate(rows):
         if n == max_classes:
-            lines.append(f"  ... {len(i['classes']) - max_classes} more (see --json)")
+            lines.append(f"  ... {len(rows) - max_classes} more (see --json)")
             break
-        lines.append(f"  {n:>5}  {p(c)}  {k if k is not None else ''}")
+        lines.append(f"  {p(label):>5}  {p(c)}  {k if k is not None else ''}".rstrip())
     lines.append("shards:")
     for s in i["shards"]:
         lines.append(f"  {p(s['path'])}  {s['count']} records  {human_size(s['bytes'])}")
@@ -74,6 +77,8 @@ def format_info(i: dict, max_classes: int = 20) -> str:
         lines.append(f"  {p(s['path'])}: {p(s['reason'])}")
     if len(i["skipped"]) > 10:
         lines.append(f"  ... {len(i['skipped']) - 10} more (see --json)")
+    if i.get("skipped_empty"):
+        lines.append(f"left out (--skip-empty): {i['skipped_empty']} images without annotations")
     if i["dropped_count"]:
         lines.append(f"annotations dropped (images kept): {i['dropped_count']}")
         for d in i["dropped"][:10]:
@@ -83,6 +88,26 @@ def format_info(i: dict, max_classes: int = 20) -> str:
 
 def _text(value) -> str:
     return printable(str(value))
+
+
+def _classes(m: dict) -> str:
+    """"10 classes", "80 categories" (COCO) or "no class labels" (e.g. a --meta build)."""
+    if isinstance(m.get("categories"), list):
+        return f"{len(m['categories'])} categories"
+    return f"{len(m['classes'])} classes" if m["classes"] else "no class labels"
+
+
+def build_line(m: dict, seconds: float) -> str:
+    """The line a build ends with: what was packed, skipped, left out and dropped."""
+    parts = [f"skipped {len(m['skipped'])}"]
+    if m.get("skipped_empty"):
+        parts.append(f"left out {m['skipped_empty']} without annotations (--skip-empty)")
+    if m.get("dropped_count"):
+        parts.append(f"dropped {m['dropped_count']} annotation(s)")
+    classes = _classes(m)
+    return (f"packed {m['count']} images {'with' if classes.startswith('no ') else 'in'} "
+            f"{classes} into {len(m['shards'])} shard(s), {human_size(m['bytes'])}; "
+            f"{', '.join(parts)}; {seconds:.1f} s")
 
 
 @dataclass
@@ -138,6 +163,7 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> 
 
 def _check_shards(root: Path, m: dict, rep: Report, progress: bool) -> bool:
     """Sizes, checksums and structure; False if some shard cannot be read safely."""
+    from tqdm.auto import tqdm  # imported only when used: it costs more than a quick verify
     readable = True
     with tqdm(total=m["bytes"], unit="B", unit_scale=True, desc="checksums",
               disable=not progress) as bar:
@@ -171,6 +197,9 @@ def _check_shards(root: Path, m: dict, rep: Report, progress: bool) -> bool:
 
 
 def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bool) -> None:
+    from .reading.masks import segmentation_problem  # torch: only a full verify needs them
+    from .reading.targets import TargetMaker
+    from tqdm.auto import tqdm
     max_pixels = (m.get("options") or {}).get("max_pixels") or DEFAULT_MAX_PIXELS
     if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < 1:
         max_pixels = DEFAULT_MAX_PIXELS

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Replace stock Pillow with Pillow-SIMD: the same `PIL` package, with SIMD (SSE4/AVX2)
 # resize, convert and filters. Both install into site-packages/PIL, so only one may be
-# present; installing torchvision (which requires "pillow") brings stock Pillow back:
-# run this script again afterwards. `packer doctor` says which one is active.
+# present; a pip run that resolves a requirement on "pillow" (packer-lmdb's own, torchvision's,
+# matplotlib's) brings stock Pillow back: run this script again afterwards. `packer doctor`
+# says which one is active (docs/tuning.md: why stock Pillow is the dependency).
 #
 # usage: scripts/install_pillow_simd.sh [--check]
-#   PYTHON=python3.11 scripts/install_pillow_simd.sh   # pick the interpreter
+#   PYTHON=.venv/bin/python scripts/install_pillow_simd.sh   # pick the interpreter (python3)
 # Needs a C compiler and the libjpeg-turbo + zlib headers
 # (Debian/Ubuntu: apt-get install -y gcc libjpeg62-turbo-dev zlib1g-dev).
 # If the build fails, stock Pillow is (re)installed so packer keeps working, and the

@@ -1,14 +1,36 @@
 #!/usr/bin/env bash
-# Developer/CI set-up on a fresh machine: a torch + torchvision pair that import together
-# (with Triton), packer (editable) + test/plot extras, then Pillow-SIMD, last.
+# Developer/CI set-up on a fresh machine, in a virtual environment: a torch + torchvision pair
+# that import together (with Triton), packer (editable) + test/plot extras, then Pillow-SIMD,
+# last. It installs no system package and needs no root.
+#
+# The environment: the active one ($VIRTUAL_ENV), else .venv in the repository (made with
+# $BASE_PYTHON -m venv, default python3; reused when it is there). PYTHON=... picks an
+# interpreter instead (it must be allowed to pip install: Debian's system python3 is not).
 #   TORCH_SPEC: the pair (default torch==2.14.1 torchvision==0.29.1: the package index's
 #   torchvision wheels are built against its CUDA torch of the same version, so this is the
-#   CUDA build, ~3 GB; it runs on machines without a GPU too). A CPU-only torch with those
-#   torchvision wheels fails at import ("operator torchvision::nms does not exist").
+#   CUDA build, ~3 GB of the ~5 GB environment; it runs on machines without a GPU too). A
+#   CPU-only torch with those torchvision wheels fails at import ("operator torchvision::nms
+#   does not exist").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
+
+if [[ -z "${PYTHON:-}" && -n "${VIRTUAL_ENV:-}" ]]; then
+  PYTHON="$VIRTUAL_ENV/bin/python"
+  echo "Using the active virtual environment $VIRTUAL_ENV"
+elif [[ -z "${PYTHON:-}" ]]; then
+  if [[ ! -x .venv/bin/python ]]; then
+    echo "Creating the virtual environment .venv ..."
+    if ! "${BASE_PYTHON:-python3}" -m venv .venv; then
+      echo "error: could not create .venv with ${BASE_PYTHON:-python3} -m venv; on Debian/Ubuntu" \
+           "it needs the python3-venv package (sudo apt-get install python3-venv), or set" \
+           "BASE_PYTHON to another Python >= 3.9" >&2
+      rm -rf .venv
+      exit 1
+    fi
+  fi
+  PYTHON=.venv/bin/python
+fi
 
 pair_ok() {  # torch and torchvision import together and torchvision's C++ ops load
   "$PYTHON" -c "import torch, torchvision; torchvision.ops.nms" >/dev/null 2>&1
@@ -26,12 +48,12 @@ fi
 # packer and its test/plot extras next: torchvision and matplotlib require stock Pillow,
 # which the last step replaces with Pillow-SIMD (same PIL package; another order undoes it).
 "$PYTHON" -m pip install -q -e ".[test,plot]"
-PYTHON="$PYTHON" bash scripts/install_pillow_simd.sh
-if command -v apt-get >/dev/null && ! command -v shellcheck >/dev/null; then
-  if [[ $(id -u) == 0 ]]; then
-    (apt-get update -qq && apt-get install -y -qq shellcheck) >/dev/null || echo "note: shellcheck not installed" >&2
-  else
-    echo "note: install shellcheck (apt-get install shellcheck) to lint scripts/" >&2
-  fi
-fi
+PYTHON="$PYTHON" bash scripts/install_pillow_simd.sh ||
+  echo "note: stock Pillow stays (packer works the same, without SIMD resizes); see above" >&2
 "$PYTHON" -m packer doctor
+echo "Set-up done in $("$PYTHON" -c 'import sys; print(sys.prefix)'). Run the tests with:"
+if [[ "$PYTHON" == .venv/bin/python ]]; then
+  echo "  .venv/bin/python -m pytest"
+else
+  echo "  $PYTHON -m pytest"
+fi

@@ -6,9 +6,14 @@ plain folder of ImageNet-like JPEGs for the shard, resume and disk-full tests. B
 session-scoped and must be treated as read-only; builds go to each test's ``tmp_path``
 (or to the session-scoped ``odd_built``, also read-only: copy it before tampering).
 Helper functions are in ``helpers.py``.
+
+Whatever the code under test (or a process it starts) puts in a temporary folder lands under
+pytest's own basetemp (``TMPDIR``): a test run leaves nothing else in /tmp.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -16,6 +21,30 @@ import pytest
 
 from helpers import OddTree, make_odd_tree
 from packer.demo import load_photos, make_image_folder
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """``TMPDIR`` (and so ``tempfile``'s, multiprocessing's and torch's temporary folders, in
+    this process and the ones it starts) inside pytest's basetemp, before the test modules
+    are imported: importing torchvision already makes a folder in the temporary folder."""
+    factory = getattr(config, "_tmp_path_factory", None)  # set by pytest's tmp_path plugin
+    if factory is not None:
+        config.stash[OLD_TMPDIR] = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(factory.mktemp("TMPDIR", numbered=False))
+        tempfile.tempdir = None  # recomputed from TMPDIR on next use
+
+
+def pytest_unconfigure(config):
+    if OLD_TMPDIR in config.stash:
+        if config.stash[OLD_TMPDIR] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = config.stash[OLD_TMPDIR]
+        tempfile.tempdir = None
+
+
+OLD_TMPDIR = pytest.StashKey()
 
 
 @pytest.fixture(scope="session")

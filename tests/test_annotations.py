@@ -31,6 +31,7 @@ from packer.writing.shard import ShardWriter
 
 N_IMAGES = 40  # ~2.5 MB of JPEGs: three shards at shard_size=1 MiB
 EMPTY = round(N_IMAGES * 0.1)  # make_detection_folder's default empty_fraction
+KEYS = ["boxes", "labels", "image_id", "area", "iscrowd"]  # more than the default three
 MiB = 1 << 20
 
 
@@ -127,7 +128,7 @@ def write_json(path: Path, data: dict) -> Path:
 # -- COCO and YOLO: every record equals its source annotations --------------------------------
 
 def test_coco_every_record_equals_the_json(coco_built, coco, by_name):
-    ds = PackedDataset(coco_built)
+    ds = PackedDataset(coco_built, target_keys=KEYS)
     assert ds.task == "detection" and len(ds) == N_IMAGES
     assert ds.categories == coco["categories"]  # odd ids, supercategory kept
     assert ds.classes == [c["name"] for c in sorted(coco["categories"], key=lambda c: c["id"])]
@@ -168,7 +169,7 @@ def yolo_lines(scenes: Path, rel: str):
 
 
 def test_yolo_every_record_equals_the_label_files(scenes, yolo_built, by_name):
-    ds = PackedDataset(yolo_built)
+    ds = PackedDataset(yolo_built, target_keys=KEYS)
     names = (scenes / "names.txt").read_text().split()
     assert ds.task == "detection" and len(ds) == N_IMAGES
     assert ds.classes == names
@@ -201,7 +202,7 @@ def test_yolo_every_record_equals_the_label_files(scenes, yolo_built, by_name):
 
 
 def test_masks_match_the_boxes(coco_built, by_name):
-    ds = PackedDataset(coco_built, masks=True)
+    ds = PackedDataset(coco_built, masks=True, target_keys=KEYS)
     checked = 0
     for i in range(len(ds)):
         _, t = ds[i]
@@ -234,7 +235,7 @@ def test_images_without_annotations_are_kept_or_skipped(scenes, coco_built, yolo
     assert empty == sorted(n for n, objs in boxes_of(scenes / "annotations.json").items()
                            if not objs)
     for root in (coco_built, yolo_built):
-        ds = PackedDataset(root)
+        ds = PackedDataset(root, target_keys=KEYS)
         paths = [ds.load(i)["path"] for i in range(len(ds))]
         for name in empty:
             _, t = ds[paths.index(name)]
@@ -253,7 +254,7 @@ def test_images_without_annotations_are_kept_or_skipped(scenes, coco_built, yolo
 
 def test_side_tables_equal_the_records(coco_built, yolo_built):
     for root in (coco_built, yolo_built):
-        ds = PackedDataset(root)
+        ds = PackedDataset(root, target_keys=KEYS)
         recs = records(root)
         for name in ("width", "height", "image_id"):
             col = ds.column(name)
@@ -403,7 +404,7 @@ def expected_crop_boxes(boxes, crop, size, flipped, min_visible=0.25):
 
 def test_random_resized_crop_moves_the_boxes(coco_built, by_name):
     dec = DecodeRandomResizedCrop(128)
-    ds = PackedDataset(coco_built, decode=dec)
+    ds = PackedDataset(coco_built, decode=dec, target_keys=KEYS)
     flips = dropped = kept = 0
     state = random.getstate()
     try:
@@ -436,7 +437,7 @@ def test_random_resized_crop_moves_the_boxes(coco_built, by_name):
 
 
 def test_letterbox_moves_the_boxes(coco_built, by_name):
-    ds = PackedDataset(coco_built, decode=DecodeLetterbox(160))
+    ds = PackedDataset(coco_built, decode=DecodeLetterbox(160), target_keys=KEYS)
     for i in range(len(ds)):
         rec = ds.load(i)
         anns = by_name[rec["path"]][1]
@@ -588,7 +589,7 @@ def test_killed_coco_build_resumes_to_the_same_dataset(scenes, coco, tmp_path, m
 
 
 def targets_by_image_id(root):
-    ds = PackedDataset(root)
+    ds = PackedDataset(root, target_keys=KEYS)
     out = {}
     for i in range(len(ds)):
         rec = ds.load(i)
@@ -609,7 +610,7 @@ def test_merged_parts_read_like_one_build(scenes, coco, tmp_path):
     assert m["categories"] == single["categories"] and m["classes"] == single["classes"]
     assert set(m["columns"]) == set(single["columns"]) == {"width", "height", "image_id"}
     assert sorted(map(json.dumps, m["dropped"])) == sorted(map(json.dumps, single["dropped"]))
-    ds = PackedDataset(tmp_path / "merged")
+    ds = PackedDataset(tmp_path / "merged", target_keys=KEYS)
     assert ds.task == "detection" and ds.categories == coco["categories"]
     merged, one = targets_by_image_id(tmp_path / "merged"), targets_by_image_id(tmp_path / "single")
     assert merged == one and len(one) == N_IMAGES

@@ -24,7 +24,7 @@ def invoke(*args, code=0):
     return res
 
 
-SUMMARY = r"packed (\d+) images in (\d+) classes into (\d+) shard\(s\), [\d.]+ MB; skipped (\d+); [\d.]+ s -> "
+SUMMARY = r"packed (\d+) images in (\d+) classes into (\d+) shard\(s\), [\d.]+ (?:KiB|MiB); skipped (\d+); [\d.]+ s -> "
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_info_refuses_newer_major(built, tmp_path):
     for cmd in (["info"], ["info", "--json"], ["verify"], ["ls"], ["cat"]):
         res = invoke(*cmd, dst, *(["0"] if cmd == ["cat"] else []), code=1)
         assert res.stderr == (f"Error: {dst / 'manifest.json'} was written in packer format 2.1, newer "
-                              f"than this packer understands ({FORMAT_VERSION}); upgrade packer (pip install -U packer)\n")
+                              f"than this packer understands ({FORMAT_VERSION}); upgrade packer (pip install -U packer-lmdb)\n")
         assert res.stdout == ""
 
 

@@ -124,3 +124,46 @@ def test_truncated_shard_is_refused_not_a_crash(tmp_path, odd_built):
     with pytest.raises(FormatError, match=r"shard-00000\.lmdb is \d+ bytes but .*manifest\.json says "
                                           r"\d+ \(an incomplete copy\?\); re-stage or rebuild"):
         PackedDataset(tmp_path / "d")
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_turns_detection_boxes_and_masks(tmp_path, orientation):
+    """A phone photo stored landscape with an EXIF orientation: with ``exif_orientation=True``
+    the image turns (PIL's ``exif_transpose``) and its boxes, ``canvas_size`` and masks
+    with it, to where the object is in the upright image."""
+    import io
+    import json
+    from PIL import ImageOps
+    from packer import build
+    from packer.demo import load_photos
+    from packer.sources import Coco
+    w, h, box = 200, 120, (30, 20, 80, 50)  # the object, in the stored pixels
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    (tmp_path / "images").mkdir()
+    load_photos()[2].resize((w, h)).save(tmp_path / "images" / "a.jpg", exif=exif.tobytes())
+    x0, y0, x1, y1 = box
+    coco = {"images": [{"id": 1, "file_name": "a.jpg", "width": w, "height": h}],
+            "categories": [{"id": 1, "name": "thing"}],
+            "annotations": [{"id": 1, "image_id": 1, "category_id": 1,
+                             "bbox": [x0, y0, x1 - x0, y1 - y0],
+                             "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]}]}
+    (tmp_path / "a.json").write_text(json.dumps(coco))
+    build(Coco(tmp_path / "images", tmp_path / "a.json"), tmp_path / "ds", progress=False,
+          workers=0)
+    # Where the object is upright: its stored mask turned by PIL itself.
+    stored = Image.new("L", (w, h))
+    stored.paste(255, box)
+    buf = io.BytesIO()
+    stored.save(buf, "PNG", exif=exif.tobytes())
+    upright = ImageOps.exif_transpose(Image.open(buf))
+    want_mask = torch.tensor(list(upright.tobytes()), dtype=torch.uint8).view(
+        upright.size[1], upright.size[0]) > 0
+    image, t = PackedDataset(tmp_path / "ds", exif_orientation=True,
+                             target_keys=["boxes", "labels", "masks"])[0]
+    assert image.size == upright.size
+    assert t["boxes"].canvas_size == (upright.size[1], upright.size[0])
+    assert t["boxes"].tolist() == [list(map(float, upright.getbbox()))]
+    assert torch.equal(t["masks"][0].bool(), want_mask)
+    _, plain = PackedDataset(tmp_path / "ds", target_keys=["boxes", "masks"])[0]
+    assert plain["boxes"].tolist() == [list(map(float, box))]  # as stored, as torchvision reads

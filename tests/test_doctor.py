@@ -1,8 +1,11 @@
 """packer/doctor.py: the environment as facts (doctor) and as lines (format_doctor, `packer doctor`)."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+from importlib import metadata
 
 import torch
 from click.testing import CliRunner
@@ -16,13 +19,15 @@ from packer.doctor import doctor, format_doctor
 def test_doctor_facts():
     d = doctor()
     assert set(d) == {"packer", "python", "pil", "pil_summary", "torch", "cuda", "triton",
-                      "cores", "cpu_count"}
+                      "optional", "cores", "cpu_count"}
     assert d["packer"] == packer.__version__
     assert d["python"] == "%d.%d.%d" % sys.version_info[:3]
     assert d["pil"] == pil_info()
-    assert d["torch"] == torch.__version__
-    assert (d["cuda"] is None) == (not torch.cuda.is_available())
+    assert d["torch"] == metadata.version("torch") == torch.__version__.split("+")[0]
+    assert d["cuda"] is None  # not asked: torch is not imported for it
+    assert (doctor(cuda=True)["cuda"] is False) == (not torch.cuda.is_available())
     assert d["triton"] is None or isinstance(d["triton"], str)
+    assert set(d["optional"]) == {"torchvision", "triton", "torchdata", "matplotlib"}
     assert d["cores"] == usable_cores() and 1 <= d["cores"] <= d["cpu_count"] == os.cpu_count()
 
 
@@ -34,8 +39,10 @@ def test_format_doctor_lines():
     assert lines[2] == f"PIL      {d['pil_summary']}"
     assert lines[-1] == f"cores    {d['cores']} usable of {d['cpu_count']}"
     torch_line = next(line for line in lines if line.startswith("torch    "))
-    assert torch_line.startswith(f"torch    {d['torch']}; CUDA ")
-    assert ("not available" in torch_line) == (d["cuda"] is None)
+    assert torch_line == f"torch    {d['torch']}; CUDA not checked (packer doctor --cuda checks it)"
+    d = doctor(cuda=True)
+    torch_line = next(ln for ln in format_doctor(d).splitlines() if ln.startswith("torch    "))
+    assert ("CUDA not available" in torch_line) == (d["cuda"] is False)
     assert sum(line.startswith("triton   ") for line in lines) == 1
 
 
@@ -46,10 +53,20 @@ def test_format_doctor_for_other_environments():
     assert "torch    " in text and "CUDA available: NVIDIA H100" in text
     assert "triton   3.1.0: GPU decoding augments in one fused kernel" in text
     assert "pillow-simd" not in text  # no hint when Pillow-SIMD is there
-    stock = dict(base, pil=dict(base["pil"], simd=False), cuda=None, triton=None)
+    stock = dict(base, pil=dict(base["pil"], simd=False), cuda=False, triton=None,
+                 optional={"torchvision": None, "triton": None, "torchdata": "0.11",
+                           "matplotlib": None})
     text = format_doctor(stock)
     assert "CUDA not available" in text
     assert "triton   not available" in text and "pip install triton" in text
+    assert ("torchvision not installed: pip install torchvision (for GPU decoding with nvJPEG, "
+            "tv_tensors detection targets, bench --model)") in text.splitlines()
+    assert "matplotlib not installed: pip install matplotlib (for packer bench --plot)" in text
+    assert "torchdata" not in text
+    bare = format_doctor(dict(stock, torch=None, pil=None, pil_summary="not installed: pip install Pillow"))
+    assert "torch    not installed: pip install torch (training needs it: PackedDataset, " \
+        "make_loader)" in bare.splitlines()
+    assert "PIL      not installed: pip install Pillow" in bare.splitlines()
     assert ("Pillow-SIMD has SIMD resize and convert: pip uninstall -y pillow pillow-simd && "
             "CC='cc -mavx2' pip install --no-cache-dir --no-binary pillow-simd pillow-simd") in text
     # pip says pillow-simd, the imported module is stock Pillow: one line names it and the fix.
@@ -80,3 +97,17 @@ def test_packer_doctor_command():
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"packer   {packer.__version__}\n")
     assert "PIL      " in result.output and "cores    " in result.output
+
+
+def test_packer_doctor_json_and_no_torch():
+    """``packer doctor --json`` in a fresh interpreter: one JSON object, and torch is not
+    imported for it (its version comes from the package metadata)."""
+    code = ("import sys, runpy; sys.argv = ['packer', 'doctor', '--json']\n"
+            "try:\n    runpy.run_module('packer', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch imported' if 'torch' in sys.modules else '', file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "torch imported" not in out.stderr, out.stderr
+    d = json.loads(out.stdout)
+    assert d["torch"] == metadata.version("torch") and d["cuda"] is None
+    assert d["pil"]["flavour"] in ("Pillow", "Pillow-SIMD") and d["cores"] >= 1

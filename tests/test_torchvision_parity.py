@@ -1,15 +1,21 @@
 """A packed COCO dataset gives what torchvision gives: ``CocoDetection`` wrapped with
-``wrap_dataset_for_transforms_v2``, the same v2 joint transforms on both, compared record by
-record (images, boxes, labels, ids, area, iscrowd, masks). Needs torchvision and pycocotools;
-skipped without them."""
+``wrap_dataset_for_transforms_v2`` (its default keys, ``"all"``, the detection reference's
+list), the same v2 joint transforms on both, compared record by record: images, boxes, labels,
+ids, area, iscrowd, segmentation and masks (pycocotools' pixels, polygons and crowd RLEs of
+real photos). Needs torchvision and pycocotools; skipped without them."""
 from __future__ import annotations
+
+import json
+import random
 
 import pytest
 import torch
 
 tv = pytest.importorskip("torchvision")
-pytest.importorskip("pycocotools")
+mask_api = pytest.importorskip("pycocotools.mask")
 
+import numpy as np  # noqa: E402  (pycocotools needs it)
+from PIL import Image  # noqa: E402
 from torchvision import tv_tensors  # noqa: E402
 from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
@@ -18,50 +24,113 @@ from packer import PackedDataset, build  # noqa: E402
 from packer.sources import Coco, ImageFolder as PackedFolder  # noqa: E402
 from packer.demo.scenes import make_detection_folder  # noqa: E402
 
-KEYS = ("boxes", "labels", "image_id", "area", "iscrowd")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools")
+DEFAULT = ("boxes", "labels", "image_id")
+
+
+def add_crowds(root) -> None:
+    """Give every third image a crowd object: an RLE of its own darker pixels (COCO's
+    uncompressed counts, or the compressed string every other time)."""
+    coco = json.loads((root / "annotations.json").read_text())
+    for k, im in enumerate(coco["images"][::3]):
+        grey = Image.open(root / "images" / im["file_name"]).convert("L")
+        a = np.asarray(grey) < np.median(np.asarray(grey)) - 30
+        if not a.any():  # packer drops an empty object (a zero box), torchvision keeps it
+            continue
+        rle = mask_api.encode(np.asfortranarray(a.astype(np.uint8)))
+        if k % 2:
+            seg = {"size": rle["size"], "counts": rle["counts"].decode()}
+        else:
+            flat = a.T.reshape(-1).astype(np.int8)
+            bounds = np.concatenate([[0], np.flatnonzero(np.diff(flat)) + 1, [len(flat)]])
+            runs = ([0] if flat[0] else []) + np.diff(bounds).tolist()
+            seg = {"size": rle["size"], "counts": runs}
+        coco["annotations"].append({
+            "id": 10 ** 6 + k, "image_id": im["id"], "category_id": coco["categories"][0]["id"],
+            "bbox": mask_api.toBbox(rle).tolist(), "area": float(mask_api.area(rle)),
+            "iscrowd": 1, "segmentation": seg})
+    (root / "annotations.json").write_text(json.dumps(coco))
 
 
 @pytest.fixture(scope="module")
 def coco(tmp_path_factory):
     root = make_detection_folder(tmp_path_factory.mktemp("det") / "det", images=24, seed=3)
+    add_crowds(root)
     dst = root.parent / "packed"
     build(Coco(root / "images", root / "annotations.json"), dst, progress=False, workers=0)
     return root, dst
 
 
-def reference(root, transforms=None, keys=KEYS):
+def reference(root, transforms=None, keys=None):
     ds = CocoDetection(str(root / "images"), str(root / "annotations.json"), transforms=transforms)
-    return wrap_dataset_for_transforms_v2(ds, target_keys=set(keys))
+    return wrap_dataset_for_transforms_v2(ds, target_keys=keys)
 
 
-def same_target(got: dict, want: dict, keys=KEYS) -> None:
+def plain(t):
+    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
+
+
+def same_target(got: dict, want: dict) -> None:
+    """Equal to the bit: same keys, types, dtypes, values (the wrapper's lists as tensors)."""
     if set(want) == {"image_id"}:  # torchvision: an image without annotations has no other key
-        assert got["image_id"] == want["image_id"] and len(got["boxes"]) == 0
+        assert got.get("image_id", want["image_id"]) == want["image_id"]
+        assert all(len(v) == 0 for k, v in got.items() if k != "image_id")  # packer: empty
         return
-    for k in keys:
-        g, w = got[k], want[k]
-        if k == "image_id":
-            assert g == w
-            continue
-        if isinstance(w, list):  # the wrapper passes area and iscrowd as lists; packer gives
-            w = torch.tensor(w, dtype=g.dtype)  # tensors, as the detection references do
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k, w in want.items():
+        g = got[k]
+        if k in ("area", "iscrowd"):  # the wrapper passes them on as lists; packer, tensors
+            w = torch.tensor(w, dtype=g.dtype)
         assert type(g) is type(w), (k, type(g), type(w))
-        assert g.shape == w.shape and g.dtype == w.dtype, (k, g.shape, w.shape, g.dtype, w.dtype)
-        torch.testing.assert_close(g.as_subclass(torch.Tensor), w.as_subclass(torch.Tensor),
-                                   atol=1e-3, rtol=0)
-    assert got["boxes"].canvas_size == want["boxes"].canvas_size
-    assert got["boxes"].format == want["boxes"].format
+        if isinstance(w, torch.Tensor):
+            assert g.shape == w.shape and g.dtype == w.dtype, (k, g.shape, w.shape)
+            assert torch.equal(plain(g), plain(w)), k
+        else:
+            assert g == w, k
+    if "boxes" in want:
+        assert got["boxes"].canvas_size == want["boxes"].canvas_size
+        assert got["boxes"].format == want["boxes"].format
 
 
-def test_targets_equal_torchvision_without_transforms(coco):
+def test_default_targets_are_torchvisions(coco):
     root, dst = coco
     ref, ds = reference(root), PackedDataset(dst)
     assert len(ref) == len(ds)
     for i in range(len(ds)):
         (im, got), (ref_im, want) = ds[i], ref[i]
-        assert im.size == ref_im.size
+        assert im.size == ref_im.size and im.tobytes() == ref_im.tobytes()
         assert isinstance(got["boxes"], tv_tensors.BoundingBoxes)
+        assert set(got) == set(DEFAULT)
         same_target(got, want)
+
+
+@pytest.mark.parametrize("keys", [["boxes", "labels", "image_id", "masks"],  # detection reference
+                                  ["masks", "iscrowd"], ["area", "segmentation", "labels"]])
+def test_chosen_keys_are_torchvisions(coco, keys):
+    root, dst = coco
+    ref, ds = reference(root, keys=keys), PackedDataset(dst, target_keys=keys)
+    for i in range(len(ds)):
+        same_target(ds[i][1], ref[i][1])
+
+
+def test_all_keys_masks_are_pycocotools_pixels(coco):
+    """``"all"``: torchvision's keys but its raw ``bbox`` and ``category_id`` lists (packer
+    has ``boxes`` and ``labels`` for them), plus the stored ``ann_ids``."""
+    root, dst = coco
+    ref, ds = reference(root, keys="all"), PackedDataset(dst, target_keys="all")
+    crowds = 0
+    for i in range(len(ds)):
+        got, want = ds[i][1], ref[i][1]
+        if set(want) == {"image_id"}:
+            continue
+        assert set(got) - set(want) == {"ann_ids"}
+        assert set(want) - set(got) == {"bbox", "category_id"}
+        assert isinstance(got["masks"], tv_tensors.Mask)
+        same_target({k: got[k] for k in want if k in got},
+                    {k: want[k] for k in want if k in got})
+        assert got["labels"].tolist() == want["category_id"]
+        crowds += int(got["iscrowd"].sum())
+    assert crowds >= 6  # the RLEs were compared too
 
 
 def test_v2_transforms_move_boxes_the_same(coco):
@@ -78,28 +147,84 @@ def test_v2_transforms_move_boxes_the_same(coco):
         same_target(got, want)
 
 
-def test_masks_match_pycocotools(coco):
+def test_ssd_preset_sanitizes_every_key(coco):
+    """torchvision's SSD training preset ends in SanitizeBoundingBoxes, which drops boxes
+    and ``labels``: with the default keys nothing else is left at its pre-crop length."""
     root, dst = coco
-    ref = reference(root, keys=KEYS + ("masks",))
-    ds = PackedDataset(dst, masks=True)
+    t = v2.Compose([v2.RandomPhotometricDistort(p=1),
+                    v2.RandomZoomOut(fill={tv_tensors.Image: (123, 117, 104), "others": 0}),
+                    v2.RandomIoUCrop(), v2.RandomHorizontalFlip(p=0.5), v2.PILToTensor(),
+                    v2.ToDtype(torch.float, scale=True), v2.SanitizeBoundingBoxes()])
+    ref, ds = reference(root, t), PackedDataset(dst, transforms=t)
+    coco = ref._dataset.coco  # the reference trains on images with objects only, as here
+    for i in [i for i, image_id in enumerate(ref.ids) if coco.getAnnIds(imgIds=image_id)]:
+        torch.manual_seed(i)
+        im, got = ds[i]
+        torch.manual_seed(i)
+        ref_im, want = ref[i]
+        assert torch.equal(im, ref_im)
+        same_target(got, want)
+        assert len(got["labels"]) == len(got["boxes"])
+
+
+def test_get_height_and_width_reads_no_record(coco, tmp_path):
+    """What torchvision's detection reference asks of a dataset for aspect-ratio grouping
+    (``group_by_aspect_ratio.compute_aspect_ratios``) instead of decoding every image."""
+    import shutil
+    root, dst = coco
+    ref = CocoDetection(str(root / "images"), str(root / "annotations.json"))
+    copy = shutil.copytree(dst, tmp_path / "copy")
+    ds = PackedDataset(copy)
+    for shard in copy.glob("*.lmdb"):
+        shard.write_bytes(b"")  # no record can be read now
+    for i, image_id in enumerate(ref.ids):
+        info = ref.coco.imgs[image_id]
+        assert ds.get_height_and_width(i) == (info["height"], info["width"])
+        assert ds.get_height_and_width(i) == ref[i][0].size[::-1]
+    with pytest.raises(Exception):
+        ds[0]
+
+
+def test_target_keys_errors(coco, photo_src, tmp_path):
+    _, dst = coco
+    with pytest.raises(ValueError, match=r"\['bbox'\] are not available.*'boxes' \(XYXY"):
+        PackedDataset(dst, target_keys=["boxes", "bbox"])
+    with pytest.raises(ValueError, match="'all' or a collection"):
+        PackedDataset(dst, target_keys="boxes")
+    with pytest.raises(ValueError, match="not both"):
+        PackedDataset(dst, target_keys=["boxes"], target_fields="labels")
+    build(photo_src, tmp_path / "cls", progress=False, workers=0)
+    with pytest.raises(ValueError, match="classification dataset"):
+        PackedDataset(tmp_path / "cls", target_keys="all")
+    assert set(PackedDataset(dst, masks=True)[0][1]) == set(DEFAULT) | {"masks"}
+
+
+def decimal_coco(root) -> None:
+    """COCO's own boxes have two decimals (``[473.07, 395.93, 38.65, 28.67]``)."""
+    coco = json.loads((root / "annotations.json").read_text())
+    rng = random.Random(0)
+    for a in coco["annotations"]:  # inside the image: packer clips, torchvision does not
+        x, y, w, h = a["bbox"]
+        a["bbox"] = [round(x + rng.random() * 0.9, 2), round(y + rng.random() * 0.9, 2),
+                     round(max(1.0, w - 2) + rng.random() * 0.9, 2),
+                     round(max(1.0, h - 2) + rng.random() * 0.9, 2)]
+    (root / "annotations.json").write_text(json.dumps(coco))
+
+
+@pytest.mark.xfail(strict=True, reason="the build stores float32(x + w); torchvision computes "
+                                       "float32(x) + float32(w): the build side's to change")
+def test_boxes_with_coco_decimals_are_torchvisions_to_the_bit(tmp_path):
+    root = make_detection_folder(tmp_path / "det", images=8, seed=5)
+    decimal_coco(root)
+    build(Coco(root / "images", root / "annotations.json"), tmp_path / "packed",
+          progress=False, workers=0)
+    ref, ds = reference(root), PackedDataset(tmp_path / "packed")
     for i in range(len(ds)):
         got, want = ds[i][1], ref[i][1]
-        if "masks" not in want:
-            continue
-        assert isinstance(got["masks"], tv_tensors.Mask) and got["masks"].shape == want["masks"].shape
-        for g, w in zip(got["masks"].bool(), want["masks"].bool()):
-            # PIL and pycocotools fill polygons by different rules: they may disagree on the
-            # pixels along the outline, nowhere else.
-            assert not bool(((g ^ w) & ~near_outline(w)).any())
-            assert (g & w).sum() / (g | w).sum().clamp(min=1) > 0.9
-
-
-def near_outline(m: torch.Tensor) -> torch.Tensor:
-    """Pixels within one pixel of the edge of mask ``m``."""
-    f = m[None, None].float()
-    grown = torch.nn.functional.max_pool2d(f, 3, 1, 1)[0, 0] > 0
-    shrunk = -torch.nn.functional.max_pool2d(-f, 3, 1, 1)[0, 0] > 0
-    return grown & ~shrunk
+        if "boxes" in want:
+            torch.testing.assert_close(plain(got["boxes"]), plain(want["boxes"]), atol=1e-4,
+                                       rtol=0)  # the same boxes, within an ulp...
+            assert torch.equal(plain(got["boxes"]), plain(want["boxes"]))  # ...not to the bit
 
 
 # -- classification: the ImageFolder surface -------------------------------------------------------

@@ -295,7 +295,7 @@ def test_detection_via_write(jpegs, tmp_path):
                         "labels": [2 * j + 1 for j in range(n)], "image_id": 5000 + 13 * k})
     m = quiet_write(tmp_path / "d", samples).manifest
     assert m["schema"]["task"] == "detection"
-    ds = PackedDataset(tmp_path / "d")
+    ds = PackedDataset(tmp_path / "d", target_keys="all")  # area, iscrowd: zeros
     assert ds.task == "detection"
     for k, s in enumerate(samples):
         _, t = ds[k]

@@ -5,16 +5,18 @@ packer often runs as root on shared storage (a node's /dev/shm, a team's dataset
 name packer writes through could be a symlink planted by someone else, pointing at a file
 they could not write themselves; so every file packer writes is created here, new
 (``O_CREAT | O_EXCL | O_NOFOLLOW``), and renamed into place (``rename`` replaces a link, it
-never writes through one). Private to packer; the names are public so modules can share them.
+never writes through one). Before any of that, ``check_folder`` refuses a folder packer was
+not meant to write into. Private to packer; the names are public so modules can share them.
+
+``fcntl`` (Linux, macOS) is imported only by ``FolderLock``, so reading works where it is absent.
 """
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from ..errors import PackerError
 
@@ -83,6 +85,70 @@ def remove_own(folder: Path, name: str) -> bool:
         raise PackerError(f"{folder / name} is a folder where packer keeps a file; move it away") from None
 
 
+def check_folder(folder: os.PathLike, *, marks: Iterable[str], leftovers: Iterable[str] = (),
+                 fix: str) -> None:
+    """Refuse, before anything is written, a ``folder`` packer must not write into: a file, a
+    folder that cannot be created (and why), one that cannot be written, or a non-empty one
+    holding none of ``marks`` (names only packer writes: a manifest, a journal, a staging
+    marker) and more than ``leftovers`` (what a killed run of packer leaves). ``fix`` ends
+    the message: what to do instead."""
+    folder = Path(folder)
+    lock_module()
+    try:
+        names = set(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        if os.path.lexists(folder):
+            raise PackerError(f"{folder} is a file, not a folder") from None
+        return _check_creatable(folder)
+    except OSError as e:
+        raise PackerError(f"cannot read the folder {folder}: {e.strerror}") from None
+    if names and not names & set(marks) and names - set(leftovers):
+        shown = ", ".join(sorted(names)[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise PackerError(f"{folder} is not empty ({shown}) and holds no packer dataset; packer "
+                          f"writes only into a new or empty folder or its own dataset, and does "
+                          f"not delete files it did not write: {fix}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PackerError(f"cannot write in {folder}: {_why_not_writable(folder)}")
+
+
+def lock_module():
+    """``fcntl``, which packer's writers lock folders with; a PackerError where it is absent."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        raise PackerError("writing a dataset needs file locks (fcntl), which this platform "
+                          "lacks: build, merge, write and stage run on Linux and macOS") from None
+    return fcntl
+
+
+def _check_creatable(folder: Path) -> None:
+    """A missing ``folder`` can be made: its first missing level is made and removed again
+    (what fails there — a read-only filesystem, /proc, no permission — is the reason)."""
+    probe = folder.absolute()
+    while not os.path.lexists(probe.parent) and probe.parent != probe:
+        probe = probe.parent
+    if not probe.parent.is_dir():
+        raise PackerError(f"cannot create {folder}: {probe.parent} is a file, not a folder")
+    try:
+        os.mkdir(probe)
+    except FileExistsError:  # made meanwhile (a concurrent run); it is checked when locked
+        return
+    except OSError as e:
+        reason = _why_not_writable(probe.parent) if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) \
+            else f"{e.strerror} (the filesystem of {probe.parent} does not take new folders)"
+        raise PackerError(f"cannot create {folder}: {reason}") from None
+    os.rmdir(probe)
+
+
+def _why_not_writable(folder: Path) -> str:
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only filesystem"
+    except (OSError, AttributeError):
+        pass
+    return f"permission denied in {folder}"
+
+
 class FolderLock:
     """One packer writer per folder: an exclusive ``flock`` on ``FOLDER/.packer-lock``, held
     from the first write to the last. A second writer fails at once, naming the holder."""
@@ -92,6 +158,7 @@ class FolderLock:
         self.fd: Optional[int] = None
 
     def __enter__(self) -> "FolderLock":
+        self.fcntl = fcntl = lock_module()
         path = self.folder / LOCK_NAME
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         while True:
@@ -124,7 +191,7 @@ class FolderLock:
         if self.fd is not None:
             # Removed while still held, so the folder is left as it was found.
             (self.folder / LOCK_NAME).unlink(missing_ok=True)
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self.fcntl.flock(self.fd, self.fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
 

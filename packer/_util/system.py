@@ -11,6 +11,7 @@ import errno
 import math
 import os
 import signal
+import time
 from typing import Callable, Dict, Optional, Tuple
 
 from ..errors import PackerError
@@ -40,6 +41,24 @@ def cpu_quota() -> Optional[float]:
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         return None
+
+
+def busy_cores(seconds: float = 0.5) -> Optional[float]:
+    """Cores other processes keep busy right now: the machine's non-idle CPU time over
+    ``seconds`` (``/proc/stat``) while this process sleeps; None where it cannot be read.
+    Unlike the 1-minute load average, it does not count what this process did just before."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    ticks = total1 - total0
+    return (ticks - (idle1 - idle0)) / ticks * (os.cpu_count() or 1) if ticks > 0 else None
 
 
 def die_with_parent(parent: int) -> None:

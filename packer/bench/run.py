@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
-from .._util.system import PILLOW_SIMD_HINT, free_bytes, human_size, pil_info, pil_summary, usable_cores
+from .._util.system import PILLOW_SIMD_HINT, busy_cores, free_bytes, human_size, pil_info, pil_summary, usable_cores
 from ..reading.dataset import PackedDataset
 from ..demo import FolderDataset
 from ..errors import PackerError
@@ -48,7 +48,7 @@ from .phases import BenchInput, figure_plan, n_workers
 from .train import TrainRunner
 from .verdict import explain
 
-PLOT_HINT = "--plot needs matplotlib: pip install 'packer[plot]'"
+PLOT_HINT = "--plot needs matplotlib: pip install matplotlib"
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -268,10 +268,10 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
 
 
 def _note_busy(report: BenchReport, cores: int) -> None:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load > 0.5 * cores:
-        report.environment["busy"] = (f"the machine was busy before the bench started (load "
-                                      f"{load:.1f} on {cores} cores): CPU-bound rates are "
+    busy = busy_cores()
+    if busy is not None and busy > max(0.25 * cores, 0.3):
+        report.environment["busy"] = (f"other processes kept {busy:.1f} of this machine's "
+                                      f"cores busy as the bench started: CPU-bound rates are "
                                       f"understated and noisy")
         report.notes.append(report.environment["busy"])
 

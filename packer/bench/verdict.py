@@ -50,9 +50,16 @@ def _bound(f: _Facts) -> List[str]:
     if eff >= 0.7:
         return [text + ": it is decode-bound; only less decoding per image or more cores raise it."]
     rp = f.reads.get(top["source"])
-    causes = (["waiting on reads"] if rp and rp["images_per_s"] < 1.5 * ceiling else []) + [
-        "loader overhead (collating, handing batches to the main process, whose work "
-        "shares the cores)"] + (["the other processes on this machine"] if f.env.get("busy") else [])
+    causes = ["waiting on reads"] if rp and rp["images_per_s"] < 1.5 * ceiling else []
+    e = f.rep.figures.get("loader_efficiency")  # one core's rate alone and with all busy
+    if e and e["core_busy_images_per_s"] < 0.85 * e["core_images_per_s"]:
+        causes.append(f"cores that slow down when all are busy (one core's ds[i] loop: "
+                      f"{e['core_images_per_s']:,.0f} images/s alone, "
+                      f"{e['core_busy_images_per_s']:,.0f} with {e['workers']} at once)")
+    if not causes or not e or e["all_cores_busy"]["median"] < 0.85:
+        causes.append("loader overhead (collating, handing batches to the main process, whose "
+                      "work shares the cores)")
+    causes += ["the other processes on this machine"] if f.env.get("busy") else []
     return [text + "; the rest is lost to " + ", ".join(causes[:-1])
             + (" and " if len(causes) > 1 else "") + causes[-1] + "."]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,7 +35,9 @@ class Size(click.ParamType):
 
 
 def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command to resume."):
-    """Show a PackerError as ``Error: ...`` (exit 1) and Ctrl-C as a short note (exit 130)."""
+    """Show a PackerError as ``Error: ...`` (exit 1) and Ctrl-C as a short note (exit 130); so
+    too a missing optional package (the line names the pip command) and an error of the
+    operating system (``PATH: reason``), never a traceback."""
     if fn is None:
         return functools.partial(library_errors, interrupted=interrupted)
 
@@ -44,10 +47,36 @@ def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command
             return fn(*args, **kwargs)
         except PackerError as e:
             raise click.ClickException(terminal_text(str(e))) from e
+        except ImportError as e:
+            line = missing_package(e)
+            if line is None:
+                raise
+            raise click.ClickException(terminal_text(line)) from e
+        except BrokenPipeError:  # `packer ls DST | head`: the reader is gone, nothing to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        except OSError as e:
+            where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+            raise click.ClickException(terminal_text(
+                f"{where}: {e.strerror}" if where and e.strerror else str(e))) from e
         except KeyboardInterrupt:
             click.echo(f"\n{interrupted}", err=True)
             sys.exit(130)
     return wrapper
+
+
+# Import names whose pip distribution is called otherwise.
+PIP_NAMES = {"PIL": "Pillow", "yaml": "pyyaml", "cv2": "opencv-python"}
+
+
+def missing_package(e: ImportError):
+    """The one line for an optional package that is not installed (None for anything else:
+    a packer module missing is a bug, shown in full)."""
+    name = (getattr(e, "name", None) or "").split(".")[0]
+    if not isinstance(e, ModuleNotFoundError) or not name or name == "packer":
+        return str(e) if "pip install" in str(e) else None  # the library's own hint
+    return (f"this needs the Python package {PIP_NAMES.get(name, name)!r}, which is not "
+            f"installed: pip install {PIP_NAMES.get(name, name)}")
 
 
 @contextlib.contextmanager
@@ -72,7 +101,11 @@ def warnings_as_lines():
 
 def version_line() -> str:
     from .._util.system import pil_summary
-    return f"packer {__version__} (python {sys.version.split()[0]}; PIL: {pil_summary()})"
+    try:
+        pil = pil_summary()
+    except ImportError:
+        pil = "not installed (pip install Pillow)"
+    return f"packer {__version__} (python {sys.version.split()[0]}; PIL: {pil})"
 
 
 def result_json(result) -> str:

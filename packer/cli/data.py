@@ -130,7 +130,8 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
         return
     if result.resumed_shards:
         click.echo(f"resumed after {result.resumed_shards} finished shard(s)")
-    click.echo(f"{result.summary()} -> {dst}")
+    from ..info import build_line
+    click.echo(f"{build_line(result.manifest, result.seconds)} -> {dst}")
     skipped = result.manifest["skipped"]
     if skipped:
         first = skipped[0]

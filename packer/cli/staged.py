@@ -17,7 +17,8 @@ class PathOrURL(click.Path):
 
 @click.command()
 @click.argument("dst", type=PathOrURL(file_okay=False, path_type=Path))
-@click.argument("target", type=click.Path(file_okay=False, path_type=Path), required=False)
+@click.argument("target", type=click.Path(file_okay=False, path_type=Path), required=False,
+                metavar="TARGET")
 @click.option("--remove", is_flag=True, help="Free a staged copy instead: `packer stage --remove TARGET` "
                                              "(same as `packer unstage TARGET`).")
 @click.option("--no-verify", is_flag=True, help="Trust files already in TARGET whose size matches "
@@ -26,9 +27,15 @@ class PathOrURL(click.Path):
 @click.option("--json", "as_json", is_flag=True,
               help="No progress bar; print one JSON object (source, target, copied, kept, "
                    "removed, bytes_copied, bytes_total, seconds, fstype, swap, ...).")
-@library_errors
+@library_errors(interrupted="Interrupted; the partial copy is kept: re-run the same command to "
+                            "resume, or `packer unstage TARGET` to remove it.")
 def stage(dst, target, remove, no_verify, quiet, as_json):
     """Copy dataset DST to fast storage TARGET (a tmpfs mount, or /dev/shm/NAME) and verify it.
+
+    TARGET is created (parents too) if missing; an existing TARGET must be empty or a staged
+    copy: a folder holding anything else (/dev/shm itself) is refused before anything is
+    written. A stage that fails removes what it wrote; an interrupted one keeps it for the
+    re-run.
 
     Each shard is copied under a temporary name and renamed once its checksum matches; the
     manifest goes last, so TARGET is complete or not a dataset at all. Re-running repairs an
@@ -64,7 +71,8 @@ def stage(dst, target, remove, no_verify, quiet, as_json):
 @library_errors
 def unstage(target, as_json):
     """Remove a staged copy made by `packer stage` and free its RAM. Only files that staging
-    wrote are removed; a folder holding a built (unstaged) dataset is refused."""
+    wrote are removed, then TARGET and the parent folders stage created, when empty; a
+    folder holding a built (unstaged) dataset is refused."""
     from ..staging import unstage as run_unstage
     res = run_unstage(target)
     click.echo(result_json(res) if as_json else res.message())

@@ -8,11 +8,19 @@ import click
 from .common import library_errors
 
 @click.command()
-def doctor():
+@click.option("--cuda", is_flag=True,
+              help="Also ask torch for a GPU (imports torch: a few seconds).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (packer, python, pil, pil_summary, torch, cuda, "
+                   "triton, optional, polygons_c, cores, cpu_count).")
+def doctor(cuda, as_json):
     """Show the environment packer runs in: PIL flavour (Pillow-SIMD or Pillow), libjpeg-turbo,
-    torch and CUDA, Triton, cores."""
+    torch (and with --cuda its GPU), Triton and the other optional packages, cores. Imports no
+    torch unless --cuda."""
     from ..doctor import doctor as get_doctor, format_doctor
-    click.echo(format_doctor(get_doctor()))
+    from .._util.text import json_text
+    d = get_doctor(cuda=cuda)
+    click.echo(json_text(d) if as_json else format_doctor(d))
 
 
 @click.command()

@@ -20,19 +20,19 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
-from .._util.system import usable_cores
+from .._util.system import human_size, usable_cores
 from ..sources.coco import Coco
 from ..writing.builder import build
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeLetterbox
 from ..errors import PackerError
-from ..info import verify
+from ..info import build_line, verify
 from ..loading.loader import collate_detection, default_num_workers, make_loader
 from ..loading.prefetch import CUDAPrefetcher
 from ..reading.sampler import PackedSampler
-from ..staging import stage, unstage
+from ..staging import unstage
 from .folder import CocoFolderDataset
-from .run import DEMO_MARKER, DemoResult, DemoStep
+from .run import DemoResult, DemoStep, Steps, demo_dir, stage_copy
 from .scenes import make_detection_folder
 
 DETECTION_IMAGES = 512      # the least: ~32 MB of scenes, made in ~13 s on one core
@@ -121,7 +121,7 @@ def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[in
     res = DetectionDemoResult(dir=Path(dir) if dir is not None else None, images=images,
                               classes=0, workers=load_workers, batch_size=batch_size, size=size,
                               device=device)
-    work = (demo_dir(res.dir) if res.dir is not None
+    work = (demo_dir(res.dir, ("coco", "packed")) if res.dir is not None
             else Path(tempfile.mkdtemp(prefix="packer-demo-")))
     steps = Steps(res, on_step)
     try:
@@ -144,36 +144,6 @@ def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[in
             shutil.rmtree(work, ignore_errors=True)
 
 
-class Steps:
-    """Announces each step as it starts and records its time and outcome in the result."""
-
-    def __init__(self, res: DemoResult, on_step: Optional[Callable[[str], None]]):
-        self.res, self.on_step = res, on_step
-
-    def start(self, name: str) -> float:
-        if self.on_step is not None:
-            self.on_step(name)
-        return time.perf_counter()
-
-    def done(self, name: str, t0: float, detail: str) -> None:
-        self.res.steps.append(DemoStep(name, time.perf_counter() - t0, detail))
-
-
-def demo_dir(d: Path) -> Path:
-    """``d`` ready for a demo: new, empty, or an earlier demo's (whose outputs are replaced)."""
-    if d.exists() and not d.is_dir():
-        raise PackerError(f"{d} is not a folder; give the demo a new or empty folder")
-    if d.is_dir() and any(d.iterdir()):
-        if not (d / DEMO_MARKER).is_file():
-            raise PackerError(f"{d} is not empty and was not made by `packer demo`; give the "
-                              f"demo a new or empty folder (it writes coco/ and packed/ there)")
-        for sub in ("images", "coco", "packed"):
-            shutil.rmtree(d / sub, ignore_errors=True)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / DEMO_MARKER).write_text("made by `packer demo`; a re-run replaces its outputs\n")
-    return d
-
-
 def make_build_verify(steps: Steps, work: Path, images: int, seed: int, workers: int,
                       progress: bool) -> Path:
     """The scenes (``work/coco``) and the dataset built from them (``work/packed``)."""
@@ -181,11 +151,11 @@ def make_build_verify(steps: Steps, work: Path, images: int, seed: int, workers:
     coco = make_detection_folder(work / "coco", images, seed=seed)
     nbytes = sum(p.stat().st_size for p in (coco / "images").glob("*.jpg"))
     steps.done("make scenes", t, f"{images} photo scenes with pasted objects, "
-                                 f"{nbytes / 1e6:.1f} MB, COCO annotations.json in {coco}")
+                                 f"{human_size(nbytes)}, COCO annotations.json in {coco}")
     t = steps.start("build --coco")
     built = build(Coco(coco / "images", coco / "annotations.json"), work / "packed",
                   workers=workers, progress=progress)
-    steps.done("build --coco", t, built.summary())
+    steps.done("build --coco", t, build_line(built.manifest, built.seconds))
     steps.res.classes = len(built.manifest["classes"])
     t = steps.start("verify")
     rep = verify(work / "packed", progress=progress)
@@ -194,23 +164,6 @@ def make_build_verify(steps: Steps, work: Path, images: int, seed: int, workers:
                           f"({len(rep.problems)} problem(s))")
     steps.done("verify", t, f"OK: {rep.checked_shards} shard(s), {rep.checked_records} records")
     return coco
-
-
-def stage_copy(steps: Steps, packed: Path, stage_dir: os.PathLike, progress: bool) -> Path:
-    """Stage into a new folder under ``stage_dir``; the disk copy if that fails (e.g. RAM)."""
-    t = steps.start("stage")
-    staged = Path(tempfile.mkdtemp(prefix="packer-demo-", dir=stage_dir))
-    steps.res.staged_to = staged  # removed at the end, whatever happens now
-    try:
-        sres = stage(packed, staged, progress=progress)
-    except PackerError as e:
-        steps.res.notes.append(f"not staged: {e}")
-        steps.res.staged_to = None
-        shutil.rmtree(staged, ignore_errors=True)
-        return packed
-    steps.done("stage", t, f"{sres.bytes_total / 1e6:.1f} MB -> {staged} "
-                           f"({sres.fstype or 'unknown filesystem'}, verified)")
-    return staged
 
 
 def compare_loaders(steps: Steps, coco: Path, read_from: Path, rounds: int, seed: int,

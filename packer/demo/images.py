@@ -11,7 +11,7 @@ import io
 import os
 import random
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 from PIL import Image, ImageChops, ImageEnhance, ImageFilter
 
@@ -23,12 +23,15 @@ def load_photos() -> List[Image.Image]:
     return [Image.open(p).convert("RGB") for p in sorted(PHOTOS.glob("*.jpg"))]
 
 
-def make_image(rng: random.Random, photos: List[Image.Image]) -> bytes:
-    """One JPEG: a random crop of a random photo, resized to ImageNet-like size."""
+def make_image(rng: random.Random, photos: List[Image.Image],
+               size: Optional[Tuple[int, int]] = None) -> bytes:
+    """One JPEG: a random crop of a random photo, resized to ImageNet-like size (or to
+    ``size``, (w, h))."""
     base = rng.choice(photos)
     short = rng.randint(300, 500)
     aspect = rng.choice([4 / 3, 3 / 2, 1.0, 16 / 9, 3 / 4])
     w, h = (round(short * aspect), short) if aspect >= 1 else (short, round(short / aspect))
+    w, h = size or (w, h)
     # A region of the photo between 45% and 100% of its size with the target aspect.
     im = random_crop(rng, base, w, h, (0.45, 1.0))
     im = ImageEnhance.Color(im).enhance(rng.uniform(0.6, 1.4))

@@ -14,12 +14,12 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
-from .._util.system import usable_cores
+from .._util.system import human_size, usable_cores
 from ..writing.builder import build
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeRandomResizedCrop
 from ..errors import PackerError
-from ..info import verify
+from ..info import build_line, verify
 from ..loading.loader import default_num_workers, make_loader
 from ..loading.prefetch import CUDAPrefetcher
 from ..reading.sampler import PackedSampler
@@ -141,13 +141,13 @@ def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
                      workers=load_workers, batch_size=batch_size, size=size,
                      device=f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
                      if cuda else "cpu (no CUDA)")
-    work = _demo_dir(res.dir) if res.dir is not None else Path(tempfile.mkdtemp(prefix="packer-demo-"))
-    steps = _Steps(res, on_step)
+    work = demo_dir(res.dir, ("images", "packed")) if res.dir is not None else Path(tempfile.mkdtemp(prefix="packer-demo-"))
+    steps = Steps(res, on_step)
     try:
         src = _make_build_verify(steps, work, images, classes, seed, make_workers, progress)
         read_from = work / "packed"
         if stage_dir is not None and os.path.isdir(stage_dir) and os.access(stage_dir, os.W_OK):
-            read_from = _stage(steps, work / "packed", stage_dir, progress)
+            read_from = stage_copy(steps, work / "packed", stage_dir, progress)
         elif stage_dir is not None:
             res.notes.append(f"{stage_dir} is missing or not writable: not staged")
         _compare_loaders(steps, src, read_from, rounds, seed, load_workers, cuda, progress)
@@ -163,7 +163,7 @@ def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
             shutil.rmtree(work, ignore_errors=True)
 
 
-class _Steps:
+class Steps:
     """Announces each step as it starts and records its time and outcome in the result."""
 
     def __init__(self, res: DemoResult, on_step: Optional[Callable[[str], None]]):
@@ -178,18 +178,18 @@ class _Steps:
         self.res.steps.append(DemoStep(name, time.perf_counter() - t0, detail))
 
 
-def _make_build_verify(steps: _Steps, work: Path, images: int, classes: int, seed: int,
+def _make_build_verify(steps: Steps, work: Path, images: int, classes: int, seed: int,
                        workers: int, progress: bool) -> Path:
     t = steps.start("make images")
     with _one_thread_children():
         src = make_image_folder(work / "images", images=images, classes=classes, seed=seed,
                                 workers=workers, progress=progress)
     nbytes = sum(p.stat().st_size for p in src.glob("*/*.jpg"))
-    steps.done("make images", t, f"{images} photo-like JPEGs, {nbytes / 1e6:.1f} MB "
-                                 f"({nbytes / images / 1e3:.0f} KB each) in {src}")
+    steps.done("make images", t, f"{images} photo-like JPEGs, {human_size(nbytes)} "
+                                 f"({human_size(nbytes / images)} each) in {src}")
     t = steps.start("build")
     built = build(src, work / "packed", workers=workers, progress=progress)
-    steps.done("build", t, built.summary())
+    steps.done("build", t, build_line(built.manifest, built.seconds))
     t = steps.start("verify")
     rep = verify(work / "packed", progress=progress)
     if not rep.ok:
@@ -199,7 +199,7 @@ def _make_build_verify(steps: _Steps, work: Path, images: int, classes: int, see
     return src
 
 
-def _stage(steps: _Steps, packed: Path, stage_dir: os.PathLike, progress: bool) -> Path:
+def stage_copy(steps: Steps, packed: Path, stage_dir: os.PathLike, progress: bool) -> Path:
     """Stage into a new folder under ``stage_dir``; the disk copy if that fails (e.g. RAM)."""
     t = steps.start("stage")
     staged = Path(tempfile.mkdtemp(prefix="packer-demo-", dir=stage_dir))
@@ -211,12 +211,12 @@ def _stage(steps: _Steps, packed: Path, stage_dir: os.PathLike, progress: bool) 
         steps.res.staged_to = None
         shutil.rmtree(staged, ignore_errors=True)
         return packed
-    steps.done("stage", t, f"{sres.bytes_total / 1e6:.1f} MB -> {staged} "
+    steps.done("stage", t, f"{human_size(sres.bytes_total)} -> {staged} "
                            f"({sres.fstype or 'unknown filesystem'}, verified)")
     return staged
 
 
-def _compare_loaders(steps: _Steps, src: Path, read_from: Path, rounds: int, seed: int,
+def _compare_loaders(steps: Steps, src: Path, read_from: Path, rounds: int, seed: int,
                      workers: int, cuda: bool, progress: bool) -> None:
     """Interleaved epochs, best of ``rounds`` per loader: other work on the machine slows
     one epoch or another, and the least disturbed one is closest to the real rate."""
@@ -268,18 +268,20 @@ def _one_thread_children():
         os.environ.pop("OMP_NUM_THREADS", None)
 
 
-def _demo_dir(d: Path) -> Path:
-    """``d`` ready for a demo: new, empty, or an earlier demo's (whose outputs are replaced)."""
+def demo_dir(d: Path, outputs: Tuple[str, ...]) -> Path:
+    """``d`` ready for a demo: new, empty, or an earlier demo's (whose ``outputs``, its
+    subfolders, are replaced)."""
     if d.exists() and not d.is_dir():
         raise PackerError(f"{d} is not a folder; give the demo a new or empty folder")
+    made = "/ and ".join(outputs) + "/"
     if d.is_dir() and any(d.iterdir()):
         if not (d / DEMO_MARKER).is_file():
             raise PackerError(f"{d} is not empty and was not made by `packer demo`; give the demo "
-                              f"a new or empty folder (it writes images/ and packed/ there)")
-        for sub in ("images", "packed"):
+                              f"a new or empty folder (it writes {made} there)")
+        for sub in outputs:
             shutil.rmtree(d / sub, ignore_errors=True)
     d.mkdir(parents=True, exist_ok=True)
-    (d / DEMO_MARKER).write_text("made by `packer demo`; a re-run replaces images/ and packed/\n")
+    (d / DEMO_MARKER).write_text(f"made by `packer demo`; a re-run replaces {made}\n")
     return d
 
 

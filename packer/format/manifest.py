@@ -91,7 +91,7 @@ def check_version(version: str, where: os.PathLike) -> None:
     if major > int(FORMAT_VERSION.split(".")[0]):
         raise FormatError(
             f"{where} was written in packer format {version}, newer than this packer "
-            f"understands ({FORMAT_VERSION}); upgrade packer (pip install -U packer)")
+            f"understands ({FORMAT_VERSION}); upgrade packer (pip install -U packer-lmdb)")
 
 
 def shard_file(root: os.PathLike, rel: str) -> Path:

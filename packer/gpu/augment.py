@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..transforms.decode import DecodeCenterCrop
+
 __all__ = ["center_crop_boxes", "random_resized_crop_boxes"]
 
 
@@ -44,10 +46,9 @@ def random_resized_crop_boxes(sizes: torch.Tensor, scale=(0.08, 1.0), ratio=(3 /
 
 def center_crop_boxes(sizes: torch.Tensor, size: Tuple[int, int],
                       crop_fraction: float = 0.875) -> torch.Tensor:
-    """Evaluation boxes: ``DecodeCenterCrop.box`` (Resize(size/crop_fraction) + CenterCrop)."""
-    h, w = sizes[:, 0].double(), sizes[:, 1].double()
-    oh, ow = size
-    s = torch.minimum(w, h) * crop_fraction / min(oh, ow)
-    cw, ch = torch.minimum(w, ow * s), torch.minimum(h, oh * s)
-    x, y = (w - cw) / 2, (h - ch) / 2
-    return torch.stack([x, y, x + cw, y + ch], 1)
+    """Evaluation boxes with torchvision's ``Resize + CenterCrop`` geometry, exactly as
+    ``DecodeCenterCrop.box`` gives them (one rule for the CPU and GPU paths). A crop larger
+    than the resized image (a non-square ``size``) reaches past the image, where the kernel
+    repeats the edge instead of CenterCrop's zero padding."""
+    crop = DecodeCenterCrop(size, crop_fraction)
+    return torch.tensor([crop.box(w, h) for h, w in sizes.tolist()], dtype=torch.float64)

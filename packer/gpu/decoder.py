@@ -298,7 +298,7 @@ def _gpu_device(device, need_nvjpeg: bool, backend: str = "auto") -> torch.devic
             except OSError:
                 raise PackerError(
                     "GPU decoding needs nvJPEG, which comes with torchvision (pip install "
-                    f"torchvision, or pip install 'packer[gpu]'); without it {CPU_PATH}") from None
+                    f"torchvision, or pip install 'packer-lmdb[gpu]'); without it {CPU_PATH}") from None
         if not torch.cuda.is_available():
             raise PackerError("GPU decoding needs a CUDA device, and torch.cuda.is_available() "
                               f"is False; {CPU_PATH}")

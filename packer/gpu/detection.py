@@ -12,36 +12,41 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import PackerError
 from ..transforms.boxes import crop_boxes, letterbox_params
 from ..reading.targets import wrap_boxes
 
 
 class DetectionTargets(NamedTuple):
     """A batch's detection targets, packed: ``boxes`` (N, 4) XYXY pixels of the stored
-    images, ``counts`` (B,) boxes per image, per-box ``labels``/``area``/``iscrowd``,
-    per-image ``image_id``."""
+    images, ``counts`` (B,) boxes per image, per-image ``image_id``, and ``per_box``: every
+    other per-box tensor the dataset's targets hold (``labels``, and ``area``/``iscrowd``...
+    where ``target_keys`` asked for them), in their order."""
     boxes: torch.Tensor
     counts: torch.Tensor
-    labels: torch.Tensor
-    area: torch.Tensor
-    iscrowd: torch.Tensor
     image_id: torch.Tensor
+    per_box: Dict[str, torch.Tensor]
 
     def to(self, device, non_blocking: bool = False) -> "DetectionTargets":
-        return DetectionTargets(*(t.to(device, non_blocking=non_blocking) for t in self))
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return DetectionTargets(move(self.boxes), move(self.counts), move(self.image_id),
+                                {k: move(v) for k, v in self.per_box.items()})
 
     def __len__(self) -> int:  # images, not fields
         return len(self.counts)
 
 
 def pack_targets(targets: Sequence[Dict]) -> DetectionTargets:
-    """Collate per-image detection target dicts (``PackedDataset``'s) into one."""
-    cat = lambda k, dt: torch.cat([t[k].as_subclass(torch.Tensor).to(dt) for t in targets])  # noqa: E731
-    boxes = cat("boxes", torch.float32).reshape(-1, 4)
-    return DetectionTargets(boxes, torch.tensor([len(t["boxes"]) for t in targets]),
-                            cat("labels", torch.int64), cat("area", torch.float32),
-                            cat("iscrowd", torch.int64),
-                            torch.tensor([int(t["image_id"]) for t in targets]))
+    """Collate per-image detection target dicts (``PackedDataset``'s) into one. Per-box
+    masks cannot follow a GPU crop: a target holding them is refused."""
+    if "masks" in targets[0] or "segmentation" in targets[0]:
+        raise PackerError("the GPU path moves boxes with its crops but not masks or "
+                          "segmentations: build the PackedDataset without them (target_keys)")
+    cat = lambda k: torch.cat([t[k].as_subclass(torch.Tensor) for t in targets])  # noqa: E731
+    per_box = {k: cat(k) for k in targets[0] if k not in ("boxes", "image_id")}
+    return DetectionTargets(cat("boxes").float().reshape(-1, 4),
+                            torch.tensor([len(t["boxes"]) for t in targets]),
+                            torch.tensor([int(t["image_id"]) for t in targets]), per_box)
 
 
 def is_detection_batch(targets: Sequence) -> bool:
@@ -93,8 +98,8 @@ def place_boxes(targets: DetectionTargets, crops: torch.Tensor, size: Tuple[int,
     for i, n in enumerate(counts):
         k = keep_cpu[start:start + n]
         sel = torch.nonzero(k).flatten().to(dev) + start
-        out.append({"boxes": wrap_boxes(boxes[sel], size), "labels": targets.labels[sel],
-                    "image_id": ids[i], "area": targets.area[sel],
-                    "iscrowd": targets.iscrowd[sel]})
+        rest = {k: v[sel] for k, v in targets.per_box.items()}  # torchvision's key order:
+        out.append({"boxes": wrap_boxes(boxes[sel], size), "labels": rest.pop("labels"),
+                    "image_id": ids[i], **rest})
         start += n
     return out

@@ -28,7 +28,7 @@ CONFIG = {"rows": 8, "num_warps": 4}
 
 TRITON_MISSING = (
     "GPU decoding needs Triton for its fused augment kernel: pip install triton (it comes with "
-    "PyTorch's CUDA wheels on Linux; pip install 'packer[gpu]' names it); without it use the CPU "
+    "PyTorch's CUDA wheels on Linux; pip install 'packer-lmdb[gpu]' names it); without it use the CPU "
     "path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with make_loader and "
     "CUDAPrefetcher")
 

@@ -11,20 +11,20 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Sequence
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, List, Optional, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
 
 from ..transforms.boxes import crop_boxes
-from ..transforms.decode import open_image
+from ..transforms.decode import exif_tag, open_image
 from ..format.manifest import dataset_schema
-from .reader import ShardReader
+from .reader import ShardReader, record_index
 from ..format.tables import read_column, read_labels, read_paths
 from ..errors import PackerError
 from ..sources.folder import find_classes
 from ..storage import ShardCache, is_url, redact
-from .targets import TargetMaker, wrap_boxes
+from .targets import TargetMaker, oriented, wrap_boxes
 
 
 class PackedDataset(Dataset):
@@ -37,17 +37,26 @@ class PackedDataset(Dataset):
             as ImageFolder's loader gives. Pass ``DecodeRandomResizedCrop(224)`` or
             ``DecodeCenterCrop(224)`` for uint8 tensors decoded at reduced size (the fast
             path for ``make_loader``), or any ``bytes -> sample`` callable.
-        exif_orientation: rotate by the EXIF tag (ImageFolder does not, hence off).
+        exif_orientation: rotate by the EXIF tag (ImageFolder does not, hence off); a
+            detection target's boxes (``canvas_size``) and masks turn with the image (they
+            are stored in the stored image's pixels, as torchvision reads COCO).
         verify_crc: check each record's CRC-32 as it is read (a ``FormatError`` names a
             damaged record), for storage one does not trust; off by default (``packer
             verify`` checks every record once).
         transforms: a joint ``(image, target) -> (image, target)`` callable, as
             ``CocoDetection``'s: ``torchvision.transforms.v2`` moves boxes and masks with
             the image. Applied after ``transform``/``target_transform``.
-        target_fields: return these fields (a dict; one name: that value alone) instead
-            of the task's target (the label; the detection dict; all fields).
+        target_keys: detection datasets: the target dict's keys, as
+            ``wrap_dataset_for_transforms_v2``'s: by default ``boxes``, ``labels`` and
+            ``image_id``; ``"all"`` adds ``area``, ``iscrowd`` and, for COCO builds,
+            ``masks`` and ``segmentation`` (and any other stored field); or a collection
+            of those names.
+        target_fields: return these stored fields (a dict; one name: that value alone)
+            instead of the task's target (the label; the detection dict; all fields), for
+            any task; not with ``target_keys``.
         masks: detection datasets built from COCO: add ``masks`` (``tv_tensors.Mask``,
-            one per object) made from the stored polygons / RLE.
+            one per object, pycocotools' pixels) made from the stored polygons / RLE; the
+            same as ``"masks"`` in ``target_keys``.
         min_visible: with a crop decoder (``decode=DecodeRandomResizedCrop(...)``) on a
             detection dataset, keep a box when at least this fraction of it lies in the crop.
         cache_dir / cache_limit / storage_options: for a ``root`` in object storage (``s3://``,
@@ -62,7 +71,8 @@ class PackedDataset(Dataset):
                  transforms: Optional[Callable] = None,
                  target_fields: Union[None, str, Sequence[str]] = None, masks: bool = False,
                  min_visible: float = 0.25, cache_dir: Optional[os.PathLike] = None,
-                 cache_limit: Union[int, str, None] = None, storage_options: Optional[dict] = None):
+                 cache_limit: Union[int, str, None] = None, storage_options: Optional[dict] = None,
+                 target_keys: Union[None, str, Collection[str]] = None):
         cache = None
         if is_url(root):
             if cache_dir is None:
@@ -78,8 +88,9 @@ class PackedDataset(Dataset):
         self.decode = decode
         self.exif_orientation = exif_orientation
         self.schema = dataset_schema(self.manifest)
-        self.make_target = TargetMaker(self.schema, target_fields=target_fields, masks=masks)
-        if masks and decode is not None and hasattr(decode, "decode_crop"):
+        self.make_target = TargetMaker(self.schema, target_fields=target_fields,
+                                       target_keys=target_keys, masks=masks)
+        if self.make_target.masks and decode is not None and hasattr(decode, "decode_crop"):
             raise ValueError("masks=True with a crop decoder is not supported: decode to PIL "
                              "(decode=None) and crop with torchvision.transforms.v2, which "
                              "moves masks with the image")
@@ -89,6 +100,7 @@ class PackedDataset(Dataset):
         self.categories = list(self.manifest.get("categories", []))
         self._labels = read_labels(self.root, self.manifest)  # array('i'): one buffer, not N objects
         self._samples: Optional[Samples] = None
+        self._sizes: Optional[Tuple[array, array]] = None
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -148,12 +160,26 @@ class PackedDataset(Dataset):
 
     def aspect_ratios(self) -> torch.Tensor:
         """width / height of every image (float64), from the side tables."""
-        try:
-            w, h = self.column("width"), self.column("height")
-        except KeyError:
-            raise ValueError(f"{self.root} has no width/height columns (built before packer "
-                             f"format 1.2); rebuild it to group batches by aspect ratio") from None
+        w, h = self.sizes()
         return torch.tensor(w, dtype=torch.float64) / torch.tensor(h, dtype=torch.float64)
+
+    def get_height_and_width(self, index: int) -> Tuple[int, int]:
+        """``(height, width)`` of image ``index`` (the stored image's), from the side tables:
+        torchvision's detection reference groups batches by aspect ratio with it instead of
+        decoding every image (``GroupedBatchSampler``, ``--aspect-ratio-group-factor``)."""
+        w, h = self.sizes()
+        return h[index], w[index]
+
+    def sizes(self) -> Tuple[array, array]:
+        """The width and height columns (read once: a dataset may be asked per index)."""
+        if self._sizes is None:
+            try:
+                self._sizes = self.column("width"), self.column("height")
+            except KeyError:
+                raise ValueError(f"{self.root} has no width/height columns (built before "
+                                 f"packer format 1.2); rebuild it to group batches by aspect "
+                                 f"ratio") from None
+        return self._sizes
 
     def load(self, index: int) -> dict:
         """The raw record: ``image`` bytes, ``path``, ``width``, ``height``, its fields..."""
@@ -181,10 +207,16 @@ class Samples(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
+        index = record_index(index, len(self))
         label = self.labels[index] if len(self.labels) else -1
         return os.path.join(self.source, self.paths[index]), label
+
+    def __eq__(self, other) -> bool:  # as a list: ImageFolder(...).samples == ds.samples
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list, which has no hash
 
     def __repr__(self) -> str:
         return f"<{len(self)} samples under {self.source!r}>"
@@ -206,6 +238,8 @@ def to_sample(rec: dict, decode: Optional[Callable] = None, transform: Optional[
         sample = decode(rec["image"])
     else:
         sample = open_image(rec["image"], exif_orientation=exif_orientation)
+        if exif_orientation and detection:  # the boxes and masks turn with the image
+            target = oriented(target, exif_tag(rec["image"]), rec["width"], rec["height"])
     if transform is not None:
         sample = transform(sample)
     if target_transform is not None:

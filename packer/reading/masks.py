@@ -1,131 +1,191 @@
-"""COCO segmentations (polygons, RLE) to binary masks, with no pycocotools dependency.
+"""COCO segmentations (polygons, RLE) to binary masks: pycocotools' pixels, without it.
 
 The stored segmentation is the JSON's data, unchanged; masks are made only when a dataset
-is asked for them (``PackedDataset(..., masks=True)``). Polygons are filled by the
-pixel-centre rule (pycocotools' rasterizer differs from it on outline pixels only); RLE,
-compressed (COCO's string form) or not, is decoded exactly.
+is asked for them (``PackedDataset(..., masks=True)``), and they are the masks
+``pycocotools.mask.decode(merge(frPyObjects(segmentation, h, w)))`` gives — what
+``annToMask``, COCO evaluation and torchvision's ``wrap_dataset_for_transforms_v2`` use —
+pixel for pixel: polygons rasterised as ``rleFrPoly`` does (``polygons``), RLE (COCO's
+compressed string or a list of run lengths) decoded as ``rleDecode``.
+
+Both become column-major ``[start, end)`` runs, painted for all of an image's objects at
+once (one cumulative sum over ``N x H x W`` bytes, then one transpose to row-major). The
+work is bounded before it starts: ``segmentation_problem`` says why a stored
+segmentation cannot give masks — an image too large, an RLE not of its image, a polygon
+object with more than ``MAX_POLYGON_VERTICES`` vertices, a coordinate beyond
+``MAX_COORDINATE``, or edges crossing more image columns than ``crossing_budget`` allows
+(``docs/security.md``).
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
+from .polygons import Outline, crossings, outline, polygon_intervals
 
-MAX_MASK_PIXELS = 1 << 28  # a mask's height x width: beyond any image packer accepts
+MAX_MASK_PIXELS = 1 << 28        # a mask's height x width: beyond any image packer accepts
+MAX_POLYGON_VERTICES = 100_000   # per object, over all its polygons
+MAX_COORDINATE = float(1 << 22)  # |x|, |y| of a polygon vertex, pixels
+CROSSING_ALLOWANCE = 1 << 20     # column crossings per object beyond height x width / 8
+Parsed = List[Union[torch.Tensor, List[List[float]]]]  # run lengths (RLE) or polygons
 
 
 def segmentation_problem(segmentation: Any, height: int, width: int) -> str:
     """Why ``segmentation`` cannot give masks for a ``height`` x ``width`` image, or "" —
     checked before anything is allocated (the record may come from a stranger)."""
+    return parse(segmentation, height, width)[0]
+
+
+def parse(segmentation: Any, height: int, width: int) -> Tuple[str, Parsed, Optional[Outline]]:
+    """``("", parts, outline)``: per object its run lengths (an RLE) or its polygons, and
+    the outline of the polygon objects (None without any); or ``(problem, [], None)``."""
     if not (isinstance(height, int) and isinstance(width, int) and 0 < height and 0 < width
             and height * width <= MAX_MASK_PIXELS):
-        return f"image size {width}x{height} is not a size masks can be made for"
+        return f"image size {width}x{height} is not a size masks can be made for", [], None
     if not isinstance(segmentation, list):
-        return "segmentation is not a list (one entry per object)"
+        return "segmentation is not a list (one entry per object)", [], None
+    parts: Parsed = []
     for seg in segmentation:
-        if isinstance(seg, dict):
-            size, counts = seg.get("size"), seg.get("counts")
-            if size != [height, width]:
-                return f"an RLE of size {str(size)[:40]} on a {height}x{width} image"
-            if isinstance(counts, str):
-                try:
-                    counts = decode_counts(counts)
-                except (IndexError, ValueError):
-                    return "a compressed RLE string that does not decode"
-            if (not isinstance(counts, list) or not all(isinstance(c, int) and c >= 0
-                                                       for c in counts)
-                    or sum(counts) > height * width):
-                return "RLE counts that are not run lengths within the image"
-        elif not (isinstance(seg, list) and all(
-                isinstance(p, list) and all(isinstance(v, (int, float)) for v in p) for p in seg)):
-            return "a polygon that is not a list of numbers"
+        problem, part = (rle_counts(seg, height, width) if isinstance(seg, dict)
+                         else (polygons_problem(seg), seg))
+        if problem:
+            return problem, [], None
+        parts.append(part)
+    polygons = [(k, p) for k, p in enumerate(parts) if not isinstance(p, torch.Tensor)]
+    if not polygons:
+        return "", parts, None
+    lines = outline(polygons, width)
+    work, budget = int(crossings(lines, len(parts)).max()), crossing_budget(height, width)
+    if work > budget:
+        return (f"a polygon outline crossing {work} pixel columns, more than masks of a "
+                f"{width}x{height} image may cost ({budget})"), [], None
+    return "", parts, lines
+
+
+def rle_counts(seg: dict, height: int, width: int) -> Tuple[str, Optional[torch.Tensor]]:
+    size, counts = seg.get("size"), seg.get("counts")
+    if size != [height, width]:
+        return f"an RLE of size {str(size)[:40]} on a {height}x{width} image", None
+    if isinstance(counts, str):
+        try:
+            counts = counts_tensor(counts)
+        except ValueError:
+            return "a compressed RLE string that does not decode", None
+    elif isinstance(counts, list) and all(type(c) is int and 0 <= c <= height * width
+                                          for c in counts):
+        counts = torch.tensor(counts, dtype=torch.int64)
+    else:
+        counts = None
+    if counts is None or (len(counts) and int(counts.min()) < 0) \
+            or int(counts.sum()) > height * width:
+        return "RLE counts that are not run lengths within the image", None
+    return "", counts
+
+
+def polygons_problem(seg: Any) -> str:
+    if not (isinstance(seg, list) and all(
+            isinstance(p, list) and all(type(v) in (int, float) for v in p) for p in seg)):
+        return "a polygon that is not a list of numbers"
+    vertices = sum(len(p) // 2 for p in seg)
+    if vertices > MAX_POLYGON_VERTICES:
+        return (f"an object of {vertices} polygon vertices (masks are made for at most "
+                f"{MAX_POLYGON_VERTICES})")
+    if not all(-MAX_COORDINATE <= v <= MAX_COORDINATE for p in seg for v in p):
+        return f"a polygon coordinate that is not a number within ±{int(MAX_COORDINATE)} pixels"
     return ""
+
+
+def crossing_budget(height: int, width: int) -> int:
+    """Image-column crossings one object's polygon edges may add up to: mask work in
+    proportion to the image (a real outline crosses each column a few times)."""
+    return height * width // 8 + CROSSING_ALLOWANCE
 
 
 def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
     """``(N, height, width)`` uint8 masks, one per object's segmentation (ValueError for a
     segmentation that cannot be one: see ``segmentation_problem``)."""
-    problem = segmentation_problem(segmentation, height, width)
+    problem, parts, lines = parse(segmentation, height, width)
     if problem:
         raise ValueError(problem)
-    out = torch.zeros((len(segmentation), height, width), dtype=torch.uint8)
-    for k, seg in enumerate(segmentation):
-        if isinstance(seg, dict):
-            out[k] = rle_mask(seg, height, width)
-        elif isinstance(seg, list) and seg:
-            out[k] = polygon_mask(seg, height, width)
-    return out
+    n, hw = len(parts), height * width
+    starts, ends = [], []
+    for k, counts in enumerate(parts):
+        if isinstance(counts, torch.Tensor):
+            stop = counts.cumsum(0)
+            starts.append((stop - counts)[1::2] + k * hw)
+            ends.append(stop[1::2] + k * hw)
+    if lines is not None:
+        s, e = polygon_intervals(lines, height, width)
+        starts.append(s)
+        ends.append(e)
+    none = torch.zeros(0, dtype=torch.int64)
+    flat = paint(torch.cat(starts or [none]), torch.cat(ends or [none]), n * hw)
+    return flat.view(n, width, height).transpose(1, 2).contiguous()  # runs are column-major
 
 
 def polygon_mask(polygons: List[List[float]], height: int, width: int) -> torch.Tensor:
-    """Pixels whose centre lies inside any of the polygons (even-odd rule per polygon), in
-    COCO's continuous coordinates: pixel (x, y) has its centre at (x + 0.5, y + 0.5)."""
-    mask = torch.zeros((height, width), dtype=torch.bool)
-    for poly in polygons:
-        if len(poly) < 6:
-            continue
-        pts = torch.tensor([float(v) for v in poly[: len(poly) // 2 * 2]], dtype=torch.float64)
-        pts = pts.view(-1, 2)
-        r0 = max(0, int(pts[:, 1].min()))
-        r1 = min(height, int(pts[:, 1].max()) + 1)
-        if r0 >= r1:
-            continue
-        x0, y0 = pts[:, 0], pts[:, 1]
-        x1, y1 = pts.roll(-1, 0).unbind(1)
-        y = torch.arange(r0, r1, dtype=torch.float64)[:, None] + 0.5        # (rows, 1)
-        crosses = (y0 > y) != (y1 > y)                                      # (rows, edges)
-        t = (y - y0) / torch.where(y1 == y0, torch.ones_like(y1), y1 - y0)
-        xs = torch.where(crosses, x0 + t * (x1 - x0), torch.full_like(t, float("-inf")))
-        xs = xs.sort(1).values
-        centres = (torch.arange(width, dtype=torch.float64) + 0.5).expand(r1 - r0, width)
-        # Crossings to the right of each pixel centre: odd = inside.
-        right = xs.shape[1] - torch.searchsorted(xs.contiguous(), centres.contiguous(), right=True)
-        mask[r0:r1] |= right % 2 == 1
-    return mask.to(torch.uint8)
+    """One object's polygons as an (height, width) uint8 mask (``annToMask``'s)."""
+    return masks_of([polygons], height, width)[0]
 
 
 def rle_mask(rle: dict, height: int, width: int) -> torch.Tensor:
     """A COCO RLE (column-major runs, starting with zeros) as an (height, width) mask."""
-    counts = rle.get("counts")
-    if isinstance(counts, str):
-        counts = decode_counts(counts)
-    h, w = (rle.get("size") or [height, width])[:2]
-    flat = torch.zeros(h * w, dtype=torch.uint8)
-    pos, value = 0, 0
-    for run in counts or ():
-        run = int(run)
-        if value:
-            flat[pos:pos + run] = 1
-        pos += run
-        value ^= 1
-    mask = flat.view(w, h).t()  # column-major
-    if (h, w) != (height, width):  # an RLE of another size: crop or pad to the image
-        fitted = torch.zeros((height, width), dtype=torch.uint8)
-        hh, ww = min(h, height), min(w, width)
-        fitted[:hh, :ww] = mask[:hh, :ww]
-        mask = fitted
-    return mask.contiguous()
+    return masks_of([rle], height, width)[0]
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:
+    """A flat uint8 array of ``total`` zeros with ones on the union of the half-open
+    intervals ``[starts[i], ends[i])`` (any order, overlapping or empty)."""
+    if len(starts) == 0:
+        return torch.zeros(total, dtype=torch.uint8)
+    starts, order = starts.sort()
+    ends = ends[order].cummax(0).values  # the furthest any interval so far reaches
+    new = torch.ones_like(starts, dtype=torch.bool)
+    new[1:] = starts[1:] > ends[:-1]
+    last = torch.ones_like(new)
+    last[:-1] = new[1:]
+    s, e = starts[new], ends[last]  # disjoint, sorted, apart: every start and end distinct
+    s, e = s[e > s], e[e > s]
+    # +1 where a run of ones starts, -1 (255) where it ends; the running uint8 sum is 0 or 1
+    edges = torch.zeros(total + 1, dtype=torch.uint8)
+    edges[s] = 1
+    edges[e] = 255
+    return edges[:total].cumsum(0, dtype=torch.uint8)
+
+
+# -- compressed RLE strings ------------------------------------------------------------------
+
+def counts_tensor(s: str) -> torch.Tensor:
+    """COCO's compressed RLE string (``rleFrString``): 6-bit characters from 48, 5 bits of
+    value each, 0x20 = more to come, 0x10 in the last = negative; each count after the
+    third is stored as a difference from the one two before. ValueError if it is not one."""
+    try:
+        raw = s.encode("ascii")
+    except UnicodeEncodeError:
+        raise ValueError("a compressed RLE string holds a character that is not ASCII") from None
+    c = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64) - 48 if raw else \
+        torch.zeros(0, dtype=torch.int64)
+    if len(c) and (int(c.min()) < 0 or int(c.max()) > 63 or int(c[-1]) & 0x20):
+        raise ValueError("a compressed RLE string cut short or holding a foreign character")
+    last = c & 0x20 == 0                                      # a count's last character
+    group = torch.cat([c.new_zeros(1), last[:-1].cumsum(0)]) if len(c) else c
+    first = torch.cat([c.new_zeros(1), last.nonzero().flatten()[:-1] + 1]) if len(c) else c
+    k = torch.arange(len(c)) - first[group]                   # character index in its count
+    if len(c) and int(k.max()) > 11:  # 12 characters hold 60 bits: more is no count
+        raise ValueError("a compressed RLE string with a count out of range")
+    x = torch.zeros(int(last.sum()), dtype=torch.int64)
+    x.index_add_(0, group, (c & 0x1F) << (5 * k))
+    ends = last.nonzero().flatten()
+    negative = (c[ends] & 0x10) != 0
+    x -= negative.to(torch.int64) << (5 * (k[ends] + 1))
+    if len(x) > 3:  # counts[m] += counts[m - 2] for m > 2: running sums of each parity
+        x[3::2] = x[1::2].cumsum(0)[1:]
+        x[4::2] = x[2::2].cumsum(0)[1:]
+    return x
 
 
 def decode_counts(s: str) -> List[int]:
-    """COCO's compressed RLE string: 5-bit groups + 48, continuation bit 0x20, sign bit 0x10,
-    each count after the second stored as a difference from the one two before."""
-    counts: List[int] = []
-    i = 0
-    while i < len(s):
-        x, k, more = 0, 0, True
-        while more:
-            if i >= len(s) or k > 12:
-                raise ValueError("a compressed RLE string cut short or out of range")
-            c = ord(s[i]) - 48
-            x |= (c & 0x1F) << (5 * k)
-            more = bool(c & 0x20)
-            i += 1
-            k += 1
-            if not more and c & 0x10:
-                x |= -1 << (5 * k)
-        if len(counts) > 2:
-            x += counts[-2]
-        counts.append(x)
-    return counts
+    """The run lengths a compressed RLE string holds (ValueError if it is not one)."""
+    return counts_tensor(s).tolist()

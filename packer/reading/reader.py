@@ -28,6 +28,18 @@ from ..format.lmdbfile import shard_records
 from ..format.tables import READ_FLAGS, read_offsets
 
 
+def record_index(index, n: int) -> int:
+    """``index`` (negative from the end, as for a list) as a position in ``0..n-1``; an
+    IndexError naming the index given, a TypeError for what is not an integer."""
+    try:
+        i = index.__index__()
+    except AttributeError:
+        raise TypeError(f"record indices must be integers, not {type(index).__name__}") from None
+    if not -n <= i < n:
+        raise IndexError(f"record {i} out of range for a dataset of {n}")
+    return i + n if i < 0 else i
+
+
 class ShardReader:
     """Random access to the records of a dataset (all its shards).
 
@@ -66,11 +78,7 @@ class ShardReader:
 
     def locate(self, index: int) -> Tuple[int, int]:
         """Global index -> (shard number, key within shard)."""
-        n = len(self)
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
-            raise IndexError(f"record {index} out of range for a dataset of {n}")
+        index = record_index(index, len(self))
         shard = bisect.bisect_right(self.starts, index) - 1
         return shard, index - self.starts[shard]
 

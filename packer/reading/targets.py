@@ -1,18 +1,19 @@
 """What ``PackedDataset`` returns beside the image: a record's fields, shaped per task.
 
 - classification: the int label (ImageFolder's target);
-- detection: the dict torchvision's detection references and
-  ``wrap_dataset_for_transforms_v2(CocoDetection(...))`` give — ``boxes`` as
-  ``tv_tensors.BoundingBoxes`` (XYXY, ``canvas_size``), ``labels`` int64, ``image_id``,
-  ``area``, ``iscrowd`` and, when asked, ``masks`` (``tv_tensors.Mask``) — so
-  ``torchvision.transforms.v2`` moves boxes with the image (plain tensors without
-  torchvision);
+- detection: the dict ``wrap_dataset_for_transforms_v2(CocoDetection(...), target_keys)``
+  gives — ``boxes`` as ``tv_tensors.BoundingBoxes`` (XYXY, ``canvas_size``), ``labels``
+  int64 and ``image_id`` by default; ``target_keys`` adds ``area``, ``iscrowd``, ``masks``
+  (``tv_tensors.Mask``), ``segmentation`` or any other stored field (``"all"``: every one),
+  so ``torchvision.transforms.v2`` moves boxes and masks with the image (plain tensors
+  without torchvision);
 - anything else: a dict of the fields (arrays as tensors, text as str), or the fields that
-  ``target_fields`` selects (one name: that value alone).
+  ``target_fields`` selects (one name: that value alone; for any task, in place of the
+  target above).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Collection, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -20,7 +21,14 @@ from ..errors import FormatError
 from ..format.fields import ArrayField, field_of
 from .._util.text import printable
 
-DETECTION_KEYS = ("boxes", "labels", "image_id", "area", "iscrowd")
+DEFAULT_KEYS = ("boxes", "labels", "image_id")  # torchvision's wrapper's default
+DETECTION_KEYS = DEFAULT_KEYS + ("area", "iscrowd")  # what any detection dataset can give
+# The keys in the order a target dict holds them (COCO builds add the last two); then any
+# other stored field.
+KEY_ORDER = DETECTION_KEYS + ("masks", "segmentation")
+PER_OBJECT = ("labels", "area", "iscrowd", "ann_ids", "segmentation")  # one entry per box
+NOT_KEYS = {"bbox": "packer stores 'boxes' (XYXY, clipped to the image) instead",
+            "category_id": "'labels' holds the COCO category ids"}
 TORCH_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
                 "uint16": torch.int32, "int32": torch.int32, "uint32": torch.int64,
                 "int64": torch.int64, "float32": torch.float32, "float64": torch.float64}
@@ -44,9 +52,12 @@ class TargetMaker:
     """Builds targets from records for one dataset's schema (see the module docstring)."""
 
     def __init__(self, schema: dict, *, target_fields: Union[None, str, Sequence[str]] = None,
-                 masks: bool = False):
+                 target_keys: Union[None, str, Collection[str]] = None, masks: bool = False):
         self.task = schema["task"]
         self.fields = {f["name"]: field_of(f) for f in schema["fields"]}
+        if target_fields is not None and target_keys is not None:
+            raise ValueError("pass target_keys (the detection target's keys) or target_fields "
+                             "(stored fields in place of the target), not both")
         if isinstance(target_fields, str):
             names: Optional[List[str]] = [target_fields]
         else:
@@ -57,11 +68,40 @@ class TargetMaker:
                              f"(fields: {', '.join(self.fields) or 'none'})")
         self.single = isinstance(target_fields, str)
         self.names = names
+        self.keys = self.detection_keys(target_keys, masks) if names is None and \
+            self.task == "detection" else ()
+        if target_keys is not None and self.task != "detection":
+            raise ValueError(f"target_keys shapes a detection target; this is a {self.task} "
+                             f"dataset (select its fields with target_fields)")
         if masks and "segmentation" not in self.fields:
             raise ValueError("masks=True needs a dataset with COCO segmentation "
                              "(built with --coco); this one has none")
-        self.masks = masks
+        self.masks = "masks" in self.keys
         self.label_only = self.task == "classification" and list(self.fields) == ["label"]
+
+    def detection_keys(self, target_keys, masks: bool) -> tuple:
+        """The keys of this dataset's detection targets, in ``KEY_ORDER``."""
+        available = [k for k in KEY_ORDER if k not in ("masks", "segmentation")
+                     or "segmentation" in self.fields]
+        available += [n for n in self.fields if n not in KEY_ORDER + ("label",)]
+        if target_keys is None:
+            keys = set(DEFAULT_KEYS)
+        elif target_keys == "all":
+            keys = set(available)
+        elif isinstance(target_keys, str):
+            raise ValueError(f"target_keys must be 'all' or a collection of keys, got "
+                             f"{target_keys!r} (did you mean [{target_keys!r}]?)")
+        else:
+            keys = set(target_keys)
+            extra = sorted(keys - set(available))
+            if extra:
+                why = "; ".join(f"{k}: {NOT_KEYS[k]}" for k in extra if k in NOT_KEYS)
+                raise ValueError(f"target_keys {extra} are not available; this dataset gives "
+                                 f"{', '.join(available)}" + (f" ({why})" if why else ""))
+        if masks:
+            keys.add("masks")
+        return tuple(k for k in available if k in keys) + tuple(
+            k for k in ("masks",) if k in keys and k not in available)
 
     @property
     def detection(self) -> bool:
@@ -94,23 +134,36 @@ class TargetMaker:
         h, w = rec["height"], rec["width"]
         boxes = array_tensor(self.fields["boxes"], rec["boxes"])
         n = len(boxes)
-        out: Dict[str, Any] = {"boxes": wrap_boxes(boxes, (h, w))}
-        out["labels"] = array_tensor(self.fields["labels"], rec["labels"]).to(torch.int64)
-        out["image_id"] = rec["image_id"]
-        for name, dtype in (("area", torch.float32), ("iscrowd", torch.int64)):
+        for name in PER_OBJECT:  # whatever the keys: a record is read whole or refused
             if name in self.fields:
-                out[name] = array_tensor(self.fields[name], rec[name]).to(dtype)
+                f, v = self.fields[name], rec[name]
+                count = f.shape_of(len(v))[0] if isinstance(f, ArrayField) else len(v)
+                if count != n:
+                    raise ValueError(f"{n} boxes but {count} {name}")
+        out: Dict[str, Any] = {}
+        for key in self.keys:
+            if key == "boxes":
+                out[key] = wrap_boxes(boxes, (h, w))
+            elif key == "masks":
+                out[key] = self.masks_of(rec, h, w)
+            elif key in ("labels", "area", "iscrowd"):
+                dtype = torch.float32 if key == "area" else torch.int64
+                out[key] = (array_tensor(self.fields[key], rec[key]).to(dtype)
+                            if key in self.fields else torch.zeros(n, dtype=dtype))
             else:
-                out[name] = torch.zeros(n, dtype=dtype)
-        for name in ("labels", "area", "iscrowd"):
-            if len(out[name]) != n:
-                raise ValueError(f"{n} boxes but {len(out[name])} {name}")
-        if self.masks:
-            from .masks import masks_of
-            m = masks_of(rec["segmentation"], h, w)
-            tv = tv_tensors()
-            out["masks"] = tv.Mask(m) if tv is not None else m
+                out[key] = self.value(key, rec[key])
         return out
+
+    def masks_of(self, rec: Dict[str, Any], h: int, w: int):
+        from .masks import masks_of
+        try:
+            m = masks_of(rec["segmentation"], h, w)
+        except ValueError as e:
+            raise FormatError(f"record {printable(str(rec.get('path')))!s}: its segmentation "
+                              f"cannot be made into masks: {e} (limits: docs/security.md)") \
+                from None
+        tv = tv_tensors()
+        return tv.Mask(m) if tv is not None else m
 
 
 def wrap_boxes(boxes: torch.Tensor, canvas_size) -> torch.Tensor:
@@ -119,3 +172,40 @@ def wrap_boxes(boxes: torch.Tensor, canvas_size) -> torch.Tensor:
     if tv is None:
         return boxes
     return tv.BoundingBoxes(boxes, format="XYXY", canvas_size=tuple(int(s) for s in canvas_size))
+
+
+# EXIF orientation (2-8) as PIL's ``exif_transpose`` applies it: where a point (x, y) of
+# the stored W x H image goes (the function of (x, y, W, H)), and whether the sides swap.
+ORIENTATIONS = {2: (lambda x, y, w, h: (w - x, y), False),
+                3: (lambda x, y, w, h: (w - x, h - y), False),
+                4: (lambda x, y, w, h: (x, h - y), False),
+                5: (lambda x, y, w, h: (y, x), True),
+                6: (lambda x, y, w, h: (h - y, x), True),
+                7: (lambda x, y, w, h: (h - y, w - x), True),
+                8: (lambda x, y, w, h: (y, w - x), True)}
+MASK_FLIPS = {2: [-1], 3: [-1, -2], 4: [-2], 5: [], 6: [-1], 7: [-1, -2], 8: [-2]}  # after .T
+
+
+def oriented(target: Dict[str, Any], orientation: int, width: int, height: int) -> Dict[str, Any]:
+    """A detection target of a stored ``width`` x ``height`` image, moved as its image is by
+    ``exif_transpose`` for this EXIF orientation: boxes (and ``canvas_size``), masks."""
+    if orientation not in ORIENTATIONS:
+        return target
+    move, swap = ORIENTATIONS[orientation]
+    out = dict(target)
+    if "boxes" in target:
+        b = target["boxes"].as_subclass(torch.Tensor)
+        x0, y0 = move(b[:, 0], b[:, 1], width, height)
+        x1, y1 = move(b[:, 2], b[:, 3], width, height)
+        boxes = torch.stack([torch.minimum(x0, x1), torch.minimum(y0, y1),
+                             torch.maximum(x0, x1), torch.maximum(y0, y1)], 1)
+        out["boxes"] = wrap_boxes(boxes, (width, height) if swap else (height, width))
+    if "masks" in target:
+        m = target["masks"].as_subclass(torch.Tensor)
+        m = m.transpose(-1, -2) if swap else m      # (y, x) -> (x, y) first, then the flips
+        flips = MASK_FLIPS[orientation]
+        m = (m.flip(flips) if flips else m).contiguous()
+        tv = tv_tensors()
+        out["masks"] = tv.Mask(m) if tv is not None else m
+    return out
+

@@ -97,8 +97,7 @@ def check_and_rename(f: StagedFile, tmp: Path, target: Path, progress) -> None:
 
 
 def disk_full(path: Path):
-    """A full disk while staging ``path`` -> a PackerError that says a re-run resumes."""
+    """A full disk while staging ``path`` -> a PackerError that says what to do."""
     return disk_full_as(path, lambda free: (
-        f"{path.parent} filled up while staging {path.name} ({human_size(free)} free); files "
-        f"already copied are kept. Make room (a bigger tmpfs: {tmpfs_advice()}) and re-run the "
-        f"same command to resume"))
+        f"{path.parent} filled up while staging {path.name} ({human_size(free)} free). Make "
+        f"room (a bigger tmpfs: {tmpfs_advice()}) and re-run the same command"))

@@ -1,4 +1,5 @@
-"""Staging: copy a finished dataset to fast storage (a tmpfs, ``/dev/shm``) and undo it.
+"""Staging: copy a finished dataset to fast storage (a tmpfs, ``/dev/shm``); ``unstager.py``
+undoes it.
 
 The copy is crash safe by the same rule as the build: each file is copied whole under a
 temporary name (``.NAME.staging``), hashed while it is copied and verified against the
@@ -14,7 +15,6 @@ writes a manifest with rewritten paths, so TARGET is self-contained and
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -30,14 +30,15 @@ from tqdm.auto import tqdm
 from .. import __version__
 from .._util.system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
-from .._util.fsio import LOCK_NAME, FolderLock, fsync_dir, remove_own, write_json_atomic
+from .._util.fsio import FolderLock, check_folder, fsync_dir, write_json_atomic
 from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256, read_manifest, set_table, shard_file, side_tables
 from ..storage import RemoteDataset, is_url
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
-from .results import RAM_FS, StageResult, UnstageResult
+from .results import RAM_FS, StageResult
+from .unstager import (STAGE_LOCK, STAGE_MARKER, previous_names, read_marker, remove_folders,
+                       remove_staged, unstage, vanishing, write_marker)
 
-STAGE_MARKER = ".packer-stage.json"   # written first, kept: says "packer staged this folder"
-STAGE_LOCK = LOCK_NAME                # flock'ed while staging or unstaging: one at a time
+__all__ = ["STAGE_LOCK", "STAGE_MARKER", "check_space", "stage", "staging_plan", "unstage"]
 
 
 def space_margin(need: int) -> int:
@@ -59,7 +60,9 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     Args:
         src: a finished dataset (built or merged): a folder, or a URL (``s3://``, ``gs://``...).
         target: where to put the copy, typically ``/dev/shm/NAME`` or a tmpfs mount; created
-            if missing. It may hold other files, but not a dataset that was not staged.
+            (parents too; ``unstage`` removes what it created) if missing. An existing
+            ``target`` must be empty or a staged copy (of this or another dataset): staging
+            never writes into a folder that holds other things (``/dev/shm`` itself).
         progress: show a bytes progress bar (tqdm).
         verify: hash files already in ``target`` before keeping them, and re-read each copied
             file from ``target`` to check it against the manifest. With ``verify=False``
@@ -69,44 +72,82 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
 
     Returns a ``StageResult``; ``print(result.message())`` tells the user where the data is.
     Raises ``PackerError`` for an incomplete source, a target that is not safe to write, or
-    not enough free space (checked before anything is written).
+    not enough free space (checked before anything is written). A stage that fails once it
+    has started writing removes what staging wrote in ``target``; an interrupted one (Ctrl-C)
+    keeps it, so that the same call resumes (or ``unstage`` removes it).
     """
     t0 = time.perf_counter()
     src, target = (RemoteDataset(src, storage_options) if is_url(src) else Path(src)), Path(target)
     man = read_manifest(src) if isinstance(src, Path) else src.read_manifest()
     plan = staging_plan(src, man)
-    if target.exists() and not target.is_dir():
-        raise PackerError(f"{target} exists and is not a folder; pick a folder to stage into")
-    created = not target.exists()
+    name = os.path.basename(str(src.resolve()).rstrip("/")) or "data"  # a folder's or a URL's
+    check_folder(target, marks=(STAGE_MARKER, MANIFEST), leftovers=(STAGE_LOCK,),
+                 fix=f"stage into a folder of its own, e.g. {target / name}")
+    made = [p for p in [target] + list(target.absolute().parents) if not p.exists()]
     try:
-        with _vanishing(target):
+        with vanishing(target):
             _refuse_unsafe_target(src, target, plan)
             target.mkdir(parents=True, exist_ok=True)
             with FolderLock(target, f"packer stage {src} into {target}"):
-                return _stage_locked(src, target, man, plan, progress, verify, t0)
+                return _stage_locked(src, target, man, plan, progress, verify, t0, len(made) - 1)
     except BaseException:
-        if not (target / STAGE_MARKER).exists():  # refused before writing anything: tidy up
-            if created:
-                try:
-                    target.rmdir()
-                except OSError:
-                    pass
+        if made and not (target / STAGE_MARKER).exists():  # nothing staged is left: tidy up
+            remove_folders(target, len(made) - 1)
         raise
 
 
 def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], progress: bool,
-                  verify: bool, t0: float) -> StageResult:
+                  verify: bool, t0: float, parents: int) -> StageResult:
     _refuse_unsafe_target(src, target, plan)  # again, under the lock
     result = StageResult(source=src, target=target, fstype=fs_type(target),
                          swap=meminfo().get("SwapTotal", 0) > 0)
     staged_manifest = _staged_manifest(src, man, plan)
-    previous = _previous_names(target)
+    previous = previous_names(target)
     wanted = {f.name for f in plan} | {MANIFEST}
 
     _refuse_foreign(target, wanted - previous)
     # What is already there and right, what must be (re)copied, what must go.
     stale = sorted(n for n in previous - wanted if (target / n).exists())
     temps = sorted(f".{n}{TMP_SUFFIX}" for n in previous if os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
+    todo, doomed = _sort_out(target, plan, verify, progress, result)
+    manifest_ok = not todo and not stale and _same_manifest(target, staged_manifest)
+    result.bytes_total = sum(f.bytes for f in plan)
+    if manifest_ok and not temps:
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    need = sum(f.bytes for f in todo) + _json_size(staged_manifest)
+    freeable = sum(_size(target / n) or 0 for n in doomed + stale + temps)
+    check_space(target, need, freeable, result.fstype)
+
+    # From here on TARGET changes: first make sure nothing accepts it as complete.
+    parents = max(parents, read_marker(target)["parents"] if previous else 0)
+    write_marker(target, src, sorted(wanted | previous), parents)
+    try:
+        if (target / MANIFEST).exists():
+            (target / MANIFEST).unlink()
+            fsync_dir(target)
+        for name in temps + doomed + stale:
+            (target / name).unlink(missing_ok=True)
+        result.removed = sorted(set(doomed + stale))
+        _copy(todo, target, verify, progress, result)
+        with disk_full(target / MANIFEST):
+            write_json_atomic(target / MANIFEST, staged_manifest)
+        write_marker(target, src, sorted(wanted), parents)
+    except Exception as e:  # not Ctrl-C: an interrupted copy is kept for the re-run
+        remove_staged(target)
+        if isinstance(e, PackerError):
+            raise type(e)(f"{e} (what staging had written in {target} was removed)") from e
+        raise
+    result.wrote_manifest = True
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool,
+              result: StageResult) -> Tuple[List[StagedFile], List[str]]:
+    """(files to copy, names to delete first): a file already in TARGET is kept when its size
+    (and, with ``verify``, its checksum) matches the manifest."""
     todo: List[StagedFile] = []
     doomed: List[str] = []
     sizes = {f.name: _size(target / f.name) for f in plan}
@@ -126,36 +167,23 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
         else:
             todo.append(f)
             doomed.append(f.name)
-    manifest_ok = not todo and not stale and _same_manifest(target, staged_manifest)
-    result.bytes_total = sum(f.bytes for f in plan)
-    if manifest_ok and not temps:
-        result.seconds = time.perf_counter() - t0
-        return result
+    return todo, doomed
 
-    need = sum(f.bytes for f in todo) + _json_size(staged_manifest)
-    freeable = sum(_size(target / n) or 0 for n in doomed + stale + temps)
-    check_space(target, need, freeable, result.fstype)
 
-    # From here on TARGET changes: first make sure nothing accepts it as complete.
-    _write_marker(target, src, sorted(wanted | previous))
-    if (target / MANIFEST).exists():
-        (target / MANIFEST).unlink()
-        fsync_dir(target)
-    for name in temps + doomed + stale:
-        (target / name).unlink(missing_ok=True)
-    result.removed = sorted(set(doomed + stale))
-
-    bar = _bar(progress, sum(f.bytes for f in todo) * (2 if verify else 1),
-               f"staging to {target.name or target}")
-    # Copy file k+1 while a second thread re-reads and checks file k. If a copy fails (or
-    # Ctrl-C), the checks already queued still finish, so a re-run keeps those files.
+def _copy(todo: List[StagedFile], target: Path, verify: bool, progress: bool,
+          result: StageResult) -> None:
+    """Copy file k+1 while a second thread re-reads and checks file k. If a copy fails (or
+    Ctrl-C), the checks already queued still finish, so a re-run keeps those files. The bar
+    counts the data once: with ``verify`` its copy and its check are half each."""
+    bar = _bar(progress, sum(f.bytes for f in todo), f"staging to {target.name or target}")
+    share = (lambda n: bar.update(n / 2)) if verify else bar.update
     checks: List[Tuple[StagedFile, Future]] = []
     try:
         with ThreadPoolExecutor(1) as checker:
             for f in todo:
-                tmp = copy_file(f, target, bar.update)
+                tmp = copy_file(f, target, share)
                 checks.append((f, checker.submit(check_and_rename, f, tmp, target,
-                                                 bar.update if verify else None)))
+                                                 share if verify else None)))
             for f, fut in checks:
                 fut.result()
                 result.copied.append(f.name)
@@ -167,12 +195,6 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     finally:
         bar.close()
     fsync_dir(target)
-    with disk_full(target / MANIFEST):
-        write_json_atomic(target / MANIFEST, staged_manifest)
-    _write_marker(target, src, sorted(wanted))
-    result.wrote_manifest = True
-    result.seconds = time.perf_counter() - t0
-    return result
 
 
 def staging_plan(src: Path, man: dict) -> List[StagedFile]:
@@ -241,17 +263,6 @@ def _refuse_unsafe_target(src: Path, target: Path, plan: List[StagedFile]) -> No
                               f"pick an empty folder")
 
 
-@contextlib.contextmanager
-def _vanishing(target: Path):
-    """A file or TARGET itself removed under us (a concurrent unstage before we held the lock,
-    or someone else) is a PackerError saying so, not a raw FileNotFoundError."""
-    try:
-        yield
-    except (FileNotFoundError, FileExistsError) as e:  # FileExistsError: mkdir racing rmdir
-        raise PackerError(f"{e.filename or target} changed while packer worked in {target} "
-                          f"(another process removing it?); re-run when it is done") from None
-
-
 def _refuse_foreign(target: Path, names: set) -> None:
     """Staging writes these names but no earlier staging wrote them: if TARGET has any (or
     their temp names), they are someone else's, and are never replaced."""
@@ -261,18 +272,6 @@ def _refuse_foreign(target: Path, names: set) -> None:
         raise PackerError(f"{target} holds files that staging did not write but would replace "
                           f"({', '.join(foreign[:5])}); packer never replaces or deletes files it "
                           f"did not write. Move them away or stage into an empty folder")
-
-
-def _previous_names(target: Path) -> set:
-    """Names a previous staging run wrote in TARGET: what its marker lists, and nothing else
-    (the only files staging will ever replace or delete)."""
-    marker = _read_json(target / STAGE_MARKER)
-    names = set()
-    if isinstance(marker, dict) and isinstance(marker.get("files"), list):
-        names.update(n for n in marker["files"] if _plain_name(n))
-    names.discard(STAGE_MARKER)
-    names.discard(STAGE_LOCK)
-    return names
 
 
 def check_space(target: Path, need: int, freeable: int, fstype: str) -> None:
@@ -297,67 +296,7 @@ def check_space(target: Path, need: int, freeable: int, fstype: str) -> None:
                     f"killer. Free memory, or train from the disk copy")
 
 
-# -- unstage ---------------------------------------------------------------------------------
-
-def unstage(target: os.PathLike) -> UnstageResult:
-    """Remove what ``stage`` put in ``target`` (then the folder, if that leaves it empty).
-
-    Refuses a folder that is not a staged packer dataset: a build output, or anything else,
-    is never deleted by this function.
-    """
-    target = Path(target)
-    with _vanishing(target):
-        return _unstage(target)
-
-
-def _unstage(target: Path) -> UnstageResult:
-    if not target.is_dir():
-        raise PackerError(f"{target} is not a folder; nothing to unstage")
-    marker = target / STAGE_MARKER
-    staged_manifest = False
-    if (target / MANIFEST).exists():
-        try:
-            staged_manifest = "staged" in read_manifest(target)
-        except PackerError:
-            staged_manifest = False
-        else:
-            if not staged_manifest:
-                raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
-                                  f"output?); unstage removes staged copies only")
-    if not marker.exists():
-        raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER}, which "
-                          f"lists what staging wrote); refusing to delete anything there")
-    with FolderLock(target, f"packer unstage {target}"):
-        names = _previous_names(target)
-        removed, freed = [], 0
-        # The manifest goes first, so a half-removed dataset is never taken for a whole one.
-        ordered = [MANIFEST] if MANIFEST in names else []
-        ordered += sorted(names - {MANIFEST})
-        ordered += [f".{n}{TMP_SUFFIX}" for n in sorted(names)]
-        ordered += [MANIFEST + ".tmp", STAGE_MARKER + ".tmp", STAGE_MARKER]
-        for name in ordered:
-            p = target / name
-            if os.path.lexists(p) and not p.is_dir():
-                freed += p.lstat().st_size
-                remove_own(target, name)
-                removed.append(name)
-    removed_dir = False
-    try:
-        target.rmdir()
-        removed_dir = True
-    except OSError:
-        pass
-    return UnstageResult(target=target, removed=removed, bytes_freed=freed, removed_dir=removed_dir)
-
-
 # -- helpers ---------------------------------------------------------------------------------
-
-def _write_marker(target: Path, src: Path, files: List[str]) -> None:
-    with disk_full(target / STAGE_MARKER):
-        write_json_atomic(target / STAGE_MARKER, {
-            "what": "packer staged dataset; `packer unstage` removes the files listed here",
-            "from": str(src.resolve()), "files": files, "packer_version": __version__})
-
 
 def _same_manifest(target: Path, staged: dict) -> bool:
     try:
@@ -366,20 +305,8 @@ def _same_manifest(target: Path, staged: dict) -> bool:
         return False
 
 
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
 def _json_size(obj) -> int:
     return len(json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")) + 1
-
-
-def _plain_name(name) -> bool:
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
-            and "\\" not in name and "\0" not in name)
 
 
 def _size(path: Path) -> Optional[int]:

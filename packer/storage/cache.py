@@ -17,7 +17,11 @@ are evicted before the next download. The side tables and the manifest are fetch
 """
 from __future__ import annotations
 
-import fcntl
+try:
+    import fcntl
+except ImportError:  # Windows: a ShardCache says so when made; importing this works
+    fcntl = None
+
 import hashlib
 import os
 import re
@@ -29,6 +33,7 @@ from copy import deepcopy
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
+from .._util.fsio import lock_module
 from .._util.system import human_size
 from ..errors import PackerError
 from ..format.manifest import set_table, side_tables
@@ -61,6 +66,7 @@ class ShardCache:
 
     def __init__(self, url: str, cache_dir: os.PathLike, cache_limit: Union[int, str, None] = None,
                  storage_options: Optional[Dict[str, Any]] = None, *, prefetch_workers: int = 2):
+        lock_module()  # no fcntl (Windows): one PackerError saying so
         self.store = Store(url, storage_options)
         self.limit = parse_size(cache_limit)
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", self.store.shown.split("://", 1)[-1])[-60:].strip("-.")

@@ -67,6 +67,7 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
     build's share (join the parts with ``merge``); ``strict``: fail on the first bad image or
     annotation; ``overwrite``: replace a finished dataset in ``dst``; ``max_pixels``: skip
     larger images."""
+    journal.check_dst(dst)  # before anything is written: packer writes only where asked
     t0 = time.perf_counter()
     source, dst = as_source(source), Path(dst)
     workers = usable_cores() if workers is None else as_engine(workers)

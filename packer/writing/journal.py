@@ -17,7 +17,7 @@ from typing import Iterable, List, Optional, Sequence
 
 import msgpack
 
-from .._util.fsio import fsync_dir, remove_own, write_json_atomic
+from .._util.fsio import LOCK_NAME, check_folder, fsync_dir, remove_own, write_json_atomic
 from ..errors import PackerError
 from ..format.manifest import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, side_tables
 from ..format.validation import is_plain_name
@@ -166,3 +166,11 @@ def remove_leftovers(dst: Path, keep: set) -> None:
     for name in packer_names(dst):
         if name not in keep and (name.startswith(".") or name.startswith("shard-")):
             remove_own(dst, name)
+
+
+def check_dst(dst) -> None:
+    """Refuse, before anything is written, a ``dst`` that build, merge or write must not
+    write into: a file, a folder that cannot be created, or a non-empty folder holding
+    neither a packer dataset nor the journal of packer's own unfinished run."""
+    check_folder(dst, marks=(MANIFEST, JOURNAL), leftovers=(LOCK_NAME, JOURNAL + ".tmp"),
+                 fix="pick a new or empty folder for the dataset, or move those files away")

@@ -32,6 +32,7 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
     file), parts with different classes, labels outside the classes, a ``dst`` that is a
     part, and an existing dataset in ``dst`` unless ``overwrite``.
     """
+    journal.check_dst(dst)  # before anything is written: packer writes only where asked
     dst = Path(dst)
     if not parts:
         raise PackerError("merge needs at least one part")

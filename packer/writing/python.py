@@ -84,6 +84,7 @@ class DatasetWriter:
                  shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
                  transcode: Optional[Transcode] = None, max_pixels: int = DEFAULT_MAX_PIXELS,
                  strict: bool = False, overwrite: bool = False):
+        journal.check_dst(dst)  # before anything is written: packer writes only where asked
         if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
             raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}")
         if task is not None and task not in TASKS:

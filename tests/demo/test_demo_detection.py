@@ -125,7 +125,7 @@ def test_compare_targets_names_what_differs():
 def test_coco_folder_targets_equal_packed_for_every_index(coco):
     root, dst = coco
     folder = CocoFolderDataset(root / "images", root / "annotations.json")
-    packed = PackedDataset(dst)
+    packed = PackedDataset(dst, target_keys=DETECTION_KEYS)
     assert len(folder) == len(packed) == 24
     assert folder.ids == sorted(folder.ids) and folder.categories[0]["id"] == 1
     empty = 0
@@ -142,7 +142,7 @@ def test_coco_folder_targets_equal_packed_for_every_index(coco):
 def test_boxes_move_the_same_way(coco, decode):
     root, dst = coco
     folder = CocoFolderDataset(root / "images", root / "annotations.json", decode=decode)
-    packed = PackedDataset(dst, decode=decode)
+    packed = PackedDataset(dst, decode=decode, target_keys=DETECTION_KEYS)
     for i in range(len(packed)):
         random.seed(i)  # the same crop and flip for both
         im, want = packed[i]

@@ -124,3 +124,20 @@ def test_crops_move_boxes_on_gpu(det):
 @cuda
 def test_letterbox_on_gpu(det):
     check_letterbox(det, "cuda")
+
+
+def test_target_keys_follow_the_kept_boxes(det):
+    """What ``target_keys`` asks the dataset for crosses the GPU path, cut with the boxes;
+    masks (which a crop cannot move here) are refused with a clear error."""
+    keys = ["boxes", "labels", "image_id", "area", "iscrowd"]
+    ds = PackedDataset(det, target_keys=keys)
+    dec = GPUDecoder(make_gpu_loader(ds, 6, num_workers=0, shuffle=False), size=SIZE,
+                     device="cpu", dtype=torch.uint8, seed=0, train=False,
+                     options=GPUOptions(overlap=0, decoder=pil_decoder))
+    want = [ds[i][1] for i in range(len(ds))]
+    got = [t for _, targets in dec for t in targets]
+    assert [list(t) for t in got] == [keys] * len(want)
+    for g, w in zip(got, want):
+        assert len(g["area"]) == len(g["iscrowd"]) == len(g["boxes"]) <= len(w["boxes"])
+    with pytest.raises(Exception, match="not masks"):
+        next(iter(make_gpu_loader(PackedDataset(det, target_keys="all"), 6, num_workers=0)))

@@ -53,6 +53,10 @@ from .common import Size, library_errors, warnings_as_lines
                    "files; a dataset under 256 of them gets ~256 smaller shards (>= 4M).")
 @click.option("--workers", "-j", type=int, default=None,
               help="Processes that read and check images [default: all usable cores].")
+@click.option("--ray", "on_ray", is_flag=True,
+              help="Write the shards as tasks on a Ray cluster (RAY_ADDRESS's, else a new local "
+                   "one) instead of --workers processes; DST must be at the same path on every "
+                   "node. The same dataset (docs/distributed.md).")
 @click.option("--max-side", type=click.IntRange(min=16),
               help="Transcode: downscale so the longer side is at most N px.")
 @click.option("--short-side", type=click.IntRange(min=16),
@@ -77,8 +81,8 @@ from .common import Size, library_errors, warnings_as_lines
                    "seconds, resumed_shards, skipped, dropped_count, dropped).")
 @library_errors
 def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, label_column,
-          allow_empty, extensions, shard_size, workers, max_side, short_side, quality, shuffle, seed, part,
-          strict, max_pixels, overwrite, quiet, as_json):
+          allow_empty, extensions, shard_size, workers, on_ray, max_side, short_side, quality,
+          shuffle, seed, part, strict, max_pixels, overwrite, quiet, as_json):
     """Pack the image folder SRC into LMDB shards in DST.
 
     SRC is laid out as torchvision's ImageFolder expects (SRC/CLASS/.../IMAGE): classes are
@@ -104,13 +108,17 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     """
     from ..writing.builder import build as run_build
     from ..writing.check import DEFAULT_MAX_PIXELS, Transcode
+    if on_ray and workers is not None:
+        raise click.UsageError("--ray and --workers exclude each other (Ray runs a task per "
+                               "cluster CPU)")
     source = build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
                           label_column, allow_empty, extensions)
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
     with warnings_as_lines(), flag_words():
-        result = run_build(source, dst, shard_size=shard_size, workers=workers,
+        result = run_build(source, dst, shard_size=shard_size,
+                           workers="ray" if on_ray else workers,
                            transcode=transcode, shuffle=shuffle, seed=seed, part=part,
                            strict=strict, overwrite=overwrite,
                            max_pixels=max_pixels or DEFAULT_MAX_PIXELS,

@@ -44,13 +44,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 VARIANTS = ("dali", "dali_hw99", "packer", "packer_pinned3", "packer_cpu")
-MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
-STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
-
-
-def cores() -> int:
-    from packer._util.system import usable_cores
-    return usable_cores()
+MEAN, STD = [0.485 * 255, 0.456 * 255, 0.406 * 255], [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
 # -- the children: one variant, one window ----------------------------------------------------
@@ -159,8 +153,9 @@ def child(a) -> dict:
         extra["backend"] = g.backend
     return {"variant": a.variant, "rate": n / (t1 - t0), "images": n, "seconds": t1 - t0,
             "batches": a.batches, "epoch_boundaries": boundaries, "gap_ms": percentiles(gaps),
-            "startup_s": t_first - t_start, "warmup_s": t0 - t_first,
-            "gpu": torch.cuda.get_device_name() if cuda else "cpu", **extra}
+            "startup_s": t_first - t_start, "warmup_s": t0 - t_first, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), **extra}
 
 
 # -- the parent: data, rounds, table ----------------------------------------------------------
@@ -199,9 +194,10 @@ def dali_missing(a):
     if a.dry_run:
         return "dry run (CPU)"
     try:
-        if importlib.util.find_spec("nvidia.dali") is None:
-            return "nvidia.dali is not importable"
+        found = importlib.util.find_spec("nvidia.dali") is not None
     except ImportError:
+        found = False
+    if not found:
         return "nvidia.dali is not importable"
     import torch
     return None if torch.cuda.is_available() else "no CUDA device"
@@ -226,7 +222,7 @@ def run_child(a, name: str) -> dict:
     return res
 
 
-def summarize(runs: dict, rounds: int) -> tuple:
+def summarize(runs: dict) -> tuple:
     """Per variant: median, min, max, spread, and ratios to the baseline (dali if it ran)."""
     ok = {v: [r.get("rate") for r in rs] for v, rs in runs.items()}
     base = "dali" if any(ok.get("dali", [])) else next((v for v in ok if any(ok[v])), None)
@@ -247,7 +243,7 @@ def summarize(runs: dict, rounds: int) -> tuple:
     return base, summary
 
 
-def table(base: str, summary: dict, rounds: int) -> str:
+def table(base: str, summary: dict) -> str:
     f = lambda x: f"{x:,.0f}" if x else "-"  # noqa: E731
     r = lambda x: f"{x:.2f}" if x else "-"  # noqa: E731
     lines = [f"| variant | median img/s | min-max | ± % | rounds | x {base} per round | "
@@ -262,15 +258,15 @@ def table(base: str, summary: dict, rounds: int) -> str:
 
 def parent(a) -> int:
     t_all = time.perf_counter()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"args": vars(a).copy(), "data": make_data(a), "cores": a.cpus,
-               "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
     wanted = a.only.split(",") if a.only else list(VARIANTS)
     unknown = [v for v in wanted if v not in VARIANTS and not
                (v.startswith("workers") and v[7:].isdigit())]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS} and workers<N>")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"args": vars(a).copy(), "data": make_data(a), "cores": a.cpus,
+               "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
     why = dali_missing(a)
     results["skipped"] = {v: why for v in wanted if v.startswith("dali") and why}
     names = [v for v in wanted if v not in results["skipped"]]
@@ -284,10 +280,16 @@ def parent(a) -> int:
             runs[v].append(res)
             print(f"round {k + 1} {v}: " + (f"{res['rate']:,.0f} img/s, gaps {res['gap_ms']}"
                   if "rate" in res else res["error"] + "\n" + res["tail"]), flush=True)
-            base, results["summary"] = summarize(runs, a.rounds)
+            base, results["summary"] = summarize(runs)
             results["baseline"], results["wall_s"] = base, time.perf_counter() - t_all
             (out / "results.json").write_text(json.dumps(results, indent=1))
-    md = table(results["baseline"], results["summary"], a.rounds)
+    first = next((r for rs in runs.values() for r in rs if "gpu" in r), {})
+    d = results["data"]
+    md = (f"{first.get('gpu', '?')}, {a.cpus} cores, torch {first.get('torch', '?')}; {d['images']} "
+          f"JPEGs, {d['bytes_per_image'] / 1024:.1f} KiB each; batch {a.batch}, {a.warmup} warm-up "
+          f"+ {a.batches} timed batches per process, {a.rounds} rounds; "
+          f"{time.perf_counter() - t_all:.0f} s in all\n\n")
+    md += table(results["baseline"], results["summary"])
     md += "".join(f"\n{v}: skipped ({why})" for v, why in results["skipped"].items())
     (out / "results.md").write_text(md + "\n")
     print("\n" + md, flush=True)
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--root", default="/tmp/packer-gpu-steady", help="where the data is made")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu-steady-out")
     p.add_argument("--cpus", type=int, default=None, help="processes making the data")
-    p.add_argument("--child-timeout", type=int, default=300, help="seconds per variant run")
+    p.add_argument("--child-timeout", type=int, default=150, help="seconds per variant run")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--src", help=argparse.SUPPRESS)
@@ -322,7 +324,8 @@ def main(argv=None) -> int:
     if a.dry_run:
         a.images, a.classes, a.batch, a.warmup, a.batches, a.size = 160, 4, 16, 3, 36, 32
         a.rounds = min(a.rounds, 2)
-    a.cpus = a.cpus or cores()
+    from packer._util.system import usable_cores
+    a.cpus = a.cpus or usable_cores()
     return parent(a)
 
 

@@ -42,7 +42,8 @@ from packer._util.system import pil_summary
 from packer.writing.builder import build
 from packer.sources import Coco
 from packer.loading.loader import default_num_workers
-from packer.bench.coldread import SlowDisk, drop_page_cache, storage
+from packer.bench.coldread import drop_page_cache, storage
+from benchlib.slowdisk import SlowDisk
 from benchlib.detectionbuild import add_rows, build_section
 from benchlib.gpu_common import pil_decoder, sync
 

@@ -151,7 +151,8 @@ def loader_dataset(spec: dict):
 def loader_pass(spec: dict, batch_size: int, workers: int) -> float:
     """images/s of one epoch of ``spec``'s loader after its first wave of batches (module
     level: ``SlowDisk.run`` calls it in a fresh process inside the throttled cgroup)."""
-    from packer.demo.detection import detection_loader, loader_rate
+    from packer.demo.detection import detection_loader
+    from packer.demo.run import loader_rate
     ds, sampler = loader_dataset(spec)
     ds[0]  # the target's types imported here before timing (torchvision: ~2 s in a fresh
     # process, during which the workers ran ahead and the timed rest looked 3x too fast)

@@ -104,7 +104,7 @@ class GPUDecoder(LoaderView):
         self._gen = torch.Generator()
         self._gen.manual_seed(seed if seed is not None else int(torch.randint(1 << 62, ()).item()))
         self.stats = DecodeStats()
-        self.streams = [None] * (self.decode_threads + 1)  # decode thread(s), then augment
+        self.streams = [None] * self.decode_threads
         if self.device.type == "cuda":
             self.streams = [torch.cuda.Stream(self.device) for _ in self.streams]
             for st in self.streams:  # the constants were written on the current stream

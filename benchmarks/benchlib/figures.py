@@ -26,13 +26,15 @@ from torch.utils.data import Subset
 
 from packer._util.system import usable_cores
 from packer.bench.build import DECODE, DECODE_LOADED, GOAL as BUILD_GOAL, build_variants, time_builds
-from packer.bench.efficiency import MIN_BATCHES_PER_WORKER, core_rates, steady_rate
+from packer.bench.efficiency import core_rates, steady_rate
 from packer.bench.epochs import VARIANTS, EpochRun, loader_batch_time, one_run
 from packer.demo import make_image_folder
 from packer.loading.loader import default_num_workers, make_loader
 from packer.reading.dataset import PackedDataset
 from packer.reading.sampler import PackedSampler
 from packer.transforms.decode import DecodeRandomResizedCrop
+
+MIN_BATCHES_PER_WORKER = 32  # long enough for a steady state (docs/benchmarks.md)
 
 
 # -- build ----------------------------------------------------------------------------------

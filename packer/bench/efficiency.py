@@ -14,7 +14,6 @@ from ..loading.loader import make_loader
 from ..reading.sampler import PackedSampler
 
 GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
-MIN_BATCHES_PER_WORKER = 32  # long enough for a steady state (docs/benchmarks.md)
 
 
 def one_core_rate(ds, indices: List[int]) -> float:

@@ -34,12 +34,9 @@ def one_core_rate(ds, indices: List[int]) -> float:
 
 def steady_rate(batches: Iterable, workers: int) -> float:
     """images/s of ``batches`` ((images, labels) pairs) in the steady state: from the end of
-    the first wave of batches (one per worker, ``max(1, workers)``) to the start of the last.
-    The first wave arrives all together after start-up (counting it overstated the rate: 16
-    workers over 1,024 images, 4.7), and in the last one workers run out of work one by one
-    while the last batches finish (counting it understates the rate); an epoch of a real
-    dataset is hundreds of waves long. A run shorter than two waves and a batch is timed whole
-    from its start, start-up included."""
+    the first wave of batches (one per worker, which all arrive together after start-up) to the
+    start of the last (where workers run out of work one by one). A run shorter than two waves
+    is timed whole, start-up included."""
     wave = max(1, workers)
     arrivals = [(time.perf_counter(), 0)]  # (time, images) of the start, then of each batch
     for x, _ in batches:

@@ -1,5 +1,6 @@
 """The package's shape, checked from its source (ast; nothing is imported): no import cycles,
 no private name imported across modules, no function over 80 lines outside Triton kernels,
+the module map of docs/architecture.md (every package, what each may import) matches the tree,
 and ``packer/__init__.py``'s three lists of the public API agree."""
 from __future__ import annotations
 

@@ -136,7 +136,9 @@ class PackedSampler(Sampler[int]):
     """Seeded, DDP-exact, O(1)-resumable sampler for ``PackedDataset`` (any ``Sized`` works).
 
     Args:
-        dataset: anything with ``len()``; only its length is used.
+        dataset: anything with ``len()``; only its length is used. A ``Mixture`` (anything
+            with ``epoch_order(seed, epoch, shuffle)`` and ``epoch_size``) supplies each
+            epoch's order itself, its sources weighted (``order`` must stay "random").
         shuffle: ``False`` gives ``0, 1, 2, ...`` (still split across ranks).
         seed: with the epoch, fixes the order on every machine. Use the same on all ranks.
         num_replicas / rank: default to torch.distributed's world size and rank (1 and 0 when
@@ -180,7 +182,11 @@ class PackedSampler(Sampler[int]):
                  drop_last: bool = False, order: str = "random", *,
                  block_size: int = 256, window: int = 16, aspect_groups: Optional[int] = None,
                  batch_size: Optional[int] = None):
-        self.size = len(dataset)
+        self.mixture = dataset if hasattr(dataset, "epoch_order") else None
+        self.size = dataset.epoch_size if self.mixture is not None else len(dataset)
+        if self.mixture is not None and order != "random":
+            raise ValueError(f"order={order!r} does not apply to a Mixture, which orders its "
+                             f"epochs itself: leave order='random'")
         self.groups = None
         if aspect_groups is not None:
             if not isinstance(batch_size, int) or batch_size < 1:
@@ -208,8 +214,12 @@ class PackedSampler(Sampler[int]):
     def permutation(self) -> torch.Tensor:
         """This epoch's global order (cached; int64 tensor)."""
         if self._cache is None or self._cache[:2] != (self.epoch, self.seed):
-            perm = global_order(self.size, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
-                                order=self.order, block_size=self.block_size, window=self.window)
+            if self.mixture is not None:
+                perm = self.mixture.epoch_order(self.seed, self.epoch, self.shuffle)
+            else:
+                perm = global_order(self.size, seed=self.seed, epoch=self.epoch,
+                                    shuffle=self.shuffle, order=self.order,
+                                    block_size=self.block_size, window=self.window)
             if self.groups is not None:
                 perm = grouped_order(perm, self.groups, self.batch_size * self.num_replicas,
                                      seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)

@@ -275,3 +275,9 @@ def test_bad_arguments_say_what_to_do(roots):
     state = PackedSampler(Mixture([range(3)], epoch_size=10)).state_dict()
     with pytest.raises(ValueError, match="10 samples"):
         PackedSampler(Mixture([range(3)], epoch_size=11)).load_state_dict(state)
+    state = PackedSampler(Mixture([range(3), range(5)], [1, 1], epoch_size=10)).state_dict()
+    assert state["mixture"] == [[3, 5], [5, 5]]
+    with pytest.raises(ValueError, match=r"mixture of \[\[3, 5\], \[5, 5\]\].*same sources, weights"):
+        PackedSampler(Mixture([range(3), range(5)], [2, 1], epoch_size=10)).load_state_dict(state)
+    with pytest.raises(ValueError, match="this one is not a mixture"):
+        PackedSampler(range(10)).load_state_dict(state)

@@ -129,6 +129,12 @@ class Mixture(Dataset):
     def __len__(self) -> int:
         return self.offsets[-1]
 
+    @property
+    def layout(self) -> List[List[int]]:
+        """``[samples, samples per epoch]`` per source: with (seed, epoch), what fixes the
+        order (``PackedSampler`` keeps it in its state, to refuse another mixture's)."""
+        return [[n, c] for n, c in zip(self.lengths, self.counts)]
+
     def locate(self, index: int):
         """``(source, local index)`` of mixture index ``index``."""
         if index < 0:

@@ -163,7 +163,8 @@ class PackedSampler(Sampler[int]):
     main process, so this works with persistent workers too.
 
     Resume: ``state_dict()`` is ``{"seed", "epoch", "consumed", "size"}`` where ``consumed``
-    counts samples consumed globally (all ranks) in the epoch. ``load_state_dict()`` makes
+    counts samples consumed globally (all ranks) in the epoch (a ``Mixture`` adds its
+    ``layout``, checked on load). ``load_state_dict()`` makes
     the next iteration start at the first unseen position: nothing is read or skipped.
     The sampler counts the indices it has handed out, which is *ahead* of the training loop
     when a ``DataLoader`` prefetches. So either:
@@ -278,7 +279,10 @@ class PackedSampler(Sampler[int]):
             consumed = self._consumed
         elif consumed < 0:
             raise ValueError(f"consumed must be >= 0 (global samples seen this epoch), got {consumed}")
-        return {"seed": self.seed, "epoch": self.epoch, "consumed": int(consumed), "size": self.size}
+        state = {"seed": self.seed, "epoch": self.epoch, "consumed": int(consumed), "size": self.size}
+        if self.mixture is not None:  # what, with seed and epoch, fixes a mixture's order
+            state["mixture"] = self.mixture.layout
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from ``state`` (possibly saved at another world size) at the next unseen sample.
@@ -293,6 +297,12 @@ class PackedSampler(Sampler[int]):
         if state.get("size", self.size) != self.size:
             raise ValueError(f"the state was saved for a dataset of {state['size']} samples, this one "
                              f"has {self.size}; resume on the same dataset or start a new run")
+        layout = self.mixture.layout if self.mixture is not None else None
+        if [list(p) for p in state.get("mixture", layout) or ()] != (layout or []):
+            raise ValueError(f"the state was saved for a mixture of {state.get('mixture')} "
+                             f"([samples, samples per epoch] per source), this one is "
+                             f"{layout or 'not a mixture'}; "
+                             f"resume with the same sources, weights and epoch_size")
         consumed = int(state["consumed"])
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, got {consumed}")

@@ -16,6 +16,8 @@ import packer
 from packer import CUDAPrefetcher, DecodeCenterCrop, Mixture, PackedDataset, PackedSampler, make_loader
 from packer.reading.mixture import share_counts, source_draws
 
+from helpers import cuda, pil_decoder
+
 NA, NB, UID_B = 40, 12, 1000
 
 
@@ -224,17 +226,20 @@ def test_aspect_groups_keep_each_batch_to_one_source_shape(roots):
     assert all(len({source_of(mix, i) for i in order[k:k + 4]}) == 1 for k in range(0, 32, 4))
 
 
-def test_gpu_decoder_reads_a_mixture(roots, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
+def test_gpu_decoder_reads_a_mixture(roots, device):
     from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
-
-    from helpers import pil_decoder
     mix = uid_mixture(roots, epoch_size=12, decode_b=DecodeCenterCrop(16))
     loader = make_gpu_loader(mix, 4, sampler=PackedSampler(mix, seed=0), num_workers=0)
-    assert mix.sources[0].decode.__class__.__name__ == "DecodeCenterCrop"  # the caller's kept
-    feed = GPUDecoder(loader, size=16, device="cpu", dtype=torch.uint8,
-                      options=GPUOptions(decoder=pil_decoder))
-    uids = [u for x, uid in feed for u in uid.tolist()]
+    assert isinstance(mix.sources[0].decode, DecodeCenterCrop)  # the caller's sources kept
+    options = GPUOptions(decoder=pil_decoder) if device == "cpu" else None  # PIL for nvJPEG
+    feed = GPUDecoder(loader, size=16, device=device, dtype=torch.uint8, options=options)
+    batches = [(x, uid.tolist()) for x, uid in feed]
+    assert all(x.shape == (4, 3, 16, 16) and x.device.type == device for x, _ in batches)
+    uids = [u for _, uid in batches for u in uid]
     assert Counter(u >= UID_B for u in uids) == {False: 9, True: 3}
+    state = feed.state_dict()["loader"]["sampler"]
+    assert state["consumed"] == 12 and state["mixture"] == mix.layout
 
 
 # -- what is refused --------------------------------------------------------------------------

@@ -274,6 +274,8 @@ def test_bad_arguments_say_what_to_do(roots):
         PackedSampler(Mixture([range(3)]), order="block")
     with pytest.raises(IndexError):
         Mixture([range(3)])[3]
+    with pytest.raises(ValueError, match="source 1 is a PackedIterableDataset: use PackedDataset"):
+        Mixture([range(3), packer.PackedIterableDataset(roots / "a")])
     a = PackedDataset(roots / "a")  # PIL images: refused before any worker starts
     with pytest.raises(ValueError, match="returns PIL images"):
         make_loader(Mixture([a]), 4, num_workers=0)

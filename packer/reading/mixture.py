@@ -26,7 +26,7 @@ from fractions import Fraction
 from typing import Any, List, Optional, Sequence
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from .sampler import seed_for
 
@@ -112,6 +112,10 @@ class Mixture(Dataset):
         self.sources = list(datasets)
         if not self.sources:
             raise ValueError("Mixture needs at least one dataset")
+        for s, d in enumerate(self.sources):
+            if isinstance(d, IterableDataset) or not hasattr(d, "__getitem__"):
+                raise ValueError(f"Mixture mixes map-style datasets (indexable, with len()); "
+                                 f"source {s} is a {type(d).__name__}: use PackedDataset")
         self.lengths = [len(d) for d in self.sources]
         self.offsets = [0]
         for n in self.lengths:

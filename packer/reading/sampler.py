@@ -297,9 +297,9 @@ class PackedSampler(Sampler[int]):
         if state.get("size", self.size) != self.size:
             raise ValueError(f"the state was saved for a dataset of {state['size']} samples, this one "
                              f"has {self.size}; resume on the same dataset or start a new run")
-        layout = self.mixture.layout if self.mixture is not None else None
-        if [list(p) for p in state.get("mixture", layout) or ()] != (layout or []):
-            raise ValueError(f"the state was saved for a mixture of {state.get('mixture')} "
+        saved, layout = state.get("mixture"), getattr(self.mixture, "layout", None)
+        if saved is not None and [list(p) for p in saved] != layout:
+            raise ValueError(f"the state was saved for a mixture of {saved} "
                              f"([samples, samples per epoch] per source), this one is "
                              f"{layout or 'not a mixture'}; "
                              f"resume with the same sources, weights and epoch_size")

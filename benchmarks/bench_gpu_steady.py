@@ -19,6 +19,7 @@ Outputs stay on the GPU; nothing consumes them (the pipelines alone).
   packer_pinned3  the same, make_gpu_loader(pin_memory=True), GPUOptions(decode_threads=3)
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
+  synthetic       (with --train) one resident batch: the model alone, the baseline
   workers<N>      packer_cpu with N workers, N = cores - 1 and cores (only with --only):
                   which should default_num_workers() be
 
@@ -29,6 +30,7 @@ the ratios are to the first variant that ran). A run of the defaults takes ~4 mi
 cores and an H100 (data made once under --root).
 
     python3 benchmarks/bench_gpu_steady.py --images 10000 --rounds 3 --out "$OUT"
+    python3 benchmarks/bench_gpu_steady.py --train --out "$OUT"   # fed ResNet-18 vs synthetic
     python3 benchmarks/bench_gpu_steady.py --only workers15,workers16 --out "$OUT"
     python3 benchmarks/bench_gpu_steady.py --dry-run   # tiny, CPU, PIL for nvJPEG, no DALI
 """
@@ -69,16 +71,49 @@ def dali_batches(a, hw_load=None):
 
     pipe = rn50(batch_size=a.batch, num_threads=os.cpu_count(), device_id=0)
     pipe.build()
+    if not a.train:
+        while True:
+            images, labels = pipe.run()
+            yield images, None
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator  # torch tensors, to train on
+    it = DALIGenericIterator(pipe, ["images", "labels"], reader_name="Reader", auto_reset=True)
     while True:
-        images, labels = pipe.run()
-        yield images, a.batch
+        for (b,) in it:
+            yield b["images"], b["labels"].view(-1).long()
+
+
+def synthetic_batches(a):
+    """One resident batch, forever: the model's speed with no input pipeline."""
+    import torch
+    x = torch.randn(a.batch, 3, a.size, a.size, device="cuda", dtype=torch.bfloat16)
+    y = torch.randint(0, a.classes, (a.batch,), device="cuda")
+    while True:
+        yield x.contiguous(memory_format=torch.channels_last), y
+
+
+def train_step(a):
+    """A ResNet-18 eager training step (bf16 autocast, channels_last, SGD) on each batch."""
+    import torch
+    import torchvision
+    model = torchvision.models.resnet18(num_classes=a.classes).cuda()
+    model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model(x.contiguous(memory_format=torch.channels_last)), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
 
 
 def loader_batches(source, counter):
     """``source`` pass after pass (each pass an epoch; the loader moves on by itself)."""
     while True:
         for x, y in source:
-            yield x, len(y)
+            yield x, y
         counter["epochs"] += 1
 
 
@@ -118,21 +153,29 @@ def child(a) -> dict:
         import nvidia.dali
         extra["dali"] = nvidia.dali.__version__
         it = dali_batches(a, 0.99 if a.variant == "dali_hw99" else None)
+    elif a.variant == "synthetic":
+        it = synthetic_batches(a)
     else:
         g, loader = packer_source(a, a.variant)
         extra.update(num_workers=loader.num_workers, pin_memory=bool(loader.pin_memory))
         it = loader_batches(g, counter)
     cuda = torch.cuda.is_available() and not a.dry_run
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step = train_step(a) if a.train else (lambda x, y: None)
+
+    def take() -> int:
+        x, y = next(it)
+        step(x, y)
+        return x.shape[0] if isinstance(x, torch.Tensor) else a.batch  # DALI's TensorList
     try:
-        next(it)
+        take()
         t_first = time.perf_counter()
         for _ in range(a.warmup - 1):
-            next(it)
+            take()
         sync()  # the window: between two synchronizes, batch arrivals timed without
         e0, t0, n, arrivals = counter["epochs"], time.perf_counter(), 0, []
         for _ in range(a.batches):
-            n += next(it)[1]
+            n += take()
             arrivals.append(time.perf_counter())
         sync()
         t1 = time.perf_counter()
@@ -204,9 +247,9 @@ def dali_missing(a):
 
 def run_child(a, name: str) -> dict:
     cmd = [sys.executable, __file__, "--variant", name, "--src", a.src, "--packed", a.packed]
-    for k in ("images", "batch", "warmup", "batches", "size"):
+    for k in ("images", "classes", "batch", "warmup", "batches", "size"):
         cmd += [f"--{k}", str(getattr(a, k))]
-    cmd += ["--dry-run"] if a.dry_run else []
+    cmd += (["--dry-run"] if a.dry_run else []) + (["--train"] if a.train else [])
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout)
@@ -224,7 +267,8 @@ def run_child(a, name: str) -> dict:
 def summarize(runs: dict) -> tuple:
     """Per variant: median, min, max, spread, and ratios to the baseline (dali if it ran)."""
     ok = {v: [r.get("rate") for r in rs] for v, rs in runs.items()}
-    base = "dali" if any(ok.get("dali", [])) else next((v for v in ok if any(ok[v])), None)
+    base = next((v for v in ("synthetic", "dali") if any(ok.get(v, []))),
+                next((v for v in ok if any(ok[v])), None))
     summary = {}
     for v, rates in ok.items():
         good = [r for r in rates if r]
@@ -258,7 +302,9 @@ def table(base: str, summary: dict) -> str:
 def parent(a) -> int:
     t_all = time.perf_counter()
     wanted = a.only.split(",") if a.only else list(VARIANTS)
-    unknown = [v for v in wanted if v not in VARIANTS and not
+    if a.train and not a.only:
+        wanted = ["synthetic"] + wanted
+    unknown = [v for v in wanted if v not in VARIANTS + ("synthetic",) and not
                (v.startswith("workers") and v[7:].isdigit())]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS} and workers<N>")
@@ -311,6 +357,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", type=int, default=None, help="processes making the data")
     p.add_argument("--child-timeout", type=int, default=150, help="seconds per variant run")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
+    p.add_argument("--train", action="store_true", help="a ResNet-18 eager step (bf16, "
+                   "channels_last) on every batch, and a 'synthetic' variant (one resident "
+                   "batch) as the baseline: how much of the model's speed each pipeline keeps")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--packed", help=argparse.SUPPRESS)
@@ -320,6 +369,8 @@ def main(argv=None) -> int:
         import atexit
         atexit._run_exitfuncs()  # the loaders' workers stop; then no teardown (seconds of torch)
         os._exit(0)
+    if a.dry_run and a.train:
+        raise SystemExit("--train needs a GPU; the dry run has none")
     if a.dry_run:
         a.images, a.classes, a.batch, a.warmup, a.batches, a.size = 160, 4, 16, 3, 36, 32
         a.rounds = min(a.rounds, 2)

@@ -115,7 +115,9 @@ def test_make_gpu_loader_max_pixels(crafted_set):
 @cuda
 def test_gpu_crafted_header_allocates_nothing(crafted_set):
     """On a GPU: the crafted record ends the loop with FormatError and the GPU's peak memory
-    stays at what the five real 8x8 images and the output take."""
+    stays at what the decode threads' workspaces, the five real 8x8 images and the output
+    take (65 MiB measured on an H100 with two decode threads), far from the 11.8 GiB the
+    header claims."""
     pytest.importorskip("triton")
     dec = GPUDecoder(make_gpu_loader(crafted_set, 2, shuffle=False, num_workers=1), size=8)
     torch.cuda.synchronize()
@@ -124,4 +126,4 @@ def test_gpu_crafted_header_allocates_nothing(crafted_set):
         for _ in dec:
             pass
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() < 64 << 20
+    assert torch.cuda.max_memory_allocated() < 256 << 20

@@ -17,6 +17,7 @@ Outputs stay on the GPU; nothing consumes them (the pipelines alone).
   dali_hw99       the same with hw_decoder_load=0.99
   packer          GPUDecoder(make_gpu_loader(root, 256), size=224, train=True): all defaults
   packer_pinned3  the same, make_gpu_loader(pin_memory=True), GPUOptions(decode_threads=3)
+  packer_plain2   the same, make_gpu_loader(pin_memory=False), GPUOptions(decode_threads=2)
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
   synthetic       (with --train) one resident batch: the model alone, the baseline
@@ -48,7 +49,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-VARIANTS = ("dali", "dali_hw99", "packer", "packer_pinned3", "packer_cpu")
+VARIANTS = ("dali", "dali_hw99", "packer", "packer_pinned3", "packer_plain2", "packer_cpu")
 MEAN, STD = [0.485 * 255, 0.456 * 255, 0.406 * 255], [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
@@ -131,9 +132,9 @@ def packer_source(a, name: str):
         ds = PackedDataset(a.packed, decode=DecodeRandomResizedCrop(a.size))
         loader = make_loader(ds, a.batch, shuffle=True, num_workers=workers)
         return CUDAPrefetcher(loader, device=None if cuda else "cpu"), loader
-    pinned = name == "packer_pinned3"
-    loader = make_gpu_loader(a.packed, a.batch, **({"pin_memory": True} if pinned and cuda else {}))
-    opts = {"decode_threads": 3} if pinned else {}
+    pinned, plain = name == "packer_pinned3", name == "packer_plain2"
+    loader = make_gpu_loader(a.packed, a.batch, **({"pin_memory": pinned and cuda} if pinned or plain else {}))
+    opts = {"decode_threads": 3} if pinned else {"decode_threads": 2} if plain else {}
     if a.dry_run:  # PIL stands in for nvJPEG, the CPU reference for the kernel
         from benchlib.gpu_common import pil_decoder
         opts["decoder"] = pil_decoder

@@ -309,7 +309,7 @@ def _decoders(opts: GPUOptions, device: torch.device):
     if opts.decoder is not None:
         return [opts.decoder] * (opts.decode_threads or 1), "custom"
     if opts.backend in ("auto", "nvjpeg"):  # a handle per decode thread
-        threads = opts.decode_threads or (2 if opts.overlap == 2 else 1)
+        threads = opts.decode_threads or (3 if opts.overlap == 2 else 1)
         try:
             decoders = [NvjpegDecoder.shared(device, k) for k in range(threads)]
             return decoders, f"nvjpeg-{decoders[0].backend}"

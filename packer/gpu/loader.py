@@ -73,10 +73,8 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     ``decode`` (or limit) is copied with ``decode=EncodedImage(max_pixels)``.
 
     Other keywords go to ``make_loader`` (``shuffle``, ``sampler``, ``num_workers``,
-    ``drop_last``...). ``pin_memory`` defaults to False here (make_loader's is True with
-    CUDA): nvJPEG reads the bytes on the host, and DataLoader's pin thread competes with the
-    training step beside it; ``pin_memory=True`` gives more decoding throughput when nothing
-    trains beside it (docs/gpu_decode.md). A ``Mixture`` of ``PackedDataset``s has each
+    ``drop_last``...), ``pin_memory`` (True with CUDA, as there: pinned batches with
+    three decode threads measured fastest in the steady state, docs/gpu_decode.md). A ``Mixture`` of ``PackedDataset``s has each
     source read that way.
     Also calls :func:`reserve_cuda_queues`, which only helps if CUDA has not started yet.
     """
@@ -91,7 +89,6 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     else:
         dataset = _encoded(dataset, max_pixels)
     kwargs.setdefault("collate_fn", collate_encoded)
-    kwargs.setdefault("pin_memory", False)
     return make_loader(dataset, batch_size, **kwargs)
 
 

@@ -31,7 +31,7 @@ class GPUOptions:
         thread; 0 works inline on the current stream (debugging, measurements).
     decode_threads: decode threads with ``overlap=2``, each with its own stream and nvJPEG
         handle, so one batch's host work overlaps another's decoding; batches still come
-        out in the loader's order. None: 2 for nvJPEG called directly, 1 otherwise
+        out in the loader's order. None: 3 for nvJPEG called directly, 1 otherwise
         (torchvision decodes behind one global lock).
     queue_depth: decoded batches waiting between stages (bounds GPU memory).
     max_ahead: training steps the consumer may queue on the GPU beyond the last one

@@ -89,7 +89,7 @@ def test_collate_encoded(photos):
 def test_make_gpu_loader_routes_fallbacks_in_workers(mixed):
     loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
     ds = loader.dataset
-    assert isinstance(ds.decode, EncodedImage) and loader.pin_memory is False
+    assert isinstance(ds.decode, EncodedImage) and loader.pin_memory is torch.cuda.is_available()
     seen = {}
     for batch in loader:
         assert isinstance(batch, EncodedBatch) and (batch.data.is_shared() or batch.data.is_pinned())

@@ -23,7 +23,7 @@ import msgpack
 from tqdm.auto import tqdm
 
 from . import journal
-from .._util.fsio import FolderLock
+from .._util.fsio import FolderLock, read_file
 from .._util.system import usable_cores
 from .builder import DEFAULT_SHARD_SIZE, MAX_SHARD_SIZE, BuildResult
 from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
@@ -31,6 +31,8 @@ from ..errors import PackerError
 from ..format.fields import Field, check_schema, detection_problem, encode, infer_field
 from ..format.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from .packing import Packing
+from .worker import DEFAULT_MAX_IMAGE_BYTES
+from ..sources.base import DEFAULT_MAX_CLASSES
 
 TASKS = ("classification", "detection", "generic")
 
@@ -40,7 +42,8 @@ def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
           task: Optional[str] = None, shard_size: int = DEFAULT_SHARD_SIZE,
           workers: Optional[int] = None, transcode: Optional[Transcode] = None,
           max_pixels: int = DEFAULT_MAX_PIXELS, strict: bool = False, overwrite: bool = False,
-          progress: bool = True, total: Optional[int] = None) -> BuildResult:
+          progress: bool = True, total: Optional[int] = None,
+          max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> BuildResult:
     """Pack ``samples`` into a dataset in ``dst`` (what ``litdata.optimize`` and
     ``MDSWriter`` do, with packer's checks and crash safety); see :class:`DatasetWriter`."""
     t0 = time.perf_counter()
@@ -48,7 +51,7 @@ def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
         total = len(samples)  # type: ignore[arg-type]
     with DatasetWriter(dst, schema=schema, classes=classes, task=task, shard_size=shard_size,
                        workers=workers, transcode=transcode, max_pixels=max_pixels,
-                       strict=strict, overwrite=overwrite) as w:
+                       strict=strict, overwrite=overwrite, max_image_bytes=max_image_bytes) as w:
         with tqdm(total=total, unit="img", disable=not progress, desc=f"writing {Path(dst).name}",
                   dynamic_ncols=True) as bar:
             for sample in samples:
@@ -77,13 +80,16 @@ class DatasetWriter:
         workers: threads checking images (PIL decodes without the GIL); default: the cores.
         transcode / max_pixels / strict / shard_size: as for ``packer build``. PIL images
             are stored as PNG (lossless) unless ``transcode`` makes them JPEG.
+        max_image_bytes: an image given as a path must be a regular file of at most this
+            many bytes (1 GiB by default), else a PackerError.
     """
 
     def __init__(self, dst: os.PathLike, *, schema: Optional[Sequence[dict]] = None,
                  classes: Optional[Sequence[str]] = None, task: Optional[str] = None,
                  shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
                  transcode: Optional[Transcode] = None, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 strict: bool = False, overwrite: bool = False):
+                 strict: bool = False, overwrite: bool = False,
+                 max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
         journal.check_dst(dst)  # before anything is written: packer writes only where asked
         if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
             raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}")
@@ -95,7 +101,7 @@ class DatasetWriter:
         self.options = {"shard_size": shard_size, "max_pixels": max_pixels, "strict": strict,
                         "transcode": asdict(transcode) if transcode else None, "writer": True}
         self.transcode, self.max_pixels, self.strict = transcode, max_pixels, strict
-        self.overwrite = overwrite
+        self.overwrite, self.max_image_bytes = overwrite, max_image_bytes
         threads = usable_cores() if workers is None else max(1, workers)
         self.pool = ThreadPoolExecutor(threads)
         self.window = 4 * threads  # samples checked ahead of the one stored next
@@ -147,9 +153,14 @@ class DatasetWriter:
             self._open(sample)
         i = self.entry
         self.entry += 1
-        data, path = image_bytes(sample["image"], i)
+        data, path = image_bytes(sample["image"], i, self.max_image_bytes)
         path = str(sample.get("path", path))
         values = {k: v for k, v in sample.items() if k not in ("image", "path")}
+        label = values.get("label")
+        if self.classes is None and isinstance(label, int) and label >= DEFAULT_MAX_CLASSES:
+            raise PackerError(f"sample {i}: label {label} would make {label + 1:,} classes "
+                              f"(0..{label}); name them with classes=[...] (without it, labels "
+                              f"must stay below {DEFAULT_MAX_CLASSES:,})")
         digest = sample_digest(data, self.schema, values, i, path)
         if i < self.replay:  # packed by the interrupted run: only checked to be the same
             self.digest.update(digest)
@@ -209,15 +220,14 @@ class DatasetWriter:
 
 # -- samples --------------------------------------------------------------------------------
 
-def image_bytes(image: Any, i: int):
-    """(stored bytes, default path) of a sample's image: bytes as given, a file's bytes, or
-    a PIL image encoded losslessly as PNG."""
+def image_bytes(image: Any, i: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
+    """(stored bytes, default path) of a sample's image: bytes as given, a regular file's
+    bytes (at most ``max_bytes``), or a PIL image encoded losslessly as PNG."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image), f"{i:08d}"
     if isinstance(image, (str, os.PathLike)):
         try:
-            with open(image, "rb") as f:
-                return f.read(), os.fspath(image)
+            return read_file(image, max_bytes, "max_image_bytes"), os.fspath(image)
         except OSError as e:
             raise PackerError(f"sample {i}: cannot read image {image}: {e.strerror or e}") from None
     if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from .._util.fsio import NotAFile, read_file
 from .._util.system import die_with_parent
 from .check import BadImage, Checked, Transcode, check_image
 from ..format.fields import Field, encode
@@ -25,6 +26,9 @@ from ..sources.base import ImageList
 from .._util.text import is_utf8
 from .shard import ShardWriter
 
+# The largest image file a build reads: every image within the default max_pixels fits,
+# uncompressed, at up to 12 bytes a pixel; it bounds what one worker holds at once.
+DEFAULT_MAX_IMAGE_BYTES = 1 << 30
 PROGRESS_EVERY = 16  # images between a worker's progress reports (a shared counter)
 PLANNED_SHARDS = 256    # a dataset smaller than this many shards is cut into about this many,
 MIN_PLANNED = 4 << 20   # but none planned under 4 MiB: shards for every core to write, and a
@@ -109,7 +113,8 @@ class FieldMaker:
 @dataclass
 class ShardJob:
     """Everything a worker needs besides the task; set once per worker (inherited when
-    forked). ``progress``/``stop``: a shared counter and event (None in-process)."""
+    forked). ``progress``/``stop``: a shared counter and event (None in-process);
+    ``max_bytes``: the build's ``max_image_bytes``."""
     dst: Path
     fields: FieldMaker
     transcode: Optional[Transcode]
@@ -117,6 +122,7 @@ class ShardJob:
     strict: bool
     progress: object = None
     stop: object = None
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # the largest image file read
 
 
 _JOB: list = [None]  # this worker's ShardJob
@@ -139,8 +145,9 @@ def read_entry(job: ShardJob, i: int):
         return "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
                         "-t utf8 --notest SRC`)"), 0
     try:
-        with open(os.path.join(root, rel), "rb") as f:
-            data = f.read()
+        data = read_file(os.path.join(root, rel), job.max_bytes, "max_image_bytes")
+    except NotAFile as e:
+        return "skip", str(e), 0
     except OSError as e:
         return "skip", f"unreadable: {e.strerror or e}", 0
     try:

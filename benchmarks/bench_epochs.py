@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""The stall at every epoch boundary: a plain DataLoader against EpochLoader.
+"""The wait at every epoch boundary: a plain DataLoader, epoch by epoch, against
+make_loader(ds, B), whose workers run on into the next epoch.
 
 A fixed wait per batch stands in for the training step (set a little longer than the loader
 needs per batch, so a perfect loader is never waited on), or with --cuda MODEL a real
 training step on the GPU fed through CUDAPrefetcher, against the same step on a resident
 batch; several epochs run with set_epoch,
-and the table shows the fraction of the ideal speed kept and the wait for each epoch's first
-batch. The measurement is ``packer.bench.epochs``.
+and the table shows the fraction of the ideal speed kept, the wait for each epoch's first
+batch and the median wait for the others. The measurement is ``packer.bench.epochs``.
 
     python benchmarks/bench_epochs.py                  # makes 1,000 photo JPEGs and packs them
     python benchmarks/bench_epochs.py --data DST --rounds 7

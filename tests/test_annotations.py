@@ -334,15 +334,33 @@ def test_strict_refuses_a_bad_annotation(scenes, coco, tmp_path, kind):
         read_manifest(tmp_path / "d")
 
 
-def test_yolo_bad_lines_are_listed_as_dropped(scenes, tmp_path):
+def test_yolo_bad_lines_leave_the_image_out_or_are_dropped(scenes, tmp_path):
+    """By ultralytics' rules (the default) an image with an invalid label line is skipped,
+    listed with the line and why, and shown by `packer info`; --yolo-rules lines drops the
+    line alone and keeps the image."""
     labels = tmp_path / "labels"
     shutil.copytree(scenes / "labels", labels)
     f = sorted(labels.glob("*.txt"))[1]
+    n = len(f.read_text().splitlines()) + 1
     f.write_text(f.read_text() + "99 0.5 0.5 0.1 0.1\n")  # class out of range
     m = quiet(Yolo(scenes / "images", labels, scenes / "names.txt"), tmp_path / "d").manifest
-    assert m["count"] == N_IMAGES
-    assert [d["path"] for d in m.get("dropped", [])] == [f"{f.stem}.jpg"], m.get("dropped")
-    assert "out of range" in m["dropped"][0]["reason"]
+    assert m["count"] == N_IMAGES - 1 and m.get("dropped_count", 0) == 0
+    assert m["options"]["yolo_rules"] == "ultralytics"
+    (skip,) = m["skipped"]
+    assert skip["path"] == f"{f.stem}.jpg"
+    assert skip["reason"] == (f"annotation: labels/{f.name}:{n}: class 99 is out of range: NAMES "
+                              f"has 7 classes (0..6); the image is left out, as ultralytics does "
+                              f"(rules='lines' drops the line alone)")
+    proc = run_packer("info", tmp_path / "d", env=packer_env())
+    assert f"skipped: 1\n  {f.stem}.jpg: annotation: labels/{f.name}:{n}: class 99" in proc.stdout
+    proc = run_packer("build", scenes / "images", tmp_path / "e", "--yolo", labels, "--names",
+                      scenes / "names.txt", "--yolo-rules", "lines", "-q", "-j", "0",
+                      env=packer_env())
+    m = read_manifest(tmp_path / "e")
+    assert m["count"] == N_IMAGES and m["skipped"] == []
+    assert m["dropped"] == [{"path": f"{f.stem}.jpg", "reason": f"labels/{f.name}:{n}: class 99 is out of range: NAMES "
+                                       f"has 7 classes (0..6)"}]
+    assert "1 annotation(s) dropped" in proc.stderr
 
 
 # -- verify ---------------------------------------------------------------------------------
@@ -646,6 +664,7 @@ def test_cli_coco_and_yolo_exclude_each_other(scenes, tmp_path):
 def test_build_arguments_that_do_not_go_together(scenes, tmp_path):
     """The CLI's flags that need each other; from Python, each source takes what it needs."""
     for args, message in [(["--yolo", scenes / "labels"], "--yolo LABELS_DIR and --names NAMES"),
+                          (["--yolo-rules", "lines"], "--yolo-rules applies to --yolo datasets"),
                           (["--label", "kind"], "--label COLUMN picks a column of --meta FILE"),
                           (["--skip-empty"], "--skip-empty applies to --coco datasets")]:
         proc = run_packer("build", scenes / "images", tmp_path / "d", *args, "-q",

@@ -1,6 +1,7 @@
-"""``EpochLoader`` (packer.loading.epochs): the workers run on into the next epoch, and every epoch
-still holds exactly the batches a plain DataLoader over the same ``PackedSampler`` gives —
-with ``set_epoch``, without it, abandoned midway, resumed, split across ranks."""
+"""``make_loader`` over a ``PackedSampler`` (``packer.loading.epochs``): the workers run on into the
+next epoch, and every epoch still holds exactly the batches a plain DataLoader over the same
+``PackedSampler`` gives — with ``set_epoch``, without it, abandoned midway, resumed, split
+across ranks, and with the sampler ``make_loader`` makes when given none."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from packer import PackedSampler, make_loader
-from packer.loading.epochs import EpochLoader
+from packer.loading import PackedLoader, collate_uint8
 
 
 class Indices(Dataset):
@@ -43,8 +44,8 @@ def epochs_of(loader, epochs, set_epoch=True):
 
 
 def plain(ds, sampler, bs, drop_last=False):
-    return make_loader(ds, bs, sampler=sampler, num_workers=2, across_epochs=False,
-                       drop_last=drop_last, pin_memory=False)
+    return DataLoader(ds, bs, sampler=sampler, num_workers=2, drop_last=drop_last,
+                      collate_fn=collate_uint8)
 
 
 @pytest.mark.parametrize("n, bs, world, drop_last", [(50, 8, 1, False), (50, 8, 2, True),
@@ -56,12 +57,12 @@ def test_same_batches_as_a_plain_loader_every_epoch(n, bs, world, drop_last):
                                    drop_last=drop_last)
         fast = make_loader(ds, bs, sampler=mk(), num_workers=2, drop_last=drop_last,
                            pin_memory=False)
-        assert isinstance(fast, EpochLoader) and len(fast) == len(plain(ds, mk(), bs, drop_last))
-        assert epochs_of(fast, 3) == epochs_of(plain(ds, mk(), bs, drop_last), 3)
-        # Without set_epoch every epoch repeats (here epoch 2), as with the plain loader.
-        again = plain(ds, mk(), bs, drop_last)
-        again.sampler.set_epoch(2)
-        assert epochs_of(fast, 2, set_epoch=False) == epochs_of(again, 1, set_epoch=False) * 2
+        assert isinstance(fast, PackedLoader) and fast.stream is not None
+        assert len(fast) == len(plain(ds, mk(), bs, drop_last))
+        want = epochs_of(plain(ds, mk(), bs, drop_last), 5)
+        assert epochs_of(fast, 3) == want[:3]
+        # Without set_epoch each complete pass is the next epoch (3, then 4).
+        assert epochs_of(fast, 2, set_epoch=False) == want[3:]
 
 
 def test_abandoned_epoch_and_resume_restart_the_stream_where_the_sampler_is():
@@ -99,10 +100,12 @@ def test_next_epochs_first_batches_are_loaded_before_this_epoch_ends(tmp_path):
     first = set(epoch1[0])
     loads = [line.split() for line in log.read_text().splitlines()]
     # Epoch 1's first batch was loaded (by the workers, ahead) before epoch 0 was over for
-    # the loop: the last ones loaded for epoch 0 come after its first ones, so look at the
-    # last load of each index of epoch 1's first batch.
-    when = {int(i): float(t) for i, t in loads}
-    assert all(when[i] < end_of_epoch0 + 0.3 for i in first)
+    # the loop: each index is loaded once per epoch, so its second load is epoch 1's (the
+    # workers have run on into epoch 2 since).
+    when = {}
+    for i, t in loads:
+        when.setdefault(int(i), []).append(float(t))
+    assert all(when[i][1] < end_of_epoch0 + 0.3 for i in first)
     assert sum(1 for i, t in loads if float(t) < end_of_epoch0) > 32  # beyond epoch 0's 32
     assert os.getpid()
 
@@ -124,8 +127,6 @@ class OneSlowWorker(Dataset):
         return torch.zeros(3, 2, 2, dtype=torch.uint8), i, worker
 
 
-@pytest.mark.skipif("in_order" not in __import__("inspect").signature(DataLoader).parameters,
-                    reason="DataLoader(in_order=) needs torch >= 2.6")
 def test_a_slow_worker_gets_fewer_batches_and_they_still_come_in_order():
     """In order, DataLoader gives batch k to worker k mod W, so every worker waits for the
     slowest; here the batches go to the workers with room and come back in the sampler's
@@ -167,7 +168,7 @@ def test_worker_init_fn_reaches_the_dataset_through_the_epoch_stream():
     ds = Opened(8)
     loader = make_loader(ds, 4, sampler=PackedSampler(ds, shuffle=False), num_workers=1,
                          worker_init_fn=open_in_worker, pin_memory=False)
-    assert isinstance(loader, EpochLoader) and loader.dataset is ds
+    assert isinstance(loader, PackedLoader) and loader.dataset is ds
     assert loader.collate_fn.func.__name__ == "collate_uint8"  # the caller's, not the stream's
     assert [y.tolist() for _, y in loader] == [[1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007]]
 
@@ -182,3 +183,96 @@ def test_an_iterable_dataset_with_a_packed_sampler_is_refused_when_made():
 
     with pytest.raises(ValueError, match="IterableDataset"):
         make_loader(Stream(), 2, sampler=PackedSampler(range(4)), num_workers=1)
+
+
+def test_without_a_sampler_the_loader_makes_a_seeded_packed_sampler():
+    """``make_loader(ds, B)``: the fast path, seeded from torch's generator (or
+    ``generator=``) as RandomSampler is, the whole dataset in this process, each pass the
+    next epoch; ``shuffle=False`` reads in order."""
+    ds = Indices(40)
+    torch.manual_seed(5)
+    fast = make_loader(ds, 4, num_workers=2, pin_memory=False)
+    torch.manual_seed(5)
+    serial = make_loader(ds, 4, num_workers=0)
+    assert isinstance(fast.sampler, PackedSampler) and fast.stream is not None
+    assert (fast.sampler.num_replicas, fast.sampler.rank) == (1, 0)
+    got = epochs_of(fast, 3, set_epoch=False)
+    assert got == epochs_of(serial, 3, set_epoch=False)
+    assert got[0] != got[1] != got[2] and sorted(i for b in got[1] for i in b) == list(range(40))
+    fast.set_epoch(1)  # set_epoch honoured: epoch 1 again
+    assert epochs_of(fast, 1, set_epoch=False) == got[1:2]
+    seeded = make_loader(ds, 4, num_workers=0, generator=torch.Generator().manual_seed(1))
+    again = make_loader(ds, 4, num_workers=0, generator=torch.Generator().manual_seed(1))
+    assert seeded.sampler.seed == again.sampler.seed != fast.sampler.seed
+    ordered = make_loader(ds, 4, shuffle=False, num_workers=0)
+    assert [i for b in epochs_of(ordered, 1)[0] for i in b] == list(range(40))
+
+
+def test_the_default_loader_resumes_after_the_last_batch_it_handed_out():
+    ds = Indices(40)
+    first = make_loader(ds, 4, num_workers=2, pin_memory=False)
+    it = iter(first)
+    head = [next(it)[1].tolist() for _ in range(4)]  # the workers have made more by now
+    state = first.state_dict()
+    assert state == {"sampler": {"seed": first.sampler.seed, "epoch": 0, "consumed": 16,
+                                 "size": 40}}
+    second = make_loader(ds, 4, num_workers=2, pin_memory=False)
+    second.load_state_dict(state)
+    rest = [y.tolist() for _, y in second]
+    assert sorted(i for b in head + rest for i in b) == list(range(40)) and len(rest) == 6
+    with pytest.raises(ValueError, match="PackedSampler"):
+        second.load_state_dict({"_snapshot": {}})
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_loader_that_cannot_resume_has_no_state_dict():
+    """Over a foreign sampler, ``hasattr(loader, "state_dict")`` is False (how the prefetcher
+    and training frameworks ask), and the attribute error says what resumes."""
+    ds = Indices(8)
+    other = make_loader(ds, 4, sampler=torch.utils.data.SequentialSampler(ds), num_workers=0)
+    assert other.stream is None and not other.resumable and not hasattr(other, "state_dict")
+    with pytest.raises(AttributeError, match="PackedSampler .* or with stateful=True"):
+        other.load_state_dict({})
+    assert [y.tolist() for _, y in other] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    pytest.importorskip("torchdata")
+    stateful = make_loader(ds, 4, sampler=torch.utils.data.SequentialSampler(ds),
+                           num_workers=0, stateful=True)
+    assert stateful.resumable and "_num_yielded" in str(stateful.state_dict())
+
+
+class SomeBad(Dataset):
+    """Sample i: an image-shaped tensor and label i; a label of None (which no collate
+    takes) for the indices in ``bad``."""
+
+    def __init__(self, n: int, bad=()):
+        self.n, self.bad = n, set(bad)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise KeyError("sample 13 cannot be read")
+        return torch.zeros(3, 2, 2, dtype=torch.uint8), None if i in self.bad else i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_that_raises_raises_in_its_turn_and_the_epoch_goes_on(workers):
+    """As with a DataLoader: reading (index 13) or collating (a None label) a batch raised;
+    that batch raises the same type when its turn comes, and the next ``next()`` goes on
+    with the batch after it, counted as handed out."""
+    ds = SomeBad(40, bad={4, 28})
+    loader = make_loader(ds, 4, shuffle=False, num_workers=workers, pin_memory=False)
+    it, seen = iter(loader), []
+    for k in range(10):
+        try:
+            seen.append(next(it)[1].tolist())
+        except (TypeError, KeyError) as e:
+            seen.append(type(e).__name__)
+            assert k != 3 or "sample 13 cannot be read" in str(e)
+    for _ in range(2):  # and goes on saying so: the next epoch is the next pass's
+        with pytest.raises(StopIteration):
+            next(it)
+    want = [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    want[1], want[3], want[7] = "TypeError", "KeyError", "TypeError"
+    assert seen == want and loader.sampler.epoch == 1

@@ -1,5 +1,5 @@
 """Exactly-once resume through the whole pipeline: a training loop in a real second process,
-fed by ``make_loader(stateful=True)`` + ``CUDAPrefetcher`` (on the CPU here), is killed with
+fed by ``make_loader`` over a ``PackedSampler`` + ``CUDAPrefetcher`` (on the CPU here), is killed with
 SIGKILL at random steps and restarted from its last checkpoint, until the epoch ends; the
 samples the checkpoints say were consumed must then be the dataset exactly once — with one
 rank and with two (gloo). The GPU path (``GPUDecoder``) runs the same check on a CUDA machine.
@@ -42,10 +42,10 @@ LOOP = textwrap.dedent('''
     ds = packer.PackedDataset(root, decode=decode, target_fields="uid")
     sampler = packer.PackedSampler(ds, seed=7, num_replicas=world, rank=rank)
     if gpu:
-        loader = packer.gpu.make_gpu_loader(ds, 4, sampler=sampler, num_workers=2, stateful=True)
+        loader = packer.gpu.make_gpu_loader(ds, 4, sampler=sampler, num_workers=2)
         feed = packer.GPUDecoder(loader, size=32)
     else:
-        loader = packer.make_loader(ds, 4, sampler=sampler, num_workers=2, stateful=True)
+        loader = packer.make_loader(ds, 4, sampler=sampler, num_workers=2)
         feed = packer.CUDAPrefetcher(loader, device="cpu")
     consumed = []
     if ckpt.exists():
@@ -145,8 +145,7 @@ def test_prefetcher_state_counts_what_the_consumer_received(uid_dataset):
     ds = PackedDataset(uid_dataset, decode=DecodeCenterCrop(32), target_fields="uid")
 
     def feed():
-        loader = make_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=0,
-                             stateful=True)
+        loader = make_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=0)
         return CUDAPrefetcher(loader, device="cpu")
     first = feed()
     got = []
@@ -159,8 +158,9 @@ def test_prefetcher_state_counts_what_the_consumer_received(uid_dataset):
     second.load_state_dict(state)
     rest = [u for _, uid in second for u in uid.tolist()]
     assert sorted(got + rest) == list(range(N)) and len(got) == 12
+    other = make_loader(ds, 4, sampler=torch.utils.data.SequentialSampler(ds), num_workers=0)
     with pytest.raises(TypeError, match="stateful=True"):
-        CUDAPrefetcher(make_loader(ds, 4, num_workers=0), device="cpu").state_dict()
+        CUDAPrefetcher(other, device="cpu").state_dict()
     assert torch.is_tensor(torch.zeros(1))
 
 
@@ -174,8 +174,7 @@ def test_gpu_decoder_state_counts_what_the_consumer_received(uid_dataset, overla
     ds = PackedDataset(uid_dataset, target_fields="uid")
 
     def feed():
-        loader = make_gpu_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=0,
-                                 stateful=True)
+        loader = make_gpu_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=0)
         opts = GPUOptions(decoder=pil_decoder, overlap=overlap, queue_depth=3)
         return GPUDecoder(loader, size=32, device="cpu", options=opts)
     first, got = feed(), []

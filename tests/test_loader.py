@@ -12,7 +12,9 @@ from packer import build
 from packer.reading.dataset import PackedDataset
 from packer.demo import make_image_folder
 from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop
-from packer.loading.loader import TOTAL_PREFETCH, collate_uint8, default_num_workers, make_loader
+from packer.loading import PackedLoader, collate_uint8
+from packer.loading.loader import TOTAL_PREFETCH, default_num_workers, make_loader
+from packer.reading.sampler import PackedSampler
 from packer.loading.threaded import background
 
 UNIQUE, COPIES, CLASSES = 48, 4, 4
@@ -196,16 +198,17 @@ def test_collate_crosses_workers_in_channels_last():
 def test_make_loader_defaults(packed):
     ds = PackedDataset(packed[1], decode=DecodeCenterCrop(32))
     loader = make_loader(ds, 8)
+    assert isinstance(loader, PackedLoader)
     n = default_num_workers()
     assert loader.num_workers == n >= 1
     assert loader.persistent_workers and loader.pin_memory == torch.cuda.is_available()
     assert loader.prefetch_factor == max(2, math.ceil(TOTAL_PREFETCH / n))
-    assert isinstance(loader.sampler, torch.utils.data.RandomSampler)
+    assert isinstance(loader.sampler, PackedSampler) and loader.sampler.shuffle
     assert loader.collate_fn.keywords == {"channels_last": True}
     serial = make_loader(ds, 8, num_workers=0)
     assert not serial.persistent_workers and serial.prefetch_factor is None
     sampled = make_loader(ds, 8, sampler=DistributedSampler(ds, num_replicas=2, rank=0))
-    assert isinstance(sampled.sampler, DistributedSampler)
+    assert isinstance(sampled, PackedLoader) and isinstance(sampled.sampler, DistributedSampler)
 
 
 def test_default_workers_shared_by_local_ranks(monkeypatch):

@@ -13,25 +13,23 @@ from packer import build
 from packer.sources import Coco
 
 SCRIPT = textwrap.dedent('''
-    import atexit, sys
+    import atexit, multiprocessing, sys
     import packer
     from packer import PackedDataset, PackedSampler, DecodeCenterCrop, make_loader
+    from torch.utils.data import SequentialSampler
     ds = PackedDataset(sys.argv[1], decode=DecodeCenterCrop(32))
-    sampler = PackedSampler(ds) if sys.argv[2] == "epochs" else None
-    holder = {}
+    sampler = None if sys.argv[2] == "epochs" else SequentialSampler(ds)
 
     def check():  # registered before make_loader's hook: atexit runs it after that hook
-        workers = holder["loader"]._iterator._workers
-        print("alive after exit hooks:", sum(w.is_alive() for w in workers), flush=True)
+        alive = len(multiprocessing.active_children())
+        print("alive after exit hooks:", alive, flush=True)
 
     atexit.register(check)
     loader = make_loader(ds, 8, sampler=sampler, num_workers=2, persistent_workers=True)
-    inner = getattr(loader, "loader", loader)  # an EpochLoader's DataLoader
-    holder["loader"] = inner
     for x, y in loader:
         pass
     next(iter(loader))
-    print("workers:", len(inner._iterator._workers), flush=True)
+    print("workers:", len(multiprocessing.active_children()), flush=True)
 ''')
 
 
@@ -66,21 +64,25 @@ def test_a_dropped_loader_and_its_workers_go_at_once(packed, kind):
     persistent workers right away, not at some later garbage collection (which could run in
     a later loader's forked worker and fail there)."""
     import gc
+    import multiprocessing
     import weakref
 
-    from packer import DecodeCenterCrop, PackedDataset, PackedSampler, make_loader
+    from torch.utils.data import SequentialSampler
+
+    from packer import DecodeCenterCrop, PackedDataset, make_loader
     ds = PackedDataset(packed, decode=DecodeCenterCrop(32))
-    sampler = PackedSampler(ds) if kind == "epochs" else None
+    sampler = None if kind == "epochs" else SequentialSampler(ds)
     gc.disable()
     try:
+        before = set(multiprocessing.active_children())
         loader = make_loader(ds, 8, sampler=sampler, num_workers=2, persistent_workers=True,
                              pin_memory=False)
         for _ in loader:
             pass
-        inner = getattr(loader, "loader", loader)
-        workers = list(inner._iterator._workers)
-        ref = weakref.ref(inner)
-        del loader, inner
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == 2
+        ref = weakref.ref(loader.loader)
+        del loader
         assert ref() is None, "the loader outlived its last reference"
         for w in workers:
             w.join(timeout=10)
@@ -126,7 +128,7 @@ EPOCH_SCRIPT = textwrap.dedent('''
 
 
 def test_an_epoch_loader_in_a_spawned_process_exits_cleanly(tmp_path):
-    """An EpochLoader's workers are always mid-stream when the process ends; started by
+    """A stream's workers (over a PackedSampler) are always mid-stream when the process ends; started by
     spawn they aborted at exit ("terminate called without an active exception", in 2 of 3
     runs on the 2-core box); by forkserver they exit at once. Two runs, a clean exit each."""
     from packer.demo.scenes import make_detection_folder

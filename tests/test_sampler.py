@@ -197,7 +197,7 @@ def test_finished_epoch_state_resumes_to_an_empty_pass():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_finished_epoch_state_then_the_next_pass_reads_everything_through_make_loader(workers):
-    """make_loader's loader (EpochLoader with workers) after that state: one empty pass,
+    """make_loader's loader (its epoch stream) after that state: one empty pass,
     then whole ones, as a plain DataLoader gives; an empty pass once kept it empty forever."""
     ds = list(range(10))
     state = {"seed": 3, "epoch": 2, "consumed": 10, "size": 10}

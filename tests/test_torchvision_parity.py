@@ -211,9 +211,8 @@ def decimal_coco(root) -> None:
     (root / "annotations.json").write_text(json.dumps(coco))
 
 
-@pytest.mark.xfail(strict=True, reason="the build stores float32(x + w); torchvision computes "
-                                       "float32(x) + float32(w): the build side's to change")
 def test_boxes_with_coco_decimals_are_torchvisions_to_the_bit(tmp_path):
+    """The build computes box ends as the wrapper does: float32(x) + float32(w)."""
     root = make_detection_folder(tmp_path / "det", images=8, seed=5)
     decimal_coco(root)
     build(Coco(root / "images", root / "annotations.json"), tmp_path / "packed",
@@ -222,9 +221,7 @@ def test_boxes_with_coco_decimals_are_torchvisions_to_the_bit(tmp_path):
     for i in range(len(ds)):
         got, want = ds[i][1], ref[i][1]
         if "boxes" in want:
-            torch.testing.assert_close(plain(got["boxes"]), plain(want["boxes"]), atol=1e-4,
-                                       rtol=0)  # the same boxes, within an ulp...
-            assert torch.equal(plain(got["boxes"]), plain(want["boxes"]))  # ...not to the bit
+            assert torch.equal(plain(got["boxes"]), plain(want["boxes"]))
 
 
 # -- classification: the ImageFolder surface -------------------------------------------------------

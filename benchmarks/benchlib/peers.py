@@ -186,8 +186,8 @@ def _installed(module: str) -> Optional[str]:
 
 
 def packer_loader(ds: PackedDataset, batch_size: int, workers: int):
-    """packer's training path: ``make_loader`` over a ``PackedSampler`` (random order, an
-    ``EpochLoader`` with workers)."""
+    """packer's training path: ``make_loader`` over a ``PackedSampler`` (random order, its
+    workers running on across epochs)."""
     return make_loader(ds, batch_size, sampler=PackedSampler(ds), num_workers=workers,
                        pin_memory=False, persistent_workers=False)
 

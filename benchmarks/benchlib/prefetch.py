@@ -25,7 +25,7 @@ import torch
 
 from packer.reading.dataset import PackedDataset
 from packer.transforms.decode import DecodeRandomResizedCrop
-from packer.loading.loader import collate_uint8, make_loader
+from packer.loading import collate_uint8, make_loader
 from packer.loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher, normalize_affine, normalize_uint8
 from packer.bench.models import TrainStep, make_model
 

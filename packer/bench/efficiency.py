@@ -7,17 +7,15 @@ plain loop, over the same samples the loader reads, measured two ways: alone in 
 on an otherwise idle machine, and in W processes at once (``allcores``: the rate a core has
 when every worker's core is busy, which is what a loader with no overhead would reach). The
 loader reads the samples through ``make_loader`` as training does (a ``PackedSampler``, here
-in a fixed order; its default collate; no pinning) after its first wave of batches. Two
-baselines show what issue 16's changes gain, in the same run: each batch in a fresh shared
-block (``collate_uint8`` itself, without the reused slots of ``batchpool.BatchPool``), and
-batches handed to the workers in turn (``in_order=True``, not to whichever has room:
-``packer.loading.epochs``). All alternate round by round, so drift in the machine's speed touches
-all; the median of the rounds' ratios is reported.
+in a fixed order; its default collate; no pinning) after its first wave of batches. A
+baseline shows what handing batches to whichever worker has room gains, in the same run:
+batches handed to the workers in turn (``in_order=True``: ``packer.loading.epochs``). Both
+alternate round by round, so drift in the machine's speed touches both; the median of the
+rounds' ratios is reported.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import resource
 import statistics
 import tempfile
@@ -31,8 +29,7 @@ from .._util.system import usable_cores
 from .allcores import median_rate_on_all_cores
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeRandomResizedCrop
-from ..loading.epochs import unordered
-from ..loading.loader import collate_uint8, make_loader
+from ..loading.loader import make_loader
 from ..reading.sampler import PackedSampler
 
 GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
@@ -132,13 +129,9 @@ def core_rates(ds, indices: List[int], workers: int) -> Tuple[float, float]:
 
 
 def baselines() -> Dict[str, dict]:
-    """``make_loader`` keywords undoing one of issue 16's loader changes each: ``fresh``, a
-    fresh shared block per batch (``collate_uint8`` itself, no ``BatchPool``); ``in_order``,
-    batches given to the workers in turn (torch >= 2.6 only)."""
-    out = {"fresh": {"collate_fn": functools.partial(collate_uint8)}}
-    if unordered():
-        out["in_order"] = {"in_order": True}
-    return out
+    """``make_loader`` keywords undoing one of its choices each: ``in_order``, batches given
+    to the workers in turn."""
+    return {"in_order": {"in_order": True}}
 
 
 def bench_efficiency(root, *, workers: Optional[int] = None, batch_size: int = 64,
@@ -195,8 +188,7 @@ def efficiency_table(res: Dict[str, List[float]], workers: int) -> str:
         *baseline_rows(res, med)])
 
 
-BASELINE_NAMES = {"fresh": "a fresh shared block per batch (no pool)",
-                  "in_order": "batches to the workers in turn (`in_order=True`)"}
+BASELINE_NAMES = {"in_order": "batches to the workers in turn (`in_order=True`)"}
 
 
 def baseline_rows(res: Dict[str, List[float]], med: Dict[str, float]) -> List[str]:

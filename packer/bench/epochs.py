@@ -1,28 +1,34 @@
-"""What ``benchmarks/bench_epochs.py`` measures: the stall at every epoch boundary, with and
-without ``EpochLoader`` (``make_loader(..., across_epochs=...)``).
+"""What ``benchmarks/bench_epochs.py`` measures: the wait at every epoch boundary, of
+``make_loader(ds, B)`` (its workers run on into the next epoch) against a plain DataLoader
+over the same ``PackedSampler``, collate and workers, epoch by epoch.
 
 The training step is either stood in for (``StandInStep``: a fixed wait in the main process,
 as a GPU step looks to the loader, set a little longer than the loader needs per batch inside
 an epoch, so a perfect loader is never waited on) or real (``CudaStep``: a ResNet-50 step on
 the GPU fed through ``CUDAPrefetcher``, its ideal the same step on a resident batch, measured
 in the same round). The loop runs several epochs (``set_epoch`` each, as training does);
-what is measured is the wall time against the sum of the ideal steps, and the wait for each
-epoch's first batch. Variants alternate round by round.
+what is measured is the wall time against the sum of the ideal steps, the wait for each
+epoch's first batch and the waits for the others. Variants alternate round by round.
 """
 from __future__ import annotations
 
+import functools
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from .._util.system import usable_cores
-from ..reading.dataset import PackedDataset
-from ..transforms.decode import DecodeRandomResizedCrop
-from ..loading.loader import default_num_workers, make_loader
-from ..reading.sampler import PackedSampler
+from torch.utils.data import DataLoader
 
-VARIANTS = {"plain DataLoader (epoch by epoch)": False, "EpochLoader (runs on)": True}
+from .._util.system import usable_cores
+from ..loading.collate import collate_uint8
+from ..loading.loader import TOTAL_PREFETCH, default_num_workers, make_loader
+from ..reading.dataset import PackedDataset
+from ..reading.sampler import PackedSampler
+from ..transforms.decode import DecodeRandomResizedCrop
+
+VARIANTS = {"plain DataLoader (epoch by epoch)": False, "make_loader(ds, B) (runs on)": True}
 
 
 @dataclass
@@ -30,6 +36,7 @@ class EpochRun:
     seconds: float          # wall time of the measured epochs
     steps: float            # the sum of the stand-in steps: the ideal wall time
     first_waits: List[float] = field(default_factory=list)  # waits for each epoch's first batch
+    waits: List[float] = field(default_factory=list)  # waits for the other batches
     images: int = 0
 
     @property
@@ -103,38 +110,51 @@ class CudaStep:
             torch.cuda.synchronize(self.dev)
 
 
+def plain_loader(ds, sampler: PackedSampler, batch_size: int, workers: int,
+                 pin_memory: bool) -> DataLoader:
+    """The baseline: a DataLoader with make_loader's collate, workers and prefetch, epoch by
+    epoch."""
+    return DataLoader(ds, batch_size, sampler=sampler, num_workers=workers,
+                      collate_fn=functools.partial(collate_uint8), pin_memory=pin_memory,
+                      persistent_workers=workers > 0,
+                      prefetch_factor=max(2, math.ceil(TOTAL_PREFETCH / workers)) if workers else None)
+
+
 def one_run(ds: PackedDataset, across: bool, *, batch_size: int, workers: int, epochs: int,
             step) -> EpochRun:
-    """``epochs`` epochs after a warm-up one; ``step`` a seconds count (``StandInStep``) or a
-    step object (``CudaStep``)."""
+    """``epochs`` epochs after a warm-up one, through ``make_loader(ds, batch_size)``
+    (``across``) or ``plain_loader``; ``step`` a seconds count (``StandInStep``) or a step
+    object (``CudaStep``)."""
     step = StandInStep(step) if isinstance(step, (int, float)) else step
-    sampler = PackedSampler(ds, seed=0)
-    loader = step.feed(make_loader(ds, batch_size, sampler=sampler, num_workers=workers,
-                                   pin_memory=step.pin_memory, across_epochs=across))
+    if across:
+        made = make_loader(ds, batch_size, num_workers=workers, pin_memory=step.pin_memory)
+        set_epoch = made.set_epoch
+    else:
+        sampler = PackedSampler(ds, seed=0)
+        made, set_epoch = plain_loader(ds, sampler, batch_size, workers, step.pin_memory), sampler.set_epoch
+    loader = step.feed(made)
     for x, y in loader:  # warm-up epoch: workers started, caches warm
         step(x, y)
     step.finish()
     run = EpochRun(0.0, 0.0)
     t0 = time.perf_counter()
     for e in range(1, epochs + 1):
-        sampler.set_epoch(e)
+        set_epoch(e)
         t = time.perf_counter()
         for k, (x, y) in enumerate(loader):
-            if k == 0:
-                run.first_waits.append(time.perf_counter() - t)
+            (run.waits if k else run.first_waits).append(time.perf_counter() - t)
             run.images += len(x)
             run.steps += step(x, y)
+            t = time.perf_counter()
     step.finish()
     run.seconds = time.perf_counter() - t0
-    del loader
+    del loader, made
     return run
 
 
 def loader_batch_time(ds: PackedDataset, batch_size: int, workers: int) -> float:
     """Seconds per batch the loader needs inside an epoch, with nothing else running."""
-    loader = make_loader(ds, batch_size, sampler=PackedSampler(ds, seed=1), num_workers=workers,
-                         pin_memory=False, across_epochs=False)
-    it = iter(loader)
+    it = iter(make_loader(ds, batch_size, shuffle=False, num_workers=workers, pin_memory=False))
     next(it)
     t0, n = time.perf_counter(), 0
     for _ in it:
@@ -168,16 +188,21 @@ def bench_epochs(root, *, batch_size: int = 64, workers: Optional[int] = None, e
                           step=step)
             out[name].append(run)
             log(f"round {r + 1}/{rounds}: {name}: kept {run.kept:.3f} of the ideal, first-batch "
-                f"waits {', '.join(f'{w * 1e3:.0f}' for w in run.first_waits)} ms")
+                f"waits {', '.join(f'{w * 1e3:.1f}' for w in run.first_waits)} ms, in-epoch "
+                f"median {statistics.median(run.waits) * 1e3:.2f} ms")
     return out
 
 
 def epochs_table(results: Dict[str, List[EpochRun]]) -> str:
-    rows = ["| loader | kept of ideal (median) | spread | epoch-start wait, median ms |",
-            "|---|---:|---|---:|"]
+    rows = ["| loader | kept of ideal (median) | spread | epoch-start wait, median ms | "
+            "in-epoch wait, median / mean ms | start / in-epoch median |",
+            "|---|---:|---|---:|---:|---:|"]
     for name, runs in results.items():
         kept = [r.kept for r in runs]
-        waits = [w for r in runs for w in r.first_waits]
+        first = statistics.median([w for r in runs for w in r.first_waits]) * 1e3
+        inner = [w * 1e3 for r in runs for w in r.waits]
+        med = statistics.median(inner)
         rows.append(f"| {name} | {statistics.median(kept):.3f} | {min(kept):.3f}-{max(kept):.3f} "
-                    f"| {statistics.median(waits) * 1e3:.0f} |")
+                    f"| {first:.1f} | {med:.2f} / {statistics.fmean(inner):.2f} "
+                    f"| {first / med:.1f}x |")
     return "\n".join(rows)

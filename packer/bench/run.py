@@ -126,7 +126,7 @@ class BenchReport:
             f"against {e['core_busy_images_per_s']:,.0f} images/s, one core's rate with "
             f"{e['workers']} such loops at once; goal >= {e['goal']}",
             f"  epoch-boundary wait  {w['make_loader']['median']:,.0f} ms for each epoch's first "
-            f"batch with make_loader (EpochLoader: workers run on into the next epoch) vs "
+            f"batch with make_loader (its workers run on into the next epoch) vs "
             f"{w['plain_dataloader']['median']:,.0f} ms with a plain DataLoader epoch by epoch "
             f"({n_workers(w['workers'])}, batch {w['batch_size']})"])
 

@@ -31,6 +31,10 @@ from .common import Size, library_errors, warnings_as_lines
 @click.option("--names", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="With --yolo: class names, a text file (one per line) or a YAML list or "
                    "'names:' map (e.g. the dataset's data.yaml).")
+@click.option("--yolo-rules", type=click.Choice(["ultralytics", "lines"]), default=None,
+              help="With --yolo: 'ultralytics' leaves out (and lists) an image with any invalid "
+                   "label line, as ultralytics does; 'lines' drops the line and keeps the image "
+                   "[default: ultralytics].")
 @click.option("--meta", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               metavar="FILE",
               help="Any fields: a .jsonl or .csv file with one row per image: a 'path' "
@@ -49,6 +53,10 @@ from .common import Size, library_errors, warnings_as_lines
                    "files; a dataset under 256 of them gets ~256 smaller shards (>= 4M).")
 @click.option("--workers", "-j", type=int, default=None,
               help="Processes that read and check images [default: all usable cores].")
+@click.option("--ray", "on_ray", is_flag=True,
+              help="Write the shards as tasks on a Ray cluster (RAY_ADDRESS's, else a new local "
+                   "one) instead of --workers processes; DST must be at the same path on every "
+                   "node. The same dataset (docs/distributed.md).")
 @click.option("--max-side", type=click.IntRange(min=16),
               help="Transcode: downscale so the longer side is at most N px.")
 @click.option("--short-side", type=click.IntRange(min=16),
@@ -78,9 +86,10 @@ from .common import Size, library_errors, warnings_as_lines
               help="No progress bar; print one JSON object (dst, count, bytes, shards, task, "
                    "seconds, resumed_shards, skipped, dropped_count, dropped).")
 @library_errors
-def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column, allow_empty,
-          extensions, shard_size, workers, max_side, short_side, quality, shuffle, seed, part,
-          strict, max_pixels, max_image_bytes, max_classes, overwrite, quiet, as_json):
+def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, label_column,
+          allow_empty, extensions, shard_size, workers, on_ray, max_side, short_side, quality,
+          shuffle, seed, part, strict, max_pixels, max_image_bytes, max_classes, overwrite,
+          quiet, as_json):
     """Pack the image folder SRC into LMDB shards in DST.
 
     SRC is laid out as torchvision's ImageFolder expects (SRC/CLASS/.../IMAGE): classes are
@@ -106,13 +115,17 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, meta, label_column
     """
     from ..writing.builder import build as run_build
     from ..writing.check import DEFAULT_MAX_PIXELS, Transcode
-    source = build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_column,
-                          allow_empty, extensions, max_classes)
+    if on_ray and workers is not None:
+        raise click.UsageError("--ray and --workers exclude each other (Ray runs a task per "
+                               "cluster CPU)")
+    source = build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
+                          label_column, allow_empty, extensions, max_classes)
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
     with warnings_as_lines(), flag_words():
-        result = run_build(source, dst, shard_size=shard_size, workers=workers,
+        result = run_build(source, dst, shard_size=shard_size,
+                           workers="ray" if on_ray else workers,
                            transcode=transcode, shuffle=shuffle, seed=seed, part=part,
                            strict=strict, overwrite=overwrite,
                            max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
@@ -174,8 +187,8 @@ def flag_words():
         raise PackerError(text) from None
 
 
-def build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_column,
-                 allow_empty, extensions, max_classes=None):
+def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
+                 label_column, allow_empty, extensions, max_classes=None):
     """The ``packer.sources`` object the build's flags name (an ImageFolder when none)."""
     from ..errors import PackerError
     from ..sources import Coco, FileList, ImageFolder, Table, Yolo
@@ -185,6 +198,8 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_colu
         raise PackerError(f"pass one source: {' and '.join(chosen)} exclude each other")
     if (names is not None) != (yolo is not None):
         raise PackerError("--yolo LABELS_DIR and --names NAMES go together")
+    if yolo_rules is not None and yolo is None:
+        raise PackerError("--yolo-rules applies to --yolo datasets")
     if label_column is not None and meta is None:
         raise PackerError("--label COLUMN picks a column of --meta FILE; pass --meta too")
     if skip_empty and coco is None:
@@ -197,7 +212,7 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, meta, label_colu
     if coco is not None:
         return Coco(src, coco, skip_empty=skip_empty)
     if yolo is not None:
-        return Yolo(src, yolo, names)
+        return Yolo(src, yolo, names, rules=yolo_rules or "ultralytics")
     if meta is not None:
         return Table(src, meta, label=label_column, **limit)
     exts = extensions and [e.strip() for e in extensions.split(",") if e.strip()]

@@ -27,7 +27,8 @@ from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeLetterbox
 from ..errors import PackerError
 from ..info import build_line, verify
-from ..loading.loader import collate_detection, default_num_workers, make_loader
+from ..loading.collate import collate_detection
+from ..loading.loader import default_num_workers, make_loader
 from ..loading.prefetch import CUDAPrefetcher
 from ..reading.sampler import PackedSampler
 from ..staging import unstage

@@ -169,10 +169,11 @@ class GPUDecoder(LoaderView):
     def state_dict(self) -> dict:
         """The loader's state as of the last batch handed out to the consumer (the decode
         threads run batches ahead): resuming from it continues with the next unseen batch.
-        Needs ``make_gpu_loader(..., stateful=True)``. Crops after a resume are new draws."""
+        Needs a loader that resumes (``make_gpu_loader``'s default PackedSampler, or
+        ``stateful=True``). Crops after a resume are new draws."""
         if not hasattr(self.loader, "state_dict"):
             raise TypeError("GPUDecoder.state_dict needs a loader with state_dict(): use "
-                            "make_gpu_loader(..., stateful=True)")
+                            "make_gpu_loader with a PackedSampler (its default) or stateful=True")
         return {"loader": self._state if self._state is not None else self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

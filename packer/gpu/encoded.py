@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from ..errors import FormatError
+from ..loading.torchapi import shared_empty
 from ..transforms.decode import open_image
 from ..format.images import DEFAULT_MAX_PIXELS
 from .detection import is_detection_batch, pack_targets
@@ -211,6 +212,6 @@ def collate_encoded(batch) -> EncodedBatch:
 
 def _empty_u8(n: int) -> torch.Tensor:
     if get_worker_info() is not None and n > 0:
-        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n), 0, (n,))
+        return shared_empty((n,))
     return torch.empty(n, dtype=torch.uint8)
 

@@ -1,44 +1,30 @@
 """No stall at epoch boundaries: one DataLoader stream that runs on into the next epoch.
 
-A plain DataLoader starts the next epoch's first batches only when the new epoch's iterator
-is made, after the last batch of the current one: every worker idles for the time one batch
-takes to decode (about a second for 256 ImageNet JPEGs on one worker), and so does the GPU.
-``PackedSampler`` knows every epoch's order in advance, so here the batch sampler goes on
-from epoch *e*'s last batch to epoch *e + 1*'s first, and the workers never stop:
-:class:`EpochLoader` hands out one epoch per ``iter()`` from that endless stream.
+A DataLoader starts an epoch's first batches only when that epoch's iterator is made, after
+the last batch of the previous one: every worker, and the GPU, then idles for the time one
+batch takes to decode. ``PackedSampler`` knows every epoch's order in advance, so here the
+batch sampler (``EpochBatches``) goes on from epoch *e*'s last batch to epoch *e + 1*'s
+first and the workers never stop; ``EpochStream`` hands out one epoch at a time.
 
-The stream draws each epoch from a copy of the sampler (the caller's sampler, its epoch and
-its ``state_dict`` stay the caller's). If the caller's next epoch is not the one the stream
-ran on into (``set_epoch`` to another number, a resume, an epoch abandoned midway), the
-prefetched batches are dropped and the stream restarts there: correct first, fast when used
-as a training loop uses it.
-
-Batches are handed to whichever worker has room (DataLoader's ``in_order=False``) and put
-back in order here. In order, DataLoader gives batch *k* to worker *k mod W*, so the loader
-runs at W times its slowest worker's pace, and with 16 workers on 16 cores one always shares
-its core with the main process or the kernel: 0.875 of what 16 busy cores decode, 0.956
-when the busier workers take fewer batches (docs/benchmarks.md, issue 16). Each batch
-carries its place in the stream (``Numbered``, ``StampedDataset``, ``StampedCollate``);
-``EpochLoader`` holds the few that arrive early.
+Batches go to whichever worker has room (DataLoader's ``in_order=False``): in turn, batch
+*k* waits for worker *k mod W* and the loader runs at W times its slowest worker's pace.
+Each batch carries its place in the stream (``Numbered``, ``StampedDataset``,
+``StampedCollate``) and ``EpochStream`` puts them back in the sampler's order; a batch whose
+reading or collating raised carries its exception (``Failed``), raised in its turn, after
+which the epoch goes on, as a DataLoader's does.
 """
 from __future__ import annotations
 
-import inspect
 import math
+import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from torch.utils.data import DataLoader
+from torch.utils.data import get_worker_info
 
-from .prefetch import LoaderView
 from ..reading.sampler import PackedSampler
 
-__all__ = ["EpochBatches", "EpochLoader", "Numbered", "StampedCollate", "StampedDataset",
-           "unordered"]
-
-
-def unordered() -> Dict[str, Any]:
-    """DataLoader keywords for delivery as batches finish (``in_order``: torch >= 2.6)."""
-    return {"in_order": False} if "in_order" in inspect.signature(DataLoader).parameters else {}
+__all__ = ["EpochBatches", "EpochStream", "Failed", "Numbered", "StampedCollate",
+           "StampedDataset"]
 
 
 class Numbered(list):
@@ -51,10 +37,11 @@ class Numbered(list):
 
 class StampedDataset:
     """``dataset`` read a batch at a time (DataLoader's ``__getitems__``), the samples
-    keeping the batch's ``seq``; anything else is the dataset's."""
+    keeping the batch's ``seq``; any other attribute, read or set (a ``worker_init_fn``
+    setting ``get_worker_info().dataset.x``), is the dataset's."""
 
     def __init__(self, dataset):
-        self.dataset = dataset
+        object.__setattr__(self, "dataset", dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -63,8 +50,11 @@ class StampedDataset:
         return self.dataset[index]
 
     def __getitems__(self, batch: Numbered) -> Numbered:
-        many = getattr(self.dataset, "__getitems__", None)
-        samples = many(list(batch)) if many else [self.dataset[i] for i in batch]
+        try:
+            many = getattr(self.dataset, "__getitems__", None)
+            samples = many(list(batch)) if many else [self.dataset[i] for i in batch]
+        except Exception as e:  # noqa: B902 - it is raised again in the batch's turn
+            samples = [Failed(e)]
         return Numbered(samples, batch.seq)
 
     def __getattr__(self, name: str):
@@ -72,29 +62,60 @@ class StampedDataset:
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
-    def __setattr__(self, name: str, value) -> None:  # worker_init_fn's info.dataset.x = ...
-        if name == "dataset":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.dataset, name, value)
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.dataset, name, value)
 
     def __delattr__(self, name: str) -> None:
         delattr(self.dataset, name)
 
 
 class StampedCollate:
-    """``(seq, collate(samples))``: the batch and its place in the stream."""
+    """``(seq, collate(samples))``: the batch and its place in the stream; ``(seq, Failed)``
+    where reading or collating it raised."""
 
     def __init__(self, collate: Callable):
         self.collate = collate
 
     def __call__(self, samples: Numbered):
-        return samples.seq, self.collate(samples)
+        if samples and isinstance(samples[0], Failed):
+            return samples.seq, samples[0]
+        try:
+            return samples.seq, self.collate(samples)
+        except Exception as e:  # noqa: B902 - it is raised again in the batch's turn
+            return samples.seq, Failed(e)
+
+
+class Failed:
+    """The exception a batch raised, on its way to its turn in the stream. In the process
+    that raised it, it is raised again as itself; from a worker (pickled) as the same type
+    (or ``RuntimeError`` where that type cannot be made from a message) whose message holds
+    the worker's traceback, as a DataLoader does."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def __reduce__(self):
+        info = get_worker_info()
+        where = f"in DataLoader worker process {info.id}" if info else "in a DataLoader worker"
+        text = "".join(traceback.format_exception(type(self.exc), self.exc, self.exc.__traceback__))
+        return failed_from, (type(self.exc), f"Caught {type(self.exc).__name__} {where}.\n"
+                                             f"Original {text}")
+
+    def reraise(self):
+        raise self.exc
+
+
+def failed_from(cls: type, message: str) -> Failed:
+    try:
+        return Failed(cls(message))
+    except Exception:  # noqa: B902 - a type that needs other arguments
+        return Failed(RuntimeError(message))
 
 
 class EpochBatches:
-    """Batches of ``sampler``'s indices, epoch after epoch, never ending; a batch never spans
-    two epochs (the last one of an epoch may be short unless ``drop_last``)."""
+    """Batches of ``sampler``'s indices, epoch after epoch, never ending, drawn from a copy
+    of the sampler (the caller's keeps its epoch and state); a batch never spans two epochs
+    (the last one of an epoch may be short unless ``drop_last``)."""
 
     def __init__(self, sampler: PackedSampler, batch_size: int, drop_last: bool = False):
         self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), bool(drop_last)
@@ -122,70 +143,83 @@ class EpochBatches:
             epoch = epoch.epoch_copy(epoch.epoch + 1)
 
 
-class EpochLoader(LoaderView):
-    """One epoch per ``iter()``, from a DataLoader whose workers run on into the next epoch
-    (``make_loader`` returns one for a ``PackedSampler``; see the module docstring).
+class EpochStream:
+    """One epoch per ``epoch()`` call from a DataLoader over ``StampedDataset`` whose batch
+    sampler is ``batches``.
 
-    ``len()``, ``.dataset``, ``.sampler`` (the caller's ``PackedSampler``), ``set_epoch``
-    work as on the DataLoader; the sampler's ``state_dict`` counts the batches handed out.
+    Each batch handed out is reported to the caller's sampler (``PackedSampler.received``),
+    so its ``state_dict`` counts what the training loop received. A complete pass moves the
+    sampler to the next epoch, which the stream is already into. If the sampler is not where
+    the stream is (``set_epoch`` to another epoch, a resume, an epoch abandoned midway), the
+    batches made ahead are dropped and the stream restarts where the sampler is.
     """
 
-    def __init__(self, loader, batches: EpochBatches):
-        self.loader, self.batches = loader, batches
-        self._it: Optional[Iterator] = None
-        self._at: Optional[tuple] = None  # (epoch, start, seed, shuffle, order) the stream is at
-        self._early: Dict[int, Any] = {}  # batches that came before their turn, by seq
-        self._seq = 0  # the stream's next batch to hand out
+    def __init__(self, batches: EpochBatches):
+        self.batches = batches
+        self.it: Optional[Iterator] = None
+        self.at: Optional[tuple] = None  # (epoch, start, seed, shuffle, order) the stream is at
+        self.early: Dict[int, Any] = {}  # batches that came before their turn, by seq
+        self.seq = 0  # the stream's next batch to hand out
 
-    @property
-    def dataset(self):
-        return getattr(self.loader.dataset, "dataset", self.loader.dataset)
+    def epoch(self, start: Callable[[], Iterator]) -> "EpochPass":
+        """An iterator of one epoch; ``start()`` is ``iter(loader)``, called where the stream
+        (re)starts."""
+        return EpochPass(self, start)
 
-    @property
-    def collate_fn(self):
-        return getattr(self.loader.collate_fn, "collate", self.loader.collate_fn)
+    def begin(self, start: Callable[[], Iterator]) -> None:
+        """Restart the stream unless it is where the sampler is; then mark it mid-epoch (a
+        new pass before this one ends restarts it)."""
+        if self.it is None or self.at != position(self.batches.sampler):
+            self.it = start()  # a new stream from the sampler as it is now
+            self.early, self.seq = {}, 0
+        self.at = None
 
-    @property
-    def sampler(self) -> PackedSampler:
-        return self.batches.sampler
-
-    @property
-    def batch_size(self) -> int:
-        return self.batches.batch_size
-
-    def __getattr__(self, name: str):  # num_workers, pin_memory...: the DataLoader's
-        if name.startswith("_") or name in ("loader", "batches"):
-            raise AttributeError(name)
-        return getattr(self.loader, name)
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batches.sampler.set_epoch(epoch)
-
-    def __iter__(self):
+    def end(self) -> None:
+        """A complete pass: the sampler moves to the next epoch, which the stream is in."""
         s = self.batches.sampler
-        step = self.batches.batch_size * s.num_replicas  # global samples per batch
-        want = (s.epoch, s.start, s.seed, s.shuffle, s.order)  # the order the stream must be
-        if self._it is None or self._at != want:
-            self._it = iter(self.loader)  # a new stream from the sampler as it is now
-            self._early, self._seq = {}, 0
-        count = self.batches.per_epoch(len(s))
-        start = s.start
-        self._at = None  # mid-epoch: a new iter() before the end restarts the stream
-        if count == 0:  # resumed after the epoch's last batch: this pass is done already
-            s.received(start, done=True)
-        for k in range(count):
-            batch = self._next_in_order()
-            s.received(min(start + (k + 1) * step, s.size), done=k + 1 == count)
-            yield batch
-        self._at = (s.epoch + 1, 0, s.seed, s.shuffle, s.order)  # already into the next epoch
+        s.set_epoch(s.epoch + 1)
+        self.at = position(s)
 
-    def _next_in_order(self):
-        """The stream's next batch; those that finish before it wait in ``_early``."""
-        while self._seq not in self._early:
-            seq, batch = next(self._it)
-            self._early[seq] = batch
-        self._seq += 1
-        return self._early.pop(self._seq - 1)
+    def next_in_order(self):
+        """The stream's next batch; those that finish before it wait in ``early``."""
+        while self.seq not in self.early:
+            seq, batch = next(self.it)
+            self.early[seq] = batch
+        self.seq += 1
+        return self.early.pop(self.seq - 1)
+
+
+class EpochPass:
+    """One epoch of an ``EpochStream``, as a DataLoader iterator hands it out: the stream
+    (re)starts at the first ``next()``; each batch handed out is reported to the sampler
+    (``PackedSampler.received``); a batch that raised is counted and raised, and the next
+    ``next()`` goes on with the batch after it."""
+
+    def __init__(self, stream: EpochStream, start: Callable[[], Iterator]):
+        self.stream, self.start = stream, start
+        self.count: Optional[int] = None  # batches in this pass, known once it starts
+        self.done = 0
+
+    def __iter__(self) -> "EpochPass":
+        return self
+
+    def __next__(self):
+        stream, s = self.stream, self.stream.batches.sampler
+        if self.count is None:
+            stream.begin(self.start)
+            self.count, self.first = stream.batches.per_epoch(len(s)), s.start
+        if self.done == self.count:
+            stream.end()
+            self.done = -1  # StopIteration from now on, as iterators do
+        if self.done < 0:
+            raise StopIteration
+        batch = stream.next_in_order()
+        self.done += 1
+        s.received(min(self.first + self.done * stream.batches.batch_size * s.num_replicas, s.size))
+        if isinstance(batch, Failed):
+            batch.reraise()
+        return batch
+
+
+def position(s: PackedSampler) -> tuple:
+    return s.epoch, s.start, s.seed, s.shuffle, s.order

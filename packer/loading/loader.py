@@ -1,41 +1,147 @@
-"""Feeding the training loop: ``make_loader`` (a DataLoader tuned for throughput) and the
-uint8 collate.
-
-Images stay uint8 from decode to the GPU: a float32 batch is 4x the bytes to collate, to pass
-between processes, to pin and to send over PCIe, and the conversion is nearly free on the
-GPU (``CUDAPrefetcher`` does it there).
-"""
+"""``make_loader`` and the one type it returns, ``PackedLoader``: a DataLoader set up for
+throughput, one epoch per ``iter()``, resumable mid-epoch."""
 from __future__ import annotations
 
 import atexit
-import functools
 import math
 import multiprocessing as mp
 import os
 import sys
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, default_collate, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from .._util.system import usable_cores
-from .epochs import EpochBatches, EpochLoader, StampedCollate, StampedDataset, unordered
 from ..reading.sampler import PackedSampler
-from .batchpool import BatchPool, shared_empty
-from .sharedbatch import SharedBatch
+from .collate import default_collate_for
+from .epochs import EpochBatches, EpochStream, StampedCollate, StampedDataset
+from .prefetch import LoaderView
+from .torchapi import shutdown_workers
 
-try:  # the extensible collate (torch >= 2.0); older torch falls back to default_collate
-    from torch.utils.data._utils.collate import collate as _collate
-    from torch.utils.data._utils.collate import collate_tensor_fn as _collate_tensor
-    from torch.utils.data._utils.collate import default_collate_fn_map as _default_map
-except ImportError:  # pragma: no cover
-    _collate = None
-
-__all__ = ["collate_detection", "collate_uint8", "default_context", "default_num_workers",
-           "make_loader"]
+__all__ = ["PackedLoader", "default_context", "default_num_workers", "make_loader"]
 
 TOTAL_PREFETCH = 8  # batches in flight across all workers, see make_loader
+_HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # worker iterators with an exit hook
+
+
+class PackedLoader(LoaderView):
+    """What ``make_loader`` returns, in every case: a DataLoader's surface (``iter()`` is
+    one epoch; ``len()``; ``dataset``, ``sampler``, ``batch_sampler``, ``batch_size``,
+    ``collate_fn``, and ``num_workers``, ``pin_memory``... of the DataLoader inside,
+    ``loader``), plus ``set_epoch`` and, where it can resume, ``state_dict`` /
+    ``load_state_dict`` with ``torchdata``'s ``StatefulDataLoader`` semantics: the state
+    counts the batches the training loop received, and a loader that loads it continues
+    with the first batch the loop never saw.
+
+    Over a ``PackedSampler`` (``make_loader``'s default; it makes one when given no
+    sampler) the batches come from one stream whose workers run on into the next epoch
+    (``packer.loading.epochs``): each epoch's first batches are ready when it starts. Each
+    complete pass moves the sampler to the next epoch; ``set_epoch(e)`` picks one. The state
+    is the sampler's, three integers (``{"sampler": PackedSampler.state_dict()}``), and
+    resumes at another world size too (docs/sampling.md).
+
+    Over anything else (another sampler, ``batch_sampler=``, an ``IterableDataset``) it
+    iterates a DataLoader as it is, or torchdata's ``StatefulDataLoader`` with
+    ``stateful=True`` (then the state is that loader's). Without that it cannot resume and
+    has no ``state_dict`` attribute (``hasattr`` is how ``CUDAPrefetcher``, ``GPUDecoder``
+    and training frameworks ask).
+    """
+
+    def __init__(self, loader: DataLoader, stream: Optional[EpochStream] = None):
+        self.loader, self.stream = loader, stream
+
+    @property
+    def dataset(self):
+        return self.loader.dataset.dataset if self.stream else self.loader.dataset
+
+    @property
+    def sampler(self):
+        return self.stream.batches.sampler if self.stream else self.loader.sampler
+
+    @property
+    def collate_fn(self) -> Callable:
+        return self.loader.collate_fn.collate if self.stream else self.loader.collate_fn
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        return self.stream.batches.batch_size if self.stream else self.loader.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self.stream.batches.drop_last if self.stream else self.loader.drop_last
+
+    def __len__(self) -> int:
+        return len(self.stream.batches) if self.stream else len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        return self.stream.epoch(self._start) if self.stream else self._start()
+
+    def _start(self) -> Iterator:
+        """``iter(loader)``, its workers (when new) shut down at interpreter exit before
+        multiprocessing's exit handler joins them one by one: with persistent workers and a
+        pin-memory thread under CUDA that handler waited on each in turn (pytorch#81794). The
+        hook is registered when the workers start, so it runs before the hooks of whatever
+        was set up earlier, and holds the iterator weakly: a dropped loader's workers stop at
+        once."""
+        it = iter(self.loader)
+        if self.loader.num_workers and it not in _HOOKED:
+            _HOOKED.add(it)
+            atexit.register(_stop_at_exit, weakref.ref(it))
+        return it
+
+    @property
+    def resumable(self) -> bool:
+        """Whether ``state_dict`` / ``load_state_dict`` exist: over a ``PackedSampler``, or
+        a ``StatefulDataLoader`` inside (``stateful=True``)."""
+        return self.stream is not None or hasattr(self.loader, "state_dict")
+
+    @property
+    def state_dict(self) -> Callable[[], dict]:
+        """``state_dict()``: the state after the last batch handed out."""
+        if not self.resumable:
+            raise AttributeError("state_dict")
+        return self._save
+
+    @property
+    def load_state_dict(self) -> Callable[[dict], None]:
+        """``load_state_dict(state)``: the next ``iter()`` continues after the last batch
+        handed out before ``state`` was saved."""
+        if not self.resumable:
+            raise AttributeError("load_state_dict")
+        return self._load
+
+    def _save(self) -> dict:
+        return {"sampler": self.sampler.state_dict()} if self.stream else self.loader.state_dict()
+
+    def _load(self, state: dict) -> None:
+        if self.stream is None:
+            self.loader.load_state_dict(state)
+        elif not isinstance(state, dict) or set(state) != {"sampler"}:
+            raise ValueError("not the state of a loader over a PackedSampler: pass what "
+                             "state_dict() of make_loader's loader returned ({'sampler': ...})")
+        else:
+            self.sampler.load_state_dict(state["sampler"])
+
+    def __getattr__(self, name: str):  # num_workers, pin_memory...: the DataLoader's
+        if name in ("state_dict", "load_state_dict"):  # their properties said no
+            raise AttributeError(
+                f"this loader cannot resume, so it has no {name}(): make_loader resumes over a "
+                f"PackedSampler (its default when given no sampler) or with stateful=True")
+        if name.startswith("_") or name in ("loader", "stream"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __repr__(self) -> str:
+        how = "stream over " + repr(self.sampler) if self.stream else type(self.loader).__name__
+        return f"PackedLoader({how}, batch_size={self.batch_size}, num_workers={self.num_workers})"
+
+
+def _stop_at_exit(ref) -> None:
+    it = ref()
+    if it is not None:
+        shutdown_workers(it)
 
 
 def default_num_workers() -> int:
@@ -49,103 +155,39 @@ def default_num_workers() -> int:
     return max(1, usable_cores() // local)
 
 
-# -- collate ---------------------------------------------------------------------------------
+def default_context() -> Optional[str]:
+    """The workers' start method when the caller names none: the platform's (None), except in
+    a Linux process whose own default is spawn (one started by ``torch.multiprocessing.spawn``,
+    say), where it is forkserver. Both need a picklable dataset, but a spawned worker finalizes
+    the interpreter when it exits, which aborted workers stopped while their result queue's
+    thread was still handing a batch over ("terminate called without an active exception");
+    a stream's workers, running on into the next epoch, always are. A forkserver worker exits
+    at once."""
+    if sys.platform.startswith("linux") and mp.get_start_method(allow_none=True) == "spawn":
+        return "forkserver"
+    return None
 
-def collate_uint8(batch, *, channels_last: bool = True):
-    """Collate samples whose images are uint8 ``(C, H, W)`` tensors into one uint8 batch.
-
-    Images become one ``(N, C, H, W)`` uint8 tensor, in channels_last memory when asked (the
-    layout convolutions on GPU prefer; decoders that hand out HWC buffers make it a plain
-    copy). Integer labels become an int64 tensor. Any nesting of tuples, lists and dicts is
-    handled; other tensors and values are collated by ``default_collate``'s rules. In a
-    worker process the batch is written straight into shared memory, as default_collate does,
-    so it crosses to the main process without another copy.
-
-    PIL images are refused with a pointer to ``decode=``: they vary in size and must be
-    decoded to tensors in the worker anyway, and decoding straight to a cropped uint8 tensor
-    is the fast path.
-    """
-    if _collate is None:  # pragma: no cover - torch < 2.0
-        return default_collate(batch)
-    fn_map = dict(_default_map)
-    fn_map[torch.Tensor] = functools.partial(_collate_images, channels_last=channels_last)
-    try:
-        from PIL import Image
-        fn_map[Image.Image] = _refuse_pil
-    except ImportError:  # pragma: no cover
-        pass
-    return _collate(batch, collate_fn_map=fn_map)
-
-
-def collate_detection(batch, *, channels_last: bool = True):
-    """``(images, targets)`` for detection: targets stay a list of dicts (their box counts
-    differ), as torchvision's detection references collate. Images of one size (a crop or
-    letterbox decoder) become one uint8 batch like ``collate_uint8``'s; images of different
-    sizes stay a list. ``CUDAPrefetcher`` moves and normalizes either form.
-
-    In a worker, the targets (and a list of images) cross to the main process as one
-    shared-memory block each (``SharedBatch``), not one per tensor: per-tensor hand-over
-    was the main process's bottleneck with many workers."""
-    images = [b[0] for b in batch]
-    share = SharedBatch if get_worker_info() is not None else list
-    targets = share(b[1] for b in batch)
-    first = images[0]
-    if isinstance(first, torch.Tensor) and first.dim() == 3 and all(
-            isinstance(t, torch.Tensor) and t.shape == first.shape for t in images):
-        if first.dtype == torch.uint8 and not first.is_cuda:
-            return _collate_images(images, channels_last=channels_last), targets
-        return torch.stack(images), targets
-    return share(images), targets
-
-
-def _collate_images(batch, *, channels_last: bool, collate_fn_map=None):
-    elem = batch[0]
-    if elem.dtype != torch.uint8 or elem.dim() != 3 or elem.is_cuda:
-        return _collate_tensor(batch, collate_fn_map=collate_fn_map)
-    shape = elem.shape
-    for t in batch:
-        if t.shape != shape or t.dtype != torch.uint8:
-            raise ValueError(f"cannot batch images of different sizes/dtypes ({tuple(shape)} "
-                             f"uint8 and {tuple(t.shape)} {t.dtype}): decode to a fixed size, "
-                             f"e.g. PackedDataset(root, decode=DecodeRandomResizedCrop(224))")
-    c, h, w = shape
-    n = len(batch)
-    size = (n, h, w, c) if channels_last else (n, c, h, w)
-    if get_worker_info() is not None:  # shared memory: the batch is passed, not copied, to the parent
-        out = shared_empty(size)
-    else:
-        out = torch.empty(size, dtype=torch.uint8)
-    if channels_last:
-        torch.stack([t.permute(1, 2, 0) for t in batch], out=out)
-        return out.permute(0, 3, 1, 2)  # logical NCHW, channels_last strides
-    torch.stack(batch, out=out)
-    return out
-
-
-def _refuse_pil(batch, *, collate_fn_map=None):
-    raise TypeError("make_loader batches uint8 tensors, but the dataset returns PIL images: build "
-                    "it with a tensor decoder, e.g. PackedDataset(root, decode=DecodeRandomResizedCrop"
-                    "(224)) for training or decode=DecodeCenterCrop(224) for evaluation, or end its "
-                    "transform with torchvision.transforms.PILToTensor() (uint8, not ToTensor)")
-
-
-# -- the DataLoader --------------------------------------------------------------------------
 
 def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] = None,
                 sampler=None, num_workers: Optional[int] = None, drop_last: bool = False,
                 channels_last: bool = True, pin_memory: Optional[bool] = None,
                 prefetch_factor: Optional[int] = None, persistent_workers: bool = True,
                 multiprocessing_context=None, collate_fn: Optional[Callable] = None,
-                stateful: bool = False, across_epochs: bool = True, **kwargs):
-    """A ``DataLoader`` set up for throughput; every choice can be overridden.
+                stateful: bool = False, **kwargs) -> PackedLoader:
+    """A ``PackedLoader``: DataLoader workers set up for throughput; every choice can be
+    overridden.
 
     Args:
         dataset: any map-style or iterable dataset whose images are uint8 ``(C, H, W)``
             tensors, e.g. ``PackedDataset(root, decode=DecodeRandomResizedCrop(224))``.
         batch_size: samples per batch (``None`` with ``batch_sampler=`` in kwargs).
         shuffle: default True, or False when a ``sampler`` is given (they are exclusive).
-        sampler: e.g. ``DistributedSampler``; call ``set_epoch`` on it (or on a
-            ``CUDAPrefetcher``) each epoch.
+            Without a sampler, a map-style dataset is read through a ``PackedSampler`` made
+            here (``shuffle``; its seed drawn from ``generator`` or torch's default
+            generator, as ``RandomSampler`` draws one; this process's whole dataset, as a
+            DataLoader reads it), so the workers run on across epochs and the loader resumes.
+        sampler: e.g. ``PackedSampler(ds, seed=0)`` (DDP-exact, resumable) or
+            ``DistributedSampler``.
         num_workers: default ``default_num_workers()``: the usable cores of this process,
             divided among the ranks on this host. Decoding is the bottleneck; the main
             process mostly waits on the GPU.
@@ -154,110 +196,56 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
         pin_memory: default True when CUDA is available: page-locked batches copy to the GPU
             asynchronously (``non_blocking=True``) and at full PCIe speed.
         prefetch_factor: batches each worker keeps ready. Default: enough for about
-            ``TOTAL_PREFETCH`` (8) batches in flight overall, at least 2 per worker, to
-            absorb jitter in decode and step times without holding many batches of shared
-            memory (each is ``batch_size * 3 * H * W`` bytes).
-        persistent_workers: keep workers (and their open shards, warm page cache and
-            imported modules) across epochs instead of re-forking each epoch. Workers hold a
-            copy of the dataset, so changes to it after the first epoch do not reach them.
-        multiprocessing_context: None (the platform default: fork on Linux, cheap and safe
-            since shards open lazily per process; forkserver instead in a Linux process whose
-            default is spawn, see ``default_context``), or "spawn"/"forkserver" if the main
-            process has threads or CUDA state that must not be forked.
+            ``TOTAL_PREFETCH`` (8) batches in flight overall, at least 2 per worker.
+        persistent_workers: keep workers (and their open shards) across epochs. Workers
+            hold a copy of the dataset, so changes to it after they start do not reach them.
+        multiprocessing_context: None (``default_context()``), or "spawn"/"forkserver" if
+            the main process has threads or CUDA state that must not be forked.
         collate_fn: default ``collate_uint8`` with ``channels_last`` (``collate_detection``
             for a detection ``PackedDataset``).
-        across_epochs: with a ``PackedSampler`` and workers, the workers run on into the
-            next epoch instead of idling at every epoch's end (``packer.loading.epochs``): the
-            result is an ``EpochLoader`` (one epoch per ``iter()``, ``len``, ``sampler``,
-            ``set_epoch`` as on a DataLoader). ``False`` gives the plain DataLoader.
-        stateful: return torchdata's ``StatefulDataLoader`` (same arguments): its
-            ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at the next unseen batch;
-            wrap it in ``CUDAPrefetcher`` / ``GPUDecoder`` and checkpoint *their* state, which
-            counts only the batches the training loop received (docs/loading.md).
+        stateful: without a ``PackedSampler`` (which resumes by itself), iterate torchdata's
+            ``StatefulDataLoader`` so the loader can resume.
         **kwargs: passed to ``DataLoader`` (``worker_init_fn``, ``generator``, ``timeout``,
-            ``batch_sampler``, ...).
+            ``batch_sampler``, ``in_order``...).
     """
+    batch_size, shuffle = _batching(dataset, batch_size, shuffle, sampler, drop_last, kwargs)
+    _check_decoded(dataset)
+    num_workers = _workers(num_workers, prefetch_factor, multiprocessing_context, kwargs)
+    kwargs.update(num_workers=num_workers, persistent_workers=persistent_workers and num_workers > 0,
+                  pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
+    collate_fn = collate_fn or default_collate_for(dataset, channels_last)
+    iterable = isinstance(dataset, IterableDataset)
+    if sampler is None and kwargs.get("batch_sampler") is None and not iterable:
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=kwargs.get("generator")))
+        sampler = PackedSampler(dataset, shuffle=shuffle, seed=seed if shuffle else 0,
+                                num_replicas=1, rank=0)
+    if isinstance(sampler, PackedSampler) and not iterable:
+        batches = EpochBatches(sampler, batch_size, drop_last)
+        if num_workers:
+            kwargs.setdefault("in_order", False)
+        loader = DataLoader(StampedDataset(dataset), batch_sampler=batches,
+                            collate_fn=StampedCollate(collate_fn), **kwargs)
+        return PackedLoader(loader, EpochStream(batches))
+    return PackedLoader(_loader_class(stateful)(
+        dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, drop_last=drop_last,
+        collate_fn=collate_fn, **kwargs))
+
+
+def _batching(dataset, batch_size, shuffle, sampler, drop_last, kwargs: dict):
+    """``(batch_size, shuffle)`` checked, with DataLoader's values for ``batch_sampler=``."""
     if kwargs.get("batch_sampler") is not None:
         if batch_size is not None or sampler is not None or shuffle or drop_last:
             raise ValueError("batch_sampler= decides batches itself: pass batch_size=None and no "
                              "shuffle, sampler or drop_last")
-        batch_size, shuffle = 1, False  # DataLoader's defaults, required with batch_sampler
-    elif not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        return 1, False
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
     if shuffle is None:
-        shuffle = sampler is None and kwargs.get("batch_sampler") is None and not iterable
-    elif shuffle and sampler is not None:
+        return batch_size, sampler is None and not isinstance(dataset, IterableDataset)
+    if shuffle and sampler is not None:
         raise ValueError("shuffle=True and sampler= are exclusive: the sampler decides the order "
                          "(DistributedSampler shuffles by itself; call its set_epoch each epoch)")
-    _check_decoded(dataset)
-    num_workers = _workers(num_workers, prefetch_factor, multiprocessing_context, kwargs)
-    persistent_workers = persistent_workers and num_workers > 0
-    pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-    if collate_fn is None:
-        collate_fn = default_collate_for(dataset, channels_last)
-    if (across_epochs and isinstance(sampler, PackedSampler) and num_workers and not stateful
-            and not iterable):  # an IterableDataset takes no sampler: DataLoader says so
-        batches = EpochBatches(sampler, batch_size, drop_last)
-        loader = EpochLoader(DataLoader(
-            StampedDataset(dataset), batch_sampler=batches, num_workers=num_workers,
-            collate_fn=StampedCollate(collate_fn), pin_memory=pin_memory,
-            persistent_workers=persistent_workers, **{**unordered(), **kwargs}), batches)
-    else:
-        loader = _loader_class(stateful)(
-            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-            num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
-            drop_last=drop_last, persistent_workers=persistent_workers, **kwargs)
-    if num_workers:
-        watch_worker_starts(loader)
-    return loader
-
-
-def watch_worker_starts(loader) -> None:
-    """Hook each start of ``loader``'s workers (its worker iterator): a fresh ``BatchPool``
-    for a ``PooledCollate`` just before they fork, one per set of workers (a second
-    iterator's workers, or another loader's sharing the collate, must not write into the
-    first one's slots), held by that iterator (``packer_pool``) as long as it lives;
-    and an exit hook that shuts them down when the interpreter exits, before
-    multiprocessing's exit handler joins them one by one (pytorch#81794: with persistent
-    workers and a pin-memory thread under CUDA, docs/loading.md's 8-worker example took 24 s
-    to exit; 4 s when a hook registered after the loop shut them down). The exit hook is
-    registered when the iterator starts, so it runs before the exit hooks of whatever was set
-    up before it. Holds only weak references: a reference from the loader to itself through
-    the hook made ``del loader`` leave it, its persistent workers and their iterator to the
-    garbage collector, which then could run in a later loader's forked worker ("can only
-    test a child process")."""
-    inner = loader.loader if isinstance(loader, EpochLoader) else loader
-    start = type(inner)._get_iterator  # torch's: makes the worker iterator (also StatefulDataLoader)
-    owner = weakref.ref(inner)
-
-    def get_iterator():
-        loader = owner()
-        pool = renew_pool(loader)
-        it = start(loader)
-        it.packer_pool = pool  # the pool lives as long as the workers that write into it
-        atexit.register(_stop_iterator, weakref.ref(it))
-        return it
-    inner._get_iterator = get_iterator
-
-
-def renew_pool(loader) -> Optional[BatchPool]:
-    """A new ``BatchPool`` for the workers ``loader`` is about to fork, given to its
-    ``PooledCollate`` (None where they will not be forked: a spawned worker gets no pool)."""
-    collate = getattr(loader.collate_fn, "collate", loader.collate_fn)  # inside a StampedCollate
-    if not isinstance(collate, PooledCollate) or loader.num_workers == 0:
-        return None
-    ctx = loader.multiprocessing_context or mp.get_context()
-    forked = ctx.get_start_method() == "fork"
-    collate.pool = BatchPool.create(loader.num_workers, loader.prefetch_factor + 2) \
-        if forked else None
-    return collate.pool
-
-
-def _stop_iterator(ref) -> None:
-    stop = getattr(ref(), "_shutdown_workers", None)  # torch's iterator's own
-    if stop is not None:
-        stop()
+    return batch_size, bool(shuffle)
 
 
 def _workers(num_workers, prefetch_factor, context, kwargs: dict) -> int:
@@ -280,50 +268,15 @@ def _workers(num_workers, prefetch_factor, context, kwargs: dict) -> int:
     return num_workers
 
 
-def default_context() -> Optional[str]:
-    """The workers' start method when the caller names none: the platform's (None), except in
-    a Linux process whose own default is spawn (one started by ``torch.multiprocessing.spawn``,
-    say), where it is forkserver. Both need a picklable dataset, but a spawned worker finalizes
-    the interpreter when it exits, which aborted workers stopped while their result queue's
-    thread was still handing a batch over ("terminate called without an active exception";
-    an ``EpochLoader``'s workers, running on into the next epoch, always are); a forkserver
-    worker exits at once. Measured in docs/benchmarks.md (issue 16, second session)."""
-    if sys.platform.startswith("linux") and mp.get_start_method(allow_none=True) == "spawn":
-        return "forkserver"
-    return None
-
-
-def default_collate_for(dataset, channels_last: bool = True) -> Callable:
-    """``collate_detection`` for a detection ``PackedDataset``, else ``collate_uint8``."""
-    detection = getattr(dataset, "task", None) == "detection" and getattr(
-        getattr(dataset, "make_target", None), "detection", False)
-    return PooledCollate(collate_detection if detection else collate_uint8,
-                         channels_last=channels_last)
-
-
-class PooledCollate(functools.partial):
-    """``make_loader``'s collate: ``func(batch, **keywords)``, which a forked worker writes
-    into its slots of the ``BatchPool`` made for the current workers (``renew_pool``), so a
-    batch reuses shared memory instead of faulting in fresh pages and passing a file
-    descriptor per tensor (docs/benchmarks.md, issue 16). A plain call anywhere else."""
-    pool: Optional[BatchPool] = None
-
-    def __call__(self, batch):
-        pool = self.pool
-        return super().__call__(batch) if pool is None else pool.collate(super().__call__, batch)
-
-    def __reduce__(self):  # the pool stays home: a spawned worker collates the plain way
-        return type(self), (self.func,), (self.func, self.args, self.keywords, None)
-
-
 def _loader_class(stateful: bool):
     if not stateful:
         return DataLoader
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
-        raise ImportError("make_loader(stateful=True) needs torchdata's StatefulDataLoader: "
-                          "pip install torchdata") from None
+        raise ImportError("make_loader(stateful=True) without a PackedSampler needs torchdata's "
+                          "StatefulDataLoader: pip install torchdata, or read through a "
+                          "PackedSampler, which resumes by itself") from None
     return StatefulDataLoader
 
 

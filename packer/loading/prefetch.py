@@ -76,16 +76,11 @@ class CUDAPrefetcher(LoaderView):
     tensors, targets as a list of dicts) get each image normalized the same way and every
     target tensor (boxes stay ``tv_tensors.BoundingBoxes``) moved with them.
 
-    Memory safety across streams (the choice the APEX prefetcher makes, kept on purpose):
-    each batch is allocated and written on the side stream ``self.stream`` (one for the
-    object's life). When it is handed out, the consumer's current stream waits on the side
-    stream (so no kernel reads a batch before its copy lands), and every handed-out tensor
-    is ``record_stream``-ed on the consumer's stream (so the caching allocator does not give
-    its memory to the *next* copy while kernels queued on the consumer stream may still read
-    it). The alternative, allocating on the consumer's stream with the side stream waiting on
-    it, makes every copy wait for all work already queued on the consumer stream, i.e. the
-    current step: the overlap this class exists for would be lost. record_stream's cost is
-    that freed batches return to the pool a little later (two or three batches of memory).
+    Memory safety across streams: each batch is allocated and written on the side stream
+    ``self.stream`` (one for the object's life); at hand-out the consumer's current stream
+    waits on it, and every handed-out tensor is ``record_stream``-ed on the consumer's stream,
+    so its memory is not reused while queued kernels may still read it (docs/loading.md says
+    why not the other way round).
 
     Tensors already on the GPU (decoded there, say) were made on the consumer's stream: the
     side stream waits for that stream before reading them, which is correct but gives up the
@@ -146,10 +141,12 @@ class CUDAPrefetcher(LoaderView):
     def state_dict(self) -> dict:
         """The loader's state as of the last batch this prefetcher handed out (the loader
         itself is a batch ahead): resuming from it continues with the next unseen batch.
-        Needs a loader with ``state_dict`` (``make_loader(..., stateful=True)``)."""
+        Needs a loader with ``state_dict`` (``make_loader``'s, over a ``PackedSampler`` or
+        with ``stateful=True``)."""
         if not hasattr(self.loader, "state_dict"):
-            raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): use "
-                            "make_loader(..., stateful=True) (torchdata's StatefulDataLoader)")
+            raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): "
+                            "make_loader's over a PackedSampler (its default when given no "
+                            "sampler), or make_loader(..., stateful=True)")
         state = self._state if self._state is not None else self.loader.state_dict()
         return {"loader": state}
 

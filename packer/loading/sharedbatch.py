@@ -1,51 +1,45 @@
-"""A batch that crosses from a DataLoader worker to the main process as one shared-memory
-block, however many tensors it holds.
+"""``SharedBatch``: a batch that crosses from a DataLoader worker to the main process as one
+shared-memory block, however many tensors it holds.
 
-A worker hands each tensor of its batch to the main process as a separate shared-memory
-file whose descriptor the main process fetches over a socket from the worker, one round
-trip per tensor. A detection batch of 32 images carries 4-5 small target tensors per image:
-130-160 round trips, all in the one main process, which held a 15-worker packed loader to
-~0.6x torchvision's (whose targets carry two tensors; docs/benchmarks.md). ``SharedBatch``
-copies every tensor of a batch into one shared block when it is pickled; the main process
-rebuilds the same structure (dicts, lists, tuples; tensor subclasses such as
-``tv_tensors.BoundingBoxes`` with their metadata) as views of that block: one round trip.
-The helpers that take a structure apart and put it back are shared with
-``packer.loading.batchpool``, whose blocks are reused.
+A worker hands each tensor of its batch to the main process as a separate shared-memory file
+whose descriptor the main process fetches over a socket, one round trip per tensor, all in
+the one main process. A detection batch carries several small target tensors per image, so
+that hand-over became the main process's bottleneck with many workers (docs/benchmarks.md).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
-__all__ = ["Handover", "SharedBatch", "rebuild_batch"]
+from .torchapi import shared_storage
 
-ALIGN = 64  # each tensor starts on a cache line (and on its dtype's alignment)
+__all__ = ["SharedBatch"]
+
+ALIGN = 64  # each tensor starts on a cache line (and so on its dtype's alignment)
 
 
 class SharedBatch(list):
-    """A list (e.g. a batch's targets) that behaves as itself in the worker and pickles as
-    one shared-memory block plus a small layout; unpickled, it is a plain ``list`` again.
+    """A list (e.g. a batch's targets) that is itself in the worker and pickles as one
+    shared-memory block plus a small layout; unpickled, it is a plain ``list`` again, of the
+    same structure (dicts, lists, tuples; tensor subclasses such as
+    ``tv_tensors.BoundingBoxes`` keep their class and metadata), its tensors views of the
+    block.
 
-    Tensors shared by several entries are copied once per occurrence; views of one block keep
-    the whole block alive as long as any of them lives (a batch's lifetime)."""
+    Dense CPU tensors that need no grad go into the block (a tensor that occurs twice is
+    copied twice); anything else is pickled as usual. The block lives as long as any view
+    of it (a batch's lifetime)."""
 
     def __reduce_ex__(self, protocol):
         tensors: List[torch.Tensor] = []
         skeleton = strip_tensors(list(self), tensors)
-        return rebuild_batch, (pack_tensors(tensors), tensor_layout(tensors), skeleton)
-
-
-class Handover:
-    """What a worker's collate returns for the queue to pickle: ``fn(*args)`` in the main
-    process rebuilds the batch."""
-    __slots__ = ("fn", "args")
-
-    def __init__(self, fn: Callable, args: tuple):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
+        offsets, total = _offsets(tensors)
+        block = torch.empty(0, dtype=torch.uint8).set_(shared_storage(total))
+        layout = []
+        for t, off in zip(tensors, offsets):
+            view_of(block, off, t.dtype, t.shape).copy_(t)
+            layout.append((off, t.dtype, tuple(t.shape), type(t), dict(getattr(t, "__dict__", {}))))
+        return rebuild_batch, (block, layout, skeleton)
 
 
 class _Hole:
@@ -57,10 +51,8 @@ class _Hole:
 
 
 def strip_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    """``obj`` with every dense CPU tensor replaced by a ``_Hole`` (the tensor appended to
-    ``tensors``); dicts, lists (``SharedBatch`` too: it becomes a list) and plain tuples are
-    walked, anything else (sparse or CUDA tensors, tensors that need grad, other containers)
-    is left to ordinary pickling."""
+    """``obj`` with every dense CPU tensor that needs no grad replaced by a ``_Hole`` (the
+    tensor appended to ``tensors``); dicts, lists and plain tuples are walked."""
     if (isinstance(obj, torch.Tensor) and obj.layout == torch.strided and obj.device.type == "cpu"
             and not obj.requires_grad):
         tensors.append(obj)
@@ -72,76 +64,31 @@ def strip_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
     return obj
 
 
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a whole number of ``ALIGN``."""
-    return -(-nbytes // ALIGN) * ALIGN
-
-
 def _offsets(tensors: List[torch.Tensor]) -> Tuple[List[int], int]:
     offsets, end = [], 0
     for t in tensors:
         offsets.append(end)
-        end += aligned(t.numel() * t.element_size())
+        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     return offsets, end
 
 
-def pack_tensors(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """One uint8 tensor in shared memory holding every tensor's bytes at ``_offsets``."""
-    offsets, total = _offsets(tensors)
-    block = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(1, total)))
-    for t, off in zip(tensors, offsets):
-        view_of(block, off, t.dtype, t.shape).copy_(t)
-    return block
-
-
-def tensor_layout(tensors: List[torch.Tensor]) -> list:
-    offsets, _ = _offsets(tensors)
-    return [layout_entry(t, off) for t, off in zip(tensors, offsets)]
-
-
-def layout_entry(t: torch.Tensor, offset: int, strides: Optional[Tuple[int, ...]] = None):
-    """How ``tensors_at`` finds ``t`` again in a block: its bytes from ``offset``,
-    contiguous unless ``strides``, its class and that class's metadata."""
-    return (offset, t.dtype, tuple(t.shape), strides or contiguous_strides(t.shape), type(t),
-            dict(getattr(t, "__dict__", {})))
-
-
-def contiguous_strides(shape) -> Tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
-
-
-def view_of(block: torch.Tensor, offset: int, dtype: torch.dtype, shape,
-          strides: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
-    """A ``dtype`` tensor of ``shape`` (contiguous unless ``strides``) over ``block``'s bytes
-    from ``offset``."""
-    return torch.empty(0, dtype=dtype).set_(
-        block.untyped_storage(), (block.storage_offset() + offset) // itemsize(dtype),
-        tuple(shape), strides if strides is not None else contiguous_strides(shape))
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return getattr(dtype, "itemsize", None) or torch.empty(0, dtype=dtype).element_size()  # torch < 2.1
+def view_of(block: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A contiguous ``dtype`` tensor of ``shape`` over ``block``'s bytes from ``offset``."""
+    return torch.empty(0, dtype=dtype).set_(block.untyped_storage(), offset // dtype.itemsize,
+                                            tuple(shape))
 
 
 def rebuild_batch(block: torch.Tensor, layout: list, skeleton: Any) -> Any:
-    """The structure ``SharedBatch`` (or a sealed slot's fallback) pickled, its tensors as
-    views of ``block`` (runs in the process that unpickles it)."""
-    return fill_tensors(skeleton, tensors_at(block, layout))
-
-
-def tensors_at(block: torch.Tensor, layout: list) -> List[torch.Tensor]:
+    """The structure a ``SharedBatch`` pickled, its tensors as views of ``block`` (runs in
+    the process that unpickles it)."""
     tensors = []
-    for off, dtype, shape, strides, cls, state in layout:
-        t = view_of(block, off, dtype, shape, strides)
+    for off, dtype, shape, cls, state in layout:
+        t = view_of(block, off, dtype, shape)
         if cls is not torch.Tensor:
             t = t.as_subclass(cls)
             t.__dict__.update(state)
         tensors.append(t)
-    return tensors
+    return fill_tensors(skeleton, tensors)
 
 
 def fill_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:

@@ -155,8 +155,10 @@ class PackedSampler(Sampler[int]):
             order depends on the global batch (``batch_size`` x world size), so an elastic
             resume keeps it when the global batch is unchanged.
 
-    Each epoch: call ``set_epoch(epoch)`` before iterating (the sampler lives in the main
-    process, so this works with persistent workers too). Without it every epoch repeats.
+    Each epoch: through ``make_loader`` every complete pass moves the sampler to the next
+    epoch (``set_epoch`` picks one explicitly); iterated any other way, call
+    ``set_epoch(epoch)`` before each epoch, or every epoch repeats. The sampler lives in the
+    main process, so this works with persistent workers too.
 
     Resume: ``state_dict()`` is ``{"seed", "epoch", "consumed", "size"}`` where ``consumed``
     counts samples consumed globally (all ranks) in the epoch. ``load_state_dict()`` makes
@@ -164,9 +166,8 @@ class PackedSampler(Sampler[int]):
     The sampler counts the indices it has handed out, which is *ahead* of the training loop
     when a ``DataLoader`` prefetches. So either:
 
-    * use ``torchdata.stateful_dataloader.StatefulDataLoader``: it snapshots the sampler's
-      ``state_dict()`` when each batch is drawn and reports the snapshot of the last batch
-      actually yielded, so its ``state_dict()`` is exact; or
+    * iterate it through ``make_loader``: its loader reports each batch the training loop
+      receives (``received``), so this ``state_dict()`` is exact; or
     * pass the count yourself: ``sampler.state_dict(consumed=steps * batch_size * W)``,
       where ``steps`` counts batches received this epoch (including those before a resume).
 
@@ -251,19 +252,17 @@ class PackedSampler(Sampler[int]):
             out.epoch, out._start, out._consumed, out._cache = int(epoch), 0, 0, None
         return out
 
-    def received(self, consumed: int, *, done: bool = False) -> None:
+    def received(self, consumed: int) -> None:
         """Record that the training loop has received ``consumed`` samples (global) of this
-        epoch: a loader iterating a copy reports here, so ``state_dict`` stays exact. After
-        the epoch's last batch (``done``) the next pass starts the epoch from the top."""
+        epoch: a loader iterating a copy reports here, so ``state_dict`` stays exact."""
         self._consumed = int(consumed)
-        if done:
-            self._start = 0
 
     def state_dict(self, consumed: Optional[int] = None) -> Dict[str, int]:
         """``{"seed", "epoch", "consumed", "size"}``; ``consumed`` overrides the sampler's count.
 
         Pass ``consumed`` (global samples the training loop received this epoch) with a plain
-        ``DataLoader``; omit it with ``StatefulDataLoader`` or ``num_workers=0``.
+        ``DataLoader``; omit it through ``make_loader``, ``StatefulDataLoader`` or
+        ``num_workers=0``.
         """
         if consumed is None:
             consumed = self._consumed

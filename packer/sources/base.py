@@ -67,6 +67,10 @@ class Annotations:
     build's fingerprint uses it instead of hashing every row. ``stored``: ``fit`` gives the
     values as stored (the fields' ``encode`` applied by the source, which checked them as it
     made them; ``msgspec.Raw`` for msgpack it made), so the build does not encode them again.
+    ``upright``: the rows describe the image as it is shown (its EXIF orientation applied,
+    as ultralytics reads labels), so ``fit`` takes a fourth argument, the image's EXIF
+    orientation (1-8), and gives values in the stored pixels' frame. ``fit`` may raise
+    ``ValueError(reason)``: the image is then left out, listed with the reason (skipped).
     """
     schema: List[Dict[str, Any]]
     rows: List[Any]
@@ -76,6 +80,7 @@ class Annotations:
     dropped: List[Dict[str, str]] = field(default_factory=list)
     digest: Optional[str] = None
     stored: bool = False
+    upright: bool = False
 
 
 @dataclass(frozen=True)

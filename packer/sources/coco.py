@@ -24,20 +24,17 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from math import isfinite
 from pathlib import Path
-from typing import Annotated, Any, Dict, List, Optional, Tuple, Union
+from typing import Annotated, Any, Dict, List, Tuple
 
 import msgspec
 from msgspec import Meta, Raw, Struct
 
 from ..errors import PackerError
-from ..format.fields import data_problem
 from .base import Annotations, ImageList, Source, image_root, read_data, relative_path, show, utf8_text
+from .segmentation import INT64_MAX, stored_segmentation
 
-INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32
 Id = Annotated[int, Meta(ge=0, le=INT64_MAX)]
-UNUSABLE = ("'segmentation' must be polygons [[x1, y1, ...], ...] of finite numbers or an "
-            "RLE {\"counts\", \"size\"}")
 # What a value must be, by the name of its key: added to msgspec's own words.
 HINTS = {"id": "a non-negative integer id", "image_id": "a non-negative integer id",
          "category_id": "a non-negative integer id", "bbox": "[x, y, width, height] numbers",
@@ -72,7 +69,7 @@ class Annotation(Struct, gc=False):
 class Instances(Struct):
     images: List[Image]
     annotations: List[Annotation]
-    categories: List[Category]
+    categories: List[Category] = []  # none (torchvision's test files): any category id
 
 
 class Row(Struct, gc=False):
@@ -83,11 +80,6 @@ class Row(Struct, gc=False):
 
 INSTANCES = msgspec.json.Decoder(Instances)
 WHO = "Coco(images, annotations)"
-# Polygons: numbers only (no bool, string or null), ints within int64, floats finite.
-POLYGONS = msgspec.json.Decoder(List[List[Union[Annotated[int, Meta(ge=INT64_MIN,
-                                                                     le=INT64_MAX)], float]]])
-RLE = msgspec.json.Decoder(Dict[str, Any])
-MSGPACK = msgspec.msgpack.Encoder()
 
 
 def coco_schema() -> List[Dict[str, Any]]:
@@ -137,7 +129,7 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
             raise PackerError(f"{file}: $.annotations[{k}].id: annotation id {ann.id} appears "
                               f"twice ($.annotations[{first}] and [{k}]); ids must be unique")
         row = rows.get(ann.image_id)
-        if row is not None and ann.category_id in categories:
+        if row is not None and (ann.category_id in categories or not categories):
             row.objects.append(ann)
         elif row is not None:
             dropped.append({"path": paths[ann.image_id], "reason": f"annotation {ann.id}: "
@@ -182,8 +174,6 @@ def decode(file: Path, raw: bytes) -> Instances:
         raise PackerError(f"{file}: not valid JSON (nested too deeply)") from None
     if not data.images:
         raise PackerError(f"{file}: $.images is empty; there is nothing to pack")
-    if not data.categories:
-        raise PackerError(f"{file}: $.categories is empty; objects need a category")
     return data
 
 
@@ -221,10 +211,10 @@ def read_categories(file: Path, cats: List[Category]) -> Dict[int, Dict[str, Any
 
 
 def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dict[str, str]], set]:
-    """id -> path of the usable images; the unusable ones (unsafe file names) dropped, with
-    the reasons, and their ids."""
+    """id -> path of the usable images (several ids may name one file: each is a record, as
+    in torchvision's CocoDetection); the unusable ones (unsafe file names) dropped, with the
+    reasons, and their ids."""
     by_id: Dict[int, str] = {}
-    by_path: Dict[str, int] = {}
     dropped: List[Dict[str, str]] = []
     bad = set()
     for k, img in enumerate(imgs):
@@ -238,29 +228,29 @@ def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dic
             dropped.append({"path": show(name) if isinstance(name, str) else f"image id {iid}",
                             "reason": f"image id {iid}: file_name {problem}"})
             continue
-        if rel in by_path:
-            raise PackerError(f"{file}: $.images[{k}].file_name: images {by_path[rel]} and "
-                              f"{iid} are both {show(rel)!r}; list each file once")
-        by_path[rel] = iid
         by_id[iid] = rel
     return by_id, dropped, bad
 
 
 def fit_coco(row: Row, width: int, height: int):
     """The row's objects as torchvision-style targets: XYWH boxes -> XYXY clipped to the
-    image; degenerate or outside boxes and unusable segmentations dropped (with the
-    object's other fields, so every per-object array stays aligned). The values come out as
-    stored (``Annotations.stored``): arrays as little-endian bytes, each segmentation as
-    its msgpack; every value was checked by the read or here."""
+    image; degenerate or outside boxes and segmentations that cannot be the image's dropped
+    (with the object's other fields, so every per-object array stays aligned). The values
+    come out as stored (``Annotations.stored``): arrays as little-endian bytes, each
+    segmentation as its msgpack; every value was checked by the read or here.
+
+    Box ends are computed as torchvision's wrapper does (``float32(x) + float32(w)``: its
+    XYWH tensor is float32), so the stored boxes equal its boxes to the bit."""
     boxes: List[float] = []
     labels, area, crowds, ids = [], [], [], []
     segmentation: List[Raw] = []
     reasons = []
     for obj in row.objects:
         xyxy, problem = fit_box(obj.bbox, width, height)
-        seg = None if problem else stored_segmentation(obj.segmentation)
+        seg, problem = (None, problem) if problem else \
+            stored_segmentation(obj.segmentation, width, height)
         if seg is None:
-            reasons.append(f"annotation {obj.id}: {problem or UNUSABLE}")
+            reasons.append(f"annotation {obj.id}: {problem}")
             continue
         boxes += xyxy
         labels.append(obj.category_id)
@@ -283,39 +273,18 @@ def stored_array(typecode: str, values: List[Any]) -> bytes:
     return out.tobytes()
 
 
-def stored_segmentation(raw: Raw) -> Optional[Raw]:
-    """A segmentation as stored (msgpack of the JSON's value): polygons (lists of numbers,
-    ints within int64) or an RLE (``counts`` text or run lengths, ``size`` [h, w], any other
-    keys plain data); None for anything else."""
-    try:
-        return Raw(MSGPACK.encode(POLYGONS.decode(raw)))
-    except msgspec.ValidationError:
-        pass
-    try:
-        rle = RLE.decode(raw)
-    except (msgspec.ValidationError, RecursionError):
-        return None
-    counts, size = rle.get("counts"), rle.get("size")
-    if not (isinstance(counts, str) or isinstance(counts, list)
-            and set(map(type, counts)) <= {int} and min(counts, default=0) >= 0):
-        return None
-    if not (isinstance(size, list) and len(size) == 2
-            and all(type(s) is int and 0 <= s <= INT64_MAX for s in size)):
-        return None
-    # stored one level down, in the image's list: checked at that depth
-    return None if data_problem(rle, 1) else Raw(MSGPACK.encode(rle))
-
-
 def fit_box(box: Tuple[float, float, float, float], width: int,
             height: int) -> Tuple[List[float], str]:
-    """``([x0, y0, x1, y1] clipped to the image, "")``, or ``([], why the box is unusable)``."""
-    x, y, w, h = box
-    if not isfinite(x + y + w + h):
+    """``([x0, y0, x1, y1] clipped to the image, "")``, or ``([], why the box is unusable)``;
+    in float32, as torchvision computes them: ``x1 = float32(x) + float32(w)``."""
+    if not isfinite(box[0] + box[1] + box[2] + box[3]):
         return [], f"box {shown_box(box)} holds a non-finite number"
-    if w <= 0 or h <= 0:
+    x, y, w, h = array("f", box)
+    if not (w > 0 and h > 0):
         return [], f"zero or negative size box {shown_box(box)}"
-    # max(x, 0.0) and min(x + w, width), written out: every image's every object comes here
-    x0, y0, x1, y1 = 0.0 if x < 0.0 else x, 0.0 if y < 0.0 else y, x + w, y + h
+    x1, y1 = array("f", (x + w, y + h))  # a double sum rounded to float32: the float32 sum
+    # max(x, 0.0) and min(x1, width), written out: every image's every object comes here
+    x0, y0 = 0.0 if x < 0.0 else x, 0.0 if y < 0.0 else y
     x1, y1 = width if x1 > width else x1, height if y1 > height else y1
     if x1 <= x0 or y1 <= y0:
         return [], f"box {shown_box(box)} lies outside the {width}x{height} image"

@@ -1,24 +1,34 @@
-"""Ultralytics YOLO detection labels (``Yolo(images, labels, names)``; ``--yolo LABELS --names
-NAMES``) as detection targets.
+"""Ultralytics YOLO detection labels (``Yolo(images, labels, names, rules)``; ``--yolo LABELS
+--names NAMES [--yolo-rules RULES]``) as detection targets, by ultralytics' rules.
 
 Every image under IMAGES is packed (recursively, in ImageFolder's walk order); its labels
 are ``LABELS/<same relative path>.txt`` as ultralytics lays them out, or ``LABELS/<stem>.txt``
 (a flat folder) when that is missing. An image without a label file is a background image
-(no objects). Each label line is ``class cx cy w h`` normalized to [0, 1]; a line with an odd
-count of 7 or more values is an ultralytics polygon ``class x1 y1 x2 y2 ...`` and is stored
-as its bounding box. Pose labels (boxes plus keypoints) are not read. A class is an integer
-(``2.0`` too, as ultralytics reads it); coordinates within 1e-3 outside [0, 1] are clipped.
-Lines that cannot be used (malformed, 6 values as in predictions, class out of range,
-coordinates outside [0, 1], no area, an exact duplicate) are dropped with
-``labels/a.txt:3: why``. An image whose label file is not UTF-8 is not packed at all (packing
-it with no objects would be silently wrong), nor is one whose flat ``<stem>.txt`` images in
-several folders would share, nor one whose name is not UTF-8. NAMES is a text file (a class
-per line) or a dataset YAML, read with PyYAML as ultralytics reads it.
+(no objects). Each label line is ``class cx cy w h`` normalized to the image **as shown**
+(its EXIF orientation applied: ultralytics reads images with OpenCV, which turns them); a
+line with 7 or more values is a polygon ``class x1 y1 x2 y2 ...``, stored as its bounding
+box. Boxes are stored in the stored pixels' frame (as COCO's are), XYXY, clipped to the
+image; ``PackedDataset(exif_orientation=True)`` turns them with the image. Pose labels
+(boxes plus keypoints) are not read.
+
+A line is valid as ultralytics' ``verify_image_label`` has it: 5 values, or a class and an
+even number of polygon coordinates; every number finite; the class an integer (``2.0`` too)
+in range; ``cx cy w h`` (a polygon's: of its box, in float32, as there) within 1 % outside
+[0, 1] (clipped); a zero-size box is kept. A repeated row is dropped (listed). With
+``rules="ultralytics"`` (the default) an image is left out, listed in the manifest's
+``skipped`` with the reason, when any line of its label file is not valid, when the file
+mixes box and polygon rows, or when the image is under 10 pixels on a side; with
+``rules="lines"`` only the invalid line is dropped (listed) and the image is kept. Either
+way an image whose label file is not UTF-8 or cannot be read is left out (packing it with
+no objects would be silently wrong), as is one whose flat ``<stem>.txt`` images in several
+folders would share. NAMES is a text file (a class per line) or a dataset YAML, read with
+PyYAML as ultralytics reads it.
 """
 from __future__ import annotations
 
 import math
 import os
+from array import array
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -30,29 +40,50 @@ from .._util.text import is_utf8
 from .base import IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, is_image_file, read_data, show, utf8_text, walk_files
 from .coco import coco_schema
 
-TOLERANCE = 1e-3  # coordinates this far outside [0, 1] are rounding, clipped; beyond, wrong
+
+def f32(*values: float) -> List[float]:
+    """``values`` rounded to float32, as ultralytics holds labels (numpy float32 arrays)."""
+    return array("f", values).tolist()
+
+
+LOW, HIGH = f32(-0.01, 1.01)  # ultralytics' tolerance: 1 % outside [0, 1], kept and clipped
+MIN_SIDE = 10  # ultralytics leaves out images under 10 pixels on a side
+RULES = ("ultralytics", "lines")
 MAX_NAMES_BYTES = 4 << 20  # a names file holds class names (and a dataset's settings)
 YAML_HELP = ("a names YAML is a list ('- person' lines or [person, car]), or 'names:' followed "
              "by such a list, by indented '0: person' lines or by {0: person, 1: car}; or give "
              "names as a text file with one class per line")
+# EXIF orientation -> (flip x, flip y) after the axes swap of 5-8: how a box of the image as
+# shown lands in the stored pixels (the inverse of PIL's exif_transpose).
+FLIPS = {2: (True, False), 3: (True, True), 4: (False, True), 5: (False, False),
+         6: (False, True), 7: (True, True), 8: (True, False)}
 
 
 class Yolo(Source):
     """Every image under ``images`` with the objects of its label file under ``labels``;
-    ``names``: the class names, a text file or a dataset YAML (see the module)."""
+    ``names``: the class names, a text file or a dataset YAML; ``rules``: "ultralytics"
+    (an image with an invalid label line is left out) or "lines" (the line is dropped, the
+    image kept). See the module."""
 
-    def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike):
+    def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike,
+                 rules: str = "ultralytics"):
+        if rules not in RULES:
+            raise PackerError(f"Yolo(images, labels, names, rules): rules must be "
+                              f"'ultralytics' or 'lines', not {show(rules)!r}")
         self.root, self.labels, self.names = Path(images), Path(labels), Path(names)
+        self.rules = rules
 
     def read(self) -> ImageList:
-        return read_yolo(self.root, self.labels, self.names)
+        return read_yolo(self.root, self.labels, self.names, self.rules)
 
     def options(self) -> Dict[str, Any]:
-        return {"yolo": str(self.labels), "names": str(self.names)}
+        return {"yolo": str(self.labels), "names": str(self.names), "yolo_rules": self.rules}
 
 
-def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike) -> ImageList:
-    """``Yolo(images, labels_dir, names).read()``."""
+def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
+              rules: str = "ultralytics") -> ImageList:
+    """``Yolo(images, labels_dir, names, rules).read()``: a row per image, ``{"image_id",
+    "boxes", "labels"}`` or ``{"image_id", "reject": why the image is left out}``."""
     root = image_root(images, "Yolo(images, labels, names)")
     labels_root = Path(labels_dir)
     if not labels_root.is_dir():
@@ -64,47 +95,40 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike) 
     if labels_root.resolve() in names_path.parents:  # a classes.txt beside the labels
         label_files.discard(names_path.relative_to(labels_root.resolve()).as_posix())
     shown_root = labels_root.resolve().name or str(labels_root)
-    chosen, dropped, claimed = match_labels(walk_files(root, is_image_file), label_files)
+    chosen, claimed = match_labels(walk_files(root, is_image_file), label_files)
     parsed: Dict[str, Any] = {}
-    entries, rows = [], []
-    for rel, label_rel in chosen:
-        if label_rel is None:
-            boxes, labels, reasons = [], [], []
+    rows, dropped = [], []
+    for k, (rel, label_rel, problem) in enumerate(chosen):
+        row: Dict[str, Any] = {"image_id": k, "boxes": [], "labels": []}
+        if label_rel is not None and label_rel not in parsed:
+            parsed[label_rel] = parse_label_file(labels_root / label_rel,
+                                                 f"{shown_root}/{label_rel}", len(classes), rules)
+        result = problem or parsed.get(label_rel, ([], [], []))
+        if isinstance(result, str):
+            row = {"image_id": k, "reject": result}
         else:
-            if label_rel not in parsed:
-                parsed[label_rel] = parse_label_file(labels_root / label_rel,
-                                                     f"{shown_root}/{label_rel}", len(classes))
-            result = parsed[label_rel]
-            if isinstance(result, str):
-                dropped.append({"path": rel, "reason": result})
-                continue
-            boxes, labels, reasons = result
-        dropped.extend({"path": rel, "reason": r} for r in reasons)
-        rows.append({"image_id": len(entries), "boxes": boxes, "labels": labels})
-        entries.append((rel, -1))
+            row["boxes"], row["labels"], reasons = result
+            dropped.extend({"path": rel, "reason": r} for r in reasons)
+        rows.append(row)
     dropped.extend({"path": f"{shown_root}/{lab}", "reason": "no image for this label file"}
                    for lab in sorted(label_files - claimed))
-    if not entries:
+    if not rows:
         raise PackerError(f"no images (extensions {', '.join(IMG_EXTENSIONS)}) "
                           f"to pack under {root}")
     extra = {"categories": [{"id": i, "name": n} for i, n in enumerate(classes)]}
-    ann = Annotations(schema=coco_schema()[:5], rows=rows, fit=fit_yolo, task="detection",
-                      extra=extra, dropped=dropped)
-    return ImageList(root, classes, entries, ann)
+    fit = fit_ultralytics if rules == "ultralytics" else fit_yolo
+    ann = Annotations(schema=coco_schema()[:5], rows=rows, fit=fit, task="detection",
+                      extra=extra, dropped=dropped, upright=True)
+    return ImageList(root, classes, [(rel, -1) for rel, _, _ in chosen], ann)
 
 
 def match_labels(images: List[str], label_files: set):
-    """``[(image, label file or None)]``, the images left out (a non-UTF-8 name, or a flat
-    ``<stem>.txt`` that images in different folders would share: whose is it?) and the label
-    files some image claims."""
-    dropped: List[Dict[str, str]] = []
+    """``[(image, its label file or None, why it has none that can be used or "")]`` and
+    the label files some image claims: a flat ``<stem>.txt`` that images in different
+    folders would share belongs to none of them (whose is it?)."""
     flat_claims: Dict[str, set] = {}
     plan: List[Tuple[str, Optional[str], Optional[str]]] = []
     for rel in images:
-        if not is_utf8(rel):
-            dropped.append({"path": show(rel), "reason": "file name is not valid UTF-8, so it "
-                            "cannot be stored; rename it"})
-            continue
         p = PurePosixPath(rel)
         same = p.with_suffix(".txt").as_posix()
         flat = p.stem + ".txt"
@@ -115,20 +139,22 @@ def match_labels(images: List[str], label_files: set):
             flat_claims.setdefault(flat, set()).add(p.with_suffix("").as_posix())
         else:
             plan.append((rel, None, None))
-    chosen: List[Tuple[str, Optional[str]]] = []
+    chosen: List[Tuple[str, Optional[str], str]] = []
     for rel, same, flat in plan:
         if flat is not None and len(flat_claims[flat]) > 1:
-            dropped.append({"path": rel, "reason": f"label file {show(flat)} could belong to "
-                            f"any of {len(flat_claims[flat])} images named "
-                            f"{show(PurePosixPath(flat).stem)}.*; lay LABELS out like IMAGES"})
-            continue
-        chosen.append((rel, same or flat))
+            chosen.append((rel, None, f"label file {show(flat)} could belong to any of "
+                                      f"{len(flat_claims[flat])} images named "
+                                      f"{show(PurePosixPath(flat).stem)}.*; lay LABELS out "
+                                      f"like IMAGES"))
+        else:
+            chosen.append((rel, same or flat, ""))
     claimed = {same or flat for _, same, flat in plan}
-    return chosen, dropped, claimed
+    return chosen, claimed
 
 
-def parse_label_file(path: Path, shown: str, nclasses: int):
-    """``(boxes cxcywh, class ids, reasons)``, or why the whole file cannot be used."""
+def parse_label_file(path: Path, shown: str, nclasses: int, rules: str = "ultralytics"):
+    """``(boxes cxcywh, class ids, reasons for dropped lines)``, or why the image cannot be
+    packed (the file is unreadable; by ultralytics' rules, any line is invalid)."""
     try:
         text = read_file(path).decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -136,30 +162,34 @@ def parse_label_file(path: Path, shown: str, nclasses: int):
                 f"unknown, so the image is not packed; save the file as UTF-8")
     except OSError as e:
         return f"cannot read {shown} ({e.strerror or e}), so the image is not packed"
+    lines = [(n, fields) for n, fields in enumerate(map(str.split, text.splitlines()), 1) if fields]
     boxes: List[List[float]] = []
     labels: List[int] = []
     reasons: List[str] = []
-    first: Dict[Tuple[int, Tuple[float, ...]], int] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        fields = line.split()
-        if not fields:
-            continue
+    first: Dict[Tuple[float, ...], int] = {}
+    polygon = next((n for n, fields in lines if len(fields) > 6), 0)
+    for n, fields in lines:
         obj = parse_line(fields, nclasses)
+        if rules == "ultralytics" and polygon and len(fields) == 5:
+            obj = (f"a box row in a file of polygon rows (line {polygon}): ultralytics would "
+                   f"read it as a two-point polygon")
         if isinstance(obj, str):
+            if rules == "ultralytics":
+                return (f"{shown}:{n}: {obj}; the image is left out, as ultralytics does "
+                        f"(rules='lines' drops the line alone)")
             reasons.append(f"{shown}:{n}: {obj}")
             continue
-        key = (obj[0], tuple(obj[1]))
-        if key in first:
-            reasons.append(f"{shown}:{n}: duplicate of line {first[key]}")
+        if obj in first:
+            reasons.append(f"{shown}:{n}: duplicate of line {first[obj]}")
             continue
-        first[key] = n
-        labels.append(obj[0])
-        boxes.append(obj[1])
+        first[obj] = n
+        labels.append(int(obj[0]))
+        boxes.append(list(obj[1:]))
     return boxes, labels, reasons
 
 
 def parse_line(fields: List[str], nclasses: int):
-    """``(class, [cx, cy, w, h])`` normalized, or why the line cannot be used."""
+    """``(class, cx, cy, w, h)`` normalized, in float32, or why the line is not valid."""
     n = len(fields)
     if n == 6:
         return ("6 values: a box and one more (a confidence? predictions are not labels); "
@@ -167,48 +197,75 @@ def parse_line(fields: List[str], nclasses: int):
     if n < 5 or n > 5 and n % 2 == 0:
         return (f"{n} values; expected 5 ('class cx cy w h') or a polygon "
                 f"'class x1 y1 x2 y2 x3 y3 ...'")
-    try:
-        c = float(fields[0])
-    except ValueError:
-        c = math.nan
-    if not math.isfinite(c) or c != int(c):
+    values = []
+    for tok in fields:
+        try:
+            values.append(float(tok))
+        except ValueError:
+            return f"{show(tok)!r} is not a number"
+    values = f32(*values)
+    c = values[0]
+    if not all(map(math.isfinite, values)):
+        return f"{show(next(t for t, v in zip(fields, values) if not math.isfinite(v)))} " \
+               f"is not a finite number"
+    if c != int(c):
         return f"class {show(fields[0])!r} is not an integer"
     if not 0 <= c < nclasses:
         return f"class {int(c)} is out of range: NAMES has {nclasses} classes (0..{nclasses - 1})"
-    coords = []
-    for tok in fields[1:]:
-        try:
-            v = float(tok)
-        except ValueError:
-            return f"{show(tok)!r} is not a number"
-        if not math.isfinite(v):
-            return f"coordinate {show(tok)} is not finite"
-        if not -TOLERANCE <= v <= 1 + TOLERANCE:
-            return (f"coordinate {tok} is outside [0, 1]; YOLO labels are fractions of the "
-                    f"image size")
-        coords.append(min(max(v, 0.0), 1.0))
     if n == 5:
-        cx, cy, w, h = coords
-        if w <= 0 or h <= 0:
-            return f"zero or negative size box (w={fields[3]}, h={fields[4]})"
-        return int(c), [cx, cy, w, h]
-    xs, ys = coords[0::2], coords[1::2]
-    w, h = max(xs) - min(xs), max(ys) - min(ys)
-    if w <= 0 or h <= 0:
-        return "polygon has zero width or height"
-    return int(c), [min(xs) + w / 2, min(ys) + h / 2, w, h]
+        box = values[1:]
+    else:  # the polygon's box, as ultralytics' segments2boxes makes it (float32)
+        xs, ys = values[1::2], values[2::2]
+        x0, y0, x1, y1 = min(xs), min(ys), max(xs), max(ys)
+        box = f32((x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0)
+    if not all(LOW <= v <= HIGH for v in box):
+        return (f"box (cx cy w h) {' '.join(f'{v:.6g}' for v in box)} is more than 1 % outside "
+                f"[0, 1]; YOLO labels are fractions of the image size")
+    return (c, *box)
 
 
-def fit_yolo(row: Dict[str, Any], width: int, height: int):
-    """Normalized cxcywh -> XYXY pixels (clipped to the image), area in pixels."""
+def fit_ultralytics(row: Dict[str, Any], width: int, height: int, orientation: int = 1):
+    """``fit_yolo``, and an image under 10 pixels on a side left out, as ultralytics does."""
+    if min(width, height) < MIN_SIDE:
+        raise ValueError(f"the image is {width}x{height} pixels: ultralytics leaves out images "
+                         f"under {MIN_SIDE} pixels on a side (rules='lines' keeps them)")
+    return fit_yolo(row, width, height, orientation)
+
+
+def fit_yolo(row: Dict[str, Any], width: int, height: int, orientation: int = 1):
+    """Normalized cxcywh of the image as shown -> XYXY pixels of the stored ``width`` x
+    ``height`` image with this EXIF orientation, clipped to it; area in pixels. A row that
+    says why its image cannot be packed raises ValueError (the image is skipped)."""
+    if "reject" in row:
+        raise ValueError(row["reject"])
+    uw, uh = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
     boxes, areas = [], []
     for cx, cy, w, h in row["boxes"]:
-        x0, x1 = max((cx - w / 2) * width, 0.0), min((cx + w / 2) * width, float(width))
-        y0, y1 = max((cy - h / 2) * height, 0.0), min((cy + h / 2) * height, float(height))
-        boxes.append([x0, y0, x1, y1])
+        w, h = max(w, 0.0), max(h, 0.0)  # down to -1 % is valid: no size
+        x0, x1 = clip((cx - w / 2) * uw, uw), clip((cx + w / 2) * uw, uw)
+        y0, y1 = clip((cy - h / 2) * uh, uh), clip((cy + h / 2) * uh, uh)
+        boxes.append(stored_box([x0, y0, x1, y1], orientation, width, height))
         areas.append((x1 - x0) * (y1 - y0))
     return {"image_id": row["image_id"], "boxes": boxes, "labels": list(row["labels"]),
             "area": areas, "iscrowd": [0] * len(boxes)}, []
+
+
+def clip(v: float, hi: int) -> float:
+    return min(max(v, 0.0), float(hi))
+
+
+def stored_box(box: List[float], orientation: int, width: int, height: int) -> List[float]:
+    """An XYXY box of the image as shown, in the pixels of the stored ``width`` x ``height``
+    image with this EXIF orientation (1: the same)."""
+    x0, y0, x1, y1 = box
+    if orientation in (5, 6, 7, 8):
+        x0, y0, x1, y1 = y0, x0, y1, x1
+    fx, fy = FLIPS.get(orientation, (False, False))
+    if fx:
+        x0, x1 = width - x1, width - x0
+    if fy:
+        y0, y1 = height - y1, height - y0
+    return [x0, y0, x1, y1]
 
 
 def read_names(path: Path) -> List[str]:
@@ -291,7 +348,7 @@ def indexed(names: dict, file: Path) -> list:
     """``{index: name}`` as a list; the indices must be 0..N-1 (ints or digit text), each once."""
     by_index: Dict[int, Any] = {}
     for key, value in names.items():
-        if type(key) is not int and not (isinstance(key, str) and key.isdigit()):
+        if type(key) is not int and not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise PackerError(f"{file}: class index {show(key)!r} is not a number 0, 1, ...")
         if int(key) in by_index:
             raise PackerError(f"{file}: class index {int(key)} is given twice")

@@ -1,5 +1,6 @@
 """The build: worker processes read, check and write whole planned shards
-(``packer.writing.worker``); this process takes them in plan order into the journal and tables.
+(``packer.writing.worker``), or an engine's tasks do (``ray_engine``: on a Ray cluster); this
+process takes them in plan order into the journal and tables.
 
 Crash safety rests on ordering: a shard is renamed into place only when complete, the
 journal (``.packer-build.json``) lists finished shards only, and the manifest — the one
@@ -16,7 +17,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Deque, Iterator, List, Optional, Union
+from typing import Any, Deque, Iterator, List, Optional, Union
 
 from tqdm.auto import tqdm
 
@@ -51,7 +52,7 @@ class BuildResult:
 
 
 def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
-          shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
+          shard_size: int = DEFAULT_SHARD_SIZE, workers: Union[int, str, Any] = None,
           transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
           part: Optional[str] = None, strict: bool = False, overwrite: bool = False,
           max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True,
@@ -60,17 +61,19 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
     object from ``packer.sources`` (``ImageFolder``, ``FileList``, ``Coco``, ``Yolo``,
     ``Table``, or your own with their protocol).
 
-    ``shard_size``: bytes of source files per shard; ``workers``: processes that check and
-    write images (0: this process; default: the usable cores); ``transcode``: smaller JPEGs;
-    ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"``, this build's share (join
-    the parts with ``merge``); ``strict``: fail on the first bad image or annotation;
-    ``overwrite``: replace a finished dataset in ``dst``; ``max_pixels``: skip larger images;
-    ``max_image_bytes``: skip larger image files (1 GiB by default; only regular files are
-    read)."""
+    ``shard_size``: bytes of source files per shard; ``workers``: who checks images and
+    writes shards: a count of processes here (0: this process; default: the usable cores),
+    ``"ray"`` (tasks on a Ray cluster: ``packer.writing.ray_engine``) or an engine object
+    (``RayEngine(...)``; see ``as_engine``), the same dataset whichever; ``transcode``:
+    smaller JPEGs; ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"``, this
+    build's share (join the parts with ``merge``); ``strict``: fail on the first bad image or
+    annotation; ``overwrite``: replace a finished dataset in ``dst``; ``max_pixels``: skip
+    larger images; ``max_image_bytes``: skip larger image files (1 GiB by default; only
+    regular files are read)."""
     journal.check_dst(dst)  # before anything is written: packer writes only where asked
     t0 = time.perf_counter()
     source, dst = as_source(source), Path(dst)
-    workers = usable_cores() if workers is None else workers
+    workers = usable_cores() if workers is None else as_engine(workers)
     _check_arguments(shard_size, workers, max_pixels, max_image_bytes)
     chosen = parse_part(part)
     source.check_destination(dst)
@@ -95,12 +98,30 @@ def as_source(source: Union[os.PathLike, str, Source]) -> Source:
     return source
 
 
+def as_engine(workers: Union[int, str, Any]) -> Union[int, Any]:
+    """``workers`` as ``_shards`` takes it: a process count, or an engine. An engine is any
+    object with ``shards(tasks, job, bar)``: it runs ``worker.write_shard`` for each
+    ``ShardTask`` with ``job``, yields the ``ShardDone`` results in the tasks' order
+    (updating ``bar`` by images), and on close removes finished shards not marked ``taken``.
+    The plan, the journal, the tables and the manifest stay here: an engine only moves the
+    shard writing, so its datasets equal the local build's byte for byte."""
+    if isinstance(workers, int):
+        return workers
+    if workers == "ray":
+        from .ray_engine import RayEngine
+        return RayEngine()
+    if callable(getattr(workers, "shards", None)):
+        return workers
+    raise PackerError(f"workers must be a process count, 'ray' or an engine (e.g. "
+                      f"packer.writing.ray_engine.RayEngine()), got {workers!r}")
+
+
 @dataclass
 class _Run:
     """One build's settings, for ``pack``."""
     dst: Path
     options: dict
-    workers: int
+    workers: Union[int, Any]  # a process count or an engine (``as_engine``)
     transcode: Optional[Transcode]
     part: Optional[tuple]
     overwrite: bool
@@ -165,7 +186,7 @@ def source_schema(source: ImageList) -> dict:
     return {"task": task, "fields": fields + list(ann.schema)}
 
 
-def _pack(source: ImageList, run: Packing, job: ShardJob, workers: int, bar) -> None:
+def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar) -> None:
     """The planned shards, written by the workers, taken in plan order: each one's samples
     into the side tables and skip lists, then the shard into the journal. Shards after one
     that was cut short are not taken (a strict build's failure stopped them)."""
@@ -207,7 +228,7 @@ def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardT
             for j, (a, e, n) in enumerate(rest)]
 
 
-def _check_arguments(shard_size: int, workers: int, max_pixels: int, max_bytes: int) -> None:
+def _check_arguments(shard_size: int, workers, max_pixels: int, max_bytes: int) -> None:
     if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
         raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}: "
                           f"shards are mapped whole into each reader's address space")
@@ -215,15 +236,15 @@ def _check_arguments(shard_size: int, workers: int, max_pixels: int, max_bytes: 
         raise PackerError(f"max_pixels must be a positive pixel count, got {max_pixels}")
     if max_bytes < 1:
         raise PackerError(f"max_image_bytes must be a positive byte count, got {max_bytes}")
-    if workers < 0:
+    if isinstance(workers, int) and workers < 0:
         raise PackerError("workers must be >= 0 (0 checks images in this process)")
 
 
 # -- workers ---------------------------------------------------------------------------------
 
-def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar) -> Iterator[ShardDone]:
+def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[ShardDone]:
     """Finished shards in plan order, about two per worker in flight; the bar follows the
-    workers' shared image counter.
+    workers' shared image counter. An engine (``as_engine``) writes them its own way.
 
     On an error (a full disk, Ctrl-C, a strict build's bad image) the ``stop`` event makes
     running shards give up at their next image, queued ones are cancelled, and shards that
@@ -231,6 +252,9 @@ def _shards(tasks: List[ShardTask], workers: int, job: ShardJob, bar) -> Iterato
     lists. Workers are never killed: one killed while sending its result leaves the parent
     blocked reading half a message, forever — what ``Pool.terminate`` did here.
     """
+    if not isinstance(workers, int):
+        yield from workers.shards(tasks, job, bar)
+        return
     if workers == 0:
         current: Optional[ShardDone] = None  # handed out, not yet taken (the next call takes it)
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from PIL import Image, UnidentifiedImageError
@@ -52,6 +52,7 @@ class Checked:
     height: int
     format: str
     mode: str
+    orientation: int = 1  # the EXIF orientation (1-8) where asked for, as exif_transpose reads it
 
 
 class BadImage(Exception):
@@ -59,8 +60,9 @@ class BadImage(Exception):
 
 
 def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
-                max_pixels: int = DEFAULT_MAX_PIXELS) -> Checked:
-    """Decode ``data`` as deeply as training will, or raise BadImage with a readable reason.
+                max_pixels: int = DEFAULT_MAX_PIXELS, orientation: bool = False) -> Checked:
+    """Decode ``data`` as deeply as training will, or raise BadImage with a readable reason;
+    ``orientation``: read the EXIF orientation too (a transcoded image keeps its EXIF).
 
     JPEGs are checked with draft (DCT-scaled) decoding: every entropy-coded byte is still
     parsed, so truncation and corruption are caught, at a fraction of a full decode's cost.
@@ -75,8 +77,9 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                 if w * h > max_pixels:
                     raise BadImage(f"decompression bomb: {w}x{h} = {w * h} pixels "
                                    f"exceeds max_pixels={max_pixels}")
+                turn = exif_orientation(im) if orientation else 1
                 if transcode is not None:
-                    return _transcode(im, transcode)
+                    return replace(_transcode(im, transcode), orientation=turn)
                 if fmt == "JPEG" and mode in ("RGB", "L", "CMYK"):
                     im.draft(mode, (max(1, w // 8), max(1, h // 8)))
                 im.load()  # multi-frame files (TIFF pages) train on frame 0, as in ImageFolder
@@ -90,7 +93,17 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
             raise
         except Exception as e:  # PIL raises a zoo of types on bad data; all mean "skip this file"
             raise BadImage(_reason(e)) from None
-    return Checked(data, w, h, fmt, mode)
+    return Checked(data, w, h, fmt, mode, turn)
+
+
+def exif_orientation(im: Image.Image) -> int:
+    """The EXIF orientation PIL's ``exif_transpose`` would apply (1: none; 1 for a value
+    outside 1-8 or EXIF that does not parse, which exif_transpose leaves alone too)."""
+    try:
+        value = im.getexif().get(0x0112, 1)
+    except Exception:  # PIL raises a zoo of types on bad EXIF
+        return 1
+    return value if type(value) is int and 1 <= value <= 8 else 1
 
 
 class _pil_pixel_limit:

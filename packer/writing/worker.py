@@ -99,13 +99,16 @@ class FieldMaker:
         self.source, self.column_names = source, column_names
         self.label = [f for f in fields if f.name == "label"]
         self.others = [f for f in fields if f.name != "label"]
+        self.upright = source.annotations is not None and source.annotations.upright
 
-    def encoded(self, i: int, width: int, height: int):
+    def encoded(self, i: int, width: int, height: int, orientation: int = 1):
         ann = self.source.annotations
         stored = encode(self.label, {"label": self.source.entries[i][1]}) if self.label else {}
         reasons: list = []
         if ann is not None:
-            row, reasons = ann.fit(ann.rows[i], width, height) if ann.fit else (ann.rows[i], [])
+            turn = (orientation,) if self.upright else ()
+            row, reasons = ann.fit(ann.rows[i], width, height, *turn) if ann.fit else \
+                (ann.rows[i], [])
             stored.update(row if ann.stored else encode(self.others, row))
         return pack_fields(stored), {k: stored[k] for k in self.column_names}, reasons
 
@@ -151,8 +154,8 @@ def read_entry(job: ShardJob, i: int):
     except OSError as e:
         return "skip", f"unreadable: {e.strerror or e}", 0
     try:
-        return "ok", check_image(data, transcode=job.transcode, max_pixels=job.max_pixels), \
-            len(data)
+        return "ok", check_image(data, transcode=job.transcode, max_pixels=job.max_pixels,
+                                 orientation=job.fields.upright), len(data)
     except BadImage as e:
         return "skip", str(e), len(data)
 
@@ -162,7 +165,7 @@ def with_fields(job: ShardJob, i: int, c: Checked):
     or ("ok", (stored bytes, width, height, format, mode, packed fields, columns, drop
     reasons))."""
     try:
-        packed, columns, reasons = job.fields.encoded(i, c.width, c.height)
+        packed, columns, reasons = job.fields.encoded(i, c.width, c.height, c.orientation)
     except ValueError as e:
         return "skip", f"annotation: {e}"
     return "ok", (c.data, c.width, c.height, c.format, c.mode, packed, columns, reasons)

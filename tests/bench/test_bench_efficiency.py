@@ -16,9 +16,7 @@ def test_bench_efficiency_dry_run(photo_src, tmp_path):
     assert abs(res["efficiency_loaded"][0] - res["loader"][0] / (2 * res["core_loaded"][0])) < 1e-9
     assert "efficiency = loader / (2 x one core)" in efficiency_table(res, 2)
     assert "efficiency vs all cores busy" in efficiency_table(res, 2)
-    for name in ("fresh", "in_order"):
-        assert abs(res[name + "_gain"][0] - res["loader"][0] / res[name][0]) < 1e-9
-    assert "a fresh shared block per batch (no pool)" in efficiency_table(res, 2)
+    assert abs(res["in_order_gain"][0] - res["loader"][0] / res["in_order"][0]) < 1e-9
     assert "batches to the workers in turn" in efficiency_table(res, 2)
     assert 0 < res["loader_main_cores"][0] < 2 and "main-process CPU" in efficiency_table(res, 2)
     assert lines[0].startswith("round 1/1: one core")

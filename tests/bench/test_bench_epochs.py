@@ -19,8 +19,10 @@ def test_bench_epochs_dry_run(photo_src, tmp_path):
     for runs in res.values():
         run = runs[0]
         assert len(run.first_waits) == 2 and run.images == 2 * 48 and 0 < run.kept <= 1.0
+        assert len(run.waits) == 2 * (48 // 8 - 1)
     table = epochs_table(res)
     assert all(name in table for name in VARIANTS) and "stand-in step" in lines[0]
+    assert "in-epoch wait, median / mean ms" in table and "start / in-epoch" in table
 
 
 def test_a_real_training_step_fed_across_epochs(photo_src, tmp_path):

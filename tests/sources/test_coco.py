@@ -12,6 +12,7 @@ from pathlib import Path
 import msgpack
 import msgspec
 import pytest
+import torch
 
 from packer.writing.builder import build
 from packer.demo import load_photos, make_image
@@ -123,7 +124,7 @@ def test_fit_clips_and_drops_bad_boxes_keeping_arrays_aligned():
              [200, 10, 5, 5], [90, 40, 20, 20], [100, 0, 5, 5], [0, 0, 1e308, 1e308],
              [1, 1, 2, 2], [1, 1, 2, 2]]
     areas = [None, 1.0, 1.0, 1.0, 1.0, 7.5, 1.0, 1.0, 10 ** 400, 2]
-    rle = {"counts": "x", "size": [50, 100]}
+    rle = {"counts": [10, 20, 4970], "size": [50, 100]}
     segs = [[[1, 2, 3, 4.5, 5, 6]], [], [], [], [], rle, [], [], "poly", [[1]]]
     row = Row(1, [obj(31 + k, 1 + k, box, area, int(k == 5), [seg]) if seg == "poly" else
                   obj(31 + k, 1 + k, box, area, int(k == 5), seg)
@@ -214,8 +215,6 @@ def test_unknown_image_and_category_drop_the_object(tmp_path):
                                         "bbox": [0, 0, 1, 1]}),
      r"\$\.annotations\[3\]\.id: annotation id 11 appears twice \(\$\.annotations\[0\] and "
      r"\[3\]\)"),
-    (lambda d: d["images"].append({"id": 8, "file_name": "two.jpg"}),
-     "images 2 and 8 are both 'two.jpg'"),
     (lambda d: d["categories"].append({"id": 3, "name": "bus"}), "category id 3 appears twice"),
     (lambda d: d["categories"].append({"id": 4, "name": "car"}),
      "categories 3 and 4 are both named 'car'"),
@@ -223,7 +222,6 @@ def test_unknown_image_and_category_drop_the_object(tmp_path):
                                      r"\(annotations: a list of"),
     (lambda d: d.update(images={}), r"\$\.images: expected array, got object \(images: a list"),
     (lambda d: d.update(images=[]), r"\$\.images is empty"),
-    (lambda d: d.update(categories=[]), r"\$\.categories is empty"),
     (lambda d: d["images"][0].pop("file_name"),
      r"\$\.images\[0\]: object missing required field file_name"),
     (lambda d: d["images"].append("x.jpg"), r"\$\.images\[3\]: expected object, got str"),
@@ -468,9 +466,15 @@ def polygon_texts(n: int):
 def test_stored_polygons_are_the_bytes_msgpack_gives_for_the_parsed_json():
     """Records stay byte-for-byte what a msgpack of ``json.loads``'s value gives: ints stay
     ints, floats parse to the same double."""
+    stored = 0
     for text in polygon_texts(3000):
-        assert bytes(stored_segmentation(msgspec.Raw(text.encode()))) == \
-            msgpack.packb(json.loads(text), use_bin_type=True), text
+        seg, problem = stored_segmentation(msgspec.Raw(text.encode()), 1 << 21, 1 << 21)
+        if seg is None:  # a coordinate beyond 2 ** 22 (a random int64): not this image's
+            assert "further outside the 2097152x2097152 image" in problem, text
+            continue
+        assert bytes(seg) == msgpack.packb(json.loads(text), use_bin_type=True), text
+        stored += 1
+    assert stored > 500
 
 
 def test_fitted_values_pack_as_the_checked_way_packs_the_plain_data():
@@ -479,33 +483,42 @@ def test_fitted_values_pack_as_the_checked_way_packs_the_plain_data():
     general way gives."""
     row = Row(1, [obj(7, 3, [0, 0, 5, 5], 25.0, 0, "[[1, 2.5, 3, 4]]"),
                   obj(8, 1, [-1, 2, 50, 5], None, 1, RLE)])
-    values, reasons = fit_coco(row, 10, 10)
+    values, reasons = fit_coco(row, 60, 40)
     assert not reasons and all(type(s) is msgspec.Raw for s in values["segmentation"])
-    plain = fitted(fit_coco, row, 10, 10)[0]
+    plain = fitted(fit_coco, row, 60, 40)[0]
     general = encode(list(map(field_of, coco_schema())), plain)
     assert pack_fields(values) == pack_fields(general)
     assert plain["segmentation"] == [[[1, 2.5, 3, 4]], RLE]
 
 
-def test_large_but_storable_coordinates_are_kept():
-    """Each number fits int64, their sum does not: the record can store them."""
+def test_coordinates_far_outside_the_image_drop_the_object():
+    """A polygon reaching further outside its image than the image's own size was drawn for
+    another image (or scale): it cannot be this one's mask."""
     text = "[[" + ", ".join(["999999999999999999"] * 10) + "]]"
-    for seg in (text, [[5 * 10 ** 18, 5 * 10 ** 18]], [[1e19, 0.0]]):
-        values, reasons = fitted(fit_coco, Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, seg)]), 10, 10)
-        assert not reasons and values["ann_ids"] == [7]
-        assert not data_problem(values["segmentation"])
+    for seg in (text, [[5 * 10 ** 18, 5 * 10 ** 18]], [[1e19, 0.0]], [[0, 0, 41, 5, 3, 3]],
+                [[0, 0, 5, 5, -20.5, 3]], [[0, 0, 5, 0, 5, 5]] + [[1, 1, 2, 31, 3]]):
+        values, reasons = fitted(fit_coco, Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, seg)]), 20, 10)
+        assert values["ann_ids"] == [] and reasons == [
+            "annotation 7: a polygon reaching further outside the 20x10 image than its longer "
+            "side: it cannot belong to this image"]
+    for seg in ([[-20, -20, 40, -20, 40, 30, -20.0, 30]], [[0, 0, 5, 0, 5, 5, 1]]):
+        values, reasons = fitted(fit_coco, Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, seg)]), 20, 10)
+        assert not reasons and values["segmentation"] == [seg]
 
 
 def test_fit_box_clips_as_min_and_max_do():
-    """Written out for speed, it must keep what ``max(x, 0.0)``, ``min(x + w, width)`` kept,
-    -0.0 and sizes beyond a double's integers included."""
+    """Written out for speed, it must keep what ``max(x, 0.0)``, ``min(x + w, width)`` keep
+    in float32 (torchvision's XYWH tensor), -0.0 and sizes beyond float32's integers
+    included."""
     def reference(box, width, height):
-        x, y, w, h = box
-        x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)
-        return [] if x1 <= x0 or y1 <= y0 else [x0, y0, float(x1), float(y1)]
+        x, y, w, h = (float(v) for v in torch.tensor(box, dtype=torch.float32))
+        ends = torch.tensor([x, y], dtype=torch.float32) + torch.tensor([w, h])
+        x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(ends[0].item(), width), \
+            min(ends[1].item(), height)
+        return [] if x1 <= x0 or y1 <= y0 or w <= 0 or h <= 0 else [x0, y0, float(x1), float(y1)]
     rng = random.Random(4)
     cases = [([36.58, 2 ** 53, 889, 5.04e53], 906, 2 ** 53 + 1), ([-0.0, -0.0, 5, 5], 5, 5),
-             ([0, 0, 5, 5], 5, 5), ([-3, 2, 4, 4], 10, 3)]
+             ([0, 0, 5, 5], 5, 5), ([-3, 2, 4, 4], 10, 3), ([1000, 0, 1e-5, 1], 2000, 2)]
     cases += [([rng.uniform(-50, 700) for _ in range(2)] + [rng.uniform(0.1, 300) for _ in range(2)],
                rng.randint(1, 640), rng.randint(1, 480)) for _ in range(5000)]
     for box, width, height in cases:
@@ -524,6 +537,94 @@ def test_an_rle_too_deep_drops_its_object():
         deep = [deep]
     seg = {"counts": "ab", "size": [1, 1], "x": deep}
     row = Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, seg), obj(8, 1, [0, 0, 5, 5], 1, 0, RLE)])
-    values, reasons = fitted(fit_coco, row, 10, 10)
+    values, reasons = fitted(fit_coco, row, 60, 40)
     assert values["ann_ids"] == [8] and len(reasons) == 1
     assert not data_problem(values["segmentation"])
+
+
+# -- files torchvision reads: no categories, several image ids for one file ------------------
+
+@pytest.mark.parametrize("categories", [None, []])
+def test_without_categories_every_category_id_is_kept(tmp_path, categories):
+    """torchvision's own COCO test files have no 'categories'; CocoDetection reads them,
+    its wrapper's labels are the category ids: packer's too, with no class names."""
+    data = coco()
+    if categories is None:
+        del data["categories"]
+    else:
+        data["categories"] = categories
+    data["annotations"].append({"id": 13, "image_id": 2, "category_id": 0, "bbox": [1, 1, 2, 2]})
+    src = read(tmp_path, data)
+    assert src.classes == [] and src.annotations.extra == {"categories": []}
+    assert src.annotations.dropped == []
+    assert [o.category_id for o in src.annotations.rows[0].objects] == [90, 3, 0]
+
+
+def test_image_ids_sharing_a_file_are_a_record_each(tmp_path):
+    """As CocoDetection reads them: each id its own sample of the same file, with its own
+    objects; ``./two.jpg`` is ``two.jpg``."""
+    data = coco()
+    data["images"] += [{"id": 8, "file_name": "two.jpg"}, {"id": 1, "file_name": "./two.jpg"}]
+    data["annotations"].append({"id": 13, "image_id": 8, "category_id": 1, "bbox": [1, 1, 2, 2]})
+    src = read(tmp_path, data)
+    assert src.entries == [("two.jpg", -1), ("two.jpg", -1), ("five.png", -1),
+                           ("b/seven.jpg", -1), ("two.jpg", -1)]
+    rows = src.annotations.rows
+    assert [r.image_id for r in rows] == [1, 2, 5, 7, 8]
+    assert [[o.id for o in r.objects] for r in rows] == [[], [11, 10], [], [12], [13]]
+
+
+# -- segmentations that cannot belong to their image ----------------------------------------
+
+@pytest.mark.parametrize("seg, reason", [
+    ({"counts": "0`0Q0", "size": [60, 40]},
+     "an RLE of size [60, 40] (height, width) cannot belong to the 60x40 image"),
+    ({"counts": [0, 2400], "size": [40, 61]},
+     "an RLE of size [40, 61] (height, width) cannot belong to the 60x40 image"),
+    ({"counts": [0, 2401], "size": [40, 60]},
+     "an RLE whose counts are not run lengths within the 60x40 image"),
+    ({"counts": "0`0Q0x", "size": [40, 60]},
+     "an RLE whose compressed counts do not decode: a character out of range or a count too "
+     "long"),
+    ({"counts": "0`0Q0P", "size": [40, 60]},  # continued past the end
+     "an RLE whose compressed counts do not decode: cut short"),
+    ({"counts": "0`0@", "size": [40, 60]},  # a negative count
+     "an RLE whose counts are not run lengths within the 60x40 image"),
+    ([[0, 0, 1, 0, 1, 1] * 33_334 + [2, 2]],
+     "100003 polygon vertices, more than masks are made for (100000)"),
+])
+def test_a_segmentation_that_cannot_be_the_images_drops_its_object(seg, reason):
+    row = Row(1, [obj(7, 1, [0, 0, 5, 5], 25.0, 0, seg), obj(8, 1, [0, 0, 5, 5], 1, 0, RLE)])
+    values, reasons = fitted(fit_coco, row, 60, 40)
+    assert values["ann_ids"] == [8] and reasons == [f"annotation 7: {reason}"]
+
+
+def test_an_outline_costing_more_than_its_image_may_drops_its_object():
+    """Edges crossing more image columns than masks of the image may cost (the reader's
+    budget: pixels / 8 + 2 ** 20) are refused before any mask is made."""
+    zigzag = [v for k in range(4000) for v in (0, k % 2 * 30, 2000, k % 2 * 30 + 1)]
+    values, reasons = fitted(fit_coco, Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, [zigzag])]),
+                             2000, 40)
+    assert reasons == ["annotation 7: polygon edges crossing 16000000 pixel columns, more than "
+                       "masks of a 2000x40 image may cost (1058576)"]
+    values, reasons = fitted(fit_coco, Row(1, [obj(7, 1, [0, 0, 5, 5], 1, 0, [zigzag[:1000]])]),
+                             2000, 40)
+    assert reasons == [] and len(values["segmentation"][0][0]) == 1000
+
+
+def test_compressed_counts_decode_as_pycocotools_encodes():
+    mask_api = pytest.importorskip("pycocotools.mask")
+    import numpy as np
+    from packer.sources.segmentation import decode_counts
+    rng = np.random.default_rng(3)
+    for h, w in [(1, 1), (7, 13), (40, 60), (300, 2)]:
+        for p in (0.0, 0.02, 0.5, 0.98, 1.0):
+            m = np.asfortranarray((rng.random((h, w)) < p).astype(np.uint8))
+            rle = mask_api.encode(m)
+            counts = decode_counts(rle["counts"].decode())
+            flat, value = [], 0
+            for c in counts:
+                flat += [value] * c
+                value ^= 1
+            assert sum(counts) == h * w
+            assert np.array_equal(np.array(flat, dtype=np.uint8).reshape(w, h).T, m)

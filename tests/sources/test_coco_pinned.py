@@ -2,7 +2,8 @@
 object: polygons, RLEs, crowds, clipped and unusable boxes, odd areas, unusable
 segmentations) over images whose bytes no encoder makes (binary PPM/PGM written here), built
 in this process and by worker processes, must give the shard bytes it gave when this test
-was written. A change to how COCO is read must keep them (or bump the format)."""
+was written. A change to how COCO is read must keep them, or change them deliberately
+(SHARD_SHA256 says which changes were)."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,10 @@ import pytest
 from packer.sources import Coco
 from packer.writing.builder import build
 
-SHARD_SHA256 = "83cb70a1cc6c58bbcddb08be0c1fbb0419e160eb996024b9ef2546b2f5e6a4b3"
+# Changed deliberately twice: box ends as torchvision computes them (float32(x) +
+# float32(w), not float32(x + w): 24 of these 78 boxes differ in their last bit), and
+# polygons that reach further outside their image than its longer side dropped (19, 25).
+SHARD_SHA256 = "c501cf55d66da8bc8ff018cc93d006d59d72a42dd6d8bff6ac4bab0f9b58e583"
 
 
 def pnm(width: int, height: int, channels: int, seed: int) -> bytes:
@@ -107,6 +111,8 @@ def test_a_coco_build_stores_the_pinned_records(coco_input, tmp_path, workers):
 
 UNUSABLE = ("'segmentation' must be polygons [[x1, y1, ...], ...] of finite numbers or an "
             "RLE {\"counts\", \"size\"}")
+FAR = ("a polygon reaching further outside the 60x40 image than its longer side: it cannot "
+       "belong to this image")
 DROPPED = [
     {"path": "../outside.ppm",
      "reason": "image id 9: file_name contains '..'; it must stay inside the image folder"},
@@ -118,5 +124,7 @@ DROPPED = [
                                    "outside the 50x30 image"},
     {"path": "b/seven.ppm", "reason": f"annotation 17: {UNUSABLE}"},
     {"path": "b/seven.ppm", "reason": f"annotation 18: {UNUSABLE}"},
+    {"path": "b/seven.ppm", "reason": f"annotation 19: {FAR}"},
+    {"path": "b/seven.ppm", "reason": f"annotation 25: {FAR}"},
     {"path": "b/seven.ppm", "reason": f"annotation 26: {UNUSABLE}"},
 ]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from packer.errors import PackerError
-from packer.sources.yolo import fit_yolo, read_names, read_yolo
+from packer.sources.yolo import fit_ultralytics, fit_yolo, read_names, read_yolo
 
 
 def put(root: Path, files: dict) -> Path:
@@ -20,12 +20,13 @@ def put(root: Path, files: dict) -> Path:
     return root
 
 
-def dataset(tmp_path, labels: dict, images=("a.jpg",), names="cat\ndog\n\nbird\n"):
+def dataset(tmp_path, labels: dict, images=("a.jpg",), names="cat\ndog\n\nbird\n",
+            rules="ultralytics"):
     put(tmp_path / "images", {i: b"x" for i in images})
     put(tmp_path / "labels", labels)
     (tmp_path / "labels").mkdir(exist_ok=True)
     (tmp_path / "names.txt").write_text(names, encoding="utf-8")
-    return read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt")
+    return read_yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt", rules)
 
 
 def test_layout_rows_and_fit(tmp_path):
@@ -52,7 +53,8 @@ def test_layout_rows_and_fit(tmp_path):
     assert values["labels"] == [1]
     assert ann.fit(ann.rows[2], 10, 10)[0] == {"image_id": 2, "boxes": [], "labels": [],
                                                "area": [], "iscrowd": []}
-    assert pickle.loads(pickle.dumps(ann.fit)) is fit_yolo
+    assert pickle.loads(pickle.dumps(ann.fit)) is fit_ultralytics
+    assert ann.upright  # the build passes each image's EXIF orientation to fit
 
 
 def test_fit_clips_edges_to_the_image():
@@ -74,13 +76,103 @@ def test_flat_labels_by_stem_when_the_mirrored_one_is_missing(tmp_path):
 def test_flat_label_shared_by_two_folders_is_ambiguous(tmp_path):
     src = dataset(tmp_path, {"x.txt": "1 0.5 0.5 0.2 0.2\n"},
                   images=["a/x.jpg", "b/x.jpg", "c.jpg"])
-    assert src.entries == [("c.jpg", -1)]
-    assert [d["path"] for d in src.annotations.dropped] == ["a/x.jpg", "b/x.jpg"]
-    assert "label file x.txt could belong to any of 2 images" in \
-        src.annotations.dropped[0]["reason"]
+    assert src.entries == [("c.jpg", -1), ("a/x.jpg", -1), ("b/x.jpg", -1)]  # walk order
+    rows = src.annotations.rows
+    assert "label file x.txt could belong to any of 2 images" in rows[1]["reject"]
+    assert rows[2]["reject"] == rows[1]["reject"] and "reject" not in rows[0]
+    with pytest.raises(ValueError, match="could belong to any of 2 images"):
+        fit_yolo(rows[1], 100, 100)  # the build skips the image, listing the reason
 
 
-def test_bad_lines_drop_objects_with_file_and_line(tmp_path):
+# A label line and what ultralytics' verify_image_label (ultralytics/data/utils.py) makes of
+# it: the class and (cx, cy, w, h) kept, or None: the whole image is left out. Its rules:
+# float32 values; coordinates (a polygon's: its box's) within [-0.01, 1.01]; class in range;
+# 5 values per box row, or polygon rows ('class x y x y ...', more than 6 values, even
+# coordinate count) only; exact duplicate rows removed; zero-size boxes kept.
+ULTRALYTICS_LINES = [
+    ("0 0.5 0.5 0.2 0.2", (0, 0.5, 0.5, 0.2, 0.2)),
+    ("1 1.01 -0.01 0.2 0.2", (1, 1.01, -0.01, 0.2, 0.2)),  # 1 % out: kept (clipped later)
+    ("1 1.0101 0.5 0.2 0.2", None),
+    ("1 0.5 0.5 -0.0101 0.2", None),
+    ("1 0.5 0.5 0 0.2", (1, 0.5, 0.5, 0.0, 0.2)),  # zero width: kept
+    ("2.0 0.5 0.5 0.2 0.2", (2, 0.5, 0.5, 0.2, 0.2)),
+    ("3 0.5 0.5 0.2 0.2", None),  # 3 classes
+    ("-1 0.5 0.5 0.2 0.2", None),
+    ("1 0.5 nan 0.2 0.2", None),
+    ("1 0.5 inf 0.2 0.2", None),
+    ("1 0.5 0.5 0.2", None),
+    ("1 0.5 0.5 0.2 0.2 0.9", None),  # 6 values: labels require 5 columns
+    ("cat 0.5 0.5 0.2 0.2", None),
+    ("1 0.1 0.2 0.5 0.2 0.3 0.6", (1, 0.3, 0.4, 0.4, 0.4)),  # a triangle: its box
+    ("1 0.1 0.2 0.5 0.2 0.3 0.6 0.7", None),  # an odd coordinate count
+    ("1 -0.02 0.2 0.5 0.2 0.3 0.6", (1, 0.24, 0.4, 0.52, 0.4)),  # only the box is checked
+]
+
+
+@pytest.mark.parametrize("line, want", ULTRALYTICS_LINES)
+def test_ultralytics_line_rules(tmp_path, line, want):
+    src = dataset(tmp_path, {"a.txt": line + "\n"})
+    row = src.annotations.rows[0]
+    if want is None:
+        assert row["reject"].startswith("labels/a.txt:1: ")
+        assert row["reject"].endswith("the image is left out, as ultralytics does (rules='lines' "
+                                      "drops the line alone)")
+        return
+    assert row["labels"] == [want[0]]
+    assert row["boxes"] == [pytest.approx(list(want[1:]), abs=1e-7)]
+    assert src.annotations.dropped == []
+
+
+def test_one_invalid_line_leaves_the_image_out_by_ultralytics_rules(tmp_path):
+    src = dataset(tmp_path, {"a.txt": "0 0.5 0.5 0.2 0.2\n7 0.5 0.5 0.2 0.2\n",
+                             "b.txt": "0 0.5 0.5 0.2 0.2\n"}, images=["a.jpg", "b.jpg"])
+    assert src.entries == [("a.jpg", -1), ("b.jpg", -1)]  # a.jpg: skipped by the build
+    assert src.annotations.rows[0] == {"image_id": 0, "reject": (
+        "labels/a.txt:2: class 7 is out of range: NAMES has 3 classes (0..2); the image is "
+        "left out, as ultralytics does (rules='lines' drops the line alone)")}
+    assert src.annotations.rows[1]["labels"] == [0]
+
+
+def test_box_rows_among_polygon_rows(tmp_path):
+    """ultralytics reads every row of a file with a polygon as a polygon: a box row's four
+    numbers become two points, never what was meant. By its rules the image is left out;
+    by lines, each row is what it says."""
+    text = "0 0.5 0.5 0.2 0.2\n1 0.1 0.2 0.5 0.2 0.3 0.6\n"
+    src = dataset(tmp_path, {"a.txt": text})
+    assert src.annotations.rows[0]["reject"].startswith(
+        "labels/a.txt:1: a box row in a file of polygon rows (line 2)")
+    src = dataset(tmp_path, {"a.txt": text}, rules="lines")
+    assert src.annotations.rows[0]["labels"] == [0, 1]
+
+
+def test_duplicate_rows_are_dropped_and_listed(tmp_path):
+    text = ("0 0.5 0.5 0.2 0.2\n0 0.5 0.5 0.2 0.2\n0 0.50000001 0.5 0.2 0.2\n"
+            "1 0.5 0.5 0.2 0.2\n")  # 0.50000001 is 0.5 in float32: a duplicate there too
+    src = dataset(tmp_path, {"a.txt": text})
+    assert src.annotations.rows[0]["labels"] == [0, 1]
+    assert src.annotations.dropped == [
+        {"path": "a.jpg", "reason": "labels/a.txt:2: duplicate of line 1"},
+        {"path": "a.jpg", "reason": "labels/a.txt:3: duplicate of line 1"}]
+
+
+def test_images_under_10_pixels_are_left_out_by_ultralytics_rules():
+    row = {"image_id": 0, "boxes": [[0.5, 0.5, 0.2, 0.2]], "labels": [1]}
+    assert fit_ultralytics(row, 10, 10)[0]["boxes"] == [[4.0, 4.0, 6.0, 6.0]]
+    for size in [(9, 400), (400, 9)]:
+        with pytest.raises(ValueError, match=r"the image is \d+x\d+ pixels: ultralytics leaves "
+                                             r"out images under 10 pixels on a side"):
+            fit_ultralytics(row, *size)
+        assert fit_yolo(row, *size)[0]["labels"] == [1]  # rules="lines" keeps them
+
+
+def test_rules_must_be_one_of_two(tmp_path):
+    from packer.sources import Yolo
+    with pytest.raises(PackerError, match=r"rules must be 'ultralytics' or 'lines', not 'strict'"):
+        Yolo(tmp_path, tmp_path, tmp_path / "n.txt", rules="strict")
+    assert Yolo(tmp_path, tmp_path, tmp_path / "n.txt").options()["yolo_rules"] == "ultralytics"
+
+
+def test_bad_lines_drop_objects_with_file_and_line_by_lines_rules(tmp_path):
     lines = ["0 0.5 0.5 0.2 0.2",      # 1: kept
              "1 0.5 0.5",              # 2
              "1 0.5 0.5 0.2 0.2 0.9",  # 3: a prediction with a confidence
@@ -88,18 +180,18 @@ def test_bad_lines_drop_objects_with_file_and_line(tmp_path):
              "1.5 0.5 0.5 0.2 0.2",    # 5
              "cat 0.5 0.5 0.2 0.2",    # 6
              "1 1.2 0.5 0.2 0.2",      # 7: outside [0, 1]
-             "1 0.5 0.5 0 0.2",        # 8
+             "1 0.5 0.5 0 0.2",        # 8: zero width: kept, as ultralytics keeps it
              "1 0.5 nan 0.2 0.2",      # 9
              "1 0.5 0.5 x 0.2",        # 10
              "0 0.5 0.5 0.2 0.2",      # 11: duplicate of 1
              "",                       # 12: blank, ignored
-             "2.0 1.0005 -0.0005 0.2 0.2",  # 13: within tolerance: clipped; class 2.0 is 2
-             "1 0.1 0.1 0.1 0.1 0.1 0.1",   # 14: a polygon with no area
-             "1 0.1 0.1 0.2 0.2 0.3 0.3 0.4"]  # 15: 8 values
-    src = dataset(tmp_path, {"a.txt": "\n".join(lines) + "\n"})
+             "2.0 1.005 -0.005 0.2 0.2",    # 13: within 1 %: kept; class 2.0 is 2
+             "1 0.1 0.1 0.2 0.2 0.3 0.3 0.4"]  # 14: 8 values
+    src = dataset(tmp_path, {"a.txt": "\n".join(lines) + "\n"}, rules="lines")
     row = src.annotations.rows[0]
-    assert row["labels"] == [0, 2]
-    assert row["boxes"][1] == [1.0, 0.0, 0.2, 0.2]
+    assert row["labels"] == [0, 1, 2]
+    assert row["boxes"][2] == pytest.approx([1.005, -0.005, 0.2, 0.2])
+    assert fit_yolo(row, 100, 100)[0]["boxes"][2] == pytest.approx([90.5, 0.0, 100.0, 9.5])
     reasons = [d["reason"] for d in src.annotations.dropped]
     assert {d["path"] for d in src.annotations.dropped} == {"a.jpg"}
     assert reasons == [
@@ -109,28 +201,26 @@ def test_bad_lines_drop_objects_with_file_and_line(tmp_path):
         "labels); expected 'class cx cy w h'",
         "labels/a.txt:4: class 3 is out of range: NAMES has 3 classes (0..2)",
         "labels/a.txt:5: class '1.5' is not an integer",
-        "labels/a.txt:6: class 'cat' is not an integer",
-        "labels/a.txt:7: coordinate 1.2 is outside [0, 1]; YOLO labels are fractions of the "
-        "image size",
-        "labels/a.txt:8: zero or negative size box (w=0, h=0.2)",
-        "labels/a.txt:9: coordinate nan is not finite",
+        "labels/a.txt:6: 'cat' is not a number",
+        "labels/a.txt:7: box (cx cy w h) 1.2 0.5 0.2 0.2 is more than 1 % outside [0, 1]; "
+        "YOLO labels are fractions of the image size",
+        "labels/a.txt:9: nan is not a finite number",
         "labels/a.txt:10: 'x' is not a number",
         "labels/a.txt:11: duplicate of line 1",
-        "labels/a.txt:14: polygon has zero width or height",
-        "labels/a.txt:15: 8 values; expected 5 ('class cx cy w h') or a polygon "
+        "labels/a.txt:14: 8 values; expected 5 ('class cx cy w h') or a polygon "
         "'class x1 y1 x2 y2 x3 y3 ...'"]
 
 
-def test_label_file_not_utf8_keeps_the_image_out(tmp_path):
+@pytest.mark.parametrize("rules", ["ultralytics", "lines"])
+def test_label_file_not_utf8_keeps_the_image_out(tmp_path, rules):
     src = dataset(tmp_path, {"a.txt": b"0 0.5 0.5 0.2 0.2 \xff\n", "b.txt": "1 0.5 0.5 1 1\n"},
-                  images=["a.jpg", "b.jpg"])
-    assert src.entries == [("b.jpg", -1)]
-    assert src.annotations.rows == [{"image_id": 0, "boxes": [[0.5, 0.5, 1.0, 1.0]],
-                                     "labels": [1]}]
-    (drop,) = src.annotations.dropped
-    assert drop["path"] == "a.jpg"
-    assert drop["reason"].startswith("labels/a.txt is not UTF-8 text")
-    assert "the image is not packed" in drop["reason"]
+                  images=["a.jpg", "b.jpg"], rules=rules)
+    assert src.entries == [("a.jpg", -1), ("b.jpg", -1)]
+    reject, kept = src.annotations.rows
+    assert kept == {"image_id": 1, "boxes": [[0.5, 0.5, 1.0, 1.0]], "labels": [1]}
+    assert reject["reject"].startswith("labels/a.txt is not UTF-8 text")
+    assert "the image is not packed" in reject["reject"]
+    assert src.annotations.dropped == []
 
 
 def test_label_without_image_and_names_file_beside_labels(tmp_path):
@@ -142,7 +232,7 @@ def test_label_without_image_and_names_file_beside_labels(tmp_path):
                                         "reason": "no image for this label file"}]
 
 
-def test_image_name_not_utf8_is_dropped(tmp_path):
+def test_image_name_not_utf8_is_left_to_the_build(tmp_path):
     bad = os.fsdecode(b"caf\xe9.jpg")
     try:
         (tmp_path / "images").mkdir()
@@ -150,9 +240,8 @@ def test_image_name_not_utf8_is_dropped(tmp_path):
     except (OSError, UnicodeError):
         pytest.skip("this file system refuses non-UTF-8 names")
     src = dataset(tmp_path, {}, images=["ok.jpg"])
-    assert src.entries == [("ok.jpg", -1)]
-    assert src.annotations.dropped == [{"path": "caf\\xe9.jpg", "reason": "file name is not "
-                                        "valid UTF-8, so it cannot be stored; rename it"}]
+    assert src.entries == [(bad, -1), ("ok.jpg", -1)]  # the build skips it, saying why
+    assert src.annotations.dropped == []
 
 
 def test_missing_folders_and_no_images(tmp_path):
@@ -231,6 +320,8 @@ def test_ultralytics_dataset_yaml(tmp_path):
     ("names:\n  0: a\n  2: b\n", "class indices must be 0..1 with none missing; 1 is missing"),
     ("names:\n  0: a\n  0: b\n", r"data\.yaml:3: not valid YAML \(key 0 is given twice\)"),
     ("names:\n  x: a\n", "class index 'x' is not a number"),
+    ("names:\n  '\u00b2': a\n", "class index '\u00b2' is not a number"),  # isdigit, not int
+    ("names:\n  '\u0663': a\n", "class index '\u0663' is not a number"),
     ("names: [a, b]\nnc: 3\n", "nc is 3 but 'names' lists 2 classes"),
     ("train: x\nval: y\n", "has no top-level 'names:'"),
     ("names:\n", r"data\.yaml: 'names:' is empty"),

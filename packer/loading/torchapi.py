@@ -1,0 +1,37 @@
+"""Every use of torch's private API in packer, in one module, each exercised by
+``tests/test_torchapi.py``.
+
+Supported torch: 2.13 to 2.14 (``setup.cfg``); the tests run on both ends. When a new torch
+moves one of these, this module is the one place to change, and its test the one to fail.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["shared_empty", "shared_storage", "shutdown_workers"]
+
+
+def shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """``nbytes`` (at least 1) of uninitialised shared memory, as a DataLoader worker's
+    ``default_collate`` allocates a batch: a tensor on it crosses to the main process
+    without a copy. ``share_memory_()`` on an ordinary tensor would allocate, then copy
+    into shared memory (``UntypedStorage._new_shared``)."""
+    return torch.UntypedStorage._new_shared(max(1, int(nbytes)))
+
+
+def shared_empty(size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A contiguous, uninitialised tensor of ``size`` in shared memory."""
+    size = tuple(size)
+    storage = shared_storage(math.prod(size) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, size)
+
+
+def shutdown_workers(iterator) -> None:
+    """Stop a DataLoader iterator's worker processes (and its pin-memory thread) now, as
+    the iterator does when it is collected (``_shutdown_workers``); nothing for an iterator
+    without workers."""
+    stop = getattr(iterator, "_shutdown_workers", None)
+    if stop is not None:
+        stop()

@@ -1,0 +1,154 @@
+"""Building on a Ray cluster: ``packer.build(src, dst, workers="ray")`` or ``packer build
+SRC DST --ray``.
+
+Only the shard writing moves. The driver (the process that called ``build``) lists the
+source, plans the shards, holds DST's lock and journal, and takes finished shards in plan
+order into the journal, side tables and manifest, exactly as a local build does; each Ray
+task runs the local build's ``worker.write_shard`` on one planned shard, writing it straight
+into DST, which must be the same path on every node (a shared filesystem). So the dataset
+is the local build's, byte for byte, and an interrupted Ray build resumes locally or on
+Ray alike (``workers`` is not part of the resume fingerprint).
+
+A task whose worker or node dies is run again by Ray (``max_retries``): a shard appears
+under its final name only once complete (``ShardWriter``: temp file, fsync, rename), and
+the driver takes a shard only from a task's returned result, so a dead attempt's files are
+never taken (the retry replaces its temp files). A task that raises (a full disk) is not
+retried: the build stops as a local one does, keeping the shards finished before.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Deque, Dict, Iterator, List, Optional
+
+from .. import __version__
+from .._util.fsio import remove_own
+from ..errors import PackerError
+from ..sources.base import ImageList
+from .worker import ShardDone, ShardJob, ShardTask, write_shard
+
+INSTALL = "pip install 'packer[ray]' (or pip install ray)"
+
+
+def need_ray():
+    """The ``ray`` module, or a PackerError naming the pip command."""
+    try:
+        import ray
+    except ImportError:
+        raise PackerError(f"building on Ray needs Ray installed: {INSTALL}") from None
+    return ray
+
+
+@dataclass
+class RayEngine:
+    """Shards written by Ray tasks (``num_cpus=1`` each; about two per cluster CPU in
+    flight). The cluster: the one this process is connected to (call ``ray.init`` first
+    for your own options, e.g. a ``runtime_env`` that installs packer on the nodes), else
+    ``address``, else ``RAY_ADDRESS``, else a new local one (shut down after the build).
+    The nodes need this version of packer and DST at the same path."""
+    address: Optional[str] = None
+    max_retries: int = 3
+
+    def __post_init__(self):
+        need_ray()  # fail before the build lists its source
+
+    def shards(self, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
+        """``write_shard`` for each task on the cluster; the results in task order."""
+        ray = need_ray()
+        started = not ray.is_initialized()
+        if started:
+            address = self.address or os.environ.get("RAY_ADDRESS") or "local"
+            extra = {"include_dashboard": False} if address == "local" else {}
+            ray.init(address=address, logging_level="WARNING", **extra)
+        try:
+            write = ray.remote(num_cpus=1, max_retries=self.max_retries)(write_part)
+            yield from _in_order(ray, write, tasks, job, bar)
+        finally:
+            if started:
+                ray.shutdown()
+
+
+def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
+    """Submit the tasks, a window at a time; yield their results in order. On close, tasks
+    still queued or running are cancelled and waited for, and shards finished but not taken
+    are removed (what stays in DST is what the journal lists)."""
+    pending: Deque = deque()  # (task, ref), in plan order
+    ready: Dict = {}          # ref -> its ShardDone, finished out of order
+    todo = iter(tasks)
+    done: Optional[ShardDone] = None  # handed out, not yet taken
+    try:
+        while True:
+            window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+            while len(pending) < window and (task := next(todo, None)) is not None:
+                pending.append((task, write.remote(*_slice(job, task), __version__)))
+            if not pending:
+                break
+            while pending[0][1] not in ready:
+                running = [ref for _, ref in pending if ref not in ready]
+                for ref in ray.wait(running, num_returns=1)[0]:
+                    task = next(t for t, r in pending if r == ref)
+                    ready[ref] = _result(ray, ref, task)
+                    bar.update(len(ready[ref].samples))
+            done = ready.pop(pending.popleft()[1])
+            yield done
+            done = None
+    finally:
+        left = [ref for _, ref in pending if ref not in ready]
+        for ref in left:
+            ray.cancel(ref)
+        finished = ray.wait(left, num_returns=len(left), timeout=60)[0] if left else []
+        for d in [done, *ready.values(), *_quiet_results(ray, finished)]:
+            if d is not None and d.shard is not None and not d.taken:
+                remove_own(job.dst, d.shard["path"])
+
+
+def _result(ray, ref, task: ShardTask) -> ShardDone:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:  # raised in the task: a full disk, a bad install
+        if isinstance(e.cause, PackerError):
+            raise e.cause from None
+        raise
+    except ray.exceptions.RayError as e:  # its worker or node died more than max_retries times
+        raise PackerError(f"Ray could not write shard {task.index} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0]}); the shards finished before it are kept: "
+                          f"re-run the same build to resume") from e
+
+
+def _quiet_results(ray, refs) -> List[ShardDone]:
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except Exception:  # cancelled, or failed: it left no finished shard
+            pass
+    return out
+
+
+def _slice(job: ShardJob, task: ShardTask):
+    """(job, local task, task) for one shard: the job holds only the task's entries and
+    annotation rows (a task is sent only what it writes) and absolute paths (a Ray worker's
+    working folder is not the driver's); the local task counts from 0."""
+    src, a, e = job.fields.source, task.start, task.end
+    ann = src.annotations
+    if ann is not None:
+        ann = replace(ann, rows=list(ann.rows[a:e]), dropped=[], extra={})
+    fields = copy.copy(job.fields)
+    fields.source = ImageList(Path(os.path.abspath(src.root)), src.classes, src.entries[a:e], ann)
+    return (replace(job, dst=Path(os.path.abspath(job.dst)), fields=fields),
+            ShardTask(task.index, 0, e - a, task.expected_bytes), task)
+
+
+def write_part(job: ShardJob, local: ShardTask, task: ShardTask, version: str) -> ShardDone:
+    """One shard, in a Ray task: ``write_shard`` over the sliced job, its entries numbered
+    as in the whole plan again."""
+    if version != __version__:
+        raise PackerError(f"the Ray worker runs packer {__version__}, the build packer "
+                          f"{version}: install the same version on every node")
+    done = write_shard(local, job)
+    done.task = task
+    done.samples = [(task.start + i, kept, extra) for i, kept, extra in done.samples]
+    return done

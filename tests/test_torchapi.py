@@ -1,0 +1,49 @@
+"""Each use of torch's private API (``packer.loading.torchapi``), exercised on real
+DataLoader worker processes: run on the oldest and the newest torch packer supports."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from packer.loading.torchapi import shared_empty, shared_storage, shutdown_workers
+
+
+class Filled(Dataset):
+    """Sample i: a (3, 4) int32 tensor of i made with ``shared_empty`` in the worker, and
+    the worker's pid."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        t = shared_empty((3, 4), torch.int32)
+        assert get_worker_info() is not None and t.is_shared()
+        return t.fill_(i), os.getpid()
+
+
+def test_shared_storage_is_uninitialised_shared_memory_of_the_size_asked():
+    s = shared_storage(1000)
+    assert s.is_shared() and s.nbytes() == 1000 and shared_storage(0).nbytes() == 1
+    t = shared_empty((2, 3, 5), torch.float64)
+    assert t.is_shared() and t.shape == (2, 3, 5) and t.dtype == torch.float64
+    assert t.is_contiguous() and t.untyped_storage().nbytes() == 2 * 3 * 5 * 8
+
+
+def test_a_shared_empty_tensor_crosses_from_a_worker_unchanged():
+    loader = DataLoader(Filled(), batch_size=None, num_workers=2)
+    got = [(t.tolist(), pid) for t, pid in loader]
+    assert [t for t, _ in got] == [[[i] * 4] * 3 for i in range(6)]
+    assert os.getpid() not in {pid for _, pid in got}
+
+
+def test_shutdown_workers_stops_the_workers_now():
+    loader = DataLoader(Filled(), batch_size=None, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    pids = {next(it)[1] for _ in range(6)}
+    assert pids <= {p.pid for p in multiprocessing.active_children()}
+    shutdown_workers(it)
+    assert not pids & {p.pid for p in multiprocessing.active_children()}
+    shutdown_workers(iter(DataLoader(range(3))))  # no workers: nothing to do

@@ -114,7 +114,7 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     re-run the same command to resume after the last finished shard.
     """
     from ..writing.builder import build as run_build
-    from ..writing.check import DEFAULT_MAX_PIXELS, Transcode
+    from ..writing.check import DEFAULT_MAX_PIXELS, Checks, Transcode
     if on_ray and workers is not None:
         raise click.UsageError("--ray and --workers exclude each other (Ray runs a task per "
                                "cluster CPU)")
@@ -127,9 +127,10 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
         result = run_build(source, dst, shard_size=shard_size,
                            workers="ray" if on_ray else workers,
                            transcode=transcode, shuffle=shuffle, seed=seed, part=part,
-                           strict=strict, overwrite=overwrite,
-                           max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
-                           max_image_bytes=max_image_bytes, progress=not (quiet or as_json))
+                           checks=Checks(strict=strict,
+                                         max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                                         max_image_bytes=max_image_bytes),
+                           overwrite=overwrite, progress=not (quiet or as_json))
     if as_json:
         m = result.manifest
         click.echo(json_text({

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .._util.fsio import NotAFile, read_file
 from .._util.system import die_with_parent
-from .check import BadImage, Checked, Transcode, check_image
+from .check import BadImage, Checked, Checks, Transcode, check_image
 from ..format.fields import Field, encode
 from ..format.manifest import SHARD_PATTERN
 from ..format.records import pack_fields, record_bytes
@@ -26,9 +26,6 @@ from ..sources.base import ImageList
 from .._util.text import is_utf8
 from .shard import ShardWriter
 
-# The largest image file a build reads: every image within the default max_pixels fits,
-# uncompressed, at up to 12 bytes a pixel; it bounds what one worker holds at once.
-DEFAULT_MAX_IMAGE_BYTES = 1 << 30
 PROGRESS_EVERY = 16  # images between a worker's progress reports (a shared counter)
 PLANNED_SHARDS = 256    # a dataset smaller than this many shards is cut into about this many,
 MIN_PLANNED = 4 << 20   # but none planned under 4 MiB: shards for every core to write, and a
@@ -116,16 +113,13 @@ class FieldMaker:
 @dataclass
 class ShardJob:
     """Everything a worker needs besides the task; set once per worker (inherited when
-    forked). ``progress``/``stop``: a shared counter and event (None in-process);
-    ``max_bytes``: the build's ``max_image_bytes``."""
+    forked). ``progress``/``stop``: a shared counter and event (None in-process)."""
     dst: Path
     fields: FieldMaker
     transcode: Optional[Transcode]
-    max_pixels: int
-    strict: bool
+    checks: Checks
     progress: object = None
     stop: object = None
-    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # the largest image file read
 
 
 _JOB: list = [None]  # this worker's ShardJob
@@ -148,14 +142,16 @@ def read_entry(job: ShardJob, i: int):
         return "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
                         "-t utf8 --notest SRC`)"), 0
     try:
-        data = read_file(os.path.join(root, rel), job.max_bytes, "max_image_bytes")
+        data = read_file(os.path.join(root, rel), job.checks.max_image_bytes,
+                         "max_image_bytes")
     except NotAFile as e:
         return "skip", str(e), 0
     except OSError as e:
         return "skip", f"unreadable: {e.strerror or e}", 0
     try:
-        return "ok", check_image(data, transcode=job.transcode, max_pixels=job.max_pixels,
-                                 orientation=job.fields.upright), len(data)
+        checked = check_image(data, transcode=job.transcode, max_pixels=job.checks.max_pixels,
+                              orientation=job.fields.upright)
+        return "ok", checked, len(data)
     except BadImage as e:
         return "skip", str(e), len(data)
 
@@ -198,7 +194,7 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
                 writer.append(record_bytes(data, path=entries[i][0], width=width,
                                            height=height, format=fmt, mode=mode, fields=packed))
                 done.samples.append((i, (width, height, columns), reasons))
-            if job.strict and reasons:
+            if job.checks.strict and reasons:
                 done.failed = True
                 break
             unreported = _report(job, unreported + 1)

@@ -29,7 +29,7 @@ from packer import Checks, PackedDataset, build, verify, write
 from packer.cli import Size, main
 from packer.demo import make_image_folder
 from packer.errors import FormatError, PackerError
-from packer.sources import FileList, ImageFolder, Table
+from packer.sources import FileList, ImageFolder, Table, Yolo
 from packer.sources.base import SymlinkLoopWarning
 
 
@@ -167,6 +167,22 @@ def test_a_fifo_as_the_list_file_is_refused_not_waited_on(small, tmp_path):
     with unblocking(fifo):
         code, out = cli("build", small, tmp_path / "d", "-q", "--list", fifo)
     assert code == 1 and out.startswith("Error: ") and "a FIFO, not a regular file" in out
+
+
+def test_a_fifo_as_a_yolo_label_file_leaves_its_image_out(small, tmp_path):
+    images, labels, names = tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt"
+    images.mkdir()
+    labels.mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        shutil.copy(small / "class_00" / "img_00000.jpg", images / name)
+    (labels / "b.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    os.mkfifo(labels / "a.txt")
+    names.write_text("thing\n")
+    with unblocking(labels / "a.txt"):
+        rows = Yolo(images, labels, names).read().annotations.rows
+    assert rows[0]["reject"] == ("cannot read labels/a.txt (a FIFO, not a regular file: only "
+                                 "regular files are read), so the image is not packed")
+    assert rows[1]["labels"] == [0]
 
 
 # -- the build's options: one Checks object ------------------------------------------------------

@@ -142,8 +142,7 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
         return
     if result.resumed_shards:
         click.echo(f"resumed after {result.resumed_shards} finished shard(s)")
-    from ..info import build_line
-    click.echo(f"{build_line(result.manifest, result.seconds)} -> {dst}")
+    click.echo(f"{result.summary()} -> {dst}")
     skipped = result.manifest["skipped"]
     if skipped:
         first = skipped[0]
@@ -234,7 +233,8 @@ def merge(parts, dst, overwrite, as_json):
     they are, or `packer stage DST ...` to make a self-contained copy.
     """
     from ..writing.merger import merge as run_merge
-    m = run_merge(list(parts), dst, overwrite=overwrite)
+    with flag_words():
+        m = run_merge(list(parts), dst, overwrite=overwrite)
     if as_json:
         click.echo(json_text({"dst": str(dst), "parts": [str(p) for p in parts],
                               "count": m["count"], "shards": len(m["shards"])}))

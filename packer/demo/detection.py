@@ -26,7 +26,7 @@ from ..writing.builder import build
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeLetterbox
 from ..errors import PackerError
-from ..info import build_line, verify
+from ..info import verify
 from ..loading.collate import collate_detection
 from ..loading.loader import default_num_workers, make_loader
 from ..loading.prefetch import CUDAPrefetcher
@@ -156,7 +156,7 @@ def make_build_verify(steps: Steps, work: Path, images: int, seed: int, workers:
     t = steps.start("build --coco")
     built = build(Coco(coco / "images", coco / "annotations.json"), work / "packed",
                   workers=workers, progress=progress)
-    steps.done("build --coco", t, build_line(built.manifest, built.seconds))
+    steps.done("build --coco", t, built.summary())
     steps.res.classes = len(built.manifest["classes"])
     t = steps.start("verify")
     rep = verify(work / "packed", progress=progress)

@@ -19,7 +19,7 @@ from ..writing.builder import build
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeRandomResizedCrop
 from ..errors import PackerError
-from ..info import build_line, verify
+from ..info import verify
 from ..loading.loader import default_num_workers, make_loader
 from ..loading.prefetch import CUDAPrefetcher
 from ..reading.sampler import PackedSampler
@@ -189,7 +189,7 @@ def _make_build_verify(steps: Steps, work: Path, images: int, classes: int, seed
                                  f"({human_size(nbytes / images)} each) in {src}")
     t = steps.start("build")
     built = build(src, work / "packed", workers=workers, progress=progress)
-    steps.done("build", t, build_line(built.manifest, built.seconds))
+    steps.done("build", t, built.summary())
     t = steps.start("verify")
     rep = verify(work / "packed", progress=progress)
     if not rep.ok:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the names of __all__ (tests/test_layout.py checks the lists
     from .staging import stage, stage_once_per_node, unstage
     from .transforms.decode import DecodeCenterCrop, DecodeLetterbox, DecodeRandomResizedCrop
     from .writing.builder import build
-    from .writing.check import Transcode
+    from .writing.check import Checks, Transcode
     from .writing.merger import merge
     from .writing.python import DatasetWriter, write
 
@@ -43,7 +43,7 @@ _WHERE = {
     ".staging": ["stage", "stage_once_per_node", "unstage"],
     ".transforms.decode": ["DecodeCenterCrop", "DecodeLetterbox", "DecodeRandomResizedCrop"],
     ".writing.builder": ["build"],
-    ".writing.check": ["Transcode"],
+    ".writing.check": ["Checks", "Transcode"],
     ".writing.merger": ["merge"],
     ".writing.python": ["DatasetWriter", "write"],
 }
@@ -53,7 +53,7 @@ for _sub in ("format", "gpu", "loading", "reading", "sources", "staging", "stora
     _WHERE.setdefault(f".{_sub}", []).append(_sub)
 del _sub
 
-__all__ = ["CUDAPrefetcher", "DatasetWriter", "DecodeCenterCrop", "DecodeLetterbox",
+__all__ = ["CUDAPrefetcher", "Checks", "DatasetWriter", "DecodeCenterCrop", "DecodeLetterbox",
            "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "Mixture", "PackedDataset",
            "PackedIterableDataset", "PackedSampler", "PackerError", "Transcode", "build",
            "make_loader", "merge", "stage", "stage_once_per_node", "unstage", "verify", "write"]

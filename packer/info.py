@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
-from .errors import FormatError
+from .errors import FormatError, PackerError
 from .format.fields import ArrayField, DataField, field_of
 from .format.records import crc32, record_problem, unpack_record
 from .format.manifest import classes_text, dataset_schema, file_sha256, read_manifest, shard_file, side_tables
@@ -105,17 +105,22 @@ class Report:
 QUICK_SKIPS = "records were not read, decoded or compared with labels.i32 (quick)"
 
 
-def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> Report:
+def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True,
+           max_pixels: int = DEFAULT_MAX_PIXELS) -> Report:
     """Check what training relies on, and report every problem found.
 
     Always: the manifest's fields (``read_manifest``), every shard's size, SHA-256 and LMDB
     structure (every page pointer inside the file, keys 0..N-1, the record count), the side
     tables' checksums, and labels within ``classes``. Unless ``quick``: every record
-    unpacks to the documented field types, its image matches its CRC-32 and decodes within
-    the pixel limit the dataset was built with, and its label equals ``labels.i32``'s.
+    unpacks to the documented field types, its image matches its CRC-32, decodes within
+    ``max_pixels`` and has the width and height its record and columns say, and its label
+    equals ``labels.i32``'s. ``max_pixels`` is the caller's limit, never the dataset's own
+    (a stranger's manifest could name any): default PIL's, 89,478,485.
     A shard whose checksum is wrong still has its records checked, so the report names
     the damaged records; one that is missing, of the wrong size or malformed does not.
     """
+    if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < 1:
+        raise PackerError(f"verify(max_pixels): a positive pixel count, got {max_pixels!r}")
     root = Path(root)
     m = read_manifest(root)
     rep = Report(skipped_checks=QUICK_SKIPS if quick else "")
@@ -137,7 +142,7 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> 
                             f"(the dataset has {len(m['classes'])} classes), first at record "
                             f"{bad[0]}: {labels[bad[0]]}")
     if not quick and readable:
-        _check_records(root, m, columns, rep, progress)
+        _check_records(root, m, columns, rep, progress, max_pixels)
     return rep
 
 
@@ -176,13 +181,11 @@ def _check_shards(root: Path, m: dict, rep: Report, progress: bool) -> bool:
     return readable
 
 
-def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bool) -> None:
+def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bool,
+                   max_pixels: int) -> None:
     from .reading.masks import segmentation_problem  # torch: only a full verify needs them
     from .reading.targets import TargetMaker
     from tqdm.auto import tqdm
-    max_pixels = (m.get("options") or {}).get("max_pixels") or DEFAULT_MAX_PIXELS
-    if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < 1:
-        max_pixels = DEFAULT_MAX_PIXELS
     reader = ShardReader(root, m)
     make_target = TargetMaker(dataset_schema(m))
     try:
@@ -224,46 +227,66 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
                 rep.problems.append(f"{where} {printable(rec['path'])}: {wrong} {rec[wrong]} != "
                                     f"{table} {columns[wrong][i]}")
             else:
-                try:
-                    check_image(rec["image"], max_pixels=max_pixels)
-                except BadImage as e:
-                    rep.problems.append(f"{where} {printable(rec['path'])}: does not decode: {e}")
+                problem = image_problem(rec, max_pixels)
+                if problem:
+                    rep.problems.append(f"{where} {printable(rec['path'])}: {problem}")
     finally:
         reader.close()
+
+
+def image_problem(rec: dict, max_pixels: int) -> str:
+    """Why a record's image would fail training or lies about itself, or "": it must decode
+    within ``max_pixels`` and be as wide and high as the record says (the width and height
+    columns, compared with the record, then agree with the image too)."""
+    try:
+        c = check_image(rec["image"], max_pixels=max_pixels)
+    except BadImage as e:
+        hint = " (verify's max_pixels: raise it for a dataset you trust)" if "max_pixels" in str(e) else ""
+        return f"does not decode: {e}{hint}"
+    if (c.width, c.height) != (rec["width"], rec["height"]):
+        return (f"the image is {c.width}x{c.height} pixels, its record says "
+                f"{rec['width']}x{rec['height']}")
+    return ""
 
 
 def ls(root: os.PathLike) -> Iterator[Tuple[int, int, str]]:
     """(index, label, source path) of every record, in record order (label -1 in a dataset
     without class labels)."""
-    reader = ShardReader(root)
-    try:
-        for i in range(len(reader)):
-            rec = reader.record(i)
-            yield i, rec.get("label", -1), rec["path"]
-    finally:
-        reader.close()
+    for i, rec, _ in checked_records(root):
+        yield i, rec.get("label", -1), rec["path"]
 
 
 def ls_fields(root: os.PathLike) -> Iterator[dict]:
     """Every record's fields, for a listing: scalars and text as they are, arrays as their
     shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size."""
+    for i, rec, fields in checked_records(root):
+        row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
+        for f in fields:
+            v = rec.get(f.name)
+            if isinstance(f, ArrayField):
+                v = list(f.shape_of(len(v)))
+            elif isinstance(f, DataField):
+                v = f"<{type(v).__name__} of {len(v)}>" if isinstance(v, (list, dict)) else v
+            row[f.name] = v
+        yield row
+
+
+def checked_records(root: os.PathLike) -> Iterator[tuple]:
+    """(index, record, schema fields) of every record whose fields have their schema's types;
+    a FormatError naming the first that does not."""
     reader = ShardReader(root)
     fields = [field_of(f) for f in dataset_schema(reader.manifest)["fields"]]
     try:
         for i in range(len(reader)):
-            rec = reader.record(i)
+            data = reader.read(i)  # a damaged shard: an error naming it
+            try:
+                rec = unpack_record(data)
+            except FormatError as e:
+                raise FormatError(f"record {i} of {root}: {e}; run `packer verify {root}`") from None
             problem = record_problem(rec, fields)
             if problem:
                 raise FormatError(f"record {i} of {root}: {problem}; run `packer verify {root}`")
-            row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
-            for f in fields:
-                v = rec.get(f.name)
-                if isinstance(f, ArrayField):
-                    v = list(f.shape_of(len(v)))
-                elif isinstance(f, DataField):
-                    v = f"<{type(v).__name__} of {len(v)}>" if isinstance(v, (list, dict)) else v
-                row[f.name] = v
-            yield row
+            yield i, rec, fields
     finally:
         reader.close()
 

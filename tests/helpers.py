@@ -313,6 +313,29 @@ def limited_packer_cli(extra_address_space: int) -> list:
 
 # -- a build held at one image: a FIFO among the sources ------------------------------------
 
+# packer reads only regular files as images (a FIFO is skipped at once, never waited on), so a
+# held build runs packer with this prelude: a source file named ``*_gate.jpg`` (the test's
+# FIFO) is read by a plain blocking read, every other image as packer reads it. Only the
+# hold is the test's; everything the build writes is packer's own, in its own process.
+GATED_PRELUDE = (
+    "import runpy\n"
+    "import packer.writing.worker as worker\n"
+    "_read_file = worker.read_file\n"
+    "def read_file(path, *args, **kwargs):\n"
+    "    if str(path).endswith('_gate.jpg'):\n"
+    "        with open(path, 'rb') as f:\n"
+    "            return f.read()\n"
+    "    return _read_file(path, *args, **kwargs)\n"
+    "worker.read_file = read_file\n"
+    "runpy.run_module('packer', run_name='__main__')\n")
+
+
+def gated_packer_cmd(*args) -> list:
+    """argv for ``packer ARGS`` whose build blocks reading a FIFO named ``*_gate.jpg`` until
+    the test writes it (``wait_for_reader``, ``release``)."""
+    return [sys.executable, "-c", GATED_PRELUDE, *map(str, args)]
+
+
 def wait_for_reader(fifo: Path, proc: subprocess.Popen, timeout: float = 60) -> int:
     """Block until ``proc`` opens ``fifo`` to read it; return the write end. Until that is
     written and closed the process stays blocked in its read."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import packer_env, run_packer
-from packer import PackedDataset, build, merge
+from packer import Checks, PackedDataset, build, merge
 from packer.transforms.decode import DecodeLetterbox, DecodeRandomResizedCrop
 from packer.demo.scenes import boxes_of, make_detection_folder
 from packer.errors import FormatError, PackerError
@@ -328,7 +328,7 @@ def test_unknown_category_is_dropped_with_a_reason(scenes, coco, by_name, tmp_pa
 def test_strict_refuses_a_bad_annotation(scenes, coco, tmp_path, kind):
     ann = write_json(tmp_path / "bad.json", with_bad_annotations(coco, {7: [kind]}))
     with pytest.raises(PackerError, match="strict"):
-        quiet(Coco(scenes / "images", ann), tmp_path / "d", strict=True)
+        quiet(Coco(scenes / "images", ann), tmp_path / "d", checks=Checks(strict=True))
     assert not (tmp_path / "d" / "manifest.json").exists()
     with pytest.raises(FormatError):
         read_manifest(tmp_path / "d")

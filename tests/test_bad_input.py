@@ -10,7 +10,7 @@ from PIL import Image
 from helpers import bomb_png, corrupt_header_jpeg, corrupt_png, encode, quiet_build, small_photo
 from packer.errors import FormatError, PackerError
 from packer.format.manifest import read_manifest
-from packer.writing.check import DEFAULT_MAX_PIXELS, BadImage, check_image
+from packer.writing.check import DEFAULT_MAX_PIXELS, BadImage, Checks, check_image
 from packer.info import verify
 from packer.reading.reader import ShardReader
 from packer.sources import FileList
@@ -105,7 +105,7 @@ def test_unconvertible_mode_is_not_packed():
 
 
 def test_max_pixels_option_in_build(odd_tree, tmp_path):
-    m = quiet_build(odd_tree.root, tmp_path / "d", max_pixels=150 * 150).manifest
+    m = quiet_build(odd_tree.root, tmp_path / "d", checks=Checks(max_pixels=150 * 150)).manifest
     reasons = {s["path"]: s["reason"] for s in m["skipped"]}
     assert reasons["B/a.jpg"].startswith("decompression bomb: ")  # ImageNet-sized: over 22,500 px
     assert "Z9/rgba.png" not in reasons  # 160x120 = 19,200 px
@@ -141,7 +141,7 @@ def test_list_with_a_missing_source_folder_is_an_error(tmp_path):
 def test_strict_fails_and_leaves_no_dataset(odd_tree, tmp_path):
     dst = tmp_path / "d"
     with pytest.raises(PackerError, match=r"strict: with space/\w+.* no dataset was written"):
-        quiet_build(odd_tree.root, dst, strict=True, workers=2)
+        quiet_build(odd_tree.root, dst, checks=Checks(strict=True), workers=2)
     assert not (dst / "manifest.json").exists()
     for open_it in (read_manifest, ShardReader, lambda d: verify(d, progress=False)):
         with pytest.raises(FormatError, match="manifest.json"):
@@ -150,7 +150,7 @@ def test_strict_fails_and_leaves_no_dataset(odd_tree, tmp_path):
 
 
 def test_strict_on_clean_input_builds(photo_src, tmp_path):
-    m = quiet_build(photo_src, tmp_path / "d", strict=True, shard_size=1 << 20).manifest
+    m = quiet_build(photo_src, tmp_path / "d", checks=Checks(strict=True), shard_size=1 << 20).manifest
     assert m["skipped"] == [] and m["options"]["strict"] is True
     assert verify(tmp_path / "d", progress=False).ok
 
@@ -162,7 +162,7 @@ def test_strict_after_finished_shards(photo_src, tmp_path):
     shutil.copytree(photo_src, src)
     (src / "class_03" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 broken")
     with pytest.raises(PackerError, match=r"strict: class_03/zz_broken\.jpg: truncated"):
-        quiet_build(src, tmp_path / "d", strict=True, shard_size=1 << 20)
+        quiet_build(src, tmp_path / "d", checks=Checks(strict=True), shard_size=1 << 20)
     assert list((tmp_path / "d").glob("shard-*.lmdb"))  # earlier shards were finished...
     with pytest.raises(FormatError, match="unfinished build"):  # ...but nothing reads as done
         ShardReader(tmp_path / "d")
@@ -185,7 +185,7 @@ def test_file_name_that_is_not_utf8_is_skipped_and_reported(photo_src, tmp_path)
     assert m["count"] == len(good) - 1
     json.loads((tmp_path / "d" / "manifest.json").read_text("utf-8"))
     with pytest.raises(PackerError, match=r"strict: c/caf\\xe9\.jpg: file name is not valid UTF-8"):
-        quiet_build(src, tmp_path / "e", strict=True)
+        quiet_build(src, tmp_path / "e", checks=Checks(strict=True))
 
 
 def test_all_images_bad_is_an_error_not_an_empty_dataset(tmp_path):

@@ -66,7 +66,7 @@ def test_build_errors(photo_src, built, tmp_path):
     assert res.stderr == f"Error: {dst} already holds a finished dataset; replace it with --overwrite\n"
     assert invoke("build", photo_src, tmp_path / "d", "--part", "4/4", code=1).stderr == \
         "Error: part 4/4: K must be in 0..N-1 (parts are numbered from 0)\n"
-    assert "Error: shard_size must be between 1 MiB and 64 GiB" in \
+    assert "Error: --shard-size must be between 1 MiB and 64 GiB" in \
         invoke("build", photo_src, tmp_path / "d", "--shard-size", "10K", code=1).stderr
     assert "'lots' is not a size (examples: 512M, 1G, 1073741824)" in \
         invoke("build", photo_src, tmp_path / "d", "--shard-size", "lots", code=2).stderr

@@ -142,7 +142,8 @@ def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path):
     left = {}
     for name, workers in (("local", 2), ("ray", "ray")):
         with pytest.raises(PackerError, match="strict: class_01/img_00080.jpg"):
-            build(ImageFolder(src), tmp_path / name, workers=workers, strict=True)
+            build(ImageFolder(src), tmp_path / name, workers=workers,
+                  checks=packer.Checks(strict=True))
         left[name] = {p.name: p.read_bytes() for p in (tmp_path / name).iterdir()}
     assert any(n.startswith("shard-") for n in left["local"])
     assert left["ray"] == left["local"]

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from helpers import packer_env
-from packer import PackedDataset
+from packer import Checks, PackedDataset
 from packer.demo.images import load_photos, make_image
 from packer.errors import FormatError, PackerError
 from packer.format.manifest import read_manifest
@@ -119,7 +119,7 @@ def test_bad_images_are_skipped_with_reasons(jpegs, tmp_path):
     assert ds.column("k").tolist() == [0, 4]
     assert verify(tmp_path / "d", progress=False).ok
     with pytest.raises(PackerError, match="strict: 00000001: truncated"):
-        quiet_write(tmp_path / "s", samples, strict=True)
+        quiet_write(tmp_path / "s", samples, checks=Checks(strict=True))
     assert_not_finished(tmp_path / "s")
     with pytest.raises(PackerError, match="all 2 images were skipped"):
         quiet_write(tmp_path / "e", [{"image": web_page}, {"image": truncated}])

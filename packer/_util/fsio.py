@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -205,3 +206,51 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     held = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+# -- reading input files: regular files only, with a size bound ---------------------------------
+
+NOT_REGULAR = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}
+
+
+class NotAFile(OSError):
+    """Why an input file was not read: not a regular file, or over its size limit (an
+    OSError, so callers reporting unreadable files report these too)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.strerror = reason
+
+
+def read_file(path: os.PathLike, limit: Optional[int] = None, limit_name: str = "the limit") -> bytes:
+    """The bytes of the regular file ``path`` (links followed), at most ``limit`` of them
+    (``limit_name`` says which, in the message).
+
+    Checked on the opened descriptor (``fstat``), so a name swapped after a check cannot
+    slip in a device: ``/dev/zero``, a FIFO or a socket never end, and a FIFO is opened with
+    ``O_NONBLOCK`` so that opening it never waits for a writer. Reads at most the size
+    ``fstat`` gave plus one byte (a file with more than that is refused, not read on). Raises
+    ``NotAFile`` saying why, or the ``OSError`` of the open or read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = NOT_REGULAR.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise NotAFile(f"{kind}, not a regular file: only regular files are read")
+        if limit is not None and st.st_size > limit:
+            raise NotAFile(f"{st.st_size:,} bytes, more than {limit_name} ({limit:,})")
+        chunks, left = [], st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 30))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise NotAFile("it holds more bytes than its size says (it is growing, or not a "
+                       "stored file, e.g. one in /proc)")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 import warnings
+from fractions import Fraction
 from pathlib import Path
 
 import click
@@ -19,19 +21,21 @@ SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1
               "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
 
+SIZE_TEXT = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)([A-Z]*)\Z")
+
+
 class Size(click.ParamType):
-    """A byte count such as ``512M``, ``1G`` or ``1073741824`` (units are powers of 1024)."""
+    """A byte count such as ``512M``, ``1.5G`` or ``1073741824`` (units are powers of 1024):
+    digits and a unit only, so ``inf``, ``nan``, ``1e400`` and ``-1G`` are usage errors."""
     name = "SIZE"
 
     def convert(self, value, param, ctx):
         if isinstance(value, int):
             return value
-        text = str(value).strip().upper().replace(" ", "")
-        num = text.rstrip("KMGTIB")
-        try:
-            return int(float(num) * SIZE_UNITS[text[len(num):]])
-        except (ValueError, KeyError):
+        found = SIZE_TEXT.match(str(value).strip().upper().replace(" ", ""))
+        if not found or found[2] not in SIZE_UNITS or len(found[1]) > 30:
             self.fail(f"{value!r} is not a size (examples: 512M, 1G, 1073741824)", param, ctx)
+        return int(Fraction(found[1]) * SIZE_UNITS[found[2]])
 
 
 def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command to resume."):

@@ -74,6 +74,12 @@ from .common import Size, library_errors, warnings_as_lines
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Skip images with more pixels than this (decompression bombs) "
                    "[default: PIL's limit, 89,478,485].")
+@click.option("--max-image-bytes", type=Size(), default="1G", show_default=True,
+              help="Skip image files larger than this (e.g. 2G); only regular files are read "
+                   "(a FIFO, a device or a link to one is skipped).")
+@click.option("--max-classes", type=click.IntRange(min=1), default=None,
+              help="With --list or --meta --label: the most classes integer labels may make "
+                   "(labels 0..N-1) [default: 1,000,000].")
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
 @click.option("--json", "as_json", is_flag=True,
@@ -82,7 +88,8 @@ from .common import Size, library_errors, warnings_as_lines
 @library_errors
 def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, label_column,
           allow_empty, extensions, shard_size, workers, on_ray, max_side, short_side, quality,
-          shuffle, seed, part, strict, max_pixels, overwrite, quiet, as_json):
+          shuffle, seed, part, strict, max_pixels, max_image_bytes, max_classes, overwrite,
+          quiet, as_json):
     """Pack the image folder SRC into LMDB shards in DST.
 
     SRC is laid out as torchvision's ImageFolder expects (SRC/CLASS/.../IMAGE): classes are
@@ -107,12 +114,12 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     re-run the same command to resume after the last finished shard.
     """
     from ..writing.builder import build as run_build
-    from ..writing.check import DEFAULT_MAX_PIXELS, Transcode
+    from ..writing.check import DEFAULT_MAX_PIXELS, Checks, Transcode
     if on_ray and workers is not None:
         raise click.UsageError("--ray and --workers exclude each other (Ray runs a task per "
                                "cluster CPU)")
     source = build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
-                          label_column, allow_empty, extensions)
+                          label_column, allow_empty, extensions, max_classes)
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
@@ -120,9 +127,10 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
         result = run_build(source, dst, shard_size=shard_size,
                            workers="ray" if on_ray else workers,
                            transcode=transcode, shuffle=shuffle, seed=seed, part=part,
-                           strict=strict, overwrite=overwrite,
-                           max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
-                           progress=not (quiet or as_json))
+                           checks=Checks(strict=strict,
+                                         max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                                         max_image_bytes=max_image_bytes),
+                           overwrite=overwrite, progress=not (quiet or as_json))
     if as_json:
         m = result.manifest
         click.echo(json_text({
@@ -153,6 +161,8 @@ FLAG_WORDS = [(r"ImageFolder\(root, allow_empty=True\)", "--allow-empty"),
               (r"ImageFolder\(root\): ", "source folder "),
               (r"pack a FileList:", "pass --list FILE with"),
               (r"overwrite=True", "--overwrite"),
+              (r"\b(shard_size|max_image_bytes|max_classes)\b",
+               lambda m: "--" + m[1].replace("_", "-")),
               (r"Coco\(images, annotations, skip_empty=True\)", "--skip-empty"),
               (r"Coco\(images, annotations\): annotations ", "--coco "),
               (r"Yolo\(images, labels, names\): labels ", "--yolo "),
@@ -178,7 +188,7 @@ def flag_words():
 
 
 def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
-                 label_column, allow_empty, extensions):
+                 label_column, allow_empty, extensions, max_classes=None):
     """The ``packer.sources`` object the build's flags name (an ImageFolder when none)."""
     from ..errors import PackerError
     from ..sources import Coco, FileList, ImageFolder, Table, Yolo
@@ -194,14 +204,17 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta
         raise PackerError("--label COLUMN picks a column of --meta FILE; pass --meta too")
     if skip_empty and coco is None:
         raise PackerError("--skip-empty applies to --coco datasets (images with no annotation)")
+    if max_classes is not None and list_file is None and label_column is None:
+        raise PackerError("--max-classes bounds the integer labels of --list or --meta --label")
+    limit = {} if max_classes is None else {"max_classes": max_classes}
     if list_file is not None:
-        return FileList(list_file, root=src)
+        return FileList(list_file, root=src, **limit)
     if coco is not None:
         return Coco(src, coco, skip_empty=skip_empty)
     if yolo is not None:
         return Yolo(src, yolo, names, rules=yolo_rules or "ultralytics")
     if meta is not None:
-        return Table(src, meta, label=label_column)
+        return Table(src, meta, label=label_column, **limit)
     exts = extensions and [e.strip() for e in extensions.split(",") if e.strip()]
     return ImageFolder(src, extensions=exts or None, allow_empty=allow_empty)
 
@@ -245,16 +258,23 @@ def info(dst, as_json):
 @click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
 @click.option("--quick", is_flag=True, help="Check structure, checksums and labels only: records are "
                                             "not read, decoded or compared with labels.i32.")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
+              help="Report images with more pixels than this; the dataset's own build limit "
+                   "is not used (a stranger's manifest could name any) [default: PIL's "
+                   "limit, 89,478,485].")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True,
               help="No progress bars; print one JSON object (path, ok, checked_shards, "
                    "checked_records, problems, skipped_checks); exit 1 when not ok.")
 @library_errors
-def verify(dst, quick, quiet, as_json):
+def verify(dst, quick, max_pixels, quiet, as_json):
     """Check dataset DST: shard checksums and structure, labels, then every record (fields,
-    checksum, decodes within the pixel limit, label). Exits 1 listing what is wrong."""
+    checksum, decodes within --max-pixels with the size its record says, label). Exits 1
+    listing what is wrong."""
     from ..info import verify as run_verify
-    rep = run_verify(dst, quick=quick, progress=not (quiet or as_json))
+    from ..format.images import DEFAULT_MAX_PIXELS
+    rep = run_verify(dst, quick=quick, progress=not (quiet or as_json),
+                     max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
     if as_json:
         click.echo(json_text({"path": str(dst), "ok": rep.ok, "checked_shards": rep.checked_shards,
                               "checked_records": rep.checked_records, "problems": rep.problems,

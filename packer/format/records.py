@@ -78,7 +78,9 @@ def record_bytes(image: bytes, *, path: str, width: int, height: int, format: st
 
 def unpack_record(data: bytes) -> Dict[str, Any]:
     """A record's fields. Plain msgpack only: str as UTF-8, and extension types (which a
-    format could hook to objects or code) refused, so a stranger's shard stays data."""
+    format could hook to objects or code) refused, so a stranger's shard stays data. The
+    record's own keys (``RECORD_TYPES``) are checked here, once for every reader; its
+    schema's fields are checked by what reads them (``record_problem``, the targets)."""
     try:
         rec = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
     except (ValueError, msgpack.UnpackException) as e:  # truncated, nested too deep, odd keys
@@ -86,6 +88,9 @@ def unpack_record(data: bytes) -> Dict[str, Any]:
                           f"damaged or foreign shard") from None
     if not isinstance(rec, dict) or "image" not in rec:
         raise FormatError("record is not a packer record (no 'image' field)")
+    problem = record_problem(rec, ())
+    if problem:
+        raise FormatError(f"record is not a packer record: {problem}")
     return rec
 
 
@@ -99,6 +104,8 @@ def record_problem(rec: Dict[str, Any], fields: Sequence[Field] = (IntField("lab
     names and types), or ""."""
     for name, kind in RECORD_TYPES.items():
         value = rec.get(name)
+        if name not in rec:
+            return f"field {name!r} is missing"
         if not isinstance(value, kind) or kind is int and isinstance(value, bool):
             return f"field {name!r} is {type(value).__name__}, not {kind.__name__}"
     for f in fields:

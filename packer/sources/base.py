@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PackerError
+from .._util.fsio import read_file
 from .._util.text import is_utf8, printable
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively as there.
@@ -22,12 +23,32 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 PLAIN_PATH = re.compile(r"(?:[\w-][\w.-]*/)*[\w-][\w.-]*\Z", re.ASCII)
 
 
+# Integer class labels make classes "0".."max": one label of 10**11 in a stranger's list
+# would make a list of that many names. Sources with integer labels stop above this.
+DEFAULT_MAX_CLASSES = 1_000_000
+INT32_MAX = 2 ** 31 - 1  # labels.i32 holds 32-bit labels
+
+
+def numbered_classes(top: int, where: str, max_classes: int) -> List[str]:
+    """Class names "0".."``top``" for integer labels up to ``top``, at most ``max_classes`` of
+    them; else a PackerError naming ``where`` (the file and line) and the limit."""
+    if top > INT32_MAX:
+        raise PackerError(f"{where}: label {top} is beyond the 32-bit labels a dataset stores "
+                          f"(at most {INT32_MAX:,})")
+    if top >= max_classes:
+        raise PackerError(f"{where}: label {top} would make {top + 1:,} classes (0..{top}), more "
+                          f"than max_classes ({max_classes:,}); if the labels are right, raise "
+                          f"max_classes")
+    return [str(i) for i in range(top + 1)]
+
+
 class EmptyClassWarning(UserWarning):
     """A class folder holds no image: it keeps its label (as in ImageFolder) but has no samples."""
 
 
 class SymlinkLoopWarning(UserWarning):
-    """A folder links back to one of its ancestors; walking it would never end."""
+    """A symlink leads to a folder already walked (an ancestor: a loop; or a folder reached
+    by another path); it is skipped."""
 
 
 @dataclass(frozen=True)
@@ -97,21 +118,44 @@ def is_image_file(name: str) -> bool:
 
 
 def walk(top: Path):
-    """``os.walk(top, followlinks=True)`` (ImageFolder's walk), minus symlink loops.
+    """``os.walk(top, followlinks=True)`` (ImageFolder's walk), each real folder once.
 
-    A link back to a folder's own ancestor would make os.walk descend until paths grow too
-    long, packing the same images hundreds of times; such links are skipped with a warning.
+    Links are followed, as torchvision's ImageFolder does, but a folder already reached
+    (the same ``(st_dev, st_ino)``) is not walked again: a link back to an ancestor would
+    make os.walk descend until paths grow too long, and links that branch (each level two
+    links to the next) multiply paths exponentially. Such links are skipped with a
+    warning. Folders are walked in sorted order, so which name of a folder reached twice
+    is kept does not depend on the filesystem's order: the one its parent lists first, the
+    shallower before the deeper. Files are not deduplicated: a file under two names is
+    two samples, as in ImageFolder.
     """
+    seen = {_identity(top)}
     for dirpath, dirnames, fnames in os.walk(top, followlinks=True):
-        here = os.path.realpath(dirpath)
+        dirnames.sort()
         for d in list(dirnames):
-            there = os.path.realpath(os.path.join(dirpath, d))
-            if here == there or here.startswith(there.rstrip(os.sep) + os.sep):
+            path = os.path.join(dirpath, d)
+            key = _identity(path)
+            if key in seen:
                 dirnames.remove(d)
-                warnings.warn(f"skipping {printable(os.path.join(dirpath, d))}: a symlink back "
-                              f"to its own ancestor {printable(there)} (a loop)",
+                warnings.warn(f"skipping {printable(path)}: {_again(dirpath, path)}",
                               SymlinkLoopWarning, stacklevel=3)
+            seen.add(key)
         yield dirpath, dirnames, fnames
+
+
+def _again(dirpath: str, path: str) -> str:
+    here, there = os.path.realpath(dirpath), os.path.realpath(path)
+    if here == there or here.startswith(there.rstrip(os.sep) + os.sep):
+        return f"a symlink back to its own ancestor {printable(there)} (a loop)"
+    return f"the folder {printable(there)} again, through a symlink (each folder is walked once)"
+
+
+def _identity(path) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:  # gone meanwhile, or a dangling link: os.walk skips what it cannot list
+        return ("missing", os.fspath(path))
+    return st.st_dev, st.st_ino
 
 
 def show(text: Any) -> str:
@@ -128,8 +172,10 @@ def read_text(path: Path, what: str) -> str:
 
 
 def read_data(path: Path, what: str) -> bytes:
+    """The bytes of the regular file ``path`` (never a FIFO, a device or a link to one: they
+    may never end), or a PackerError naming ``what`` it is."""
     try:
-        return path.read_bytes()
+        return read_file(path)
     except FileNotFoundError:
         raise PackerError(f"{what} {path} does not exist") from None
     except OSError as e:

@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PackerError
 from .._util.text import is_utf8, printable
-from .base import IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source, read_data, walk
+from .base import (DEFAULT_MAX_CLASSES, IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source,
+                   numbered_classes, read_data, walk)
 
 
 class ImageFolder(Source):
@@ -53,15 +54,18 @@ class ImageFolder(Source):
 
 class FileList(Source):
     """The images ``list_file`` lists, one ``relative/path<TAB>label`` line each (``#``
-    comments and blank lines skipped); labels are all integers (classes "0".."max") or all
-    class names (sorted). Paths are relative to ``root`` (default: the list's folder)."""
+    comments and blank lines skipped); labels are all integers (classes "0".."max", at most
+    ``max_classes`` of them) or all class names (sorted). Paths are relative to ``root``
+    (default: the list's folder)."""
 
-    def __init__(self, list_file: os.PathLike, root: Optional[os.PathLike] = None):
+    def __init__(self, list_file: os.PathLike, root: Optional[os.PathLike] = None, *,
+                 max_classes: int = DEFAULT_MAX_CLASSES):
         self.list_file = Path(list_file)
         self.root = Path(root) if root is not None else self.list_file.parent
+        self.max_classes = max_classes
 
     def read(self) -> ImageList:
-        return read_list(self.root, self.list_file)
+        return read_list(self.root, self.list_file, max_classes=self.max_classes)
 
     def options(self) -> Dict[str, Any]:
         return {"list": str(self.list_file)}
@@ -125,13 +129,14 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
     return ImageList(root, classes, entries)
 
 
-def read_list(root: os.PathLike, list_file: os.PathLike) -> ImageList:
+def read_list(root: os.PathLike, list_file: os.PathLike, *,
+              max_classes: int = DEFAULT_MAX_CLASSES) -> ImageList:
     """``relative/path<TAB>label`` lines; labels are all integers or all class names."""
     root = Path(root)
     if not root.is_dir():
         raise PackerError(f"FileList(list_file, root): root {root} does not exist or is not a "
                           f"folder (list_file's paths are relative to it)")
-    rows: List[Tuple[str, str]] = []
+    rows: List[Tuple[str, str, int]] = []
     try:
         text = read_data(Path(list_file), "list_file").decode("utf-8")
         text = text.replace("\r\n", "\n").replace("\r", "\n")  # as universal newlines read
@@ -148,19 +153,20 @@ def read_list(root: os.PathLike, list_file: os.PathLike) -> ImageList:
         if os.path.isabs(rel) or ".." in Path(rel).parts:
             raise PackerError(f"{list_file}:{n}: path {rel!r} must be relative to {root} "
                               f"and stay inside it")
-        rows.append((Path(rel).as_posix(), parts[1].strip()))
+        rows.append((Path(rel).as_posix(), parts[1].strip(), n))
     if not rows:
         raise PackerError(f"{list_file} lists no images")
-    labels = [lab for _, lab in rows]
+    labels = [lab for _, lab, _ in rows]
     if all(_is_int(lab) for lab in labels):
         ints = [int(lab) for lab in labels]
         if min(ints) < 0:
             raise PackerError(f"{list_file}: labels must be >= 0")
-        classes = [str(i) for i in range(max(ints) + 1)]
-        return ImageList(root, classes, [(p, i) for (p, _), i in zip(rows, ints)])
+        top = max(range(len(ints)), key=ints.__getitem__)
+        classes = numbered_classes(ints[top], f"{list_file}:{rows[top][2]}", max_classes)
+        return ImageList(root, classes, [(p, i) for (p, _, _), i in zip(rows, ints)])
     classes = sorted(set(labels))
     idx = {c: i for i, c in enumerate(classes)}
-    return ImageList(root, classes, [(p, idx[lab]) for p, lab in rows])
+    return ImageList(root, classes, [(p, idx[lab]) for p, lab, _ in rows])
 
 
 def _is_int(s: str) -> bool:

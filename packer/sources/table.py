@@ -26,7 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
 from .._util.text import is_utf8
-from .base import Annotations, ImageList, Source, image_root, read_text, relative_path, show
+from .base import (DEFAULT_MAX_CLASSES, Annotations, ImageList, Source, image_root,
+                   numbered_classes, read_text, relative_path, show)
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 # Names the record itself uses (or the class label): a column may not shadow them.
@@ -53,22 +54,25 @@ class Table(Source):
 
     ``label=COLUMN`` makes that column the class label (str: classes are its sorted distinct
     values; int: classes "0".."max", none negative); it is then not a field, so its name may
-    be one the record reserves (``label``). Images ``images`` holds but the table does not
-    list are not packed; listed ones are not looked at here (the builder skips missing files).
+    be one the record reserves (``label``); int labels make at most ``max_classes`` classes.
+    Images ``images`` holds but the table does not list are not packed; listed ones are not
+    looked at here (the builder skips missing files).
     """
 
-    def __init__(self, images: os.PathLike, table: os.PathLike, label: Optional[str] = None):
+    def __init__(self, images: os.PathLike, table: os.PathLike, label: Optional[str] = None, *,
+                 max_classes: int = DEFAULT_MAX_CLASSES):
         self.root, self.table, self.label = Path(images), Path(table), label
+        self.max_classes = max_classes
 
     def read(self) -> ImageList:
-        return read_meta(self.root, self.table, label=self.label)
+        return read_meta(self.root, self.table, label=self.label, max_classes=self.max_classes)
 
     def options(self) -> Dict[str, Any]:
         return {"meta": str(self.table), **({"label": self.label} if self.label else {})}
 
 
-def read_meta(images: os.PathLike, meta_file: os.PathLike, *,
-              label: Optional[str] = None) -> ImageList:
+def read_meta(images: os.PathLike, meta_file: os.PathLike, *, label: Optional[str] = None,
+              max_classes: int = DEFAULT_MAX_CLASSES) -> ImageList:
     """``Table(images, meta_file, label).read()``."""
     root = image_root(images, "Table(images, table, label)")
     file = Path(meta_file)
@@ -87,7 +91,7 @@ def read_meta(images: os.PathLike, meta_file: os.PathLike, *,
     types = {c: column_type(file, records, c) for c in columns}
     labels, classes = [-1] * len(records), []
     if label is not None:
-        labels, classes = label_column(file, records, label, types.pop(label))
+        labels, classes = label_column(file, records, label, types.pop(label), max_classes)
     schema = [field_schema(c, t, records) for c, t in types.items()]
     rows = [{c: as_type(rec[c], types[c]) for c in types} for _, rec in records]
     ann = Annotations(schema=schema, rows=rows, fit=fit_identity, task="generic")
@@ -312,7 +316,8 @@ def field_schema(column: str, t: str, records) -> Dict[str, Any]:
             "float32", "shape": [n if n > 0 else -1]}
 
 
-def label_column(file: Path, records, column: str, t: str) -> Tuple[List[int], List[str]]:
+def label_column(file: Path, records, column: str, t: str,
+                 max_classes: int = DEFAULT_MAX_CLASSES) -> Tuple[List[int], List[str]]:
     """Entry labels and class names from the ``label`` column (then not a field)."""
     values = [rec.pop(column) for _, rec in records]
     if t == "str":
@@ -328,6 +333,8 @@ def label_column(file: Path, records, column: str, t: str) -> Tuple[List[int], L
             if v < 0:
                 raise PackerError(f"{file}:{n}: the label column {column!r} holds {v}; class "
                                   f"indices must be >= 0")
-        return values, [str(i) for i in range(max(values) + 1)]
+        top = max(range(len(values)), key=values.__getitem__)
+        where = f"{file}:{records[top][0]}: the label column {column!r}"
+        return values, numbered_classes(values[top], where, max_classes)
     raise PackerError(f"Table(images, table, label={column!r}): the column holds {t} values; a "
                       f"class label must be a class name (text) or a class index (int)")

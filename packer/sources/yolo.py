@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import yaml
 
 from ..errors import PackerError
+from .._util.fsio import read_file
 from .._util.text import is_utf8
 from .base import IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, is_image_file, read_data, show, utf8_text, walk_files
 from .coco import coco_schema
@@ -155,7 +156,7 @@ def parse_label_file(path: Path, shown: str, nclasses: int, rules: str = "ultral
     """``(boxes cxcywh, class ids, reasons for dropped lines)``, or why the image cannot be
     packed (the file is unreadable; by ultralytics' rules, any line is invalid)."""
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        text = read_file(path).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         return (f"{shown} is not UTF-8 text ({e.reason} at byte {e.start}): its objects are "
                 f"unknown, so the image is not packed; save the file as UTF-8")

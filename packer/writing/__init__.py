@@ -5,9 +5,9 @@ does the same for samples from Python, ``merger`` joins parts."""
 from .._util.lazy import lazy_names
 
 _WHERE = {".builder": ["BuildResult", "build"],
-          ".check": ["Transcode"],
+          ".check": ["Checks", "Transcode"],
           ".merger": ["merge"],
           ".python": ["DatasetWriter", "write"]}
-__all__ = ["BuildResult", "DatasetWriter", "Transcode", "build", "merge", "write"]
+__all__ = ["BuildResult", "Checks", "DatasetWriter", "Transcode", "build", "merge", "write"]
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE, globals())

@@ -24,11 +24,12 @@ from tqdm.auto import tqdm
 from . import journal
 from .._util.fsio import FolderLock, remove_own
 from .._util.system import human_size, usable_cores
-from .check import DEFAULT_MAX_PIXELS, Transcode
+from .check import Checks, Transcode, as_checks
 from ..errors import PackerError
 from ..format.manifest import LABEL_FIELD, MANIFEST, classes_text, read_manifest, shard_number
 from .packing import Packing
-from .worker import FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker, plan_shards, write_shard
+from .worker import (FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker,
+                     plan_shards, write_shard)
 from ..sources.base import ImageList, Source, parse_part, select
 from ..sources.folder import ImageFolder
 
@@ -59,8 +60,8 @@ class BuildResult:
 def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
           shard_size: int = DEFAULT_SHARD_SIZE, workers: Union[int, str, Any] = None,
           transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
-          part: Optional[str] = None, strict: bool = False, overwrite: bool = False,
-          max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True) -> BuildResult:
+          part: Optional[str] = None, checks: Checks = Checks(), overwrite: bool = False,
+          progress: bool = True) -> BuildResult:
     """Pack ``source`` into shards in ``dst``: a folder path (an ImageFolder), or a source
     object from ``packer.sources`` (``ImageFolder``, ``FileList``, ``Coco``, ``Yolo``,
     ``Table``, or your own with their protocol).
@@ -70,21 +71,23 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
     ``"ray"`` (tasks on a Ray cluster: ``packer.writing.ray_engine``) or an engine object
     (``RayEngine(...)``; see ``as_engine``), the same dataset whichever; ``transcode``:
     smaller JPEGs; ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"``, this
-    build's share (join the parts with ``merge``); ``strict``: fail on the first bad image or
-    annotation; ``overwrite``: replace a finished dataset in ``dst``; ``max_pixels``: skip
-    larger images."""
+    build's share (join the parts with ``merge``); ``checks``: what is refused
+    (``Checks(strict=, max_pixels=, max_image_bytes=)``: fail on the first bad image, skip
+    larger images and files; only regular files are read); ``overwrite``: replace a finished
+    dataset in ``dst``."""
     journal.check_dst(dst)  # before anything is written: packer writes only where asked
     t0 = time.perf_counter()
     source, dst = as_source(source), Path(dst)
     workers = usable_cores() if workers is None else as_engine(workers)
-    _check_arguments(shard_size, workers, max_pixels)
+    checks = as_checks(checks)
+    _check_arguments(shard_size, workers)
     chosen = parse_part(part)
     source.check_destination(dst)
     # the source's options after the build's own; "list" always there, as it always was
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
-               "shuffle": shuffle, "seed": seed, "part": part, "strict": strict,
-               "max_pixels": max_pixels, "list": None, **source.options()}
-    run = _Run(dst, options, workers, transcode, chosen, overwrite, progress)
+               "shuffle": shuffle, "seed": seed, "part": part, **checks.options(), "list": None,
+               **source.options()}
+    run = _Run(dst, options, workers, transcode, checks, chosen, overwrite, progress)
     manifest, resumed = run.pack(source.read())
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
 
@@ -125,6 +128,7 @@ class _Run:
     options: dict
     workers: Union[int, Any]  # a process count or an engine (``as_engine``)
     transcode: Optional[Transcode]
+    checks: Checks
     part: Optional[tuple]
     overwrite: bool
     progress: bool
@@ -152,7 +156,7 @@ class _Run:
             _drop_unusable(run, source)
             try:
                 job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names),
-                               self.transcode, o["max_pixels"], o["strict"])
+                               self.transcode, self.checks)
                 _pack(source, run, job, self.workers, bar)
             except BaseException:
                 run.abort()
@@ -229,12 +233,10 @@ def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardT
             for j, (a, e, n) in enumerate(rest)]
 
 
-def _check_arguments(shard_size: int, workers, max_pixels: int) -> None:
+def _check_arguments(shard_size: int, workers) -> None:
     if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
         raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}: "
                           f"shards are mapped whole into each reader's address space")
-    if max_pixels < 1:
-        raise PackerError(f"max_pixels must be a positive pixel count, got {max_pixels}")
     if isinstance(workers, int) and workers < 0:
         raise PackerError("workers must be >= 0 (0 checks images in this process)")
 

@@ -44,6 +44,45 @@ class Transcode:
         return max(1, round(w * scale)), max(1, round(h * scale))
 
 
+# The largest image file a build reads: every image within the default max_pixels fits,
+# uncompressed, at up to 12 bytes a pixel; it bounds what one worker holds at once.
+DEFAULT_MAX_IMAGE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What a build or write refuses, set by whoever runs it, never by the data: ``strict``
+    fails on the first bad image or unusable annotation (else they are skipped and listed);
+    ``max_pixels`` skips images with more pixels (decompression bombs; PIL's limit by
+    default); ``max_image_bytes`` skips image files larger than this (1 GiB by default).
+    Only regular files are read as images, whatever the limits."""
+    strict: bool = False
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+
+    def __post_init__(self):
+        if not isinstance(self.strict, bool):
+            raise PackerError(f"Checks(strict): True or False, got {self.strict!r}")
+        for name, unit in (("max_pixels", "pixel"), ("max_image_bytes", "byte")):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PackerError(f"{name} must be a positive {unit} count, got {v!r}")
+
+    def options(self) -> dict:
+        """The manifest's record of them (its keys as before: strict, max_pixels, plus
+        max_image_bytes)."""
+        return {"strict": self.strict, "max_pixels": self.max_pixels,
+                "max_image_bytes": self.max_image_bytes}
+
+
+def as_checks(checks) -> "Checks":
+    """``checks`` itself, or a PackerError saying what ``checks=`` takes."""
+    if not isinstance(checks, Checks):
+        raise PackerError(f"checks must be packer.Checks(strict=..., max_pixels=..., "
+                          f"max_image_bytes=...), got {type(checks).__name__}")
+    return checks
+
+
 @dataclass
 class Checked:
     """A validated image, ready to store."""

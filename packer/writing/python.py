@@ -23,14 +23,16 @@ import msgpack
 from tqdm.auto import tqdm
 
 from . import journal
-from .._util.fsio import FolderLock
+from .._util.fsio import FolderLock, read_file
 from .._util.system import usable_cores
 from .builder import DEFAULT_SHARD_SIZE, MAX_SHARD_SIZE, BuildResult
-from .check import DEFAULT_MAX_PIXELS, BadImage, Transcode, check_image
+from .check import (DEFAULT_MAX_IMAGE_BYTES, BadImage, Checks, Transcode,
+                    as_checks, check_image)
 from ..errors import PackerError
 from ..format.fields import Field, check_schema, detection_problem, encode, infer_field
 from ..format.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from .packing import Packing
+from ..sources.base import DEFAULT_MAX_CLASSES
 
 TASKS = ("classification", "detection", "generic")
 
@@ -39,16 +41,16 @@ def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
           schema: Optional[Sequence[dict]] = None, classes: Optional[Sequence[str]] = None,
           task: Optional[str] = None, shard_size: int = DEFAULT_SHARD_SIZE,
           workers: Optional[int] = None, transcode: Optional[Transcode] = None,
-          max_pixels: int = DEFAULT_MAX_PIXELS, strict: bool = False, overwrite: bool = False,
-          progress: bool = True, total: Optional[int] = None) -> BuildResult:
+          checks: Checks = Checks(), overwrite: bool = False, progress: bool = True,
+          total: Optional[int] = None) -> BuildResult:
     """Pack ``samples`` into a dataset in ``dst`` (what ``litdata.optimize`` and
     ``MDSWriter`` do, with packer's checks and crash safety); see :class:`DatasetWriter`."""
     t0 = time.perf_counter()
     if total is None and hasattr(samples, "__len__"):
         total = len(samples)  # type: ignore[arg-type]
     with DatasetWriter(dst, schema=schema, classes=classes, task=task, shard_size=shard_size,
-                       workers=workers, transcode=transcode, max_pixels=max_pixels,
-                       strict=strict, overwrite=overwrite) as w:
+                       workers=workers, transcode=transcode, checks=checks,
+                       overwrite=overwrite) as w:
         with tqdm(total=total, unit="img", disable=not progress, desc=f"writing {Path(dst).name}",
                   dynamic_ncols=True) as bar:
             for sample in samples:
@@ -75,15 +77,16 @@ class DatasetWriter:
         task: "classification", "detection" (needs ``boxes`` float [-1, 4] XYXY pixels and
             ``labels``, ``image_id``) or "generic"; default from the fields.
         workers: threads checking images (PIL decodes without the GIL); default: the cores.
-        transcode / max_pixels / strict / shard_size: as for ``packer build``. PIL images
-            are stored as PNG (lossless) unless ``transcode`` makes them JPEG.
+        transcode / checks / shard_size: as for ``packer.build``. PIL images are stored as
+            PNG (lossless) unless ``transcode`` makes them JPEG. An image given as a path
+            must be a regular file of at most ``checks.max_image_bytes``, else a PackerError.
     """
 
     def __init__(self, dst: os.PathLike, *, schema: Optional[Sequence[dict]] = None,
                  classes: Optional[Sequence[str]] = None, task: Optional[str] = None,
                  shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
-                 transcode: Optional[Transcode] = None, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 strict: bool = False, overwrite: bool = False):
+                 transcode: Optional[Transcode] = None, checks: Checks = Checks(),
+                 overwrite: bool = False):
         journal.check_dst(dst)  # before anything is written: packer writes only where asked
         if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
             raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}")
@@ -92,10 +95,10 @@ class DatasetWriter:
         self.dst = Path(dst)
         self.schema = check_schema(list(schema), "schema") if schema is not None else None
         self.classes, self.task = list(classes) if classes is not None else None, task
-        self.options = {"shard_size": shard_size, "max_pixels": max_pixels, "strict": strict,
+        self.checks = as_checks(checks)
+        self.options = {"shard_size": shard_size, **self.checks.options(),
                         "transcode": asdict(transcode) if transcode else None, "writer": True}
-        self.transcode, self.max_pixels, self.strict = transcode, max_pixels, strict
-        self.overwrite = overwrite
+        self.transcode, self.overwrite = transcode, overwrite
         threads = usable_cores() if workers is None else max(1, workers)
         self.pool = ThreadPoolExecutor(threads)
         self.window = 4 * threads  # samples checked ahead of the one stored next
@@ -132,7 +135,7 @@ class DatasetWriter:
             state = journal.load(self.dst, self.fingerprint)
         self.replay = state["next_entry"]  # samples the interrupted run packed
         self.want_digest = state["shards"][-1].get("input_digest") if state["shards"] else None
-        self.run = Packing(self.dst, self.fingerprint, state, strict=self.strict,
+        self.run = Packing(self.dst, self.fingerprint, state, strict=self.checks.strict,
                            shard_size=self.options["shard_size"],
                            schema={"task": self.task, "fields": specs})
         self.run.shard_note = lambda: {"input_digest": self.digest.hexdigest()}
@@ -147,9 +150,14 @@ class DatasetWriter:
             self._open(sample)
         i = self.entry
         self.entry += 1
-        data, path = image_bytes(sample["image"], i)
+        data, path = image_bytes(sample["image"], i, self.checks.max_image_bytes)
         path = str(sample.get("path", path))
         values = {k: v for k, v in sample.items() if k not in ("image", "path")}
+        label = values.get("label")
+        if self.classes is None and isinstance(label, int) and label >= DEFAULT_MAX_CLASSES:
+            raise PackerError(f"sample {i}: label {label} would make {label + 1:,} classes "
+                              f"(0..{label}); name them with classes=[...] (without it, labels "
+                              f"must stay below {DEFAULT_MAX_CLASSES:,})")
         digest = sample_digest(data, self.schema, values, i, path)
         if i < self.replay:  # packed by the interrupted run: only checked to be the same
             self.digest.update(digest)
@@ -159,7 +167,8 @@ class DatasetWriter:
                     f"(its first {self.replay}); pass overwrite=True to start over, or the same "
                     f"samples in the same order to resume")
             return
-        check = self.pool.submit(check_sample, data, self.transcode, self.max_pixels)
+        check = self.pool.submit(check_sample, data, self.transcode,
+                                 self.checks.max_pixels)
         self.pending.append((i, path, values, digest, check))
         while self.pending and (len(self.pending) > self.window or self.pending[0][4].done()):
             self._store(*self.pending.popleft())
@@ -209,15 +218,14 @@ class DatasetWriter:
 
 # -- samples --------------------------------------------------------------------------------
 
-def image_bytes(image: Any, i: int):
-    """(stored bytes, default path) of a sample's image: bytes as given, a file's bytes, or
-    a PIL image encoded losslessly as PNG."""
+def image_bytes(image: Any, i: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
+    """(stored bytes, default path) of a sample's image: bytes as given, a regular file's
+    bytes (at most ``max_bytes``), or a PIL image encoded losslessly as PNG."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image), f"{i:08d}"
     if isinstance(image, (str, os.PathLike)):
         try:
-            with open(image, "rb") as f:
-                return f.read(), os.fspath(image)
+            return read_file(image, max_bytes, "max_image_bytes"), os.fspath(image)
         except OSError as e:
             raise PackerError(f"sample {i}: cannot read image {image}: {e.strerror or e}") from None
     if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from .._util.fsio import NotAFile, read_file
 from .._util.system import die_with_parent
-from .check import BadImage, Checked, Transcode, check_image
+from .check import BadImage, Checked, Checks, Transcode, check_image
 from ..format.fields import Field, encode
 from ..format.manifest import SHARD_PATTERN
 from ..format.records import pack_fields, record_bytes
@@ -116,8 +117,7 @@ class ShardJob:
     dst: Path
     fields: FieldMaker
     transcode: Optional[Transcode]
-    max_pixels: int
-    strict: bool
+    checks: Checks
     progress: object = None
     stop: object = None
 
@@ -142,13 +142,16 @@ def read_entry(job: ShardJob, i: int):
         return "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
                         "-t utf8 --notest SRC`)"), 0
     try:
-        with open(os.path.join(root, rel), "rb") as f:
-            data = f.read()
+        data = read_file(os.path.join(root, rel), job.checks.max_image_bytes,
+                         "max_image_bytes")
+    except NotAFile as e:
+        return "skip", str(e), 0
     except OSError as e:
         return "skip", f"unreadable: {e.strerror or e}", 0
     try:
-        return "ok", check_image(data, transcode=job.transcode, max_pixels=job.max_pixels,
-                                 orientation=job.fields.upright), len(data)
+        checked = check_image(data, transcode=job.transcode, max_pixels=job.checks.max_pixels,
+                              orientation=job.fields.upright)
+        return "ok", checked, len(data)
     except BadImage as e:
         return "skip", str(e), len(data)
 
@@ -191,7 +194,7 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
                 writer.append(record_bytes(data, path=entries[i][0], width=width,
                                            height=height, format=fmt, mode=mode, fields=packed))
                 done.samples.append((i, (width, height, columns), reasons))
-            if job.strict and reasons:
+            if job.checks.strict and reasons:
                 done.failed = True
                 break
             unreported = _report(job, unreported + 1)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import packer
-from helpers import packer_cmd, packer_env, release, wait_for_reader
+from helpers import gated_packer_cmd, packer_cmd, packer_env, release, wait_for_reader
 from packer import build, merge, stage, unstage, verify
 from packer.demo import make_image_folder
 from packer.errors import PackerError
@@ -83,7 +83,7 @@ def held_build(tmp_path):
     os.mkfifo(gate)
     dst = tmp_path / "dst"
     # --quality: a transcoding build reads each image once (one open of the FIFO).
-    proc = subprocess.Popen(packer_cmd("build", src, dst, "-q", "--shard-size", "1M", "--workers", "0",
+    proc = subprocess.Popen(gated_packer_cmd("build", src, dst, "-q", "--shard-size", "1M", "--workers", "0",
                                        "--quality", "95"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=packer_env())
     try:

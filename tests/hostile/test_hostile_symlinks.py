@@ -5,9 +5,9 @@ Someone who can write in a dataset folder (a shared DST, a node's /dev/shm) plan
 truncates or fills the victim. Each test plants real links, runs the real operation and
 checks that every victim keeps its bytes and that the dataset's own files are regular files.
 
-The build is held at a known point with a FIFO as its first image: the build blocks opening
-it (its lock held, its journal written) until the test has planted the links and writes the
-image into the FIFO, so the links are in place *during* the run, when packer writes the
+The build is held at a known point with a FIFO as its first image: the build (run through
+``helpers.gated_packer_cmd``, as packer itself skips FIFOs) blocks opening it (its lock held,
+its journal written) until the test has planted the links and writes the image into the FIFO, so the links are in place *during* the run, when packer writes the
 shard temp files, the journal and the tables, not only before it starts.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import packer
-from helpers import packer_cmd, packer_env, release, wait_for_reader
+from helpers import gated_packer_cmd, packer_cmd, packer_env, release, wait_for_reader
 from packer import PackedDataset, build, merge, stage, verify
 from packer.demo import make_image_folder
 from packer.errors import PackerError
@@ -86,8 +86,8 @@ def build_cmd(src: Path, dst: Path) -> list:
 
 
 def start_gated_build(src: Path, dst: Path) -> subprocess.Popen:
-    return subprocess.Popen(build_cmd(src, dst), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=packer_env())
+    return subprocess.Popen(gated_packer_cmd(*build_cmd(src, dst)[3:]), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=packer_env())
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from .errors import FormatError
 from .format.fields import ArrayField, DataField, field_of
@@ -18,11 +18,13 @@ from .format.lmdbfile import shard_records
 from ._util.text import printable
 
 
-def info(root: os.PathLike) -> dict:
-    """The ``info --json`` object: the manifest's facts, with shard paths as given there."""
-    m = read_manifest(root)
+def info(root: os.PathLike, storage_options: Optional[dict] = None) -> dict:
+    """The ``info --json`` object: the manifest's facts, with shard paths as given there.
+    ``root`` may be a URL (``s3://...``): only its manifest is read."""
+    from .storage.local import manifest, shown
+    m = manifest(root, storage_options)
     return {
-        "path": str(Path(root)), "format_version": m["format_version"],
+        "path": shown(root) if isinstance(root, str) else str(Path(root)), "format_version": m["format_version"],
         "packer_version": m.get("packer_version"), "created": m.get("created"),
         "count": m["count"], "bytes": m["bytes"], "classes": m["classes"],
         "class_counts": m.get("class_counts"),
@@ -125,7 +127,8 @@ class Report:
 QUICK_SKIPS = "records were not read, decoded or compared with labels.i32 (quick)"
 
 
-def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> Report:
+def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True,
+           storage_options: Optional[dict] = None, cache_dir: Optional[os.PathLike] = None) -> Report:
     """Check what training relies on, and report every problem found.
 
     Always: the manifest's fields (``read_manifest``), every shard's size, SHA-256 and LMDB
@@ -135,7 +138,13 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True) -> 
     the pixel limit the dataset was built with, and its label equals ``labels.i32``'s.
     A shard whose checksum is wrong still has its records checked, so the report names
     the damaged records; one that is missing, of the wrong size or malformed does not.
+    A URL's shards are first fetched into ``cache_dir`` (a temporary folder by default),
+    each refused unless its SHA-256 is the manifest's (``packer.storage.local_root``).
     """
+    from .storage.local import is_url, local_root
+    if is_url(root):
+        with local_root(root, storage_options, cache_dir) as local:
+            return verify(local, quick=quick, progress=progress)
     root = Path(root)
     m = read_manifest(root)
     rep = Report(skipped_checks=QUICK_SKIPS if quick else "")
@@ -252,29 +261,32 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
         reader.close()
 
 
-def ls(root: os.PathLike) -> Iterator[Tuple[int, int, str]]:
+def ls(root: os.PathLike, storage_options: Optional[dict] = None,
+       cache_dir: Optional[os.PathLike] = None) -> Iterator[Tuple[int, int, str]]:
     """(index, label, source path) of every record, in record order (label -1 in a dataset
-    without class labels)."""
-    reader = ShardReader(root)
-    try:
+    without class labels). A URL's shards are fetched into ``cache_dir`` (default: a
+    temporary folder) as they are reached."""
+    from .storage.local import opened_reader
+    with opened_reader(root, storage_options, cache_dir) as reader:
         for i in range(len(reader)):
             rec = reader.record(i)
             yield i, rec.get("label", -1), rec["path"]
-    finally:
-        reader.close()
 
 
-def ls_fields(root: os.PathLike) -> Iterator[dict]:
+def ls_fields(root: os.PathLike, storage_options: Optional[dict] = None,
+              cache_dir: Optional[os.PathLike] = None) -> Iterator[dict]:
     """Every record's fields, for a listing: scalars and text as they are, arrays as their
-    shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size."""
-    reader = ShardReader(root)
-    fields = [field_of(f) for f in dataset_schema(reader.manifest)["fields"]]
-    try:
+    shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size.
+    A URL as for ``ls``."""
+    from .storage.local import opened_reader, shown
+    with opened_reader(root, storage_options, cache_dir) as reader:
+        fields = [field_of(f) for f in dataset_schema(reader.manifest)["fields"]]
         for i in range(len(reader)):
             rec = reader.record(i)
             problem = record_problem(rec, fields)
             if problem:
-                raise FormatError(f"record {i} of {root}: {problem}; run `packer verify {root}`")
+                raise FormatError(f"record {i} of {shown(root)}: {problem}; run `packer verify "
+                                  f"{shown(root)}`")
             row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
             for f in fields:
                 v = rec.get(f.name)
@@ -284,14 +296,11 @@ def ls_fields(root: os.PathLike) -> Iterator[dict]:
                     v = f"<{type(v).__name__} of {len(v)}>" if isinstance(v, (list, dict)) else v
                 row[f.name] = v
             yield row
-    finally:
-        reader.close()
 
 
-def cat(root: os.PathLike, index: int) -> bytes:
-    """The stored image bytes of record ``index``."""
-    reader = ShardReader(root)
-    try:
+def cat(root: os.PathLike, index: int, storage_options: Optional[dict] = None,
+        cache_dir: Optional[os.PathLike] = None) -> bytes:
+    """The stored image bytes of record ``index`` (of a URL: only its shard is fetched)."""
+    from .storage.local import opened_reader
+    with opened_reader(root, storage_options, cache_dir) as reader:
         return reader.record(index)["image"]
-    finally:
-        reader.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from .._util.text import json_text, printable, terminal_text
-from .common import Size, library_errors, warnings_as_lines
+from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_lines
 
 @click.command()
 @click.argument("src", type=click.Path(file_okay=False, path_type=Path))
@@ -230,31 +230,37 @@ def merge(parts, dst, overwrite, as_json):
 
 
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (count, classes, shards, "
                                                       "bytes, skipped, format_version, ...).")
+@storage_flags
 @library_errors
-def info(dst, as_json):
+def info(dst, as_json, storage_options):
     """Summarize dataset DST: classes with counts, shards, sizes, build options, skipped files."""
     from ..info import format_info, info as get_info
-    i = get_info(dst)
+    i = get_info(dst, storage_options or None)
     click.echo(json_text(i) if as_json else format_info(i))
 
 
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.option("--quick", is_flag=True, help="Check structure, checksums and labels only: records are "
                                             "not read, decoded or compared with labels.i32.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True,
               help="No progress bars; print one JSON object (path, ok, checked_shards, "
                    "checked_records, problems, skipped_checks); exit 1 when not ok.")
+@storage_flags(cache=True)
 @library_errors
-def verify(dst, quick, quiet, as_json):
+def verify(dst, quick, quiet, as_json, storage_options, cache_dir):
     """Check dataset DST: shard checksums and structure, labels, then every record (fields,
-    checksum, decodes within the pixel limit, label). Exits 1 listing what is wrong."""
+    checksum, decodes within the pixel limit, label). Exits 1 listing what is wrong. A URL's
+    shards are fetched first, each checked against its SHA-256, then checked as a folder's."""
     from ..info import verify as run_verify
-    rep = run_verify(dst, quick=quick, progress=not (quiet or as_json))
+    from ..storage.local import shown
+    rep = run_verify(dst, quick=quick, progress=not (quiet or as_json),
+                     storage_options=storage_options or None, cache_dir=cache_dir)
+    dst = shown(dst)
     if as_json:
         click.echo(json_text({"path": str(dst), "ok": rep.ok, "checked_shards": rep.checked_shards,
                               "checked_records": rep.checked_records, "problems": rep.problems,
@@ -273,34 +279,37 @@ def verify(dst, quick, quiet, as_json):
 
 
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per line: index, path, width, height and every field "
                    "(arrays as their shape, e.g. boxes [3, 4]).")
+@storage_flags(cache=True)
 @library_errors
-def ls(dst, as_json):
+def ls(dst, as_json, storage_options, cache_dir):
     """List records of DST, one per line: INDEX<TAB>LABEL<TAB>PATH, in record order (LABEL
     -1 in datasets without class labels; --json shows every field)."""
     from ..info import ls as run_ls, ls_fields
+    where = (dst, storage_options or None, cache_dir)
     if as_json:
-        for row in ls_fields(dst):
+        for row in ls_fields(*where):
             sys.stdout.write(json_text(row, indent=None) + "\n")
         return
-    for i, label, path in run_ls(dst):
+    for i, label, path in run_ls(*where):
         sys.stdout.write(f"{i}\t{label}\t{printable(path)}\n")
 
 
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.argument("index", type=int)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the bytes to this file instead of stdout.")
+@storage_flags(cache=True)
 @library_errors
-def cat(dst, index, output):
+def cat(dst, index, output, storage_options, cache_dir):
     """Write the stored image bytes of record INDEX of DST (to stdout, or -o FILE)."""
     from ..info import cat as run_cat
     try:
-        data = run_cat(dst, index)
+        data = run_cat(dst, index, storage_options or None, cache_dir)
     except IndexError as e:
         raise click.ClickException(str(e)) from None
     if output:

@@ -13,7 +13,7 @@ from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_
 
 @click.command()
 @click.argument("src", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, path_type=Path))
 @click.option("--list", "list_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Take images from FILE's 'relative/path<TAB>label' lines (paths relative to SRC) "
                    "instead of SRC's class folders. Labels: all integers, or all class names.")
@@ -75,6 +75,7 @@ from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_
               help="Skip images with more pixels than this (decompression bombs) "
                    "[default: PIL's limit, 89,478,485].")
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
+@storage_flags
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
 @click.option("--json", "as_json", is_flag=True,
               help="No progress bar; print one JSON object (dst, count, bytes, shards, task, "
@@ -82,7 +83,7 @@ from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_
 @library_errors
 def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, label_column,
           allow_empty, extensions, shard_size, workers, on_ray, max_side, short_side, quality,
-          shuffle, seed, part, strict, max_pixels, overwrite, quiet, as_json):
+          shuffle, seed, part, strict, max_pixels, overwrite, storage_options, quiet, as_json):
     """Pack the image folder SRC into LMDB shards in DST.
 
     SRC is laid out as torchvision's ImageFolder expects (SRC/CLASS/.../IMAGE): classes are
@@ -105,6 +106,9 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
 
     An interrupted build (Ctrl-C, kill, power loss) leaves no dataset that readers accept;
     re-run the same command to resume after the last finished shard.
+
+    DST may be a URL (s3://bucket/ds): the build runs in a temporary folder and uploads each
+    shard as it finishes, the manifest last; a re-run resumes (docs/object_storage.md).
     """
     from ..writing.builder import build as run_build
     from ..writing.check import DEFAULT_MAX_PIXELS, Transcode
@@ -116,6 +120,9 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
+    if not isinstance(dst, Path):  # a URL
+        from ..storage.destination import Destination
+        dst = Destination(dst, storage_options)
     with warnings_as_lines(), flag_words():
         result = run_build(source, dst, shard_size=shard_size,
                            workers="ray" if on_ray else workers,

@@ -17,7 +17,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Deque, Iterator, List, Optional, Union
+from typing import Any, Callable, Deque, Iterator, List, Optional, Union
 
 from tqdm.auto import tqdm
 
@@ -31,6 +31,7 @@ from .packing import Packing
 from .worker import FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker, plan_shards, write_shard
 from ..sources.base import ImageList, Source, parse_part, select
 from ..sources.folder import ImageFolder
+from ..storage.destination import as_destination
 
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
@@ -66,9 +67,21 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
     smaller JPEGs; ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"``, this
     build's share (join the parts with ``merge``); ``strict``: fail on the first bad image or
     annotation; ``overwrite``: replace a finished dataset in ``dst``; ``max_pixels``: skip
-    larger images."""
-    journal.check_dst(dst)  # before anything is written: packer writes only where asked
+    larger images.
+
+    ``dst`` may be a URL (``s3://bucket/ds``: credentials and endpoint from the client's
+    environment) or a ``packer.storage.Destination`` (with ``storage_options`` and a
+    ``work_dir``): the build runs in a local work folder and each shard is uploaded as it
+    finishes, the manifest last (``packer.storage.destination``)."""
     t0 = time.perf_counter()
+    remote = as_destination(dst)
+    if remote is not None:
+        finished = remote.begin(overwrite)
+        if finished is not None:  # only the upload was left to do (or nothing at all)
+            remote.finish(finished)
+            return BuildResult(finished, time.perf_counter() - t0, len(finished["shards"]))
+        dst = remote.work
+    journal.check_dst(dst)  # before anything is written: packer writes only where asked
     source, dst = as_source(source), Path(dst)
     workers = usable_cores() if workers is None else as_engine(workers)
     _check_arguments(shard_size, workers, max_pixels)
@@ -78,8 +91,16 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, "strict": strict,
                "max_pixels": max_pixels, "list": None, **source.options()}
-    run = _Run(dst, options, workers, transcode, chosen, overwrite, progress)
-    manifest, resumed = run.pack(source.read())
+    run = _Run(dst, options, workers, transcode, chosen, overwrite, progress,
+               remote.shard_done if remote is not None else None)
+    try:
+        manifest, resumed = run.pack(source.read())
+    except BaseException:
+        if remote is not None:
+            remote.abort()  # the uploads running finish, so that their record is true
+        raise
+    if remote is not None:
+        remote.finish(manifest)
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
 
 
@@ -122,6 +143,7 @@ class _Run:
     part: Optional[tuple]
     overwrite: bool
     progress: bool
+    on_shard: Optional[Callable[[dict], None]] = None  # each shard once the journal lists it
 
     def pack(self, source: ImageList) -> tuple:
         """(manifest, shards resumed): ``source`` packed into ``dst``."""
@@ -147,7 +169,7 @@ class _Run:
             try:
                 job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names),
                                self.transcode, o["max_pixels"], o["strict"])
-                _pack(source, run, job, self.workers, bar)
+                _pack(source, run, job, self.workers, bar, self.on_shard)
             except BaseException:
                 run.abort()
                 raise
@@ -181,7 +203,7 @@ def source_schema(source: ImageList) -> dict:
     return {"task": task, "fields": fields + list(ann.schema)}
 
 
-def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar) -> None:
+def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard=None) -> None:
     """The planned shards, written by the workers, taken in plan order: each one's samples
     into the side tables and skip lists, then the shard into the journal. Shards after one
     that was cut short are not taken (a strict build's failure stopped them)."""
@@ -201,6 +223,8 @@ def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar) -> None:
                 run.add_row(kept[2], rel, kept[0], kept[1])
         done.taken = True  # from here the journal may list it: never removed as untaken
         run.add_shard(done.shard, done.task.end)
+        if on_shard is not None and done.shard is not None:
+            on_shard(done.shard)
         rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(run.skipped), refresh=False)
     if broken:

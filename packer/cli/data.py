@@ -215,20 +215,25 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta
 
 
 @click.command()
-@click.argument("parts", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True, path_type=Path))
-@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("parts", nargs=-1, required=True, type=PathOrURL(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, path_type=Path))
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
+@storage_flags
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (dst, parts, count, shards).")
 @library_errors
-def merge(parts, dst, overwrite, as_json):
+def merge(parts, dst, overwrite, storage_options, as_json):
     """Join datasets built with --part K/N into one dataset DST, without copying shards.
 
     DST's manifest refers to the parts' shard files by relative path: keep the parts where
-    they are, or `packer stage DST ...` to make a self-contained copy.
+    they are, or `packer stage DST ...` to make a self-contained copy. Parts and DST may be
+    URLs: the parts are fetched and checked first; a DST in the parts' bucket refers to
+    their shards there, any other DST gets a self-contained copy (docs/object_storage.md).
     """
+    from ..storage.local import shown
     from ..writing.merger import merge as run_merge
-    m = run_merge(list(parts), dst, overwrite=overwrite)
+    m = run_merge(list(parts), dst, overwrite=overwrite, storage_options=storage_options or None)
+    parts, dst = [shown(p) for p in parts], shown(dst)
     if as_json:
         click.echo(json_text({"dst": str(dst), "parts": [str(p) for p in parts],
                               "count": m["count"], "shards": len(m["shards"])}))

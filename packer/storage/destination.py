@@ -101,7 +101,8 @@ class Destination:
     def finish(self, manifest: dict) -> None:
         """After the build: wait for the shards, send what is not there yet, the manifest
         last; then remove a default work folder."""
-        files = [(s["path"], s["bytes"], s["sha256"]) for s in manifest["shards"]]
+        files = [(s["path"], s["bytes"], s["sha256"]) for s in manifest["shards"]
+                 if "/" not in s["path"]]  # the others are a merge's parts, there already
         files += [(e["path"], e["bytes"], e["sha256"]) for _, e, _ in side_tables(manifest)]
         try:
             for f in self._futures:

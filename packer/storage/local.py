@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 from .._util.fsio import write_json_atomic
+from ..errors import PackerError
 from ..format.manifest import MANIFEST, read_manifest
 from .urls import is_url, redact
 
@@ -81,3 +83,67 @@ def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
             list(pool.map(lambda k: cache.shard_path(k, pin=False), range(len(cache))))
         write_json_atomic(cache.root / MANIFEST, cache.manifest)
         yield cache.root
+
+
+def merge_parts(parts: Sequence[Any], dst: Any, storage_options: Optional[Dict[str, Any]] = None,
+                *, overwrite: bool = False) -> dict:
+    """``merge`` where a part or ``dst`` is a URL; returns the merged manifest.
+
+    Each URL part is staged (every file checked against its SHA-256) into a temporary
+    folder laid out as the store is, and the parts are merged there. A ``dst`` in the same
+    bucket as every part gets only the merged manifest and tables (manifest last): like a
+    local merge, it refers to the parts' shards where they are, so keep them. Any other
+    ``dst`` gets a self-contained copy (the merged dataset staged: into ``dst`` when local,
+    else into the temporary folder, then uploaded)."""
+    from ..staging import stage
+    from ..writing.merger import merge
+    from .destination import Destination
+    from .remote import upload_dataset
+    urls = [p for p in parts if is_url(p)] + ([dst] if is_url(dst) else [])
+    base = posixpath.commonpath([u.split("://", 1)[1] for u in urls]) if urls else ""
+    in_place = bool(base) and len(urls) == len(parts) + 1 and len({u.split("://")[0] for u in urls}) == 1
+    with tempfile.TemporaryDirectory(prefix="packer-merge-") as tmp:
+        root = Path(tmp) / "store"
+        local = []
+        for p in parts:
+            if not is_url(p):
+                local.append(Path(p))
+                continue
+            where = root / posixpath.relpath(p.split("://", 1)[1].rstrip("/"), base)
+            stage(p, where, progress=False, storage_options=storage_options)
+            local.append(where)
+        if in_place:
+            dest = Destination(dst, storage_options,
+                               root / posixpath.relpath(dst.split("://", 1)[1].rstrip("/"), base))
+            dest.begin(overwrite)
+            manifest = named_parts(merge(local, dest.work), dest.work, parts)
+            dest.finish(manifest)
+            return manifest
+        merged = named_parts(merge(local, Path(tmp) / "merged"), Path(tmp) / "merged", parts)
+        if not is_url(dst):
+            stage(Path(tmp) / "merged", dst, progress=False)
+            return read_manifest(dst)
+        stage(Path(tmp) / "merged", Path(tmp) / "flat", progress=False)
+        if not overwrite and manifest_exists(dst, storage_options):
+            raise PackerError(f"{redact(dst)} already holds a finished dataset; replace it with "
+                              f"overwrite=True")
+        upload_dataset(Path(tmp) / "flat", dst, storage_options)
+        return merged
+
+
+def manifest_exists(url: str, storage_options: Optional[Dict[str, Any]]) -> bool:
+    from .objects import Store
+    from .retry import NotFound
+    store = Store(url, storage_options)
+    try:
+        store.stat(MANIFEST)
+    except NotFound:
+        return False
+    return True
+
+
+def named_parts(manifest: dict, folder: Path, parts: Sequence[Any]) -> dict:
+    """The merged manifest naming its parts as given (URLs as shown), not as staged here."""
+    manifest["options"]["merged_from"] = [shown(p) for p in parts]
+    write_json_atomic(folder / MANIFEST, manifest)
+    return manifest

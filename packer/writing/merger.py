@@ -12,7 +12,7 @@ import json
 import os
 from array import array
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from . import journal
 from .._util.fsio import FolderLock, remove_own, write_json_atomic
@@ -22,16 +22,22 @@ from .packing import new_manifest
 from ..format.tables import read_column, read_offsets, read_paths
 from ..format.lmdbfile import shard_records
 from .shard import write_table
+from ..storage.urls import is_url
 
 
-def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = False) -> dict:
+def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = False,
+          storage_options: Optional[dict] = None) -> dict:
     """Join finished part datasets into one in ``dst``; returns its manifest.
 
     Keep the parts where they are (or stage the merged dataset, which copies everything it
     references). Refused: a part given twice (any spelling, or two datasets sharing a shard
     file), parts with different classes, labels outside the classes, a ``dst`` that is a
-    part, and an existing dataset in ``dst`` unless ``overwrite``.
+    part, and an existing dataset in ``dst`` unless ``overwrite``. Parts and ``dst`` may be
+    URLs (with ``storage_options``): ``packer.storage.local.merge_parts``.
     """
+    if any(is_url(p) for p in [*parts, dst]):
+        from ..storage.local import merge_parts
+        return merge_parts(parts, dst, storage_options, overwrite=overwrite)
     journal.check_dst(dst)  # before anything is written: packer writes only where asked
     dst = Path(dst)
     if not parts:

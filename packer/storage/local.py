@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 from .._util.fsio import write_json_atomic
 from ..errors import PackerError
@@ -85,8 +85,8 @@ def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
         yield cache.root
 
 
-def merge_parts(parts: Sequence[Any], dst: Any, storage_options: Optional[Dict[str, Any]] = None,
-                *, overwrite: bool = False) -> dict:
+def merge_parts(parts: Sequence[Any], dst: Any, storage_options: Optional[Dict[str, Any]],
+                *, overwrite: bool, merge: Callable[..., dict]) -> dict:
     """``merge`` where a part or ``dst`` is a URL; returns the merged manifest.
 
     Each URL part is staged (every file checked against its SHA-256) into a temporary
@@ -94,9 +94,9 @@ def merge_parts(parts: Sequence[Any], dst: Any, storage_options: Optional[Dict[s
     bucket as every part gets only the merged manifest and tables (manifest last): like a
     local merge, it refers to the parts' shards where they are, so keep them. Any other
     ``dst`` gets a self-contained copy (the merged dataset staged: into ``dst`` when local,
-    else into the temporary folder, then uploaded)."""
+    else into the temporary folder, then uploaded). ``merge`` is ``packer.merge``, which
+    merges the local folders."""
     from ..staging import stage
-    from ..writing.merger import merge
     from .destination import Destination
     from .remote import upload_dataset
     urls = [p for p in parts if is_url(p)] + ([dst] if is_url(dst) else [])

@@ -37,7 +37,7 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
     """
     if any(is_url(p) for p in [*parts, dst]):
         from ..storage.local import merge_parts
-        return merge_parts(parts, dst, storage_options, overwrite=overwrite)
+        return merge_parts(parts, dst, storage_options, overwrite=overwrite, merge=merge)
     journal.check_dst(dst)  # before anything is written: packer writes only where asked
     dst = Path(dst)
     if not parts:

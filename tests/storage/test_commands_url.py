@@ -58,3 +58,16 @@ def test_verify_url_refuses_a_damaged_shard(s3, fresh_remote, local_dataset):
     s3["fs"].pipe_file(key, bytes(data))
     r = CliRunner().invoke(main, ["verify", fresh_remote, "--quick"] + flags(s3))
     assert r.exit_code == 1 and "shard-00001.lmdb" in r.output and "SHA-256" in r.output, r.output
+
+
+def test_local_inspection_imports_no_cloud_client(local_dataset, tmp_path):
+    """info/ls/cat/verify --quick on a folder never import fsspec (nor torch)."""
+    import subprocess
+    import sys
+    code = (f"import sys\nfrom click.testing import CliRunner\nfrom packer.cli import main\n"
+            f"for a in (['info'], ['ls'], ['cat', '-o', {str(tmp_path / 'x')!r}], ['verify', '--quick']):\n"
+            f"    r = CliRunner().invoke(main, a[:1] + [{str(local_dataset)!r}] + (['0'] if a[0] == 'cat' else []) + a[1:])\n"
+            f"    assert r.exit_code == 0, r.output\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'fsspec', 's3fs', 'torch'}}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr + out.stdout

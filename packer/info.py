@@ -21,10 +21,10 @@ from ._util.text import printable
 def info(root: os.PathLike, storage_options: Optional[dict] = None) -> dict:
     """The ``info --json`` object: the manifest's facts, with shard paths as given there.
     ``root`` may be a URL (``s3://...``): only its manifest is read."""
-    from .storage.local import manifest, shown
+    from .storage.local import is_url, manifest, redact
     m = manifest(root, storage_options)
     return {
-        "path": shown(root) if isinstance(root, str) else str(Path(root)), "format_version": m["format_version"],
+        "path": redact(root) if is_url(root) else str(Path(root)), "format_version": m["format_version"],
         "packer_version": m.get("packer_version"), "created": m.get("created"),
         "count": m["count"], "bytes": m["bytes"], "classes": m["classes"],
         "class_counts": m.get("class_counts"),

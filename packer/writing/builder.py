@@ -76,15 +76,19 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
     t0 = time.perf_counter()
     remote = as_destination(dst)
     if remote is not None:
-        finished = remote.begin(overwrite)
-        if finished is not None:  # only the upload was left to do (or nothing at all)
-            remote.finish(finished)
-            return BuildResult(finished, time.perf_counter() - t0, len(finished["shards"]))
         dst = remote.work
     journal.check_dst(dst)  # before anything is written: packer writes only where asked
     source, dst = as_source(source), Path(dst)
     workers = usable_cores() if workers is None else as_engine(workers)
     _check_arguments(shard_size, workers, max_pixels)
+    if remote is not None:  # only now, with the arguments checked, may the URL change
+        if not isinstance(workers, int) and not remote.keep:
+            raise PackerError(f"building into {remote} on an engine (Ray) needs Destination("
+                              f"url, work_dir=...): a folder at the same path on every node")
+        finished = remote.begin(overwrite)
+        if finished is not None:  # only the upload was left to do (or nothing at all)
+            remote.finish(finished)
+            return BuildResult(finished, time.perf_counter() - t0, len(finished["shards"]))
     chosen = parse_part(part)
     source.check_destination(dst)
     # the source's options after the build's own; "list" always there, as it always was

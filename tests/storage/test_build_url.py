@@ -4,11 +4,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -17,17 +14,14 @@ from click.testing import CliRunner
 from conftest import BUCKET, KEY, SECRET, s3_options
 from packer import PackedDataset, build
 from packer.cli import main
-from packer.demo import make_image_folder
 from packer.format.manifest import MANIFEST
 from packer.reading.reader import ShardReader
 from packer.storage import Destination
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    return make_image_folder(tmp_path_factory.mktemp("bsrc") / "src", images=24, classes=3, seed=5)
+def source(local_dataset) -> Path:
+    """The images of conftest's ``local_dataset`` (built from them with these settings)."""
+    return local_dataset.parent / "src"
 
 
 def flags(options: dict) -> list:
@@ -38,13 +32,8 @@ def flags(options: dict) -> list:
 
 
 @pytest.fixture(scope="module")
-def local(source, tmp_path_factory) -> Path:
-    """The same source built into a local folder."""
-    dst = tmp_path_factory.mktemp("blocal") / "ds"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        build(source, dst, workers=0, progress=False, shard_size=1 << 20)
-    return dst
+def local(local_dataset) -> Path:
+    return local_dataset
 
 
 def same_as_local(url: str, local: Path, options: dict, tmp: Path) -> None:
@@ -76,25 +65,24 @@ def test_build_into_s3_then_nothing_to_do(s3, source, local, proxy, tmp_path):
 def test_cli_build_killed_mid_upload_resumes(s3, source, local, proxy, tmp_path, monkeypatch):
     url, fs = f"s3://{BUCKET}/killed-build", s3["fs"]
     key = url.split("://")[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "packer", "build", str(source), url, "-j", "0", "-q",
-           "--shard-size", "1M"]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the build works
+    args = ["build", str(source), url, "-j", "0", "-q", "--shard-size", "1M"]
     proxy.delay = 0.2
-    proc = subprocess.Popen(cmd + flags(s3_options(proxy.url)), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pid = os.fork()  # the CLI in a process of its own (forked: no interpreter to start)
+    if pid == 0:
+        os._exit(CliRunner().invoke(main, args + flags(s3_options(proxy.url))).exit_code)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
+    while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
         fs.invalidate_cache()
         if fs.exists(f"{key}/shard-00000.lmdb"):
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
     fs.invalidate_cache()
     assert fs.exists(f"{key}/shard-00000.lmdb") and not fs.exists(f"{key}/{MANIFEST}")
     proxy.delay = 0
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the killed run worked
-    done = CliRunner().invoke(main, cmd[3:] + flags(s3["options"]))
+    done = CliRunner().invoke(main, args + flags(s3["options"]))
     assert done.exit_code == 0, done.output
     assert SECRET not in done.output and KEY not in done.output
     assert "resumed" in done.output and url in done.output

@@ -166,6 +166,8 @@ class _Run:
             run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
                           shard_size=o["shard_size"], strict=o["strict"])
             resumed = len(run.shards)
+            for shard in run.shards if self.on_shard is not None else []:
+                self.on_shard(shard)  # a resumed build's shards go up while it goes on
             bar = tqdm(total=len(source.entries), initial=run.start, unit="img",
                        disable=not self.progress, desc=f"packing {src.name or src}",
                        dynamic_ncols=True, smoothing=0.05)

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from conftest import BUCKET, KEY, SECRET, s3_options
 from packer import PackedDataset, build
 from packer.cli import main
+from packer.errors import PackerError
 from packer.format.manifest import MANIFEST
 from packer.reading.reader import ShardReader
 from packer.storage import Destination
@@ -58,8 +59,16 @@ def test_build_into_s3_then_nothing_to_do(s3, source, local, proxy, tmp_path):
     again = Destination(url, s3_options(proxy.url), work_dir=tmp_path / "work")
     build(source, again, workers=0, progress=False, shard_size=1 << 20)
     assert again.uploaded == [] and sent == []
-    with pytest.raises(Exception, match="already holds a finished dataset"):  # a new work folder
+    with pytest.raises(PackerError, match="already holds a finished dataset"):  # a new work folder
         build(source, Destination(url, s3["options"], tmp_path / "w2"), workers=0, progress=False)
+    calls = []
+    proxy.hook = lambda method, path: calls.append((method, path.split("?")[0].rsplit("/", 1)[1]))
+    res = build(source, Destination(url, s3_options(proxy.url), tmp_path / "w2"), workers=0,
+                progress=False, shard_size=1 << 20, overwrite=True, shuffle=True)
+    writes = [c for c in calls if c[0] in ("PUT", "POST", "DELETE")]
+    assert writes[0] == ("DELETE", MANIFEST) and writes[-1] == ("PUT", MANIFEST)  # none meanwhile
+    got = json.loads(s3["fs"].cat_file(f"{BUCKET}/built/{MANIFEST}"))
+    assert got["options"]["shuffle"] and got["build_id"] == res.manifest["build_id"]
 
 
 def test_cli_build_killed_mid_upload_resumes(s3, source, local, proxy, tmp_path, monkeypatch):

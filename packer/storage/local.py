@@ -40,12 +40,17 @@ def manifest(name: Any, storage_options: Optional[Dict[str, Any]] = None) -> dic
 
 
 @contextlib.contextmanager
-def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Optional[os.PathLike]):
-    """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary folder removed after."""
+def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Optional[os.PathLike],
+              keep_all: bool = False):
+    """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary folder removed after
+    that keeps two shards at most (what a reader pins), so listing a dataset larger than
+    the disk works."""
     from .cache import ShardCache
     tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
     try:
         cache = ShardCache(url, cache_dir if tmp is None else tmp, None, storage_options)
+        if tmp is not None and not keep_all:
+            cache.limit = 2 * max((s["bytes"] for s in cache.manifest["shards"]), default=0)
         try:
             yield cache
         finally:
@@ -78,7 +83,7 @@ def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
     if not is_url(name):
         yield Path(name)
         return
-    with cache_for(name, storage_options, cache_dir) as cache:
+    with cache_for(name, storage_options, cache_dir, keep_all=True) as cache:
         with ThreadPoolExecutor(max(1, parallel)) as pool:
             list(pool.map(lambda k: cache.shard_path(k, pin=False), range(len(cache))))
         write_json_atomic(cache.root / MANIFEST, cache.manifest)

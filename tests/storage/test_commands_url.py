@@ -49,6 +49,8 @@ def test_cli_commands_on_a_url(s3, remote, local_dataset, tmp_path):
     r = run(main, ["verify", remote, "--quick", "-q"] + flags(s3))
     assert r.exit_code == 0 and r.output.startswith("OK: ") and remote in r.output, r.output
     assert SECRET not in r.output and KEY not in r.output
+    r = run(main, ["stage", remote, str(tmp_path / "staged"), "-q"] + flags(s3))
+    assert r.exit_code == 0 and (tmp_path / "staged" / "manifest.json").is_file(), r.output
     r = run(main, ["info", remote + "-missing"] + flags(s3))
     assert r.exit_code == 1 and "not a packer dataset" in r.output
     r = run(main, ["info", remote, "--storage-option", "novalue"])

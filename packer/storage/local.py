@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 from .._util.fsio import write_json_atomic
-from ..errors import PackerError
 from ..format.manifest import MANIFEST, read_manifest
 from .urls import is_url, redact
 
@@ -103,48 +102,31 @@ def merge_parts(parts: Sequence[Any], dst: Any, storage_options: Optional[Dict[s
     merges the local folders."""
     from ..staging import stage
     from .destination import Destination
-    from .remote import upload_dataset
     urls = [p for p in parts if is_url(p)] + ([dst] if is_url(dst) else [])
     base = posixpath.commonpath([u.split("://", 1)[1] for u in urls]) if urls else ""
     in_place = bool(base) and len(urls) == len(parts) + 1 and len({u.split("://")[0] for u in urls}) == 1
     with tempfile.TemporaryDirectory(prefix="packer-merge-") as tmp:
         root = Path(tmp) / "store"
+        dest = Destination(dst, storage_options, Path(tmp) / "flat") if is_url(dst) else None
+        if dest is not None:
+            dest.begin(overwrite)  # refused before any part is fetched
         local = []
         for p in parts:
-            if not is_url(p):
-                local.append(Path(p))
-                continue
-            where = root / posixpath.relpath(p.split("://", 1)[1].rstrip("/"), base)
-            stage(p, where, progress=False, storage_options=storage_options)
+            where = root / posixpath.relpath(p.split("://", 1)[1].rstrip("/"), base) if is_url(p) else Path(p)
+            if is_url(p):
+                stage(p, where, progress=False, storage_options=storage_options)
             local.append(where)
-        if in_place:
-            dest = Destination(dst, storage_options,
-                               root / posixpath.relpath(dst.split("://", 1)[1].rstrip("/"), base))
-            dest.begin(overwrite)
-            manifest = named_parts(merge(local, dest.work), dest.work, parts)
-            dest.finish(manifest)
-            return manifest
-        merged = named_parts(merge(local, Path(tmp) / "merged"), Path(tmp) / "merged", parts)
-        if not is_url(dst):
-            stage(Path(tmp) / "merged", dst, progress=False)
-            return read_manifest(dst)
-        stage(Path(tmp) / "merged", Path(tmp) / "flat", progress=False)
-        if not overwrite and manifest_exists(dst, storage_options):
-            raise PackerError(f"{redact(dst)} already holds a finished dataset; replace it with "
-                              f"overwrite=True")
-        upload_dataset(Path(tmp) / "flat", dst, storage_options)
-        return merged
-
-
-def manifest_exists(url: str, storage_options: Optional[Dict[str, Any]]) -> bool:
-    from .objects import Store
-    from .retry import NotFound
-    store = Store(url, storage_options)
-    try:
-        store.stat(MANIFEST)
-    except NotFound:
-        return False
-    return True
+        if in_place:  # the manifest refers to the parts' shards, in the bucket already
+            dest.work = root / posixpath.relpath(dst.split("://", 1)[1].rstrip("/"), base)
+            named_parts(merge(local, dest.work), dest.work, parts)
+        else:  # a self-contained copy
+            named_parts(merge(local, Path(tmp) / "merged"), Path(tmp) / "merged", parts)
+            stage(Path(tmp) / "merged", dst if dest is None else dest.work, progress=False)
+            if dest is None:
+                return read_manifest(dst)
+        final = read_manifest(dest.work)
+        dest.finish(final)
+        return final
 
 
 def named_parts(manifest: dict, folder: Path, parts: Sequence[Any]) -> dict:

@@ -61,3 +61,12 @@ def test_cli_merge_urls_into_a_local_folder(s3, parts, tmp_path):
     assert "merged 2 parts" in r.output
     same_records(PackedDataset(tmp_path / "m"), local)
     assert verify(tmp_path / "m", quick=True, progress=False).ok
+
+
+def test_merge_local_parts_into_a_url_uploads_a_whole_copy(s3, parts, tmp_path):
+    urls, local = parts
+    dst = f"s3://{BUCKET}/mflat"
+    m = merge([local.parent / "p0", local.parent / "p1"], dst, storage_options=s3["options"])
+    names = {k.rsplit("/", 1)[1] for k in s3["fs"].ls(dst.split("://")[1], refresh=True)}
+    assert len(m["shards"]) >= 2 and {s["path"] for s in m["shards"]} <= names  # its own shards
+    same_records(PackedDataset(dst, cache_dir=tmp_path / "c", storage_options=s3["options"]), local)

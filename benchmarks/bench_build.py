@@ -3,7 +3,7 @@
 
 Goal (issue 2): build images/s >= 0.8 x cores x one core's full-decode rate, measured in
 the same run on the same files. Prints a table and the command that made it. The
-measurement is ``packer.bench.build``.
+measurement is ``benchlib.figures.bench_build``.
 
     python benchmarks/bench_build.py                    # makes 2,000 photo JPEGs in a temp dir
     python benchmarks/bench_build.py --src DIR --repeats 3
@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from packer.bench.build import bench_build, build_table
+from benchlib.figures import bench_build, build_table
 from packer.loading.loader import default_num_workers
 
 

@@ -7,7 +7,7 @@ needs per batch, so a perfect loader is never waited on), or with --cuda MODEL a
 training step on the GPU fed through CUDAPrefetcher, against the same step on a resident
 batch; several epochs run with set_epoch,
 and the table shows the fraction of the ideal speed kept, the wait for each epoch's first
-batch and the median wait for the others. The measurement is ``packer.bench.epochs``.
+batch and the median wait for the others. The measurement is ``benchlib.figures.bench_epochs``.
 
     python benchmarks/bench_epochs.py                  # makes 1,000 photo JPEGs and packs them
     python benchmarks/bench_epochs.py --data DST --rounds 7
@@ -20,8 +20,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from packer.bench.efficiency import packed_photos
-from packer.bench.epochs import bench_epochs, epochs_table
+from benchlib.figures import packed_photos
+from benchlib.figures import bench_epochs, epochs_table
 
 
 def main(argv=None) -> int:

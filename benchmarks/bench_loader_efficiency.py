@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Loader efficiency: make_loader's images/s over (workers x one core's images/s for the same
 per-sample work: read, unpack, decode + crop), median of interleaved rounds. The
-measurement is ``packer.bench.efficiency``.
+measurement is ``benchlib.figures.bench_efficiency``.
 
     python benchmarks/bench_loader_efficiency.py                 # makes 2,000 photo JPEGs, packs them
     python benchmarks/bench_loader_efficiency.py --data DST --workers 15 --rounds 7
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from packer.loading.loader import default_num_workers
-from packer.bench.efficiency import bench_efficiency, efficiency_table, packed_photos
+from benchlib.figures import bench_efficiency, efficiency_table, packed_photos
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ if it is not ~0%, the numbers are warm-cache numbers.
 
 A fast local SSD hides what the order does to a slow disk, so as root each timed pass runs
 in a fresh process under a block-I/O throttle like a modest network or cloud disk (400 read
-IOPS, 100 MiB/s; ``--iops``, ``--bps``): ``packer.bench.coldread.SlowDisk``, a cgroup v1 blkio
+IOPS, 100 MiB/s; ``--iops``, ``--bps``): ``benchlib.slowdisk.SlowDisk``, a cgroup v1 blkio
 (else v2 io.max) throttle on the disk holding the data. ``--no-throttle`` reads at the
 disk's own speed; without root or a cgroup the output says the throttle is off, and why.
 

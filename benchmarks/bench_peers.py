@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from packer.bench.efficiency import packed_photos
+from benchlib.figures import packed_photos
 from benchlib.peers import bench_peers, peers_table
 from packer.loading.loader import default_num_workers
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the names of __all__ (tests/test_layout.py checks the lists
     from .loading.prefetch import CUDAPrefetcher
     from .reading.dataset import PackedDataset
     from .reading.iterable import PackedIterableDataset
+    from .reading.mixture import Mixture
     from .reading.sampler import PackedSampler
     from .staging import stage, stage_once_per_node, unstage
     from .transforms.decode import DecodeCenterCrop, DecodeLetterbox, DecodeRandomResizedCrop
@@ -37,6 +38,7 @@ _WHERE = {
     ".loading.prefetch": ["CUDAPrefetcher"],
     ".reading.dataset": ["PackedDataset"],
     ".reading.iterable": ["PackedIterableDataset"],
+    ".reading.mixture": ["Mixture"],
     ".reading.sampler": ["PackedSampler"],
     ".staging": ["stage", "stage_once_per_node", "unstage"],
     ".transforms.decode": ["DecodeCenterCrop", "DecodeLetterbox", "DecodeRandomResizedCrop"],
@@ -52,7 +54,7 @@ for _sub in ("format", "gpu", "loading", "reading", "sources", "staging", "stora
 del _sub
 
 __all__ = ["CUDAPrefetcher", "DatasetWriter", "DecodeCenterCrop", "DecodeLetterbox",
-           "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "PackedDataset",
+           "DecodeRandomResizedCrop", "FormatError", "GPUDecoder", "Mixture", "PackedDataset",
            "PackedIterableDataset", "PackedSampler", "PackerError", "Transcode", "build",
            "make_loader", "merge", "stage", "stage_once_per_node", "unstage", "verify", "write"]
 

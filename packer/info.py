@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional, Tuple
 from .errors import FormatError
 from .format.fields import ArrayField, DataField, field_of
 from .format.records import crc32, record_problem, unpack_record
-from .format.manifest import dataset_schema, file_sha256, read_manifest, shard_file, side_tables
+from .format.manifest import classes_text, dataset_schema, file_sha256, read_manifest, shard_file, side_tables
 from ._util.system import human_size
 from .writing.check import DEFAULT_MAX_PIXELS, BadImage, check_image
 from .reading.reader import ShardReader
@@ -43,7 +43,7 @@ def info(root: os.PathLike, storage_options: Optional[dict] = None) -> dict:
 def format_info(i: dict, max_classes: int = 20) -> str:
     """A human summary of :func:`info`; every name from the dataset is made printable."""
     p = _text
-    lines = [f"{p(i['path'])}: {i['count']} images, {_classes(i)}, "
+    lines = [f"{p(i['path'])}: {i['count']} images, {classes_text(i)}, "
              f"{len(i['shards'])} shard(s), {human_size(i['bytes'])} (format "
              f"{p(i['format_version'])}, packer {p(i['packer_version'])}, {p(i['created'])})"]
     opts = i.get("options") if isinstance(i.get("options"), dict) else {}
@@ -90,26 +90,6 @@ def format_info(i: dict, max_classes: int = 20) -> str:
 
 def _text(value) -> str:
     return printable(str(value))
-
-
-def _classes(m: dict) -> str:
-    """"10 classes", "80 categories" (COCO) or "no class labels" (e.g. a --meta build)."""
-    if isinstance(m.get("categories"), list):
-        return f"{len(m['categories'])} categories"
-    return f"{len(m['classes'])} classes" if m["classes"] else "no class labels"
-
-
-def build_line(m: dict, seconds: float) -> str:
-    """The line a build ends with: what was packed, skipped, left out and dropped."""
-    parts = [f"skipped {len(m['skipped'])}"]
-    if m.get("skipped_empty"):
-        parts.append(f"left out {m['skipped_empty']} without annotations (--skip-empty)")
-    if m.get("dropped_count"):
-        parts.append(f"dropped {m['dropped_count']} annotation(s)")
-    classes = _classes(m)
-    return (f"packed {m['count']} images {'with' if classes.startswith('no ') else 'in'} "
-            f"{classes} into {len(m['shards'])} shard(s), {human_size(m['bytes'])}; "
-            f"{', '.join(parts)}; {seconds:.1f} s")
 
 
 @dataclass

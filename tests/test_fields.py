@@ -14,7 +14,7 @@ from packer import PackedDataset, build, verify, write
 from packer.errors import FormatError, PackerError
 from packer.format.fields import ArrayField, DataField, IntField, StrField, check_schema, data_problem, detection_problem, encode, field_of, field_problem, infer_field
 from packer.format.manifest import read_manifest
-from packer.reading.masks import decode_counts, masks_of, rle_mask
+from packer.reading.masks import decode_counts, masks_of
 
 BOXES = ArrayField("boxes", "float32", (-1, 4))
 
@@ -159,7 +159,7 @@ def test_compressed_rle_decodes_like_the_counts_it_encodes():
         return "".join(out)
     counts = [3, 2, 5, 1, 9]
     assert decode_counts(encode_counts(counts)) == counts
-    m = rle_mask({"counts": encode_counts(counts), "size": [4, 5]}, 4, 5)
+    m = masks_of([{"counts": encode_counts(counts), "size": [4, 5]}], 4, 5)[0]
     flat = m.t().reshape(-1).tolist()  # back to column-major
     assert flat == [0] * 3 + [1] * 2 + [0] * 5 + [1] * 1 + [0] * 9
 

@@ -1,5 +1,6 @@
 """The package's shape, checked from its source (ast; nothing is imported): no import cycles,
 no private name imported across modules, no function over 80 lines outside Triton kernels,
+the module map of docs/architecture.md (every package, what each may import) matches the tree,
 and ``packer/__init__.py``'s three lists of the public API agree."""
 from __future__ import annotations
 
@@ -101,6 +102,31 @@ def private_imports(roots) -> List[str]:
 
 def test_no_import_cycles():
     assert find_cycle(edges(modules())) == []
+
+
+def architecture_map() -> Dict[str, Set[str]]:
+    """docs/architecture.md's module map: each package (or top-level module) of ``packer`` ->
+    the ones its row says it may import."""
+    text = (PKG.parent / "docs" / "architecture.md").read_text("utf-8")
+    rows = re.findall(r"^\| `([\w.]+?)/?` \|.*\| ([^|]*) \|$", text, re.M)
+    return {name[:-3] if name.endswith(".py") else name:
+            {d.strip() for d in deps.split(",")} - {"", "—"} for name, deps in rows}
+
+
+def test_architecture_map_matches_the_tree():
+    """Every package and top-level module has its row in docs/architecture.md, and imports
+    (anywhere) only what that row allows: the dependency direction the page describes."""
+    doc = architecture_map()
+    tops = {p.stem for p in PKG.glob("*.py")} | {p.parent.name for p in PKG.glob("*/__init__.py")}
+    assert set(doc) == tops - {"__init__", "__main__"}
+
+    def top(module: str):
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else None
+    bad = [f"{name} imports {dep}" for name, deps in edges(modules()).items()
+           for dep in deps if top(name) not in (None, "__main__")
+           and top(dep) not in (None, top(name)) and top(dep) not in doc[top(name)]]
+    assert bad == []
 
 
 def test_cycle_finder_finds_one():  # the check above can fail

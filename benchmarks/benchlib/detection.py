@@ -42,7 +42,8 @@ from packer._util.system import pil_summary
 from packer.writing.builder import build
 from packer.sources import Coco
 from packer.loading.loader import default_num_workers
-from packer.bench.coldread import SlowDisk, drop_page_cache, storage
+from packer.bench.coldread import drop_page_cache, storage
+from benchlib.slowdisk import SlowDisk
 from benchlib.detectionbuild import add_rows, build_section
 from benchlib.gpu_common import pil_decoder, sync
 
@@ -150,7 +151,8 @@ def loader_dataset(spec: dict):
 def loader_pass(spec: dict, batch_size: int, workers: int) -> float:
     """images/s of one epoch of ``spec``'s loader after its first wave of batches (module
     level: ``SlowDisk.run`` calls it in a fresh process inside the throttled cgroup)."""
-    from packer.demo.detection import detection_loader, loader_rate
+    from packer.demo.detection import detection_loader
+    from packer.demo.run import loader_rate
     ds, sampler = loader_dataset(spec)
     ds[0]  # the target's types imported here before timing (torchvision: ~2 s in a fresh
     # process, during which the workers ran ahead and the timed rest looked 3x too fast)

@@ -158,7 +158,7 @@ def _decode_sections(b: GPUBench, loaders: Dict[str, object], pinned) -> None:
 
 
 def _variant_sections(b: GPUBench, sets: Dict[str, Path]) -> None:
-    """Step 7: GPUDecoder's settings (decode threads, augment thread, pinning)."""
+    """Step 7: GPUDecoder's settings (decode threads, pinning)."""
     if "variants" in b.skip:
         return
     dname, decoder = next(iter(b.decoders.items()))
@@ -167,8 +167,7 @@ def _variant_sections(b: GPUBench, sets: Dict[str, Path]) -> None:
         pinned = {"loader": {"pin_memory": True}}
         if b.dev.type == "cuda":
             variants += [(f"decode_threads={k}", {"decode_threads": k}) for k in (1, 3)]
-            variants += [("augment thread", {"augment_thread": True}),
-                         ("loader pinned, decode_threads=3", {**pinned, "decode_threads": 3}),
+            variants += [("loader pinned, decode_threads=3", {**pinned, "decode_threads": 3}),
                          ("loader pinned", pinned),
                          ("default settings", {})]
         pipeline_variants(b, "stored", sets["stored"], variants)
@@ -195,7 +194,7 @@ def _gpu_sections(b: GPUBench, sets: Dict[str, Path], loaders: Dict[str, object]
             beside(b, sets["stored"])
     if "diag" not in b.skip:
         how = [("default settings", {}, {}), ("loader pinned", {}, {"pin_memory": True}),
-               ("augment thread", {"augment_thread": True}, {}), ("max_ahead=1", {"max_ahead": 1}, {})]
+               ("max_ahead=1", {"max_ahead": 1}, {})]
         for graphed in (True, False):
             with b.section(f"9: the fed loop, {'graphed' if graphed else 'eager'} [stored]"):
                 fed_diagnostics(b, "stored", sets["stored"], how * 2, graphed)

@@ -22,7 +22,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from packer.errors import PackerError
 from packer.reading.reader import ShardReader
-from packer.bench.coldread import SlowDisk, drop_page_cache, resident, whole_disk
+from packer.bench.coldread import drop_page_cache
+from benchlib.slowdisk import SlowDisk, resident, whole_disk
 
 __all__ = ["OrderOptions", "bench_order", "make_dataset", "order_report", "orders", "read_pass",
            "time_resume"]

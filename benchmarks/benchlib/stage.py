@@ -25,7 +25,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 from packer._util.system import fs_type
 from packer.errors import PackerError
 from packer.format.manifest import read_manifest
-from packer.bench.coldread import SlowDisk, drop_page_cache, read_count, whole_disk
+from packer.bench.coldread import drop_page_cache
+from benchlib.slowdisk import SlowDisk, read_count, whole_disk
 
 __all__ = ["StageOptions", "bench_stage", "child", "prepare", "run_child", "stage_report"]
 

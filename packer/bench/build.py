@@ -1,17 +1,12 @@
-"""What ``benchmarks/bench_build.py`` measures: build throughput against the cost of decoding
-every image once on all cores, in the same run on the same files.
-
-Goal (issue 2): build images/s >= 0.8 x cores x one core's full-decode rate. ``bench_build``
-times one core decoding a sample of the files and ``build`` with and without transcoding,
-interleaved repeat after repeat; ``build_table`` prints the result as a markdown table.
-"""
+"""Build throughput against the cost of decoding every image once on all cores, in the same
+run on the same files (issue 2's goal: build images/s >= 0.8 x cores x one core's decode rate).
+``benchmarks/bench_build.py`` runs it on a whole folder; ``packer bench`` on a sample."""
 from __future__ import annotations
 
 import io
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -23,11 +18,7 @@ from .allcores import rates_on_all_cores
 from ..writing.builder import build
 from ..writing.check import Transcode
 from ..reading.dataset import PackedDataset
-from ..demo import make_image_folder
 from ..sources.folder import IMG_EXTENSIONS, scan_folder
-
-__all__ = ["DECODE", "DECODE_LOADED", "GOAL", "bench_build", "build_table", "build_variants",
-           "decode_rate", "sample_folder", "time_builds", "build_ratios"]
 
 DECODE = "decode 1 core"
 DECODE_LOADED = "decode 1 core, all cores busy"  # one core's rate while every worker decodes
@@ -48,32 +39,13 @@ def decode_rate(blobs: Sequence[bytes]) -> float:
     return len(blobs) / (time.perf_counter() - t)
 
 
-def bench_build(src: Optional[os.PathLike] = None, *, workers: int, images: int = 2000,
-                repeats: int = 3, decode_sample: int = 400, progress: bool = True,
-                log: Callable[[str], None] = print) -> dict:
-    """Time ``decode_rate`` on about ``decode_sample`` of the files of ``src`` and each of
-    ``build_variants`` with ``workers``, ``repeats`` times, interleaved (drift on a shared
-    machine hits every variant alike). Without ``src`` it makes ``images`` photo JPEGs in
-    a temporary folder first; builds go to a temporary folder, removed at the end.
-
-    Returns ``images``, ``bytes`` (of the source files), ``workers``, ``repeats``, ``pil``
-    and ``rows``: variant name -> images/s of each repeat (``DECODE`` first).
-    """
-    with tempfile.TemporaryDirectory(prefix="packer-bench-build-") as tmp:
-        tmp = Path(tmp)
-        if src is None:
-            src = make_image_folder(tmp / "src", images=images, classes=10,
-                                    workers=max(1, workers), progress=progress)
-        return time_builds(src, tmp, workers=workers, repeats=repeats,
-                           decode_sample=decode_sample, variants=build_variants(), log=log)
-
-
 def time_builds(src: os.PathLike, tmp: Path, *, workers: int, repeats: int, decode_sample: int,
                 variants: Sequence[Tuple[str, Optional[Transcode]]],
                 log: Callable[[str], None] = print) -> dict:
-    """``bench_build``'s measurement of the image folder ``src``: ``decode_rate`` on about
+    """The measurement of the image folder ``src``: ``decode_rate`` on about
     ``decode_sample`` of its files, then a build of it per ``variants`` entry into ``tmp``
-    (removed after each), ``repeats`` times, interleaved. Returns what ``bench_build`` does."""
+    (removed after each), ``repeats`` times, interleaved. Returns ``images``, ``bytes``, ``workers``,
+    ``repeats``, ``pil`` and ``rows``: variant name -> images/s of each repeat."""
     entries = scan_folder(src).entries
     if not entries:
         raise ValueError(f"{src} holds no images")
@@ -127,21 +99,3 @@ def build_ratios(result: dict, variant: str, cores: int) -> List[float]:
     return [b / (max(1, cores) * d) for b, d in zip(rows[variant], rows[DECODE])]
 
 
-def build_table(result: dict) -> str:
-    """``bench_build``'s result: a markdown table (median, spread, MB/s read, ratio to
-    cores x one core's decode rate, alone and with all cores busy) and the goal line."""
-    rows, n = result["rows"], result["images"]
-    cores = max(1, result["workers"])  # workers=0 builds in this process: one core
-    one = statistics.median(rows[DECODE])
-    busy = statistics.median(rows.get(DECODE_LOADED) or rows[DECODE])
-    lines = [f"| variant | images/s (median of {result['repeats']}) | spread | MB/s in | "
-             f"vs cores x 1-core decode | vs cores x 1-core decode, all busy |",
-             "|---|---|---|---|---|---|"]
-    for name, vals in rows.items():
-        med = statistics.median(vals)
-        mbps = med * result["bytes"] / n / 1e6
-        lines.append(f"| {name} | {med:.0f} | {min(vals):.0f}-{max(vals):.0f} | {mbps:.1f} | "
-                     f"{med / (cores * one):.2f} | {med / (cores * busy):.2f} |")
-    lines.append(f"\ngoal: build >= {GOAL} x {cores} x {one:.0f} = {GOAL * cores * one:.0f} "
-                 f"images/s ({GOAL * cores * busy:.0f} against one core's rate with all busy)")
-    return "\n".join(lines)

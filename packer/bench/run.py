@@ -1,26 +1,12 @@
 """``packer bench``: where the input pipeline's time goes, on this data and this machine.
 
-Each measurement isolates one stage, so the slowest one names the bottleneck:
-
-* raw read: record bytes off the storage (shards, the source folder, a staged copy), with a
-  cold page cache when it can be dropped, in a random order as training reads;
-* decode: one core decoding + cropping in memory, full size and reduced size (JPEG draft),
-  and on images re-encoded as ``packer build --short-side`` would store them; times the
-  cores, this is the CPU's ceiling for any loader;
-* loader: ``make_loader`` over the packed data vs an ImageFolder-style dataset over the
-  folder, with the same decode callable, so they differ only in where the bytes come from;
-* with ``cuda``: a real training step fed by each feeding variant, against the same step on
-  a batch already on the GPU;
-* issue 16's three figures, on a copy of a sample of the dataset's images in a temporary
-  folder: the build rate ratio, loader efficiency and the epoch-boundary wait.
-
-Variants of one phase run interleaved, repeat after repeat, so drift (other tenants, clock
-boost, page cache) hits them alike; each figure is the median of the repeats and the spread
-is kept; warm-up (worker start, first batches, cudnn autotuning) is never timed.
-
-The report (table, verdict, JSON, plot) and the run are here; the phases are in
-``packer.benchphases`` (reads, decode, loader) and ``packer.trainbench`` (training step),
-dropping the page cache and naming the storage in ``packer.coldread``.
+Each measurement isolates one stage, so the slowest one names the bottleneck: raw reads
+(shards, the source folder, a staged copy; cold page cache when it can be dropped), one core's
+decode + crop (the CPU's ceiling for any loader), ``make_loader`` against an ImageFolder-style
+dataset with the same decode, with ``cuda`` a real training step fed by each feeding variant,
+and issue 16's three figures on a sample of the dataset's images. Variants of one phase run
+interleaved, so drift hits them alike; each figure is the median of the repeats, warm-up never
+timed. The phases are in ``phases.py`` and ``train.py``.
 """
 from __future__ import annotations
 

@@ -141,8 +141,7 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
         return
     if result.resumed_shards:
         click.echo(f"resumed after {result.resumed_shards} finished shard(s)")
-    from ..info import build_line
-    click.echo(f"{build_line(result.manifest, result.seconds)} -> {dst}")
+    click.echo(f"{result.summary()} -> {dst}")
     skipped = result.manifest["skipped"]
     if skipped:
         first = skipped[0]
@@ -232,7 +231,9 @@ def merge(parts, dst, overwrite, storage_options, as_json):
     """
     from ..storage.local import shown
     from ..writing.merger import merge as run_merge
-    m = run_merge(list(parts), dst, overwrite=overwrite, storage_options=storage_options or None)
+    with flag_words():
+        m = run_merge(list(parts), dst, overwrite=overwrite,
+                      storage_options=storage_options or None)
     parts, dst = [shown(p) for p in parts], shown(dst)
     if as_json:
         click.echo(json_text({"dst": str(dst), "parts": [str(p) for p in parts],

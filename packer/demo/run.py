@@ -1,5 +1,5 @@
-"""``packer demo``: the whole job on generated data, timed step by step, with a comparison of
-the packed loader and the plain folder loader."""
+"""``packer demo``: the whole job on generated data, timed step by step, with the packed loader
+compared with the plain folder loader. ``detection.py`` runs the same job on COCO scenes."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +9,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from tqdm.auto import tqdm
@@ -19,7 +19,7 @@ from ..writing.builder import build
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeRandomResizedCrop
 from ..errors import PackerError
-from ..info import build_line, verify
+from ..info import verify
 from ..loading.loader import default_num_workers, make_loader
 from ..loading.prefetch import CUDAPrefetcher
 from ..reading.sampler import PackedSampler
@@ -56,6 +56,15 @@ class DemoResult:
     staged_to: Optional[Path] = None    # the RAM copy read by the packed loader (removed at the end)
     notes: List[str] = field(default_factory=list)
 
+    baseline = "folder loader"
+    command = "packer demo"
+    kept = "images/ (the source folder)"
+    decode = "DecodeRandomResizedCrop(224)"
+    why = ("Both decode the same JPEGs (DecodeRandomResizedCrop) through the same make_loader "
+           "settings; here every byte is in RAM, so decoding bounds both and about 1x is "
+           "expected. Packing pays where reading is the limit (cold or network disks, millions "
+           "of files): measure yours with `packer bench DST --folder SRC` (docs/tuning.md).")
+
     @property
     def ratio(self) -> float:
         """Packed loader images/s over folder loader images/s."""
@@ -65,32 +74,31 @@ class DemoResult:
     def seconds(self) -> float:
         return sum(s.seconds for s in self.steps)
 
+    def title(self) -> str:
+        return (f"packer demo: {self.images} images in {self.classes} classes; {self.workers} "
+                f"loader worker{'' if self.workers == 1 else 's'}, batch {self.batch_size}, "
+                f"crop {self.size}; {self.device}")
+
+    def checks(self) -> List[str]:
+        return []
+
     def report(self) -> str:
-        lines = [f"packer demo: {self.images} images in {self.classes} classes; {self.workers} "
-                 f"loader worker{'' if self.workers == 1 else 's'}, batch {self.batch_size}, "
-                 f"crop {self.size}; {self.device}"]
         w = max(len(s.name) for s in self.steps) if self.steps else 0
-        lines += [f"  {s.name:<{w}}  {s.seconds:6.1f} s  {s.detail}" for s in self.steps]
-        lines.append(f"  {'total':<{w}}  {self.seconds:6.1f} s")
-        lines.append(f"packed loader {self.packed_images_per_s:,.0f} images/s vs folder loader "
-                     f"{self.folder_images_per_s:,.0f} images/s: {self.ratio:.2f}x (after each "
-                     f"worker's first batch)")
-        lines.append("Both decode the same JPEGs (DecodeRandomResizedCrop) through the same "
-                     "make_loader settings; here every byte is in RAM, so decoding bounds both "
-                     "and about 1x is expected. Packing pays where reading is the limit (cold "
-                     "or network disks, millions of files): measure yours with "
-                     "`packer bench DST --folder SRC` (docs/tuning.md).")
+        lines = [self.title(), *(f"  {s.name:<{w}}  {s.seconds:6.1f} s  {s.detail}" for s in self.steps),
+                 f"  {'total':<{w}}  {self.seconds:6.1f} s",
+                 f"packed loader {self.packed_images_per_s:,.0f} images/s vs {self.baseline} "
+                 f"{self.folder_images_per_s:,.0f} images/s: {self.ratio:.2f}x (after each "
+                 f"worker's first batch)", *self.checks(), self.why]
         lines += [f"Note: {n}" for n in self.notes]
         if self.dir is None:
-            lines.append("Nothing was kept (temporary folder and staged copy removed). Keep the data "
-                         "with `packer demo DIR`.")
+            lines.append(f"Nothing was kept (temporary folder and staged copy removed). Keep the "
+                         f"data with `{self.command} DIR`.")
         else:
             d = self.dir
-            lines.append(f"Kept in {d}: images/ (the source folder) and packed/ (the dataset); "
-                         f"the staged RAM copy was removed.")
-            lines.append(f"Inspect it: packer info {d / 'packed'}")
-            lines.append(f"Train from it: PackedDataset({str(d / 'packed')!r}, "
-                         f"decode=DecodeRandomResizedCrop(224)) and packer.make_loader")
+            lines += [f"Kept in {d}: {self.kept} and packed/ (the dataset); the staged RAM copy "
+                      f"was removed.", f"Inspect it: packer info {d / 'packed'}",
+                      f"Train from it: PackedDataset({str(d / 'packed')!r}, "
+                      f"decode={self.decode}) and packer.make_loader"]
         return "\n".join(lines)
 
 
@@ -108,12 +116,10 @@ def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
     """The whole job on generated data, no downloads: make, build, verify, stage, read.
 
     Makes ``images`` photo-like JPEGs, packs them, verifies every record, stages the dataset
-    to ``stage_dir`` (``/dev/shm`` when it exists; ``None`` skips staging), then reads
-    epochs through the plain folder loader and the packed loader in turn (``PackedDataset``
-    + ``PackedSampler`` + ``make_loader``, + ``CUDAPrefetcher`` for both when a GPU is
-    present) and returns their rates with each step's time. Both loaders decode the same
-    files with the same decoder and DataLoader settings: only the source of the bytes
-    differs.
+    to ``stage_dir`` (``None`` skips staging), then reads epochs through the plain folder
+    loader and the packed loader in turn (``PackedDataset`` + ``PackedSampler`` +
+    ``make_loader``, + ``CUDAPrefetcher`` for both when a GPU is present) with the same
+    decoder and DataLoader settings: only the source of the bytes differs.
 
     Args:
         images: default ``demo_images(workers, batch_size)``: 640 on a few cores, more on many.
@@ -136,21 +142,59 @@ def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
     if batch_size < 1 or size < 16 or rounds < 1:
         raise PackerError(f"batch size and rounds must be >= 1 and crop size >= 16, got "
                           f"{batch_size}, {rounds}, {size}")
-    cuda = torch.cuda.is_available()
     res = DemoResult(dir=Path(dir) if dir is not None else None, images=images, classes=classes,
-                     workers=load_workers, batch_size=batch_size, size=size,
-                     device=f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
-                     if cuda else "cpu (no CUDA)")
-    work = demo_dir(res.dir, ("images", "packed")) if res.dir is not None else Path(tempfile.mkdtemp(prefix="packer-demo-"))
+                     workers=load_workers, batch_size=batch_size, size=size, device=device_name())
+
+    def make(steps: Steps, work: Path) -> Path:
+        t = steps.start("make images")
+        with _one_thread_children():
+            src = make_image_folder(work / "images", images=images, classes=classes, seed=seed,
+                                    workers=make_workers, progress=progress)
+        nbytes = sum(p.stat().st_size for p in src.glob("*/*.jpg"))
+        steps.done("make images", t, f"{images} photo-like JPEGs, {human_size(nbytes)} "
+                                     f"({human_size(nbytes / images)} each) in {src}")
+        build_and_verify(steps, "build", src, work / "packed", make_workers, progress)
+        return src
+
+    def compare(steps: Steps, src: Path, read_from: Path) -> None:
+        decode = DecodeRandomResizedCrop(size)
+        packed = PackedDataset(read_from, decode=decode)
+        try:
+            compare_loaders(steps, {"folder loader": (FolderDataset(src, decode=decode), None),
+                                    "packed loader": (packed, PackedSampler(packed, seed=seed))},
+                            lambda ds, smp: make_loader(ds, batch_size, sampler=smp,
+                                                        num_workers=load_workers,
+                                                        persistent_workers=False),
+                            read_from, rounds, progress, "ImageFolder-style, a file per image")
+        finally:
+            packed.reader.close()
+
+    return run_job(res, ("images", "packed"), on_step, stage_dir, progress, make, compare)
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+    return "cpu (no CUDA)"
+
+
+def run_job(res: DemoResult, outputs: Tuple[str, ...], on_step, stage_dir, progress: bool,
+            make: Callable, compare: Callable) -> DemoResult:
+    """The demo's frame: a work folder (``res.dir``'s, or a temporary one), ``make(steps,
+    work)`` (the source, built into ``work/packed`` and verified), a staged copy when
+    ``stage_dir`` is writable, ``compare(steps, source, read_from)``; the temporary folder
+    and the staged copy are removed however the run ends."""
+    work = (demo_dir(res.dir, outputs) if res.dir is not None
+            else Path(tempfile.mkdtemp(prefix="packer-demo-")))
     steps = Steps(res, on_step)
     try:
-        src = _make_build_verify(steps, work, images, classes, seed, make_workers, progress)
+        src = make(steps, work)
         read_from = work / "packed"
         if stage_dir is not None and os.path.isdir(stage_dir) and os.access(stage_dir, os.W_OK):
-            read_from = stage_copy(steps, work / "packed", stage_dir, progress)
+            read_from = stage_copy(steps, read_from, stage_dir, progress)
         elif stage_dir is not None:
             res.notes.append(f"{stage_dir} is missing or not writable: not staged")
-        _compare_loaders(steps, src, read_from, rounds, seed, load_workers, cuda, progress)
+        compare(steps, src, read_from)
         return res
     finally:
         if res.staged_to is not None:
@@ -178,25 +222,19 @@ class Steps:
         self.res.steps.append(DemoStep(name, time.perf_counter() - t0, detail))
 
 
-def _make_build_verify(steps: Steps, work: Path, images: int, classes: int, seed: int,
-                       workers: int, progress: bool) -> Path:
-    t = steps.start("make images")
-    with _one_thread_children():
-        src = make_image_folder(work / "images", images=images, classes=classes, seed=seed,
-                                workers=workers, progress=progress)
-    nbytes = sum(p.stat().st_size for p in src.glob("*/*.jpg"))
-    steps.done("make images", t, f"{images} photo-like JPEGs, {human_size(nbytes)} "
-                                 f"({human_size(nbytes / images)} each) in {src}")
-    t = steps.start("build")
-    built = build(src, work / "packed", workers=workers, progress=progress)
-    steps.done("build", t, build_line(built.manifest, built.seconds))
+def build_and_verify(steps: Steps, name: str, source, dst: Path, workers: int,
+                     progress: bool) -> dict:
+    """Build ``source`` into ``dst`` and verify every record; the manifest."""
+    t = steps.start(name)
+    built = build(source, dst, workers=workers, progress=progress)
+    steps.done(name, t, built.summary())
     t = steps.start("verify")
-    rep = verify(work / "packed", progress=progress)
+    rep = verify(dst, progress=progress)
     if not rep.ok:
         raise PackerError(f"the demo dataset failed to verify: {rep.problems[0]} "
                           f"({len(rep.problems)} problem(s))")
     steps.done("verify", t, f"OK: {rep.checked_shards} shard(s), {rep.checked_records} records")
-    return src
+    return built.manifest
 
 
 def stage_copy(steps: Steps, packed: Path, stage_dir: os.PathLike, progress: bool) -> Path:
@@ -216,48 +254,71 @@ def stage_copy(steps: Steps, packed: Path, stage_dir: os.PathLike, progress: boo
     return staged
 
 
-def _compare_loaders(steps: Steps, src: Path, read_from: Path, rounds: int, seed: int,
-                     workers: int, cuda: bool, progress: bool) -> None:
-    """Interleaved epochs, best of ``rounds`` per loader: other work on the machine slows
-    one epoch or another, and the least disturbed one is closest to the real rate."""
-    res = steps.res
-    decode = DecodeRandomResizedCrop(res.size)
-    folder = FolderDataset(src, decode=decode)
-    packed = PackedDataset(read_from, decode=decode)
-    sampler = PackedSampler(packed, seed=seed)
-    took = {"folder loader": 0.0, "packed loader": 0.0}
-    best = {"folder loader": 0.0, "packed loader": 0.0}
-    try:
-        for r in range(rounds):
-            for name, ds, smp in (("folder loader", folder, None), ("packed loader", packed, sampler)):
-                t = steps.start(name) if r == 0 else time.perf_counter()
-                if smp is not None:
-                    smp.set_epoch(r)
-                n, sec = _epoch(ds, smp, res.batch_size, workers, cuda, progress,
-                                f"{name} {r + 1}/{rounds}")
-                best[name] = max(best[name], n / sec)
-                took[name] += time.perf_counter() - t
-    finally:
-        packed.reader.close()
-    res.folder_images_per_s = best["folder loader"]
-    res.packed_images_per_s = best["packed loader"]
+def compare_loaders(steps: Steps, datasets: Dict[str, tuple], loader: Callable, read_from: Path,
+                    rounds: int, progress: bool, baseline: str,
+                    record: Optional[Callable] = None) -> None:
+    """Interleaved epochs of ``loader(ds, sampler)`` over the folder and the packed
+    ``datasets`` (name -> (dataset, sampler)), best of ``rounds`` each: other work on the
+    machine slows one epoch or another, and the least disturbed one is closest to the real
+    rate. ``record(name, batches)`` wraps the first epoch's batches."""
+    res, cuda = steps.res, torch.cuda.is_available()
+    took = {name: 0.0 for name in datasets}
+    best = {name: 0.0 for name in datasets}
+    for r in range(rounds):
+        for name, (ds, sampler) in datasets.items():
+            t = steps.start(name) if r == 0 else time.perf_counter()
+            if sampler is not None:
+                sampler.set_epoch(r)
+            batches = loader(ds, sampler)
+            if r == 0 and record is not None:
+                batches = record(name, batches)
+            if cuda:
+                batches = CUDAPrefetcher(batches)
+            n, sec = loader_rate(batches, res.workers, cuda=cuda, total=len(ds),
+                                 progress=progress, desc=f"{name} {r + 1}/{rounds}")
+            best[name] = max(best[name], n / sec)
+            took[name] += time.perf_counter() - t
+    res.folder_images_per_s, res.packed_images_per_s = best["folder loader"], best["packed loader"]
     to_gpu = " + CUDAPrefetcher" if cuda else ""
     where = "staged copy" if read_from == res.staged_to else "shards"
     runs = f"best of {rounds} epochs" if rounds > 1 else "one epoch"
-    res.steps.append(DemoStep("folder loader", took["folder loader"],
-                              f"{best['folder loader']:,.0f} images/s ({runs}): ImageFolder-"
-                              f"style, a file per image{to_gpu}"))
-    res.steps.append(DemoStep("packed loader", took["packed loader"],
-                              f"{best['packed loader']:,.0f} images/s ({runs}): PackedDataset "
-                              f"({where}) + PackedSampler{to_gpu}"))
+    for name, what in (("folder loader", baseline),
+                       ("packed loader", f"PackedDataset ({where}) + PackedSampler")):
+        res.steps.append(DemoStep(name, took[name],
+                                  f"{best[name]:,.0f} images/s ({runs}): {what}{to_gpu}"))
+
+
+def loader_rate(batches: Iterable, workers: int, *, cuda: bool = False,
+                total: Optional[int] = None, progress: bool = False,
+                desc: str = "") -> Tuple[int, float]:
+    """(images, seconds) of one pass over ``batches`` ((images, labels or targets)), in the
+    steady state: the first wave (one batch per worker) pays for starting the workers and
+    is not timed; a pass too short for that is timed whole."""
+    skip = max(1, workers)
+    count = timed = seen = 0
+    t0 = t_start = time.perf_counter()
+    with tqdm(total=total, unit="img", desc=desc, disable=not progress, leave=False) as bar:
+        for _, targets in batches:
+            seen += 1
+            count += len(targets)
+            if seen > skip:
+                timed += len(targets)
+            elif seen == skip:
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            bar.update(len(targets))
+        if cuda:
+            torch.cuda.synchronize()
+    end = time.perf_counter()
+    return (timed, end - t0) if timed else (count, end - t_start)
 
 
 @contextlib.contextmanager
 def _one_thread_children():
-    """Processes spawned inside start with one OpenMP thread (unless the user chose a number).
-
-    Image makers run torch ops on small arrays; with a thread per core in each of N
-    processes, OpenMP's spinning threads burn about as much CPU as the work itself."""
+    """Processes spawned inside start with one OpenMP thread (unless the user chose a number):
+    image makers run torch ops on small arrays, where N processes of a thread per core spin
+    away about as much CPU as the work itself."""
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return
@@ -283,36 +344,3 @@ def demo_dir(d: Path, outputs: Tuple[str, ...]) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / DEMO_MARKER).write_text(f"made by `packer demo`; a re-run replaces {made}\n")
     return d
-
-
-def _epoch(dataset, sampler, batch_size: int, workers: int, cuda: bool, progress: bool,
-           desc: str) -> Tuple[int, float]:
-    """(images, seconds) of one epoch of ``make_loader`` over ``dataset`` (through
-    ``CUDAPrefetcher`` onto the GPU when there is one), in the steady state.
-
-    The first wave of batches (one per worker) is read but not timed: it pays for starting
-    the workers, which would otherwise dominate a short epoch on a many-core machine. An
-    epoch too short for that is timed whole."""
-    loader = make_loader(dataset, batch_size, sampler=sampler, num_workers=workers,
-                         persistent_workers=False)
-    batches = loader
-    if cuda:
-        batches = CUDAPrefetcher(loader)
-    skip = max(1, workers) if len(loader) > max(1, workers) else 0
-    total = timed = seen = 0
-    t0 = t_start = time.perf_counter()
-    with tqdm(total=len(dataset), unit="img", desc=desc, disable=not progress, leave=False) as bar:
-        for images, _ in batches:
-            seen += 1
-            total += images.shape[0]
-            if seen > skip:
-                timed += images.shape[0]
-            elif seen == skip:
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-            bar.update(images.shape[0])
-        if cuda:
-            torch.cuda.synchronize()
-    end = time.perf_counter()
-    return (timed, end - t0) if skip else (total, end - t_start)

@@ -137,3 +137,10 @@ def read_manifest(root: os.PathLike) -> Dict[str, Any]:
         raise FormatError(f"{path} is not a packer manifest")
     check_version(man.get("format_version", "?"), path)
     return validate_manifest(man, str(path))
+
+
+def classes_text(m: dict) -> str:
+    """"10 classes", "80 categories" (COCO) or "no class labels" (e.g. a --meta build)."""
+    if isinstance(m.get("categories"), list):
+        return f"{len(m['categories'])} categories"
+    return f"{len(m['classes'])} classes" if m["classes"] else "no class labels"

@@ -1,22 +1,8 @@
-"""``GPUDecoder``: the iterator a training loop uses on the GPU path.
-
-The CPU path's workers spend most of their time decoding and resizing; on the GPU path the
-DataLoader workers only read records and parse JPEG headers (microseconds), and the GPU does
-the rest in whole batches:
-
-    workers   EncodedImage: header parse and pixel limit; CPU decode only for what nvJPEG
-              can't take; collate_encoded: one flat byte buffer per batch
-    decode    2 threads, batches in turn: NvjpegDecoder (libnvjpeg via ctypes, hardware
-              engine on A100/H100/H200) writes each batch into one buffer;
-              torchvision.io.decode_jpeg where libnvjpeg can't be loaded directly
-    augment   in the same thread: crop boxes, then ONE Triton kernel crops, resizes
-              (antialiased bilinear), flips, normalizes and writes bf16 channels_last,
-              reading each image where it lies (packer.gpu.resample)
-    consumer  ``for x, y in GPUDecoder(make_gpu_loader(root, 256)):``, batches in order
-
-Each thread has its own CUDA stream; batches cross with events and ``record_stream``, as in
-``CUDAPrefetcher``, so the training stream waits for a batch only until it is ready.
-docs/gpu_decode.md has the reasons for each choice, the measurements, and the limits.
+"""``GPUDecoder``: the iterator a training loop uses on the GPU path. DataLoader workers only
+read records and parse JPEG headers (``encoded``); decode threads, each on its own CUDA stream,
+decode whole batches (``nvjpeg``, or torchvision's ``decode_jpeg``) and augment them in one
+Triton kernel (``resample``); batches cross streams with events and ``record_stream``, as in
+``CUDAPrefetcher``. docs/gpu_decode.md has the reasons for each choice and the measurements.
 """
 from __future__ import annotations
 
@@ -104,7 +90,7 @@ class GPUDecoder(LoaderView):
         self._gen = torch.Generator()
         self._gen.manual_seed(seed if seed is not None else int(torch.randint(1 << 62, ()).item()))
         self.stats = DecodeStats()
-        self.streams = [None] * (self.decode_threads + 1)  # decode thread(s), then augment
+        self.streams = [None] * self.decode_threads
         if self.device.type == "cuda":
             self.streams = [torch.cuda.Stream(self.device) for _ in self.streams]
             for st in self.streams:  # the constants were written on the current stream

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..reading.dataset import PackedDataset
+from ..reading.mixture import Mixture
 from ..loading.loader import make_loader
 from ..format.images import DEFAULT_MAX_PIXELS
 from .encoded import EncodedImage, collate_encoded
@@ -75,7 +76,8 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     ``drop_last``...). ``pin_memory`` defaults to False here (make_loader's is True with
     CUDA): nvJPEG reads the bytes on the host, and DataLoader's pin thread competes with the
     training step beside it; ``pin_memory=True`` gives more decoding throughput when nothing
-    trains beside it (docs/gpu_decode.md).
+    trains beside it (docs/gpu_decode.md). A ``Mixture`` of ``PackedDataset``s has each
+    source read that way.
     Also calls :func:`reserve_cuda_queues`, which only helps if CUDA has not started yet.
     """
     reserve_cuda_queues()
@@ -83,15 +85,27 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     own = own.max_pixels if isinstance(own, EncodedImage) else None
     if max_pixels is None:
         max_pixels = own or DEFAULT_MAX_PIXELS
-    if isinstance(dataset, (str, os.PathLike)):
-        dataset = PackedDataset(dataset, decode=EncodedImage(max_pixels))
-    elif isinstance(dataset, PackedDataset):
-        if dataset.transform is not None:
-            raise ValueError("the GPU path augments on the GPU (GPUDecoder(train=..., size=...)): "
-                             "build the PackedDataset without transform=")
-        if own != max_pixels:
-            dataset = copy.copy(dataset)
-            dataset.decode = EncodedImage(max_pixels)
+    if isinstance(dataset, Mixture):
+        dataset = copy.copy(dataset)
+        dataset.sources = [_encoded(d, max_pixels) for d in dataset.sources]
+    else:
+        dataset = _encoded(dataset, max_pixels)
     kwargs.setdefault("collate_fn", collate_encoded)
     kwargs.setdefault("pin_memory", False)
     return make_loader(dataset, batch_size, **kwargs)
+
+
+def _encoded(dataset, max_pixels: int):
+    """``dataset`` (a path or a ``PackedDataset``) handing out ``EncodedImage(max_pixels)``
+    samples: a copy where its decoder differs; anything else as it is."""
+    if isinstance(dataset, (str, os.PathLike)):
+        return PackedDataset(dataset, decode=EncodedImage(max_pixels))
+    if isinstance(dataset, PackedDataset):
+        if dataset.transform is not None:
+            raise ValueError("the GPU path augments on the GPU (GPUDecoder(train=..., size=...)): "
+                             "build the PackedDataset without transform=")
+        own = dataset.decode
+        if not isinstance(own, EncodedImage) or own.max_pixels != max_pixels:
+            dataset = copy.copy(dataset)
+            dataset.decode = EncodedImage(max_pixels)
+    return dataset

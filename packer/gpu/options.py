@@ -39,8 +39,6 @@ class GPUOptions:
     backend: "nvjpeg" calls libnvjpeg directly (``packer.gpu.nvjpeg.NvjpegDecoder``: one
         buffer per batch that the fused kernel reads in place); "torchvision" uses
         ``torchvision.io.decode_jpeg``; "auto" the first of the two that loads.
-    augment_thread: with ``overlap=2``, augment in a thread of its own rather than in the
-        decode threads (the kernel's launch is short, so a hand-off costs more than it saves).
     decoder: replaces both backends: ``(list of 1-D uint8 CPU tensors, device) -> list of
         (3, h, w) uint8 tensors``; with it ``device`` may be the CPU (tests, dry runs).
     """
@@ -55,7 +53,6 @@ class GPUOptions:
     queue_depth: int = 2
     max_ahead: Optional[int] = 3
     backend: str = "auto"
-    augment_thread: bool = False
     decoder: Optional[Callable[[List[torch.Tensor], torch.device], List[torch.Tensor]]] = None
 
     def __post_init__(self):
@@ -90,9 +87,9 @@ class DecodeStats:
     ``retried``: nvJPEG refused a batch and the image was decoded alone (PIL if nvJPEG
     refused it again). ``seconds``: wall time per stage, host side, summed over a stage's
     threads: ``loader`` (decode threads waiting for the DataLoader), ``decode``,
-    ``augment`` (or ``decode+augment`` with ``overlap=1``; GPU work is asynchronous, so
-    this is launch time), ``augment waits`` (for decoded batches), ``<stage> blocked``
-    (waiting for room in the next queue), ``consumer`` (the training loop waiting for a
+    ``augment`` (``decode+augment`` with ``overlap`` 1 or 2, where each thread does both;
+    GPU work is asynchronous, so this is launch time), ``<stage> blocked`` (waiting for room
+    in the queue), ``consumer`` (the training loop waiting for a
     batch: near zero when decoding keeps up) and ``throttle`` (the training loop waiting for
     its own GPU work, ``max_ahead``: large when the model is the limit).
     """

@@ -16,25 +16,20 @@ from .._util.threads import END, Raised, drain, stoppable_get, stoppable_put
 
 
 class Pipeline:
-    """The decode thread(s), each augmenting its own batches, or feeding an augment thread
-    (``GPUOptions.augment_thread``); one thread for ``overlap=1``; joined by bounded queues.
-
-    Several decode threads take batches from the loader in turn, numbered; the consumer
-    (or the augment thread) puts them back in that order. Threads hold no reference to the
-    consumer's generator, so an abandoned loop can be collected; ``close`` stops them,
-    drains the queues and joins, before the loader's iterator may be reused (persistent
-    workers reset the same iterator object).
+    """The decode threads (``decode_threads``; one for ``overlap=1``), each decoding and
+    augmenting its own batches on its own CUDA stream, joined to the consumer by a bounded
+    queue. Batches are numbered as the threads take them from the loader and handed out in
+    that order. Threads hold no reference to the consumer's generator, so an abandoned loop
+    can be collected; ``close`` stops them, drains the queue and joins, before the loader's
+    iterator may be reused (persistent workers reset the same iterator object).
     """
 
     def __init__(self, dec, it, base: int):
-        """``dec``: the ``GPUDecoder`` whose ``decode_batch``/``augment_batch`` the threads run."""
-        # Batch n's crops come from seed base + n, whichever thread augments it.
+        """``dec``: the ``GPUDecoder`` whose ``decode_batch``/``augment_batch`` the threads run;
+        batch n's crops come from seed ``base + n``, whichever thread augments it."""
         self.stop, self.stats = threading.Event(), dec.stats
-        depth = dec.options.queue_depth
-        self.out: queue.Queue = queue.Queue(depth)
-        self.queues = [self.out]
-        streams, lock, count = dec.streams, threading.Lock(), itertools.count()
-
+        self.out: queue.Queue = queue.Queue(dec.options.queue_depth)
+        lock, count = threading.Lock(), itertools.count()
         snapshot = getattr(dec.loader, "state_dict", None)
         self.states: dict = {}  # batch number -> the loader's state right after it was drawn
 
@@ -44,39 +39,18 @@ class Pipeline:
                 if snapshot is not None:
                     self.states[n] = snapshot()
                 return n, batch
-        self._ordered = None
-        if dec.options.overlap == 1:
-            stages = [("decode+augment", src, functools.partial(_both, dec, dec.decoders[0], base),
-                       streams[0], self.out, False)]
-        elif not dec.options.augment_thread:  # each decode thread augments its own batches
-            stages = [("decode+augment", src, functools.partial(_both, dec, dec.decoders[k], base),
-                       streams[k], self.out, True) for k in range(dec.decode_threads)]
-            self._ordered = self._in_order(self.out, dec.decode_threads)
-        else:
-            mid: queue.Queue = queue.Queue(depth + dec.decode_threads - 1)
-            self.queues.append(mid)
-            s_aug = streams[-1]
-
-            def handoff(n, item):  # decoded on a decode stream, augmented on s_aug
-                (images, sizes, labels), event = item
-                if event is not None:
-                    s_aug.wait_event(event)
-                    for t in images.tensors():
-                        t.record_stream(s_aug)
-                    labels.record_stream(s_aug)
-                return dec.augment_batch((images, sizes, labels), base + n)
-            stages = [("decode", src, functools.partial(_decode_only, dec, dec.decoders[k]),
-                       streams[k], mid, True) for k in range(dec.decode_threads)]
-            stages.append(("augment", self._in_order(mid, dec.decode_threads), handoff, s_aug,
-                           self.out, False))
-        self.threads = [threading.Thread(target=self._run, args=st, daemon=True,
-                                         name=f"packer-gpu-{st[0]}-{k}") for k, st in enumerate(stages)]
+        threads = dec.decode_threads
+        self._ordered = self._in_order(self.out, threads)
+        self.threads = [threading.Thread(
+            target=self._run, args=(src, functools.partial(_both, dec, dec.decoders[k], base),
+                                    dec.streams[k]),
+            daemon=True, name=f"packer-gpu-decode-{k}") for k in range(threads)]
         for t in self.threads:
             t.start()
 
     def _in_order(self, q, producers: int):
-        """Items of ``q`` in their numbers' order (the augment thread's source, or the
-        consumer's); the end once every producer has ended and nothing is left."""
+        """Items of ``q`` in their numbers' order; the end once every producer has ended and
+        nothing is left."""
         held, want, ended = {}, [0], [0]
 
         def get():
@@ -97,12 +71,10 @@ class Pipeline:
             return want[0] - 1, held.pop(want[0] - 1)
         return get
 
-    def _run(self, where, source, fn, stream, q, numbered) -> None:
-        # Seconds per stage: waiting for input ("loader" for the decode threads, "<stage>
-        # waits" for the augment thread), working ("<stage>"), and waiting for room in the
-        # next queue ("<stage> blocked"): the stage that neither waits nor is blocked is
-        # the bottleneck.
-        wait = "loader" if where.startswith("decode") else f"{where} waits"
+    def _run(self, source, fn, stream) -> None:
+        # Seconds waiting for the loader, working, and waiting for room in the queue: the
+        # stage that neither waits nor is blocked is the bottleneck.
+        where = "decode+augment"
         try:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 clock, add = time.perf_counter, self.stats.add_time
@@ -119,16 +91,16 @@ class Pipeline:
                     if stream is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
-                    self._put(q, (n, (res, event)) if numbered else (res, event))
-                    add(wait, t1 - t0)
+                    self._put(self.out, (n, (res, event)))
+                    add("loader", t1 - t0)
                     add(where, t2 - t1)
                     add(f"{where} blocked", clock() - t2)
                     del item, res
-            self._put(q, END)
+            self._put(self.out, END)
         except _Forward as f:
-            self._put(q, f.raised)
+            self._put(self.out, f.raised)
         except BaseException as e:  # noqa: B902 - everything reaches the consumer
-            self._put(q, Raised(e, f"packer's GPU {where} thread"))
+            self._put(self.out, Raised(e, f"packer's GPU {where} thread"))
 
     def _put(self, q, item) -> None:
         stoppable_put(q, item, self.stop)
@@ -137,15 +109,12 @@ class Pipeline:
         return stoppable_get(q, self.stop)
 
     def get(self):
-        if self._ordered is None:
-            item = self._get(self.out)
-        else:  # several threads put finished batches: hand them out in the loader's order
-            try:
-                item = self._ordered()[1]
-            except StopIteration:
-                item = END
-            except _Forward as f:
-                item = f.raised
+        try:  # several threads put finished batches: hand them out in the loader's order
+            item = self._ordered()[1]
+        except StopIteration:
+            item = END
+        except _Forward as f:
+            item = f.raised
         if isinstance(item, Raised):
             item.reraise()
         return item
@@ -155,19 +124,13 @@ class Pipeline:
         for t in self.threads:
             waited = 0.0
             while t.is_alive() and waited < timeout:  # a stuck loader leaves a daemon thread
-                for q in self.queues:
-                    drain(q)
+                drain(self.out)
                 t.join(0.05)
                 waited += 0.05
-        for q in self.queues:
-            drain(q)
+        drain(self.out)
         self._ordered = None  # its closure holds batches and this object: no cycle left for
         # the garbage collector, which could run in a DataLoader worker forked later and
         # free CUDA memory there (CUDA cannot be used in a forked child: the worker aborts)
-
-
-def _decode_only(dec, decoder, n, batch):
-    return dec.decode_batch(batch, decoder=decoder)
 
 
 def _both(dec, decoder, base, n, batch):

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from ..reading.mixture import Mixture
 from .sharedbatch import SharedBatch
 from .torchapi import shared_empty
 
@@ -97,7 +98,10 @@ def collate_detection(batch, *, channels_last: bool = True):
 
 
 def default_collate_for(dataset, channels_last: bool = True) -> Callable:
-    """``collate_detection`` for a detection ``PackedDataset``, else ``collate_uint8``."""
+    """``collate_detection`` for a detection ``PackedDataset`` (or a ``Mixture`` of them:
+    its sources' targets agree), else ``collate_uint8``."""
+    if isinstance(dataset, Mixture):
+        dataset = dataset.sources[0]
     detection = getattr(dataset, "task", None) == "detection" and getattr(
         getattr(dataset, "make_target", None), "detection", False)
     return functools.partial(collate_detection if detection else collate_uint8,

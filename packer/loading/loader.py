@@ -283,8 +283,12 @@ def _loader_class(stateful: bool):
 def _check_decoded(dataset) -> None:
     """Fail now, not in a worker, for a PackedDataset that would hand out PIL images."""
     from ..reading.dataset import PackedDataset
-    if (isinstance(dataset, PackedDataset) and dataset.decode is None and dataset.transform is None
-            and dataset.transforms is None):
+    from ..reading.mixture import Mixture
+    if isinstance(dataset, Mixture):
+        for source in dataset.sources:
+            _check_decoded(source)
+    elif (isinstance(dataset, PackedDataset) and dataset.decode is None
+          and dataset.transform is None and dataset.transforms is None):
         raise ValueError("this PackedDataset returns PIL images; make_loader needs uint8 tensors: "
                          "pass decode=DecodeRandomResizedCrop(224) (training) or "
                          "decode=DecodeCenterCrop(224) (evaluation) to PackedDataset, or a "

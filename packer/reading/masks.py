@@ -123,16 +123,6 @@ def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
     return flat.view(n, width, height).transpose(1, 2).contiguous()  # runs are column-major
 
 
-def polygon_mask(polygons: List[List[float]], height: int, width: int) -> torch.Tensor:
-    """One object's polygons as an (height, width) uint8 mask (``annToMask``'s)."""
-    return masks_of([polygons], height, width)[0]
-
-
-def rle_mask(rle: dict, height: int, width: int) -> torch.Tensor:
-    """A COCO RLE (column-major runs, starting with zeros) as an (height, width) mask."""
-    return masks_of([rle], height, width)[0]
-
-
 # -- runs ------------------------------------------------------------------------------------
 
 def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:

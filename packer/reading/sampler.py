@@ -136,7 +136,9 @@ class PackedSampler(Sampler[int]):
     """Seeded, DDP-exact, O(1)-resumable sampler for ``PackedDataset`` (any ``Sized`` works).
 
     Args:
-        dataset: anything with ``len()``; only its length is used.
+        dataset: anything with ``len()``; only its length is used. A ``Mixture`` (anything
+            with ``epoch_order(seed, epoch, shuffle)`` and ``epoch_size``) supplies each
+            epoch's order itself, its sources weighted (``order`` must stay "random").
         shuffle: ``False`` gives ``0, 1, 2, ...`` (still split across ranks).
         seed: with the epoch, fixes the order on every machine. Use the same on all ranks.
         num_replicas / rank: default to torch.distributed's world size and rank (1 and 0 when
@@ -161,7 +163,8 @@ class PackedSampler(Sampler[int]):
     main process, so this works with persistent workers too.
 
     Resume: ``state_dict()`` is ``{"seed", "epoch", "consumed", "size"}`` where ``consumed``
-    counts samples consumed globally (all ranks) in the epoch. ``load_state_dict()`` makes
+    counts samples consumed globally (all ranks) in the epoch (a ``Mixture`` adds its
+    ``layout``, checked on load). ``load_state_dict()`` makes
     the next iteration start at the first unseen position: nothing is read or skipped.
     The sampler counts the indices it has handed out, which is *ahead* of the training loop
     when a ``DataLoader`` prefetches. So either:
@@ -180,7 +183,11 @@ class PackedSampler(Sampler[int]):
                  drop_last: bool = False, order: str = "random", *,
                  block_size: int = 256, window: int = 16, aspect_groups: Optional[int] = None,
                  batch_size: Optional[int] = None):
-        self.size = len(dataset)
+        self.mixture = dataset if hasattr(dataset, "epoch_order") else None
+        self.size = dataset.epoch_size if self.mixture is not None else len(dataset)
+        if self.mixture is not None and order != "random":
+            raise ValueError(f"order={order!r} does not apply to a Mixture, which orders its "
+                             f"epochs itself: leave order='random'")
         self.groups = None
         if aspect_groups is not None:
             if not isinstance(batch_size, int) or batch_size < 1:
@@ -208,8 +215,12 @@ class PackedSampler(Sampler[int]):
     def permutation(self) -> torch.Tensor:
         """This epoch's global order (cached; int64 tensor)."""
         if self._cache is None or self._cache[:2] != (self.epoch, self.seed):
-            perm = global_order(self.size, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
-                                order=self.order, block_size=self.block_size, window=self.window)
+            if self.mixture is not None:
+                perm = self.mixture.epoch_order(self.seed, self.epoch, self.shuffle)
+            else:
+                perm = global_order(self.size, seed=self.seed, epoch=self.epoch,
+                                    shuffle=self.shuffle, order=self.order,
+                                    block_size=self.block_size, window=self.window)
             if self.groups is not None:
                 perm = grouped_order(perm, self.groups, self.batch_size * self.num_replicas,
                                      seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
@@ -268,7 +279,10 @@ class PackedSampler(Sampler[int]):
             consumed = self._consumed
         elif consumed < 0:
             raise ValueError(f"consumed must be >= 0 (global samples seen this epoch), got {consumed}")
-        return {"seed": self.seed, "epoch": self.epoch, "consumed": int(consumed), "size": self.size}
+        state = {"seed": self.seed, "epoch": self.epoch, "consumed": int(consumed), "size": self.size}
+        if self.mixture is not None:  # what, with seed and epoch, fixes a mixture's order
+            state["mixture"] = self.mixture.layout
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from ``state`` (possibly saved at another world size) at the next unseen sample.
@@ -283,6 +297,12 @@ class PackedSampler(Sampler[int]):
         if state.get("size", self.size) != self.size:
             raise ValueError(f"the state was saved for a dataset of {state['size']} samples, this one "
                              f"has {self.size}; resume on the same dataset or start a new run")
+        saved, layout = state.get("mixture"), getattr(self.mixture, "layout", None)
+        if saved is not None and [list(p) for p in saved] != layout:
+            raise ValueError(f"the state was saved for a mixture of {saved} "
+                             f"([samples, samples per epoch] per source), this one is "
+                             f"{layout or 'not a mixture'}; "
+                             f"resume with the same sources, weights and epoch_size")
         consumed = int(state["consumed"])
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, got {consumed}")

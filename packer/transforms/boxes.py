@@ -1,26 +1,23 @@
 """Box maths for detection augmentation: object boxes that move with the images.
 
-The GPU decoder crops and resizes whole batches (:func:`~packer.gpu.resample.resample_crops`)
-and a YOLO-style loader letterboxes them; the boxes of every image must follow without a
-Python loop per box. Boxes are XYXY in pixels (continuous coordinates: pixel ``j`` spans
-``[j, j + 1)``, the convention of the resizers), stored as one ``(N, 4)`` tensor for the
-whole batch plus ``counts`` ``(B,)``, the number of boxes of each image, in order
-(:func:`boxes_to_tensor` / :func:`split_boxes` convert from and to per-image lists).
-Functions that drop boxes return a ``keep`` mask of the fixed shape ``(N,)`` instead of a
-ragged result, so nothing waits for the GPU; :func:`select_boxes` applies it.
+The GPU decoder crops and resizes (or letterboxes) whole batches
+(:func:`~packer.gpu.resample.resample_crops`) and the CPU crop decoders one image; the boxes
+of every image must follow without a Python loop per box. Boxes are XYXY in pixels
+(continuous coordinates: pixel ``j`` spans ``[j, j + 1)``, the convention of the resizers),
+stored as one ``(N, 4)`` tensor for the whole batch plus ``counts`` ``(B,)``, the number of
+boxes of each image, in order. :func:`crop_boxes` returns a ``keep`` mask of the fixed shape
+``(N,)`` instead of a ragged result, so nothing waits for the GPU.
 
 The maths runs in float64 (float32 on MPS, which has no float64) whatever the boxes'
 dtype, and results come back in the boxes' dtype and device.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["boxes_to_tensor", "crop_boxes", "letterbox", "letterbox_boxes", "letterbox_params",
-           "select_boxes", "split_boxes"]
+__all__ = ["crop_boxes", "letterbox_params"]
 
 Size = Tuple[int, int]
 
@@ -42,7 +39,7 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     pixels; ``keep`` (N,) bool, true where the clipped area is positive and at least
     ``min_visible`` times the area of the box mapped before clipping: a box mostly cut
     away no longer shows its object. Fixed shapes, so nothing syncs with the GPU;
-    ``select_boxes(out, counts, keep)`` drops the rest (and ``labels[keep]`` their labels).
+    ``out[keep]`` and ``labels[keep]`` are what stays in view.
     """
     oh, ow = size
     dev, work = boxes.device, _work_dtype(boxes.device)
@@ -69,18 +66,6 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     return clipped.to(boxes.dtype), keep
 
 
-def select_boxes(boxes: torch.Tensor, counts: torch.Tensor,
-                 keep: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(boxes[keep], new_counts)``: the boxes :func:`crop_boxes` keeps and how many each
-    image still has. Ragged, so on the GPU this waits for ``keep``: do it once, late."""
-    dev = boxes.device
-    idx = _image_index(counts, len(boxes), dev)
-    keep = keep.to(dev)
-    new = torch.zeros(len(counts), dtype=torch.long, device=dev)
-    new.index_add_(0, idx, keep.long())
-    return boxes[keep], new
-
-
 # -- letterbox (YOLO) -----------------------------------------------------------------------
 
 def letterbox_params(sizes: torch.Tensor, size: Size, *,
@@ -103,72 +88,6 @@ def letterbox_params(sizes: torch.Tensor, size: Size, *,
         scale = scale.clamp(max=1.0)
     new = torch.round(hw * scale[:, None]).long().clamp_(min=1)
     return scale, torch.div(new.new_tensor([oh, ow]) - new, 2, rounding_mode="floor"), new
-
-
-def letterbox_boxes(boxes: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor,
-                    pad: torch.Tensor) -> torch.Tensor:
-    """Boxes (N, 4) XYXY source pixels, ``counts`` (B,), into the letterboxed images of
-    :func:`letterbox_params` / :func:`letterbox`: ``x * scale + left``, ``y * scale + top``.
-    Nothing is cut, so nothing is dropped or clipped."""
-    dev, work = boxes.device, _work_dtype(boxes.device)
-    idx = _image_index(counts, len(boxes), dev)
-    s = _to(scale.to(work), dev)[idx][:, None]
-    p = _to(pad.to(work), dev)[idx]                                           # (N, 2) top, left
-    off = torch.stack([p[:, 1], p[:, 0], p[:, 1], p[:, 0]], 1)
-    return (boxes.to(work) * s + off).to(boxes.dtype)
-
-
-def letterbox(images: Sequence[torch.Tensor], size: Size, *,
-              fill: Union[int, Sequence[int]] = 114,
-              scale_up: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Letterbox uint8 (C, h, w) ``images`` (any sizes and strides, one device) into one
-    ``(B, C, oh, ow)`` uint8 batch: each resized keeping its aspect (bilinear, antialiased
-    when shrinking, as PIL's BILINEAR: ``interpolate(antialias=True)`` in float32, rounded)
-    and centred on a canvas of ``fill`` (a grey level or one value per channel).
-
-    Returns ``(batch, scale, pad)`` (scale and pad on the images' device) for
-    :func:`letterbox_boxes`. One resize per image: sizes differ, so they cannot batch."""
-    oh, ow = size
-    b = len(images)
-    device = images[0].device if b else torch.device("cpu")
-    ch = images[0].shape[0] if b else 3
-    sizes = torch.tensor([tuple(im.shape[-2:]) for im in images], dtype=torch.long).reshape(-1, 2)
-    scale, pad, new = letterbox_params(sizes, size, scale_up=scale_up)
-    out = torch.empty((b, ch, oh, ow), dtype=torch.uint8, device=device)
-    out[:] = torch.as_tensor(fill, dtype=torch.uint8).reshape(-1, 1, 1).to(device)
-    for i, (im, (top, left), (nh, nw)) in enumerate(zip(images, pad.tolist(), new.tolist())):
-        if tuple(im.shape[-2:]) == (nh, nw):
-            out[i, :, top:top + nh, left:left + nw] = im
-            continue
-        x = F.interpolate(im[None].float(), size=(nh, nw), mode="bilinear", align_corners=False,
-                          antialias=True)
-        out[i, :, top:top + nh, left:left + nw] = x[0].round_().clamp_(0, 255)
-    return out, scale.to(_work_dtype(device)).to(device), pad.to(device)
-
-
-# -- per-image lists <-> one tensor ---------------------------------------------------------
-
-def boxes_to_tensor(boxes: Sequence, *, dtype: Optional[torch.dtype] = None,
-                    device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-image (n_i, 4) boxes (tensors, arrays or lists; n_i may be 0) to
-    ``(boxes (N, 4), counts (B,) int64)``, the layout the functions here take.
-    ``dtype`` defaults to the first input's if floating, else float32; ``device`` to the
-    first input's."""
-    parts = [torch.as_tensor(b).reshape(-1, 4) for b in boxes]
-    if dtype is None:
-        dtype = parts[0].dtype if parts and parts[0].is_floating_point() else torch.float32
-    if device is None:
-        device = parts[0].device if parts else torch.device("cpu")
-    counts = torch.tensor([len(p) for p in parts], dtype=torch.long).to(device)
-    if not parts:
-        return torch.zeros((0, 4), dtype=dtype, device=device), counts
-    return torch.cat([p.to(device, dtype) for p in parts]), counts
-
-
-def split_boxes(boxes: torch.Tensor, counts: torch.Tensor) -> List[torch.Tensor]:
-    """The inverse of :func:`boxes_to_tensor`: per-image (n_i, 4) views of ``boxes``."""
-    sizes = counts.tolist()
-    return list(torch.split(boxes, sizes)) if sizes else []
 
 
 # -- helpers --------------------------------------------------------------------------------

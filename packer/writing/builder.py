@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 
 from . import journal
 from .._util.fsio import FolderLock, remove_own
-from .._util.system import usable_cores
+from .._util.system import human_size, usable_cores
 from .check import DEFAULT_MAX_PIXELS, Transcode
 from ..errors import PackerError
-from ..format.manifest import LABEL_FIELD, MANIFEST, read_manifest, shard_number
+from ..format.manifest import LABEL_FIELD, MANIFEST, classes_text, read_manifest, shard_number
 from .packing import Packing
 from .worker import FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker, plan_shards, write_shard
 from ..sources.base import ImageList, Source, parse_part, select
@@ -44,11 +44,17 @@ class BuildResult:
     resumed_shards: int = 0
 
     def summary(self) -> str:
+        """The line a build ends with: what was packed, skipped, left out and dropped."""
         m = self.manifest
-        dropped = f", dropped {m['dropped_count']} annotation(s)" if m.get("dropped_count") else ""
-        return (f"packed {m['count']} images in {len(m['classes'])} classes into "
-                f"{len(m['shards'])} shard(s), {m['bytes'] / 1e6:.1f} MB; "
-                f"skipped {len(m['skipped'])}{dropped}; {self.seconds:.1f} s")
+        parts = [f"skipped {len(m['skipped'])}"]
+        if m.get("skipped_empty"):
+            parts.append(f"left out {m['skipped_empty']} without annotations (--skip-empty)")
+        if m.get("dropped_count"):
+            parts.append(f"dropped {m['dropped_count']} annotation(s)")
+        classes = classes_text(m)
+        return (f"packed {m['count']} images {'with' if classes.startswith('no ') else 'in'} "
+                f"{classes} into {len(m['shards'])} shard(s), {human_size(m['bytes'])}; "
+                f"{', '.join(parts)}; {self.seconds:.1f} s")
 
 
 def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,

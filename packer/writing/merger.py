@@ -89,7 +89,7 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
     if (dst / MANIFEST).exists():
         if not overwrite:
             raise PackerError(f"{dst} already holds a finished dataset; replace it with "
-                              f"overwrite=True (--overwrite)")
+                              f"overwrite=True")
         journal.remove_dataset(dst, read_manifest(dst))  # its manifest first, durably
     else:  # an interrupted overwrite's journal claims what it was removing
         mine = journal.claimed(dst)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from packer import build
-from packer.bench.coldread import SlowDisk
+from benchlib.slowdisk import SlowDisk
 from benchlib.order import OrderOptions, bench_order, order_report, orders, read_pass
 from packer.demo import make_image_folder
 from packer.errors import PackerError

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from packer.bench.coldread import SlowDisk, storage
+from packer.bench.coldread import storage
+from benchlib.slowdisk import SlowDisk
 from benchlib.stage import READERS, StageOptions, bench_stage, prepare, stage_report
 from packer.demo import make_image_folder
 from packer.errors import PackerError

@@ -1,11 +1,12 @@
-"""The epoch-boundary benchmark (packer.bench.epochs) runs and reports both loaders."""
+"""The epoch-boundary benchmark (benchlib.figures) runs and reports both loaders."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from packer import PackedDataset, build
-from packer.bench.epochs import VARIANTS, CudaStep, bench_epochs, epochs_table, one_run
+from packer.bench.epochs import VARIANTS, one_run
+from benchlib.figures import CudaStep, bench_epochs, epochs_table
 from packer.transforms.decode import DecodeRandomResizedCrop
 
 

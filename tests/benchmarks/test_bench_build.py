@@ -1,4 +1,4 @@
-"""``packer.bench.build`` (``benchmarks/bench_build.py``): decode and build rates on a small
+"""``benchlib.figures.bench_build`` (``benchmarks/bench_build.py``): decode and build rates on a small
 realistic folder, and the table made of them."""
 import os
 import subprocess
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from packer.bench.build import DECODE, DECODE_LOADED, bench_build, build_table, build_variants, decode_rate
+from packer.bench.build import DECODE, DECODE_LOADED, build_variants, decode_rate
+from benchlib.figures import bench_build, build_table
 from packer.demo import make_image_folder
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,8 +1,8 @@
-"""The loader-efficiency benchmark (packer.bench.efficiency) runs and reports its ratio."""
+"""The loader-efficiency benchmark (benchlib.figures) runs and reports its ratio."""
 from __future__ import annotations
 
 from packer import build
-from packer.bench.efficiency import bench_efficiency, efficiency_table
+from benchlib.figures import bench_efficiency, efficiency_table
 
 
 def test_bench_efficiency_dry_run(photo_src, tmp_path):

@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""Steady-state GPU input pipelines: DALI's RN50 training pipeline against packer's GPU
+path (and its CPU path), each variant in a fresh process, on the same JPEGs (GPU machine).
+
+Makes --images photo-like JPEGs (~500x375, ~56 KiB, from packer's shipped photos) as an
+ImageFolder tree, packs them with ``packer.build`` (stored, not transcoded), then runs every
+variant as a child process of this script (``--variant NAME``, one JSON line out), in
+--rounds rounds, the order rotated each round. Each child takes --warmup batches, then
+times a window of --batches batches (crossing >= 3 epoch boundaries at the defaults: an
+epoch is 40 batches of 256) between two ``torch.cuda.synchronize()``; images/s = images in
+the window / its seconds. Batch-arrival gaps (no synchronize per batch) show the swings.
+Outputs stay on the GPU; nothing consumes them (the pipelines alone).
+
+  dali            fn.readers.file(random_shuffle) -> decoders.image_random_crop(mixed) ->
+                  resize 224 -> crop_mirror_normalize(fp16, CHW, coin-flip mirror);
+                  batch 256, num_threads = os.cpu_count(), pipe.run(): DALI's defaults
+  dali_hw99       the same with hw_decoder_load=0.99
+  packer          GPUDecoder(make_gpu_loader(root, 256), size=224, train=True): all defaults
+  packer_pinned3  the same, make_gpu_loader(pin_memory=True), GPUOptions(decode_threads=3)
+  packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
+                  shuffle=True) + CUDAPrefetcher (normalize on the GPU)
+  workers<N>      packer_cpu with N workers, N = cores - 1 and cores (only with --only):
+                  which should default_num_workers() be
+
+Prints one table (median, min-max, each round, ratio to dali per round and of the medians);
+writes results.json and results.md to --out (default $OUT, else ./gpu-steady-out). The DALI
+variants run where ``nvidia.dali`` imports and CUDA works, else are listed as skipped (then
+the ratios are to the first variant that ran). A run of the defaults takes ~4 minutes on 16
+cores and an H100 (data made once under --root).
+
+    python3 benchmarks/bench_gpu_steady.py --images 10000 --rounds 3 --out "$OUT"
+    python3 benchmarks/bench_gpu_steady.py --only workers15,workers16 --out "$OUT"
+    python3 benchmarks/bench_gpu_steady.py --dry-run   # tiny, CPU, PIL for nvJPEG, no DALI
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+VARIANTS = ("dali", "dali_hw99", "packer", "packer_pinned3", "packer_cpu")
+MEAN, STD = [0.485 * 255, 0.456 * 255, 0.406 * 255], [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+
+# -- the children: one variant, one window ----------------------------------------------------
+
+def dali_batches(a, hw_load=None):
+    """DALI's RN50 training pipeline (its defaults but ``hw_load``), batches forever."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def
+    def rn50():
+        jpegs, labels = fn.readers.file(file_root=a.src, random_shuffle=True, name="Reader")
+        more = {} if hw_load is None else {"hw_decoder_load": hw_load}
+        images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB, **more)
+        images = fn.resize(images, resize_x=224, resize_y=224)
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16, output_layout="CHW",
+                                          crop=(224, 224), mean=MEAN, std=STD,
+                                          mirror=fn.random.coin_flip())
+        return images, labels.gpu()
+
+    pipe = rn50(batch_size=a.batch, num_threads=os.cpu_count(), device_id=0)
+    pipe.build()
+    while True:
+        images, labels = pipe.run()
+        yield images, a.batch
+
+
+def loader_batches(source, counter):
+    """``source`` pass after pass (each pass an epoch; the loader moves on by itself)."""
+    while True:
+        for x, y in source:
+            yield x, len(y)
+        counter["epochs"] += 1
+
+
+def packer_source(a, name: str):
+    """The variant's iterable, and what to record from it afterwards."""
+    import torch
+    from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
+    from packer.loading.loader import make_loader
+    from packer.loading.prefetch import CUDAPrefetcher
+    from packer.reading.dataset import PackedDataset
+    from packer.transforms.decode import DecodeRandomResizedCrop
+    cuda = not a.dry_run
+    if name.startswith("packer_cpu") or name.startswith("workers"):
+        workers = int(name[7:]) if name.startswith("workers") else None
+        ds = PackedDataset(a.packed, decode=DecodeRandomResizedCrop(a.size))
+        loader = make_loader(ds, a.batch, shuffle=True, num_workers=workers)
+        return CUDAPrefetcher(loader, device=None if cuda else "cpu"), loader
+    pinned = name == "packer_pinned3"
+    loader = make_gpu_loader(a.packed, a.batch, **({"pin_memory": True} if pinned and cuda else {}))
+    opts = {"decode_threads": 3} if pinned else {}
+    if a.dry_run:  # PIL stands in for nvJPEG, the CPU reference for the kernel
+        from benchlib.gpu_common import pil_decoder
+        opts["decoder"] = pil_decoder
+    g = GPUDecoder(loader, size=a.size, train=True, options=GPUOptions(**opts) if opts else None,
+                   **({} if cuda else {"device": torch.device("cpu")}))
+    return g, loader
+
+
+def child(a) -> dict:
+    """One variant in this process: warm-up, then the timed window."""
+    t_start = time.perf_counter()
+    import torch
+    if a.dry_run:
+        torch.set_num_threads(1)  # 2 OpenMP threads per process on 2 busy cores crawl
+    counter, extra, g = {"epochs": 0}, {}, None
+    if a.variant.startswith("dali"):
+        import nvidia.dali
+        extra["dali"] = nvidia.dali.__version__
+        it = dali_batches(a, 0.99 if a.variant == "dali_hw99" else None)
+    else:
+        g, loader = packer_source(a, a.variant)
+        extra.update(num_workers=loader.num_workers, pin_memory=bool(loader.pin_memory))
+        it = loader_batches(g, counter)
+    cuda = torch.cuda.is_available() and not a.dry_run
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    try:
+        next(it)
+        t_first = time.perf_counter()
+        for _ in range(a.warmup - 1):
+            next(it)
+        sync()  # the window: between two synchronizes, batch arrivals timed without
+        e0, t0, n, arrivals = counter["epochs"], time.perf_counter(), 0, []
+        for _ in range(a.batches):
+            n += next(it)[1]
+            arrivals.append(time.perf_counter())
+        sync()
+        t1 = time.perf_counter()
+    finally:
+        it.close()
+    gaps = [1e3 * (b - a_) for a_, b in zip([t0] + arrivals, arrivals)]
+    q = statistics.quantiles(gaps, n=10) if len(gaps) > 1 else gaps * 9
+    seen = (a.warmup + a.batches) * a.batch
+    boundaries = counter["epochs"] - e0 if g is not None else \
+        seen // a.images - (a.warmup * a.batch) // a.images  # DALI's reader wraps by itself
+    stats = getattr(g, "stats", None)
+    if stats is not None:
+        extra["ms_per_batch"] = {k: round(1e3 * v / max(1, stats.batches), 2)
+                                 for k, v in stats.seconds.items()}
+        extra["decoded"] = {"gpu": stats.gpu, "cpu": stats.cpu, "retried": stats.retried}
+        extra["backend"] = g.backend
+    return {"variant": a.variant, "rate": n / (t1 - t0), "images": n, "seconds": t1 - t0,
+            "batches": a.batches, "epoch_boundaries": boundaries,
+            "gap_ms": {"p10": q[0], "p50": statistics.median(gaps), "p90": q[8], "max": max(gaps)},
+            "startup_s": t_first - t_start, "warmup_s": t0 - t_first, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), **extra}
+
+
+# -- the parent: data, rounds, table ----------------------------------------------------------
+
+def make_data(a) -> dict:
+    """The JPEG tree (DALI's file_root) and its packed copy, made once per size under --root."""
+    from packer.writing.builder import build
+    root = Path(a.root) / f"{a.images}{'-dry' if a.dry_run else ''}"
+    src, packed, done = root / "src", root / "packed", root / "src.done"
+    if not done.exists():
+        t0 = time.perf_counter()
+        if a.dry_run:  # tiny photos, serially: the test's few seconds
+            import torch
+            torch.set_num_threads(1)
+            from packer.demo import load_photos, make_image, make_image_folder
+            make_image_folder(src, images=0, classes=a.classes)
+            photos = load_photos()
+            for i in range(a.images):
+                data = make_image(random.Random(i), photos, (64, 48))
+                (src / f"class_{i % a.classes:02d}" / f"img_{i:05d}.jpg").write_bytes(data)
+        else:
+            from benchlib.gpu_decode import make_folder
+            make_folder(SimpleNamespace(log=print), src, a.images, a.classes, a.cpus)
+        done.write_text("")
+        print(f"made {a.images} JPEGs in {time.perf_counter() - t0:.1f} s", flush=True)
+    if not (packed / "manifest.json").exists():
+        print(build(src, packed, workers=a.cpus, progress=False).summary(), flush=True)
+    m = json.loads((packed / "manifest.json").read_text())
+    a.src, a.packed = str(src), str(packed)
+    return {"images": m["count"], "bytes_per_image": m["bytes"] / m["count"],
+            "src": a.src, "packed": a.packed}
+
+
+def dali_missing(a):
+    """Why the DALI variants cannot run here, or None."""
+    if a.dry_run:
+        return "dry run (CPU)"
+    try:
+        found = importlib.util.find_spec("nvidia.dali") is not None
+    except ImportError:
+        found = False
+    if not found:
+        return "nvidia.dali is not importable"
+    import torch
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+def run_child(a, name: str) -> dict:
+    cmd = [sys.executable, __file__, "--variant", name, "--src", a.src, "--packed", a.packed]
+    for k in ("images", "batch", "warmup", "batches", "size"):
+        cmd += [f"--{k}", str(getattr(a, k))]
+    cmd += ["--dry-run"] if a.dry_run else []
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"variant": name, "error": f"timed out after {a.child_timeout} s",
+                "tail": str(e.stderr or "")[-2000:]}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {"variant": name, "error": f"exit {p.returncode}", "tail": p.stderr[-3000:]}
+    res = json.loads(lines[-1])
+    res["process_s"] = time.perf_counter() - t0
+    return res
+
+
+def summarize(runs: dict) -> tuple:
+    """Per variant: median, min, max, spread, and ratios to the baseline (dali if it ran)."""
+    ok = {v: [r.get("rate") for r in rs] for v, rs in runs.items()}
+    base = "dali" if any(ok.get("dali", [])) else next((v for v in ok if any(ok[v])), None)
+    summary = {}
+    for v, rates in ok.items():
+        good = [r for r in rates if r]
+        if not good:
+            continue
+        med = statistics.median(good)
+        s = {"median": med, "min": min(good), "max": max(good), "rounds": rates,
+             "spread_pct": 100 * (max(good) - min(good)) / 2 / med,
+             "gap_p50_ms": statistics.median(r["gap_ms"]["p50"] for r in runs[v] if "gap_ms" in r),
+             "gap_p90_ms": statistics.median(r["gap_ms"]["p90"] for r in runs[v] if "gap_ms" in r)}
+        b = ok.get(base, [])
+        s["ratio_rounds"] = [x / y if x and y else None for x, y in zip(rates, b)]
+        s["ratio_median"] = med / statistics.median([y for y in b if y])
+        summary[v] = s
+    return base, summary
+
+
+def table(base: str, summary: dict) -> str:
+    f = lambda x: f"{x:,.0f}" if x else "-"  # noqa: E731
+    r = lambda x: f"{x:.2f}" if x else "-"  # noqa: E731
+    lines = [f"| variant | median img/s | min-max | ± % | rounds | x {base} per round | "
+             f"x {base} (medians) | gap p50/p90 ms |", "|---|---:|---|---:|---|---|---:|---|"]
+    for v, s in summary.items():
+        lines.append(f"| {v} | {f(s['median'])} | {f(s['min'])}-{f(s['max'])} | "
+                     f"{s['spread_pct']:.1f} | {' / '.join(f(x) for x in s['rounds'])} | "
+                     f"{' / '.join(r(x) for x in s['ratio_rounds'])} | {r(s['ratio_median'])} | "
+                     f"{s['gap_p50_ms']:.1f} / {s['gap_p90_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parent(a) -> int:
+    t_all = time.perf_counter()
+    wanted = a.only.split(",") if a.only else list(VARIANTS)
+    unknown = [v for v in wanted if v not in VARIANTS and not
+               (v.startswith("workers") and v[7:].isdigit())]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS} and workers<N>")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"args": vars(a).copy(), "data": make_data(a), "cores": a.cpus,
+               "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+    why = dali_missing(a)
+    results["skipped"] = {v: why for v in wanted if v.startswith("dali") and why}
+    names = [v for v in wanted if v not in results["skipped"]]
+    runs = {v: [] for v in names}
+    results["order"], results["runs"] = [], runs
+    for k in range(a.rounds):
+        order = names[k % len(names):] + names[:k % len(names)]  # rotated: no fixed position
+        results["order"].append(order)
+        for v in order:
+            res = run_child(a, v)
+            runs[v].append(res)
+            print(f"round {k + 1} {v}: " + (f"{res['rate']:,.0f} img/s, gaps {res['gap_ms']}"
+                  if "rate" in res else res["error"] + "\n" + res["tail"]), flush=True)
+            base, results["summary"] = summarize(runs)
+            results["baseline"], results["wall_s"] = base, time.perf_counter() - t_all
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    first = next((r for rs in runs.values() for r in rs if "gpu" in r), {})
+    d = results["data"]
+    md = (f"{first.get('gpu', '?')}, {a.cpus} cores, torch {first.get('torch', '?')}; {d['images']} "
+          f"JPEGs, {d['bytes_per_image'] / 1024:.1f} KiB each; batch {a.batch}, {a.warmup} warm-up "
+          f"+ {a.batches} timed batches per process, {a.rounds} rounds; "
+          f"{time.perf_counter() - t_all:.0f} s in all\n\n")
+    md += table(results["baseline"], results["summary"])
+    md += "".join(f"\n{v}: skipped ({why})" for v, why in results["skipped"].items())
+    (out / "results.md").write_text(md + "\n")
+    print("\n" + md, flush=True)
+    return 0 if all("rate" in r for rs in runs.values() for r in rs) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=int, default=10_000)
+    p.add_argument("--classes", type=int, default=100)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--size", type=int, default=224, help="output side (packer's variants)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=20, help="batches before the window")
+    p.add_argument("--batches", type=int, default=250, help="batches in the timed window")
+    p.add_argument("--only", default="", help="comma list of variants (default: " +
+                   ",".join(VARIANTS) + "); also workers<N>: the CPU path with N workers")
+    p.add_argument("--root", default="/tmp/packer-gpu-steady", help="where the data is made")
+    p.add_argument("--out", default=os.environ.get("OUT") or "gpu-steady-out")
+    p.add_argument("--cpus", type=int, default=None, help="processes making the data")
+    p.add_argument("--child-timeout", type=int, default=150, help="seconds per variant run")
+    p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--src", help=argparse.SUPPRESS)
+    p.add_argument("--packed", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.variant:
+        print(json.dumps(child(a)), flush=True)
+        import atexit
+        atexit._run_exitfuncs()  # the loaders' workers stop; then no teardown (seconds of torch)
+        os._exit(0)
+    if a.dry_run:
+        a.images, a.classes, a.batch, a.warmup, a.batches, a.size = 160, 4, 16, 3, 36, 32
+        a.rounds = min(a.rounds, 2)
+    from packer._util.system import usable_cores
+    a.cpus = a.cpus or usable_cores()
+    return parent(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The steady-state GPU benchmark (benchmarks/bench_gpu_steady.py) on the CPU: its dry run
+end to end, each variant in its own process (PIL stands in for nvJPEG; DALI skipped)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu_steady.py"
+
+
+def test_dry_run_end_to_end(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "OUT")}
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--root", str(tmp_path / "data"),
+                          "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    variants = ("packer", "packer_pinned3", "packer_cpu")
+    assert res["data"]["images"] == 160 and res["baseline"] == "packer"  # no DALI here
+    assert set(res["skipped"]) == {"dali", "dali_hw99"}
+    assert [sorted(o) for o in res["order"]] == [sorted(variants)] * 2
+    assert res["order"][0] != res["order"][1]  # rotated between rounds
+    for v in variants:
+        s = res["summary"][v]
+        assert len(s["rounds"]) == 2 and all(r > 0 for r in s["rounds"])
+        assert s["min"] <= s["median"] <= s["max"] and s["ratio_median"] > 0
+        assert all(r > 0 for r in s["ratio_rounds"])
+        for r in res["runs"][v]:
+            assert r["epoch_boundaries"] >= 3 and r["batches"] == 36
+            assert r["images"] == 36 * 16  # 160 images: 10 whole batches an epoch
+            assert 0 < r["gap_ms"]["p50"] <= r["gap_ms"]["max"]
+    assert res["runs"]["packer"][0]["decoded"]["cpu"] == 0  # the stand-in decoder took all
+    table = (out / "results.md").read_text()
+    assert "| variant | median img/s | min-max |" in table and "x packer per round" in table
+    for v in variants:
+        assert f"| {v} |" in table and f"| {v} |" in run.stdout
+    assert "dali: skipped (dry run (CPU))" in table
+
+
+def test_help_names_the_command():
+    run = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "python3 benchmarks/bench_gpu_steady.py --images 10000 --rounds 3" in run.stdout

@@ -12,7 +12,7 @@ from .format.records import crc32, record_problem, unpack_record
 from .format.manifest import classes_text, dataset_schema, file_sha256, read_manifest, shard_file, side_tables
 from ._util.system import human_size
 from .writing.check import DEFAULT_MAX_PIXELS, BadImage, check_image
-from .reading.reader import ShardReader
+from .reading.reader import ShardReader, open_reader
 from .format.tables import read_column, read_labels, read_paths
 from .format.lmdbfile import shard_records
 from ._util.text import printable
@@ -246,8 +246,7 @@ def ls(root: os.PathLike, storage_options: Optional[dict] = None,
     """(index, label, source path) of every record, in record order (label -1 in a dataset
     without class labels). A URL's shards are fetched into ``cache_dir`` (default: a
     temporary folder) as they are reached."""
-    from .storage.local import opened_reader
-    with opened_reader(root, storage_options, cache_dir) as reader:
+    with open_reader(root, storage_options, cache_dir) as reader:
         for i in range(len(reader)):
             rec = reader.record(i)
             yield i, rec.get("label", -1), rec["path"]
@@ -258,8 +257,8 @@ def ls_fields(root: os.PathLike, storage_options: Optional[dict] = None,
     """Every record's fields, for a listing: scalars and text as they are, arrays as their
     shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size.
     A URL as for ``ls``."""
-    from .storage.local import opened_reader, shown
-    with opened_reader(root, storage_options, cache_dir) as reader:
+    from .storage.local import shown
+    with open_reader(root, storage_options, cache_dir) as reader:
         fields = [field_of(f) for f in dataset_schema(reader.manifest)["fields"]]
         for i in range(len(reader)):
             rec = reader.record(i)
@@ -281,6 +280,5 @@ def ls_fields(root: os.PathLike, storage_options: Optional[dict] = None,
 def cat(root: os.PathLike, index: int, storage_options: Optional[dict] = None,
         cache_dir: Optional[os.PathLike] = None) -> bytes:
     """The stored image bytes of record ``index`` (of a URL: only its shard is fetched)."""
-    from .storage.local import opened_reader
-    with opened_reader(root, storage_options, cache_dir) as reader:
+    with open_reader(root, storage_options, cache_dir) as reader:
         return reader.record(index)["image"]

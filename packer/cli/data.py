@@ -226,8 +226,8 @@ def merge(parts, dst, overwrite, storage_options, as_json):
 
     DST's manifest refers to the parts' shard files by relative path: keep the parts where
     they are, or `packer stage DST ...` to make a self-contained copy. Parts and DST may be
-    URLs: the parts are fetched and checked first; a DST in the parts' bucket refers to
-    their shards there, any other DST gets a self-contained copy (docs/object_storage.md).
+    URLs: the parts are fetched and checked first; a DST URL (in the parts' bucket) refers
+    to their shards there, a local DST to copies fetched beside it (docs/object_storage.md).
     """
     from ..storage.local import shown
     from ..writing.merger import merge as run_merge

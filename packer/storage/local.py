@@ -3,24 +3,25 @@ verify) and for merge.
 
 A local path passes through untouched (nothing here imports fsspec for it). A URL goes
 through a ``ShardCache`` in ``cache_dir`` (a temporary folder, removed afterwards, when none
-is given): ``manifest`` reads only the manifest; ``opened_reader`` fetches a shard the first
-time a record of it is read; ``local_root`` fetches every shard (each one's SHA-256 checked
-as it arrives) and writes the manifest beside them, so the folder is a local dataset that
-the local checks then read.
+is given): ``manifest`` reads only the manifest; ``cache_for`` is the cache a reader
+fetches a shard from the first time a record of it is read (``reading.reader.open_reader``);
+``local_root`` fetches every shard (each one's SHA-256 checked as it arrives) and writes the
+manifest beside them, so the folder is a local dataset that the local checks then read.
+``fetch_dataset`` is a plain verified copy under the files' own names, for ``merge``.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import posixpath
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional
 
 from .._util.fsio import write_json_atomic
-from ..format.manifest import MANIFEST, read_manifest
+from ..errors import PackerError
+from ..format.manifest import MANIFEST, read_manifest, side_tables
 from .urls import is_url, redact
 
 
@@ -60,20 +61,6 @@ def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Op
 
 
 @contextlib.contextmanager
-def opened_reader(name: Any, storage_options: Optional[Dict[str, Any]] = None,
-                  cache_dir: Optional[os.PathLike] = None) -> Iterator[Any]:
-    """A ``ShardReader`` of the dataset at a path or URL (a URL's shards fetched on first use)."""
-    from ..reading.reader import ShardReader
-    with contextlib.ExitStack() as stack:
-        if is_url(name):
-            reader = ShardReader(None, cache=stack.enter_context(cache_for(name, storage_options, cache_dir)))
-        else:
-            reader = ShardReader(name)
-        stack.callback(reader.close)
-        yield reader
-
-
-@contextlib.contextmanager
 def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
                cache_dir: Optional[os.PathLike] = None, *, parallel: int = 4) -> Iterator[Path]:
     """A local folder holding the whole dataset at a path or URL: the path itself, or for a
@@ -89,48 +76,23 @@ def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
         yield cache.root
 
 
-def merge_parts(parts: Sequence[Any], dst: Any, storage_options: Optional[Dict[str, Any]],
-                *, overwrite: bool, merge: Callable[..., dict]) -> dict:
-    """``merge`` where a part or ``dst`` is a URL; returns the merged manifest.
-
-    Each URL part is staged (every file checked against its SHA-256) into a temporary
-    folder laid out as the store is, and the parts are merged there. A ``dst`` in the same
-    bucket as every part gets only the merged manifest and tables (manifest last): like a
-    local merge, it refers to the parts' shards where they are, so keep them. Any other
-    ``dst`` gets a self-contained copy (the merged dataset staged: into ``dst`` when local,
-    else into the temporary folder, then uploaded). ``merge`` is ``packer.merge``, which
-    merges the local folders."""
-    from ..staging import stage
-    from .destination import Destination
-    urls = [p for p in parts if is_url(p)] + ([dst] if is_url(dst) else [])
-    base = posixpath.commonpath([u.split("://", 1)[1] for u in urls]) if urls else ""
-    in_place = bool(base) and len(urls) == len(parts) + 1 and len({u.split("://")[0] for u in urls}) == 1
-    with tempfile.TemporaryDirectory(prefix="packer-merge-") as tmp:
-        root = Path(tmp) / "store"
-        dest = Destination(dst, storage_options, Path(tmp) / "flat") if is_url(dst) else None
-        if dest is not None:
-            dest.begin(overwrite)  # refused before any part is fetched
-        local = []
-        for p in parts:
-            where = root / posixpath.relpath(p.split("://", 1)[1].rstrip("/"), base) if is_url(p) else Path(p)
-            if is_url(p):
-                stage(p, where, progress=False, storage_options=storage_options)
-            local.append(where)
-        if in_place:  # the manifest refers to the parts' shards, in the bucket already
-            dest.work = root / posixpath.relpath(dst.split("://", 1)[1].rstrip("/"), base)
-            named_parts(merge(local, dest.work), dest.work, parts)
-        else:  # a self-contained copy
-            named_parts(merge(local, Path(tmp) / "merged"), Path(tmp) / "merged", parts)
-            stage(Path(tmp) / "merged", dst if dest is None else dest.work, progress=False)
-            if dest is None:
-                return read_manifest(dst)
-        final = read_manifest(dest.work)
-        dest.finish(final)
-        return final
-
-
-def named_parts(manifest: dict, folder: Path, parts: Sequence[Any]) -> dict:
-    """The merged manifest naming its parts as given (URLs as shown), not as staged here."""
-    manifest["options"]["merged_from"] = [shown(p) for p in parts]
-    write_json_atomic(folder / MANIFEST, manifest)
-    return manifest
+def fetch_dataset(url: str, folder: os.PathLike, storage_options: Optional[Dict[str, Any]] = None,
+                  *, parallel: int = 4) -> Path:
+    """A plain copy of the dataset at ``url`` in ``folder``, its files under their own names,
+    each checked against its SHA-256, the manifest last (a folder already holding this very
+    manifest is complete and kept). For ``merge`` of parts in object storage."""
+    from .objects import Store
+    from .remote import fetch_manifest
+    folder, store = Path(folder), Store(url, storage_options)
+    man = fetch_manifest(store)
+    if (folder / MANIFEST).is_file() and read_manifest(folder) == man:
+        return folder
+    files = [(s["path"], s["bytes"], s.get("sha256")) for s in man["shards"]]
+    files += [(e["path"], e["bytes"], e.get("sha256")) for _, e, _ in side_tables(man)]
+    if any("/" in rel for rel, _, _ in files):
+        raise PackerError(f"{store.shown} is itself a merged dataset; merge its parts instead")
+    folder.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        list(pool.map(lambda f: store.download(f[0], folder / f[0], f[1], f[2]), files))
+    write_json_atomic(folder / MANIFEST, man)
+    return folder

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from conftest import KEY, SECRET
 from packer.cli import main
 from packer.info import cat, info, ls, verify
-from packer.storage.local import opened_reader
+from packer.reading.reader import open_reader
 
 
 def flags(s3) -> list:
@@ -24,7 +24,7 @@ def test_library_calls_take_a_url(s3, remote, local_dataset, tmp_path):
     got, want = info(remote, opts), info(local_dataset)
     assert got["path"] == remote and got["shards"] == want["shards"] and got["count"] == want["count"]
     assert list(ls(remote, opts)) == list(ls(local_dataset))
-    with opened_reader(remote, opts) as reader:  # a temporary cache keeps 2 shards at most
+    with open_reader(remote, opts) as reader:  # a temporary cache keeps 2 shards at most
         assert len(reader.cache) > 2 and all(reader.read(i) for i in range(len(reader)))
         assert reader.cache.evictions >= len(reader.cache) - 2 and reader.cache.usage() <= reader.cache.limit
     cache = tmp_path / "cache"

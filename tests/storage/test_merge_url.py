@@ -11,6 +11,7 @@ from conftest import BUCKET
 from packer import PackedDataset, build, merge, verify
 from packer.cli import main
 from packer.demo import make_image_folder
+from packer.errors import PackerError
 from packer.format.manifest import MANIFEST
 from packer.reading.reader import ShardReader
 from packer.storage import Destination
@@ -61,12 +62,11 @@ def test_cli_merge_urls_into_a_local_folder(s3, parts, tmp_path):
     assert "merged 2 parts" in r.output
     same_records(PackedDataset(tmp_path / "m"), local)
     assert verify(tmp_path / "m", quick=True, progress=False).ok
+    assert (tmp_path / "m.parts" / "p0" / MANIFEST).is_file()  # the parts, fetched beside it
 
 
-def test_merge_local_parts_into_a_url_uploads_a_whole_copy(s3, parts, tmp_path):
+def test_merge_into_a_url_outside_the_parts_bucket_is_refused(s3, parts):
     urls, local = parts
-    dst = f"s3://{BUCKET}/mflat"
-    m = merge([local.parent / "p0", local.parent / "p1"], dst, storage_options=s3["options"])
-    names = {k.rsplit("/", 1)[1] for k in s3["fs"].ls(dst.split("://")[1], refresh=True)}
-    assert len(m["shards"]) >= 2 and {s["path"] for s in m["shards"]} <= names  # its own shards
-    same_records(PackedDataset(dst, cache_dir=tmp_path / "c", storage_options=s3["options"]), local)
+    with pytest.raises(PackerError, match="needs every part in its bucket"):
+        merge([local.parent / "p0", urls[1]], f"s3://{BUCKET}/mixed", storage_options=s3["options"])
+    assert not s3["fs"].exists(f"{BUCKET}/mixed")

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Build rate on Ray (``packer.build(..., workers="ray")``) against the local build, on
+"""Build rate on Ray (``packer.build(..., engine="ray")``) against the local build, on
 this machine's cores, in the same run.
 
 Each build runs in a fresh process, the two variants alternating round by round. ``local``:
 ``build(workers=CORES)``. ``ray``: a local Ray cluster of CORES CPUs is started first
 (timed on its own: on a real cluster it is already up), then the same build with
-``workers="ray"``. Both read the same files (read once before the first round, so both see
+``engine="ray"``. Both read the same files (read once before the first round, so both see
 a warm page cache) and must give the same shards (sha256 compared). Prints a table, the
 per-round ratios and the command; ``--json FILE`` writes the numbers.
 
@@ -37,7 +37,7 @@ def child(variant: str, src: Path, dst: Path, cores: int) -> dict:
         ray.init(num_cpus=cores, include_dashboard=False, logging_level="WARNING")
         started = time.perf_counter() - t0
     t0 = time.perf_counter()
-    res = packer.build(src, dst, workers="ray" if variant == "ray" else cores, progress=False)
+    res = packer.build(src, dst, **({"engine": "ray"} if variant == "ray" else {"workers": cores}), progress=False)
     seconds = time.perf_counter() - t0
     m = res.manifest
     return {"variant": variant, "images": m["count"], "seconds": seconds,

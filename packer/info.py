@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from .errors import FormatError, PackerError
 from .format.fields import ArrayField, DataField, field_of
@@ -12,17 +12,19 @@ from .format.records import crc32, record_problem, unpack_record
 from .format.manifest import classes_text, dataset_schema, file_sha256, read_manifest, shard_file, side_tables
 from ._util.system import human_size
 from .writing.check import DEFAULT_MAX_PIXELS, BadImage, check_image
-from .reading.reader import ShardReader
+from .reading.reader import ShardReader, open_reader
 from .format.tables import read_column, read_labels, read_paths
 from .format.lmdbfile import shard_records
 from ._util.text import printable
 
 
-def info(root: os.PathLike) -> dict:
-    """The ``info --json`` object: the manifest's facts, with shard paths as given there."""
-    m = read_manifest(root)
+def info(root: os.PathLike, storage_options: Optional[dict] = None) -> dict:
+    """The ``info --json`` object: the manifest's facts, with shard paths as given there.
+    ``root`` may be a URL (``s3://...``): only its manifest is read."""
+    from .storage.local import is_url, manifest, redact
+    m = manifest(root, storage_options)
     return {
-        "path": str(Path(root)), "format_version": m["format_version"],
+        "path": redact(root) if is_url(root) else str(Path(root)), "format_version": m["format_version"],
         "packer_version": m.get("packer_version"), "created": m.get("created"),
         "count": m["count"], "bytes": m["bytes"], "classes": m["classes"],
         "class_counts": m.get("class_counts"),
@@ -106,7 +108,8 @@ QUICK_SKIPS = "records were not read, decoded or compared with labels.i32 (quick
 
 
 def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True,
-           max_pixels: int = DEFAULT_MAX_PIXELS) -> Report:
+           max_pixels: int = DEFAULT_MAX_PIXELS, storage_options: Optional[dict] = None,
+           cache_dir: Optional[os.PathLike] = None) -> Report:
     """Check what training relies on, and report every problem found.
 
     Always: the manifest's fields (``read_manifest``), every shard's size, SHA-256 and LMDB
@@ -118,9 +121,15 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True,
     (a stranger's manifest could name any): default PIL's, 89,478,485.
     A shard whose checksum is wrong still has its records checked, so the report names
     the damaged records; one that is missing, of the wrong size or malformed does not.
+    A URL's shards are first fetched into ``cache_dir`` (a temporary folder by default),
+    each refused unless its SHA-256 is the manifest's (``packer.storage.local_root``).
     """
     if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < 1:
         raise PackerError(f"verify(max_pixels): a positive pixel count, got {max_pixels!r}")
+    from .storage.local import is_url, local_root
+    if is_url(root):
+        with local_root(root, storage_options, cache_dir) as local:
+            return verify(local, quick=quick, progress=progress, max_pixels=max_pixels)
     root = Path(root)
     m = read_manifest(root)
     rep = Report(skipped_checks=QUICK_SKIPS if quick else "")
@@ -249,17 +258,21 @@ def image_problem(rec: dict, max_pixels: int) -> str:
     return ""
 
 
-def ls(root: os.PathLike) -> Iterator[Tuple[int, int, str]]:
+def ls(root: os.PathLike, storage_options: Optional[dict] = None,
+       cache_dir: Optional[os.PathLike] = None) -> Iterator[Tuple[int, int, str]]:
     """(index, label, source path) of every record, in record order (label -1 in a dataset
-    without class labels)."""
-    for i, rec, _ in checked_records(root):
+    without class labels). A URL's shards are fetched into ``cache_dir`` (default: a
+    temporary folder) as they are reached."""
+    for i, rec, _ in checked_records(root, storage_options, cache_dir):
         yield i, rec.get("label", -1), rec["path"]
 
 
-def ls_fields(root: os.PathLike) -> Iterator[dict]:
+def ls_fields(root: os.PathLike, storage_options: Optional[dict] = None,
+              cache_dir: Optional[os.PathLike] = None) -> Iterator[dict]:
     """Every record's fields, for a listing: scalars and text as they are, arrays as their
-    shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size."""
-    for i, rec, fields in checked_records(root):
+    shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size.
+    A URL as for ``ls``."""
+    for i, rec, fields in checked_records(root, storage_options, cache_dir):
         row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
         for f in fields:
             v = rec.get(f.name)
@@ -271,30 +284,28 @@ def ls_fields(root: os.PathLike) -> Iterator[dict]:
         yield row
 
 
-def checked_records(root: os.PathLike) -> Iterator[tuple]:
+def checked_records(root: os.PathLike, storage_options: Optional[dict] = None,
+                    cache_dir: Optional[os.PathLike] = None) -> Iterator[tuple]:
     """(index, record, schema fields) of every record whose fields have their schema's types;
     a FormatError naming the first that does not."""
-    reader = ShardReader(root)
-    fields = [field_of(f) for f in dataset_schema(reader.manifest)["fields"]]
-    try:
+    from .storage.local import shown
+    where = shown(root)
+    with open_reader(root, storage_options, cache_dir) as reader:
+        fields = [field_of(f) for f in dataset_schema(reader.manifest)["fields"]]
         for i in range(len(reader)):
             data = reader.read(i)  # a damaged shard: an error naming it
             try:
                 rec = unpack_record(data)
             except FormatError as e:
-                raise FormatError(f"record {i} of {root}: {e}; run `packer verify {root}`") from None
+                raise FormatError(f"record {i} of {where}: {e}; run `packer verify {where}`") from None
             problem = record_problem(rec, fields)
             if problem:
-                raise FormatError(f"record {i} of {root}: {problem}; run `packer verify {root}`")
+                raise FormatError(f"record {i} of {where}: {problem}; run `packer verify {where}`")
             yield i, rec, fields
-    finally:
-        reader.close()
 
 
-def cat(root: os.PathLike, index: int) -> bytes:
-    """The stored image bytes of record ``index``."""
-    reader = ShardReader(root)
-    try:
+def cat(root: os.PathLike, index: int, storage_options: Optional[dict] = None,
+        cache_dir: Optional[os.PathLike] = None) -> bytes:
+    """The stored image bytes of record ``index`` (of a URL: only its shard is fetched)."""
+    with open_reader(root, storage_options, cache_dir) as reader:
         return reader.record(index)["image"]
-    finally:
-        reader.close()

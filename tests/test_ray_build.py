@@ -1,4 +1,4 @@
-"""Builds on Ray (``workers="ray"``, ``packer build --ray``) give the local build's dataset
+"""Builds on Ray (``engine="ray"``, ``packer build --ray``) give the local build's dataset
 byte for byte, also when a Ray worker is killed mid-shard; a missing Ray is one line.
 
 One local Ray cluster (2 CPUs) serves the module: starting one takes ~15 s on a 2-core box.
@@ -124,7 +124,7 @@ def test_killed_ray_worker_same_dataset(cluster, folder, tmp_path):
     killer = threading.Thread(target=kill_a_writer, args=(dst, killed, stop), daemon=True)
     killer.start()
     try:
-        build(folder, dst, workers="ray")
+        build(folder, dst, engine="ray")
     finally:
         stop.set()
         killer.join()
@@ -140,10 +140,9 @@ def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path):
     shutil.copytree(folder, src)
     (src / "class_01/img_00080.jpg").write_bytes(b"\xff\xd8 truncated")
     left = {}
-    for name, workers in (("local", 2), ("ray", "ray")):
+    for name, how in (("local", {"workers": 2}), ("ray", {"engine": "ray"})):
         with pytest.raises(PackerError, match="strict: class_01/img_00080.jpg"):
-            build(ImageFolder(src), tmp_path / name, workers=workers,
-                  checks=packer.Checks(strict=True))
+            build(ImageFolder(src), tmp_path / name, **how, checks=packer.Checks(strict=True))
         left[name] = {p.name: p.read_bytes() for p in (tmp_path / name).iterdir()}
     assert any(n.startswith("shard-") for n in left["local"])
     assert left["ray"] == left["local"]
@@ -158,10 +157,14 @@ def test_no_ray_is_one_line(folder, tmp_path):
                            str(tmp_path / "dst"), "--ray"], capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stderr == ("Error: building on Ray needs Ray installed: pip install "
-                           "'packer[ray]' (or pip install ray)\n")
+                           "'packer-lmdb[ray]' (or pip install ray)\n")
     assert not (tmp_path / "dst").exists()
-    with pytest.raises(PackerError, match="workers must be a process count, 'ray' or an engine"):
-        build(folder, tmp_path / "dst", workers="dask")
+    with pytest.raises(PackerError, match="engine must be 'local', 'ray' or an engine object"):
+        build(folder, tmp_path / "dst", engine="dask")
+    with pytest.raises(PackerError, match="workers must be a process count"):
+        build(folder, tmp_path / "dst", workers="ray")
+    with pytest.raises(PackerError, match="workers counts this machine's processes"):
+        build(folder, tmp_path / "dst", engine="ray", workers=2)
     code = "import sys, packer; packer.build; import packer.writing.ray_engine; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True).stdout == "False\n"

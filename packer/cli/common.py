@@ -38,6 +38,47 @@ class Size(click.ParamType):
         return int(Fraction(found[1]) * SIZE_UNITS[found[2]])
 
 
+class PathOrURL(click.Path):
+    """A folder, or a URL (``s3://...``) passed on untouched (a str; a path is a Path)."""
+
+    def convert(self, value, param, ctx):
+        from ..storage.urls import is_url
+        return value if is_url(value) else super().convert(value, param, ctx)
+
+
+def storage_flags(fn=None, *, cache: bool = False):
+    """``--storage-option KEY=VALUE`` (repeatable) as ``storage_options`` (and with ``cache``,
+    ``--cache-dir``) for a command that takes a URL."""
+    if fn is None:
+        return functools.partial(storage_flags, cache=cache)
+    if cache:
+        fn = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+                          help="With a URL: keep its fetched shards in this node-local folder "
+                               "(reused by later commands) [default: a temporary folder].")(fn)
+    return click.option(
+        "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+        callback=lambda ctx, param, pairs: parse_storage_options(pairs),
+        help="With a URL: one of fsspec's storage_options (endpoint_url=..., "
+             "packer_parallel=8; a VALUE in JSON is parsed: client_kwargs={...}); repeatable. "
+             "Credentials are better left to the client's environment variables.")(fn)
+
+
+def parse_storage_options(pairs) -> dict:
+    """``("k=v", ...)`` -> ``{"k": v}``, v parsed as JSON where it is JSON (numbers, objects)."""
+    import json
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{pair.split('=')[0]!r}: expected KEY=VALUE",
+                                     param_hint="--storage-option")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
 def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command to resume."):
     """Show a PackerError as ``Error: ...`` (exit 1) and Ctrl-C as a short note (exit 130); so
     too a missing optional package (the line names the pip command) and an error of the

@@ -9,11 +9,11 @@ from pathlib import Path
 import click
 
 from .._util.text import json_text, printable, terminal_text
-from .common import Size, library_errors, warnings_as_lines
+from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_lines
 
 @click.command()
 @click.argument("src", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, path_type=Path))
 @click.option("--list", "list_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Take images from FILE's 'relative/path<TAB>label' lines (paths relative to SRC) "
                    "instead of SRC's class folders. Labels: all integers, or all class names.")
@@ -81,6 +81,7 @@ from .common import Size, library_errors, warnings_as_lines
               help="With --list or --meta --label: the most classes integer labels may make "
                    "(labels 0..N-1) [default: 1,000,000].")
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
+@storage_flags
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
 @click.option("--json", "as_json", is_flag=True,
               help="No progress bar; print one JSON object (dst, count, bytes, shards, task, "
@@ -89,7 +90,7 @@ from .common import Size, library_errors, warnings_as_lines
 def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, label_column,
           allow_empty, extensions, shard_size, workers, on_ray, max_side, short_side, quality,
           shuffle, seed, part, strict, max_pixels, max_image_bytes, max_classes, overwrite,
-          quiet, as_json):
+          storage_options, quiet, as_json):
     """Pack the image folder SRC into LMDB shards in DST.
 
     SRC is laid out as torchvision's ImageFolder expects (SRC/CLASS/.../IMAGE): classes are
@@ -112,6 +113,9 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
 
     An interrupted build (Ctrl-C, kill, power loss) leaves no dataset that readers accept;
     re-run the same command to resume after the last finished shard.
+
+    DST may be a URL (s3://bucket/ds): the build runs in a temporary folder and uploads each
+    shard as it finishes, the manifest last; a re-run resumes (docs/object_storage.md).
     """
     from ..writing.builder import build as run_build
     from ..writing.check import DEFAULT_MAX_PIXELS, Checks, Transcode
@@ -123,9 +127,12 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     transcode = None
     if max_side or short_side or quality:
         transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
+    if not isinstance(dst, Path):  # a URL
+        from ..storage.destination import Destination
+        dst = Destination(dst, storage_options)
     with warnings_as_lines(), flag_words():
         result = run_build(source, dst, shard_size=shard_size,
-                           workers="ray" if on_ray else workers,
+                           workers=workers, engine="ray" if on_ray else "local",
                            transcode=transcode, shuffle=shuffle, seed=seed, part=part,
                            checks=Checks(strict=strict,
                                          max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
@@ -220,21 +227,27 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta
 
 
 @click.command()
-@click.argument("parts", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True, path_type=Path))
-@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("parts", nargs=-1, required=True, type=PathOrURL(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, path_type=Path))
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
+@storage_flags
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (dst, parts, count, shards).")
 @library_errors
-def merge(parts, dst, overwrite, as_json):
+def merge(parts, dst, overwrite, storage_options, as_json):
     """Join datasets built with --part K/N into one dataset DST, without copying shards.
 
     DST's manifest refers to the parts' shard files by relative path: keep the parts where
-    they are, or `packer stage DST ...` to make a self-contained copy.
+    they are, or `packer stage DST ...` to make a self-contained copy. Parts and DST may be
+    URLs: the parts are fetched and checked first; a DST URL (in the parts' bucket) refers
+    to their shards there, a local DST to copies fetched beside it (docs/object_storage.md).
     """
+    from ..storage.local import shown
     from ..writing.merger import merge as run_merge
     with flag_words():
-        m = run_merge(list(parts), dst, overwrite=overwrite)
+        m = run_merge(list(parts), dst, overwrite=overwrite,
+                      storage_options=storage_options or None)
+    parts, dst = [shown(p) for p in parts], shown(dst)
     if as_json:
         click.echo(json_text({"dst": str(dst), "parts": [str(p) for p in parts],
                               "count": m["count"], "shards": len(m["shards"])}))
@@ -243,19 +256,20 @@ def merge(parts, dst, overwrite, as_json):
 
 
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (count, classes, shards, "
                                                       "bytes, skipped, format_version, ...).")
+@storage_flags
 @library_errors
-def info(dst, as_json):
+def info(dst, as_json, storage_options):
     """Summarize dataset DST: classes with counts, shards, sizes, build options, skipped files."""
     from ..info import format_info, info as get_info
-    i = get_info(dst)
+    i = get_info(dst, storage_options or None)
     click.echo(json_text(i) if as_json else format_info(i))
 
 
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.option("--quick", is_flag=True, help="Check structure, checksums and labels only: records are "
                                             "not read, decoded or compared with labels.i32.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
@@ -266,15 +280,20 @@ def info(dst, as_json):
 @click.option("--json", "as_json", is_flag=True,
               help="No progress bars; print one JSON object (path, ok, checked_shards, "
                    "checked_records, problems, skipped_checks); exit 1 when not ok.")
+@storage_flags(cache=True)
 @library_errors
-def verify(dst, quick, max_pixels, quiet, as_json):
+def verify(dst, quick, max_pixels, quiet, as_json, storage_options, cache_dir):
     """Check dataset DST: shard checksums and structure, labels, then every record (fields,
     checksum, decodes within --max-pixels with the size its record says, label). Exits 1
-    listing what is wrong."""
+    listing what is wrong. A URL's shards are fetched first, each checked against its
+    SHA-256, then checked as a folder's."""
     from ..info import verify as run_verify
     from ..format.images import DEFAULT_MAX_PIXELS
+    from ..storage.local import shown
     rep = run_verify(dst, quick=quick, progress=not (quiet or as_json),
-                     max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
+                     max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                     storage_options=storage_options or None, cache_dir=cache_dir)
+    dst = shown(dst)
     if as_json:
         click.echo(json_text({"path": str(dst), "ok": rep.ok, "checked_shards": rep.checked_shards,
                               "checked_records": rep.checked_records, "problems": rep.problems,
@@ -293,34 +312,37 @@ def verify(dst, quick, max_pixels, quiet, as_json):
 
 
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per line: index, path, width, height and every field "
                    "(arrays as their shape, e.g. boxes [3, 4]).")
+@storage_flags(cache=True)
 @library_errors
-def ls(dst, as_json):
+def ls(dst, as_json, storage_options, cache_dir):
     """List records of DST, one per line: INDEX<TAB>LABEL<TAB>PATH, in record order (LABEL
     -1 in datasets without class labels; --json shows every field)."""
     from ..info import ls as run_ls, ls_fields
+    where = (dst, storage_options or None, cache_dir)
     if as_json:
-        for row in ls_fields(dst):
+        for row in ls_fields(*where):
             sys.stdout.write(json_text(row, indent=None) + "\n")
         return
-    for i, label, path in run_ls(dst):
+    for i, label, path in run_ls(*where):
         sys.stdout.write(f"{i}\t{label}\t{printable(path)}\n")
 
 
 @click.command()
-@click.argument("dst", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.argument("index", type=int)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the bytes to this file instead of stdout.")
+@storage_flags(cache=True)
 @library_errors
-def cat(dst, index, output):
+def cat(dst, index, output, storage_options, cache_dir):
     """Write the stored image bytes of record INDEX of DST (to stdout, or -o FILE)."""
     from ..info import cat as run_cat
     try:
-        data = run_cat(dst, index)
+        data = run_cat(dst, index, storage_options or None, cache_dir)
     except IndexError as e:
         raise click.ClickException(str(e)) from None
     if output:

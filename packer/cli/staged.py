@@ -5,14 +5,7 @@ from pathlib import Path
 
 import click
 
-from .common import library_errors, result_json
-
-class PathOrURL(click.Path):
-    """A folder, or a URL (``s3://...``) passed on untouched."""
-
-    def convert(self, value, param, ctx):
-        from ..storage.urls import is_url
-        return value if is_url(value) else super().convert(value, param, ctx)
+from .common import PathOrURL, library_errors, result_json, storage_flags
 
 
 @click.command()
@@ -24,12 +17,13 @@ class PathOrURL(click.Path):
 @click.option("--no-verify", is_flag=True, help="Trust files already in TARGET whose size matches "
                                                 "(each new copy is still checked as it is written).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@storage_flags
 @click.option("--json", "as_json", is_flag=True,
               help="No progress bar; print one JSON object (source, target, copied, kept, "
                    "removed, bytes_copied, bytes_total, seconds, fstype, swap, ...).")
 @library_errors(interrupted="Interrupted; the partial copy is kept: re-run the same command to "
                             "resume, or `packer unstage TARGET` to remove it.")
-def stage(dst, target, remove, no_verify, quiet, as_json):
+def stage(dst, target, remove, no_verify, quiet, storage_options, as_json):
     """Copy dataset DST to fast storage TARGET (a tmpfs mount, or /dev/shm/NAME) and verify it.
 
     TARGET is created (parents too) if missing; an existing TARGET must be empty or a staged
@@ -60,7 +54,8 @@ def stage(dst, target, remove, no_verify, quiet, as_json):
         return
     if target is None:
         raise click.UsageError("missing TARGET: packer stage DST TARGET")
-    res = run_stage(dst, target, progress=not (quiet or as_json), verify=not no_verify)
+    res = run_stage(dst, target, progress=not (quiet or as_json), verify=not no_verify,
+                    storage_options=storage_options or None)
     click.echo(result_json(res) if as_json else res.message())
 
 

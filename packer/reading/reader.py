@@ -15,11 +15,12 @@ records of another dataset read with this one's offsets and labels.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import stat
 from array import array
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from ..errors import FormatError
 from ..format.manifest import MANIFEST, read_manifest, shard_file
@@ -181,3 +182,16 @@ def _identity(path: Path, entry: dict, root: Path) -> Tuple[int, int, int, int]:
         raise FormatError(f"shard {path} is {st.st_size} bytes but {root / MANIFEST} says "
                           f"{entry['bytes']} (an incomplete copy?); re-stage or rebuild the dataset")
     return _stat_identity(st)
+
+
+@contextlib.contextmanager
+def open_reader(root, storage_options: Optional[dict] = None,
+                cache_dir: Optional[os.PathLike] = None) -> Iterator[ShardReader]:
+    """A ``ShardReader`` of the dataset at a path or URL, closed afterwards; a URL's shards
+    are fetched on first use into ``cache_dir`` (``packer.storage.local.cache_for``)."""
+    from ..storage.local import cache_for, is_url
+    with contextlib.ExitStack() as stack:
+        cache = stack.enter_context(cache_for(root, storage_options, cache_dir)) if is_url(root) else None
+        reader = ShardReader(root, cache=cache)
+        stack.callback(reader.close)
+        yield reader

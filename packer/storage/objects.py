@@ -187,16 +187,17 @@ class Store:
                 f"rewritten? Nothing half-read was kept; re-run when the upload has finished")
 
     # -- writing ------------------------------------------------------------------------
-    def upload(self, local: Path, rel: str) -> None:
+    def upload(self, local: Path, rel: str) -> ObjectInfo:
         """Put the finished local file ``local`` at ``rel`` (the client splits a large one into
-        parts uploaded in parallel), then check the stored size."""
+        parts uploaded in parallel), then check the stored size; returns the object as stored."""
         key, size = self.key(rel), os.path.getsize(local)
         self.call(lambda: self.fs.put_file(os.fspath(local), key),
                   f"uploading {local} to {self.show(rel)}")
-        got = self.stat(rel).size
-        if got != size:
-            raise PackerError(f"{self.show(rel)} holds {got} bytes after uploading {size}; "
+        got = self.stat(rel)
+        if got.size != size:
+            raise PackerError(f"{self.show(rel)} holds {got.size} bytes after uploading {size}; "
                               f"re-run the upload")
+        return got
 
     def redacted(self, text: str) -> str:
         return redact_text(text, self.secrets)

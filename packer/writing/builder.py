@@ -17,7 +17,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Deque, Iterator, List, Optional, Union
+from typing import Any, Callable, Deque, Iterator, List, Optional, Union
 
 from tqdm.auto import tqdm
 
@@ -32,6 +32,7 @@ from .worker import (FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, ini
                      plan_shards, write_shard)
 from ..sources.base import ImageList, Source, parse_part, select
 from ..sources.folder import ImageFolder
+from ..storage.destination import as_destination
 
 DEFAULT_SHARD_SIZE = 1 << 30
 MAX_SHARD_SIZE = 64 << 30
@@ -58,37 +59,62 @@ class BuildResult:
 
 
 def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
-          shard_size: int = DEFAULT_SHARD_SIZE, workers: Union[int, str, Any] = None,
-          transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
+          shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
+          engine: Union[str, Any] = "local", transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
           part: Optional[str] = None, checks: Checks = Checks(), overwrite: bool = False,
           progress: bool = True) -> BuildResult:
     """Pack ``source`` into shards in ``dst``: a folder path (an ImageFolder), or a source
     object from ``packer.sources`` (``ImageFolder``, ``FileList``, ``Coco``, ``Yolo``,
     ``Table``, or your own with their protocol).
 
-    ``shard_size``: bytes of source files per shard; ``workers``: who checks images and
-    writes shards: a count of processes here (0: this process; default: the usable cores),
-    ``"ray"`` (tasks on a Ray cluster: ``packer.writing.ray_engine``) or an engine object
-    (``RayEngine(...)``; see ``as_engine``), the same dataset whichever; ``transcode``:
+    ``shard_size``: bytes of source files per shard; ``workers``: processes that check
+    images and write shards here (0: this process; default: the usable cores); ``engine``:
+    where shards are written: ``"local"`` (those processes), ``"ray"`` (tasks on a Ray
+    cluster, ``packer.writing.ray_engine``) or an engine object (``RayEngine(...)``; see
+    ``as_engine``), the same dataset whichever; ``transcode``:
     smaller JPEGs; ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"``, this
     build's share (join the parts with ``merge``); ``checks``: what is refused
     (``Checks(strict=, max_pixels=, max_image_bytes=)``: fail on the first bad image, skip
     larger images and files; only regular files are read); ``overwrite``: replace a finished
-    dataset in ``dst``."""
-    journal.check_dst(dst)  # before anything is written: packer writes only where asked
+    dataset in ``dst``.
+
+    ``dst`` may be a URL (``s3://bucket/ds``: credentials and endpoint from the client's
+    environment) or a ``packer.storage.Destination`` (with ``storage_options`` and a
+    ``work_dir``): the build runs in a local work folder and each shard is uploaded as it
+    finishes, the manifest last (``packer.storage.destination``)."""
     t0 = time.perf_counter()
+    remote = as_destination(dst)
+    if remote is not None:
+        dst = remote.work
+    journal.check_dst(dst)  # before anything is written: packer writes only where asked
     source, dst = as_source(source), Path(dst)
-    workers = usable_cores() if workers is None else as_engine(workers)
+    workers = as_engine(engine, workers)
     checks = as_checks(checks)
     _check_arguments(shard_size, workers)
+    if remote is not None:  # only now, with the arguments checked, may the URL change
+        if not isinstance(workers, int) and not remote.keep:
+            raise PackerError(f"building into {remote} on an engine (Ray) needs Destination("
+                              f"url, work_dir=...): a folder at the same path on every node")
+        finished = remote.begin(overwrite)
+        if finished is not None:  # only the upload was left to do (or nothing at all)
+            remote.finish(finished)
+            return BuildResult(finished, time.perf_counter() - t0, len(finished["shards"]))
     chosen = parse_part(part)
     source.check_destination(dst)
     # the source's options after the build's own; "list" always there, as it always was
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, **checks.options(), "list": None,
                **source.options()}
-    run = _Run(dst, options, workers, transcode, checks, chosen, overwrite, progress)
-    manifest, resumed = run.pack(source.read())
+    run = _Run(dst, options, workers, transcode, checks, chosen, overwrite, progress,
+               remote.shard_done if remote is not None else None)
+    try:
+        manifest, resumed = run.pack(source.read())
+    except BaseException:
+        if remote is not None:
+            remote.abort()  # the uploads running finish, so that their record is true
+        raise
+    if remote is not None:
+        remote.finish(manifest)
     return BuildResult(manifest, time.perf_counter() - t0, resumed)
 
 
@@ -103,22 +129,28 @@ def as_source(source: Union[os.PathLike, str, Source]) -> Source:
     return source
 
 
-def as_engine(workers: Union[int, str, Any]) -> Union[int, Any]:
-    """``workers`` as ``_shards`` takes it: a process count, or an engine. An engine is any
+def as_engine(engine: Union[str, Any], workers: Optional[int]) -> Union[int, Any]:
+    """What writes the shards, as ``_shards`` takes it: a process count (``engine="local"``;
+    ``workers``, default the usable cores), or an engine. An engine is any
     object with ``shards(tasks, job, bar)``: it runs ``worker.write_shard`` for each
     ``ShardTask`` with ``job``, yields the ``ShardDone`` results in the tasks' order
     (updating ``bar`` by images), and on close removes finished shards not marked ``taken``.
     The plan, the journal, the tables and the manifest stay here: an engine only moves the
     shard writing, so its datasets equal the local build's byte for byte."""
-    if isinstance(workers, int):
-        return workers
-    if workers == "ray":
+    if engine == "local":
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
+            raise PackerError(f"workers must be a process count, got {workers!r}")
+        return usable_cores() if workers is None else workers
+    if workers is not None:
+        raise PackerError(f"workers counts this machine's processes (engine='local'); "
+                          f"engine={engine!r} decides its own")
+    if engine == "ray":
         from .ray_engine import RayEngine
         return RayEngine()
-    if callable(getattr(workers, "shards", None)):
-        return workers
-    raise PackerError(f"workers must be a process count, 'ray' or an engine (e.g. "
-                      f"packer.writing.ray_engine.RayEngine()), got {workers!r}")
+    if callable(getattr(engine, "shards", None)):
+        return engine
+    raise PackerError(f"engine must be 'local', 'ray' or an engine object (e.g. "
+                      f"packer.writing.ray_engine.RayEngine()), got {engine!r}")
 
 
 @dataclass
@@ -132,6 +164,7 @@ class _Run:
     part: Optional[tuple]
     overwrite: bool
     progress: bool
+    on_shard: Optional[Callable[[dict], None]] = None  # each shard once the journal lists it
 
     def pack(self, source: ImageList) -> tuple:
         """(manifest, shards resumed): ``source`` packed into ``dst``."""
@@ -150,6 +183,8 @@ class _Run:
             run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
                           shard_size=o["shard_size"], strict=o["strict"])
             resumed = len(run.shards)
+            for shard in run.shards if self.on_shard is not None else []:
+                self.on_shard(shard)  # a resumed build's shards go up while it goes on
             bar = tqdm(total=len(source.entries), initial=run.start, unit="img",
                        disable=not self.progress, desc=f"packing {src.name or src}",
                        dynamic_ncols=True, smoothing=0.05)
@@ -157,7 +192,7 @@ class _Run:
             try:
                 job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names),
                                self.transcode, self.checks)
-                _pack(source, run, job, self.workers, bar)
+                _pack(source, run, job, self.workers, bar, self.on_shard)
             except BaseException:
                 run.abort()
                 raise
@@ -191,7 +226,7 @@ def source_schema(source: ImageList) -> dict:
     return {"task": task, "fields": fields + list(ann.schema)}
 
 
-def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar) -> None:
+def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard=None) -> None:
     """The planned shards, written by the workers, taken in plan order: each one's samples
     into the side tables and skip lists, then the shard into the journal. Shards after one
     that was cut short are not taken (a strict build's failure stopped them)."""
@@ -211,6 +246,8 @@ def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar) -> None:
                 run.add_row(kept[2], rel, kept[0], kept[1])
         done.taken = True  # from here the journal may list it: never removed as untaken
         run.add_shard(done.shard, done.task.end)
+        if on_shard is not None and done.shard is not None:
+            on_shard(done.shard)
         rate = in_bytes / 1e6 / max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(MBps=f"{rate:.1f}", skipped=len(run.skipped), refresh=False)
     if broken:

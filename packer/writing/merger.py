@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
+import tempfile
 from array import array
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from . import journal
 from .._util.fsio import FolderLock, remove_own, write_json_atomic
@@ -22,16 +24,26 @@ from .packing import new_manifest
 from ..format.tables import read_column, read_offsets, read_paths
 from ..format.lmdbfile import shard_records
 from .shard import write_table
+from ..storage.urls import is_url
 
 
-def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = False) -> dict:
+def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = False,
+          storage_options: Optional[dict] = None) -> dict:
     """Join finished part datasets into one in ``dst``; returns its manifest.
 
     Keep the parts where they are (or stage the merged dataset, which copies everything it
     references). Refused: a part given twice (any spelling, or two datasets sharing a shard
     file), parts with different classes, labels outside the classes, a ``dst`` that is a
     part, and an existing dataset in ``dst`` unless ``overwrite``.
+
+    Parts and ``dst`` may be URLs (``storage_options`` as for ``packer.stage``): each URL
+    part is fetched, every file checked against its SHA-256. A ``dst`` URL must lie in the
+    bucket of its parts, all URLs: it gets only the merged manifest and tables (manifest
+    last) and refers to the parts' shards where they are. A local ``dst`` refers to copies
+    of the URL parts fetched beside it, into ``DST.parts/``.
     """
+    if any(is_url(p) for p in [*parts, dst]):
+        return _merge_urls(list(parts), dst, storage_options, overwrite)
     journal.check_dst(dst)  # before anything is written: packer writes only where asked
     dst = Path(dst)
     if not parts:
@@ -49,6 +61,39 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
     dst.mkdir(parents=True, exist_ok=True)
     with FolderLock(dst, f"packer merge into {dst}"):
         return _write(mans, dst, classes, overwrite)
+
+
+def _merge_urls(parts: list, dst, storage_options: Optional[dict], overwrite: bool) -> dict:
+    from ..storage.destination import Destination
+    from ..storage.local import fetch_dataset, shown
+    names = [p.split("://", 1)[1].rstrip("/") for p in parts + [dst] if is_url(p)]
+    base = posixpath.commonpath(names)
+    if not is_url(dst):
+        home = Path(dst).parent / f"{Path(dst).name}.parts"
+        local = [fetch_dataset(p, home / posixpath.relpath(p.split("://", 1)[1].rstrip("/"), base),
+                               storage_options) if is_url(p) else p for p in parts]
+        return _named(merge(local, dst, overwrite=overwrite), Path(dst), parts)
+    schemes = {p.split("://", 1)[0] for p in parts + [dst] if is_url(p)}
+    if not base or len(schemes) > 1 or not all(is_url(p) for p in parts):
+        raise PackerError(f"merging into {shown(dst)} needs every part in its bucket (the merged "
+                          f"dataset refers to their shards there); merge into a local folder, "
+                          f"stage it, and upload that (packer.storage.upload_dataset)")
+    with tempfile.TemporaryDirectory(prefix="packer-merge-") as tmp:
+        here = lambda url: Path(tmp) / posixpath.relpath(url.split("://", 1)[1].rstrip("/"), base)
+        dest = Destination(dst, storage_options, here(dst))
+        dest.begin(overwrite)  # refused before any part is fetched
+        local = [fetch_dataset(p, here(p), storage_options) for p in parts]
+        manifest = _named(merge(local, dest.work), dest.work, parts)
+        dest.finish(manifest)
+        return manifest
+
+
+def _named(manifest: dict, folder: Path, parts: list) -> dict:
+    """The merged manifest naming its parts as given (URLs as shown), not as fetched."""
+    from ..storage.local import shown
+    manifest["options"]["merged_from"] = [shown(p) for p in parts]
+    write_json_atomic(folder / MANIFEST, manifest)
+    return manifest
 
 
 def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:

@@ -1,4 +1,4 @@
-"""Building on a Ray cluster: ``packer.build(src, dst, workers="ray")`` or ``packer build
+"""Building on a Ray cluster: ``packer.build(src, dst, engine="ray")`` or ``packer build
 SRC DST --ray``.
 
 Only the shard writing moves. The driver (the process that called ``build``) lists the
@@ -30,7 +30,7 @@ from ..errors import PackerError
 from ..sources.base import ImageList
 from .worker import ShardDone, ShardJob, ShardTask, write_shard
 
-INSTALL = "pip install 'packer[ray]' (or pip install ray)"
+INSTALL = "pip install 'packer-lmdb[ray]' (or pip install ray)"
 
 
 def need_ray():

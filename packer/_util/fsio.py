@@ -1,15 +1,6 @@
-"""Writing only where packer was asked to, and only files it created: exclusive temp files,
-atomic renames, and one writer per folder.
-
-packer often runs as root on shared storage (a node's /dev/shm, a team's dataset folder). A
-name packer writes through could be a symlink planted by someone else, pointing at a file
-they could not write themselves; so every file packer writes is created here, new
-(``O_CREAT | O_EXCL | O_NOFOLLOW``), and renamed into place (``rename`` replaces a link, it
-never writes through one). Before any of that, ``check_folder`` refuses a folder packer was
-not meant to write into. Private to packer; the names are public so modules can share them.
-
-``fcntl`` (Linux, macOS) is imported only by ``FolderLock``, so reading works where it is absent.
-"""
+"""Writing only where packer was asked to, and only files it created: every file is created new
+(``O_CREAT | O_EXCL | O_NOFOLLOW``) and renamed into place, so a planted symlink is never
+written through; ``check_folder`` refuses a wrong folder; ``FolderLock``: one writer."""
 from __future__ import annotations
 
 import errno

@@ -1,20 +1,7 @@
-"""Typed record fields: one class per field type, made from the manifest's ``schema`` entries
-(``{"name", "type"[, "dtype", "shape"]}``, ``field_of``) and written back to them unchanged
-(``Field.spec``).
-
-A record holds its image and, per the schema, any number of named fields:
-
-- ``int`` (int64), ``float`` (float64, finite), ``bool``, ``str`` (UTF-8): scalars. Fixed-width
-  scalars also go to a side table (``Field.column``: one value per record), so a column
-  loads without reading a record;
-- ``array``: raw little-endian bytes with the schema's ``dtype`` and ``shape`` (``-1`` as
-  the first dimension: any count, e.g. boxes ``[-1, 4]``) — never a pickled object;
-- ``data``: plain nested data (lists, string-keyed maps, str, int, float, bool, None), e.g.
-  COCO segmentation polygons and RLE, stored as msgpack without extension types.
-
-Each class checks a value on the way in (``encode``: a ValueError names the field) and a
-stored one on the way out (``check``: a record that does not match its schema is damaged).
-"""
+"""Typed record fields: one class per type (``int``, ``float``, ``bool``, ``str``, ``array``,
+``data``) made from the manifest's ``schema`` entries (``field_of``) and written back
+unchanged (``Field.spec``). ``encode`` checks a value going in, ``check`` a stored one
+(docs/format.md)."""
 from __future__ import annotations
 
 import math

@@ -1,15 +1,6 @@
-"""Crop + antialiased bilinear resize + flip + normalize + dtype of a whole batch:
-:func:`resample_crops`. On a CUDA device it is ONE Triton kernel (``kernel.py``) that reads
-every decoded image where it lies; images on the CPU (tests, dry runs, a custom decoder with
-``device="cpu"``) go through :func:`reference_resample`, the same maths in plain torch.
-
-The filter is PIL's BILINEAR with a box (a triangle whose support widens with the downscale
-factor, so it is antialiased), the one the CPU decoders use: outputs match PIL's resize of the
-same pixels to within one level (PIL rounds to uint8 between its two passes, this does not).
-A batch is described by an :class:`ImageTable` (a base tensor, and per image a byte offset
-and strides), so nvJPEG's flat output, a list of tensors and CPU-decoded HWC pixels are all
-read without a copy.
-"""
+"""Crop + antialiased bilinear resize + flip + normalize + dtype of a whole batch
+(:func:`resample_crops`): one Triton kernel on CUDA, :func:`reference_resample` (the same
+maths in torch) on the CPU. Within one level of PIL's BILINEAR resize of the same pixels."""
 from __future__ import annotations
 
 import importlib

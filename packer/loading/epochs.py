@@ -1,18 +1,8 @@
 """No stall at epoch boundaries: one DataLoader stream that runs on into the next epoch.
 
-A DataLoader starts an epoch's first batches only when that epoch's iterator is made, after
-the last batch of the previous one: every worker, and the GPU, then idles for the time one
-batch takes to decode. ``PackedSampler`` knows every epoch's order in advance, so here the
-batch sampler (``EpochBatches``) goes on from epoch *e*'s last batch to epoch *e + 1*'s
-first and the workers never stop; ``EpochStream`` hands out one epoch at a time.
-
-Batches go to whichever worker has room (DataLoader's ``in_order=False``): in turn, batch
-*k* waits for worker *k mod W* and the loader runs at W times its slowest worker's pace.
-Each batch carries its place in the stream (``Numbered``, ``StampedDataset``,
-``StampedCollate``) and ``EpochStream`` puts them back in the sampler's order; a batch whose
-reading or collating raised carries its exception (``Failed``), raised in its turn, after
-which the epoch goes on, as a DataLoader's does.
-"""
+``EpochBatches`` goes on from epoch *e*'s last batch to *e + 1*'s first, so workers never
+idle; batches go to whichever worker has room, carry their place (``Numbered``) and
+``EpochStream`` hands them out in the sampler's order, one epoch at a time."""
 from __future__ import annotations
 
 import math

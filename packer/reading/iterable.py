@@ -1,17 +1,7 @@
 """``PackedIterableDataset``: stream records nearly sequentially, shuffled through a buffer.
 
-For disks where even block order seeks too much (tape-like network storage, cold object
-stores behind a FUSE mount): each (rank, worker) reads one contiguous run of the epoch's
-order, and a seeded shuffle buffer of raw record bytes mixes what it reads. The epoch's
-order permutes large blocks of consecutive records (``global_order(order="block",
-window=1)``), so a rank sees different data every epoch while each block is still read
-front to back. Runs are cut from one global order, so every record is read exactly once per
-epoch across all ranks and workers; with DDP each rank gets the same count (the tail is
-padded from the start of the order, or dropped with ``drop_last``).
-
-No mid-epoch resume here (the buffer's contents would be state); use ``PackedDataset`` with
-``PackedSampler`` for that.
-"""
+Each (rank, worker) reads one contiguous run of a block-order epoch, so every record is read
+once per epoch across all of them. No mid-epoch resume (use ``PackedSampler`` for that)."""
 from __future__ import annotations
 
 import os

@@ -1,20 +1,7 @@
 """COCO segmentations (polygons, RLE) to binary masks: pycocotools' pixels, without it.
 
-The stored segmentation is the JSON's data, unchanged; masks are made only when a dataset
-is asked for them (``PackedDataset(..., masks=True)``), and they are the masks
-``pycocotools.mask.decode(merge(frPyObjects(segmentation, h, w)))`` gives — what
-``annToMask``, COCO evaluation and torchvision's ``wrap_dataset_for_transforms_v2`` use —
-pixel for pixel: polygons rasterised as ``rleFrPoly`` does (``polygons``), RLE (COCO's
-compressed string or a list of run lengths) decoded as ``rleDecode``.
-
-Both become column-major ``[start, end)`` runs, painted for all of an image's objects at
-once (one cumulative sum over ``N x H x W`` bytes, then one transpose to row-major). The
-work is bounded before it starts: ``segmentation_problem`` says why a stored
-segmentation cannot give masks — an image too large, an RLE not of its image, a polygon
-object with more than ``MAX_POLYGON_VERTICES`` vertices, a coordinate beyond
-``MAX_COORDINATE``, or edges crossing more image columns than ``crossing_budget`` allows
-(``docs/security.md``).
-"""
+Masks equal ``pycocotools.mask.decode(merge(frPyObjects(...)))`` pixel for pixel, and the
+work is bounded before it starts (``segmentation_problem``; docs/security.md)."""
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple, Union

@@ -1,23 +1,8 @@
 """``Mixture``: several datasets read as one, each taking a fixed share of every epoch.
 
-The mixture's indices are its sources' indices laid end to end (as ``ConcatDataset``'s:
-index ``i`` is source ``s``'s local index ``i - offset[s]``), and each sample is the
-source's own (its decoder, transforms and targets). What the weights change is the
-*epoch*: ``epoch_order(seed, epoch)`` lists ``epoch_size`` of those indices in which source
-``s`` appears exactly ``counts[s]`` times, the largest-remainder rounding of its weight's
-share, so the counts always sum to ``epoch_size``. ``PackedSampler`` iterates that list in
-place of its own permutation, so its DDP split, ``set_epoch``, O(1) resume and elastic
-resume apply unchanged: the list is a pure function of (seed, epoch).
-
-Which samples of source ``s`` (``n`` samples, ``c = counts[s]`` per epoch): every sample
-``c // n`` times, plus the next ``c % n`` of a walk through a seeded permutation of the
-source, read ``c % n`` at a time from one epoch to the next. A permutation serves a round of
-``ceil(n / (c % n))`` epochs, read cyclically, so no sample repeats within an epoch beyond
-its ``c // n`` copies, and a share smaller than the source walks through all of it before
-any sample comes back (the round's last epoch wraps to the permutation's start for what it
-lacks); the next round draws a new permutation. Computing an epoch costs one permutation
-per source whatever the epoch number: resuming at epoch 90 does not replay epochs 0-89.
-"""
+Indices are the sources' laid end to end (as ``ConcatDataset``'s); ``epoch_order(seed,
+epoch)`` is a pure function listing each source's largest-remainder share, which
+``PackedSampler`` iterates in place of its own permutation (docs/mixture.md)."""
 from __future__ import annotations
 
 import bisect

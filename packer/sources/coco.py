@@ -1,19 +1,8 @@
-"""COCO instances JSON (``Coco(images, annotations)``; ``--coco FILE``) as detection targets.
+"""COCO instances JSON (``Coco(images, annotations)``; ``--coco FILE``) as detection targets,
+stored as ``wrap_dataset_for_transforms_v2`` makes them (XYXY boxes, ``category_id`` labels).
 
-The stored fields are what ``torchvision.datasets.wrap_dataset_for_transforms_v2`` makes of
-``CocoDetection``: XYXY pixel boxes and the COCO ``category_id`` as the label (not an index
-into ``classes``), plus ``area``, ``iscrowd``, the annotation ids and the segmentation as
-given. Only the images the JSON lists are packed (other files in the folder are not), in
-ascending image id; an image's objects keep the JSON's order. The JSON's image widths and
-heights are not trusted: boxes are fitted to the size of the decoded image.
-
-The file is read by msgspec into small typed structs, so each check is made once, by the
-types or the few lines below them, and a broken file's error names the JSON path to fix
-(``$.annotations[3].image_id``). A broken or ambiguous file (not JSON, a missing key, an id
-used twice) stops the build; an unusable image or object is left out with a reason. A
-segmentation stays JSON text (``msgspec.Raw``) until the build's workers fit the image's
-objects (``fit_coco``): they check it and store it as msgpack, or drop the object.
-"""
+Read by msgspec into typed structs, so a broken file's error names the JSON path; a
+segmentation stays JSON text until the workers check it (``fit_coco``)."""
 from __future__ import annotations
 
 import codecs

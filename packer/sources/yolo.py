@@ -1,29 +1,7 @@
-"""Ultralytics YOLO detection labels (``Yolo(images, labels, names, rules)``; ``--yolo LABELS
---names NAMES [--yolo-rules RULES]``) as detection targets, by ultralytics' rules.
-
-Every image under IMAGES is packed (recursively, in ImageFolder's walk order); its labels
-are ``LABELS/<same relative path>.txt`` as ultralytics lays them out, or ``LABELS/<stem>.txt``
-(a flat folder) when that is missing. An image without a label file is a background image
-(no objects). Each label line is ``class cx cy w h`` normalized to the image **as shown**
-(its EXIF orientation applied: ultralytics reads images with OpenCV, which turns them); a
-line with 7 or more values is a polygon ``class x1 y1 x2 y2 ...``, stored as its bounding
-box. Boxes are stored in the stored pixels' frame (as COCO's are), XYXY, clipped to the
-image; ``PackedDataset(exif_orientation=True)`` turns them with the image. Pose labels
-(boxes plus keypoints) are not read.
-
-A line is valid as ultralytics' ``verify_image_label`` has it: 5 values, or a class and an
-even number of polygon coordinates; every number finite; the class an integer (``2.0`` too)
-in range; ``cx cy w h`` (a polygon's: of its box, in float32, as there) within 1 % outside
-[0, 1] (clipped); a zero-size box is kept. A repeated row is dropped (listed). With
-``rules="ultralytics"`` (the default) an image is left out, listed in the manifest's
-``skipped`` with the reason, when any line of its label file is not valid, when the file
-mixes box and polygon rows, or when the image is under 10 pixels on a side; with
-``rules="lines"`` only the invalid line is dropped (listed) and the image is kept. Either
-way an image whose label file is not UTF-8 or cannot be read is left out (packing it with
-no objects would be silently wrong), as is one whose flat ``<stem>.txt`` images in several
-folders would share. NAMES is a text file (a class per line) or a dataset YAML, read with
-PyYAML as ultralytics reads it.
-"""
+"""Ultralytics YOLO detection labels (``Yolo(images, labels, names, rules)``; ``--yolo``) as
+detection targets, by ultralytics' rules: ``LABELS/<relative path>.txt`` (or a flat
+``<stem>.txt``) per image, boxes stored XYXY in the stored pixels' frame. Which lines and
+images are kept (``rules="ultralytics"`` or ``"lines"``): docs/annotations.md."""
 from __future__ import annotations
 
 import math

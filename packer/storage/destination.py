@@ -1,14 +1,6 @@
-"""Building into object storage: ``build(source, "s3://bucket/ds")`` or
-``build(source, Destination(url, storage_options=..., work_dir=...))``.
-
-The build itself runs as a local build into a work folder. Each shard is uploaded as soon as
-the build has taken it into its journal (on a few threads, while the build goes on; a large
-file in parallel parts, by the client), the side tables after the last shard, and the
-manifest last, so a reader of the URL sees a whole dataset or none. Re-running the same
-build resumes: the work folder's journal resumes the build, and a file is not uploaded again
-when ``.packer-uploaded.json`` in the work folder says this size and SHA-256 went up and the
-store still lists it with the size and version (ETag) it had then.
-"""
+"""Building into object storage: ``build(source, "s3://bucket/ds")`` or ``Destination(url, ...)``.
+A local build into a work folder uploads each shard once journaled, the manifest last (a
+reader sees a whole dataset or none); a re-run resumes and skips files already up."""
 from __future__ import annotations
 
 import hashlib

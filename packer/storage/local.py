@@ -1,14 +1,5 @@
-"""A dataset named by path or URL, made local for the read-only commands (info, ls, cat,
-verify) and for merge.
-
-A local path passes through untouched (nothing here imports fsspec for it). A URL goes
-through a ``ShardCache`` in ``cache_dir`` (a temporary folder, removed afterwards, when none
-is given): ``manifest`` reads only the manifest; ``cache_for`` is the cache a reader
-fetches a shard from the first time a record of it is read (``reading.reader.open_reader``);
-``local_root`` fetches every shard (each one's SHA-256 checked as it arrives) and writes the
-manifest beside them, so the folder is a local dataset that the local checks then read.
-``fetch_dataset`` is a plain verified copy under the files' own names, for ``merge``.
-"""
+"""A dataset named by path or URL, made local for info/ls/cat/verify and merge: a path passes
+through; a URL goes through a ``ShardCache`` (a temporary one unless ``cache_dir``)."""
 from __future__ import annotations
 
 import contextlib

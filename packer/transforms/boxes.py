@@ -1,16 +1,6 @@
-"""Box maths for detection augmentation: object boxes that move with the images.
-
-The GPU decoder crops and resizes (or letterboxes) whole batches
-(:func:`~packer.gpu.resample.resample_crops`) and the CPU crop decoders one image; the boxes
-of every image must follow without a Python loop per box. Boxes are XYXY in pixels
-(continuous coordinates: pixel ``j`` spans ``[j, j + 1)``, the convention of the resizers),
-stored as one ``(N, 4)`` tensor for the whole batch plus ``counts`` ``(B,)``, the number of
-boxes of each image, in order. :func:`crop_boxes` returns a ``keep`` mask of the fixed shape
-``(N,)`` instead of a ragged result, so nothing waits for the GPU.
-
-The maths runs in float64 (float32 on MPS, which has no float64) whatever the boxes'
-dtype, and results come back in the boxes' dtype and device.
-"""
+"""Box maths for detection augmentation: XYXY pixel boxes of a whole batch, ``(N, 4)`` plus
+per-image ``counts``, that follow crops and resizes without a Python loop per box. The
+maths runs in float64 (float32 on MPS); results keep the boxes' dtype and device."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

@@ -1,10 +1,5 @@
-"""The models and the training step every benchmark (and the training example) times: one
-copy, so their numbers compare.
-
-    make_model   a torchvision model by name, else built in: ``resnet50`` (torchvision's
-                 layout) or ``tiny`` (``TinyNet``, for CPU runs and tests)
-    TrainStep    forward under autocast, loss, backward, optimizer (and scheduler) step
-"""
+"""The models (``make_model``) and the training step (``TrainStep``) every benchmark times: one
+copy, so their numbers compare."""
 from __future__ import annotations
 
 import contextlib

@@ -1,12 +1,5 @@
-"""The measuring runs of ``packer bench``: raw reads, one-core decode and the loader, each
-over the packed data and the ImageFolder-style baseline (``FolderDataset``).
-
-``Runner`` holds the phases; ``run_bench`` (``run.py``) drives them, and ``TrainRunner``
-(``train.py``) adds the training-step phase. ``figures_phase`` measures issue 16's three
-figures (build rate ratio, loader efficiency, epoch-boundary wait) on a copy of a sample of
-the dataset's own images, with the measurements of ``build.py``, ``efficiency.py`` and
-``epochs.py``.
-"""
+"""The measuring runs of ``packer bench`` (raw reads, one-core decode, the loader, issue 16's
+figures), each over the packed data and the ImageFolder-style baseline (``FolderDataset``)."""
 from __future__ import annotations
 
 import copy

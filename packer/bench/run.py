@@ -1,13 +1,6 @@
-"""``packer bench``: where the input pipeline's time goes, on this data and this machine.
-
-Each measurement isolates one stage, so the slowest one names the bottleneck: raw reads
-(shards, the source folder, a staged copy; cold page cache when it can be dropped), one core's
-decode + crop (the CPU's ceiling for any loader), ``make_loader`` against an ImageFolder-style
-dataset with the same decode, with ``cuda`` a real training step fed by each feeding variant,
-and issue 16's three figures on a sample of the dataset's images. Variants of one phase run
-interleaved, so drift hits them alike; each figure is the median of the repeats, warm-up never
-timed. The phases are in ``phases.py`` and ``train.py``.
-"""
+"""``packer bench``: where the input pipeline's time goes, on this data and this machine. Each
+phase (``phases.py``, ``train.py``) isolates one stage; variants run interleaved and each
+figure is the median of the repeats, warm-up never timed."""
 from __future__ import annotations
 
 import json

@@ -1,11 +1,5 @@
-"""The training-step phase of ``packer bench --cuda``: a real step (bf16 autocast,
-channels_last, SGD) of a model fed by each feeding variant (plain, pin_memory +
-non_blocking, background thread, CUDAPrefetcher, thread + CUDAPrefetcher, GPU decode),
-against the same step on a batch kept on the device; data wait timed with CUDA events.
-
-Also the models it trains: ``make_model`` (torchvision's by name, else the built-in
-``resnet50`` or ``tiny``), so ``--cuda`` works without torchvision.
-"""
+"""The training-step phase of ``packer bench --cuda``: a real step fed by each feeding variant,
+against the same step on a batch kept on the device; data wait timed with CUDA events."""
 from __future__ import annotations
 
 import statistics

@@ -1,12 +1,6 @@
-"""Detection sample data, no downloads: photo scenes with objects pasted at known boxes.
-
-Detection loaders and benchmarks need files that decode like real photos *and* boxes whose
-truth is known exactly. Each scene is a ``make_image`` background with crops of *other*
-shipped photos pasted through soft-edged masks; the photo an object came from is its class.
-``make_detection_folder`` writes the scenes with COCO and YOLO labels. Category ids are odd
-(1, 3, 5, ...) and image ids start at 1000 in steps of 7, so code that confuses ids with list
-indices fails loudly instead of silently.
-"""
+"""Detection sample data, no downloads: photo scenes with other photos' crops pasted at known
+boxes (the source photo is the class). Category ids are odd and image ids start at 1000 in
+steps of 7, so code that confuses ids with list indices fails loudly."""
 from __future__ import annotations
 
 import io

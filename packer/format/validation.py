@@ -1,10 +1,5 @@
-"""Every manifest field checked before it drives any work.
-
-A manifest comes from whoever made the dataset. Its numbers decide how much is read,
-allocated and copied, and its paths decide which files are opened, so each one is checked
-here: types, ranges, sums, and paths (``docs/security.md``). A bad manifest is a
-``FormatError`` naming the field, never a ``TypeError``, ``KeyError`` or a runaway loop.
-"""
+"""Every manifest field checked before it drives any work: a bad manifest is a ``FormatError``
+naming the field, never a ``TypeError`` or a runaway loop (``docs/security.md``)."""
 from __future__ import annotations
 
 import re

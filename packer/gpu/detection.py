@@ -1,11 +1,5 @@
-"""Detection on the GPU path: targets packed per batch, boxes moved with the GPU crops.
-
-Workers collate a batch's targets into one :class:`DetectionTargets` (all boxes of the batch
-in one tensor, with per-image counts) so they cross to the GPU in a few copies. After the
-crop / letterbox of :meth:`GPUDecoder.augment_batch`, :func:`place_boxes` moves the boxes with
-the same crop rectangles and flips (``packer.transforms.boxes``), drops the objects mostly cut away and
-hands out torchvision's form: one target dict per image, on the GPU.
-"""
+"""Detection on the GPU path: a batch's targets packed in one :class:`DetectionTargets`, and
+:func:`place_boxes` moving them with the crops of :meth:`GPUDecoder.augment_batch`."""
 from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple

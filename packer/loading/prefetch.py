@@ -1,10 +1,5 @@
-"""``CUDAPrefetcher``: the next batch crosses PCIe and is normalized while this step runs.
-
-The NVIDIA APEX ``data_prefetcher`` idea, as a plain re-iterable iterator: batches arrive
-as uint8 (4x fewer bytes than float32 over PCIe), are copied on a side stream from pinned
-memory, converted and normalized there, and handed to the training stream only once ready.
-Without CUDA it applies the same conversion on the CPU, so one script runs anywhere.
-"""
+"""``CUDAPrefetcher``: the next batch crosses PCIe as uint8 on a side stream and is normalized
+there while this step runs; without CUDA the same conversion runs on the CPU."""
 from __future__ import annotations
 
 import warnings

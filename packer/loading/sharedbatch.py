@@ -1,11 +1,5 @@
-"""``SharedBatch``: a batch that crosses from a DataLoader worker to the main process as one
-shared-memory block, however many tensors it holds.
-
-A worker hands each tensor of its batch to the main process as a separate shared-memory file
-whose descriptor the main process fetches over a socket, one round trip per tensor, all in
-the one main process. A detection batch carries several small target tensors per image, so
-that hand-over became the main process's bottleneck with many workers (docs/benchmarks.md).
-"""
+"""``SharedBatch``: a batch that crosses from a worker to the main process as one shared-memory
+block, not one file descriptor round trip per tensor (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from typing import Any, List, Tuple

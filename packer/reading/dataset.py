@@ -1,11 +1,6 @@
-"""``PackedDataset``: a drop-in for ``torchvision.datasets.ImageFolder`` (and, for
-detection datasets, ``CocoDetection`` wrapped for transforms v2) over packed shards.
-
-Same ``classes``, ``class_to_idx``, ``targets`` and pixels (``Image.open(f).convert("RGB")``),
-so a training script changes one line. Nothing per-sample lives in Python objects: labels
-and other columns are compact arrays, shard offsets a short list, so forked workers' memory
-stays flat.
-"""
+"""``PackedDataset``: a drop-in for ``torchvision.datasets.ImageFolder`` (and wrapped
+``CocoDetection``) over packed shards; per-sample data lives in compact arrays, so forked
+workers' memory stays flat."""
 from __future__ import annotations
 
 import os

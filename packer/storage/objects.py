@@ -1,12 +1,5 @@
-"""Whole files to and from object storage, bounded, retried and verified.
-
-fsspec speaks the protocols; this module adds what a dataset needs on top: a large object
-arrives as parallel ranged GETs written to a new local file and hashed in order on the way,
-and is accepted only if its length, its SHA-256 (when the manifest gives one) and its
-version (ETag, generation) all held from the first request to the last. A body of the wrong
-length is retried; an object that changed underneath is a ``PackerError``; a failed or
-interrupted download never leaves its file behind.
-"""
+"""Whole files to and from object storage: parallel ranged GETs hashed in order, accepted only
+if length, SHA-256 and version held throughout; a failed download leaves no file behind."""
 from __future__ import annotations
 
 import hashlib

@@ -1,10 +1,5 @@
-"""A packed dataset in object storage: its manifest, its files, and uploading one there.
-
-``RemoteDataset`` is what ``packer.staging`` stages from when given a URL: a string (the URL
-as shown, credentials redacted, which is all that results, markers and messages ever hold)
-that also fetches the files the manifest lists. ``upload_dataset`` puts a finished local
-dataset under a URL with the manifest last, so a reader never sees half of one.
-"""
+"""A packed dataset in object storage: ``RemoteDataset`` (what staging reads from a URL) and
+``upload_dataset`` (the manifest last, so a reader never sees half of one)."""
 from __future__ import annotations
 
 import json

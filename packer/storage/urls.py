@@ -1,12 +1,6 @@
-"""Naming data in object storage: which strings are URLs, how they are shown, and the fsspec
-filesystem that serves them.
-
-A URL is ``SCHEME://...`` (``s3://``, ``gs://``, ``az://``, or any protocol fsspec knows);
-anything else is a local path and never comes here. Credentials reach fsspec only: every
-URL packer shows (messages, results, manifests it writes) has its userinfo and query string
-replaced by ``***``, and every text that leaves this package has the secret values of
-``storage_options`` blanked too, since a client library may quote them in an error.
-"""
+"""Naming data in object storage: which strings are URLs (``SCHEME://...``), the fsspec
+filesystem, and how they are shown: userinfo, query strings and ``storage_options`` secrets
+are replaced by ``***`` in every text that leaves this package."""
 from __future__ import annotations
 
 import os

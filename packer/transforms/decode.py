@@ -1,10 +1,5 @@
-"""Train-time decoding: stored bytes to what the model's transforms expect.
-
-The default is exactly torchvision's ImageFolder loader (``Image.open(f).convert("RGB")``),
-so switching to packer changes no pixel. The ``Decode*`` classes fuse decode, crop, resize
-and flip into one PIL pass that ends in a uint8 tensor (JPEG draft decoding skips most of
-the work when the crop is large relative to the output).
-"""
+"""Train-time decoding: by default exactly ImageFolder's loader (no pixel changes); the
+``Decode*`` classes fuse decode, crop, resize and flip into one PIL pass to a uint8 tensor."""
 from __future__ import annotations
 
 import functools

@@ -1,12 +1,6 @@
-"""The build: worker processes read, check and write whole planned shards
-(``packer.writing.worker``), or an engine's tasks do (``ray_engine``: on a Ray cluster); this
-process takes them in plan order into the journal and tables.
-
-Crash safety rests on ordering: a shard is renamed into place only when complete, the
-journal (``.packer-build.json``) lists finished shards only, and the manifest — the one
-file readers require — is written last. Re-running the same command resumes after the last
-finished shard; a different command restarts cleanly.
-"""
+"""The build: workers (or an engine's tasks) write whole planned shards; this process takes
+them in plan order into the journal and tables, the manifest last, so a re-run of the same
+command resumes after the last finished shard."""
 from __future__ import annotations
 
 import multiprocessing as mp

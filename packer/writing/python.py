@@ -1,11 +1,5 @@
-"""``packer.write``: pack any iterable of samples from Python, as ``packer build`` packs a folder.
-
-A sample is a dict ``{"image": bytes | path | PIL.Image, field: value, ...}``. Every image is
-checked as the build checks it (decoded, pixel limit, optional transcode), records go to the
-same shards with the same side tables and manifest, and the same crash rules hold: finished
-shards survive a crash, and a re-run with the same samples resumes after the last finished
-one (the samples are re-read and hashed up to there, to be sure they are the same).
-"""
+"""``packer.write``: pack any iterable of ``{"image": bytes | path | PIL.Image, field: value}``
+samples, checked, written and resumed as ``packer build`` does."""
 from __future__ import annotations
 
 import hashlib

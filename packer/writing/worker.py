@@ -1,12 +1,5 @@
-"""A build's parallel part: the shard plan, and a worker writing whole shards.
-
-Each shard is a planned range of entries, cut by the source files' sizes (so the same input
-and options give the same shards whatever the worker count). A worker reads, checks and
-encodes every image of its range and writes the shard file itself (``ShardWriter``: temp
-file, compaction, fsync, hash, rename), so no single process touches every image; it hands
-back only what the side tables, skip lists and journal need. The build's main process
-(``packer.writing.builder``) takes finished shards in plan order.
-"""
+"""A build's parallel part: the shard plan (cut by source file sizes, so independent of the
+worker count), and a worker that reads, checks, encodes and writes whole shards itself."""
 from __future__ import annotations
 
 import gc

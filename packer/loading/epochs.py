@@ -76,10 +76,8 @@ class StampedCollate:
 
 
 class Failed:
-    """The exception a batch raised, on its way to its turn in the stream. In the process
-    that raised it, it is raised again as itself; from a worker (pickled) as the same type
-    (or ``RuntimeError`` where that type cannot be made from a message) whose message holds
-    the worker's traceback, as a DataLoader does."""
+    """The exception a batch raised, raised again in its turn: as itself in this process; from a
+    worker as the same type (else ``RuntimeError``) with the worker's traceback."""
 
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -134,15 +132,9 @@ class EpochBatches:
 
 
 class EpochStream:
-    """One epoch per ``epoch()`` call from a DataLoader over ``StampedDataset`` whose batch
-    sampler is ``batches``.
-
-    Each batch handed out is reported to the caller's sampler (``PackedSampler.received``),
-    so its ``state_dict`` counts what the training loop received. A complete pass moves the
-    sampler to the next epoch, which the stream is already into. If the sampler is not where
-    the stream is (``set_epoch`` to another epoch, a resume, an epoch abandoned midway), the
-    batches made ahead are dropped and the stream restarts where the sampler is.
-    """
+    """One epoch per ``epoch()`` from a DataLoader over ``StampedDataset`` batched by ``batches``.
+    Each batch handed out is reported to the sampler (``received``); if the sampler is not where
+    the stream is (``set_epoch``, a resume), the batches made ahead are dropped and it restarts."""
 
     def __init__(self, batches: EpochBatches):
         self.batches = batches
@@ -180,10 +172,8 @@ class EpochStream:
 
 
 class EpochPass:
-    """One epoch of an ``EpochStream``, as a DataLoader iterator hands it out: the stream
-    (re)starts at the first ``next()``; each batch handed out is reported to the sampler
-    (``PackedSampler.received``); a batch that raised is counted and raised, and the next
-    ``next()`` goes on with the batch after it."""
+    """One epoch of an ``EpochStream``, as a DataLoader iterator: a batch that raised is counted
+    and raised, and the next ``next()`` goes on after it."""
 
     def __init__(self, stream: EpochStream, start: Callable[[], Iterator]):
         self.stream, self.start = stream, start

@@ -14,15 +14,9 @@ ALIGN = 64  # each tensor starts on a cache line (and so on its dtype's alignmen
 
 
 class SharedBatch(list):
-    """A list (e.g. a batch's targets) that is itself in the worker and pickles as one
-    shared-memory block plus a small layout; unpickled, it is a plain ``list`` again, of the
-    same structure (dicts, lists, tuples; tensor subclasses such as
-    ``tv_tensors.BoundingBoxes`` keep their class and metadata), its tensors views of the
-    block.
-
-    Dense CPU tensors that need no grad go into the block (a tensor that occurs twice is
-    copied twice); anything else is pickled as usual. The block lives as long as any view
-    of it (a batch's lifetime)."""
+    """A list (a batch's targets) that pickles as one shared-memory block plus a small layout and
+    unpickles as a plain list of the same structure, its dense CPU tensors views of the block
+    (tensor subclasses keep their class); the block lives as long as any view."""
 
     def __reduce_ex__(self, protocol):
         tensors: List[torch.Tensor] = []

@@ -14,10 +14,8 @@ __all__ = ["shared_empty", "shared_storage", "shutdown_workers"]
 
 
 def shared_storage(nbytes: int) -> torch.UntypedStorage:
-    """``nbytes`` (at least 1) of uninitialised shared memory, as a DataLoader worker's
-    ``default_collate`` allocates a batch: a tensor on it crosses to the main process
-    without a copy. ``share_memory_()`` on an ordinary tensor would allocate, then copy
-    into shared memory (``UntypedStorage._new_shared``)."""
+    """``nbytes`` (at least 1) of uninitialised shared memory, as a worker's ``default_collate``
+    allocates a batch (``share_memory_()`` would allocate, then copy)."""
     return torch.UntypedStorage._new_shared(max(1, int(nbytes)))
 
 

@@ -68,29 +68,17 @@ def target_kind(dataset) -> Optional[str]:
 
 
 class Mixture(Dataset):
-    """Datasets read as one, each a fixed share of every epoch, through ``PackedSampler``
-    (``make_loader`` makes one by default).
+    """Datasets read as one, each a fixed share of every epoch, through ``PackedSampler``.
 
     Args:
-        datasets: map-style datasets (``PackedDataset``s, usually), each with its own decoder,
-            transforms and targets; a sample is what its source returns. Class indices stay
-            each source's own: give the sources the same classes, or map them with
-            ``target_transform``, if they must share one label space.
-        weights: each source's share of an epoch (any non-negative numbers, not all 0);
-            default: the sources' lengths (every sample once per epoch, as ``ConcatDataset``).
+        datasets: map-style datasets giving the same kind of target (else ``ValueError``);
+            class indices stay each source's own.
+        weights: each source's share of an epoch (non-negative, not all 0); default: lengths.
         epoch_size: samples per epoch (all ranks together); default: the sources' total.
 
-    ``counts`` holds each source's samples per epoch: the largest-remainder rounding of
-    ``weight / sum(weights) * epoch_size``, exact and summing to ``epoch_size``. A source
-    larger than its share is walked through over several epochs without repeats; a smaller
-    one is repeated, each sample ``count // len`` or one more times per epoch (module
-    docstring). ``len()`` is the index space (all sources' samples); read without a
-    ``PackedSampler`` (a plain ``DataLoader``), the weights do not apply.
-
-    Sources must give the same kind of target (class labels, detection dicts with the same
-    keys, the same fields) so their samples batch together: mixing e.g. classification and
-    detection raises ``ValueError`` here, not in a worker.
-    """
+    ``counts``: each source's samples per epoch (largest-remainder rounding, summing to
+    ``epoch_size``). ``len()`` is the index space; without a ``PackedSampler`` the weights do
+    not apply (docs/mixture.md)."""
 
     def __init__(self, datasets: Sequence[Any], weights: Optional[Sequence[float]] = None, *,
                  epoch_size: Optional[int] = None):

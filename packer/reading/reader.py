@@ -32,11 +32,8 @@ def record_index(index, n: int) -> int:
 
 
 class ShardReader:
-    """Random access to the records of a dataset (all its shards).
-
-    ``verify_crc``: check each record's CRC-32 against its image bytes as it is read (about
-    1 GB/s per core: cheap beside decoding), for storage one does not trust.
-    """
+    """Random access to the records of a dataset (all its shards); ``verify_crc`` checks each
+    record's CRC-32 as it is read."""
 
     def __init__(self, root: os.PathLike, manifest: Optional[dict] = None, *,
                  verify_crc: bool = False, cache=None):

@@ -46,9 +46,7 @@ def random_resized_crop_boxes(sizes: torch.Tensor, scale=(0.08, 1.0), ratio=(3 /
 
 def center_crop_boxes(sizes: torch.Tensor, size: Tuple[int, int],
                       crop_fraction: float = 0.875) -> torch.Tensor:
-    """Evaluation boxes with torchvision's ``Resize + CenterCrop`` geometry, exactly as
-    ``DecodeCenterCrop.box`` gives them (one rule for the CPU and GPU paths). A crop larger
-    than the resized image (a non-square ``size``) reaches past the image, where the kernel
-    repeats the edge instead of CenterCrop's zero padding."""
+    """Evaluation boxes with torchvision's ``Resize + CenterCrop`` geometry, as
+    ``DecodeCenterCrop.box`` gives them (one rule for the CPU and GPU paths)."""
     crop = DecodeCenterCrop(size, crop_fraction)
     return torch.tensor([crop.box(w, h) for h, w in sizes.tolist()], dtype=torch.float64)

@@ -12,10 +12,8 @@ from ..reading.targets import wrap_boxes
 
 
 class DetectionTargets(NamedTuple):
-    """A batch's detection targets, packed: ``boxes`` (N, 4) XYXY pixels of the stored
-    images, ``counts`` (B,) boxes per image, per-image ``image_id``, and ``per_box``: every
-    other per-box tensor the dataset's targets hold (``labels``, and ``area``/``iscrowd``...
-    where ``target_keys`` asked for them), in their order."""
+    """A batch's detection targets, packed: ``boxes`` (N, 4) XYXY, ``counts`` (B,), ``image_id``
+    and ``per_box`` (every other per-box tensor, in order)."""
     boxes: torch.Tensor
     counts: torch.Tensor
     image_id: torch.Tensor

@@ -17,20 +17,9 @@ Size = Tuple[int, int]
 def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, size: Size,
                flips: Optional[torch.Tensor] = None, *,
                min_visible: float = 0.25) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Boxes of the images after ``resample_crops(images, crops, size, flips)``.
-
-    ``boxes`` (N, 4) XYXY source pixels of all images concatenated, ``counts`` (B,) boxes
-    per image, ``crops`` (B, 4) ``(x0, y0, x1, y1)`` source pixels (as from
-    ``random_resized_crop_boxes``), ``size`` (oh, ow), ``flips`` bool (B,) or None.
-    Each box is shifted by its crop's origin, scaled by ``ow / (x1 - x0)``,
-    ``oh / (y1 - y0)``, mirrored (``x' = ow - x``) where flipped and clipped to the output.
-
-    Returns ``(out, keep)``: ``out`` (N, 4) the clipped boxes of *all* inputs, in output
-    pixels; ``keep`` (N,) bool, true where the clipped area is positive and at least
-    ``min_visible`` times the area of the box mapped before clipping: a box mostly cut
-    away no longer shows its object. Fixed shapes, so nothing syncs with the GPU;
-    ``out[keep]`` and ``labels[keep]`` are what stays in view.
-    """
+    """Boxes (N, 4) XYXY, ``counts`` (B,) per image, after ``resample_crops(images, crops, size,
+    flips)``. Returns ``(out, keep)``: the boxes clipped to the output, and where at least
+    ``min_visible`` of a box is still in view. Fixed shapes, so nothing syncs with the GPU."""
     oh, ow = size
     dev, work = boxes.device, _work_dtype(boxes.device)
     cwork = _work_dtype(crops.device)
@@ -60,16 +49,9 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
 
 def letterbox_params(sizes: torch.Tensor, size: Size, *,
                      scale_up: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ultralytics' ``LetterBox`` geometry for images of ``sizes`` (B, 2) (h, w) into
-    ``size`` (oh, ow): ``(scale (B,), pad (B, 2) top/left, new_hw (B, 2))``.
-
-    ``scale = min(oh / h, ow / w)`` (at most 1 unless ``scale_up``: shrink only, as for
-    evaluation); the image is resized to ``new_hw = round(h * scale), round(w * scale)``
-    (round half to even, Python's ``round``; at least 1) and placed at
-    ``top = (oh - new_h) // 2``, ``left = (ow - new_w) // 2``: the odd pixel of padding goes
-    bottom / right, what ultralytics' ``round(d / 2 -/+ 0.1)`` gives. Boxes scale by
-    ``scale``, as ultralytics' labels do, not by ``new / old`` (they differ by under half a
-    pixel at the far edge)."""
+    """Ultralytics' ``LetterBox`` geometry of ``sizes`` (B, 2) into ``size``: ``(scale (B,),
+    pad (B, 2) top/left, new_hw (B, 2))``; never up unless ``scale_up``; odd padding pixel
+    bottom/right; boxes scale by ``scale``, as ultralytics' labels do."""
     oh, ow = size
     hw = sizes.to(_work_dtype(sizes.device)).reshape(-1, 2)
     ratio = hw.new_tensor([oh, ow]) / hw  # not ``oh / hw``: see crop_boxes

@@ -82,10 +82,8 @@ def coco_schema() -> List[Dict[str, Any]]:
 
 
 class Coco(Source):
-    """The images under ``images`` that the COCO instances JSON ``annotations`` lists, with
-    their objects (see the module). ``skip_empty`` leaves out images with no usable object
-    (counted in the manifest's ``skipped_empty``). Listed images whose file is missing are
-    kept: the build skips them as unreadable."""
+    """The images under ``images`` that the COCO instances JSON ``annotations`` lists, with their
+    objects; ``skip_empty`` leaves out images with no usable object (``skipped_empty``)."""
 
     def __init__(self, images: os.PathLike, annotations: os.PathLike, skip_empty: bool = False):
         self.root, self.annotations, self.skip_empty = Path(images), Path(annotations), skip_empty
@@ -222,14 +220,9 @@ def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dic
 
 
 def fit_coco(row: Row, width: int, height: int):
-    """The row's objects as torchvision-style targets: XYWH boxes -> XYXY clipped to the
-    image; degenerate or outside boxes and segmentations that cannot be the image's dropped
-    (with the object's other fields, so every per-object array stays aligned). The values
-    come out as stored (``Annotations.stored``): arrays as little-endian bytes, each
-    segmentation as its msgpack; every value was checked by the read or here.
-
-    Box ends are computed as torchvision's wrapper does (``float32(x) + float32(w)``: its
-    XYWH tensor is float32), so the stored boxes equal its boxes to the bit."""
+    """The row's objects as torchvision-style targets, as stored (``Annotations.stored``): XYWH
+    -> XYXY clipped to the image (in float32, as torchvision's wrapper, to the bit); unusable
+    boxes and segmentations dropped with the object's other fields."""
     boxes: List[float] = []
     labels, area, crowds, ids = [], [], [], []
     segmentation: List[Raw] = []

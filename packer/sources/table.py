@@ -37,15 +37,8 @@ def fit_identity(row: Dict[str, Any], width: int, height: int):
 
 
 class Table(Source):
-    """The images a ``.jsonl`` or ``.csv`` ``table`` lists (paths relative to ``images``),
-    its other columns as typed fields.
-
-    ``label=COLUMN`` makes that column the class label (str: classes are its sorted distinct
-    values; int: classes "0".."max", none negative); it is then not a field, so its name may
-    be one the record reserves (``label``); int labels make at most ``max_classes`` classes.
-    Images ``images`` holds but the table does not list are not packed; listed ones are not
-    looked at here (the builder skips missing files).
-    """
+    """The images a ``.jsonl`` or ``.csv`` ``table`` lists (paths relative to ``images``), its other
+    columns as typed fields; ``label=COLUMN`` makes that column the class label instead."""
 
     def __init__(self, images: os.PathLike, table: os.PathLike, label: Optional[str] = None, *,
                  max_classes: int = DEFAULT_MAX_CLASSES):

@@ -38,10 +38,9 @@ FLIPS = {2: (True, False), 3: (True, True), 4: (False, True), 5: (False, False),
 
 
 class Yolo(Source):
-    """Every image under ``images`` with the objects of its label file under ``labels``;
-    ``names``: the class names, a text file or a dataset YAML; ``rules``: "ultralytics"
-    (an image with an invalid label line is left out) or "lines" (the line is dropped, the
-    image kept). See the module."""
+    """Every image under ``images`` with the objects of its label file under ``labels``; ``names``:
+    a text file or a dataset YAML; ``rules``: "ultralytics" (an invalid line leaves the image
+    out) or "lines" (the line is dropped)."""
 
     def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike,
                  rules: str = "ultralytics"):

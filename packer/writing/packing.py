@@ -24,11 +24,7 @@ MAX_DROPPED = 100_000  # object-level drops listed in a manifest (the count is a
 
 
 class Packing:
-    """Appends checked samples to shards in ``dst``; ``finish`` writes tables and manifest.
-
-    ``schema``: ``{"task", "fields"}``; a ``label`` field goes to ``labels.i32``, other
-    int/float/bool fields to ``column-NAME.*`` tables, width and height to int32 tables.
-    """
+    """Appends checked samples to shards in ``dst``; ``finish`` writes tables and manifest."""
 
     def __init__(self, dst: Path, fingerprint: str, state: dict, *, schema: dict,
                  shard_size: int, strict: bool):

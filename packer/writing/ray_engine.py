@@ -31,11 +31,9 @@ def need_ray():
 
 @dataclass
 class RayEngine:
-    """Shards written by Ray tasks (``num_cpus=1`` each; about two per cluster CPU in
-    flight). The cluster: the one this process is connected to (call ``ray.init`` first
-    for your own options, e.g. a ``runtime_env`` that installs packer on the nodes), else
-    ``address``, else ``RAY_ADDRESS``, else a new local one (shut down after the build).
-    The nodes need this version of packer and DST at the same path."""
+    """Shards written by Ray tasks (``num_cpus=1`` each) on the cluster this process is connected
+    to, else ``address``, else ``RAY_ADDRESS``, else a new local one. The nodes need this
+    version of packer and DST at the same path."""
     address: Optional[str] = None
     max_retries: int = 3
 

@@ -21,11 +21,8 @@ OPTIONAL = {
 
 
 def doctor(cuda: bool = False) -> Dict[str, object]:
-    """PIL flavour and JPEG library, torch (and, with ``cuda``, its GPU), the optional
-    packages, usable cores.
-
-    ``cuda`` is None unless ``cuda=True``; then the GPU's name, or False without one.
-    """
+    """PIL flavour and JPEG library, torch (and with ``cuda=True`` its GPU name, or False), the
+    optional packages, usable cores."""
     try:
         pil: Optional[dict] = pil_info()
         summary = pil_summary()

@@ -79,11 +79,9 @@ def remove_own(folder: Path, name: str) -> bool:
 
 def check_folder(folder: os.PathLike, *, marks: Iterable[str], leftovers: Iterable[str] = (),
                  fix: str) -> None:
-    """Refuse, before anything is written, a ``folder`` packer must not write into: a file, a
-    folder that cannot be created (and why), one that cannot be written, or a non-empty one
-    holding none of ``marks`` (names only packer writes: a manifest, a journal, a staging
-    marker) and more than ``leftovers`` (what a killed run of packer leaves). ``fix`` ends
-    the message: what to do instead."""
+    """Refuse, before anything is written, a ``folder`` packer must not write into (a file, not
+    creatable or writable, or non-empty with none of ``marks`` and more than ``leftovers``);
+    ``fix`` ends the message."""
     folder = Path(folder)
     lock_module()
     try:
@@ -215,15 +213,9 @@ class NotAFile(OSError):
 
 
 def read_file(path: os.PathLike, limit: Optional[int] = None, limit_name: str = "the limit") -> bytes:
-    """The bytes of the regular file ``path`` (links followed), at most ``limit`` of them
-    (``limit_name`` says which, in the message).
-
-    Checked on the opened descriptor (``fstat``), so a name swapped after a check cannot
-    slip in a device: ``/dev/zero``, a FIFO or a socket never end, and a FIFO is opened with
-    ``O_NONBLOCK`` so that opening it never waits for a writer. Reads at most the size
-    ``fstat`` gave plus one byte (a file with more than that is refused, not read on). Raises
-    ``NotAFile`` saying why, or the ``OSError`` of the open or read.
-    """
+    """The bytes of the regular file ``path``, at most ``limit`` (``limit_name`` names it). Checked
+    on the open descriptor, a FIFO opened non-blocking, so no swapped-in device can hang or
+    flood it. Raises ``NotAFile`` saying why, or the ``OSError``."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)

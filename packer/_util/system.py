@@ -183,11 +183,8 @@ SIMD_KERNEL = b"ImagingResampleHorizontalConvolution8u4x"  # Pillow-SIMD's AVX2/
 
 
 def pil_info() -> Dict[str, object]:
-    """Which PIL is really imported, judged from the module itself: Pillow-SIMD when its
-    compiled extension holds Pillow-SIMD's SIMD resample kernel (or, stripped of names, its
-    version has Pillow-SIMD's ``.postN`` form), and whether libjpeg-turbo backs it. pip's
-    record (``installed``) can lie: a package that requires Pillow overwrites Pillow-SIMD's
-    files and leaves pillow-simd listed; ``mismatch`` says so."""
+    """Which PIL is really imported, judged from the module (Pillow-SIMD's resample kernel or
+    version form) and whether libjpeg-turbo backs it; ``mismatch``: pip's record says otherwise."""
     from importlib import metadata
 
     import PIL

@@ -33,10 +33,8 @@ def one_core_rate(ds, indices: List[int]) -> float:
 
 
 def steady_rate(batches: Iterable, workers: int) -> float:
-    """images/s of ``batches`` ((images, labels) pairs) in the steady state: from the end of
-    the first wave of batches (one per worker, which all arrive together after start-up) to the
-    start of the last (where workers run out of work one by one). A run shorter than two waves
-    is timed whole, start-up included."""
+    """images/s of ``(images, labels)`` ``batches`` between the first and last wave of one batch
+    per worker (start-up and wind-down left out); a run under two waves is timed whole."""
     wave = max(1, workers)
     arrivals = [(time.perf_counter(), 0)]  # (time, images) of the start, then of each batch
     for x, _ in batches:

@@ -201,11 +201,8 @@ class Runner:
                 res["ceiling_images_per_s"] = res["images_per_s"] * cores
 
     def _decode(self, fn: Callable, blobs: List[bytes]) -> dict:
-        """One core's rate: decode ``blobs`` in turn (after 5 untimed) for the time allowed.
-
-        The rate is per CPU-second of this thread (decoding is single-threaded and CPU-bound),
-        so time the scheduler gives to other processes does not count: it is what one core
-        of one's own does. The wall-clock rate is kept as ``wall_images_per_s``."""
+        """One core's rate: decode ``blobs`` in turn (after 5 untimed), per CPU-second of this thread
+        (the wall-clock rate kept as ``wall_images_per_s``)."""
         if not blobs:
             return {}
         for data in blobs[:5]:
@@ -273,10 +270,8 @@ class Runner:
 
     def figures_phase(self, dst, images: int, workers: int, batch_size: int, size: int,
                       repeats: int) -> None:
-        """Copy ``images`` of ``dst``'s images to a temporary folder (the system's, removed
-        at the end) and measure there: the build rate ratio (building that folder with every
-        core), then, on the copy built once more, loader efficiency and the epoch-boundary
-        wait with ``workers`` workers. Each lands in ``report.figures``."""
+        """Copy ``images`` of ``dst``'s images to a temporary folder and measure the build rate ratio,
+        then loader efficiency and the epoch-boundary wait, into ``report.figures``."""
         cores = usable_cores()
         with tempfile.TemporaryDirectory(prefix="packer-bench-figures-") as tmp:
             tmp = Path(tmp)
@@ -343,11 +338,9 @@ class Runner:
 
 def figure_plan(count: int, images: Optional[int], max_images: Optional[int],
                 sweep: Sequence[int], batch_size: int, cores: int) -> Tuple[int, int, int]:
-    """``(images, workers, batch_size)`` for ``figures_phase``: workers the largest count of
-    the sweep, at most the cores (at least 1); images ``images``, or by default
-    ``FIGURE_IMAGES`` or enough for two batches per worker, capped by ``max_images``; never
-    more than ``count``; the batch the bench's, or less if the sample holds fewer than two
-    batches per worker."""
+    """``(images, workers, batch_size)`` for ``figures_phase``: the sweep's largest worker count
+    (within the cores), ``images`` or enough for two batches per worker (within ``max_images``
+    and ``count``), and a batch small enough for two per worker."""
     workers = max(1, min(max(sweep), cores))
     if images is None:
         images = max(FIGURE_IMAGES, 2 * workers * batch_size)

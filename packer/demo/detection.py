@@ -80,12 +80,9 @@ def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[in
                        stage_dir: Optional[os.PathLike] = "/dev/shm", rounds: int = 2,
                        seed: int = 0, progress: bool = True,
                        on_step: Optional[Callable[[str], None]] = None) -> DetectionDemoResult:
-    """Make COCO scenes, build them (``Coco``), verify, stage, then read epochs through
-    ``CocoFolderDataset`` and ``PackedDataset`` + ``PackedSampler`` in turn (both with
-    ``DecodeLetterbox(size)`` and the same ``make_loader`` settings) and compare their rates
-    and every image's targets. The other arguments are as in ``run_demo``; with ``dir`` the
-    scenes (``dir/coco``) and the dataset (``dir/packed``) are kept.
-    """
+    """Make COCO scenes, build, verify and stage them, then compare ``CocoFolderDataset`` and
+    ``PackedDataset`` epochs (same ``DecodeLetterbox`` and loader settings) and every image's
+    targets. Arguments as in ``run_demo``."""
     make_workers = workers if workers is not None else usable_cores()
     load_workers = workers if workers is not None else default_num_workers()
     images = images if images is not None else detection_demo_images(load_workers, batch_size)

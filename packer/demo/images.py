@@ -68,10 +68,8 @@ def _noise(w: int, h: int, sigma: float, seed: int) -> Image.Image:
 
 def make_image_folder(root: os.PathLike, *, images: int = 200, classes: int = 10,
                       seed: int = 0, workers: int = 1, progress: bool = False) -> Path:
-    """Write an ImageFolder-layout tree ``root/class_XX/img_XXXXX.jpg`` of realistic JPEGs.
-
-    The same (images, classes, seed) give the same files whatever ``workers`` is.
-    """
+    """Write an ImageFolder tree ``root/class_XX/img_XXXXX.jpg`` of realistic JPEGs, the same
+    whatever ``workers``."""
     from tqdm.auto import tqdm
     root = Path(root)
     for c in range(classes):

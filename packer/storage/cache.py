@@ -44,13 +44,9 @@ def parse_size(value: Union[int, str, None]) -> Optional[int]:
 
 
 class ShardCache:
-    """Shards of the dataset at ``url`` on this node's disk, fetched on first use.
-
-    ``shard_path(k)`` is the call a reader makes before opening shard ``k``; ``manifest`` is
-    the dataset's manifest with paths naming the files in ``root``, for
-    ``ShardReader(cache.root, manifest=cache.manifest)``. ``cache_limit`` (bytes or ``"200G"``;
-    None: unbounded) must hold at least the shards the node's processes read at once.
-    """
+    """Shards of the dataset at ``url`` on this node's disk, fetched on first use: ``shard_path(k)``
+    before opening shard ``k``; ``manifest`` names files in ``root``. ``cache_limit`` (bytes or
+    ``"200G"``; None: unbounded) must hold the shards the node's processes read at once."""
 
     def __init__(self, url: str, cache_dir: os.PathLike, cache_limit: Union[int, str, None] = None,
                  storage_options: Optional[Dict[str, Any]] = None, *, prefetch_workers: int = 2):

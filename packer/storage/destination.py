@@ -24,11 +24,9 @@ RECORD = ".packer-uploaded.json"  # in the work folder: what went up, with its v
 
 
 class Destination:
-    """A dataset's place in object storage, for ``build``: ``url``, ``storage_options`` (as
-    for ``Store``; None: the client's environment and fsspec's configuration), and the local
-    ``work_dir`` the build runs in (default: a folder under the system temp dir named after
-    the URL, found again by a re-run and removed after a successful upload; one given is
-    kept). ``str()`` is the URL as shown (credentials redacted)."""
+    """A dataset's place in object storage, for ``build``: ``url``, ``storage_options`` (as for
+    ``Store``) and the local ``work_dir`` (default: one under the temp dir named after the URL,
+    removed after a successful upload). ``str()`` is the URL with credentials redacted."""
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None,
                  work_dir: Optional[os.PathLike] = None, *, parallel: int = 4):
@@ -54,10 +52,8 @@ class Destination:
         return f"Destination({self.store.shown!r}, work_dir={str(self.work)!r})"
 
     def begin(self, overwrite: bool) -> Optional[dict]:
-        """Before the build. Returns the work folder's finished manifest when only uploading
-        is left (an interrupted upload; or nothing at all: the store holds this very
-        manifest), else None: build into ``work``. A finished dataset at the URL is refused
-        unless ``overwrite``, and then stops being one (its manifest deleted) first."""
+        """Before the build: the work folder's finished manifest when only uploading is left, else
+        None. A finished dataset at the URL is refused unless ``overwrite`` (then unmade first)."""
         try:
             self._there = self.store.listing()
         except NotFound:

@@ -23,11 +23,9 @@ class ObjectInfo:
 
 
 class Store:
-    """A folder in object storage (``url``): read, download and upload the files in it.
-
-    ``storage_options`` go to fsspec (endpoint, credentials, ...) except packer's own
-    ``packer_*`` keys (``Transfer``). A Store pickles without its client (each process makes
-    its own: fsspec's async clients do not survive a fork)."""
+    """A folder in object storage (``url``): read, download and upload its files.
+    ``storage_options`` go to fsspec except packer's ``packer_*`` keys (``Transfer``); a Store
+    pickles without its client (fsspec's async clients do not survive a fork)."""
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None):
         self.url = url.rstrip("/")
@@ -111,11 +109,9 @@ class Store:
     def download(self, rel: str, dest: Path, size: int, sha256: Optional[str] = None,
                  progress: Optional[Callable[[int], None]] = None,
                  expect: Optional[ObjectInfo] = None) -> None:
-        """``rel`` into the new file ``dest`` (replaced if left over): parallel ranged GETs,
-        written and hashed in order, fsynced. ``size``/``sha256`` are what the manifest says;
-        ``expect`` the object as listed before (else it is looked up now). Without a SHA-256,
-        the object's version after the last GET must be the one before the first. On any
-        failure ``dest`` is removed and a PackerError says why (a changed object says so)."""
+        """``rel`` into the new file ``dest``: parallel ranged GETs, hashed in order, fsynced, checked
+        against ``size``/``sha256`` (else the object's version must not change). On any failure
+        ``dest`` is removed and a PackerError says why."""
         try:
             before = expect if expect is not None else self.stat(rel)
             if before.size != size:

@@ -120,11 +120,9 @@ class RemoteFile(str):
 
 def upload_dataset(src: os.PathLike, url: str, storage_options: Optional[Dict[str, Any]] = None,
                    *, workers: int = 4) -> List[str]:
-    """Put the finished local dataset ``src`` under ``url``: shards and side tables in
-    parallel (each large one in parallel parts), then the manifest. An interrupted upload
-    resumes (objects of the right size are kept while ``.packer-upload.json`` says they
-    belong to this dataset); an older dataset there stops being one (its manifest is
-    deleted) before anything is replaced. Returns the names uploaded."""
+    """Put the finished local dataset ``src`` under ``url``, the manifest last; an interrupted
+    upload resumes (``.packer-upload.json``); an older dataset there is unmade first. Returns
+    the names uploaded."""
     src = Path(src)
     man = read_manifest(src)
     files = [(s["path"], s["bytes"]) for s in man["shards"]]

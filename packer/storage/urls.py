@@ -101,10 +101,8 @@ def split_options(storage_options: Optional[Dict[str, Any]]) -> Tuple[Dict[str, 
 
 
 def filesystem(url: str, options: Dict[str, Any]):
-    """(fsspec filesystem, path within it) for ``url``. A missing client is one PackerError
-    naming the pip command. S3 gets bounded connect/read timeouts unless given (a stalled
-    server must become an error that is retried, never a hang); ``AWS_ENDPOINT_URL`` (an
-    S3-compatible store) is honoured by the client itself."""
+    """(fsspec filesystem, path within it) for ``url``; a missing client is a PackerError naming
+    the pip command. S3 gets bounded timeouts unless given (a stall must be retried, not hang)."""
     try:
         import fsspec
     except ImportError:

@@ -19,8 +19,6 @@ from ..errors import PackerError
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-# -- cores -----------------------------------------------------------------------------------
-
 def usable_cores() -> int:
     """Cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota."""
     try:
@@ -73,8 +71,6 @@ def die_with_parent(parent: int) -> None:
     if os.getppid() != parent:  # the parent died before the call took effect
         os._exit(1)
 
-
-# -- memory and filesystems -----------------------------------------------------------------
 
 def meminfo() -> Dict[str, int]:
     """/proc/meminfo in bytes (empty where there is none)."""
@@ -176,8 +172,6 @@ def human_size(n: float) -> str:
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
 
-
-# -- PIL -------------------------------------------------------------------------------------
 
 SIMD_KERNEL = b"ImagingResampleHorizontalConvolution8u4x"  # Pillow-SIMD's AVX2/SSE4 resampler
 

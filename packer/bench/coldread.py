@@ -10,8 +10,6 @@ from typing import Optional, Sequence, Tuple
 from .._util.system import fs_type
 
 
-# -- page cache ------------------------------------------------------------------------------
-
 def drop_page_cache(paths: Sequence[os.PathLike] = (), everything: bool = True) -> str:
     """Evict ``paths`` from the page cache so the next read comes from the device: as root (with
     ``everything``) drop_caches, else ``POSIX_FADV_DONTNEED`` per file. Returns how."""
@@ -42,8 +40,6 @@ def drop_page_cache(paths: Sequence[os.PathLike] = (), everything: bool = True) 
             return "cold (fadvise DONTNEED)"
     return "warm cache (could not drop it)"
 
-
-# -- the device ------------------------------------------------------------------------------
 
 def block_disk(path: os.PathLike) -> Tuple[str, Optional[Path]]:
     """MAJ:MIN of the device holding ``path``, and the sysfs folder of its whole disk (the

@@ -33,8 +33,6 @@ EPOCH_SLACK = 1.15       # the stand-in step: this x the loader's time per batch
 EPOCH_KEYS = {True: "make_loader", False: "plain_dataloader"}  # across_epochs -> JSON key
 
 
-# -- the baselines ----------------------------------------------------------------------------
-
 class DecodeFullRandomResizedCrop(DecodeRandomResizedCrop):
     """The same crop and flip as ``DecodeRandomResizedCrop``, but decoding every pixel first
     (what torchvision's RandomResizedCrop after ``Image.open().convert("RGB")`` costs)."""
@@ -49,8 +47,6 @@ class DecodeFullRandomResizedCrop(DecodeRandomResizedCrop):
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
         return image_to_tensor(im)
 
-
-# -- the sources -----------------------------------------------------------------------------
 
 @dataclass
 class BenchInput:
@@ -119,8 +115,6 @@ class Runner:
         self.report.results.append(res)
         return res
 
-    # -- raw read ----------------------------------------------------------------------------
-
     def read_phase(self, sources: List[BenchInput], orders: Dict[str, List[int]], repeats: int) -> None:
         runs: Dict[str, List[dict]] = {s.name: [] for s in sources}
         cache: Dict[str, Optional[str]] = {}
@@ -170,8 +164,6 @@ class Runner:
                 close()
         return {"images_per_s": n / el, "mb_per_s": nbytes / el / 1e6}
 
-    # -- decode ------------------------------------------------------------------------------
-
     def decode_phase(self, packed: PackedDataset, order: List[int], size: int, cores: int,
                      repeats: int) -> None:
         sample = [packed.load(i)["image"] for i in order[:DECODE_SAMPLE]]
@@ -216,8 +208,6 @@ class Runner:
                 break
         cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
         return {"images_per_s": n / max(cpu, 1e-9), "wall_images_per_s": n / wall}
-
-    # -- loader ------------------------------------------------------------------------------
 
     def loader_phase(self, sources: List[BenchInput], orders: Dict[str, List[int]],
                      workers: List[int], batch_size: int, size: int, repeats: int) -> None:
@@ -265,8 +255,6 @@ class Runner:
         if n_end == 0:  # the data ran out before one whole round: use what there is
             t_end, n_end = time.perf_counter(), n
         return {"images_per_s": n_end / (t_end - t0)} if n_end else {}
-
-    # -- issue 16's figures -------------------------------------------------------------------
 
     def figures_phase(self, dst, images: int, workers: int, batch_size: int, size: int,
                       repeats: int) -> None:

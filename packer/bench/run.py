@@ -30,8 +30,6 @@ from .verdict import explain
 PLOT_HINT = "--plot needs matplotlib: pip install matplotlib"
 
 
-# -- the report ------------------------------------------------------------------------------
-
 @dataclass
 class BenchReport:
     """What ``run_bench`` measured: ``results`` (a dict per variant: ``name``, ``kind``,
@@ -49,8 +47,6 @@ class BenchReport:
     def of(self, kind: str, source: Optional[str] = None) -> List[dict]:
         return [r for r in self.results if r["kind"] == kind
                 and (source is None or r.get("source") == source)]
-
-    # -- text --------------------------------------------------------------------------------
 
     def header(self) -> str:
         e, c = self.environment, self.config
@@ -161,8 +157,6 @@ def _pyplot():
                           f"Pillow-SIMD; to get it back: {PILLOW_SIMD_HINT})") from None
     return plt
 
-
-# -- the run ---------------------------------------------------------------------------------
 
 def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
               staged: Optional[os.PathLike] = None, workers: Optional[Sequence[int]] = None,

@@ -134,8 +134,6 @@ def _repeat(batch):
         yield batch
 
 
-# -- training harness ------------------------------------------------------------------------
-
 def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainStep,
           device: torch.device, r: int):
     """An iterator of (normalized images, labels) on ``device`` for one feeding variant, and

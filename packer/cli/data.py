@@ -351,5 +351,4 @@ def cat(dst, index, output, storage_options, cache_dir):
         sys.stdout.buffer.write(data)
 
 
-
 COMMANDS = [build, merge, info, verify, ls, cat]

@@ -88,8 +88,6 @@ class GPUDecoder(LoaderView):
         if self.seed is not None:
             self._gen.manual_seed(self.seed * 1_000_003 + epoch)
 
-    # -- iteration -----------------------------------------------------------------------------
-
     def __iter__(self):
         it = iter(self.loader)
         snapshot = getattr(self.loader, "state_dict", None)

@@ -99,8 +99,6 @@ def gpu_decodable(info: Optional[JpegInfo]) -> bool:
             and info.subsampling in ("4:4:4", "4:2:2", "4:2:0", "4:4:0", "gray"))
 
 
-# -- worker side: the decode= hook and the collate -----------------------------------------
-
 class EncodedSample(NamedTuple):
     """One image as it leaves a worker: JPEG bytes for the GPU, or, when ``decoded``, the
     RGB pixels (``height x width x 3`` uint8, row-major) that the CPU decoded instead."""

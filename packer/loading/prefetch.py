@@ -89,8 +89,6 @@ class CUDAPrefetcher(LoaderView):
             # The constants were written on the current stream; the side stream reads them.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    # -- iteration ---------------------------------------------------------------------------
-
     def __iter__(self):
         it = iter(self.loader)
         self._state = self._loader_state()
@@ -108,8 +106,6 @@ class CUDAPrefetcher(LoaderView):
             nxt = self._preload(it), self._loader_state()
             self._state = cur[1]  # what the consumer has now received, not what was fetched
             yield cur[0]
-
-    # -- exactly-once resume -----------------------------------------------------------------
 
     def _loader_state(self):
         return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None

@@ -110,8 +110,6 @@ def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
     return flat.view(n, width, height).transpose(1, 2).contiguous()  # runs are column-major
 
 
-# -- runs ------------------------------------------------------------------------------------
-
 def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:
     """A flat uint8 array of ``total`` zeros with ones on the union of the half-open
     intervals ``[starts[i], ends[i])`` (any order, overlapping or empty)."""
@@ -131,8 +129,6 @@ def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:
     edges[e] = 255
     return edges[:total].cumsum(0, dtype=torch.uint8)
 
-
-# -- compressed RLE strings ------------------------------------------------------------------
 
 def counts_tensor(s: str) -> torch.Tensor:
     """COCO's compressed RLE string (``rleFrString``): 6-bit characters from 48, 5 bits of

@@ -99,7 +99,6 @@ class ShardCache:
                 os.close(fd)  # the parent's lock stays: it holds its own descriptor
             self._reset()
 
-    # -- the reader's calls --------------------------------------------------------------
     def shard_path(self, k: int, *, pin: bool = True) -> Path:
         """The local path of shard ``k``, downloaded (once per node) if it is not here yet.
         With ``pin`` it is not evicted until ``release(k)``."""
@@ -147,7 +146,6 @@ class ShardCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    # -- files ---------------------------------------------------------------------------
     def _lock(self, name: str, kind: str) -> int:
         return os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
 

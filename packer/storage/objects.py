@@ -50,7 +50,6 @@ class Store:
     def __getstate__(self):
         return dict(self.__dict__, _fs=None, _pid=None)
 
-    # -- names --------------------------------------------------------------------------
     def key(self, rel: str) -> str:
         """The store's path of ``rel`` (``NAME``, or ``../part/NAME`` from a merge): '..' may
         climb out of the dataset folder, never out of the bucket."""
@@ -68,7 +67,6 @@ class Store:
     def call(self, fn: Callable, what: str):
         return with_retries(fn, what, self.transfer.retry_seconds, self.secrets)
 
-    # -- reading ------------------------------------------------------------------------
     def stat(self, rel: str) -> ObjectInfo:
         key = self.key(rel)
 
@@ -175,7 +173,6 @@ class Store:
                 f"{after.version}, {before.size} -> {after.size} bytes): is the dataset being "
                 f"rewritten? Nothing half-read was kept; re-run when the upload has finished")
 
-    # -- writing ------------------------------------------------------------------------
     def upload(self, local: Path, rel: str) -> ObjectInfo:
         """Put the finished local file ``local`` at ``rel`` (the client splits a large one into
         parts uploaded in parallel), then check the stored size; returns the object as stored."""

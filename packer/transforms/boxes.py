@@ -12,8 +12,6 @@ __all__ = ["crop_boxes", "letterbox_params"]
 Size = Tuple[int, int]
 
 
-# -- crop + resize + flip -------------------------------------------------------------------
-
 def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, size: Size,
                flips: Optional[torch.Tensor] = None, *,
                min_visible: float = 0.25) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +43,6 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     return clipped.to(boxes.dtype), keep
 
 
-# -- letterbox (YOLO) -----------------------------------------------------------------------
-
 def letterbox_params(sizes: torch.Tensor, size: Size, *,
                      scale_up: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ultralytics' ``LetterBox`` geometry of ``sizes`` (B, 2) into ``size``: ``(scale (B,),
@@ -61,8 +57,6 @@ def letterbox_params(sizes: torch.Tensor, size: Size, *,
     new = torch.round(hw * scale[:, None]).long().clamp_(min=1)
     return scale, torch.div(new.new_tensor([oh, ow]) - new, 2, rounding_mode="floor"), new
 
-
-# -- helpers --------------------------------------------------------------------------------
 
 def _work_dtype(device: torch.device) -> torch.dtype:
     """float64 for sub-1e-4 px results on large images; MPS has only float32."""

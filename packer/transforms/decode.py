@@ -41,8 +41,6 @@ def exif_tag(data: bytes) -> int:
     return stored_image(data).getexif().get(0x0112, 1)
 
 
-# -- uint8 decoders: decode + crop + resize + flip in one PIL pass, no float tensors ----------
-
 RESIZERS = ("auto", "pil", "torch")
 
 

@@ -257,8 +257,6 @@ def _check_arguments(shard_size: int, workers) -> None:
         raise PackerError("workers must be >= 0 (0 checks images in this process)")
 
 
-# -- workers ---------------------------------------------------------------------------------
-
 def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[ShardDone]:
     """Finished shards in plan order, about two per worker in flight. On an error, ``stop`` makes
     running shards give up, queued ones are cancelled and untaken finished ones removed.

@@ -17,7 +17,6 @@ from ..errors import PackerError
 from ..format.images import DEFAULT_MAX_PIXELS, IMAGE_FORMATS, pil_open
 
 
-
 @dataclass(frozen=True)
 class Transcode:
     """Pack-time re-encoding: every image becomes a baseline RGB JPEG, downscaled to fit."""

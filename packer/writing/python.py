@@ -96,8 +96,6 @@ class DatasetWriter:
         self.lock = FolderLock(self.dst, f"packer.write into {self.dst}")
         self.lock.__enter__()
 
-    # -- the first sample fixes the schema; then the journal decides: fresh or resume -------
-
     def _open(self, sample: Dict[str, Any]) -> None:
         if self.schema is None:
             self.schema = infer_schema(sample)
@@ -200,8 +198,6 @@ class DatasetWriter:
                 self.run.abort()
             self.close()
 
-
-# -- samples --------------------------------------------------------------------------------
 
 def image_bytes(image: Any, i: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
     """(stored bytes, default path) of a sample's image: bytes as given, a regular file's

@@ -124,19 +124,24 @@ def not_a_dataset(root: Path) -> str:
 
 def read_manifest(root: os.PathLike) -> Dict[str, Any]:
     """Load and sanity-check ``root/manifest.json``; a dataset without one is not complete."""
-    root = Path(root)
-    path = root / MANIFEST
+    path = Path(root) / MANIFEST
     if not path.is_file():
-        raise FormatError(not_a_dataset(root))
+        raise FormatError(not_a_dataset(Path(root)))
+    return parse_manifest(path.read_bytes(), str(path), "rebuild or re-stage the dataset")
+
+
+def parse_manifest(data: bytes, where: str,
+                   fix: str = "rebuild or re-upload the dataset") -> Dict[str, Any]:
+    """A manifest's bytes, checked; ``where`` names it in messages, ``fix`` ends a damaged one's."""
     try:
-        man = json.loads(path.read_text("utf-8"))
+        man = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         reason = "nested too deeply" if isinstance(e, RecursionError) else e
-        raise FormatError(f"{path} is damaged ({reason}); rebuild or re-stage the dataset") from None
+        raise FormatError(f"{where} is damaged ({reason}); {fix}") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
-        raise FormatError(f"{path} is not a packer manifest")
-    check_version(man.get("format_version", "?"), path)
-    return validate_manifest(man, str(path))
+        raise FormatError(f"{where} is not a packer manifest")
+    check_version(man.get("format_version", "?"), where)
+    return validate_manifest(man, where)
 
 
 def classes_text(m: dict) -> str:

@@ -10,25 +10,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..errors import FormatError, PackerError
-from ..format.manifest import FORMAT_NAME, MANIFEST, check_version, read_manifest, side_tables
-from ..format.validation import validate_manifest
+from ..format.manifest import MANIFEST, parse_manifest, read_manifest, side_tables
 from .objects import ObjectInfo, Store
 from .retry import NotFound
 
 UPLOAD_MARKER = ".packer-upload.json"  # present while an upload is unfinished
-
-
-def parse_manifest(data: bytes, where: str) -> Dict[str, Any]:
-    """A manifest's bytes, checked as ``read_manifest`` checks a local one."""
-    try:
-        man = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        reason = "nested too deeply" if isinstance(e, RecursionError) else e
-        raise FormatError(f"{where} is damaged ({reason}); rebuild or re-upload the dataset") from None
-    if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where} is not a packer manifest")
-    check_version(man.get("format_version", "?"), where)
-    return validate_manifest(man, where)
 
 
 def fetch_manifest(store: Store) -> Dict[str, Any]:

@@ -235,8 +235,7 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
 
 def image_problem(rec: dict, max_pixels: int) -> str:
     """Why a record's image would fail training or lies about itself, or "": it must decode
-    within ``max_pixels`` and be as wide and high as the record says (the width and height
-    columns, compared with the record, then agree with the image too)."""
+    within ``max_pixels`` at the size its record and columns say."""
     try:
         c = check_image(rec["image"], max_pixels=max_pixels)
     except BadImage as e:
@@ -250,18 +249,14 @@ def image_problem(rec: dict, max_pixels: int) -> str:
 
 def ls(root: os.PathLike, storage_options: Optional[dict] = None,
        cache_dir: Optional[os.PathLike] = None) -> Iterator[Tuple[int, int, str]]:
-    """(index, label, source path) of every record, in record order (label -1 in a dataset
-    without class labels). A URL's shards are fetched into ``cache_dir`` (default: a
-    temporary folder) as they are reached."""
+    """(index, label, source path) of every record, in order (label -1 without class labels)."""
     for i, rec, _ in checked_records(root, storage_options, cache_dir):
         yield i, rec.get("label", -1), rec["path"]
 
 
 def ls_fields(root: os.PathLike, storage_options: Optional[dict] = None,
               cache_dir: Optional[os.PathLike] = None) -> Iterator[dict]:
-    """Every record's fields, for a listing: scalars and text as they are, arrays as their
-    shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size.
-    A URL as for ``ls``."""
+    """Every record's fields for a listing (arrays as their shape), with index, path and size."""
     for i, rec, fields in checked_records(root, storage_options, cache_dir):
         row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
         for f in fields:

@@ -17,9 +17,8 @@ NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) 
 
 
 def open_new(path: os.PathLike, mode: str = "wb", *, replace_stale: bool = True):
-    """``path`` created new, for writing, never through a symlink. A leftover file of that
-    name (a temp file of an interrupted run, or a planted link) is first unlinked, which
-    removes the link itself, never its target."""
+    """``path`` created new, for writing, never through a symlink (a leftover of that name is
+    unlinked first: the link itself, never its target)."""
     path = Path(path)
     if replace_stale:
         try:

@@ -42,9 +42,8 @@ def cpu_quota() -> Optional[float]:
 
 
 def busy_cores(seconds: float = 0.5) -> Optional[float]:
-    """Cores other processes keep busy right now: the machine's non-idle CPU time over
-    ``seconds`` (``/proc/stat``) while this process sleeps; None where it cannot be read.
-    Unlike the 1-minute load average, it does not count what this process did just before."""
+    """Cores other processes keep busy now: non-idle CPU time over ``seconds`` (``/proc/stat``)
+    while this process sleeps; None where it cannot be read."""
     def sample():
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
@@ -139,8 +138,7 @@ def is_disk_full(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def disk_full_as(path: os.PathLike, explain: Callable[[int], str], types=(OSError,)):
     """A full disk (an error of ``types`` that ``is_disk_full``) inside becomes
-    ``PackerError(explain(free bytes))``: what was kept and how to resume, instead of an
-    errno. Other errors pass through unchanged."""
+    ``PackerError(explain(free bytes))``; other errors pass through."""
     folder = os.path.dirname(os.fspath(path)) or "."
     try:
         yield

@@ -17,9 +17,7 @@ GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
 
 
 def one_core_rate(ds, indices: List[int]) -> float:
-    """images/s of a ``ds[i]`` loop on one torch thread, as a DataLoader worker runs it (a
-    decoder that resizes with torch would otherwise spread each small resize over every
-    core, which is neither one core's rate nor what the workers do)."""
+    """images/s of a ``ds[i]`` loop on one torch thread, as a DataLoader worker runs it."""
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

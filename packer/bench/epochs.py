@@ -68,9 +68,8 @@ def plain_loader(ds, sampler: PackedSampler, batch_size: int, workers: int,
 
 def one_run(ds: PackedDataset, across: bool, *, batch_size: int, workers: int, epochs: int,
             step) -> EpochRun:
-    """``epochs`` epochs after a warm-up one, through ``make_loader(ds, batch_size)``
-    (``across``) or ``plain_loader``; ``step`` a seconds count (``StandInStep``) or a step
-    object (``CudaStep``)."""
+    """``epochs`` epochs after a warm-up, through ``make_loader`` (``across``) or ``plain_loader``;
+    ``step``: seconds (``StandInStep``) or a step object."""
     step = StandInStep(step) if isinstance(step, (int, float)) else step
     if across:
         made = make_loader(ds, batch_size, num_workers=workers, pin_memory=step.pin_memory)

@@ -285,9 +285,8 @@ class Runner:
 
     def _efficiency_figure(self, ds: PackedDataset, workers: int, batch_size: int,
                            repeats: int) -> None:
-        """``bench_efficiency``'s rounds (one core's ``ds[i]`` loop over a share of the
-        samples, alone and with ``workers`` such loops at once, then the loader over all of
-        them): ``efficiency_round``."""
+        """``efficiency_round``'s rounds: one core's ``ds[i]`` loop alone and with ``workers`` at once,
+        then the loader."""
         indices = list(range(len(ds)))
         core, busy, loader = [], [], []
         for _ in range(repeats):

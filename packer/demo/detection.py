@@ -32,9 +32,8 @@ Targets = Dict[int, Tuple[torch.Tensor, torch.Tensor]]   # image id -> (boxes, l
 
 @dataclass
 class DetectionDemoResult(DemoResult):
-    """What ``run_detection_demo`` did and measured; ``report()`` is what the CLI prints.
-    ``classes`` counts the categories; ``images_checked`` the images whose targets both
-    loaders gave, ``mismatched`` the image ids whose targets differ (or that one missed)."""
+    """What ``run_detection_demo`` did and measured (``report()``: what the CLI prints);
+    ``mismatched``: image ids whose targets differ between the loaders."""
     objects: int = 0
     images_checked: int = 0
     mismatched: List[int] = field(default_factory=list)

@@ -17,9 +17,7 @@ from ..reading.targets import wrap_boxes
 
 
 class FolderDataset(Dataset):
-    """What ``torchvision.datasets.ImageFolder`` does (same scan rule, one file read per
-    sample), with packer's ``decode`` hook, so the folder loader decodes exactly as the
-    packed one does and only the source of the bytes differs."""
+    """``torchvision.datasets.ImageFolder`` with packer's ``decode`` hook: the folder baseline."""
 
     def __init__(self, root: os.PathLike, decode: Callable[[bytes], object]):
         src = scan_folder(root)

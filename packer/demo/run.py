@@ -281,9 +281,8 @@ def compare_loaders(steps: Steps, datasets: Dict[str, tuple], loader: Callable, 
 def loader_rate(batches: Iterable, workers: int, *, cuda: bool = False,
                 total: Optional[int] = None, progress: bool = False,
                 desc: str = "") -> Tuple[int, float]:
-    """(images, seconds) of one pass over ``batches`` ((images, labels or targets)), in the
-    steady state: the first wave (one batch per worker) pays for starting the workers and
-    is not timed; a pass too short for that is timed whole."""
+    """(images, seconds) of one pass over ``batches`` after the first wave (worker start-up);
+    a pass too short for that is timed whole."""
     skip = max(1, workers)
     count = timed = seen = 0
     t0 = t_start = time.perf_counter()
@@ -306,9 +305,7 @@ def loader_rate(batches: Iterable, workers: int, *, cuda: bool = False,
 
 @contextlib.contextmanager
 def _one_thread_children():
-    """Processes spawned inside start with one OpenMP thread (unless the user chose a number):
-    image makers run torch ops on small arrays, where N processes of a thread per core spin
-    away about as much CPU as the work itself."""
+    """Processes spawned inside start with one OpenMP thread (unless the user chose a number)."""
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return

@@ -292,9 +292,8 @@ def shown_int(v: int) -> str:
 
 
 def numbers_fit(values) -> bool:
-    """All numbers, finite, ints within int64: one pass at C speed. A finite sum of
-    magnitudes bounds every value; anything else (False for NaN and inf too, and for text)
-    is left to ``data_problem``'s loop, which says why."""
+    """All numbers, finite, ints within int64: one pass at C speed; False leaves the reason to
+    ``data_problem``."""
     try:
         return math.fsum(map(abs, values)) < INT64[1]
     except (TypeError, OverflowError):
@@ -332,9 +331,8 @@ def data_problem(v: Any, depth: int = 0) -> str:
 
 
 def infer_field(name: str, v: Any) -> Optional[Field]:
-    """The field one example value asks for, or None if it cannot be told from it (an
-    empty list: pass ``schema=``). Lists of ints are int64 arrays, of floats float32 (torch's
-    default dtype; pass a schema for float64)."""
+    """The field one example value asks for, or None (an empty list). Lists of ints are int64
+    arrays, of floats float32."""
     for kind, cls in ((bool, BoolField), (int, IntField), (float, FloatField), (str, StrField)):
         if isinstance(v, kind):
             return cls(name)

@@ -95,9 +95,8 @@ def check_version(version: str, where: os.PathLike) -> None:
 
 
 def shard_file(root: os.PathLike, rel: str) -> Path:
-    """Where the shard at manifest path ``rel`` lives. A path outside the dataset folder (a
-    merged dataset's) must lead into a packer dataset, so a manifest cannot make packer
-    read, hash or copy an arbitrary file."""
+    """Where the shard at manifest path ``rel`` lives; one outside the dataset folder (merged)
+    must lead into a packer dataset, so a manifest cannot name an arbitrary file."""
     path = Path(root) / rel
     if "/" in rel and not (path.parent / MANIFEST).is_file():
         raise FormatError(f"shard {rel} in {Path(root) / MANIFEST} lies in {path.parent}, which "

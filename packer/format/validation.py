@@ -23,9 +23,7 @@ def is_plain_name(name: Any) -> bool:
 
 
 def is_data_name(name: Any) -> bool:
-    """A plain name a dataset's own file may have: not one packer uses for itself (the
-    manifest, or a temp file, ``NAME.tmp``, that a write renames into place), which packer's
-    own writes would replace or delete under the dataset."""
+    """A plain name a dataset's own file may have: not the manifest nor a ``NAME.tmp``."""
     return is_plain_name(name) and name != "manifest.json" and not name.endswith(".tmp")
 
 

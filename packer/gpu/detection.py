@@ -46,8 +46,7 @@ def is_detection_batch(targets: Sequence) -> bool:
 
 
 def letterbox_crops(sizes: torch.Tensor, size: Tuple[int, int], scale_up: bool = True):
-    """The letterbox as a crop reaching past the image (``resample_crops`` then scales by
-    ``scale`` and offsets by the padding), and where each image's pixels land:
+    """The letterbox as a crop reaching past the image, and where each image's pixels land:
     ``(crops (B, 4) float64, inside (B, 4) top, left, bottom, right)``."""
     scale, pad, new = letterbox_params(sizes, size, scale_up=scale_up)
     scale = scale.double()

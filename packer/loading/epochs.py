@@ -26,9 +26,8 @@ class Numbered(list):
 
 
 class StampedDataset:
-    """``dataset`` read a batch at a time (DataLoader's ``__getitems__``), the samples
-    keeping the batch's ``seq``; any other attribute, read or set (a ``worker_init_fn``
-    setting ``get_worker_info().dataset.x``), is the dataset's."""
+    """``dataset`` read a batch at a time, samples keeping the batch's ``seq``; any other
+    attribute is the dataset's."""
 
     def __init__(self, dataset):
         object.__setattr__(self, "dataset", dataset)
@@ -101,9 +100,8 @@ def failed_from(cls: type, message: str) -> Failed:
 
 
 class EpochBatches:
-    """Batches of ``sampler``'s indices, epoch after epoch, never ending, drawn from a copy
-    of the sampler (the caller's keeps its epoch and state); a batch never spans two epochs
-    (the last one of an epoch may be short unless ``drop_last``)."""
+    """Batches of ``sampler``'s indices, epoch after epoch, from a copy of the sampler; a batch
+    never spans two epochs."""
 
     def __init__(self, sampler: PackedSampler, batch_size: int, drop_last: bool = False):
         self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), bool(drop_last)

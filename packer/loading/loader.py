@@ -127,9 +127,8 @@ def _stop_at_exit(ref) -> None:
 
 
 def default_num_workers() -> int:
-    """Cores this process may use (affinity mask and cgroup CPU quota), shared among the
-    training processes of this host (``LOCAL_WORLD_SIZE``, set by torchrun): one worker per
-    core keeps decoding saturated without oversubscribing when 8 ranks share a machine."""
+    """Cores this process may use (affinity and cgroup quota), shared among the ranks of this host
+    (``LOCAL_WORLD_SIZE``)."""
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:

@@ -27,9 +27,7 @@ def shared_empty(size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
 
 
 def shutdown_workers(iterator) -> None:
-    """Stop a DataLoader iterator's worker processes (and its pin-memory thread) now, as
-    the iterator does when it is collected (``_shutdown_workers``); nothing for an iterator
-    without workers."""
+    """Stop a DataLoader iterator's workers (and pin-memory thread) now, as its collection would."""
     stop = getattr(iterator, "_shutdown_workers", None)
     if stop is not None:
         stop()

@@ -137,9 +137,8 @@ class PackedDataset(Dataset):
         return torch.tensor(w, dtype=torch.float64) / torch.tensor(h, dtype=torch.float64)
 
     def get_height_and_width(self, index: int) -> Tuple[int, int]:
-        """``(height, width)`` of image ``index`` (the stored image's), from the side tables:
-        torchvision's detection reference groups batches by aspect ratio with it instead of
-        decoding every image (``GroupedBatchSampler``, ``--aspect-ratio-group-factor``)."""
+        """``(height, width)`` of image ``index`` from the side tables (torchvision's detection
+        reference groups batches by aspect ratio with it)."""
         w, h = self.sizes()
         return h[index], w[index]
 

@@ -21,9 +21,8 @@ _WALK, _INTERLEAVE = 2, 3  # seed_for salts (1 is grouped_order's)
 
 
 def share_counts(weights: Sequence[float], total: int) -> List[int]:
-    """``total`` split in proportion to ``weights`` by largest remainder: each count is its
-    exact share rounded down or up, and they sum to ``total`` (ties: the earlier source).
-    Exact (rational) arithmetic, so every machine splits the same way."""
+    """``total`` split in proportion to ``weights`` by largest remainder (ties: the earlier
+    source), in exact arithmetic so every machine splits the same way."""
     exact = [Fraction(w) for w in weights]
     whole = sum(exact)
     exact = [w * total / whole for w in exact]
@@ -51,9 +50,7 @@ def source_draws(n: int, count: int, *, seed: int, epoch: int, source: int,
 
 
 def target_kind(dataset) -> Optional[str]:
-    """What ``dataset``'s samples carry as their target, in words, where packer makes it (a
-    ``PackedDataset`` without ``target_transform``/``transforms``); None where user code
-    decides."""
+    """What ``dataset``'s samples carry as their target where packer makes it, else None."""
     make = getattr(dataset, "make_target", None)
     if make is None or getattr(dataset, "target_transform", None) is not None \
             or getattr(dataset, "transforms", None) is not None:
@@ -126,9 +123,8 @@ class Mixture(Dataset):
         return self.sources[s][i]
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-        """The epoch's ``epoch_size`` mixture indices (int64): each source's draws
-        (``source_draws``), interleaved by a seeded permutation (``shuffle=False``: source
-        after source, each one's draws in order)."""
+        """The epoch's ``epoch_size`` mixture indices (int64): each source's draws, interleaved by a
+        seeded permutation (``shuffle=False``: source after source)."""
         seq = torch.cat([source_draws(n, c, seed=seed, epoch=epoch, source=s, shuffle=shuffle) + off
                          for s, (n, c, off) in enumerate(zip(self.lengths, self.counts, self.offsets))])
         if not shuffle:

@@ -119,9 +119,7 @@ class ShardReader:
         return rec
 
     def _cached(self, shard: int, keep: int = 2) -> None:
-        """Close and unpin the oldest shards open from the cache beyond ``keep - 1`` (so that
-        the cache may evict what this process no longer reads), then fetch (once per node)
-        and pin ``shard``."""
+        """Close and unpin the oldest cached shards beyond ``keep - 1``, then fetch and pin ``shard``."""
         while len(self._order) >= keep:
             k = self._order.pop(0)
             os.close(self._fds[k])

@@ -89,9 +89,7 @@ class ImageList:
 
 
 class Source:
-    """Base of the objects ``packer.build`` packs (the protocol: ``packer.sources``). A
-    subclass sets ``root`` and defines ``read``; ``options`` and ``check_destination`` have
-    defaults that record nothing and allow any DST."""
+    """Base of the objects ``packer.build`` packs: a subclass sets ``root`` and defines ``read``."""
     root: Path
 
     def read(self) -> ImageList:

@@ -198,9 +198,8 @@ def read_categories(file: Path, cats: List[Category]) -> Dict[int, Dict[str, Any
 
 
 def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dict[str, str]], set]:
-    """id -> path of the usable images (several ids may name one file: each is a record, as
-    in torchvision's CocoDetection); the unusable ones (unsafe file names) dropped, with the
-    reasons, and their ids."""
+    """id -> path of the usable images (several ids may name one file), and the unusable ones'
+    reasons and ids."""
     by_id: Dict[int, str] = {}
     dropped: List[Dict[str, str]] = []
     bad = set()

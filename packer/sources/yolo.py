@@ -100,9 +100,8 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
 
 
 def match_labels(images: List[str], label_files: set):
-    """``[(image, its label file or None, why it has none that can be used or "")]`` and
-    the label files some image claims: a flat ``<stem>.txt`` that images in different
-    folders would share belongs to none of them (whose is it?)."""
+    """``[(image, label file or None, why none or "")]`` and the label files claimed; a flat
+    ``<stem>.txt`` that images in several folders would share belongs to none."""
     flat_claims: Dict[str, set] = {}
     plan: List[Tuple[str, Optional[str], Optional[str]]] = []
     for rel in images:
@@ -286,9 +285,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 
 def yaml_names(text: str, file: Path) -> List[str]:
-    """The class list of a YAML names file, as ultralytics reads it: the file is a list of
-    names, or a mapping whose ``names`` is such a list or an ``{index: name}`` map (indices
-    0..N-1); names are scalars, as text. Anything else is an error, never a guess."""
+    """The class list of a YAML names file, as ultralytics reads it (a list, or ``names``: a list
+    or an ``{index: name}`` map); anything else is an error, never a guess."""
     try:
         data = yaml.load(text, Loader=UniqueKeyLoader)
     except yaml.YAMLError as e:

@@ -33,9 +33,8 @@ def manifest(name: Any, storage_options: Optional[Dict[str, Any]] = None) -> dic
 @contextlib.contextmanager
 def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Optional[os.PathLike],
               keep_all: bool = False):
-    """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary folder removed after
-    that keeps two shards at most (what a reader pins), so listing a dataset larger than
-    the disk works."""
+    """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary one keeping two shards at
+    most, so listing a dataset larger than the disk works."""
     from .cache import ShardCache
     tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
     try:
@@ -54,9 +53,8 @@ def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Op
 @contextlib.contextmanager
 def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
                cache_dir: Optional[os.PathLike] = None, *, parallel: int = 4) -> Iterator[Path]:
-    """A local folder holding the whole dataset at a path or URL: the path itself, or for a
-    URL the cache folder with every shard fetched and verified and ``manifest.json`` naming
-    the cached files (removed afterwards unless ``cache_dir`` was given)."""
+    """A local folder holding the whole dataset at a path or URL (for a URL, every shard fetched
+    and verified; removed afterwards unless ``cache_dir`` was given)."""
     if not is_url(name):
         yield Path(name)
         return

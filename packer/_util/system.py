@@ -1,9 +1,5 @@
-"""Facts about the machine that several modules need: usable cores, memory, filesystem type,
-free space, full-disk errors, human-readable sizes, and which PIL is imported.
-
-Private to packer (the names are public so modules can share them without crossing a
-private boundary); nothing here changes the process.
-"""
+"""Facts about the machine: usable cores, memory, filesystems, free space, full-disk errors,
+human-readable sizes, which PIL is imported. Nothing here changes the process."""
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,5 @@
-"""The wait at every epoch boundary: ``make_loader(ds, B)`` (its workers run on into the next
-epoch) against a plain DataLoader over the same ``PackedSampler``, collate and workers, epoch by
-epoch. The training step is a fixed wait in the main process (``StandInStep``) or a real one
-(``benchmarks/benchlib/figures.py``'s ``CudaStep``); what is measured is the wall time against
-the sum of the ideal steps and the wait for each batch.
-"""
+"""The wait at every epoch boundary: ``make_loader(ds, B)`` (workers run on into the next epoch)
+against a plain DataLoader over the same ``PackedSampler``, collate and workers."""
 from __future__ import annotations
 
 import functools

@@ -1,8 +1,5 @@
-"""``packer demo --detection``: the whole job on a generated COCO detection set, with the
-packed loader compared with a CocoDetection-style folder loader, for speed and for targets:
-every image's boxes, labels and image id must come out of both loaders alike, both decoding
-with the same ``DecodeLetterbox`` (which moves the boxes).
-"""
+"""``packer demo --detection``: the whole job on a generated COCO set, the packed loader
+compared with a CocoDetection-style folder loader for speed and for every image's targets."""
 from __future__ import annotations
 
 import functools

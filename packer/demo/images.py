@@ -1,9 +1,5 @@
-"""Realistic sample data, no downloads: photo-like JPEGs made from the photos packer ships.
-
-Benchmarks must use photo-like JPEGs: noise or flat colour decode at unrealistic speeds.
-``make_image_folder`` crops, scales, flips and colour-shifts a few public-domain photos
-shipped with packer into ImageNet-like files (shorter side 300-500 px, quality 75-95).
-"""
+"""Realistic sample data, no downloads: ImageNet-like JPEGs made from the photos packer ships
+(noise or flat colour would decode at unrealistic speeds)."""
 from __future__ import annotations
 
 import ctypes

@@ -1,9 +1,5 @@
-"""The on-disk contract: the manifest, its files' names, versions, checksums.
-
-Everything here is plain data (msgpack records, a JSON manifest, raw int32 labels): opening
-a dataset from a stranger never runs code. ``docs/format.md`` is the human version of this
-file; keep them in step.
-"""
+"""The on-disk contract: the manifest, its files' names, versions, checksums. All plain data,
+so opening a stranger's dataset never runs code; ``docs/format.md`` is the human version."""
 from __future__ import annotations
 
 import hashlib

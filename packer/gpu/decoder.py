@@ -1,9 +1,6 @@
-"""``GPUDecoder``: the iterator a training loop uses on the GPU path. DataLoader workers only
-read records and parse JPEG headers (``encoded``); decode threads, each on its own CUDA stream,
-decode whole batches (``nvjpeg``, or torchvision's ``decode_jpeg``) and augment them in one
-Triton kernel (``resample``); batches cross streams with events and ``record_stream``, as in
-``CUDAPrefetcher``. docs/gpu_decode.md has the reasons for each choice and the measurements.
-"""
+"""``GPUDecoder``: the iterator a training loop uses on the GPU path: decode threads, each on its
+own CUDA stream, decode whole batches and augment them in one Triton kernel
+(docs/gpu_decode.md)."""
 from __future__ import annotations
 
 import ctypes

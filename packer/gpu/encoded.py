@@ -1,9 +1,5 @@
-"""The CPU side of GPU decoding: what DataLoader workers do (see ``packer.gpu``).
-
-JPEG header parsing (:func:`jpeg_info`, :func:`gpu_decodable`), the ``decode=`` hook
-(:class:`EncodedImage`) that hands out :class:`EncodedSample`, and the collate
-(:func:`collate_encoded`) that packs a batch into one flat byte buffer (:class:`EncodedBatch`).
-"""
+"""The CPU side of GPU decoding, in DataLoader workers: JPEG header parsing, the ``decode=``
+hook (:class:`EncodedImage`) and the collate into one flat buffer (:class:`EncodedBatch`)."""
 from __future__ import annotations
 
 import ctypes

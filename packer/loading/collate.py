@@ -1,8 +1,5 @@
-"""The uint8 collates ``make_loader`` batches with: images stay uint8 from decode to the GPU.
-
-A float32 batch is 4x the bytes to collate, to pass between processes, to pin and to send
-over PCIe, and the conversion is nearly free on the GPU (``CUDAPrefetcher`` does it there).
-"""
+"""The uint8 collates ``make_loader`` batches with: images stay uint8 (4x fewer bytes than
+float32) from decode to the GPU, where ``CUDAPrefetcher`` converts them."""
 from __future__ import annotations
 
 import functools

@@ -1,8 +1,4 @@
-"""``BackgroundIterator``: iterate anything in a background thread, a few items ahead.
-
-For producers that wait or release the GIL (I/O, decoding, a DataLoader's queue) while the
-consumer runs a training step.
-"""
+"""``BackgroundIterator``: iterate anything in a background thread, a few items ahead."""
 from __future__ import annotations
 
 import queue

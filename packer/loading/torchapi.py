@@ -1,9 +1,5 @@
 """Every use of torch's private API in packer, in one module, each exercised by
-``tests/test_torchapi.py``.
-
-Supported torch: 2.13 to 2.14 (``setup.cfg``); the tests run on both ends. When a new torch
-moves one of these, this module is the one place to change, and its test the one to fail.
-"""
+``tests/test_torchapi.py``: the one place to change when torch moves one."""
 from __future__ import annotations
 
 import math

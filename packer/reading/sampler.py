@@ -1,19 +1,9 @@
 """``PackedSampler``: a seeded global order, split exactly across DDP ranks, resumable in O(1).
 
-Why not ``DistributedSampler``: resuming mid-epoch there means replaying (or skipping) every
-index already seen, and a checkpoint taken at world size 4 cannot continue at world size 2.
-Here the whole state is three integers: (seed, epoch, global samples consumed). The order is
-a pure function of (seed, epoch) and the dataset length; rank ``r`` of ``W`` takes global
-positions ``consumed + r, consumed + r + W, ...``, so any world size continues the same
-global sequence of batches as long as the global batch size is unchanged.
-
-``order="block"`` is for data larger than RAM on HDDs or network disks: it permutes blocks of
-consecutive records, then interleaves the records of a window of blocks at random while
-keeping each block's records ascending, so the disk sees ``window`` sequential streams
-instead of one random offset per sample (the gain depends on the device: docs/sampling.md).
-Unlike FFCV's QUASI_RANDOM it is split across ranks like the random order, so it works
-with DDP.
-"""
+The state is (seed, epoch, global samples consumed) and rank ``r`` of ``W`` takes positions
+``consumed + r, consumed + r + W, ...``, so any world size continues the same global
+sequence. ``order="block"`` reads windows of consecutive blocks for slow disks
+(docs/sampling.md)."""
 from __future__ import annotations
 
 import copy

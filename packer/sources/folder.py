@@ -1,9 +1,5 @@
-"""torchvision's ImageFolder layout and ``relative/path<TAB>label`` lists: classification.
-
-Label *i* must mean the same class here as in ``torchvision.datasets.ImageFolder`` over the
-same folder, so the class order and the file walk copy its rules exactly (see
-``find_classes`` and ``make_dataset`` in torchvision/datasets/folder.py).
-"""
+"""torchvision's ImageFolder layout and ``relative/path<TAB>label`` lists: classification, with
+torchvision's class order and walk exactly, so label *i* means the same class."""
 from __future__ import annotations
 
 import os

@@ -1,9 +1,5 @@
 """Build-time image checks: decode each file as deeply as training will, or say why not;
-optionally transcode it to a smaller baseline JPEG.
-
-Used by the build's worker processes and by ``verify``; training-time decoding is
-``packer.transforms.decode``.
-"""
+optionally transcode it to a smaller baseline JPEG."""
 from __future__ import annotations
 
 import io

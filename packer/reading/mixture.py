@@ -36,7 +36,7 @@ def share_counts(weights: Sequence[float], total: int) -> List[int]:
 def source_draws(n: int, count: int, *, seed: int, epoch: int, source: int,
                  shuffle: bool = True) -> torch.Tensor:
     """The local indices (int64) a source of ``n`` samples gives to ``epoch`` when it gives
-    ``count`` per epoch (module docstring): a pure function of its arguments."""
+    ``count`` per epoch (docs/mixture.md): a pure function of its arguments."""
     full, rest = divmod(count, n) if n else (0, 0)
     parts = [torch.arange(n).repeat(full)]
     if rest:

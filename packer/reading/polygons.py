@@ -1,7 +1,10 @@
-"""COCO polygons rasterised exactly as pycocotools' ``rleFrPoly`` does, in bounded work: each
-edge's crossing of an image column is computed where it happens (same double-precision
-expressions) instead of walking every point, and ``crossings`` counts that work beforehand
-so a budget can refuse an outline before any work."""
+"""COCO polygons rasterised exactly as pycocotools' ``rleFrPoly`` does, in bounded work.
+
+``rleFrPoly`` rounds vertices to a 5x grid, walks each edge along its longer axis and keeps
+one boundary point per step between ``u = 5n+2`` and ``5n+3`` (column ``n``'s centre); a
+pixel is inside when an odd number of its polygon's points lie at or before it in
+column-major order. Here each column crossing is computed where it happens (same double
+expressions), so the work is one step per (edge, column), which ``crossings`` counts first."""
 from __future__ import annotations
 
 from typing import List, NamedTuple, Tuple

@@ -193,7 +193,7 @@ class Runner:
                 res["ceiling_images_per_s"] = res["images_per_s"] * cores
 
     def _decode(self, fn: Callable, blobs: List[bytes]) -> dict:
-        """One core's rate: decode ``blobs`` in turn (after 5 untimed), per CPU-second of this thread
+        """One core's rate: decode ``blobs`` in turn (after 5 untimed), per CPU-second of the thread
         (the wall-clock rate kept as ``wall_images_per_s``)."""
         if not blobs:
             return {}
@@ -258,7 +258,7 @@ class Runner:
 
     def figures_phase(self, dst, images: int, workers: int, batch_size: int, size: int,
                       repeats: int) -> None:
-        """Copy ``images`` of ``dst``'s images to a temporary folder and measure the build rate ratio,
+        """Copy ``images`` of ``dst``'s images to a temporary folder, measure the build rate ratio,
         then loader efficiency and the epoch-boundary wait, into ``report.figures``."""
         cores = usable_cores()
         with tempfile.TemporaryDirectory(prefix="packer-bench-figures-") as tmp:
@@ -285,7 +285,7 @@ class Runner:
 
     def _efficiency_figure(self, ds: PackedDataset, workers: int, batch_size: int,
                            repeats: int) -> None:
-        """``efficiency_round``'s rounds: one core's ``ds[i]`` loop alone and with ``workers`` at once,
+        """``efficiency_round``'s rounds: one core's ``ds[i]`` loop alone and ``workers`` at once,
         then the loader."""
         indices = list(range(len(ds)))
         core, busy, loader = [], [], []

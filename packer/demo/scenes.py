@@ -154,7 +154,7 @@ def make_detection_folder(dst: os.PathLike, images: int = 64, *, seed: int = 0,
                           workers: Optional[int] = None) -> Path:
     """Write a detection dataset of realistic JPEG scenes under ``dst``: ``images/``,
     ``annotations.json`` (COCO), ``labels/`` (YOLO; half the empty images without a file),
-    ``names.txt`` and ``data.yaml``. The same arguments give the same bytes, whatever ``workers``."""
+    ``names.txt``, ``data.yaml``. The same arguments give the same bytes, whatever ``workers``."""
     dst = Path(dst)
     (dst / "images").mkdir(parents=True, exist_ok=True)
     (dst / "labels").mkdir(exist_ok=True)

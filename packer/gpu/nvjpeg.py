@@ -80,7 +80,7 @@ class NvjpegDecoder:
 
     def decode_flat(self, data: torch.Tensor, offsets: torch.Tensor, device: torch.device,
                     sizes: Optional[torch.Tensor] = None) -> ImageTable:
-        """Decode a flat buffer laid out by ``offsets`` into one allocation, planar RGB back to back.
+        """Decode a flat buffer laid out by ``offsets`` into one allocation, planar RGB in a row.
         ``sizes`` ((n, 2) h, w, checked against the pixel limit) must match nvJPEG's own header
         parse, or ``FormatError`` before anything is allocated."""
         ptrs, lens = offsets[:-1] + data.data_ptr(), (offsets[1:] - offsets[:-1]).contiguous()

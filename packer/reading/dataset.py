@@ -23,7 +23,7 @@ from .targets import TargetMaker, oriented, wrap_boxes
 
 
 class PackedDataset(Dataset):
-    """Map-style dataset over every shard of a packed dataset (docs/loading.md, docs/torchvision.md).
+    """Map-style dataset over all shards of a packed dataset (docs/loading.md, docs/torchvision.md).
 
     Args:
         root: the dataset folder or URL (``cache_dir`` / ``cache_limit`` / ``storage_options``
@@ -99,7 +99,7 @@ class PackedDataset(Dataset):
 
     @property
     def samples(self) -> "Samples":
-        """``(path, class_index)`` per record, as ImageFolder's ``samples`` (``-1``: no class label)."""
+        """``(path, class_index)`` per record, as ImageFolder's ``samples`` (``-1``: no label)."""
         if self._samples is None:
             table = read_paths(self.root, self.manifest)
             if table is None:  # built before the paths table (format < 1.2): from the records

@@ -60,7 +60,7 @@ class PackedIterableDataset(IterableDataset):
         return rank_count(len(self.reader), 0, self.num_replicas, self.drop_last)
 
     def positions(self, worker: int = 0, workers: int = 1) -> Tuple[int, int]:
-        """The [lo, hi) run of global-order positions ``worker`` of this rank reads (wrapping: padding)."""
+        """The [lo, hi) run of global-order positions ``worker`` reads (past the end: padding)."""
         per_rank = len(self)
         lo = self.rank * per_rank
         return lo + per_rank * worker // workers, lo + per_rank * (worker + 1) // workers

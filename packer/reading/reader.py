@@ -119,7 +119,7 @@ class ShardReader:
         return rec
 
     def _cached(self, shard: int, keep: int = 2) -> None:
-        """Close and unpin the oldest cached shards beyond ``keep - 1``, then fetch and pin ``shard``."""
+        """Unpin and close the oldest cached shards beyond ``keep - 1``; fetch and pin ``shard``."""
         while len(self._order) >= keep:
             k = self._order.pop(0)
             os.close(self._fds[k])

@@ -56,7 +56,7 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
 
 
 def aspect_group_ids(ratios: torch.Tensor, factor: int) -> torch.Tensor:
-    """Group of each width/height ratio: the bins of torchvision's ``create_aspect_ratio_groups``."""
+    """Group of each width/height ratio: torchvision's ``create_aspect_ratio_groups`` bins."""
     edges = torch.pow(2.0, torch.linspace(-1, 1, 2 * factor + 1, dtype=torch.float64))
     if factor == 0:
         edges = torch.tensor([1.0], dtype=torch.float64)

@@ -107,9 +107,9 @@ class Store:
     def download(self, rel: str, dest: Path, size: int, sha256: Optional[str] = None,
                  progress: Optional[Callable[[int], None]] = None,
                  expect: Optional[ObjectInfo] = None) -> None:
-        """``rel`` into the new file ``dest``: parallel ranged GETs hashed in order, fsynced, checked
-        against ``size``/``sha256`` (else the version must not change). On any failure ``dest`` is
-        removed and a PackerError says why."""
+        """``rel`` into the new file ``dest``: parallel ranged GETs hashed in order, fsynced,
+        checked against ``size``/``sha256`` (else the version must not change). On any failure
+        ``dest`` is removed and a PackerError says why."""
         try:
             before = expect if expect is not None else self.stat(rel)
             if before.size != size:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 
-# C0 and C1 control characters and DEL: a terminal obeys them (cursor moves, colours, title
-# changes, even answer-back), so dataset content never reaches one raw.
 CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 
 

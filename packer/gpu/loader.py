@@ -17,12 +17,8 @@ from .encoded import EncodedImage, collate_encoded
 
 __all__ = ["ConnectionsWarning", "connections_advice", "make_gpu_loader", "reserve_cuda_queues"]
 
-# nvJPEG works image by image on the GPU (a bitstream copy, a colour-conversion kernel and
-# an event wait per image). The GPU feeds its streams through CUDA_DEVICE_MAX_CONNECTIONS
-# hardware queues, 8 by default; streams that share one queue are serialised, so with 8 each
-# of those per-image steps can wait behind a training kernel (docs/gpu_decode.md). CUDA reads
-# the variable when its context is created: reserve_cuda_queues() sets it, explicitly,
-# before that.
+# nvJPEG's per-image steps wait behind training kernels on a shared hardware queue (8 by
+# default; docs/gpu_decode.md); CUDA reads this when its context is created.
 CUDA_QUEUES = 32
 
 

@@ -10,11 +10,8 @@ __all__ = ["rates_on_all_cores", "median_rate_on_all_cores"]
 
 
 def _run(fn, share, barrier, results, k) -> None:
-    try:
-        import torch
-        torch.set_num_threads(1)  # as a DataLoader worker and a build worker run
-    except ImportError:  # pragma: no cover
-        pass
+    import torch
+    torch.set_num_threads(1)  # as a DataLoader worker and a build worker run
     barrier.wait()
     results[k] = fn(share)
 

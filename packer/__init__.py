@@ -1,12 +1,7 @@
 """packer: pack image datasets into LMDB shards once, then feed GPUs without waiting on input.
 
-The write pipeline (``packer.sources`` → ``packer.writing``) makes datasets in the on-disk
-format (``packer.format``); the read pipeline (``packer.reading`` → ``packer.loading``, or
-``packer.gpu``) trains from them; ``packer.staging`` copies them to RAM. The names below
-are what most users need; each subpackage exports the rest of its own. Every name is
-imported on first use, so ``import packer`` and the CLI's inspection commands never import
-torch. ``docs/architecture.md`` maps the tree.
-"""
+Every name is imported on first use, so ``import packer`` and the CLI's inspection commands
+never import torch. ``docs/architecture.md`` maps the tree."""
 from typing import TYPE_CHECKING
 
 from ._util.lazy import lazy_names

@@ -1,10 +1,5 @@
-"""``packer doctor``: the environment packer runs in, as facts a script can read and a line each
-a person can act on.
-
-It imports no torch: importing it takes seconds, and the packages' versions come from their
-installed metadata. Only ``cuda=True`` (``packer doctor --cuda``) imports torch, to ask it for
-a GPU.
-"""
+"""``packer doctor``: the environment as facts a script can read and lines a person can act on.
+It imports torch only with ``cuda=True``."""
 from __future__ import annotations
 
 import os
@@ -26,11 +21,8 @@ OPTIONAL = {
 
 
 def doctor(cuda: bool = False) -> Dict[str, object]:
-    """PIL flavour and JPEG library, torch (and, with ``cuda``, its GPU), the optional
-    packages, usable cores.
-
-    ``cuda`` is None unless ``cuda=True``; then the GPU's name, or False without one.
-    """
+    """PIL flavour and JPEG library, torch (and with ``cuda=True`` its GPU name, or False), the
+    optional packages, usable cores."""
     try:
         pil: Optional[dict] = pil_info()
         summary = pil_summary()

@@ -110,20 +110,10 @@ QUICK_SKIPS = "records were not read, decoded or compared with labels.i32 (quick
 def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True,
            max_pixels: int = DEFAULT_MAX_PIXELS, storage_options: Optional[dict] = None,
            cache_dir: Optional[os.PathLike] = None) -> Report:
-    """Check what training relies on, and report every problem found.
-
-    Always: the manifest's fields (``read_manifest``), every shard's size, SHA-256 and LMDB
-    structure (every page pointer inside the file, keys 0..N-1, the record count), the side
-    tables' checksums, and labels within ``classes``. Unless ``quick``: every record
-    unpacks to the documented field types, its image matches its CRC-32, decodes within
-    ``max_pixels`` and has the width and height its record and columns say, and its label
-    equals ``labels.i32``'s. ``max_pixels`` is the caller's limit, never the dataset's own
-    (a stranger's manifest could name any): default PIL's, 89,478,485.
-    A shard whose checksum is wrong still has its records checked, so the report names
-    the damaged records; one that is missing, of the wrong size or malformed does not.
-    A URL's shards are first fetched into ``cache_dir`` (a temporary folder by default),
-    each refused unless its SHA-256 is the manifest's (``packer.storage.local_root``).
-    """
+    """Check what training relies on and report every problem found: the manifest, every shard's
+    size, SHA-256 and LMDB structure, the side tables, labels; unless ``quick`` also every
+    record's fields, CRC-32, decode (within the caller's ``max_pixels``, default PIL's) and
+    sizes. A URL's shards are fetched into ``cache_dir`` first, each SHA-256 checked."""
     if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels < 1:
         raise PackerError(f"verify(max_pixels): a positive pixel count, got {max_pixels!r}")
     from .storage.local import is_url, local_root
@@ -245,8 +235,7 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
 
 def image_problem(rec: dict, max_pixels: int) -> str:
     """Why a record's image would fail training or lies about itself, or "": it must decode
-    within ``max_pixels`` and be as wide and high as the record says (the width and height
-    columns, compared with the record, then agree with the image too)."""
+    within ``max_pixels`` at the size its record and columns say."""
     try:
         c = check_image(rec["image"], max_pixels=max_pixels)
     except BadImage as e:
@@ -260,18 +249,14 @@ def image_problem(rec: dict, max_pixels: int) -> str:
 
 def ls(root: os.PathLike, storage_options: Optional[dict] = None,
        cache_dir: Optional[os.PathLike] = None) -> Iterator[Tuple[int, int, str]]:
-    """(index, label, source path) of every record, in record order (label -1 in a dataset
-    without class labels). A URL's shards are fetched into ``cache_dir`` (default: a
-    temporary folder) as they are reached."""
+    """(index, label, source path) of every record, in order (label -1 without class labels)."""
     for i, rec, _ in checked_records(root, storage_options, cache_dir):
         yield i, rec.get("label", -1), rec["path"]
 
 
 def ls_fields(root: os.PathLike, storage_options: Optional[dict] = None,
               cache_dir: Optional[os.PathLike] = None) -> Iterator[dict]:
-    """Every record's fields, for a listing: scalars and text as they are, arrays as their
-    shape (``[3, 4]``: three boxes), other data as its type; plus index, path and size.
-    A URL as for ``ls``."""
+    """Every record's fields for a listing (arrays as their shape), with index, path and size."""
     for i, rec, fields in checked_records(root, storage_options, cache_dir):
         row = {"index": i, "path": rec["path"], "width": rec["width"], "height": rec["height"]}
         for f in fields:

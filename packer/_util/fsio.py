@@ -1,15 +1,6 @@
-"""Writing only where packer was asked to, and only files it created: exclusive temp files,
-atomic renames, and one writer per folder.
-
-packer often runs as root on shared storage (a node's /dev/shm, a team's dataset folder). A
-name packer writes through could be a symlink planted by someone else, pointing at a file
-they could not write themselves; so every file packer writes is created here, new
-(``O_CREAT | O_EXCL | O_NOFOLLOW``), and renamed into place (``rename`` replaces a link, it
-never writes through one). Before any of that, ``check_folder`` refuses a folder packer was
-not meant to write into. Private to packer; the names are public so modules can share them.
-
-``fcntl`` (Linux, macOS) is imported only by ``FolderLock``, so reading works where it is absent.
-"""
+"""Writing only where packer was asked to, and only files it created: every file is created new
+(``O_CREAT | O_EXCL | O_NOFOLLOW``) and renamed into place, so a planted symlink is never
+written through; ``check_folder`` refuses a wrong folder; ``FolderLock``: one writer."""
 from __future__ import annotations
 
 import errno
@@ -26,9 +17,8 @@ NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) 
 
 
 def open_new(path: os.PathLike, mode: str = "wb", *, replace_stale: bool = True):
-    """``path`` created new, for writing, never through a symlink. A leftover file of that
-    name (a temp file of an interrupted run, or a planted link) is first unlinked, which
-    removes the link itself, never its target."""
+    """``path`` created new, for writing, never through a symlink (a leftover of that name is
+    unlinked first: the link itself, never its target)."""
     path = Path(path)
     if replace_stale:
         try:
@@ -88,11 +78,9 @@ def remove_own(folder: Path, name: str) -> bool:
 
 def check_folder(folder: os.PathLike, *, marks: Iterable[str], leftovers: Iterable[str] = (),
                  fix: str) -> None:
-    """Refuse, before anything is written, a ``folder`` packer must not write into: a file, a
-    folder that cannot be created (and why), one that cannot be written, or a non-empty one
-    holding none of ``marks`` (names only packer writes: a manifest, a journal, a staging
-    marker) and more than ``leftovers`` (what a killed run of packer leaves). ``fix`` ends
-    the message: what to do instead."""
+    """Refuse, before anything is written, a ``folder`` packer must not write into (a file, not
+    creatable or writable, or non-empty with none of ``marks`` and more than ``leftovers``);
+    ``fix`` ends the message."""
     folder = Path(folder)
     lock_module()
     try:
@@ -208,8 +196,6 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
-# -- reading input files: regular files only, with a size bound ---------------------------------
-
 NOT_REGULAR = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
                stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}
 
@@ -224,15 +210,9 @@ class NotAFile(OSError):
 
 
 def read_file(path: os.PathLike, limit: Optional[int] = None, limit_name: str = "the limit") -> bytes:
-    """The bytes of the regular file ``path`` (links followed), at most ``limit`` of them
-    (``limit_name`` says which, in the message).
-
-    Checked on the opened descriptor (``fstat``), so a name swapped after a check cannot
-    slip in a device: ``/dev/zero``, a FIFO or a socket never end, and a FIFO is opened with
-    ``O_NONBLOCK`` so that opening it never waits for a writer. Reads at most the size
-    ``fstat`` gave plus one byte (a file with more than that is refused, not read on). Raises
-    ``NotAFile`` saying why, or the ``OSError`` of the open or read.
-    """
+    """The bytes of the regular file ``path``, at most ``limit`` (``limit_name`` names it). Checked
+    on the open descriptor, a FIFO opened non-blocking, so no swapped-in device can hang or
+    flood it. Raises ``NotAFile`` saying why, or the ``OSError``."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)

@@ -9,9 +9,8 @@ from typing import Callable, Dict, Iterable, Tuple
 
 def lazy_names(package: str, where: Dict[str, Iterable[str]],
                namespace: dict) -> Tuple[Callable, Callable]:
-    """``(__getattr__, __dir__)`` for ``package``: ``where`` maps each submodule (relative,
-    e.g. ``".dataset"``) to the names it provides; a name is imported once, then cached in
-    the package's ``namespace``."""
+    """``(__getattr__, __dir__)`` for ``package``: ``where`` maps each submodule to the names it
+    provides; a name is imported once, then cached in ``namespace``."""
     home = {name: module for module, names in where.items() for name in names}
 
     def __getattr__(name: str):

@@ -1,9 +1,5 @@
-"""Facts about the machine that several modules need: usable cores, memory, filesystem type,
-free space, full-disk errors, human-readable sizes, and which PIL is imported.
-
-Private to packer (the names are public so modules can share them without crossing a
-private boundary); nothing here changes the process.
-"""
+"""Facts about the machine: usable cores, memory, filesystems, free space, full-disk errors,
+human-readable sizes, which PIL is imported. Nothing here changes the process."""
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +14,6 @@ from ..errors import PackerError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
-
-# -- cores -----------------------------------------------------------------------------------
 
 def usable_cores() -> int:
     """Cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota."""
@@ -44,9 +38,8 @@ def cpu_quota() -> Optional[float]:
 
 
 def busy_cores(seconds: float = 0.5) -> Optional[float]:
-    """Cores other processes keep busy right now: the machine's non-idle CPU time over
-    ``seconds`` (``/proc/stat``) while this process sleeps; None where it cannot be read.
-    Unlike the 1-minute load average, it does not count what this process did just before."""
+    """Cores other processes keep busy now: non-idle CPU time over ``seconds`` (``/proc/stat``)
+    while this process sleeps; None where it cannot be read."""
     def sample():
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
@@ -73,8 +66,6 @@ def die_with_parent(parent: int) -> None:
     if os.getppid() != parent:  # the parent died before the call took effect
         os._exit(1)
 
-
-# -- memory and filesystems -----------------------------------------------------------------
 
 def meminfo() -> Dict[str, int]:
     """/proc/meminfo in bytes (empty where there is none)."""
@@ -143,8 +134,7 @@ def is_disk_full(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def disk_full_as(path: os.PathLike, explain: Callable[[int], str], types=(OSError,)):
     """A full disk (an error of ``types`` that ``is_disk_full``) inside becomes
-    ``PackerError(explain(free bytes))``: what was kept and how to resume, instead of an
-    errno. Other errors pass through unchanged."""
+    ``PackerError(explain(free bytes))``; other errors pass through."""
     folder = os.path.dirname(os.fspath(path)) or "."
     try:
         yield
@@ -177,17 +167,12 @@ def human_size(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-# -- PIL -------------------------------------------------------------------------------------
-
 SIMD_KERNEL = b"ImagingResampleHorizontalConvolution8u4x"  # Pillow-SIMD's AVX2/SSE4 resampler
 
 
 def pil_info() -> Dict[str, object]:
-    """Which PIL is really imported, judged from the module itself: Pillow-SIMD when its
-    compiled extension holds Pillow-SIMD's SIMD resample kernel (or, stripped of names, its
-    version has Pillow-SIMD's ``.postN`` form), and whether libjpeg-turbo backs it. pip's
-    record (``installed``) can lie: a package that requires Pillow overwrites Pillow-SIMD's
-    files and leaves pillow-simd listed; ``mismatch`` says so."""
+    """Which PIL is really imported, judged from the module (Pillow-SIMD's resample kernel or
+    version form) and whether libjpeg-turbo backs it; ``mismatch``: pip's record says otherwise."""
     from importlib import metadata
 
     import PIL

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 
-# C0 and C1 control characters and DEL: a terminal obeys them (cursor moves, colours, title
-# changes, even answer-back), so dataset content never reaches one raw.
 CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 
 
@@ -22,9 +20,8 @@ def terminal_text(text: str) -> str:
 
 
 def json_text(obj, indent=1) -> str:
-    """JSON (indented, or one line with ``indent=None``), non-ASCII kept readable, every
-    control character escaped (json escapes C0 itself; C1 controls, which terminals obey
-    too, become \\u escapes)."""
+    """JSON (indented, or one line with ``indent=None``), non-ASCII kept, every control character
+    escaped (C1 too: terminals obey them)."""
     text = json.dumps(obj, indent=indent, ensure_ascii=False)
     return "".join(f"\\u{ord(ch):04x}" if 0x7F <= ord(ch) < 0xA0 else ch for ch in text)
 

@@ -1,9 +1,5 @@
 """Thread plumbing written once: the end-of-stream marker, an error carried between threads,
-and queue operations that give up when asked to stop.
-
-Used by ``loader.BackgroundIterator``, ``prefetch.CUDAPrefetcher`` and the GPU pipeline
-(``gpu.pipeline``), which all move items from a producer thread to a consumer.
-"""
+and queue operations that give up when asked to stop."""
 from __future__ import annotations
 
 import queue

@@ -1,13 +1,5 @@
-"""One core's rate while every core works: the ceiling a multi-process stage can reach.
-
-A core measured alone runs at its single-core turbo clock and has its SMT sibling, its
-share of the memory bus and the last-level cache to itself; with every core busy it has
-none of these, so ``cores x rate alone`` is a ceiling no program reaches (on the GPU box the
-gap was a third). ``rates_on_all_cores`` runs the same per-sample loop in ``n`` forked
-processes at once, started together, and returns each one's rate: ``n x`` their median is
-what ``n`` workers with no overhead at all would do. The benchmarks report the build and the
-loader against both.
-"""
+"""One core's rate while every core works (turbo clock, SMT sibling and caches shared): the
+ceiling a multi-process stage can reach, measured in ``n`` forked processes started together."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -18,11 +10,8 @@ __all__ = ["rates_on_all_cores", "median_rate_on_all_cores"]
 
 
 def _run(fn, share, barrier, results, k) -> None:
-    try:
-        import torch
-        torch.set_num_threads(1)  # as a DataLoader worker and a build worker run
-    except ImportError:  # pragma: no cover
-        pass
+    import torch
+    torch.set_num_threads(1)  # as a DataLoader worker and a build worker run
     barrier.wait()
     results[k] = fn(share)
 

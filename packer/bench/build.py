@@ -42,10 +42,9 @@ def decode_rate(blobs: Sequence[bytes]) -> float:
 def time_builds(src: os.PathLike, tmp: Path, *, workers: int, repeats: int, decode_sample: int,
                 variants: Sequence[Tuple[str, Optional[Transcode]]],
                 log: Callable[[str], None] = print) -> dict:
-    """The measurement of the image folder ``src``: ``decode_rate`` on about
-    ``decode_sample`` of its files, then a build of it per ``variants`` entry into ``tmp``
-    (removed after each), ``repeats`` times, interleaved. Returns ``images``, ``bytes``, ``workers``,
-    ``repeats``, ``pil`` and ``rows``: variant name -> images/s of each repeat."""
+    """Time ``decode_rate`` on about ``decode_sample`` files of ``src``, then a build per variant,
+    ``repeats`` times interleaved. Returns ``images``, ``bytes``, ``workers``, ``repeats``,
+    ``pil`` and ``rows`` (variant name -> images/s per repeat)."""
     entries = scan_folder(src).entries
     if not entries:
         raise ValueError(f"{src} holds no images")
@@ -72,10 +71,8 @@ def time_builds(src: os.PathLike, tmp: Path, *, workers: int, repeats: int, deco
 
 
 def sample_folder(root: os.PathLike, dest: os.PathLike, images: int) -> Path:
-    """``images`` of packed dataset ``root``'s stored image files, evenly spaced over it,
-    written unchanged as an image folder in ``dest`` (a folder per class label, all in one
-    without labels; each file's ending kept when it is an image ending, else ``.jpg``):
-    a copy of the dataset's own images for the build figure of ``packer bench``."""
+    """``images`` of dataset ``root``'s stored image files, evenly spaced, written unchanged as an
+    image folder in ``dest`` (a folder per label): the build figure's input."""
     ds = PackedDataset(root)
     n = len(ds)
     labeled = ds.manifest.get("labels") is not None

@@ -10,16 +10,9 @@ from typing import Optional, Sequence, Tuple
 from .._util.system import fs_type
 
 
-# -- page cache ------------------------------------------------------------------------------
-
 def drop_page_cache(paths: Sequence[os.PathLike] = (), everything: bool = True) -> str:
-    """Evict ``paths`` from the page cache so the next read comes from the device.
-
-    As root (and with ``everything``), ``sync; echo 3 > /proc/sys/vm/drop_caches``
-    (everything, all users); otherwise ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file
-    after a ``sync`` (it drops only clean pages), which works for any file one can open but
-    leaves pages that another process has mapped. Returns how (for the report).
-    """
+    """Evict ``paths`` from the page cache so the next read comes from the device: as root (with
+    ``everything``) drop_caches, else ``POSIX_FADV_DONTNEED`` per file. Returns how."""
     if everything and hasattr(os, "geteuid") and os.geteuid() == 0:
         try:
             os.sync()
@@ -47,8 +40,6 @@ def drop_page_cache(paths: Sequence[os.PathLike] = (), everything: bool = True) 
             return "cold (fadvise DONTNEED)"
     return "warm cache (could not drop it)"
 
-
-# -- the device ------------------------------------------------------------------------------
 
 def block_disk(path: os.PathLike) -> Tuple[str, Optional[Path]]:
     """MAJ:MIN of the device holding ``path``, and the sysfs folder of its whole disk (the

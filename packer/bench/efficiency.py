@@ -17,9 +17,7 @@ GOAL = 0.9  # issue 16: loader images/s >= GOAL x workers x one core's rate
 
 
 def one_core_rate(ds, indices: List[int]) -> float:
-    """images/s of a ``ds[i]`` loop on one torch thread, as a DataLoader worker runs it (a
-    decoder that resizes with torch would otherwise spread each small resize over every
-    core, which is neither one core's rate nor what the workers do)."""
+    """images/s of a ``ds[i]`` loop on one torch thread, as a DataLoader worker runs it."""
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -33,10 +31,8 @@ def one_core_rate(ds, indices: List[int]) -> float:
 
 
 def steady_rate(batches: Iterable, workers: int) -> float:
-    """images/s of ``batches`` ((images, labels) pairs) in the steady state: from the end of
-    the first wave of batches (one per worker, which all arrive together after start-up) to the
-    start of the last (where workers run out of work one by one). A run shorter than two waves
-    is timed whole, start-up included."""
+    """images/s of ``(images, labels)`` ``batches`` between the first and last wave of one batch
+    per worker (start-up and wind-down left out); a run under two waves is timed whole."""
     wave = max(1, workers)
     arrivals = [(time.perf_counter(), 0)]  # (time, images) of the start, then of each batch
     for x, _ in batches:

@@ -1,9 +1,5 @@
-"""The wait at every epoch boundary: ``make_loader(ds, B)`` (its workers run on into the next
-epoch) against a plain DataLoader over the same ``PackedSampler``, collate and workers, epoch by
-epoch. The training step is a fixed wait in the main process (``StandInStep``) or a real one
-(``benchmarks/benchlib/figures.py``'s ``CudaStep``); what is measured is the wall time against
-the sum of the ideal steps and the wait for each batch.
-"""
+"""The wait at every epoch boundary: ``make_loader(ds, B)`` (workers run on into the next epoch)
+against a plain DataLoader over the same ``PackedSampler``, collate and workers."""
 from __future__ import annotations
 
 import functools
@@ -68,9 +64,8 @@ def plain_loader(ds, sampler: PackedSampler, batch_size: int, workers: int,
 
 def one_run(ds: PackedDataset, across: bool, *, batch_size: int, workers: int, epochs: int,
             step) -> EpochRun:
-    """``epochs`` epochs after a warm-up one, through ``make_loader(ds, batch_size)``
-    (``across``) or ``plain_loader``; ``step`` a seconds count (``StandInStep``) or a step
-    object (``CudaStep``)."""
+    """``epochs`` epochs after a warm-up, through ``make_loader`` (``across``) or ``plain_loader``;
+    ``step``: seconds (``StandInStep``) or a step object."""
     step = StandInStep(step) if isinstance(step, (int, float)) else step
     if across:
         made = make_loader(ds, batch_size, num_workers=workers, pin_memory=step.pin_memory)

@@ -1,10 +1,5 @@
-"""The models and the training step every benchmark (and the training example) times: one
-copy, so their numbers compare.
-
-    make_model   a torchvision model by name, else built in: ``resnet50`` (torchvision's
-                 layout) or ``tiny`` (``TinyNet``, for CPU runs and tests)
-    TrainStep    forward under autocast, loss, backward, optimizer (and scheduler) step
-"""
+"""The models (``make_model``) and the training step (``TrainStep``) every benchmark times: one
+copy, so their numbers compare."""
 from __future__ import annotations
 
 import contextlib
@@ -20,15 +15,9 @@ __all__ = ["TinyNet", "TrainStep", "make_model", "resnet50"]
 
 
 class TrainStep:
-    """One training step: forward under autocast, loss, backward, optimizer update; returns
-    the loss (detached).
-
-    By default what every benchmark times: bf16 autocast, cross-entropy, SGD (lr 0.01,
-    momentum 0.9). A training script passes its own ``optimizer`` (built on the model's
-    parameters, ``net`` may wrap the model: DDP, torch.compile), ``criterion``, ``amp``
-    dtype (None: no autocast), ``scaler`` (a ``torch.amp.GradScaler``, for fp16) and
-    ``scheduler`` (stepped after each update).
-    """
+    """One training step (autocast forward, loss, backward, optimizer and scheduler step); returns
+    the detached loss. Default: bf16, cross-entropy, SGD (lr 0.01, momentum 0.9); a training
+    script passes its own ``optimizer``, ``criterion``, ``amp``, ``scaler``, ``scheduler``."""
 
     def __init__(self, net: nn.Module, device: torch.device, *,
                  optimizer: Optional[torch.optim.Optimizer] = None,
@@ -72,10 +61,8 @@ class TrainStep:
 
 
 def make_model(name: str, num_classes: int) -> nn.Module:
-    """``tiny`` (``TinyNet``); ``torchvision.models.<name>`` when torchvision is installed;
-    else the built-in ``resnet50`` (torchvision's layout: bottleneck blocks [3, 4, 6, 3],
-    25.6 M parameters with 1000 classes), so GPU runs train a real model without
-    torchvision. Randomly initialised. Raises ``PackerError`` for a name neither knows."""
+    """``tiny``; ``torchvision.models.<name>`` when torchvision is installed; else the built-in
+    ``resnet50`` (torchvision's layout). Randomly initialised; ``PackerError`` for other names."""
     if name == "tiny":
         return TinyNet(num_classes)
     try:
@@ -92,10 +79,7 @@ def make_model(name: str, num_classes: int) -> nn.Module:
 
 
 class TinyNet(nn.Module):
-    """A small CNN (4 stride-2 conv-BN-ReLU stages, ~0.4M parameters): CPU runs and CI.
-
-    It has BatchNorm on purpose, so ``--sync-bn`` and ``--channels-last`` exercise the same
-    code as with a real model."""
+    """A small CNN (~0.4M parameters, with BatchNorm) for CPU runs and CI."""
 
     def __init__(self, num_classes: int, width: int = 32):
         super().__init__()

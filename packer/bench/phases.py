@@ -1,12 +1,5 @@
-"""The measuring runs of ``packer bench``: raw reads, one-core decode and the loader, each
-over the packed data and the ImageFolder-style baseline (``FolderDataset``).
-
-``Runner`` holds the phases; ``run_bench`` (``run.py``) drives them, and ``TrainRunner``
-(``train.py``) adds the training-step phase. ``figures_phase`` measures issue 16's three
-figures (build rate ratio, loader efficiency, epoch-boundary wait) on a copy of a sample of
-the dataset's own images, with the measurements of ``build.py``, ``efficiency.py`` and
-``epochs.py``.
-"""
+"""The measuring runs of ``packer bench`` (raw reads, one-core decode, the loader, issue 16's
+figures), each over the packed data and the ImageFolder-style baseline (``FolderDataset``)."""
 from __future__ import annotations
 
 import copy
@@ -40,8 +33,6 @@ EPOCH_SLACK = 1.15       # the stand-in step: this x the loader's time per batch
 EPOCH_KEYS = {True: "make_loader", False: "plain_dataloader"}  # across_epochs -> JSON key
 
 
-# -- the baselines ----------------------------------------------------------------------------
-
 class DecodeFullRandomResizedCrop(DecodeRandomResizedCrop):
     """The same crop and flip as ``DecodeRandomResizedCrop``, but decoding every pixel first
     (what torchvision's RandomResizedCrop after ``Image.open().convert("RGB")`` costs)."""
@@ -56,8 +47,6 @@ class DecodeFullRandomResizedCrop(DecodeRandomResizedCrop):
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
         return image_to_tensor(im)
 
-
-# -- the sources -----------------------------------------------------------------------------
 
 @dataclass
 class BenchInput:
@@ -126,8 +115,6 @@ class Runner:
         self.report.results.append(res)
         return res
 
-    # -- raw read ----------------------------------------------------------------------------
-
     def read_phase(self, sources: List[BenchInput], orders: Dict[str, List[int]], repeats: int) -> None:
         runs: Dict[str, List[dict]] = {s.name: [] for s in sources}
         cache: Dict[str, Optional[str]] = {}
@@ -177,8 +164,6 @@ class Runner:
                 close()
         return {"images_per_s": n / el, "mb_per_s": nbytes / el / 1e6}
 
-    # -- decode ------------------------------------------------------------------------------
-
     def decode_phase(self, packed: PackedDataset, order: List[int], size: int, cores: int,
                      repeats: int) -> None:
         sample = [packed.load(i)["image"] for i in order[:DECODE_SAMPLE]]
@@ -208,11 +193,8 @@ class Runner:
                 res["ceiling_images_per_s"] = res["images_per_s"] * cores
 
     def _decode(self, fn: Callable, blobs: List[bytes]) -> dict:
-        """One core's rate: decode ``blobs`` in turn (after 5 untimed) for the time allowed.
-
-        The rate is per CPU-second of this thread (decoding is single-threaded and CPU-bound),
-        so time the scheduler gives to other processes does not count: it is what one core
-        of one's own does. The wall-clock rate is kept as ``wall_images_per_s``."""
+        """One core's rate: decode ``blobs`` in turn (after 5 untimed), per CPU-second of the thread
+        (the wall-clock rate kept as ``wall_images_per_s``)."""
         if not blobs:
             return {}
         for data in blobs[:5]:
@@ -226,8 +208,6 @@ class Runner:
                 break
         cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
         return {"images_per_s": n / max(cpu, 1e-9), "wall_images_per_s": n / wall}
-
-    # -- loader ------------------------------------------------------------------------------
 
     def loader_phase(self, sources: List[BenchInput], orders: Dict[str, List[int]],
                      workers: List[int], batch_size: int, size: int, repeats: int) -> None:
@@ -276,14 +256,10 @@ class Runner:
             t_end, n_end = time.perf_counter(), n
         return {"images_per_s": n_end / (t_end - t0)} if n_end else {}
 
-    # -- issue 16's figures -------------------------------------------------------------------
-
     def figures_phase(self, dst, images: int, workers: int, batch_size: int, size: int,
                       repeats: int) -> None:
-        """Copy ``images`` of ``dst``'s images to a temporary folder (the system's, removed
-        at the end) and measure there: the build rate ratio (building that folder with every
-        core), then, on the copy built once more, loader efficiency and the epoch-boundary
-        wait with ``workers`` workers. Each lands in ``report.figures``."""
+        """Copy ``images`` of ``dst``'s images to a temporary folder, measure the build rate ratio,
+        then loader efficiency and the epoch-boundary wait, into ``report.figures``."""
         cores = usable_cores()
         with tempfile.TemporaryDirectory(prefix="packer-bench-figures-") as tmp:
             tmp = Path(tmp)
@@ -309,9 +285,8 @@ class Runner:
 
     def _efficiency_figure(self, ds: PackedDataset, workers: int, batch_size: int,
                            repeats: int) -> None:
-        """``bench_efficiency``'s rounds (one core's ``ds[i]`` loop over a share of the
-        samples, alone and with ``workers`` such loops at once, then the loader over all of
-        them): ``efficiency_round``."""
+        """``efficiency_round``'s rounds: one core's ``ds[i]`` loop alone and ``workers`` at once,
+        then the loader."""
         indices = list(range(len(ds)))
         core, busy, loader = [], [], []
         for _ in range(repeats):
@@ -350,11 +325,9 @@ class Runner:
 
 def figure_plan(count: int, images: Optional[int], max_images: Optional[int],
                 sweep: Sequence[int], batch_size: int, cores: int) -> Tuple[int, int, int]:
-    """``(images, workers, batch_size)`` for ``figures_phase``: workers the largest count of
-    the sweep, at most the cores (at least 1); images ``images``, or by default
-    ``FIGURE_IMAGES`` or enough for two batches per worker, capped by ``max_images``; never
-    more than ``count``; the batch the bench's, or less if the sample holds fewer than two
-    batches per worker."""
+    """``(images, workers, batch_size)`` for ``figures_phase``: the sweep's largest worker count
+    (within the cores), ``images`` or enough for two batches per worker (within ``max_images``
+    and ``count``), and a batch small enough for two per worker."""
     workers = max(1, min(max(sweep), cores))
     if images is None:
         images = max(FIGURE_IMAGES, 2 * workers * batch_size)

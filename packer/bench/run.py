@@ -1,13 +1,6 @@
-"""``packer bench``: where the input pipeline's time goes, on this data and this machine.
-
-Each measurement isolates one stage, so the slowest one names the bottleneck: raw reads
-(shards, the source folder, a staged copy; cold page cache when it can be dropped), one core's
-decode + crop (the CPU's ceiling for any loader), ``make_loader`` against an ImageFolder-style
-dataset with the same decode, with ``cuda`` a real training step fed by each feeding variant,
-and issue 16's three figures on a sample of the dataset's images. Variants of one phase run
-interleaved, so drift hits them alike; each figure is the median of the repeats, warm-up never
-timed. The phases are in ``phases.py`` and ``train.py``.
-"""
+"""``packer bench``: where the input pipeline's time goes, on this data and this machine. Each
+phase (``phases.py``, ``train.py``) isolates one stage; variants run interleaved and each
+figure is the median of the repeats, warm-up never timed."""
 from __future__ import annotations
 
 import json
@@ -37,16 +30,11 @@ from .verdict import explain
 PLOT_HINT = "--plot needs matplotlib: pip install matplotlib"
 
 
-# -- the report ------------------------------------------------------------------------------
-
 @dataclass
 class BenchReport:
-    """What ``run_bench`` measured. ``results`` holds one dict per variant: ``name``,
-    ``kind`` (stage/read/decode/loader/train), ``images_per_s`` (median), ``repeats``,
-    ``spread`` [min, max], ``values``, and per kind ``mb_per_s``, ``workers``, ``source``,
-    ``ceiling_images_per_s``, ``data_wait_ms``, ``host_wait_ms``, ``starvation_pct``.
-    ``figures`` holds issue 16's three: ``build_ratio``, ``loader_efficiency`` and
-    ``epoch_wait_ms`` (see ``figures_text`` and docs/cli.md)."""
+    """What ``run_bench`` measured: ``results`` (a dict per variant: ``name``, ``kind``,
+    ``images_per_s`` median, ``repeats``, ``spread``, ``values``...) and ``figures`` (issue 16's
+    ``build_ratio``, ``loader_efficiency``, ``epoch_wait_ms``; docs/cli.md)."""
     results: List[dict] = field(default_factory=list)
     figures: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -59,8 +47,6 @@ class BenchReport:
     def of(self, kind: str, source: Optional[str] = None) -> List[dict]:
         return [r for r in self.results if r["kind"] == kind
                 and (source is None or r.get("source") == source)]
-
-    # -- text --------------------------------------------------------------------------------
 
     def header(self) -> str:
         e, c = self.environment, self.config
@@ -172,8 +158,6 @@ def _pyplot():
     return plt
 
 
-# -- the run ---------------------------------------------------------------------------------
-
 def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
               staged: Optional[os.PathLike] = None, workers: Optional[Sequence[int]] = None,
               batch_size: Optional[int] = None, size: int = 224, cuda: bool = False,
@@ -181,31 +165,15 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
               max_images: Optional[int] = None, cold_cache: bool = True, seed: int = 0,
               device: Optional[str] = None, progress: bool = True,
               figure_images: Optional[int] = None) -> BenchReport:
-    """Measure read, decode, loader (and with ``cuda`` training-step feeding) rates.
+    """Measure read, decode, loader (and with ``cuda`` training-step feeding) rates of ``dst``,
+    against its source ``folder`` and a ``staged`` copy (staged first if empty) when given.
 
-    Args:
-        dst: a packed dataset (``packer build``).
-        folder: its source image folder, to compare the same reads and loader against.
-        staged: a staged copy of ``dst`` (``packer stage``) to compare too; if it holds none,
-            ``dst`` is staged into it first (and the copy timed).
-        workers: loader worker counts to sweep (default 1, cores/2, cores).
-        batch_size: default 256 with ``cuda`` (a ResNet-50 step's usual size), else 64.
-        size: output crop of ``DecodeRandomResizedCrop`` (the transform every loader uses).
-        cuda: also time a training step of ``model`` fed by each feeding variant (plain,
-            pin_memory + non_blocking, background thread, CUDAPrefetcher, thread + CUDA).
-        model: a torchvision model name when torchvision is installed; otherwise the built-in
-            ``resnet50`` (same shape as torchvision's) or ``tiny`` (for tests).
-        repeats / seconds_per_variant: every variant runs ``repeats`` times for about this
-            long after its warm-up; the median is reported with the spread.
-        max_images: stop each run after this many images even if time is left.
-        cold_cache: drop the page cache before each read and loader run (see
-            ``drop_page_cache``); False measures whatever is cached.
-        device: where the ``cuda`` phase trains (default ``cuda``; ``cpu`` runs the same
-            harness on the CPU, useful only to test it).
-        figure_images: how many of ``dst``'s images issue 16's three figures copy to a
-            temporary folder and measure on (``report.figures``); default ``FIGURE_IMAGES``
-            (1000) or enough for two batches per worker, at most ``max_images``; 0 skips them.
-    """
+    ``workers``: counts to sweep (default 1, cores/2, cores); ``batch_size``: default 256 with
+    ``cuda``, else 64; ``size``: the ``DecodeRandomResizedCrop`` output; ``model``: a
+    torchvision name, or ``resnet50`` / ``tiny``; ``repeats`` x ``seconds_per_variant`` per
+    variant (median and spread), each at most ``max_images``; ``cold_cache``: drop the page
+    cache before reads; ``device``: where the ``cuda`` phase trains; ``figure_images``:
+    images for issue 16's figures (0 skips them)."""
     cores = usable_cores()
     workers = sorted({1, max(1, cores // 2), cores}) if workers is None else sorted(set(workers))
     batch_size = batch_size or (256 if cuda else 64)

@@ -1,11 +1,5 @@
-"""The training-step phase of ``packer bench --cuda``: a real step (bf16 autocast,
-channels_last, SGD) of a model fed by each feeding variant (plain, pin_memory +
-non_blocking, background thread, CUDAPrefetcher, thread + CUDAPrefetcher, GPU decode),
-against the same step on a batch kept on the device; data wait timed with CUDA events.
-
-Also the models it trains: ``make_model`` (torchvision's by name, else the built-in
-``resnet50`` or ``tiny``), so ``--cuda`` works without torchvision.
-"""
+"""The training-step phase of ``packer bench --cuda``: a real step fed by each feeding variant,
+against the same step on a batch kept on the device; data wait timed with CUDA events."""
 from __future__ import annotations
 
 import statistics
@@ -92,9 +86,8 @@ class TrainRunner(Runner):
             else "host clock between steps (CPU run)")
 
     def _train_run(self, step: "TrainStep", feed, warmup: int, device: torch.device) -> dict:
-        """Throughput from the wall clock between two synchronizes; data wait from marks
-        recorded on the device stream around each step (events on CUDA), so the loop keeps
-        its natural overlap: the host is never made to wait inside the timed steps."""
+        """Throughput between two synchronizes; data wait from events around each step, so the host
+        never waits inside the timed steps."""
         it = (as_labels(x, y) for x, y in feed)
         try:
             for _ in range(warmup):
@@ -127,9 +120,7 @@ class TrainRunner(Runner):
 
 
 def as_labels(x: torch.Tensor, y):
-    """``(x, labels)`` for the classification step every variant times: a detection or
-    multi-field dataset's targets (lists, dicts) become a stand-in label of 0 per image,
-    since what the bench measures is how fast images reach the model."""
+    """``(x, labels)`` for the classification step: other targets become a stand-in label 0."""
     if not torch.is_tensor(y):
         y = torch.zeros(len(x), dtype=torch.long, device=x.device)
     return x, y
@@ -140,13 +131,10 @@ def _repeat(batch):
         yield batch
 
 
-# -- training harness ------------------------------------------------------------------------
-
 def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainStep,
           device: torch.device, r: int):
-    """An iterator of (normalized images, labels) on ``device`` for one feeding variant, and
-    the callables that shut it down. Loader workers are forked after CUDA is initialised, as
-    in any training script; they never touch CUDA."""
+    """An iterator of (normalized images, labels) on ``device`` for one feeding variant, and the
+    callables that shut it down."""
     if name == GPU_DECODE:
         from ..gpu import GPUDecoder, make_gpu_loader  # needs torchvision or libnvjpeg: on demand
         loader = make_gpu_loader(ds, batch_size, sampler=order, num_workers=w, drop_last=True,

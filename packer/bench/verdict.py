@@ -1,9 +1,5 @@
-"""The verdict of ``packer bench``: what bounds this input pipeline, and what to change.
-
-Rules, in order: what bounds the loader (decode ceiling vs reads vs loader overhead), worker
-count, reduced-size decoding, pack-time resize, packing and staging gains, GPU starvation.
-Each sentence quotes the numbers it rests on.
-"""
+"""The verdict of ``packer bench``: what bounds this input pipeline and what to change, each
+sentence quoting the numbers it rests on."""
 from __future__ import annotations
 
 from typing import List

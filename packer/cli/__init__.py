@@ -33,8 +33,6 @@ def main():
     """
 
 
-
-
 def _register() -> None:
     from . import data, staged, tools
     for module in (data, staged, tools):

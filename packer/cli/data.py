@@ -288,11 +288,10 @@ def verify(dst, quick, max_pixels, quiet, as_json, storage_options, cache_dir):
     listing what is wrong. A URL's shards are fetched first, each checked against its
     SHA-256, then checked as a folder's."""
     from ..info import verify as run_verify
-    from ..format.images import DEFAULT_MAX_PIXELS
     from ..storage.local import shown
+    limit = {} if max_pixels is None else {"max_pixels": max_pixels}
     rep = run_verify(dst, quick=quick, progress=not (quiet or as_json),
-                     max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
-                     storage_options=storage_options or None, cache_dir=cache_dir)
+                     storage_options=storage_options or None, cache_dir=cache_dir, **limit)
     dst = shown(dst)
     if as_json:
         click.echo(json_text({"path": str(dst), "ok": rep.ok, "checked_shards": rep.checked_shards,
@@ -349,7 +348,6 @@ def cat(dst, index, output, storage_options, cache_dir):
         output.write_bytes(data)
     else:
         sys.stdout.buffer.write(data)
-
 
 
 COMMANDS = [build, merge, info, verify, ls, cat]

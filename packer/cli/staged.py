@@ -73,5 +73,4 @@ def unstage(target, as_json):
     click.echo(result_json(res) if as_json else res.message())
 
 
-
 COMMANDS = [stage, unstage]

@@ -1,8 +1,5 @@
-"""``packer demo --detection``: the whole job on a generated COCO detection set, with the
-packed loader compared with a CocoDetection-style folder loader, for speed and for targets:
-every image's boxes, labels and image id must come out of both loaders alike, both decoding
-with the same ``DecodeLetterbox`` (which moves the boxes).
-"""
+"""``packer demo --detection``: the whole job on a generated COCO set, the packed loader
+compared with a CocoDetection-style folder loader for speed and for every image's targets."""
 from __future__ import annotations
 
 import functools
@@ -32,9 +29,8 @@ Targets = Dict[int, Tuple[torch.Tensor, torch.Tensor]]   # image id -> (boxes, l
 
 @dataclass
 class DetectionDemoResult(DemoResult):
-    """What ``run_detection_demo`` did and measured; ``report()`` is what the CLI prints.
-    ``classes`` counts the categories; ``images_checked`` the images whose targets both
-    loaders gave, ``mismatched`` the image ids whose targets differ (or that one missed)."""
+    """What ``run_detection_demo`` did and measured (``report()``: what the CLI prints);
+    ``mismatched``: image ids whose targets differ between the loaders."""
     objects: int = 0
     images_checked: int = 0
     mismatched: List[int] = field(default_factory=list)
@@ -80,12 +76,9 @@ def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[in
                        stage_dir: Optional[os.PathLike] = "/dev/shm", rounds: int = 2,
                        seed: int = 0, progress: bool = True,
                        on_step: Optional[Callable[[str], None]] = None) -> DetectionDemoResult:
-    """Make COCO scenes, build them (``Coco``), verify, stage, then read epochs through
-    ``CocoFolderDataset`` and ``PackedDataset`` + ``PackedSampler`` in turn (both with
-    ``DecodeLetterbox(size)`` and the same ``make_loader`` settings) and compare their rates
-    and every image's targets. The other arguments are as in ``run_demo``; with ``dir`` the
-    scenes (``dir/coco``) and the dataset (``dir/packed``) are kept.
-    """
+    """Make COCO scenes, build, verify and stage them, then compare ``CocoFolderDataset`` and
+    ``PackedDataset`` epochs (same ``DecodeLetterbox`` and loader settings) and every image's
+    targets. Arguments as in ``run_demo``."""
     make_workers = workers if workers is not None else usable_cores()
     load_workers = workers if workers is not None else default_num_workers()
     images = images if images is not None else detection_demo_images(load_workers, batch_size)

@@ -17,9 +17,7 @@ from ..reading.targets import wrap_boxes
 
 
 class FolderDataset(Dataset):
-    """What ``torchvision.datasets.ImageFolder`` does (same scan rule, one file read per
-    sample), with packer's ``decode`` hook, so the folder loader decodes exactly as the
-    packed one does and only the source of the bytes differs."""
+    """``torchvision.datasets.ImageFolder`` with packer's ``decode`` hook: the folder baseline."""
 
     def __init__(self, root: os.PathLike, decode: Callable[[bytes], object]):
         src = scan_folder(root)
@@ -36,15 +34,9 @@ class FolderDataset(Dataset):
 
 
 class CocoFolderDataset(Dataset):
-    """What ``torchvision.datasets.CocoDetection`` wrapped by ``wrap_dataset_for_transforms_v2``
-    does (the JSON read once, one file read per sample, objects grouped by image id, images in
-    ascending id, boxes XYWH -> XYXY, labels the category ids) with packer's ``decode`` hook
-    and ``PackedDataset``'s target dict (``boxes``, ``labels``, ``image_id``, ``area``,
-    ``iscrowd``; an image without objects has them empty). It is the detection baseline:
-    a decoder with ``decode_crop`` (``DecodeLetterbox``, ``DecodeRandomResizedCrop``) moves
-    the boxes exactly as ``PackedDataset`` does, so only the source of the bytes differs.
-    Boxes are not clipped to the image (torchvision does not clip them either).
-    """
+    """``CocoDetection`` wrapped by ``wrap_dataset_for_transforms_v2``, with packer's ``decode``
+    hook and ``PackedDataset``'s target dict: the detection baseline, differing only in where
+    the bytes come from. Boxes are not clipped (torchvision does not clip them either)."""
 
     def __init__(self, images: os.PathLike, annotations_json: os.PathLike,
                  decode: Optional[Callable[[bytes], object]] = None, *,
@@ -81,10 +73,8 @@ class CocoFolderDataset(Dataset):
 
 
 def coco_target(image_id: int, objects: List[dict]) -> Dict[str, object]:
-    """The detection target of one image's COCO annotations; boxes as a plain tensor.
-
-    XYWH -> XYXY in float64, then float32: packer's build does the same arithmetic, so the
-    stored boxes and these are equal to the bit."""
+    """One image's COCO annotations as a detection target: XYWH -> XYXY in float64, then float32,
+    as packer's build does (equal to the bit)."""
     xywh = torch.tensor([a["bbox"] for a in objects], dtype=torch.float64).reshape(-1, 4)
     boxes = torch.cat([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], 1).to(torch.float32)
     return {"boxes": boxes,

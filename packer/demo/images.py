@@ -1,9 +1,5 @@
-"""Realistic sample data, no downloads: photo-like JPEGs made from the photos packer ships.
-
-Benchmarks must use photo-like JPEGs: noise or flat colour decode at unrealistic speeds.
-``make_image_folder`` crops, scales, flips and colour-shifts a few public-domain photos
-shipped with packer into ImageNet-like files (shorter side 300-500 px, quality 75-95).
-"""
+"""Realistic sample data, no downloads: ImageNet-like JPEGs made from the photos packer ships
+(noise or flat colour would decode at unrealistic speeds)."""
 from __future__ import annotations
 
 import ctypes
@@ -68,10 +64,8 @@ def _noise(w: int, h: int, sigma: float, seed: int) -> Image.Image:
 
 def make_image_folder(root: os.PathLike, *, images: int = 200, classes: int = 10,
                       seed: int = 0, workers: int = 1, progress: bool = False) -> Path:
-    """Write an ImageFolder-layout tree ``root/class_XX/img_XXXXX.jpg`` of realistic JPEGs.
-
-    The same (images, classes, seed) give the same files whatever ``workers`` is.
-    """
+    """Write an ImageFolder tree ``root/class_XX/img_XXXXX.jpg`` of realistic JPEGs, the same
+    whatever ``workers``."""
     from tqdm.auto import tqdm
     root = Path(root)
     for c in range(classes):

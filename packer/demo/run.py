@@ -113,25 +113,19 @@ def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
              size: int = 224, stage_dir: Optional[os.PathLike] = "/dev/shm", rounds: int = 2,
              seed: int = 0, progress: bool = True,
              on_step: Optional[Callable[[str], None]] = None) -> DemoResult:
-    """The whole job on generated data, no downloads: make, build, verify, stage, read.
-
-    Makes ``images`` photo-like JPEGs, packs them, verifies every record, stages the dataset
-    to ``stage_dir`` (``None`` skips staging), then reads epochs through the plain folder
-    loader and the packed loader in turn (``PackedDataset`` + ``PackedSampler`` +
-    ``make_loader``, + ``CUDAPrefetcher`` for both when a GPU is present) with the same
-    decoder and DataLoader settings: only the source of the bytes differs.
+    """The whole job on generated data, no downloads: make, build, verify, stage, then read
+    epochs through the folder loader and the packed loader with the same decoder and settings.
 
     Args:
-        images: default ``demo_images(workers, batch_size)``: 640 on a few cores, more on many.
-        dir: keep everything here (``images/``, ``packed/``); it must be new, empty, or an
-            earlier demo's folder. ``None``: a temporary folder, removed at the end.
+        images: default ``demo_images(workers, batch_size)``.
+        dir: keep everything here (new, empty, or an earlier demo's); ``None``: a temp folder.
+        stage_dir: where to stage (``None`` skips staging).
         workers: processes for making/building and DataLoader workers [default: usable cores].
         rounds: epochs per loader, interleaved; the best rate of each is reported.
-        on_step: called with each step's name as it starts (the CLI echoes it).
+        on_step: called with each step's name as it starts.
 
-    The temporary folder and the staged copy are removed however the run ends (error,
-    Ctrl-C). Raises ``PackerError`` for an unusable ``dir`` or a dataset that fails to verify.
-    """
+    Temporary files are removed however the run ends. ``PackerError`` for an unusable ``dir``
+    or a dataset that fails to verify."""
     make_workers = workers if workers is not None else usable_cores()
     load_workers = workers if workers is not None else default_num_workers()
     if images is None:
@@ -180,10 +174,8 @@ def device_name() -> str:
 
 def run_job(res: DemoResult, outputs: Tuple[str, ...], on_step, stage_dir, progress: bool,
             make: Callable, compare: Callable) -> DemoResult:
-    """The demo's frame: a work folder (``res.dir``'s, or a temporary one), ``make(steps,
-    work)`` (the source, built into ``work/packed`` and verified), a staged copy when
-    ``stage_dir`` is writable, ``compare(steps, source, read_from)``; the temporary folder
-    and the staged copy are removed however the run ends."""
+    """The demo's frame: a work folder, ``make(steps, work)``, a staged copy when ``stage_dir`` is
+    writable, ``compare(steps, source, read_from)``; temporary files removed however it ends."""
     work = (demo_dir(res.dir, outputs) if res.dir is not None
             else Path(tempfile.mkdtemp(prefix="packer-demo-")))
     steps = Steps(res, on_step)
@@ -257,10 +249,8 @@ def stage_copy(steps: Steps, packed: Path, stage_dir: os.PathLike, progress: boo
 def compare_loaders(steps: Steps, datasets: Dict[str, tuple], loader: Callable, read_from: Path,
                     rounds: int, progress: bool, baseline: str,
                     record: Optional[Callable] = None) -> None:
-    """Interleaved epochs of ``loader(ds, sampler)`` over the folder and the packed
-    ``datasets`` (name -> (dataset, sampler)), best of ``rounds`` each: other work on the
-    machine slows one epoch or another, and the least disturbed one is closest to the real
-    rate. ``record(name, batches)`` wraps the first epoch's batches."""
+    """Interleaved epochs of ``loader(ds, sampler)`` over ``datasets`` (name -> (dataset,
+    sampler)), best of ``rounds`` each (the least disturbed is closest to the real rate)."""
     res, cuda = steps.res, torch.cuda.is_available()
     took = {name: 0.0 for name in datasets}
     best = {name: 0.0 for name in datasets}
@@ -291,9 +281,8 @@ def compare_loaders(steps: Steps, datasets: Dict[str, tuple], loader: Callable, 
 def loader_rate(batches: Iterable, workers: int, *, cuda: bool = False,
                 total: Optional[int] = None, progress: bool = False,
                 desc: str = "") -> Tuple[int, float]:
-    """(images, seconds) of one pass over ``batches`` ((images, labels or targets)), in the
-    steady state: the first wave (one batch per worker) pays for starting the workers and
-    is not timed; a pass too short for that is timed whole."""
+    """(images, seconds) of one pass over ``batches`` after the first wave (worker start-up);
+    a pass too short for that is timed whole."""
     skip = max(1, workers)
     count = timed = seen = 0
     t0 = t_start = time.perf_counter()
@@ -316,9 +305,7 @@ def loader_rate(batches: Iterable, workers: int, *, cuda: bool = False,
 
 @contextlib.contextmanager
 def _one_thread_children():
-    """Processes spawned inside start with one OpenMP thread (unless the user chose a number):
-    image makers run torch ops on small arrays, where N processes of a thread per core spin
-    away about as much CPU as the work itself."""
+    """Processes spawned inside start with one OpenMP thread (unless the user chose a number)."""
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return

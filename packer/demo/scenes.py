@@ -1,12 +1,6 @@
-"""Detection sample data, no downloads: photo scenes with objects pasted at known boxes.
-
-Detection loaders and benchmarks need files that decode like real photos *and* boxes whose
-truth is known exactly. Each scene is a ``make_image`` background with crops of *other*
-shipped photos pasted through soft-edged masks; the photo an object came from is its class.
-``make_detection_folder`` writes the scenes with COCO and YOLO labels. Category ids are odd
-(1, 3, 5, ...) and image ids start at 1000 in steps of 7, so code that confuses ids with list
-indices fails loudly instead of silently.
-"""
+"""Detection sample data, no downloads: photo scenes with other photos' crops pasted at known
+boxes (the source photo is the class). Category ids are odd and image ids start at 1000 in
+steps of 7, so code that confuses ids with list indices fails loudly."""
 from __future__ import annotations
 
 import io
@@ -67,12 +61,8 @@ class Scene:
 
 def render_scene(seed: int, index: int, photos: List[Image.Image], *, max_objects: int = 6,
                  empty: bool = False, without: Collection[int] = ()) -> Scene:
-    """Scene ``index`` of ``make_detection_folder(seed=seed)``, decoded.
-
-    Objects listed in ``without`` (positions in ``objects``) are left unpasted but still
-    returned, and every random draw is the same, so tests can see exactly which pixels an
-    object changed.
-    """
+    """Scene ``index`` of ``make_detection_folder(seed=seed)``, decoded; objects in ``without`` are
+    left unpasted (every random draw the same), so tests see which pixels an object changed."""
     rng = random.Random(f"packer-scene:{seed}:{index}")  # str seeds hash stably (sha512)
     bg_label = rng.randrange(len(photos))
     image = Image.open(io.BytesIO(make_image(rng, [photos[bg_label]]))).convert("RGB")
@@ -141,11 +131,7 @@ def _intersection(a: Box, b: Box) -> int:
 
 
 def _outline(mask: Image.Image, dx: int, dy: int, points: int = 24) -> List[float]:
-    """Polygon around the mask's nonzero pixels: row extents, left side down, right side up.
-
-    The masks are blurred convex shapes, so row extents trace them; the first and last rows
-    give the top and bottom edges, so the polygon's bounds are the box's.
-    """
+    """Polygon around a blurred convex mask's row extents (its bounds are the box's)."""
     w, h = mask.size
     data = mask.tobytes()
     # Evenly spaced rows, plus the middle one: a convex shape is widest near it.
@@ -166,14 +152,9 @@ def _outline(mask: Image.Image, dx: int, dy: int, points: int = 24) -> List[floa
 def make_detection_folder(dst: os.PathLike, images: int = 64, *, seed: int = 0,
                           max_objects: int = 6, empty_fraction: float = 0.1,
                           workers: Optional[int] = None) -> Path:
-    """Write a detection dataset of realistic JPEG scenes under ``dst``:
-
-    ``images/NNNNNN.jpg``; ``annotations.json`` (COCO instances, odd category ids, image ids
-    1000 + 7*i); ``labels/NNNNNN.txt`` (YOLO, class = index in category-id order; of the
-    empty images, half have an empty file and half none); ``names.txt`` and ``data.yaml``.
-    ``round(images * empty_fraction)`` images have no objects. The same arguments give the
-    same bytes, whatever ``workers`` (processes rendering scenes; default: the usable cores).
-    """
+    """Write a detection dataset of realistic JPEG scenes under ``dst``: ``images/``,
+    ``annotations.json`` (COCO), ``labels/`` (YOLO; half the empty images without a file),
+    ``names.txt``, ``data.yaml``. The same arguments give the same bytes, whatever ``workers``."""
     dst = Path(dst)
     (dst / "images").mkdir(parents=True, exist_ok=True)
     (dst / "labels").mkdir(exist_ok=True)

@@ -1,20 +1,7 @@
-"""Typed record fields: one class per field type, made from the manifest's ``schema`` entries
-(``{"name", "type"[, "dtype", "shape"]}``, ``field_of``) and written back to them unchanged
-(``Field.spec``).
-
-A record holds its image and, per the schema, any number of named fields:
-
-- ``int`` (int64), ``float`` (float64, finite), ``bool``, ``str`` (UTF-8): scalars. Fixed-width
-  scalars also go to a side table (``Field.column``: one value per record), so a column
-  loads without reading a record;
-- ``array``: raw little-endian bytes with the schema's ``dtype`` and ``shape`` (``-1`` as
-  the first dimension: any count, e.g. boxes ``[-1, 4]``) — never a pickled object;
-- ``data``: plain nested data (lists, string-keyed maps, str, int, float, bool, None), e.g.
-  COCO segmentation polygons and RLE, stored as msgpack without extension types.
-
-Each class checks a value on the way in (``encode``: a ValueError names the field) and a
-stored one on the way out (``check``: a record that does not match its schema is damaged).
-"""
+"""Typed record fields: one class per type (``int``, ``float``, ``bool``, ``str``, ``array``,
+``data``) made from the manifest's ``schema`` entries (``field_of``) and written back
+unchanged (``Field.spec``). ``encode`` checks a value going in, ``check`` a stored one
+(docs/format.md)."""
 from __future__ import annotations
 
 import math
@@ -305,9 +292,8 @@ def shown_int(v: int) -> str:
 
 
 def numbers_fit(values) -> bool:
-    """All numbers, finite, ints within int64: one pass at C speed. A finite sum of
-    magnitudes bounds every value; anything else (False for NaN and inf too, and for text)
-    is left to ``data_problem``'s loop, which says why."""
+    """All numbers, finite, ints within int64: one pass at C speed; False leaves the reason to
+    ``data_problem``."""
     try:
         return math.fsum(map(abs, values)) < INT64[1]
     except (TypeError, OverflowError):
@@ -345,9 +331,8 @@ def data_problem(v: Any, depth: int = 0) -> str:
 
 
 def infer_field(name: str, v: Any) -> Optional[Field]:
-    """The field one example value asks for, or None if it cannot be told from it (an
-    empty list: pass ``schema=``). Lists of ints are int64 arrays, of floats float32 (torch's
-    default dtype; pass a schema for float64)."""
+    """The field one example value asks for, or None (an empty list). Lists of ints are int64
+    arrays, of floats float32."""
     for kind, cls in ((bool, BoolField), (int, IntField), (float, FloatField), (str, StrField)):
         if isinstance(v, kind):
             return cls(name)

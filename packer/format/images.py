@@ -1,11 +1,5 @@
-"""Which image decoders packer lets PIL use, at build and at read.
-
-PIL picks a decoder by a file's content, not its name, and some of its decoders run other
-programs (EPS, PostScript and PDF go through Ghostscript, a full programming language) or
-read other files. A stranger's dataset must never reach those, so packer opens images only
-through the fixed list below, whatever a file is called. Everything else is "not an image"
-at build (skipped and listed) and a damaged record at read.
-"""
+"""Which image decoders packer lets PIL use, at build and at read: a fixed list, whatever a file
+is called, so a stranger's file never reaches Ghostscript or a decoder that reads other files."""
 from __future__ import annotations
 
 import io

@@ -1,15 +1,6 @@
-"""A shard's LMDB B-tree read directly, with ``pread`` and every pointer checked.
-
-Readers never go through an LMDB memory map: a crafted or truncated shard whose pages point
-past the end of the file would kill the process with SIGBUS when the map is touched (and a
-DataLoader would blame shared memory). Here each page is read with ``pread``, and every page
-number, node offset and value range is checked against the file's size first, so a damaged
-shard is a ``FormatError`` naming what is wrong.
-
-Only what packer writes is accepted: one unnamed database, 8-byte keys ``0..count-1`` in
-order, values inline or on overflow pages. The layout is LMDB's data format version 1
-(``mdb.c``: ``MDB_page``, ``MDB_meta``, ``MDB_node``) on a 64-bit little-endian machine.
-"""
+"""A shard's LMDB B-tree read directly with ``pread``, every page number, offset and range
+checked against the file's size (a crafted shard is a ``FormatError``, never a SIGBUS).
+Only what packer writes is accepted: LMDB data format 1, 8-byte keys ``0..count-1``."""
 from __future__ import annotations
 
 import os

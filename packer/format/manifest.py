@@ -1,9 +1,5 @@
-"""The on-disk contract: the manifest, its files' names, versions, checksums.
-
-Everything here is plain data (msgpack records, a JSON manifest, raw int32 labels): opening
-a dataset from a stranger never runs code. ``docs/format.md`` is the human version of this
-file; keep them in step.
-"""
+"""The on-disk contract: the manifest, its files' names, versions, checksums. All plain data,
+so opening a stranger's dataset never runs code; ``docs/format.md`` is the human version."""
 from __future__ import annotations
 
 import hashlib
@@ -95,9 +91,8 @@ def check_version(version: str, where: os.PathLike) -> None:
 
 
 def shard_file(root: os.PathLike, rel: str) -> Path:
-    """Where the shard at manifest path ``rel`` lives. A path outside the dataset folder (a
-    merged dataset's) must lead into a packer dataset, so a manifest cannot make packer
-    read, hash or copy an arbitrary file."""
+    """Where the shard at manifest path ``rel`` lives; one outside the dataset folder (merged)
+    must lead into a packer dataset, so a manifest cannot name an arbitrary file."""
     path = Path(root) / rel
     if "/" in rel and not (path.parent / MANIFEST).is_file():
         raise FormatError(f"shard {rel} in {Path(root) / MANIFEST} lies in {path.parent}, which "
@@ -124,19 +119,24 @@ def not_a_dataset(root: Path) -> str:
 
 def read_manifest(root: os.PathLike) -> Dict[str, Any]:
     """Load and sanity-check ``root/manifest.json``; a dataset without one is not complete."""
-    root = Path(root)
-    path = root / MANIFEST
+    path = Path(root) / MANIFEST
     if not path.is_file():
-        raise FormatError(not_a_dataset(root))
+        raise FormatError(not_a_dataset(Path(root)))
+    return parse_manifest(path.read_bytes(), str(path), "rebuild or re-stage the dataset")
+
+
+def parse_manifest(data: bytes, where: str,
+                   fix: str = "rebuild or re-upload the dataset") -> Dict[str, Any]:
+    """A manifest's bytes, checked; ``where`` names it in messages, ``fix`` ends a damaged one's."""
     try:
-        man = json.loads(path.read_text("utf-8"))
+        man = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         reason = "nested too deeply" if isinstance(e, RecursionError) else e
-        raise FormatError(f"{path} is damaged ({reason}); rebuild or re-stage the dataset") from None
+        raise FormatError(f"{where} is damaged ({reason}); {fix}") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
-        raise FormatError(f"{path} is not a packer manifest")
-    check_version(man.get("format_version", "?"), path)
-    return validate_manifest(man, str(path))
+        raise FormatError(f"{where} is not a packer manifest")
+    check_version(man.get("format_version", "?"), where)
+    return validate_manifest(man, where)
 
 
 def classes_text(m: dict) -> str:

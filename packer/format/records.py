@@ -38,10 +38,8 @@ def pack_record(image: bytes, *, path: str, width: int, height: int, format: str
 
 
 def pack_fields(fields: Dict[str, Any]) -> "PackedFields":
-    """Stored fields as msgpack key-value pairs, ready to splice into a record: the build's
-    workers pack them, so the single writer process only concatenates. A ``msgspec.Raw``
-    anywhere in a value is msgpack already (a source's own, e.g. COCO segmentations) and is
-    spliced in as it is; the result is the bytes ``msgpack.packb`` gives for the plain data."""
+    """Stored fields as msgpack key-value pairs to splice into a record (``msgspec.Raw`` values
+    spliced as they are); the bytes ``msgpack.packb`` gives for the plain data."""
     return PackedFields(b"".join(PACK(k) + PACK(v) for k, v in fields.items()), len(fields))
 
 
@@ -77,10 +75,8 @@ def record_bytes(image: bytes, *, path: str, width: int, height: int, format: st
 
 
 def unpack_record(data: bytes) -> Dict[str, Any]:
-    """A record's fields. Plain msgpack only: str as UTF-8, and extension types (which a
-    format could hook to objects or code) refused, so a stranger's shard stays data. The
-    record's own keys (``RECORD_TYPES``) are checked here, once for every reader; its
-    schema's fields are checked by what reads them (``record_problem``, the targets)."""
+    """A record's fields: plain msgpack only (extension types refused, so a stranger's shard
+    stays data); the record's own keys checked here, its schema's fields by their readers."""
     try:
         rec = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
     except (ValueError, msgpack.UnpackException) as e:  # truncated, nested too deep, odd keys

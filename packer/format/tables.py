@@ -92,9 +92,8 @@ def read_column(root: os.PathLike, name: str, manifest: Optional[dict] = None) -
 
 def _read_table(root: Path, entry: dict, name: str, typecode: str, count: int,
                 per: int = 1) -> array:
-    """A side table of ``count`` records (``per`` values each), read only if it is a regular
-    file of exactly that size (the validated manifest's): a table named like ``/dev/zero``
-    or a FIFO is never read."""
+    """A side table of ``count`` records (``per`` values each), read only if a regular file of
+    exactly that size."""
     path = root / entry["path"]
     table = array(typecode)
     want = table.itemsize * count * per

@@ -1,10 +1,5 @@
-"""Every manifest field checked before it drives any work.
-
-A manifest comes from whoever made the dataset. Its numbers decide how much is read,
-allocated and copied, and its paths decide which files are opened, so each one is checked
-here: types, ranges, sums, and paths (``docs/security.md``). A bad manifest is a
-``FormatError`` naming the field, never a ``TypeError``, ``KeyError`` or a runaway loop.
-"""
+"""Every manifest field checked before it drives any work: a bad manifest is a ``FormatError``
+naming the field, never a ``TypeError`` or a runaway loop (``docs/security.md``)."""
 from __future__ import annotations
 
 import re
@@ -28,9 +23,7 @@ def is_plain_name(name: Any) -> bool:
 
 
 def is_data_name(name: Any) -> bool:
-    """A plain name a dataset's own file may have: not one packer uses for itself (the
-    manifest, or a temp file, ``NAME.tmp``, that a write renames into place), which packer's
-    own writes would replace or delete under the dataset."""
+    """A plain name a dataset's own file may have: not the manifest nor a ``NAME.tmp``."""
     return is_plain_name(name) and name != "manifest.json" and not name.endswith(".tmp")
 
 

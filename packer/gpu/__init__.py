@@ -1,9 +1,6 @@
-"""GPU decoding: DataLoader workers ship stored JPEG bytes, the GPU decodes them (nvJPEG) and
-augments them in one fused Triton kernel (docs/gpu_decode.md; docs/architecture.md has the
-module map). ``EncodedImage`` and ``collate_encoded`` are exported for a DataLoader made by
-hand; everything else is reached through ``GPUDecoder`` and ``make_gpu_loader``. Importing this
-package imports nothing until a name is used, starts no CUDA and changes no environment.
-"""
+"""GPU decoding: workers ship stored JPEG bytes, the GPU decodes them (nvJPEG) and augments them
+in one fused Triton kernel (docs/gpu_decode.md). Importing this package imports nothing until
+a name is used, starts no CUDA and changes no environment."""
 from .._util.lazy import lazy_names
 
 _WHERE = {".decoder": ["GPUDecoder"], ".options": ["GPUOptions"],

@@ -17,9 +17,8 @@ __all__ = ["center_crop_boxes", "random_resized_crop_boxes"]
 def random_resized_crop_boxes(sizes: torch.Tensor, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), *,
                               generator: Optional[torch.Generator] = None,
                               tries: int = 10) -> torch.Tensor:
-    """RandomResizedCrop boxes ``(x0, y0, x1, y1)`` for images of ``sizes`` ``(B, 2)`` (h, w):
-    torchvision's 10 tries of (area, log-ratio), the first that fits, else its central
-    fallback; the same maths as ``DecodeRandomResizedCrop.box``, for a batch at once."""
+    """RandomResizedCrop boxes ``(x0, y0, x1, y1)`` for images of ``sizes`` (B, 2): torchvision's
+    rule, as ``DecodeRandomResizedCrop.box``, for a batch at once."""
     h, w = sizes[:, 0].double(), sizes[:, 1].double()
     b = len(h)
     u = torch.rand(b, tries, 4, dtype=torch.float64, generator=generator)
@@ -46,9 +45,7 @@ def random_resized_crop_boxes(sizes: torch.Tensor, scale=(0.08, 1.0), ratio=(3 /
 
 def center_crop_boxes(sizes: torch.Tensor, size: Tuple[int, int],
                       crop_fraction: float = 0.875) -> torch.Tensor:
-    """Evaluation boxes with torchvision's ``Resize + CenterCrop`` geometry, exactly as
-    ``DecodeCenterCrop.box`` gives them (one rule for the CPU and GPU paths). A crop larger
-    than the resized image (a non-square ``size``) reaches past the image, where the kernel
-    repeats the edge instead of CenterCrop's zero padding."""
+    """Evaluation boxes with torchvision's ``Resize + CenterCrop`` geometry, as
+    ``DecodeCenterCrop.box`` gives them (one rule for the CPU and GPU paths)."""
     crop = DecodeCenterCrop(size, crop_fraction)
     return torch.tensor([crop.box(w, h) for h, w in sizes.tolist()], dtype=torch.float64)

@@ -1,9 +1,6 @@
-"""``GPUDecoder``: the iterator a training loop uses on the GPU path. DataLoader workers only
-read records and parse JPEG headers (``encoded``); decode threads, each on its own CUDA stream,
-decode whole batches (``nvjpeg``, or torchvision's ``decode_jpeg``) and augment them in one
-Triton kernel (``resample``); batches cross streams with events and ``record_stream``, as in
-``CUDAPrefetcher``. docs/gpu_decode.md has the reasons for each choice and the measurements.
-"""
+"""``GPUDecoder``: the iterator a training loop uses on the GPU path: decode threads, each on its
+own CUDA stream, decode whole batches and augment them in one Triton kernel
+(docs/gpu_decode.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -39,29 +36,14 @@ class GPUDecoder(LoaderView):
     """Iterate a :func:`make_gpu_loader` loader as ``(images, labels)`` ready on the GPU.
 
     ``images``: ``(B, 3, *size)`` in ``dtype``, normalized as ``(x / 255 - mean) / std``
-    (``mean``/``std`` on the 0..1 scale; both None: ``x / 255``), channels_last unless
-    ``options`` says otherwise; ``dtype=torch.uint8`` gives the rounded pixels instead,
-    unnormalized. Training (``train=True``): RandomResizedCrop(``size``) + horizontal flip;
-    evaluation: resize the shorter side to ``size / crop_fraction`` and center-crop, as
-    ``DecodeCenterCrop``. ``seed`` fixes the crops (with ``set_epoch``, per epoch);
-    ``options`` (:class:`GPUOptions`) holds the augmentation's finer settings (``scale``,
-    ``ratio``, ``flip``, ``crop_fraction``, ``min_visible``, ``channels_last``) and how it
-    runs (threads, queues, backends).
+    (both None: ``x / 255``; ``torch.uint8``: the rounded pixels). Training: RandomResizedCrop
+    + flip; evaluation: resize and center-crop as ``DecodeCenterCrop``; ``letterbox=True``:
+    fit ``size`` padded with grey 114. ``seed`` fixes the crops; ``options``
+    (:class:`GPUOptions`) holds the finer settings. Detection batches are ``(images,
+    targets)``, boxes moved with the crop (docs/gpu_decode.md).
 
-    Detection datasets (``make_gpu_loader`` over a ``--coco``/``--yolo`` build): batches are
-    ``(images, targets)`` with ``targets`` a list of torchvision target dicts on the GPU
-    whose boxes moved with the crop and flip; objects with less than ``min_visible`` of
-    their box left in the crop are dropped. ``letterbox=True`` resizes each image to fit
-    ``size`` keeping its aspect ratio, padded with grey 114 (YOLO's evaluation and
-    training input; flipped too when ``train``), instead of cropping.
-
-    Needs CUDA, nvJPEG (torchvision's copy, or the CUDA toolkit's) and Triton; without them
-    it raises ``PackerError`` naming what to install (or the CPU path). The iterator protocol
-    is ``CUDAPrefetcher``'s: re-iterable, ``len()``, ``set_epoch`` (sampler, and the crop
-    generator when ``seed`` is given), ``.sampler``, ``.batch_sampler``, ``.dataset``.
-    ``stats`` counts GPU- and CPU-decoded images and where the time went; ``backend`` says
-    which decoder ran.
-    """
+    Needs CUDA, nvJPEG and Triton, else ``PackerError`` naming what to install. The iterator
+    protocol is ``CUDAPrefetcher``'s; ``stats`` says where images were decoded and the time went."""
 
     def __init__(self, loader, *, size=224, train: bool = True,
                  mean: Optional[Sequence[float]] = IMAGENET_MEAN,
@@ -102,8 +84,6 @@ class GPUDecoder(LoaderView):
         super().set_epoch(epoch)
         if self.seed is not None:
             self._gen.manual_seed(self.seed * 1_000_003 + epoch)
-
-    # -- iteration -----------------------------------------------------------------------------
 
     def __iter__(self):
         it = iter(self.loader)
@@ -153,10 +133,8 @@ class GPUDecoder(LoaderView):
             pipe.close()
 
     def state_dict(self) -> dict:
-        """The loader's state as of the last batch handed out to the consumer (the decode
-        threads run batches ahead): resuming from it continues with the next unseen batch.
-        Needs a loader that resumes (``make_gpu_loader``'s default PackedSampler, or
-        ``stateful=True``). Crops after a resume are new draws."""
+        """The loader's state as of the last batch handed out (decode threads run ahead); needs a
+        loader that resumes. Crops after a resume are new draws."""
         if not hasattr(self.loader, "state_dict"):
             raise TypeError("GPUDecoder.state_dict needs a loader with state_dict(): use "
                             "make_gpu_loader with a PackedSampler (its default) or stateful=True")
@@ -168,15 +146,9 @@ class GPUDecoder(LoaderView):
         self._state = state["loader"]
 
     def throttle(self, ahead: list) -> None:
-        """Let the consumer queue at most ``max_ahead`` steps beyond what the GPU finished.
-
-        A training loop that never synchronizes runs ahead until the driver's launch queue
-        is full, then blocks inside a launch, holding the driver's lock: every CUDA call of
-        the decode threads (several per image in nvJPEG) then waits about one kernel, and
-        every batch handed out holds its memory. Too tight a limit idles the GPU whenever a
-        batch comes a little late (docs/gpu_decode.md). The event recorded at each request
-        marks the end of the previous step's work.
-        """
+        """Let the consumer queue at most ``max_ahead`` steps beyond what the GPU finished: a loop
+        that runs ahead until the launch queue is full holds the driver's lock, stalling the
+        decode threads (docs/gpu_decode.md)."""
         max_ahead = self.options.max_ahead
         if max_ahead is None or self.device.type != "cuda":
             return

@@ -1,11 +1,5 @@
-"""Detection on the GPU path: targets packed per batch, boxes moved with the GPU crops.
-
-Workers collate a batch's targets into one :class:`DetectionTargets` (all boxes of the batch
-in one tensor, with per-image counts) so they cross to the GPU in a few copies. After the
-crop / letterbox of :meth:`GPUDecoder.augment_batch`, :func:`place_boxes` moves the boxes with
-the same crop rectangles and flips (``packer.transforms.boxes``), drops the objects mostly cut away and
-hands out torchvision's form: one target dict per image, on the GPU.
-"""
+"""Detection on the GPU path: a batch's targets packed in one :class:`DetectionTargets`, and
+:func:`place_boxes` moving them with the crops of :meth:`GPUDecoder.augment_batch`."""
 from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -18,10 +12,8 @@ from ..reading.targets import wrap_boxes
 
 
 class DetectionTargets(NamedTuple):
-    """A batch's detection targets, packed: ``boxes`` (N, 4) XYXY pixels of the stored
-    images, ``counts`` (B,) boxes per image, per-image ``image_id``, and ``per_box``: every
-    other per-box tensor the dataset's targets hold (``labels``, and ``area``/``iscrowd``...
-    where ``target_keys`` asked for them), in their order."""
+    """A batch's detection targets, packed: ``boxes`` (N, 4) XYXY, ``counts`` (B,), ``image_id``
+    and ``per_box`` (every other per-box tensor, in order)."""
     boxes: torch.Tensor
     counts: torch.Tensor
     image_id: torch.Tensor
@@ -54,8 +46,7 @@ def is_detection_batch(targets: Sequence) -> bool:
 
 
 def letterbox_crops(sizes: torch.Tensor, size: Tuple[int, int], scale_up: bool = True):
-    """The letterbox as a crop reaching past the image (``resample_crops`` then scales by
-    ``scale`` and offsets by the padding), and where each image's pixels land:
+    """The letterbox as a crop reaching past the image, and where each image's pixels land:
     ``(crops (B, 4) float64, inside (B, 4) top, left, bottom, right)``."""
     scale, pad, new = letterbox_params(sizes, size, scale_up=scale_up)
     scale = scale.double()

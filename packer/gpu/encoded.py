@@ -1,9 +1,5 @@
-"""The CPU side of GPU decoding: what DataLoader workers do (see ``packer.gpu``).
-
-JPEG header parsing (:func:`jpeg_info`, :func:`gpu_decodable`), the ``decode=`` hook
-(:class:`EncodedImage`) that hands out :class:`EncodedSample`, and the collate
-(:func:`collate_encoded`) that packs a batch into one flat byte buffer (:class:`EncodedBatch`).
-"""
+"""The CPU side of GPU decoding, in DataLoader workers: JPEG header parsing, the ``decode=``
+hook (:class:`EncodedImage`) and the collate into one flat buffer (:class:`EncodedBatch`)."""
 from __future__ import annotations
 
 import ctypes
@@ -45,11 +41,8 @@ class JpegInfo(NamedTuple):
 
 
 def jpeg_info(data) -> Optional[JpegInfo]:
-    """Parse the markers up to the frame header: a few segments, microseconds in Python.
-
-    Returns None for anything that is not a well-formed JPEG up to its SOF (PNG, WEBP,
-    truncated headers): the caller then lets PIL decide what the bytes are.
-    """
+    """Parse the markers up to the frame header; None for anything that is not a well-formed
+    JPEG up to its SOF (then PIL decides what the bytes are)."""
     n = len(data)
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return None
@@ -93,22 +86,14 @@ def _subsampling(factors) -> str:
 
 
 def gpu_decodable(info: Optional[JpegInfo]) -> bool:
-    """True for what nvJPEG's batched path takes well: 8-bit baseline Huffman JPEGs, grey
-    or YCbCr in a common subsampling. Everything else is decoded on the CPU, in workers:
-
-    - progressive: nvJPEG decodes it, but torchvision does so one image at a time with the
-      Huffman decoding on the decode thread's CPU, stalling the whole batch;
-    - CMYK/YCCK and Adobe RGB-coded files: PIL's ``convert("RGB")`` is the reference colour;
-    - 12-bit, arithmetic, lossless, hierarchical, 4:1:1/4:1:0 (not on the hardware
-      engine) and odd subsamplings: not supported, or slow.
-    """
+    """True for what nvJPEG's batched path takes well: 8-bit baseline Huffman JPEGs, grey or
+    YCbCr in a common subsampling. The rest (progressive: decoded one at a time; CMYK: PIL is
+    the reference colour; 12-bit, lossless...) is decoded on the CPU, in workers."""
     return (info is not None and info.process == "baseline" and not info.arithmetic
             and info.precision == 8 and info.width > 0 and info.height > 0
             and (info.components == 1 or (info.components == 3 and info.adobe_transform != 0))
             and info.subsampling in ("4:4:4", "4:2:2", "4:2:0", "4:4:0", "gray"))
 
-
-# -- worker side: the decode= hook and the collate -----------------------------------------
 
 class EncodedSample(NamedTuple):
     """One image as it leaves a worker: JPEG bytes for the GPU, or, when ``decoded``, the
@@ -120,23 +105,11 @@ class EncodedSample(NamedTuple):
 
 
 class EncodedImage:
-    """``PackedDataset(root, decode=EncodedImage())``: no decoding for JPEGs nvJPEG takes.
+    """``PackedDataset(root, decode=EncodedImage())``: no decoding for JPEGs nvJPEG takes; the
+    rest is decoded here as ImageFolder does and travels as pixels.
 
-    The hook sees only the stored bytes, so it reads the JPEG frame header itself (cheaper
-    than passing records around, and right whatever wrote the file). Files that
-    :func:`gpu_decodable` refuses (PNG, CMYK, progressive...) are decoded here, in the
-    worker, exactly as ImageFolder does (``Image.open(f).convert("RGB")``), and travel as
-    pixels: the GPU stage then crops and resizes them like the others. EXIF orientation is
-    ignored on both paths, as in ImageFolder.
-
-    ``max_pixels`` bounds every image before any of its pixels exist on the GPU: a JPEG
-    whose header claims more (width x height) is refused from the header alone, before any
-    decoding, and a file decoded here is refused after its decode (PIL's own bomb check
-    bounds that). Refused means ``FormatError``, which stops the loop: such an image is
-    damaged or crafted, or the dataset was built with a larger ``max_pixels`` (then raise
-    this one, knowing each image costs 3 x its pixels of GPU memory). The limit is the
-    caller's, never read from the dataset, which may be a stranger's.
-    """
+    ``max_pixels`` (the caller's, never the dataset's) bounds every image before its pixels
+    exist on the GPU, from the JPEG header alone; beyond it is a ``FormatError``."""
 
     def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS):
         if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
@@ -185,11 +158,8 @@ class EncodedBatch(NamedTuple):
 
 
 def collate_encoded(batch) -> EncodedBatch:
-    """Collate ``(EncodedSample, label)`` pairs into an :class:`EncodedBatch`.
-
-    In a worker the byte buffer is allocated in shared memory directly (as default_collate
-    does for tensors), so the batch reaches the main process without another copy.
-    """
+    """Collate ``(EncodedSample, label)`` pairs into an :class:`EncodedBatch` (in shared memory
+    in a worker)."""
     if not batch:
         raise ValueError("collate_encoded got an empty batch")
     samples, targets = zip(*batch)

@@ -1,8 +1,5 @@
-"""The Triton kernel behind :func:`packer.gpu.resample.resample_crops` (imported on first
-use: importing Triton's compiler takes about a second). With ``TRITON_INTERPRET=1`` set
-before it is imported it runs on CPU tensors in Triton's interpreter (the tests do, in a
-subprocess).
-"""
+"""The Triton kernel behind :func:`packer.gpu.resample.resample_crops` (imported on first use);
+with ``TRITON_INTERPRET=1`` it runs on CPU tensors in Triton's interpreter."""
 import triton
 import triton.language as tl
 

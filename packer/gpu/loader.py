@@ -17,23 +17,14 @@ from .encoded import EncodedImage, collate_encoded
 
 __all__ = ["ConnectionsWarning", "connections_advice", "make_gpu_loader", "reserve_cuda_queues"]
 
-# nvJPEG works image by image on the GPU (a bitstream copy, a colour-conversion kernel and
-# an event wait per image). The GPU feeds its streams through CUDA_DEVICE_MAX_CONNECTIONS
-# hardware queues, 8 by default; streams that share one queue are serialised, so with 8 each
-# of those per-image steps can wait behind a training kernel (docs/gpu_decode.md). CUDA reads
-# the variable when its context is created: reserve_cuda_queues() sets it, explicitly,
-# before that.
+# nvJPEG's per-image steps wait behind training kernels on a shared hardware queue (8 by
+# default; docs/gpu_decode.md); CUDA reads this when its context is created.
 CUDA_QUEUES = 32
 
 
 def reserve_cuda_queues(n: int = CUDA_QUEUES) -> bool:
-    """Give this process ``n`` CUDA hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) so GPU
-    decoding does not wait behind training kernels; call it before any CUDA work.
-
-    Leaves a value the user set alone. Returns True when the setting will take effect (or
-    already holds at least 16), False when CUDA has already started with fewer: too late for
-    this process. ``make_gpu_loader`` calls it.
-    """
+    """Give this process ``n`` CUDA hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) before any
+    CUDA work, leaving a user's value alone. False when CUDA already started with fewer."""
     value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if value is None and not torch.cuda.is_initialized():
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(n)
@@ -63,21 +54,12 @@ def connections_advice() -> Optional[str]:
 
 def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int] = None,
                     **kwargs):
-    """``make_loader`` for the GPU path: ``dataset`` (a path or a ``PackedDataset``) hands
-    out :class:`EncodedSample` and batches are :class:`EncodedBatch`.
+    """``make_loader`` for the GPU path: ``dataset`` (a path, a ``PackedDataset`` or a
+    ``Mixture`` of them) hands out :class:`EncodedSample`, batches are :class:`EncodedBatch`.
 
-    ``max_pixels``: the largest image (width x height) a worker lets through, read from the
-    JPEG header before anything is decoded (:class:`EncodedImage`), so a crafted header
-    cannot make the GPU allocate beyond it. None: the dataset's own ``EncodedImage``'s limit
-    if it has one, else build's default (PIL's bomb threshold). A dataset with another
-    ``decode`` (or limit) is copied with ``decode=EncodedImage(max_pixels)``.
-
-    Other keywords go to ``make_loader`` (``shuffle``, ``sampler``, ``num_workers``,
-    ``drop_last``...), ``pin_memory`` (True with CUDA, as there: pinned batches with
-    three decode threads measured fastest in the steady state, docs/gpu_decode.md). A ``Mixture`` of ``PackedDataset``s has each
-    source read that way.
-    Also calls :func:`reserve_cuda_queues`, which only helps if CUDA has not started yet.
-    """
+    ``max_pixels``: the largest image a worker lets through, from the JPEG header (None: the
+    dataset's ``EncodedImage``'s limit, else build's default). Other keywords go to
+    ``make_loader``. Also calls :func:`reserve_cuda_queues`."""
     reserve_cuda_queues()
     own = getattr(dataset, "decode", None)
     own = own.max_pixels if isinstance(own, EncodedImage) else None

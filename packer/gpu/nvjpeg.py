@@ -27,18 +27,10 @@ class _Image(ctypes.Structure):  # nvjpegImage_t (nvJPEG >= 11: size_t pitches)
 
 
 class NvjpegDecoder:
-    """nvJPEG's batched decoder called directly (ctypes): GPU decoding without torchvision.
-
-    Same library and hardware engine as torchvision's decoder (pixels are identical), but
-    one output allocation per batch (:meth:`decode_flat`, which the fused kernel reads in
-    place) and no global lock (one handle per decode thread). Work runs on a stream of
-    ``priority`` (default: the highest). The hardware engine (A100/H100/H200) is used when
-    nvJPEG has it, else its default backend. Raises OSError/RuntimeError when libnvjpeg
-    cannot be loaded or set up. Calls are serialised by a lock (one nvJPEG state);
-    :meth:`shared` gives one instance per (device, slot), as nvJPEG handles are never freed
-    here (freeing them at interpreter exit can run after CUDA has shut down); threads that
-    decode at once use one slot each.
-    """
+    """nvJPEG's batched decoder called directly (ctypes): torchvision's pixels, but one output
+    allocation per batch and one handle per decode thread, on a stream of ``priority``.
+    Raises OSError/RuntimeError when libnvjpeg cannot be set up. Handles are never freed, so
+    :meth:`shared` gives one instance per (device, slot)."""
     _shared: dict = {}
 
     @classmethod
@@ -88,14 +80,9 @@ class NvjpegDecoder:
 
     def decode_flat(self, data: torch.Tensor, offsets: torch.Tensor, device: torch.device,
                     sizes: Optional[torch.Tensor] = None) -> ImageTable:
-        """Decode every image of a flat buffer laid out by ``offsets`` (an ``EncodedBatch``'s)
-        into one allocation, planar RGB back to back: nothing zeroed, nothing padded, for the
-        fused kernel that reads each image where it lies.
-
-        ``sizes`` ((n, 2) h, w: what the workers read from the headers, and checked against
-        the pixel limit) must be what nvJPEG's own header parser reads, or ``FormatError`` is
-        raised before anything is allocated: a file that parses differently cannot make it
-        allocate more."""
+        """Decode a flat buffer laid out by ``offsets`` into one allocation, planar RGB in a row.
+        ``sizes`` ((n, 2) h, w, checked against the pixel limit) must match nvJPEG's own header
+        parse, or ``FormatError`` before anything is allocated."""
         ptrs, lens = offsets[:-1] + data.data_ptr(), (offsets[1:] - offsets[:-1]).contiguous()
         with self._lock:
             return self._flat(ptrs, lens, device, sizes)

@@ -12,36 +12,19 @@ __all__ = ["DecodeStats", "GPUOptions"]
 
 @dataclass(frozen=True)
 class GPUOptions:
-    """What ``GPUDecoder`` does beyond its common arguments: the augmentation's finer
-    settings, then how it runs (threads, queues, decoder). The defaults suit training on one
-    GPU (docs/gpu_decode.md says why each was chosen); most users never pass this.
+    """What ``GPUDecoder`` does beyond its common arguments; the defaults suit training on one
+    GPU (docs/gpu_decode.md says why each was chosen).
 
-    Augmentation:
-    scale, ratio: RandomResizedCrop's area fraction and aspect-ratio ranges (training).
-    flip: a random horizontal flip per image (training).
-    crop_fraction: evaluation resizes the shorter side to ``size / crop_fraction``, then
-        center-crops ``size``, as ``DecodeCenterCrop``.
-    min_visible: detection: an object with less than this fraction of its box left in
-        the crop is dropped.
-    channels_last: the output batch's memory format (else contiguous NCHW).
-
-    Running:
-    overlap: 2 works in background threads, each on its own CUDA stream, so the next
-        batches decode (and augment) while the current one trains; 1 does it all in one
-        thread; 0 works inline on the current stream (debugging, measurements).
-    decode_threads: decode threads with ``overlap=2``, each with its own stream and nvJPEG
-        handle, so one batch's host work overlaps another's decoding; batches still come
-        out in the loader's order. None: 3 for nvJPEG called directly, 1 otherwise
-        (torchvision decodes behind one global lock).
+    scale, ratio, flip: RandomResizedCrop's ranges and a random horizontal flip (training).
+    crop_fraction: evaluation resizes the shorter side to ``size / crop_fraction``.
+    min_visible: detection: an object with less of its box left in the crop is dropped.
+    channels_last: the output batch's memory format.
+    overlap: 2: background threads on their own streams; 1: one thread; 0: inline.
+    decode_threads: with ``overlap=2`` (None: 3 for nvJPEG, 1 for torchvision).
     queue_depth: decoded batches waiting between stages (bounds GPU memory).
-    max_ahead: training steps the consumer may queue on the GPU beyond the last one
-        finished (None: no limit; see ``GPUDecoder.throttle``).
-    backend: "nvjpeg" calls libnvjpeg directly (``packer.gpu.nvjpeg.NvjpegDecoder``: one
-        buffer per batch that the fused kernel reads in place); "torchvision" uses
-        ``torchvision.io.decode_jpeg``; "auto" the first of the two that loads.
-    decoder: replaces both backends: ``(list of 1-D uint8 CPU tensors, device) -> list of
-        (3, h, w) uint8 tensors``; with it ``device`` may be the CPU (tests, dry runs).
-    """
+    max_ahead: steps the consumer may queue beyond the last finished (``GPUDecoder.throttle``).
+    backend: "nvjpeg", "torchvision" or "auto" (the first that loads).
+    decoder: replaces both: ``(list of uint8 CPU tensors, device) -> list of (3, h, w)``."""
     scale: Tuple[float, float] = (0.08, 1.0)
     ratio: Tuple[float, float] = (3 / 4, 4 / 3)
     flip: bool = True
@@ -81,18 +64,9 @@ class GPUOptions:
 
 @dataclass
 class DecodeStats:
-    """Where images were decoded, and where the time went.
-
-    ``cpu``: decoded in workers (not JPEG, or a JPEG nvJPEG does not take well);
-    ``retried``: nvJPEG refused a batch and the image was decoded alone (PIL if nvJPEG
-    refused it again). ``seconds``: wall time per stage, host side, summed over a stage's
-    threads: ``loader`` (decode threads waiting for the DataLoader), ``decode``,
-    ``augment`` (``decode+augment`` with ``overlap`` 1 or 2, where each thread does both;
-    GPU work is asynchronous, so this is launch time), ``<stage> blocked`` (waiting for room
-    in the queue), ``consumer`` (the training loop waiting for a
-    batch: near zero when decoding keeps up) and ``throttle`` (the training loop waiting for
-    its own GPU work, ``max_ahead``: large when the model is the limit).
-    """
+    """Where images were decoded (``cpu``, ``retried``) and the host time per stage
+    (``seconds``: ``loader``, ``decode``, ``augment``, ``<stage> blocked``, ``consumer``,
+    ``throttle``; docs/gpu_decode.md)."""
     gpu: int = 0
     cpu: int = 0
     retried: int = 0

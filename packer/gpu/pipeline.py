@@ -16,13 +16,8 @@ from .._util.threads import END, Raised, drain, stoppable_get, stoppable_put
 
 
 class Pipeline:
-    """The decode threads (``decode_threads``; one for ``overlap=1``), each decoding and
-    augmenting its own batches on its own CUDA stream, joined to the consumer by a bounded
-    queue. Batches are numbered as the threads take them from the loader and handed out in
-    that order. Threads hold no reference to the consumer's generator, so an abandoned loop
-    can be collected; ``close`` stops them, drains the queue and joins, before the loader's
-    iterator may be reused (persistent workers reset the same iterator object).
-    """
+    """The decode threads, each on its own stream, joined to the consumer by a bounded queue;
+    batches go out in the order taken from the loader. ``close`` stops and joins them."""
 
     def __init__(self, dec, it, base: int):
         """``dec``: the ``GPUDecoder`` whose ``decode_batch``/``augment_batch`` the threads run;

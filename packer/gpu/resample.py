@@ -1,15 +1,6 @@
-"""Crop + antialiased bilinear resize + flip + normalize + dtype of a whole batch:
-:func:`resample_crops`. On a CUDA device it is ONE Triton kernel (``kernel.py``) that reads
-every decoded image where it lies; images on the CPU (tests, dry runs, a custom decoder with
-``device="cpu"``) go through :func:`reference_resample`, the same maths in plain torch.
-
-The filter is PIL's BILINEAR with a box (a triangle whose support widens with the downscale
-factor, so it is antialiased), the one the CPU decoders use: outputs match PIL's resize of the
-same pixels to within one level (PIL rounds to uint8 between its two passes, this does not).
-A batch is described by an :class:`ImageTable` (a base tensor, and per image a byte offset
-and strides), so nvJPEG's flat output, a list of tensors and CPU-decoded HWC pixels are all
-read without a copy.
-"""
+"""Crop + antialiased bilinear resize + flip + normalize + dtype of a whole batch
+(:func:`resample_crops`): one Triton kernel on CUDA, :func:`reference_resample` (the same
+maths in torch) on the CPU. Within one level of PIL's BILINEAR resize of the same pixels."""
 from __future__ import annotations
 
 import importlib
@@ -96,16 +87,10 @@ def resample_crops(images, boxes: torch.Tensor, size: Tuple[int, int],
                    flips: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
                    scale: Optional[torch.Tensor] = None,
                    shift: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Crop ``boxes`` ((B, 4) x0, y0, x1, y1 in pixels, any fractions, may reach outside the
-    image) out of ``images`` (an :class:`ImageTable`, or a list of uint8 (3, h, w) tensors of
-    any strides on one device), resize each to ``size`` (h, w), flip where ``flips``, write
-    ``x * scale + shift`` per channel into ``out`` (default float32; any float dtype and
-    memory format; for uint8 the rounded pixels, ``scale``/``shift`` unused). Pixels outside
-    an image get no weight; an output pixel none of whose taps lies inside is 0.
-
-    CUDA images run the Triton kernel (``PackerError`` when Triton is missing); CPU images run
-    :func:`reference_resample`, or the kernel in Triton's interpreter under ``TRITON_INTERPRET=1``.
-    """
+    """Crop ``boxes`` ((B, 4) x0, y0, x1, y1, may reach outside) out of ``images`` (an
+    :class:`ImageTable` or uint8 (3, h, w) tensors), resize to ``size``, flip where ``flips``,
+    and write ``x * scale + shift`` into ``out`` (uint8: the rounded pixels). Taps outside an
+    image get no weight. CUDA runs the Triton kernel, the CPU :func:`reference_resample`."""
     table = images if isinstance(images, ImageTable) else None
     b, (oh, ow) = len(images), size
     device = boxes.device if not b else (table.base if table else images[0]).device

@@ -1,8 +1,5 @@
-"""The read pipeline's second half: ``make_loader`` returns a ``PackedLoader`` (``loader``)
-whose workers collate uint8 batches (``collate``, ``sharedbatch``) from one stream across
-epochs (``epochs``); ``CUDAPrefetcher`` copies them to the GPU ahead of use (``prefetch``);
-``background`` runs any iterable in a thread (``threaded``). ``torchapi`` holds every use of
-torch's private API."""
+"""The read pipeline's second half: ``make_loader``, its uint8 collates and epoch stream,
+``CUDAPrefetcher`` and ``background``; ``torchapi`` holds every use of torch's private API."""
 from .._util.lazy import lazy_names
 
 _WHERE = {".loader": ["PackedLoader", "default_num_workers", "make_loader"],

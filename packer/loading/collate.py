@@ -1,8 +1,5 @@
-"""The uint8 collates ``make_loader`` batches with: images stay uint8 from decode to the GPU.
-
-A float32 batch is 4x the bytes to collate, to pass between processes, to pin and to send
-over PCIe, and the conversion is nearly free on the GPU (``CUDAPrefetcher`` does it there).
-"""
+"""The uint8 collates ``make_loader`` batches with: images stay uint8 (4x fewer bytes than
+float32) from decode to the GPU, where ``CUDAPrefetcher`` converts them."""
 from __future__ import annotations
 
 import functools
@@ -20,19 +17,9 @@ __all__ = ["collate_detection", "collate_uint8", "default_collate_for"]
 
 
 def collate_uint8(batch, *, channels_last: bool = True):
-    """Collate samples whose images are uint8 ``(C, H, W)`` tensors into one uint8 batch.
-
-    Images become one ``(N, C, H, W)`` uint8 tensor, in channels_last memory when asked (the
-    layout convolutions on GPU prefer; decoders that hand out HWC buffers make it a plain
-    copy). Tuples, lists, namedtuples and dicts are walked as ``default_collate`` walks
-    them; everything else (integer labels become int64, other tensors, numbers, strings)
-    is collated by ``default_collate``. In a worker process the batch is written straight
-    into shared memory, so it crosses to the main process without another copy.
-
-    PIL images are refused with a pointer to ``decode=``: they vary in size and must be
-    decoded to tensors in the worker anyway, and decoding straight to a cropped uint8 tensor
-    is the fast path.
-    """
+    """Collate samples whose images are uint8 ``(C, H, W)`` tensors into one uint8 batch
+    (channels_last when asked; in a worker, straight into shared memory); the rest as
+    ``default_collate`` does. PIL images are refused with a pointer to ``decode=``."""
     elem = batch[0]
     if isinstance(elem, torch.Tensor) and elem.dtype == torch.uint8 and elem.dim() == 3 \
             and not elem.is_cuda:
@@ -78,13 +65,8 @@ def stack_images(images, channels_last: bool) -> torch.Tensor:
 
 
 def collate_detection(batch, *, channels_last: bool = True):
-    """``(images, targets)`` for detection: targets stay a list of dicts (their box counts
-    differ), as torchvision's detection references collate. Images of one size (a crop or
-    letterbox decoder) become one uint8 batch like ``collate_uint8``'s; images of different
-    sizes stay a list. ``CUDAPrefetcher`` moves and normalizes either form.
-
-    In a worker, the targets (and a list of images) cross to the main process as one
-    shared-memory block each (``SharedBatch``), not one per tensor."""
+    """``(images, targets)`` for detection: targets a list of dicts (crossing from a worker as one
+    ``SharedBatch``); images one uint8 batch when they share a size, else a list."""
     images = [b[0] for b in batch]
     share = SharedBatch if get_worker_info() is not None else list
     targets = share(b[1] for b in batch)

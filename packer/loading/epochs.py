@@ -1,18 +1,8 @@
 """No stall at epoch boundaries: one DataLoader stream that runs on into the next epoch.
 
-A DataLoader starts an epoch's first batches only when that epoch's iterator is made, after
-the last batch of the previous one: every worker, and the GPU, then idles for the time one
-batch takes to decode. ``PackedSampler`` knows every epoch's order in advance, so here the
-batch sampler (``EpochBatches``) goes on from epoch *e*'s last batch to epoch *e + 1*'s
-first and the workers never stop; ``EpochStream`` hands out one epoch at a time.
-
-Batches go to whichever worker has room (DataLoader's ``in_order=False``): in turn, batch
-*k* waits for worker *k mod W* and the loader runs at W times its slowest worker's pace.
-Each batch carries its place in the stream (``Numbered``, ``StampedDataset``,
-``StampedCollate``) and ``EpochStream`` puts them back in the sampler's order; a batch whose
-reading or collating raised carries its exception (``Failed``), raised in its turn, after
-which the epoch goes on, as a DataLoader's does.
-"""
+``EpochBatches`` goes on from epoch *e*'s last batch to *e + 1*'s first, so workers never
+idle; batches go to whichever worker has room, carry their place (``Numbered``) and
+``EpochStream`` hands them out in the sampler's order, one epoch at a time."""
 from __future__ import annotations
 
 import math
@@ -36,9 +26,8 @@ class Numbered(list):
 
 
 class StampedDataset:
-    """``dataset`` read a batch at a time (DataLoader's ``__getitems__``), the samples
-    keeping the batch's ``seq``; any other attribute, read or set (a ``worker_init_fn``
-    setting ``get_worker_info().dataset.x``), is the dataset's."""
+    """``dataset`` read a batch at a time, samples keeping the batch's ``seq``; any other
+    attribute is the dataset's."""
 
     def __init__(self, dataset):
         object.__setattr__(self, "dataset", dataset)
@@ -86,10 +75,8 @@ class StampedCollate:
 
 
 class Failed:
-    """The exception a batch raised, on its way to its turn in the stream. In the process
-    that raised it, it is raised again as itself; from a worker (pickled) as the same type
-    (or ``RuntimeError`` where that type cannot be made from a message) whose message holds
-    the worker's traceback, as a DataLoader does."""
+    """The exception a batch raised, raised again in its turn: as itself in this process; from a
+    worker as the same type (else ``RuntimeError``) with the worker's traceback."""
 
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -113,9 +100,8 @@ def failed_from(cls: type, message: str) -> Failed:
 
 
 class EpochBatches:
-    """Batches of ``sampler``'s indices, epoch after epoch, never ending, drawn from a copy
-    of the sampler (the caller's keeps its epoch and state); a batch never spans two epochs
-    (the last one of an epoch may be short unless ``drop_last``)."""
+    """Batches of ``sampler``'s indices, epoch after epoch, from a copy of the sampler; a batch
+    never spans two epochs."""
 
     def __init__(self, sampler: PackedSampler, batch_size: int, drop_last: bool = False):
         self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), bool(drop_last)
@@ -144,15 +130,9 @@ class EpochBatches:
 
 
 class EpochStream:
-    """One epoch per ``epoch()`` call from a DataLoader over ``StampedDataset`` whose batch
-    sampler is ``batches``.
-
-    Each batch handed out is reported to the caller's sampler (``PackedSampler.received``),
-    so its ``state_dict`` counts what the training loop received. A complete pass moves the
-    sampler to the next epoch, which the stream is already into. If the sampler is not where
-    the stream is (``set_epoch`` to another epoch, a resume, an epoch abandoned midway), the
-    batches made ahead are dropped and the stream restarts where the sampler is.
-    """
+    """One epoch per ``epoch()`` from a DataLoader over ``StampedDataset`` batched by ``batches``.
+    Each batch handed out is reported to the sampler (``received``); if the sampler is not where
+    the stream is (``set_epoch``, a resume), the batches made ahead are dropped and it restarts."""
 
     def __init__(self, batches: EpochBatches):
         self.batches = batches
@@ -190,10 +170,8 @@ class EpochStream:
 
 
 class EpochPass:
-    """One epoch of an ``EpochStream``, as a DataLoader iterator hands it out: the stream
-    (re)starts at the first ``next()``; each batch handed out is reported to the sampler
-    (``PackedSampler.received``); a batch that raised is counted and raised, and the next
-    ``next()`` goes on with the batch after it."""
+    """One epoch of an ``EpochStream``, as a DataLoader iterator: a batch that raised is counted
+    and raised, and the next ``next()`` goes on after it."""
 
     def __init__(self, stream: EpochStream, start: Callable[[], Iterator]):
         self.stream, self.start = stream, start

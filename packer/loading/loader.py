@@ -27,27 +27,13 @@ _HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # worker iterators with an exit 
 
 
 class PackedLoader(LoaderView):
-    """What ``make_loader`` returns, in every case: a DataLoader's surface (``iter()`` is
-    one epoch; ``len()``; ``dataset``, ``sampler``, ``batch_sampler``, ``batch_size``,
-    ``collate_fn``, and ``num_workers``, ``pin_memory``... of the DataLoader inside,
-    ``loader``), plus ``set_epoch`` and, where it can resume, ``state_dict`` /
-    ``load_state_dict`` with ``torchdata``'s ``StatefulDataLoader`` semantics: the state
-    counts the batches the training loop received, and a loader that loads it continues
-    with the first batch the loop never saw.
+    """What ``make_loader`` returns: a DataLoader's surface (``loader`` is the one inside), plus
+    ``set_epoch`` and, where it can resume, ``state_dict`` / ``load_state_dict`` with
+    ``StatefulDataLoader``'s semantics (the state counts batches the training loop received).
 
-    Over a ``PackedSampler`` (``make_loader``'s default; it makes one when given no
-    sampler) the batches come from one stream whose workers run on into the next epoch
-    (``packer.loading.epochs``): each epoch's first batches are ready when it starts. Each
-    complete pass moves the sampler to the next epoch; ``set_epoch(e)`` picks one. The state
-    is the sampler's, three integers (``{"sampler": PackedSampler.state_dict()}``), and
-    resumes at another world size too (docs/sampling.md).
-
-    Over anything else (another sampler, ``batch_sampler=``, an ``IterableDataset``) it
-    iterates a DataLoader as it is, or torchdata's ``StatefulDataLoader`` with
-    ``stateful=True`` (then the state is that loader's). Without that it cannot resume and
-    has no ``state_dict`` attribute (``hasattr`` is how ``CUDAPrefetcher``, ``GPUDecoder``
-    and training frameworks ask).
-    """
+    Over a ``PackedSampler`` the workers run on into the next epoch (``packer.loading.epochs``)
+    and the state is the sampler's. Over anything else it iterates a DataLoader, or
+    ``StatefulDataLoader`` with ``stateful=True``; without that it has no ``state_dict``."""
 
     def __init__(self, loader: DataLoader, stream: Optional[EpochStream] = None):
         self.loader, self.stream = loader, stream
@@ -79,12 +65,8 @@ class PackedLoader(LoaderView):
         return self.stream.epoch(self._start) if self.stream else self._start()
 
     def _start(self) -> Iterator:
-        """``iter(loader)``, its workers (when new) shut down at interpreter exit before
-        multiprocessing's exit handler joins them one by one: with persistent workers and a
-        pin-memory thread under CUDA that handler waited on each in turn (pytorch#81794). The
-        hook is registered when the workers start, so it runs before the hooks of whatever
-        was set up earlier, and holds the iterator weakly: a dropped loader's workers stop at
-        once."""
+        """``iter(loader)``, its new workers shut down at interpreter exit (a weak hook registered
+        now) before multiprocessing's handler joins them one by one (pytorch#81794)."""
         it = iter(self.loader)
         if self.loader.num_workers and it not in _HOOKED:
             _HOOKED.add(it)
@@ -145,9 +127,8 @@ def _stop_at_exit(ref) -> None:
 
 
 def default_num_workers() -> int:
-    """Cores this process may use (affinity mask and cgroup CPU quota), shared among the
-    training processes of this host (``LOCAL_WORLD_SIZE``, set by torchrun): one worker per
-    core keeps decoding saturated without oversubscribing when 8 ranks share a machine."""
+    """Cores this process may use (affinity and cgroup quota), shared among the ranks of this host
+    (``LOCAL_WORLD_SIZE``)."""
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
@@ -156,13 +137,9 @@ def default_num_workers() -> int:
 
 
 def default_context() -> Optional[str]:
-    """The workers' start method when the caller names none: the platform's (None), except in
-    a Linux process whose own default is spawn (one started by ``torch.multiprocessing.spawn``,
-    say), where it is forkserver. Both need a picklable dataset, but a spawned worker finalizes
-    the interpreter when it exits, which aborted workers stopped while their result queue's
-    thread was still handing a batch over ("terminate called without an active exception");
-    a stream's workers, running on into the next epoch, always are. A forkserver worker exits
-    at once."""
+    """The workers' start method when the caller names none: the platform's (None), but
+    forkserver in a Linux process whose default is spawn (spawned workers stopped mid hand-over
+    aborted: "terminate called without an active exception")."""
     if sys.platform.startswith("linux") and mp.get_start_method(allow_none=True) == "spawn":
         return "forkserver"
     return None
@@ -175,39 +152,24 @@ def make_loader(dataset, batch_size: Optional[int], *, shuffle: Optional[bool] =
                 multiprocessing_context=None, collate_fn: Optional[Callable] = None,
                 stateful: bool = False, **kwargs) -> PackedLoader:
     """A ``PackedLoader``: DataLoader workers set up for throughput; every choice can be
-    overridden.
+    overridden (docs/loading.md).
 
     Args:
-        dataset: any map-style or iterable dataset whose images are uint8 ``(C, H, W)``
-            tensors, e.g. ``PackedDataset(root, decode=DecodeRandomResizedCrop(224))``.
+        dataset: images as uint8 ``(C, H, W)`` tensors, e.g. ``PackedDataset(root,
+            decode=DecodeRandomResizedCrop(224))``.
         batch_size: samples per batch (``None`` with ``batch_sampler=`` in kwargs).
-        shuffle: default True, or False when a ``sampler`` is given (they are exclusive).
-            Without a sampler, a map-style dataset is read through a ``PackedSampler`` made
-            here (``shuffle``; its seed drawn from ``generator`` or torch's default
-            generator, as ``RandomSampler`` draws one; this process's whole dataset, as a
-            DataLoader reads it), so the workers run on across epochs and the loader resumes.
-        sampler: e.g. ``PackedSampler(ds, seed=0)`` (DDP-exact, resumable) or
-            ``DistributedSampler``.
-        num_workers: default ``default_num_workers()``: the usable cores of this process,
-            divided among the ranks on this host. Decoding is the bottleneck; the main
-            process mostly waits on the GPU.
-        channels_last: collate images into channels_last memory (convolution's fast layout;
-            a free copy from HWC decoders).
-        pin_memory: default True when CUDA is available: page-locked batches copy to the GPU
-            asynchronously (``non_blocking=True``) and at full PCIe speed.
-        prefetch_factor: batches each worker keeps ready. Default: enough for about
-            ``TOTAL_PREFETCH`` (8) batches in flight overall, at least 2 per worker.
-        persistent_workers: keep workers (and their open shards) across epochs. Workers
-            hold a copy of the dataset, so changes to it after they start do not reach them.
-        multiprocessing_context: None (``default_context()``), or "spawn"/"forkserver" if
-            the main process has threads or CUDA state that must not be forked.
-        collate_fn: default ``collate_uint8`` with ``channels_last`` (``collate_detection``
-            for a detection ``PackedDataset``).
-        stateful: without a ``PackedSampler`` (which resumes by itself), iterate torchdata's
-            ``StatefulDataLoader`` so the loader can resume.
-        **kwargs: passed to ``DataLoader`` (``worker_init_fn``, ``generator``, ``timeout``,
-            ``batch_sampler``, ``in_order``...).
-    """
+        shuffle: default True without a ``sampler``: a map-style dataset then gets a
+            ``PackedSampler`` (seeded from ``generator`` or torch's), so it resumes.
+        sampler: e.g. ``PackedSampler(ds, seed=0)`` or ``DistributedSampler``.
+        num_workers: default ``default_num_workers()`` (usable cores / ranks on this host).
+        channels_last: collate images into channels_last memory.
+        pin_memory: default True when CUDA is available.
+        prefetch_factor: default: about ``TOTAL_PREFETCH`` batches in flight, >= 2 per worker.
+        persistent_workers: keep workers (and their open shards) across epochs.
+        multiprocessing_context: None (``default_context()``), "spawn" or "forkserver".
+        collate_fn: default ``collate_uint8`` (``collate_detection`` for detection).
+        stateful: without a ``PackedSampler``, iterate ``StatefulDataLoader`` so it can resume.
+        **kwargs: passed to ``DataLoader``."""
     batch_size, shuffle = _batching(dataset, batch_size, shuffle, sampler, drop_last, kwargs)
     _check_decoded(dataset)
     num_workers = _workers(num_workers, prefetch_factor, multiprocessing_context, kwargs)

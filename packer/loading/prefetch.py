@@ -1,10 +1,5 @@
-"""``CUDAPrefetcher``: the next batch crosses PCIe and is normalized while this step runs.
-
-The NVIDIA APEX ``data_prefetcher`` idea, as a plain re-iterable iterator: batches arrive
-as uint8 (4x fewer bytes than float32 over PCIe), are copied on a side stream from pinned
-memory, converted and normalized there, and handed to the training stream only once ready.
-Without CUDA it applies the same conversion on the CPU, so one script runs anywhere.
-"""
+"""``CUDAPrefetcher``: the next batch crosses PCIe as uint8 on a side stream and is normalized
+there while this step runs; without CUDA the same conversion runs on the CPU."""
 from __future__ import annotations
 
 import warnings
@@ -62,33 +57,14 @@ class LoaderView:
 class CUDAPrefetcher(LoaderView):
     """Iterate ``loader`` with each batch already on ``device``, images normalized.
 
-    ``for x, y in CUDAPrefetcher(loader):`` works every epoch (each ``iter()`` is a new pass,
-    ending with StopIteration); ``len()``, ``.sampler``, ``.batch_sampler``, ``.dataset`` pass
-    through and ``set_epoch(e)`` reaches the sampler. ``loader`` may be any re-iterable of
-    batches: tuples, lists and dicts of tensors, nested freely.
+    Re-iterable; ``len()``, ``sampler``, ``dataset`` pass through and ``set_epoch`` reaches the
+    sampler. uint8 ``(N, C, H, W)`` images (or detection's lists of ``(C, H, W)``) become
+    ``dtype``, ``(x / 255 - mean) / std`` (``None``: ``x / 255``), channels_last if asked;
+    other tensors just move; non-tensors pass unchanged.
 
-    Images are the uint8 tensors with 4 dims (N, C, H, W): they become ``dtype``,
-    normalized as ``(x / 255 - mean) / std`` (``mean``/``std`` on the 0..1 scale, as in
-    torchvision; the 255 is folded in here), in channels_last memory if ``channels_last``.
-    ``mean=None, std=None`` gives ``x / 255``. The arithmetic is float32 whatever ``dtype``.
-    Other tensors (labels) just move to the device; non-tensors pass unchanged. Detection
-    batches (``collate_detection``: images as a list of differently sized uint8 (C, H, W)
-    tensors, targets as a list of dicts) get each image normalized the same way and every
-    target tensor (boxes stay ``tv_tensors.BoundingBoxes``) moved with them.
-
-    Memory safety across streams: each batch is allocated and written on the side stream
-    ``self.stream`` (one for the object's life); at hand-out the consumer's current stream
-    waits on it, and every handed-out tensor is ``record_stream``-ed on the consumer's stream,
-    so its memory is not reused while queued kernels may still read it (docs/loading.md says
-    why not the other way round).
-
-    Tensors already on the GPU (decoded there, say) were made on the consumer's stream: the
-    side stream waits for that stream before reading them, which is correct but gives up the
-    overlap for such batches.
-
-    Batches should come from pinned memory (``make_loader`` pins when CUDA is available):
-    from pageable memory the copy blocks the CPU; a warning says so once per pass.
-    """
+    Each batch is made on the side stream ``self.stream``; at hand-out the consumer's stream
+    waits on it and every tensor is ``record_stream``-ed there (docs/loading.md). Batches
+    should come pinned: a warning says so once per pass."""
 
     def __init__(self, loader: Iterable, mean: Optional[Sequence[float]] = IMAGENET_MEAN,
                  std: Optional[Sequence[float]] = IMAGENET_STD, *,
@@ -113,8 +89,6 @@ class CUDAPrefetcher(LoaderView):
             # The constants were written on the current stream; the side stream reads them.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    # -- iteration ---------------------------------------------------------------------------
-
     def __iter__(self):
         it = iter(self.loader)
         self._state = self._loader_state()
@@ -133,16 +107,12 @@ class CUDAPrefetcher(LoaderView):
             self._state = cur[1]  # what the consumer has now received, not what was fetched
             yield cur[0]
 
-    # -- exactly-once resume -----------------------------------------------------------------
-
     def _loader_state(self):
         return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
 
     def state_dict(self) -> dict:
-        """The loader's state as of the last batch this prefetcher handed out (the loader
-        itself is a batch ahead): resuming from it continues with the next unseen batch.
-        Needs a loader with ``state_dict`` (``make_loader``'s, over a ``PackedSampler`` or
-        with ``stateful=True``)."""
+        """The loader's state as of the last batch handed out (the loader is a batch ahead); needs
+        a loader with ``state_dict``."""
         if not hasattr(self.loader, "state_dict"):
             raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): "
                             "make_loader's over a PackedSampler (its default when given no "

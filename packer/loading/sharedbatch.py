@@ -1,11 +1,5 @@
-"""``SharedBatch``: a batch that crosses from a DataLoader worker to the main process as one
-shared-memory block, however many tensors it holds.
-
-A worker hands each tensor of its batch to the main process as a separate shared-memory file
-whose descriptor the main process fetches over a socket, one round trip per tensor, all in
-the one main process. A detection batch carries several small target tensors per image, so
-that hand-over became the main process's bottleneck with many workers (docs/benchmarks.md).
-"""
+"""``SharedBatch``: a batch that crosses from a worker to the main process as one shared-memory
+block, not one file descriptor round trip per tensor (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from typing import Any, List, Tuple
@@ -20,15 +14,9 @@ ALIGN = 64  # each tensor starts on a cache line (and so on its dtype's alignmen
 
 
 class SharedBatch(list):
-    """A list (e.g. a batch's targets) that is itself in the worker and pickles as one
-    shared-memory block plus a small layout; unpickled, it is a plain ``list`` again, of the
-    same structure (dicts, lists, tuples; tensor subclasses such as
-    ``tv_tensors.BoundingBoxes`` keep their class and metadata), its tensors views of the
-    block.
-
-    Dense CPU tensors that need no grad go into the block (a tensor that occurs twice is
-    copied twice); anything else is pickled as usual. The block lives as long as any view
-    of it (a batch's lifetime)."""
+    """A list (a batch's targets) that pickles as one shared-memory block plus a small layout and
+    unpickles as a plain list of the same structure, its dense CPU tensors views of the block
+    (tensor subclasses keep their class); the block lives as long as any view."""
 
     def __reduce_ex__(self, protocol):
         tensors: List[torch.Tensor] = []

@@ -1,8 +1,4 @@
-"""``BackgroundIterator``: iterate anything in a background thread, a few items ahead.
-
-For producers that wait or release the GIL (I/O, decoding, a DataLoader's queue) while the
-consumer runs a training step.
-"""
+"""``BackgroundIterator``: iterate anything in a background thread, a few items ahead."""
 from __future__ import annotations
 
 import queue
@@ -15,16 +11,9 @@ __all__ = ["BackgroundIterator", "background"]
 
 
 class BackgroundIterator:
-    """Iterate ``iterable`` in a thread, keeping up to ``depth`` items ready.
-
-    The prefetch_generator idea: while the consumer works on one item (a training step,
-    which releases the GIL in torch kernels), the thread produces the next ones. Useful for
-    producers that wait or release the GIL (I/O, decoding, a DataLoader's queue). An
-    exception in the thread is re-raised by the consumer as the same object, so its type
-    and its traceback into the producer survive. If the consumer stops early (``close()``,
-    ``with``, or dropping the iterator), the thread stops and the source iterator is closed.
-    One pass: wrap the iterable again for the next epoch.
-    """
+    """Iterate ``iterable`` in a thread, keeping up to ``depth`` items ready. An exception in the
+    thread is re-raised as the same object; stopping early (``close()``, ``with``, dropping it)
+    stops the thread and closes the source. One pass."""
 
     def __init__(self, iterable: Iterable, depth: int = 2):
         if not isinstance(depth, int) or depth < 1:

@@ -1,9 +1,5 @@
 """Every use of torch's private API in packer, in one module, each exercised by
-``tests/test_torchapi.py``.
-
-Supported torch: 2.13 to 2.14 (``setup.cfg``); the tests run on both ends. When a new torch
-moves one of these, this module is the one place to change, and its test the one to fail.
-"""
+``tests/test_torchapi.py``: the one place to change when torch moves one."""
 from __future__ import annotations
 
 import math
@@ -14,10 +10,8 @@ __all__ = ["shared_empty", "shared_storage", "shutdown_workers"]
 
 
 def shared_storage(nbytes: int) -> torch.UntypedStorage:
-    """``nbytes`` (at least 1) of uninitialised shared memory, as a DataLoader worker's
-    ``default_collate`` allocates a batch: a tensor on it crosses to the main process
-    without a copy. ``share_memory_()`` on an ordinary tensor would allocate, then copy
-    into shared memory (``UntypedStorage._new_shared``)."""
+    """``nbytes`` (at least 1) of uninitialised shared memory, as a worker's ``default_collate``
+    allocates a batch (``share_memory_()`` would allocate, then copy)."""
     return torch.UntypedStorage._new_shared(max(1, int(nbytes)))
 
 
@@ -29,9 +23,7 @@ def shared_empty(size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
 
 
 def shutdown_workers(iterator) -> None:
-    """Stop a DataLoader iterator's worker processes (and its pin-memory thread) now, as
-    the iterator does when it is collected (``_shutdown_workers``); nothing for an iterator
-    without workers."""
+    """Stop a DataLoader iterator's workers (and pin-memory thread) now, as its collection would."""
     stop = getattr(iterator, "_shutdown_workers", None)
     if stop is not None:
         stop()

@@ -1,11 +1,6 @@
-"""``PackedDataset``: a drop-in for ``torchvision.datasets.ImageFolder`` (and, for
-detection datasets, ``CocoDetection`` wrapped for transforms v2) over packed shards.
-
-Same ``classes``, ``class_to_idx``, ``targets`` and pixels (``Image.open(f).convert("RGB")``),
-so a training script changes one line. Nothing per-sample lives in Python objects: labels
-and other columns are compact arrays, shard offsets a short list, so forked workers' memory
-stays flat.
-"""
+"""``PackedDataset``: a drop-in for ``torchvision.datasets.ImageFolder`` (and wrapped
+``CocoDetection``) over packed shards; per-sample data lives in compact arrays, so forked
+workers' memory stays flat."""
 from __future__ import annotations
 
 import os
@@ -28,41 +23,22 @@ from .targets import TargetMaker, oriented, wrap_boxes
 
 
 class PackedDataset(Dataset):
-    """Map-style dataset over every shard of a packed dataset.
+    """Map-style dataset over all shards of a packed dataset (docs/loading.md, docs/torchvision.md).
 
     Args:
-        root: the dataset folder (built by ``packer build``, or staged by ``packer stage``).
-        transform / target_transform: applied to the sample / target, as in torchvision.
-        decode: turns stored image bytes into the sample. Default: a PIL RGB image exactly
-            as ImageFolder's loader gives. Pass ``DecodeRandomResizedCrop(224)`` or
-            ``DecodeCenterCrop(224)`` for uint8 tensors decoded at reduced size (the fast
-            path for ``make_loader``), or any ``bytes -> sample`` callable.
-        exif_orientation: rotate by the EXIF tag (ImageFolder does not, hence off); a
-            detection target's boxes (``canvas_size``) and masks turn with the image (they
-            are stored in the stored image's pixels, as torchvision reads COCO).
-        verify_crc: check each record's CRC-32 as it is read (a ``FormatError`` names a
-            damaged record), for storage one does not trust; off by default (``packer
-            verify`` checks every record once).
-        transforms: a joint ``(image, target) -> (image, target)`` callable, as
-            ``CocoDetection``'s: ``torchvision.transforms.v2`` moves boxes and masks with
-            the image. Applied after ``transform``/``target_transform``.
-        target_keys: detection datasets: the target dict's keys, as
-            ``wrap_dataset_for_transforms_v2``'s: by default ``boxes``, ``labels`` and
-            ``image_id``; ``"all"`` adds ``area``, ``iscrowd`` and, for COCO builds,
-            ``masks`` and ``segmentation`` (and any other stored field); or a collection
-            of those names.
-        target_fields: return these stored fields (a dict; one name: that value alone)
-            instead of the task's target (the label; the detection dict; all fields), for
-            any task; not with ``target_keys``.
-        masks: detection datasets built from COCO: add ``masks`` (``tv_tensors.Mask``,
-            one per object, pycocotools' pixels) made from the stored polygons / RLE; the
-            same as ``"masks"`` in ``target_keys``.
-        min_visible: with a crop decoder (``decode=DecodeRandomResizedCrop(...)``) on a
-            detection dataset, keep a box when at least this fraction of it lies in the crop.
-        cache_dir / cache_limit / storage_options: for a ``root`` in object storage (``s3://``,
-            ``gs://``...): shards are fetched into ``cache_dir`` on first use, once per node,
-            keeping at most ``cache_limit`` bytes (``packer.storage.ShardCache``).
-    """
+        root: the dataset folder or URL (``cache_dir`` / ``cache_limit`` / ``storage_options``
+            then go to its ``packer.storage.ShardCache``).
+        transform / target_transform / transforms: as in torchvision (``transforms`` is joint,
+            applied after the other two).
+        decode: stored bytes -> sample. Default: ImageFolder's PIL RGB image; a ``Decode*``
+            class gives uint8 tensors at reduced size (the fast path for ``make_loader``).
+        exif_orientation: rotate by the EXIF tag (ImageFolder does not); boxes and masks turn too.
+        verify_crc: check each record's CRC-32 as it is read (a ``FormatError`` if damaged).
+        target_keys: detection: the target dict's keys (default ``boxes``, ``labels``,
+            ``image_id``; ``"all"``: every stored field), as ``wrap_dataset_for_transforms_v2``.
+        target_fields: return these stored fields (one name: that value) instead of the target.
+        masks: COCO builds: add ``masks`` made from the stored segmentations.
+        min_visible: with a crop decoder, keep a box when this fraction of it is in the crop."""
 
     def __init__(self, root: os.PathLike, transform: Optional[Callable] = None,
                  target_transform: Optional[Callable] = None, *,
@@ -123,10 +99,7 @@ class PackedDataset(Dataset):
 
     @property
     def samples(self) -> "Samples":
-        """``(path, class_index)`` per record, as ImageFolder's ``samples``: paths under the
-        source folder the dataset was built from (``manifest["source"]``), read from the
-        paths table (one buffer, not a list of tuples); ``-1`` as the class in datasets
-        without class labels."""
+        """``(path, class_index)`` per record, as ImageFolder's ``samples`` (``-1``: no label)."""
         if self._samples is None:
             table = read_paths(self.root, self.manifest)
             if table is None:  # built before the paths table (format < 1.2): from the records
@@ -164,9 +137,8 @@ class PackedDataset(Dataset):
         return torch.tensor(w, dtype=torch.float64) / torch.tensor(h, dtype=torch.float64)
 
     def get_height_and_width(self, index: int) -> Tuple[int, int]:
-        """``(height, width)`` of image ``index`` (the stored image's), from the side tables:
-        torchvision's detection reference groups batches by aspect ratio with it instead of
-        decoding every image (``GroupedBatchSampler``, ``--aspect-ratio-group-factor``)."""
+        """``(height, width)`` of image ``index`` from the side tables (torchvision's detection
+        reference groups batches by aspect ratio with it)."""
         w, h = self.sizes()
         return h[index], w[index]
 

@@ -1,17 +1,7 @@
 """``PackedIterableDataset``: stream records nearly sequentially, shuffled through a buffer.
 
-For disks where even block order seeks too much (tape-like network storage, cold object
-stores behind a FUSE mount): each (rank, worker) reads one contiguous run of the epoch's
-order, and a seeded shuffle buffer of raw record bytes mixes what it reads. The epoch's
-order permutes large blocks of consecutive records (``global_order(order="block",
-window=1)``), so a rank sees different data every epoch while each block is still read
-front to back. Runs are cut from one global order, so every record is read exactly once per
-epoch across all ranks and workers; with DDP each rank gets the same count (the tail is
-padded from the start of the order, or dropped with ``drop_last``).
-
-No mid-epoch resume here (the buffer's contents would be state); use ``PackedDataset`` with
-``PackedSampler`` for that.
-"""
+Each (rank, worker) reads one contiguous run of a block-order epoch, so every record is read
+once per epoch across all of them. No mid-epoch resume (use ``PackedSampler`` for that)."""
 from __future__ import annotations
 
 import os
@@ -32,20 +22,12 @@ from .sampler import global_order, rank_count, resolve_world, seed_for
 class PackedIterableDataset(IterableDataset):
     """Iterable dataset over a packed dataset, split across DDP ranks and DataLoader workers.
 
-    Args:
-        root: the dataset folder.
-        transform / target_transform / decode: as for ``PackedDataset``.
-        shuffle: permute blocks per epoch and mix through the buffer; ``False`` streams
-            records ``0..n-1`` (split across ranks and workers in that order).
-        shuffle_buffer: records held (as encoded bytes, ~100 KB each for ImageNet-like JPEGs)
-            per worker; larger mixes better. 0 or 1 disables the buffer.
+    Args (others as for ``PackedDataset`` and ``PackedSampler``):
+        shuffle: permute blocks per epoch and mix through the buffer; ``False`` streams ``0..n-1``.
+        shuffle_buffer: encoded records held per worker (0 or 1: no buffer).
         block_size: consecutive records read as one sequential run before jumping.
-        seed: with the epoch, fixes the order. Use the same on all ranks.
-        num_replicas / rank / drop_last: as for ``PackedSampler``.
 
-    Call ``set_epoch(epoch)`` before each epoch; the epoch lives in shared memory, so the
-    call reaches workers that already exist (``persistent_workers=True``) as well.
-    """
+    Call ``set_epoch(epoch)`` before each epoch; it reaches existing workers (shared memory)."""
 
     def __init__(self, root: os.PathLike, transform: Optional[Callable] = None,
                  target_transform: Optional[Callable] = None, *,
@@ -78,10 +60,7 @@ class PackedIterableDataset(IterableDataset):
         return rank_count(len(self.reader), 0, self.num_replicas, self.drop_last)
 
     def positions(self, worker: int = 0, workers: int = 1) -> Tuple[int, int]:
-        """The [lo, hi) run of global-order positions read by ``worker`` of this rank.
-
-        Positions at or past the dataset length wrap to the start of the order (padding).
-        """
+        """The [lo, hi) run of global-order positions ``worker`` reads (past the end: padding)."""
         per_rank = len(self)
         lo = self.rank * per_rank
         return lo + per_rank * worker // workers, lo + per_rank * (worker + 1) // workers

@@ -1,20 +1,7 @@
 """COCO segmentations (polygons, RLE) to binary masks: pycocotools' pixels, without it.
 
-The stored segmentation is the JSON's data, unchanged; masks are made only when a dataset
-is asked for them (``PackedDataset(..., masks=True)``), and they are the masks
-``pycocotools.mask.decode(merge(frPyObjects(segmentation, h, w)))`` gives — what
-``annToMask``, COCO evaluation and torchvision's ``wrap_dataset_for_transforms_v2`` use —
-pixel for pixel: polygons rasterised as ``rleFrPoly`` does (``polygons``), RLE (COCO's
-compressed string or a list of run lengths) decoded as ``rleDecode``.
-
-Both become column-major ``[start, end)`` runs, painted for all of an image's objects at
-once (one cumulative sum over ``N x H x W`` bytes, then one transpose to row-major). The
-work is bounded before it starts: ``segmentation_problem`` says why a stored
-segmentation cannot give masks — an image too large, an RLE not of its image, a polygon
-object with more than ``MAX_POLYGON_VERTICES`` vertices, a coordinate beyond
-``MAX_COORDINATE``, or edges crossing more image columns than ``crossing_budget`` allows
-(``docs/security.md``).
-"""
+Masks equal ``pycocotools.mask.decode(merge(frPyObjects(...)))`` pixel for pixel, and the
+work is bounded before it starts (``segmentation_problem``; docs/security.md)."""
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple, Union
@@ -123,8 +110,6 @@ def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
     return flat.view(n, width, height).transpose(1, 2).contiguous()  # runs are column-major
 
 
-# -- runs ------------------------------------------------------------------------------------
-
 def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:
     """A flat uint8 array of ``total`` zeros with ones on the union of the half-open
     intervals ``[starts[i], ends[i])`` (any order, overlapping or empty)."""
@@ -144,8 +129,6 @@ def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:
     edges[e] = 255
     return edges[:total].cumsum(0, dtype=torch.uint8)
 
-
-# -- compressed RLE strings ------------------------------------------------------------------
 
 def counts_tensor(s: str) -> torch.Tensor:
     """COCO's compressed RLE string (``rleFrString``): 6-bit characters from 48, 5 bits of

@@ -1,23 +1,8 @@
 """``Mixture``: several datasets read as one, each taking a fixed share of every epoch.
 
-The mixture's indices are its sources' indices laid end to end (as ``ConcatDataset``'s:
-index ``i`` is source ``s``'s local index ``i - offset[s]``), and each sample is the
-source's own (its decoder, transforms and targets). What the weights change is the
-*epoch*: ``epoch_order(seed, epoch)`` lists ``epoch_size`` of those indices in which source
-``s`` appears exactly ``counts[s]`` times, the largest-remainder rounding of its weight's
-share, so the counts always sum to ``epoch_size``. ``PackedSampler`` iterates that list in
-place of its own permutation, so its DDP split, ``set_epoch``, O(1) resume and elastic
-resume apply unchanged: the list is a pure function of (seed, epoch).
-
-Which samples of source ``s`` (``n`` samples, ``c = counts[s]`` per epoch): every sample
-``c // n`` times, plus the next ``c % n`` of a walk through a seeded permutation of the
-source, read ``c % n`` at a time from one epoch to the next. A permutation serves a round of
-``ceil(n / (c % n))`` epochs, read cyclically, so no sample repeats within an epoch beyond
-its ``c // n`` copies, and a share smaller than the source walks through all of it before
-any sample comes back (the round's last epoch wraps to the permutation's start for what it
-lacks); the next round draws a new permutation. Computing an epoch costs one permutation
-per source whatever the epoch number: resuming at epoch 90 does not replay epochs 0-89.
-"""
+Indices are the sources' laid end to end (as ``ConcatDataset``'s); ``epoch_order(seed,
+epoch)`` is a pure function listing each source's largest-remainder share, which
+``PackedSampler`` iterates in place of its own permutation (docs/mixture.md)."""
 from __future__ import annotations
 
 import bisect
@@ -36,9 +21,8 @@ _WALK, _INTERLEAVE = 2, 3  # seed_for salts (1 is grouped_order's)
 
 
 def share_counts(weights: Sequence[float], total: int) -> List[int]:
-    """``total`` split in proportion to ``weights`` by largest remainder: each count is its
-    exact share rounded down or up, and they sum to ``total`` (ties: the earlier source).
-    Exact (rational) arithmetic, so every machine splits the same way."""
+    """``total`` split in proportion to ``weights`` by largest remainder (ties: the earlier
+    source), in exact arithmetic so every machine splits the same way."""
     exact = [Fraction(w) for w in weights]
     whole = sum(exact)
     exact = [w * total / whole for w in exact]
@@ -52,7 +36,7 @@ def share_counts(weights: Sequence[float], total: int) -> List[int]:
 def source_draws(n: int, count: int, *, seed: int, epoch: int, source: int,
                  shuffle: bool = True) -> torch.Tensor:
     """The local indices (int64) a source of ``n`` samples gives to ``epoch`` when it gives
-    ``count`` per epoch (module docstring): a pure function of its arguments."""
+    ``count`` per epoch (docs/mixture.md): a pure function of its arguments."""
     full, rest = divmod(count, n) if n else (0, 0)
     parts = [torch.arange(n).repeat(full)]
     if rest:
@@ -66,9 +50,7 @@ def source_draws(n: int, count: int, *, seed: int, epoch: int, source: int,
 
 
 def target_kind(dataset) -> Optional[str]:
-    """What ``dataset``'s samples carry as their target, in words, where packer makes it (a
-    ``PackedDataset`` without ``target_transform``/``transforms``); None where user code
-    decides."""
+    """What ``dataset``'s samples carry as their target where packer makes it, else None."""
     make = getattr(dataset, "make_target", None)
     if make is None or getattr(dataset, "target_transform", None) is not None \
             or getattr(dataset, "transforms", None) is not None:
@@ -83,29 +65,17 @@ def target_kind(dataset) -> Optional[str]:
 
 
 class Mixture(Dataset):
-    """Datasets read as one, each a fixed share of every epoch, through ``PackedSampler``
-    (``make_loader`` makes one by default).
+    """Datasets read as one, each a fixed share of every epoch, through ``PackedSampler``.
 
     Args:
-        datasets: map-style datasets (``PackedDataset``s, usually), each with its own decoder,
-            transforms and targets; a sample is what its source returns. Class indices stay
-            each source's own: give the sources the same classes, or map them with
-            ``target_transform``, if they must share one label space.
-        weights: each source's share of an epoch (any non-negative numbers, not all 0);
-            default: the sources' lengths (every sample once per epoch, as ``ConcatDataset``).
+        datasets: map-style datasets giving the same kind of target (else ``ValueError``);
+            class indices stay each source's own.
+        weights: each source's share of an epoch (non-negative, not all 0); default: lengths.
         epoch_size: samples per epoch (all ranks together); default: the sources' total.
 
-    ``counts`` holds each source's samples per epoch: the largest-remainder rounding of
-    ``weight / sum(weights) * epoch_size``, exact and summing to ``epoch_size``. A source
-    larger than its share is walked through over several epochs without repeats; a smaller
-    one is repeated, each sample ``count // len`` or one more times per epoch (module
-    docstring). ``len()`` is the index space (all sources' samples); read without a
-    ``PackedSampler`` (a plain ``DataLoader``), the weights do not apply.
-
-    Sources must give the same kind of target (class labels, detection dicts with the same
-    keys, the same fields) so their samples batch together: mixing e.g. classification and
-    detection raises ``ValueError`` here, not in a worker.
-    """
+    ``counts``: each source's samples per epoch (largest-remainder rounding, summing to
+    ``epoch_size``). ``len()`` is the index space; without a ``PackedSampler`` the weights do
+    not apply (docs/mixture.md)."""
 
     def __init__(self, datasets: Sequence[Any], weights: Optional[Sequence[float]] = None, *,
                  epoch_size: Optional[int] = None):
@@ -153,9 +123,8 @@ class Mixture(Dataset):
         return self.sources[s][i]
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-        """The epoch's ``epoch_size`` mixture indices (int64): each source's draws
-        (``source_draws``), interleaved by a seeded permutation (``shuffle=False``: source
-        after source, each one's draws in order)."""
+        """The epoch's ``epoch_size`` mixture indices (int64): each source's draws, interleaved by a
+        seeded permutation (``shuffle=False``: source after source)."""
         seq = torch.cat([source_draws(n, c, seed=seed, epoch=epoch, source=s, shuffle=shuffle) + off
                          for s, (n, c, off) in enumerate(zip(self.lengths, self.counts, self.offsets))])
         if not shuffle:

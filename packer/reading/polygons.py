@@ -1,18 +1,10 @@
 """COCO polygons rasterised exactly as pycocotools' ``rleFrPoly`` does, in bounded work.
 
-``rleFrPoly`` rounds each vertex to a 5x grid (``(int)(5 * v + .5)``), walks every edge
-point by point along its longer axis (after swapping its ends so that axis increases), and
-keeps one boundary point for each step of the walk between ``u = 5n+2`` and ``5n+3``: the
-centre of pixel column ``n``, for ``0 <= n < width``. That point's row is
-``ceil((min(v) + .5) / 5 - .5)`` of the step's two points, clamped to ``[0, height]``; a
-pixel is inside when an odd number of its polygon's boundary points lie at or before it in
-column-major order. An object's polygons are then unioned (``merge``).
-
-Walking every point costs an edge's length (a stranger's polygon may span millions of
-pixels); here each crossing is computed where it happens, with the same double-precision
-expressions, so the work is one step per (edge, image column it crosses) — which
-``crossings`` counts beforehand, so a budget can refuse an outline before any work.
-"""
+``rleFrPoly`` rounds vertices to a 5x grid, walks each edge along its longer axis and keeps
+one boundary point per step between ``u = 5n+2`` and ``5n+3`` (column ``n``'s centre); a
+pixel is inside when an odd number of its polygon's points lie at or before it in
+column-major order. Here each column crossing is computed where it happens (same double
+expressions), so the work is one step per (edge, column), which ``crossings`` counts first."""
 from __future__ import annotations
 
 from typing import List, NamedTuple, Tuple

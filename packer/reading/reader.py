@@ -1,17 +1,7 @@
-"""Reading shards: global index -> record bytes, with one ``pread`` per record.
-
-Each record is fetched at the byte range ``offsets.u64`` gives (written at build time), or,
-for datasets without that table, the ranges ``shardfile`` reads from the shard's B-tree once
-when the reader is made. Nothing goes through an LMDB memory map: a damaged or crafted
-shard is a ``FormatError``, never a SIGBUS, and a 70 KB JPEG is one I/O, not ~17 page faults
-(docs/benchmarks.md). File descriptors open lazily in whichever process reads, so a reader
-pickles into DataLoader workers without them.
-
-A reader remembers which files it was made from (device, inode, size, mtime; and keeps the
-manifest's ``build_id`` as ``reader.build_id``): a process that opens a shard later (a
-worker started after the dataset was re-staged in place) gets a ``FormatError`` instead of
-records of another dataset read with this one's offsets and labels.
-"""
+"""Reading shards: global index -> record bytes, with one ``pread`` per record (never an LMDB
+memory map: a damaged shard is a ``FormatError``, not a SIGBUS). File descriptors open
+lazily, so a reader pickles into workers; a shard replaced since the reader was made (other
+device, inode, size or mtime) is a ``FormatError``."""
 from __future__ import annotations
 
 import bisect
@@ -42,11 +32,8 @@ def record_index(index, n: int) -> int:
 
 
 class ShardReader:
-    """Random access to the records of a dataset (all its shards).
-
-    ``verify_crc``: check each record's CRC-32 against its image bytes as it is read (about
-    1 GB/s per core: cheap beside decoding), for storage one does not trust.
-    """
+    """Random access to the records of a dataset (all its shards); ``verify_crc`` checks each
+    record's CRC-32 as it is read."""
 
     def __init__(self, root: os.PathLike, manifest: Optional[dict] = None, *,
                  verify_crc: bool = False, cache=None):
@@ -132,9 +119,7 @@ class ShardReader:
         return rec
 
     def _cached(self, shard: int, keep: int = 2) -> None:
-        """Close and unpin the oldest shards open from the cache beyond ``keep - 1`` (so that
-        the cache may evict what this process no longer reads), then fetch (once per node)
-        and pin ``shard``."""
+        """Unpin and close the oldest cached shards beyond ``keep - 1``; fetch and pin ``shard``."""
         while len(self._order) >= keep:
             k = self._order.pop(0)
             os.close(self._fds[k])

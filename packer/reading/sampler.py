@@ -1,19 +1,9 @@
 """``PackedSampler``: a seeded global order, split exactly across DDP ranks, resumable in O(1).
 
-Why not ``DistributedSampler``: resuming mid-epoch there means replaying (or skipping) every
-index already seen, and a checkpoint taken at world size 4 cannot continue at world size 2.
-Here the whole state is three integers: (seed, epoch, global samples consumed). The order is
-a pure function of (seed, epoch) and the dataset length; rank ``r`` of ``W`` takes global
-positions ``consumed + r, consumed + r + W, ...``, so any world size continues the same
-global sequence of batches as long as the global batch size is unchanged.
-
-``order="block"`` is for data larger than RAM on HDDs or network disks: it permutes blocks of
-consecutive records, then interleaves the records of a window of blocks at random while
-keeping each block's records ascending, so the disk sees ``window`` sequential streams
-instead of one random offset per sample (the gain depends on the device: docs/sampling.md).
-Unlike FFCV's QUASI_RANDOM it is split across ranks like the random order, so it works
-with DDP.
-"""
+The state is (seed, epoch, global samples consumed) and rank ``r`` of ``W`` takes positions
+``consumed + r, consumed + r + W, ...``, so any world size continues the same global
+sequence. ``order="block"`` reads windows of consecutive blocks for slow disks
+(docs/sampling.md)."""
 from __future__ import annotations
 
 import copy
@@ -28,22 +18,16 @@ _CHUNK = 8192  # indices converted to Python ints at a time: never a whole-epoch
 
 
 def seed_for(seed: int, epoch: int, *salt: int) -> int:
-    """A 63-bit generator seed from (seed, epoch, ...): the same on every machine and Python.
-
-    Not ``hash()`` (salted per process for str, and not promised stable) and not
-    ``seed + epoch`` (seed 0 epoch 1 would equal seed 1 epoch 0).
-    """
+    """A 63-bit generator seed from (seed, epoch, ...), the same on every machine and Python
+    (unlike ``hash()``; unlike ``seed + epoch``, no two pairs collide)."""
     text = ":".join(str(int(v)) for v in (seed, epoch) + salt).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
 def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
                  order: str = "random", block_size: int = 256, window: int = 16) -> torch.Tensor:
-    """The epoch's global order: an int64 tensor holding a permutation of ``range(n)``.
-
-    A pure function of its arguments (CPU ``torch.Generator`` + ``torch.randperm``, whose
-    Mersenne-Twister stream is the same on every platform).
-    """
+    """The epoch's global order, an int64 permutation of ``range(n)``: a pure function of its
+    arguments (``torch.randperm`` on a seeded CPU generator)."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if block_size < 1 or window < 1:
@@ -72,9 +56,7 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
 
 
 def aspect_group_ids(ratios: torch.Tensor, factor: int) -> torch.Tensor:
-    """Group of each width/height ratio: torchvision's detection references'
-    ``create_aspect_ratio_groups`` bins, ``2 ** linspace(-1, 1, 2 * factor + 1)`` (factor 0:
-    portrait vs landscape)."""
+    """Group of each width/height ratio: torchvision's ``create_aspect_ratio_groups`` bins."""
     edges = torch.pow(2.0, torch.linspace(-1, 1, 2 * factor + 1, dtype=torch.float64))
     if factor == 0:
         edges = torch.tensor([1.0], dtype=torch.float64)
@@ -83,10 +65,8 @@ def aspect_group_ids(ratios: torch.Tensor, factor: int) -> torch.Tensor:
 
 def grouped_order(order: torch.Tensor, groups: torch.Tensor, chunk: int, *, seed: int = 0,
                   epoch: int = 0, shuffle: bool = True) -> torch.Tensor:
-    """``order`` rearranged so every run of ``chunk`` consecutive positions (one global batch:
-    batch size x ranks) holds one aspect group, except a few mixed runs made of each group's
-    remainder. Within a group, ``order``'s sequence is kept; the runs are shuffled with
-    (seed, epoch). A pure function of its arguments, so a resumed epoch is the same epoch."""
+    """``order`` rearranged so every ``chunk`` positions (one global batch) hold one aspect group,
+    but for a few mixed runs of the groups' remainders; runs shuffled with (seed, epoch)."""
     n = len(order)
     if n == 0:
         return order
@@ -136,47 +116,19 @@ class PackedSampler(Sampler[int]):
     """Seeded, DDP-exact, O(1)-resumable sampler for ``PackedDataset`` (any ``Sized`` works).
 
     Args:
-        dataset: anything with ``len()``; only its length is used. A ``Mixture`` (anything
-            with ``epoch_order(seed, epoch, shuffle)`` and ``epoch_size``) supplies each
-            epoch's order itself, its sources weighted (``order`` must stay "random").
+        dataset: only its length is used; a ``Mixture`` supplies each epoch's order itself.
         shuffle: ``False`` gives ``0, 1, 2, ...`` (still split across ranks).
         seed: with the epoch, fixes the order on every machine. Use the same on all ranks.
-        num_replicas / rank: default to torch.distributed's world size and rank (1 and 0 when
-            it is not initialised).
-        drop_last: drop the tail of the order so every rank gets ``n // W`` samples; otherwise
-            pad by repeating the start of the order up to ``ceil(n / W)`` (as
-            ``DistributedSampler`` does).
-        order: ``"random"`` (a true global permutation) or ``"block"`` (slow-disk order).
-        block_size / window: block order only: records per block, blocks mixed together.
-        aspect_groups / batch_size: group batches by aspect ratio (detection: less padding,
-            as torchvision's ``GroupedBatchSampler`` with ``--aspect-ratio-group-factor``):
-            every batch of ``batch_size`` on every rank holds images of one aspect group
-            (``aspect_group_ids``; ``0``: portrait vs landscape, ``3``: torchvision's
-            default of 8 groups), except a few mixed batches of the groups' remainders.
-            Ratios come from the dataset's width/height columns: no image is read. The
-            order depends on the global batch (``batch_size`` x world size), so an elastic
-            resume keeps it when the global batch is unchanged.
+        num_replicas / rank: default to torch.distributed's (1 and 0 when not initialised).
+        drop_last: every rank gets ``n // W`` samples; otherwise pad to ``ceil(n / W)``.
+        order / block_size / window: ``"random"``, or ``"block"`` for slow disks.
+        aspect_groups / batch_size: every batch of ``batch_size`` holds one aspect group
+            (torchvision's ``GroupedBatchSampler``), from the width/height columns.
 
-    Each epoch: through ``make_loader`` every complete pass moves the sampler to the next
-    epoch (``set_epoch`` picks one explicitly); iterated any other way, call
-    ``set_epoch(epoch)`` before each epoch, or every epoch repeats. The sampler lives in the
-    main process, so this works with persistent workers too.
-
-    Resume: ``state_dict()`` is ``{"seed", "epoch", "consumed", "size"}`` where ``consumed``
-    counts samples consumed globally (all ranks) in the epoch (a ``Mixture`` adds its
-    ``layout``, checked on load). ``load_state_dict()`` makes
-    the next iteration start at the first unseen position: nothing is read or skipped.
-    The sampler counts the indices it has handed out, which is *ahead* of the training loop
-    when a ``DataLoader`` prefetches. So either:
-
-    * iterate it through ``make_loader``: its loader reports each batch the training loop
-      receives (``received``), so this ``state_dict()`` is exact; or
-    * pass the count yourself: ``sampler.state_dict(consumed=steps * batch_size * W)``,
-      where ``steps`` counts batches received this epoch (including those before a resume).
-
-    After ``load_state_dict``, ``set_epoch`` with the restored epoch keeps the position;
-    another epoch starts that epoch from its beginning.
-    """
+    Through ``make_loader`` each complete pass moves to the next epoch; otherwise call
+    ``set_epoch`` before each. ``state_dict()`` (``{"seed", "epoch", "consumed", "size"}``)
+    resumes at the first unseen sample, at any world size; ``consumed`` counts global samples
+    the training loop received: exact through ``make_loader``, else pass it (docs/sampling.md)."""
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
                  num_replicas: Optional[int] = None, rank: Optional[int] = None,
@@ -269,12 +221,8 @@ class PackedSampler(Sampler[int]):
         self._consumed = int(consumed)
 
     def state_dict(self, consumed: Optional[int] = None) -> Dict[str, int]:
-        """``{"seed", "epoch", "consumed", "size"}``; ``consumed`` overrides the sampler's count.
-
-        Pass ``consumed`` (global samples the training loop received this epoch) with a plain
-        ``DataLoader``; omit it through ``make_loader``, ``StatefulDataLoader`` or
-        ``num_workers=0``.
-        """
+        """``{"seed", "epoch", "consumed", "size"}``; pass ``consumed`` (global samples the training
+        loop received this epoch) with a plain multi-worker ``DataLoader``."""
         if consumed is None:
             consumed = self._consumed
         elif consumed < 0:
@@ -285,11 +233,7 @@ class PackedSampler(Sampler[int]):
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from ``state`` (possibly saved at another world size) at the next unseen sample.
-
-        The state's seed and epoch replace this sampler's; rank and world size stay this
-        process's own.
-        """
+        """Continue from ``state`` (maybe saved at another world size) at the next unseen sample."""
         missing = {"seed", "epoch", "consumed"} - set(state)
         if missing:
             raise ValueError(f"not a PackedSampler state (missing {sorted(missing)}): pass what "

@@ -1,16 +1,6 @@
-"""What ``PackedDataset`` returns beside the image: a record's fields, shaped per task.
-
-- classification: the int label (ImageFolder's target);
-- detection: the dict ``wrap_dataset_for_transforms_v2(CocoDetection(...), target_keys)``
-  gives — ``boxes`` as ``tv_tensors.BoundingBoxes`` (XYXY, ``canvas_size``), ``labels``
-  int64 and ``image_id`` by default; ``target_keys`` adds ``area``, ``iscrowd``, ``masks``
-  (``tv_tensors.Mask``), ``segmentation`` or any other stored field (``"all"``: every one),
-  so ``torchvision.transforms.v2`` moves boxes and masks with the image (plain tensors
-  without torchvision);
-- anything else: a dict of the fields (arrays as tensors, text as str), or the fields that
-  ``target_fields`` selects (one name: that value alone; for any task, in place of the
-  target above).
-"""
+"""What ``PackedDataset`` returns beside the image, per task: classification's int label,
+detection's ``wrap_dataset_for_transforms_v2`` dict (``target_keys``), else a dict of the
+fields (or those ``target_fields`` selects)."""
 from __future__ import annotations
 
 from typing import Any, Collection, Dict, List, Optional, Sequence, Union

@@ -55,23 +55,14 @@ class SymlinkLoopWarning(UserWarning):
 class Annotations:
     """Typed fields beyond the class label, one row per entry of an ``ImageList``.
 
-    ``schema``: the fields in record order, ``{"name", "type"[, "dtype", "shape"]}`` (see
-    ``packer.format.fields``). ``rows[i]``: entry *i*'s annotation, before ``fit`` (plain
-    data, or the source's own picklable objects). ``fit(row, width, height) -> (values,
-    reasons)``: a module-level function (it is called in the build's workers once the
-    image's size is known) that turns a row into the stored values (e.g. normalized YOLO
-    boxes into pixels, boxes clipped to the image) and says why any object was dropped.
-    ``task``: "detection" or "generic". ``extra``: keys added to the manifest (e.g. COCO
-    ``categories``). ``dropped``: annotations the parser could not use, ``{"path",
-    "reason"}``. ``digest``: a hash of the input the rows were read from; when given, the
-    build's fingerprint uses it instead of hashing every row. ``stored``: ``fit`` gives the
-    values as stored (the fields' ``encode`` applied by the source, which checked them as it
-    made them; ``msgspec.Raw`` for msgpack it made), so the build does not encode them again.
-    ``upright``: the rows describe the image as it is shown (its EXIF orientation applied,
-    as ultralytics reads labels), so ``fit`` takes a fourth argument, the image's EXIF
-    orientation (1-8), and gives values in the stored pixels' frame. ``fit`` may raise
-    ``ValueError(reason)``: the image is then left out, listed with the reason (skipped).
-    """
+    ``schema``: the fields in record order (``packer.format.fields``). ``rows[i]``: entry *i*'s
+    annotation before ``fit``. ``fit(row, width, height[, orientation]) -> (values, reasons)``:
+    a module-level function the build's workers call once the image's size is known; it may
+    raise ``ValueError(reason)`` to leave the image out. ``task``: "detection" or "generic".
+    ``extra``: manifest keys. ``dropped``: unusable annotations, ``{"path", "reason"}``.
+    ``digest``: a hash of the input, used by the fingerprint instead of every row.
+    ``stored``: ``fit`` gives the values encoded already. ``upright``: rows describe the image
+    as shown (EXIF applied), so ``fit`` takes the EXIF orientation as a fourth argument."""
     schema: List[Dict[str, Any]]
     rows: List[Any]
     fit: Optional[Callable[[Any, int, int], Tuple[Dict[str, Any], List[str]]]] = None
@@ -98,9 +89,7 @@ class ImageList:
 
 
 class Source:
-    """Base of the objects ``packer.build`` packs (the protocol: ``packer.sources``). A
-    subclass sets ``root`` and defines ``read``; ``options`` and ``check_destination`` have
-    defaults that record nothing and allow any DST."""
+    """Base of the objects ``packer.build`` packs: a subclass sets ``root`` and defines ``read``."""
     root: Path
 
     def read(self) -> ImageList:
@@ -118,17 +107,9 @@ def is_image_file(name: str) -> bool:
 
 
 def walk(top: Path):
-    """``os.walk(top, followlinks=True)`` (ImageFolder's walk), each real folder once.
-
-    Links are followed, as torchvision's ImageFolder does, but a folder already reached
-    (the same ``(st_dev, st_ino)``) is not walked again: a link back to an ancestor would
-    make os.walk descend until paths grow too long, and links that branch (each level two
-    links to the next) multiply paths exponentially. Such links are skipped with a
-    warning. Folders are walked in sorted order, so which name of a folder reached twice
-    is kept does not depend on the filesystem's order: the one its parent lists first, the
-    shallower before the deeper. Files are not deduplicated: a file under two names is
-    two samples, as in ImageFolder.
-    """
+    """``os.walk(top, followlinks=True)`` (ImageFolder's walk), each real folder once (by
+    ``(st_dev, st_ino)``): a link back to an ancestor is skipped with a warning, not walked
+    until paths grow too long. Folders sorted; files are not deduplicated."""
     seen = {_identity(top)}
     for dirpath, dirnames, fnames in os.walk(top, followlinks=True):
         dirnames.sort()

@@ -1,19 +1,8 @@
-"""COCO instances JSON (``Coco(images, annotations)``; ``--coco FILE``) as detection targets.
+"""COCO instances JSON (``Coco(images, annotations)``; ``--coco FILE``) as detection targets,
+stored as ``wrap_dataset_for_transforms_v2`` makes them (XYXY boxes, ``category_id`` labels).
 
-The stored fields are what ``torchvision.datasets.wrap_dataset_for_transforms_v2`` makes of
-``CocoDetection``: XYXY pixel boxes and the COCO ``category_id`` as the label (not an index
-into ``classes``), plus ``area``, ``iscrowd``, the annotation ids and the segmentation as
-given. Only the images the JSON lists are packed (other files in the folder are not), in
-ascending image id; an image's objects keep the JSON's order. The JSON's image widths and
-heights are not trusted: boxes are fitted to the size of the decoded image.
-
-The file is read by msgspec into small typed structs, so each check is made once, by the
-types or the few lines below them, and a broken file's error names the JSON path to fix
-(``$.annotations[3].image_id``). A broken or ambiguous file (not JSON, a missing key, an id
-used twice) stops the build; an unusable image or object is left out with a reason. A
-segmentation stays JSON text (``msgspec.Raw``) until the build's workers fit the image's
-objects (``fit_coco``): they check it and store it as msgpack, or drop the object.
-"""
+Read by msgspec into typed structs, so a broken file's error names the JSON path; a
+segmentation stays JSON text until the workers check it (``fit_coco``)."""
 from __future__ import annotations
 
 import codecs
@@ -93,10 +82,8 @@ def coco_schema() -> List[Dict[str, Any]]:
 
 
 class Coco(Source):
-    """The images under ``images`` that the COCO instances JSON ``annotations`` lists, with
-    their objects (see the module). ``skip_empty`` leaves out images with no usable object
-    (counted in the manifest's ``skipped_empty``). Listed images whose file is missing are
-    kept: the build skips them as unreadable."""
+    """The images under ``images`` that the COCO instances JSON ``annotations`` lists, with their
+    objects; ``skip_empty`` leaves out images with no usable object (``skipped_empty``)."""
 
     def __init__(self, images: os.PathLike, annotations: os.PathLike, skip_empty: bool = False):
         self.root, self.annotations, self.skip_empty = Path(images), Path(annotations), skip_empty
@@ -211,9 +198,8 @@ def read_categories(file: Path, cats: List[Category]) -> Dict[int, Dict[str, Any
 
 
 def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dict[str, str]], set]:
-    """id -> path of the usable images (several ids may name one file: each is a record, as
-    in torchvision's CocoDetection); the unusable ones (unsafe file names) dropped, with the
-    reasons, and their ids."""
+    """id -> path of the usable images (several ids may name one file), and the unusable ones'
+    reasons and ids."""
     by_id: Dict[int, str] = {}
     dropped: List[Dict[str, str]] = []
     bad = set()
@@ -233,14 +219,9 @@ def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dic
 
 
 def fit_coco(row: Row, width: int, height: int):
-    """The row's objects as torchvision-style targets: XYWH boxes -> XYXY clipped to the
-    image; degenerate or outside boxes and segmentations that cannot be the image's dropped
-    (with the object's other fields, so every per-object array stays aligned). The values
-    come out as stored (``Annotations.stored``): arrays as little-endian bytes, each
-    segmentation as its msgpack; every value was checked by the read or here.
-
-    Box ends are computed as torchvision's wrapper does (``float32(x) + float32(w)``: its
-    XYWH tensor is float32), so the stored boxes equal its boxes to the bit."""
+    """The row's objects as torchvision-style targets, as stored (``Annotations.stored``): XYWH
+    -> XYXY clipped to the image (in float32, as torchvision's wrapper, to the bit); unusable
+    boxes and segmentations dropped with the object's other fields."""
     boxes: List[float] = []
     labels, area, crowds, ids = [], [], [], []
     segmentation: List[Raw] = []

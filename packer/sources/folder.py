@@ -1,9 +1,5 @@
-"""torchvision's ImageFolder layout and ``relative/path<TAB>label`` lists: classification.
-
-Label *i* must mean the same class here as in ``torchvision.datasets.ImageFolder`` over the
-same folder, so the class order and the file walk copy its rules exactly (see
-``find_classes`` and ``make_dataset`` in torchvision/datasets/folder.py).
-"""
+"""torchvision's ImageFolder layout and ``relative/path<TAB>label`` lists: classification, with
+torchvision's class order and walk exactly, so label *i* means the same class."""
 from __future__ import annotations
 
 import os
@@ -18,11 +14,8 @@ from .base import (DEFAULT_MAX_CLASSES, IMG_EXTENSIONS, EmptyClassWarning, Image
 
 
 class ImageFolder(Source):
-    """``root/CLASS/.../IMAGE`` with torchvision's ``ImageFolder`` rules: classes are
-    ``root``'s subfolders (sorted), files are found recursively; ``extensions`` or
-    ``is_valid_file(path)`` pick them (not both; default: torchvision's
-    ``IMG_EXTENSIONS``, any case). A class folder without images is an error unless
-    ``allow_empty`` (then it keeps its label, with a warning, and has no samples)."""
+    """``root/CLASS/.../IMAGE`` with torchvision's ``ImageFolder`` rules (``extensions`` or
+    ``is_valid_file``, not both); an empty class folder is an error unless ``allow_empty``."""
 
     def __init__(self, root: os.PathLike, extensions: Optional[Sequence[str]] = None,
                  is_valid_file: Optional[Callable[[str], bool]] = None,
@@ -53,10 +46,9 @@ class ImageFolder(Source):
 
 
 class FileList(Source):
-    """The images ``list_file`` lists, one ``relative/path<TAB>label`` line each (``#``
-    comments and blank lines skipped); labels are all integers (classes "0".."max", at most
-    ``max_classes`` of them) or all class names (sorted). Paths are relative to ``root``
-    (default: the list's folder)."""
+    """The images ``list_file`` lists, one ``relative/path<TAB>label`` line each (``#`` comments
+    skipped); labels all integers or all class names; paths relative to ``root`` (default:
+    the list's folder)."""
 
     def __init__(self, list_file: os.PathLike, root: Optional[os.PathLike] = None, *,
                  max_classes: int = DEFAULT_MAX_CLASSES):
@@ -92,13 +84,8 @@ def find_classes(root: os.PathLike) -> List[str]:
 def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None,
                 is_valid_file: Optional[Callable[[str], bool]] = None,
                 allow_empty: bool = False) -> ImageList:
-    """Walk ``root`` in ImageFolder order: classes sorted, files found recursively and sorted.
-
-    torchvision's ``make_dataset`` rules: files whose lower-cased name ends with one of
-    ``extensions`` (default ``IMG_EXTENSIONS``), or for which ``is_valid_file(full path)`` is
-    true (not both); a class folder with no such file is an error unless ``allow_empty``
-    (then it keeps its label, with a warning, and has no samples).
-    """
+    """Walk ``root`` in ImageFolder order with torchvision's ``make_dataset`` rules (classes
+    sorted, files recursive and sorted; ``extensions`` or ``is_valid_file``, not both)."""
     root = Path(root)
     if extensions is not None and is_valid_file is not None:
         raise PackerError("ImageFolder(root, extensions, is_valid_file): pass extensions or "

@@ -1,16 +1,6 @@
-"""A COCO object's ``segmentation`` checked at build against its decoded image: stored (as
-msgpack) only where it can belong to that image and give its mask, so that a fresh dataset
-never fails ``packer verify`` and ``PackedDataset(masks=True)`` never refuses a record.
-
-Polygons: lists of numbers (ints within int64, finite floats); at most
-``MAX_POLYGON_VERTICES`` vertices an object; no vertex further outside the image than the
-image's longer side — such a polygon was drawn for another image or another scale — nor
-beyond ``MAX_COORDINATE``; and edges crossing at most ``crossing_budget`` image columns
-(the work of rasterising them as pycocotools' ``rleFrPoly`` does). RLE: ``size`` is the
-image's ``[height, width]``; ``counts`` are run lengths (a list, or COCO's compressed
-string) adding up to at most its pixels. These are the reader's limits
-(``packer.reading.masks``), computed without torch.
-"""
+"""A COCO object's ``segmentation`` checked at build against its decoded image, with the
+reader's limits (``packer.reading.masks``, computed without torch): stored only where it can
+give its mask, so a fresh dataset never fails ``verify`` nor ``masks=True``."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Dict, List, Optional, Tuple, Union

@@ -1,18 +1,6 @@
 """Per-image metadata tables (``Table(images, table, label=None)``; ``--meta FILE.jsonl|FILE.csv``)
-as typed record fields.
-
-Every row names an image by ``path`` (relative to IMAGES); its other columns become fields
-whose type is inferred over *all* rows and then checked, so a column cannot quietly change
-meaning half-way (an id read as a float, a caption that is sometimes a number). Types: int,
-float (ints among floats become floats), bool, str, list of int (int64) and list of float
-(float32; a column of only empty lists is int64); a list column has shape ``[n]`` when every
-row has n items, else ``[-1]``. There are no silent defaults: a missing or null value is an
-error naming the line and column, and so is NaN or infinity. CSV cells are text: a column
-is int if every non-empty cell is, else float, else bool (true/false, any case), else text,
-and a list (a JSON array per cell) if every non-empty cell starts with ``[``; an empty cell
-is an empty string in a text column and missing in any other. Only the listed rows are
-packed, in file order.
-"""
+as typed record fields: each column's type is inferred over all rows, then checked, with no
+silent defaults (docs/annotations.md). Only the listed rows are packed, in file order."""
 from __future__ import annotations
 
 import csv
@@ -49,15 +37,8 @@ def fit_identity(row: Dict[str, Any], width: int, height: int):
 
 
 class Table(Source):
-    """The images a ``.jsonl`` or ``.csv`` ``table`` lists (paths relative to ``images``),
-    its other columns as typed fields.
-
-    ``label=COLUMN`` makes that column the class label (str: classes are its sorted distinct
-    values; int: classes "0".."max", none negative); it is then not a field, so its name may
-    be one the record reserves (``label``); int labels make at most ``max_classes`` classes.
-    Images ``images`` holds but the table does not list are not packed; listed ones are not
-    looked at here (the builder skips missing files).
-    """
+    """The images a ``.jsonl`` or ``.csv`` ``table`` lists (paths relative to ``images``), its other
+    columns as typed fields; ``label=COLUMN`` makes that column the class label instead."""
 
     def __init__(self, images: os.PathLike, table: os.PathLike, label: Optional[str] = None, *,
                  max_classes: int = DEFAULT_MAX_CLASSES):

@@ -1,29 +1,7 @@
-"""Ultralytics YOLO detection labels (``Yolo(images, labels, names, rules)``; ``--yolo LABELS
---names NAMES [--yolo-rules RULES]``) as detection targets, by ultralytics' rules.
-
-Every image under IMAGES is packed (recursively, in ImageFolder's walk order); its labels
-are ``LABELS/<same relative path>.txt`` as ultralytics lays them out, or ``LABELS/<stem>.txt``
-(a flat folder) when that is missing. An image without a label file is a background image
-(no objects). Each label line is ``class cx cy w h`` normalized to the image **as shown**
-(its EXIF orientation applied: ultralytics reads images with OpenCV, which turns them); a
-line with 7 or more values is a polygon ``class x1 y1 x2 y2 ...``, stored as its bounding
-box. Boxes are stored in the stored pixels' frame (as COCO's are), XYXY, clipped to the
-image; ``PackedDataset(exif_orientation=True)`` turns them with the image. Pose labels
-(boxes plus keypoints) are not read.
-
-A line is valid as ultralytics' ``verify_image_label`` has it: 5 values, or a class and an
-even number of polygon coordinates; every number finite; the class an integer (``2.0`` too)
-in range; ``cx cy w h`` (a polygon's: of its box, in float32, as there) within 1 % outside
-[0, 1] (clipped); a zero-size box is kept. A repeated row is dropped (listed). With
-``rules="ultralytics"`` (the default) an image is left out, listed in the manifest's
-``skipped`` with the reason, when any line of its label file is not valid, when the file
-mixes box and polygon rows, or when the image is under 10 pixels on a side; with
-``rules="lines"`` only the invalid line is dropped (listed) and the image is kept. Either
-way an image whose label file is not UTF-8 or cannot be read is left out (packing it with
-no objects would be silently wrong), as is one whose flat ``<stem>.txt`` images in several
-folders would share. NAMES is a text file (a class per line) or a dataset YAML, read with
-PyYAML as ultralytics reads it.
-"""
+"""Ultralytics YOLO detection labels (``Yolo(images, labels, names, rules)``; ``--yolo``) as
+detection targets, by ultralytics' rules: ``LABELS/<relative path>.txt`` (or a flat
+``<stem>.txt``) per image, boxes stored XYXY in the stored pixels' frame. Which lines and
+images are kept (``rules="ultralytics"`` or ``"lines"``): docs/annotations.md."""
 from __future__ import annotations
 
 import math
@@ -60,10 +38,9 @@ FLIPS = {2: (True, False), 3: (True, True), 4: (False, True), 5: (False, False),
 
 
 class Yolo(Source):
-    """Every image under ``images`` with the objects of its label file under ``labels``;
-    ``names``: the class names, a text file or a dataset YAML; ``rules``: "ultralytics"
-    (an image with an invalid label line is left out) or "lines" (the line is dropped, the
-    image kept). See the module."""
+    """Every image under ``images`` with the objects of its label file under ``labels``; ``names``:
+    a text file or a dataset YAML; ``rules``: "ultralytics" (an invalid line leaves the image
+    out) or "lines" (the line is dropped)."""
 
     def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike,
                  rules: str = "ultralytics"):
@@ -123,9 +100,8 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
 
 
 def match_labels(images: List[str], label_files: set):
-    """``[(image, its label file or None, why it has none that can be used or "")]`` and
-    the label files some image claims: a flat ``<stem>.txt`` that images in different
-    folders would share belongs to none of them (whose is it?)."""
+    """``[(image, label file or None, why none or "")]`` and the label files claimed; a flat
+    ``<stem>.txt`` that images in several folders would share belongs to none."""
     flat_claims: Dict[str, set] = {}
     plan: List[Tuple[str, Optional[str], Optional[str]]] = []
     for rel in images:
@@ -309,9 +285,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 
 def yaml_names(text: str, file: Path) -> List[str]:
-    """The class list of a YAML names file, as ultralytics reads it: the file is a list of
-    names, or a mapping whose ``names`` is such a list or an ``{index: name}`` map (indices
-    0..N-1); names are scalars, as text. Anything else is an error, never a guess."""
+    """The class list of a YAML names file, as ultralytics reads it (a list, or ``names``: a list
+    or an ``{index: name}`` map); anything else is an error, never a guess."""
     try:
         data = yaml.load(text, Loader=UniqueKeyLoader)
     except yaml.YAMLError as e:

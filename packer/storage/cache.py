@@ -1,20 +1,8 @@
 """A node-local cache of a remote dataset's shards, for reading without staging.
 
-Every process of a node (ranks, DataLoader workers) that opens ``ShardCache(url, cache_dir)``
-shares one folder, ``cache_dir/<name>-<hash of the URL>/``, and one rule per file: it is
-written only by the process holding an exclusive ``flock`` on ``.locks/NAME.fetch``, under a
-temporary name, verified against the manifest's SHA-256, then renamed into place. So a shard
-is downloaded once per node however many processes want it at once, a reader never sees
-half a file, and a process killed mid-download leaves only a ``.NAME.*.part`` file that the
-next one to lock NAME removes. Locks are files in the folder and die with their process:
-nothing global (no shared-memory names) survives a crash.
-
-Files are named by content (their SHA-256), so a dataset rewritten under the same URL never
-reads a stale shard. A process *pins* the shards it reads (a shared ``flock`` on
-``.locks/NAME.pin``, held until ``release``); when the shards exceed ``cache_limit``, the least recently used unpinned ones
-are evicted before the next download. The side tables and the manifest are fetched at start
-(small: bytes per sample) and never evicted; ``cache_limit`` bounds the shards.
-"""
+All processes of a node share ``cache_dir/<name>-<hash of the URL>/``; a file is written
+only under an exclusive ``flock``, verified against its SHA-256 and renamed into place, and
+shards in use are pinned (shared ``flock``) against LRU eviction (docs/object_storage.md)."""
 from __future__ import annotations
 
 try:
@@ -56,13 +44,9 @@ def parse_size(value: Union[int, str, None]) -> Optional[int]:
 
 
 class ShardCache:
-    """Shards of the dataset at ``url`` on this node's disk, fetched on first use.
-
-    ``shard_path(k)`` is the call a reader makes before opening shard ``k``; ``manifest`` is
-    the dataset's manifest with paths naming the files in ``root``, for
-    ``ShardReader(cache.root, manifest=cache.manifest)``. ``cache_limit`` (bytes or ``"200G"``;
-    None: unbounded) must hold at least the shards the node's processes read at once.
-    """
+    """Shards of the dataset at ``url`` on this node's disk, fetched on first use: ``shard_path(k)``
+    before opening shard ``k``; ``manifest`` names files in ``root``. ``cache_limit`` (bytes or
+    ``"200G"``; None: unbounded) must hold the shards the node's processes read at once."""
 
     def __init__(self, url: str, cache_dir: os.PathLike, cache_limit: Union[int, str, None] = None,
                  storage_options: Optional[Dict[str, Any]] = None, *, prefetch_workers: int = 2):
@@ -115,7 +99,6 @@ class ShardCache:
                 os.close(fd)  # the parent's lock stays: it holds its own descriptor
             self._reset()
 
-    # -- the reader's calls --------------------------------------------------------------
     def shard_path(self, k: int, *, pin: bool = True) -> Path:
         """The local path of shard ``k``, downloaded (once per node) if it is not here yet.
         With ``pin`` it is not evicted until ``release(k)``."""
@@ -163,7 +146,6 @@ class ShardCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    # -- files ---------------------------------------------------------------------------
     def _lock(self, name: str, kind: str) -> int:
         return os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
 

@@ -1,14 +1,6 @@
-"""Building into object storage: ``build(source, "s3://bucket/ds")`` or
-``build(source, Destination(url, storage_options=..., work_dir=...))``.
-
-The build itself runs as a local build into a work folder. Each shard is uploaded as soon as
-the build has taken it into its journal (on a few threads, while the build goes on; a large
-file in parallel parts, by the client), the side tables after the last shard, and the
-manifest last, so a reader of the URL sees a whole dataset or none. Re-running the same
-build resumes: the work folder's journal resumes the build, and a file is not uploaded again
-when ``.packer-uploaded.json`` in the work folder says this size and SHA-256 went up and the
-store still lists it with the size and version (ETag) it had then.
-"""
+"""Building into object storage: ``build(source, "s3://bucket/ds")`` or ``Destination(url, ...)``.
+A local build into a work folder uploads each shard once journaled, the manifest last (a
+reader sees a whole dataset or none); a re-run resumes and skips files already up."""
 from __future__ import annotations
 
 import hashlib
@@ -32,11 +24,9 @@ RECORD = ".packer-uploaded.json"  # in the work folder: what went up, with its v
 
 
 class Destination:
-    """A dataset's place in object storage, for ``build``: ``url``, ``storage_options`` (as
-    for ``Store``; None: the client's environment and fsspec's configuration), and the local
-    ``work_dir`` the build runs in (default: a folder under the system temp dir named after
-    the URL, found again by a re-run and removed after a successful upload; one given is
-    kept). ``str()`` is the URL as shown (credentials redacted)."""
+    """A dataset's place in object storage, for ``build``: ``url``, ``storage_options`` (as for
+    ``Store``) and the local ``work_dir`` (default: one under the temp dir named after the URL,
+    removed after a successful upload). ``str()`` is the URL with credentials redacted."""
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None,
                  work_dir: Optional[os.PathLike] = None, *, parallel: int = 4):
@@ -62,10 +52,8 @@ class Destination:
         return f"Destination({self.store.shown!r}, work_dir={str(self.work)!r})"
 
     def begin(self, overwrite: bool) -> Optional[dict]:
-        """Before the build. Returns the work folder's finished manifest when only uploading
-        is left (an interrupted upload; or nothing at all: the store holds this very
-        manifest), else None: build into ``work``. A finished dataset at the URL is refused
-        unless ``overwrite``, and then stops being one (its manifest deleted) first."""
+        """Before the build: the work folder's finished manifest when only uploading is left, else
+        None. A finished dataset at the URL is refused unless ``overwrite`` (then unmade first)."""
         try:
             self._there = self.store.listing()
         except NotFound:

@@ -1,14 +1,5 @@
-"""A dataset named by path or URL, made local for the read-only commands (info, ls, cat,
-verify) and for merge.
-
-A local path passes through untouched (nothing here imports fsspec for it). A URL goes
-through a ``ShardCache`` in ``cache_dir`` (a temporary folder, removed afterwards, when none
-is given): ``manifest`` reads only the manifest; ``cache_for`` is the cache a reader
-fetches a shard from the first time a record of it is read (``reading.reader.open_reader``);
-``local_root`` fetches every shard (each one's SHA-256 checked as it arrives) and writes the
-manifest beside them, so the folder is a local dataset that the local checks then read.
-``fetch_dataset`` is a plain verified copy under the files' own names, for ``merge``.
-"""
+"""A dataset named by path or URL, made local for info/ls/cat/verify and merge: a path passes
+through; a URL goes through a ``ShardCache`` (a temporary one unless ``cache_dir``)."""
 from __future__ import annotations
 
 import contextlib
@@ -42,9 +33,8 @@ def manifest(name: Any, storage_options: Optional[Dict[str, Any]] = None) -> dic
 @contextlib.contextmanager
 def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Optional[os.PathLike],
               keep_all: bool = False):
-    """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary folder removed after
-    that keeps two shards at most (what a reader pins), so listing a dataset larger than
-    the disk works."""
+    """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary one keeping two shards at
+    most, so listing a dataset larger than the disk works."""
     from .cache import ShardCache
     tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
     try:
@@ -63,9 +53,8 @@ def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Op
 @contextlib.contextmanager
 def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
                cache_dir: Optional[os.PathLike] = None, *, parallel: int = 4) -> Iterator[Path]:
-    """A local folder holding the whole dataset at a path or URL: the path itself, or for a
-    URL the cache folder with every shard fetched and verified and ``manifest.json`` naming
-    the cached files (removed afterwards unless ``cache_dir`` was given)."""
+    """A local folder holding the whole dataset at a path or URL (for a URL, every shard fetched
+    and verified; removed afterwards unless ``cache_dir`` was given)."""
     if not is_url(name):
         yield Path(name)
         return

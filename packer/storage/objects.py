@@ -1,12 +1,5 @@
-"""Whole files to and from object storage, bounded, retried and verified.
-
-fsspec speaks the protocols; this module adds what a dataset needs on top: a large object
-arrives as parallel ranged GETs written to a new local file and hashed in order on the way,
-and is accepted only if its length, its SHA-256 (when the manifest gives one) and its
-version (ETag, generation) all held from the first request to the last. A body of the wrong
-length is retried; an object that changed underneath is a ``PackerError``; a failed or
-interrupted download never leaves its file behind.
-"""
+"""Whole files to and from object storage: parallel ranged GETs hashed in order, accepted only
+if length, SHA-256 and version held throughout; a failed download leaves no file behind."""
 from __future__ import annotations
 
 import hashlib
@@ -30,11 +23,9 @@ class ObjectInfo:
 
 
 class Store:
-    """A folder in object storage (``url``): read, download and upload the files in it.
-
-    ``storage_options`` go to fsspec (endpoint, credentials, ...) except packer's own
-    ``packer_*`` keys (``Transfer``). A Store pickles without its client (each process makes
-    its own: fsspec's async clients do not survive a fork)."""
+    """A folder in object storage (``url``): read, download and upload its files.
+    ``storage_options`` go to fsspec except packer's ``packer_*`` keys (``Transfer``); a Store
+    pickles without its client (fsspec's async clients do not survive a fork)."""
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None):
         self.url = url.rstrip("/")
@@ -59,7 +50,6 @@ class Store:
     def __getstate__(self):
         return dict(self.__dict__, _fs=None, _pid=None)
 
-    # -- names --------------------------------------------------------------------------
     def key(self, rel: str) -> str:
         """The store's path of ``rel`` (``NAME``, or ``../part/NAME`` from a merge): '..' may
         climb out of the dataset folder, never out of the bucket."""
@@ -77,7 +67,6 @@ class Store:
     def call(self, fn: Callable, what: str):
         return with_retries(fn, what, self.transfer.retry_seconds, self.secrets)
 
-    # -- reading ------------------------------------------------------------------------
     def stat(self, rel: str) -> ObjectInfo:
         key = self.key(rel)
 
@@ -118,11 +107,9 @@ class Store:
     def download(self, rel: str, dest: Path, size: int, sha256: Optional[str] = None,
                  progress: Optional[Callable[[int], None]] = None,
                  expect: Optional[ObjectInfo] = None) -> None:
-        """``rel`` into the new file ``dest`` (replaced if left over): parallel ranged GETs,
-        written and hashed in order, fsynced. ``size``/``sha256`` are what the manifest says;
-        ``expect`` the object as listed before (else it is looked up now). Without a SHA-256,
-        the object's version after the last GET must be the one before the first. On any
-        failure ``dest`` is removed and a PackerError says why (a changed object says so)."""
+        """``rel`` into the new file ``dest``: parallel ranged GETs hashed in order, fsynced,
+        checked against ``size``/``sha256`` (else the version must not change). On any failure
+        ``dest`` is removed and a PackerError says why."""
         try:
             before = expect if expect is not None else self.stat(rel)
             if before.size != size:
@@ -186,7 +173,6 @@ class Store:
                 f"{after.version}, {before.size} -> {after.size} bytes): is the dataset being "
                 f"rewritten? Nothing half-read was kept; re-run when the upload has finished")
 
-    # -- writing ------------------------------------------------------------------------
     def upload(self, local: Path, rel: str) -> ObjectInfo:
         """Put the finished local file ``local`` at ``rel`` (the client splits a large one into
         parts uploaded in parallel), then check the stored size; returns the object as stored."""

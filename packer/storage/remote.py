@@ -1,10 +1,5 @@
-"""A packed dataset in object storage: its manifest, its files, and uploading one there.
-
-``RemoteDataset`` is what ``packer.staging`` stages from when given a URL: a string (the URL
-as shown, credentials redacted, which is all that results, markers and messages ever hold)
-that also fetches the files the manifest lists. ``upload_dataset`` puts a finished local
-dataset under a URL with the manifest last, so a reader never sees half of one.
-"""
+"""A packed dataset in object storage: ``RemoteDataset`` (what staging reads from a URL) and
+``upload_dataset`` (the manifest last, so a reader never sees half of one)."""
 from __future__ import annotations
 
 import json
@@ -15,25 +10,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..errors import FormatError, PackerError
-from ..format.manifest import FORMAT_NAME, MANIFEST, check_version, read_manifest, side_tables
-from ..format.validation import validate_manifest
+from ..format.manifest import MANIFEST, parse_manifest, read_manifest, side_tables
 from .objects import ObjectInfo, Store
 from .retry import NotFound
 
 UPLOAD_MARKER = ".packer-upload.json"  # present while an upload is unfinished
-
-
-def parse_manifest(data: bytes, where: str) -> Dict[str, Any]:
-    """A manifest's bytes, checked as ``read_manifest`` checks a local one."""
-    try:
-        man = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        reason = "nested too deeply" if isinstance(e, RecursionError) else e
-        raise FormatError(f"{where} is damaged ({reason}); rebuild or re-upload the dataset") from None
-    if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where} is not a packer manifest")
-    check_version(man.get("format_version", "?"), where)
-    return validate_manifest(man, where)
 
 
 def fetch_manifest(store: Store) -> Dict[str, Any]:
@@ -125,11 +106,9 @@ class RemoteFile(str):
 
 def upload_dataset(src: os.PathLike, url: str, storage_options: Optional[Dict[str, Any]] = None,
                    *, workers: int = 4) -> List[str]:
-    """Put the finished local dataset ``src`` under ``url``: shards and side tables in
-    parallel (each large one in parallel parts), then the manifest. An interrupted upload
-    resumes (objects of the right size are kept while ``.packer-upload.json`` says they
-    belong to this dataset); an older dataset there stops being one (its manifest is
-    deleted) before anything is replaced. Returns the names uploaded."""
+    """Put the finished local dataset ``src`` under ``url``, the manifest last; an interrupted
+    upload resumes (``.packer-upload.json``); an older dataset there is unmade first. Returns
+    the names uploaded."""
     src = Path(src)
     man = read_manifest(src)
     files = [(s["path"], s["bytes"]) for s in man["shards"]]

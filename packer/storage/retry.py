@@ -1,11 +1,6 @@
-"""Retrying object-storage requests: which failures are worth another try, and for how long.
-
-Connection resets, timeouts, 5xx and throttling replies and bodies cut short are retried
-with exponential backoff (with jitter) until ``Transfer.retry_seconds`` have passed since
-the request first failed; then, and at once for anything else (a missing object, denied
-access), the caller gets a ``PackerError`` saying what failed and what to check. The clients
-underneath retry a little on their own; this bound is the one the user sets.
-"""
+"""Retrying object-storage requests: transient failures (resets, timeouts, 5xx, throttling,
+short bodies) with jittered backoff for ``Transfer.retry_seconds``; then, and at once for
+anything else, a ``PackerError`` saying what failed."""
 from __future__ import annotations
 
 import errno

@@ -1,12 +1,6 @@
-"""Naming data in object storage: which strings are URLs, how they are shown, and the fsspec
-filesystem that serves them.
-
-A URL is ``SCHEME://...`` (``s3://``, ``gs://``, ``az://``, or any protocol fsspec knows);
-anything else is a local path and never comes here. Credentials reach fsspec only: every
-URL packer shows (messages, results, manifests it writes) has its userinfo and query string
-replaced by ``***``, and every text that leaves this package has the secret values of
-``storage_options`` blanked too, since a client library may quote them in an error.
-"""
+"""Naming data in object storage: which strings are URLs (``SCHEME://...``), the fsspec
+filesystem, and how they are shown: userinfo, query strings and ``storage_options`` secrets
+are replaced by ``***`` in every text that leaves this package."""
 from __future__ import annotations
 
 import os
@@ -107,10 +101,8 @@ def split_options(storage_options: Optional[Dict[str, Any]]) -> Tuple[Dict[str, 
 
 
 def filesystem(url: str, options: Dict[str, Any]):
-    """(fsspec filesystem, path within it) for ``url``. A missing client is one PackerError
-    naming the pip command. S3 gets bounded connect/read timeouts unless given (a stalled
-    server must become an error that is retried, never a hang); ``AWS_ENDPOINT_URL`` (an
-    S3-compatible store) is honoured by the client itself."""
+    """(fsspec filesystem, path within it) for ``url``; a missing client is a PackerError naming
+    the pip command. S3 gets bounded timeouts unless given (a stall must be retried, not hang)."""
     try:
         import fsspec
     except ImportError:

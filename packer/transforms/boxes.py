@@ -1,16 +1,6 @@
-"""Box maths for detection augmentation: object boxes that move with the images.
-
-The GPU decoder crops and resizes (or letterboxes) whole batches
-(:func:`~packer.gpu.resample.resample_crops`) and the CPU crop decoders one image; the boxes
-of every image must follow without a Python loop per box. Boxes are XYXY in pixels
-(continuous coordinates: pixel ``j`` spans ``[j, j + 1)``, the convention of the resizers),
-stored as one ``(N, 4)`` tensor for the whole batch plus ``counts`` ``(B,)``, the number of
-boxes of each image, in order. :func:`crop_boxes` returns a ``keep`` mask of the fixed shape
-``(N,)`` instead of a ragged result, so nothing waits for the GPU.
-
-The maths runs in float64 (float32 on MPS, which has no float64) whatever the boxes'
-dtype, and results come back in the boxes' dtype and device.
-"""
+"""Box maths for detection augmentation: XYXY pixel boxes of a whole batch, ``(N, 4)`` plus
+per-image ``counts``, that follow crops and resizes without a Python loop per box. The
+maths runs in float64 (float32 on MPS); results keep the boxes' dtype and device."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -22,25 +12,12 @@ __all__ = ["crop_boxes", "letterbox_params"]
 Size = Tuple[int, int]
 
 
-# -- crop + resize + flip -------------------------------------------------------------------
-
 def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, size: Size,
                flips: Optional[torch.Tensor] = None, *,
                min_visible: float = 0.25) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Boxes of the images after ``resample_crops(images, crops, size, flips)``.
-
-    ``boxes`` (N, 4) XYXY source pixels of all images concatenated, ``counts`` (B,) boxes
-    per image, ``crops`` (B, 4) ``(x0, y0, x1, y1)`` source pixels (as from
-    ``random_resized_crop_boxes``), ``size`` (oh, ow), ``flips`` bool (B,) or None.
-    Each box is shifted by its crop's origin, scaled by ``ow / (x1 - x0)``,
-    ``oh / (y1 - y0)``, mirrored (``x' = ow - x``) where flipped and clipped to the output.
-
-    Returns ``(out, keep)``: ``out`` (N, 4) the clipped boxes of *all* inputs, in output
-    pixels; ``keep`` (N,) bool, true where the clipped area is positive and at least
-    ``min_visible`` times the area of the box mapped before clipping: a box mostly cut
-    away no longer shows its object. Fixed shapes, so nothing syncs with the GPU;
-    ``out[keep]`` and ``labels[keep]`` are what stays in view.
-    """
+    """Boxes (N, 4) XYXY, ``counts`` (B,) per image, after ``resample_crops(images, crops, size,
+    flips)``. Returns ``(out, keep)``: the boxes clipped to the output, and where at least
+    ``min_visible`` of a box is still in view. Fixed shapes, so nothing syncs with the GPU."""
     oh, ow = size
     dev, work = boxes.device, _work_dtype(boxes.device)
     cwork = _work_dtype(crops.device)
@@ -66,20 +43,11 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     return clipped.to(boxes.dtype), keep
 
 
-# -- letterbox (YOLO) -----------------------------------------------------------------------
-
 def letterbox_params(sizes: torch.Tensor, size: Size, *,
                      scale_up: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ultralytics' ``LetterBox`` geometry for images of ``sizes`` (B, 2) (h, w) into
-    ``size`` (oh, ow): ``(scale (B,), pad (B, 2) top/left, new_hw (B, 2))``.
-
-    ``scale = min(oh / h, ow / w)`` (at most 1 unless ``scale_up``: shrink only, as for
-    evaluation); the image is resized to ``new_hw = round(h * scale), round(w * scale)``
-    (round half to even, Python's ``round``; at least 1) and placed at
-    ``top = (oh - new_h) // 2``, ``left = (ow - new_w) // 2``: the odd pixel of padding goes
-    bottom / right, what ultralytics' ``round(d / 2 -/+ 0.1)`` gives. Boxes scale by
-    ``scale``, as ultralytics' labels do, not by ``new / old`` (they differ by under half a
-    pixel at the far edge)."""
+    """Ultralytics' ``LetterBox`` geometry of ``sizes`` (B, 2) into ``size``: ``(scale (B,),
+    pad (B, 2) top/left, new_hw (B, 2))``; never up unless ``scale_up``; odd padding pixel
+    bottom/right; boxes scale by ``scale``, as ultralytics' labels do."""
     oh, ow = size
     hw = sizes.to(_work_dtype(sizes.device)).reshape(-1, 2)
     ratio = hw.new_tensor([oh, ow]) / hw  # not ``oh / hw``: see crop_boxes
@@ -89,8 +57,6 @@ def letterbox_params(sizes: torch.Tensor, size: Size, *,
     new = torch.round(hw * scale[:, None]).long().clamp_(min=1)
     return scale, torch.div(new.new_tensor([oh, ow]) - new, 2, rounding_mode="floor"), new
 
-
-# -- helpers --------------------------------------------------------------------------------
 
 def _work_dtype(device: torch.device) -> torch.dtype:
     """float64 for sub-1e-4 px results on large images; MPS has only float32."""

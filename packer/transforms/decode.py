@@ -1,10 +1,5 @@
-"""Train-time decoding: stored bytes to what the model's transforms expect.
-
-The default is exactly torchvision's ImageFolder loader (``Image.open(f).convert("RGB")``),
-so switching to packer changes no pixel. The ``Decode*`` classes fuse decode, crop, resize
-and flip into one PIL pass that ends in a uint8 tensor (JPEG draft decoding skips most of
-the work when the crop is large relative to the output).
-"""
+"""Train-time decoding: by default exactly ImageFolder's loader (no pixel changes); the
+``Decode*`` classes fuse decode, crop, resize and flip into one PIL pass to a uint8 tensor."""
 from __future__ import annotations
 
 import functools
@@ -31,11 +26,8 @@ def stored_image(data: bytes) -> Image.Image:
 
 def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
                exif_orientation: bool = False) -> Image.Image:
-    """Decode stored bytes to a PIL RGB image, as torchvision's default loader would.
-
-    ``size_hint`` (w, h) allows JPEG draft decoding to the smallest DCT scale whose result is
-    still at least that large: pixels then differ from a full decode, so it is opt-in.
-    """
+    """Decode stored bytes to a PIL RGB image, as torchvision's default loader would;
+    ``size_hint`` (w, h) opts into JPEG draft decoding (other pixels)."""
     im = stored_image(data)
     if size_hint is not None and im.format == "JPEG":
         im.draft("RGB", size_hint)
@@ -49,20 +41,13 @@ def exif_tag(data: bytes) -> int:
     return stored_image(data).getexif().get(0x0112, 1)
 
 
-# -- uint8 decoders: decode + crop + resize + flip in one PIL pass, no float tensors ----------
-
 RESIZERS = ("auto", "pil", "torch")
 
 
 class CropDecoder:
-    """Base for ``bytes -> uint8 tensor (3, H, W)`` decoders used via ``PackedDataset(decode=)``.
-
-    The tensor is a (3, H, W) view of a contiguous (H, W, 3) buffer: a batch stacked in HWC
-    order is a channels_last NCHW batch with no copy. ``resize``: "pil" (PIL's BILINEAR over
-    the exact, sub-pixel crop box), "torch" (torch's uint8 antialiased bilinear, the same
-    kernel, over the box rounded to whole pixels of the decoded image: faster than stock
-    Pillow's), or "auto" (torch unless Pillow-SIMD, whose resize is the fastest).
-    """
+    """Base for ``bytes -> uint8 (3, H, W)`` decoders (``PackedDataset(decode=)``): a view of an
+    HWC buffer, so a stacked batch is channels_last. ``resize``: "pil", "torch" or "auto"
+    (torch unless Pillow-SIMD)."""
 
     def __init__(self, size, resize: str = "pil"):
         self.size = (size, size) if isinstance(size, int) else tuple(size)  # (h, w)
@@ -114,12 +99,8 @@ def image_to_tensor(im: Image.Image):
 
 
 def torch_resized(im: Image.Image, size: Tuple[int, int]):
-    """``im`` resized to ``size`` (h, w) by torch's uint8 antialiased bilinear kernel, as a
-    (3, h, w) view of an (h, w, 3) buffer.
-
-    The (1, 3, h, w) input spells its batch stride out (the image's size): torch then
-    resizes channels_last to channels_last. With ``x[None]``'s batch stride of 3 the layout
-    was ambiguous, and torch wrote NCHW and repacked it: the same pixels in twice the time."""
+    """``im`` resized to ``size`` by torch's antialiased bilinear kernel, as a (3, h, w) view of an
+    HWC buffer (the explicit batch stride keeps torch channels_last: twice as fast)."""
     import torch.nn.functional as F
     x = image_to_tensor(im).permute(1, 2, 0)[None].permute(0, 3, 1, 2)
     if tuple(x.shape[2:]) != tuple(size):
@@ -140,13 +121,8 @@ def resize_box(im: Image.Image, box, size: Tuple[int, int]):
 
 
 class DecodeRandomResizedCrop(CropDecoder):
-    """torchvision's RandomResizedCrop + RandomHorizontalFlip, fused into the decode.
-
-    Drawing the crop box before decoding lets JPEGs decode at 1/2-1/8 scale when the crop
-    is large relative to the output: most of a training decode's cost, skipped.
-    Random numbers come from ``random``, which DataLoader seeds per worker. ``resize``: see
-    ``CropDecoder`` ("auto": torch's kernel unless Pillow-SIMD, 1.4x faster with stock Pillow).
-    """
+    """torchvision's RandomResizedCrop + RandomHorizontalFlip, fused into the decode (a large crop
+    decodes JPEGs at reduced scale). Random numbers from ``random``, seeded per worker."""
 
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True,
                  resize: str = "auto"):
@@ -180,21 +156,9 @@ class DecodeRandomResizedCrop(CropDecoder):
 
 
 class DecodeCenterCrop(CropDecoder):
-    """Evaluation: torchvision's ``Resize(resize_size) + CenterCrop(size)`` on the PIL image
-    (``resize_size`` = ``round(min(size) / crop_fraction)``: 256 for 224 and the default
-    0.875), fused into the decode: only the output's pixels are resampled, from the same
-    source positions with the same filter, so the result is torchvision's to within a level
-    (``docs/annotations.md``, parity).
-
-    torchvision's geometry, exactly: the shorter side becomes ``resize_size`` and the longer
-    ``int(resize_size * long / short)`` (truncated); the crop's offset is
-    ``int(round((resized - size) / 2))`` (Python's round: halves to even); a crop larger
-    than the resized image is padded with zeros, as CenterCrop pads.
-
-    ``draft=True`` lets JPEGs decode at 1/2-1/8 scale (libjpeg's DCT scaling) when the image
-    is at least four times the resized size: several times faster on large photos, but
-    different pixels (measured up to ~20 levels at sharp edges), so off by default.
-    """
+    """Evaluation: torchvision's ``Resize(round(min(size) / crop_fraction)) + CenterCrop(size)``
+    fused into the decode, with torchvision's geometry exactly and its pixels to within a
+    level. ``draft=True`` decodes large JPEGs at reduced scale (faster, other pixels)."""
 
     def __init__(self, size, crop_fraction: float = 0.875, *, resize_size: Optional[int] = None,
                  draft: bool = False):
@@ -246,15 +210,9 @@ class DecodeCenterCrop(CropDecoder):
 
 
 class DecodeLetterbox(CropDecoder):
-    """YOLO's letterbox fused into the decode: scale to fit ``size`` keeping the aspect ratio
-    (never up when ``scale_up=False``), centre on a ``fill`` canvas. For detection datasets
-    the boxes follow (the letterbox is a crop reaching past the image: ``decode_crop``).
-
-    The resize is PIL's (BILINEAR, antialiased) under Pillow-SIMD, else torch's uint8
-    bilinear with antialias: the same pixels, and with stock Pillow the packed detection
-    loader goes 1.41x torchvision's on 16 cores (0.71x with PIL's; docs/benchmarks.md);
-    ``resize="pil"`` or ``"torch"`` picks one.
-    """
+    """YOLO's letterbox fused into the decode: fit ``size`` keeping the aspect ratio (never up
+    with ``scale_up=False``), centred on a ``fill`` canvas; detection boxes follow.
+    ``resize``: as ``CropDecoder``'s."""
 
     def __init__(self, size, fill: int = 114, scale_up: bool = True, resize: str = "auto"):
         super().__init__(size, resize)

@@ -1,12 +1,6 @@
-"""The build: worker processes read, check and write whole planned shards
-(``packer.writing.worker``), or an engine's tasks do (``ray_engine``: on a Ray cluster); this
-process takes them in plan order into the journal and tables.
-
-Crash safety rests on ordering: a shard is renamed into place only when complete, the
-journal (``.packer-build.json``) lists finished shards only, and the manifest — the one
-file readers require — is written last. Re-running the same command resumes after the last
-finished shard; a different command restarts cleanly.
-"""
+"""The build: workers (or an engine's tasks) write whole planned shards; this process takes
+them in plan order into the journal and tables, the manifest last, so a re-run of the same
+command resumes after the last finished shard."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -63,25 +57,14 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
           engine: Union[str, Any] = "local", transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
           part: Optional[str] = None, checks: Checks = Checks(), overwrite: bool = False,
           progress: bool = True) -> BuildResult:
-    """Pack ``source`` into shards in ``dst``: a folder path (an ImageFolder), or a source
-    object from ``packer.sources`` (``ImageFolder``, ``FileList``, ``Coco``, ``Yolo``,
-    ``Table``, or your own with their protocol).
+    """Pack ``source`` (a folder path, or a ``packer.sources`` object) into shards in ``dst``.
 
-    ``shard_size``: bytes of source files per shard; ``workers``: processes that check
-    images and write shards here (0: this process; default: the usable cores); ``engine``:
-    where shards are written: ``"local"`` (those processes), ``"ray"`` (tasks on a Ray
-    cluster, ``packer.writing.ray_engine``) or an engine object (``RayEngine(...)``; see
-    ``as_engine``), the same dataset whichever; ``transcode``:
-    smaller JPEGs; ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"``, this
-    build's share (join the parts with ``merge``); ``checks``: what is refused
-    (``Checks(strict=, max_pixels=, max_image_bytes=)``: fail on the first bad image, skip
-    larger images and files; only regular files are read); ``overwrite``: replace a finished
-    dataset in ``dst``.
-
-    ``dst`` may be a URL (``s3://bucket/ds``: credentials and endpoint from the client's
-    environment) or a ``packer.storage.Destination`` (with ``storage_options`` and a
-    ``work_dir``): the build runs in a local work folder and each shard is uploaded as it
-    finishes, the manifest last (``packer.storage.destination``)."""
+    ``shard_size``: bytes of source files per shard; ``workers``: processes (0: this one;
+    default: the usable cores); ``engine``: ``"local"``, ``"ray"`` or an engine object
+    (``as_engine``), the same dataset whichever; ``transcode``: smaller JPEGs;
+    ``shuffle``/``seed``: a seeded record order; ``part``: ``"K/N"`` (join with ``merge``);
+    ``checks``: what is refused (``Checks``); ``overwrite``: replace a finished dataset.
+    ``dst`` may be a URL or a ``packer.storage.Destination``: shards upload as they finish."""
     t0 = time.perf_counter()
     remote = as_destination(dst)
     if remote is not None:
@@ -130,13 +113,9 @@ def as_source(source: Union[os.PathLike, str, Source]) -> Source:
 
 
 def as_engine(engine: Union[str, Any], workers: Optional[int]) -> Union[int, Any]:
-    """What writes the shards, as ``_shards`` takes it: a process count (``engine="local"``;
-    ``workers``, default the usable cores), or an engine. An engine is any
-    object with ``shards(tasks, job, bar)``: it runs ``worker.write_shard`` for each
-    ``ShardTask`` with ``job``, yields the ``ShardDone`` results in the tasks' order
-    (updating ``bar`` by images), and on close removes finished shards not marked ``taken``.
-    The plan, the journal, the tables and the manifest stay here: an engine only moves the
-    shard writing, so its datasets equal the local build's byte for byte."""
+    """What writes the shards: a process count, or an engine: any object with ``shards(tasks,
+    job, bar)`` that runs ``worker.write_shard`` per ``ShardTask``, yields the ``ShardDone``
+    results in order and on close removes finished shards not marked ``taken``."""
     if engine == "local":
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
             raise PackerError(f"workers must be a process count, got {workers!r}")
@@ -278,18 +257,10 @@ def _check_arguments(shard_size: int, workers) -> None:
         raise PackerError("workers must be >= 0 (0 checks images in this process)")
 
 
-# -- workers ---------------------------------------------------------------------------------
-
 def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[ShardDone]:
-    """Finished shards in plan order, about two per worker in flight; the bar follows the
-    workers' shared image counter. An engine (``as_engine``) writes them its own way.
-
-    On an error (a full disk, Ctrl-C, a strict build's bad image) the ``stop`` event makes
-    running shards give up at their next image, queued ones are cancelled, and shards that
-    finished but were not taken into the journal are removed: what stays is what the journal
-    lists. Workers are never killed: one killed while sending its result leaves the parent
-    blocked reading half a message, forever — what ``Pool.terminate`` did here.
-    """
+    """Finished shards in plan order, about two per worker in flight. On an error, ``stop`` makes
+    running shards give up, queued ones are cancelled and untaken finished ones removed.
+    Workers are never killed (one killed mid-result would block the parent forever)."""
     if not isinstance(workers, int):
         yield from workers.shards(tasks, job, bar)
         return

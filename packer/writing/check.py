@@ -1,9 +1,5 @@
 """Build-time image checks: decode each file as deeply as training will, or say why not;
-optionally transcode it to a smaller baseline JPEG.
-
-Used by the build's worker processes and by ``verify``; training-time decoding is
-``packer.transforms.decode``.
-"""
+optionally transcode it to a smaller baseline JPEG."""
 from __future__ import annotations
 
 import io
@@ -15,7 +11,6 @@ from PIL import Image, UnidentifiedImageError
 
 from ..errors import PackerError
 from ..format.images import DEFAULT_MAX_PIXELS, IMAGE_FORMATS, pil_open
-
 
 
 @dataclass(frozen=True)
@@ -51,11 +46,9 @@ DEFAULT_MAX_IMAGE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class Checks:
-    """What a build or write refuses, set by whoever runs it, never by the data: ``strict``
-    fails on the first bad image or unusable annotation (else they are skipped and listed);
-    ``max_pixels`` skips images with more pixels (decompression bombs; PIL's limit by
-    default); ``max_image_bytes`` skips image files larger than this (1 GiB by default).
-    Only regular files are read as images, whatever the limits."""
+    """What a build or write refuses, set by whoever runs it, never by the data: ``strict`` fails
+    on the first bad image or annotation; ``max_pixels`` and ``max_image_bytes`` skip larger
+    images. Only regular files are read as images."""
     strict: bool = False
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
@@ -100,12 +93,8 @@ class BadImage(Exception):
 
 def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                 max_pixels: int = DEFAULT_MAX_PIXELS, orientation: bool = False) -> Checked:
-    """Decode ``data`` as deeply as training will, or raise BadImage with a readable reason;
-    ``orientation``: read the EXIF orientation too (a transcoded image keeps its EXIF).
-
-    JPEGs are checked with draft (DCT-scaled) decoding: every entropy-coded byte is still
-    parsed, so truncation and corruption are caught, at a fraction of a full decode's cost.
-    """
+    """Decode ``data`` as deeply as training will, or raise BadImage with a readable reason
+    (JPEGs in draft mode: every entropy-coded byte still parsed); ``orientation``: read EXIF too."""
     if not data:
         raise BadImage("empty file")
     with warnings.catch_warnings(), _pil_pixel_limit(max_pixels):

@@ -1,11 +1,5 @@
-"""One pass of the writer over checked samples: shards, skip lists, side tables, journal,
-and last the manifest. ``packer build`` and ``packer.write`` both feed one.
-
-Crash safety rests on ordering: a shard is renamed into place only when complete, the
-journal lists finished shards only, and the manifest — the one file readers require — is
-written last. A re-run with the same fingerprint resumes after the last finished shard,
-recovering the side tables of the shards before it from their records.
-"""
+"""One pass of the writer over checked samples: shards, skip lists, side tables, journal, and
+last the manifest. ``packer build`` and ``packer.write`` both feed one."""
 from __future__ import annotations
 
 import datetime
@@ -30,11 +24,7 @@ MAX_DROPPED = 100_000  # object-level drops listed in a manifest (the count is a
 
 
 class Packing:
-    """Appends checked samples to shards in ``dst``; ``finish`` writes tables and manifest.
-
-    ``schema``: ``{"task", "fields"}``; a ``label`` field goes to ``labels.i32``, other
-    int/float/bool fields to ``column-NAME.*`` tables, width and height to int32 tables.
-    """
+    """Appends checked samples to shards in ``dst``; ``finish`` writes tables and manifest."""
 
     def __init__(self, dst: Path, fingerprint: str, state: dict, *, schema: dict,
                  shard_size: int, strict: bool):

@@ -1,11 +1,5 @@
-"""``packer.write``: pack any iterable of samples from Python, as ``packer build`` packs a folder.
-
-A sample is a dict ``{"image": bytes | path | PIL.Image, field: value, ...}``. Every image is
-checked as the build checks it (decoded, pixel limit, optional transcode), records go to the
-same shards with the same side tables and manifest, and the same crash rules hold: finished
-shards survive a crash, and a re-run with the same samples resumes after the last finished
-one (the samples are re-read and hashed up to there, to be sure they are the same).
-"""
+"""``packer.write``: pack any iterable of ``{"image": bytes | path | PIL.Image, field: value}``
+samples, checked, written and resumed as ``packer build`` does."""
 from __future__ import annotations
 
 import hashlib
@@ -61,26 +55,17 @@ def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
 
 
 class DatasetWriter:
-    """Writes one dataset, a sample at a time: ``add(sample)``, then ``finish()`` (or use it
-    as a context manager, which finishes on success and leaves a resumable state on error).
+    """Writes one dataset, a sample at a time: ``add(sample)``, then ``finish()`` (as a context
+    manager: finished on success, resumable on error).
 
     Args:
-        dst: the dataset folder (created; refused if it holds a finished dataset, unless
-            ``overwrite``).
-        schema: the fields, ``[{"name", "type"[, "dtype", "shape"]}]`` (``packer.format.fields``);
-            default: inferred from the first sample (ints, floats, bools, str, lists of
-            numbers as int64/float32 arrays, tensors and numpy arrays by their dtype,
-            other nested data as ``data``). A ``label`` int field makes a classification
-            dataset (``classes`` then names its values).
-        classes: class names (``label`` values index them); default: ``str(i)`` for
-            ``0..max(label)`` when there is a ``label``.
-        task: "classification", "detection" (needs ``boxes`` float [-1, 4] XYXY pixels and
-            ``labels``, ``image_id``) or "generic"; default from the fields.
-        workers: threads checking images (PIL decodes without the GIL); default: the cores.
-        transcode / checks / shard_size: as for ``packer.build``. PIL images are stored as
-            PNG (lossless) unless ``transcode`` makes them JPEG. An image given as a path
-            must be a regular file of at most ``checks.max_image_bytes``, else a PackerError.
-    """
+        dst: the dataset folder (refused if it holds a finished dataset, unless ``overwrite``).
+        schema: the fields (``packer.format.fields``); default: inferred from the first sample.
+        classes: names of the ``label`` values; default ``str(i)`` for ``0..max(label)``.
+        task: "classification", "detection" or "generic"; default from the fields.
+        workers: threads checking images; default: the cores.
+        transcode / checks / shard_size: as for ``packer.build``; PIL images are stored as PNG
+            unless ``transcode`` makes them JPEG."""
 
     def __init__(self, dst: os.PathLike, *, schema: Optional[Sequence[dict]] = None,
                  classes: Optional[Sequence[str]] = None, task: Optional[str] = None,
@@ -110,8 +95,6 @@ class DatasetWriter:
         self.dst.mkdir(parents=True, exist_ok=True)
         self.lock = FolderLock(self.dst, f"packer.write into {self.dst}")
         self.lock.__enter__()
-
-    # -- the first sample fixes the schema; then the journal decides: fresh or resume -------
 
     def _open(self, sample: Dict[str, Any]) -> None:
         if self.schema is None:
@@ -215,8 +198,6 @@ class DatasetWriter:
                 self.run.abort()
             self.close()
 
-
-# -- samples --------------------------------------------------------------------------------
 
 def image_bytes(image: Any, i: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
     """(stored bytes, default path) of a sample's image: bytes as given, a regular file's

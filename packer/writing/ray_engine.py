@@ -1,20 +1,7 @@
-"""Building on a Ray cluster: ``packer.build(src, dst, engine="ray")`` or ``packer build
-SRC DST --ray``.
-
-Only the shard writing moves. The driver (the process that called ``build``) lists the
-source, plans the shards, holds DST's lock and journal, and takes finished shards in plan
-order into the journal, side tables and manifest, exactly as a local build does; each Ray
-task runs the local build's ``worker.write_shard`` on one planned shard, writing it straight
-into DST, which must be the same path on every node (a shared filesystem). So the dataset
-is the local build's, byte for byte, and an interrupted Ray build resumes locally or on
-Ray alike (``workers`` is not part of the resume fingerprint).
-
-A task whose worker or node dies is run again by Ray (``max_retries``): a shard appears
-under its final name only once complete (``ShardWriter``: temp file, fsync, rename), and
-the driver takes a shard only from a task's returned result, so a dead attempt's files are
-never taken (the retry replaces its temp files). A task that raises (a full disk) is not
-retried: the build stops as a local one does, keeping the shards finished before.
-"""
+"""Building on a Ray cluster (``build(src, dst, engine="ray")``; ``--ray``): only the shard
+writing moves. Each task runs ``worker.write_shard`` into DST (a shared filesystem) and the
+driver takes shards only from returned results, so the dataset is the local build's byte
+for byte and a retried task never leaves a half shard behind."""
 from __future__ import annotations
 
 import copy
@@ -44,11 +31,9 @@ def need_ray():
 
 @dataclass
 class RayEngine:
-    """Shards written by Ray tasks (``num_cpus=1`` each; about two per cluster CPU in
-    flight). The cluster: the one this process is connected to (call ``ray.init`` first
-    for your own options, e.g. a ``runtime_env`` that installs packer on the nodes), else
-    ``address``, else ``RAY_ADDRESS``, else a new local one (shut down after the build).
-    The nodes need this version of packer and DST at the same path."""
+    """Shards written by Ray tasks (``num_cpus=1`` each) on the cluster this process is connected
+    to, else ``address``, else ``RAY_ADDRESS``, else a new local one. The nodes need this
+    version of packer and DST at the same path."""
     address: Optional[str] = None
     max_retries: int = 3
 

@@ -1,11 +1,5 @@
-"""Writing a dataset's files: one shard (append records to an LMDB file in big transactions,
-finish it atomically), and the per-record side tables.
-
-While writing, the shard is ``.NAME.partial`` (a sparse file with a generous map); a
-finished shard is a compacted copy — only its data, safe to copy or sync — renamed into
-place only after it is fsynced and hashed. A crash therefore leaves either nothing or a
-``.partial`` file that the next build deletes.
-"""
+"""Writing a dataset's files: one shard (``.NAME.partial`` while written, then compacted,
+fsynced, hashed and renamed into place), and the per-record side tables."""
 from __future__ import annotations
 
 import os

@@ -1,12 +1,5 @@
-"""A build's parallel part: the shard plan, and a worker writing whole shards.
-
-Each shard is a planned range of entries, cut by the source files' sizes (so the same input
-and options give the same shards whatever the worker count). A worker reads, checks and
-encodes every image of its range and writes the shard file itself (``ShardWriter``: temp
-file, compaction, fsync, hash, rename), so no single process touches every image; it hands
-back only what the side tables, skip lists and journal need. The build's main process
-(``packer.writing.builder``) takes finished shards in plan order.
-"""
+"""A build's parallel part: the shard plan (cut by source file sizes, so independent of the
+worker count), and a worker that reads, checks, encodes and writes whole shards itself."""
 from __future__ import annotations
 
 import gc
@@ -42,12 +35,9 @@ class ShardTask:
 
 @dataclass
 class ShardDone:
-    """What a worker reports for one planned shard. ``samples``: per entry, in order,
-    ``(entry, None, reason)`` for a skipped image or ``(entry, (width, height, columns),
-    drop_reasons)`` for a stored one. ``shard``: the manifest entry (None: nothing stored).
-    ``failed``: the entry whose problem ends a strict build; ``stopped``: cut short.
-    ``taken``: set by the builder before it journals the shard, so an interrupted build
-    never removes a shard its journal may list."""
+    """What a worker reports for one planned shard: ``samples`` (per entry, skipped or stored),
+    ``shard`` (the manifest entry, or None), ``failed``, ``stopped``, and ``taken`` (set by the
+    builder before journaling, so an interrupted build never removes a listed shard)."""
     task: ShardTask
     shard: Optional[dict] = None
     samples: List[tuple] = field(default_factory=list)
@@ -58,11 +48,8 @@ class ShardDone:
 
 
 def plan_shards(sizes: Sequence[int], shard_size: int) -> List[Tuple[int, int, int]]:
-    """(start, end, bytes) ranges of consecutive entries whose files add up to at most the
-    target (at least one entry each): ``shard_size``, or for a dataset under
-    ``PLANNED_SHARDS`` x that, 1/``PLANNED_SHARDS`` of it (``MIN_PLANNED`` at least), so a
-    small dataset still has a shard for every worker. A function of the input alone: the
-    same shards whatever the worker count."""
+    """(start, end, bytes) ranges of consecutive entries of at most ``shard_size`` of files (less
+    for a small dataset, so every worker has shards); the same whatever the worker count."""
     shard_size = min(shard_size, max(MIN_PLANNED, -(-sum(sizes) // PLANNED_SHARDS)))
     plan, start, total = [], 0, 0
     for i, n in enumerate(sizes):
@@ -87,10 +74,8 @@ def file_sizes(source: ImageList) -> List[int]:
 
 
 class FieldMaker:
-    """Each entry's stored fields for an image of a given size: its label, and its
-    annotation row fitted (``Annotations.fit``), encoded (``packer.format.fields``; a source
-    whose ``fit`` gives stored values itself is not encoded again) and packed as msgpack,
-    with the values its side tables take. Forked workers share the rows."""
+    """Each entry's stored fields for an image of a given size: its label and its fitted,
+    encoded annotation row, packed as msgpack, with its side-table values."""
 
     def __init__(self, source: ImageList, fields: List[Field], column_names: list):
         self.source, self.column_names = source, column_names

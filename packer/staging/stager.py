@@ -81,7 +81,7 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     man = read_manifest(src) if isinstance(src, Path) else src.read_manifest()
     plan = staging_plan(src, man)
     name = os.path.basename(str(src.resolve()).rstrip("/")) or "data"  # a folder's or a URL's
-    check_folder(target, marks=(STAGE_MARKER, MANIFEST), leftovers=(STAGE_LOCK,),
+    check_folder(target, marks=(STAGE_MARKER, MANIFEST), leftovers=(STAGE_LOCK, STAGE_MARKER + ".tmp"),
                  fix=f"stage into a folder of its own, e.g. {target / name}")
     made = [p for p in [target] + list(target.absolute().parents) if not p.exists()]
     try:

@@ -30,10 +30,13 @@ def unstage(target: os.PathLike) -> UnstageResult:
     ``stage`` created for it, each only if that leaves it empty.
 
     Refuses a folder that is not a staged packer dataset: a build output, or anything else,
-    is never deleted by this function.
+    is never deleted by this function. A missing ``target`` has nothing to remove: an unstage
+    killed after removing it is done, so its re-run succeeds (removing nothing).
     """
     target = Path(target)
     with vanishing(target):
+        if not os.path.lexists(target):
+            return UnstageResult(target=target, removed=[], bytes_freed=0, removed_dir=False)
         if not target.is_dir():
             raise PackerError(f"{target} is not a folder; nothing to unstage")
         if (target / MANIFEST).exists():

@@ -73,8 +73,8 @@ def remove_dataset(dst: Path, manifest: dict) -> None:
     own |= {entry["path"] for _, entry, _ in side_tables(manifest)}
     own |= {n for n in packer_names(dst) if n.startswith(".") or n.endswith(".tmp")}
     own |= claimed(dst)  # a journal left by a run killed after its manifest: its names too
-    own.discard(JOURNAL)
-    refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST})
+    own.discard(JOURNAL)  # rewritten below, removed by the run that finishes
+    refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST, JOURNAL})
     # The journal claims the files before the manifest goes: if this is interrupted, a
     # re-run still knows they are packer's to remove.
     claim(dst, own)

@@ -351,8 +351,9 @@ def test_parts_then_merge(photo_src, tmp_path):
     want = dict(imagefolder_rule(photo_src)[2])
     assert list(read_labels(tmp_path / "all")) == [want[q] for q in flat]
     assert verify(tmp_path / "all", progress=False).ok
+    assert merge(parts, tmp_path / "all") == m  # the same merge again: done, unchanged
     with pytest.raises(PackerError, match="already holds a finished dataset"):
-        merge(parts, tmp_path / "all")
+        merge(parts[:2], tmp_path / "all")
     merge(parts[:2], tmp_path / "all", overwrite=True)
 
 

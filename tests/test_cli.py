@@ -79,7 +79,10 @@ def test_build_errors(photo_src, built, tmp_path):
 
 def test_build_overwrite(photo_src, tmp_path):
     invoke("build", photo_src, tmp_path / "d", "-q")
-    invoke("build", photo_src, tmp_path / "d", "-q", code=1)
+    before = read_manifest(tmp_path / "d")
+    invoke("build", photo_src, tmp_path / "d", "-q")  # the same build again: done, unchanged
+    assert read_manifest(tmp_path / "d") == before
+    invoke("build", photo_src, tmp_path / "d", "-q", "--shard-size", "2M", code=1)  # another
     res = invoke("build", photo_src, tmp_path / "d", "-q", "--overwrite", "--shard-size", "1M")
     assert re.match(SUMMARY, res.stdout).group(3) != "1"
     assert read_manifest(tmp_path / "d")["options"]["shard_size"] == 1 << 20

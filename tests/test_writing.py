@@ -387,6 +387,9 @@ def test_a_finished_dataset_needs_overwrite(jpegs, tmp_path):
     first = quiet_write(dst, samples_of(jpegs[:4])).manifest
     with pytest.raises(PackerError, match="already holds a finished dataset.*overwrite=True"):
         quiet_write(dst, samples_of(jpegs[:4], offset=10))
+    with pytest.raises(PackerError, match="already holds a finished dataset.*overwrite=True"):
+        quiet_write(dst, samples_of(jpegs[:3]))  # the same write's options, fewer samples
+    assert quiet_write(dst, samples_of(jpegs[:4])).manifest == first  # the same write: done
     assert read_manifest(dst)["build_id"] == first["build_id"]  # untouched
     assert [r["idx"] for r in records(dst)] == [0, 1, 2, 3]
     second = quiet_write(dst, samples_of(jpegs[:3], offset=10), overwrite=True).manifest

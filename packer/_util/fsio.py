@@ -160,7 +160,9 @@ class FolderLock:
                 if e.errno == errno.ELOOP:
                     raise PackerError(f"{path} is a symlink; packer locks only files it creates. "
                                       f"Remove it (it may have been planted) and re-run") from None
-                raise
+                why = _why_not_writable(self.folder) if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) \
+                    else e.strerror
+                raise PackerError(f"cannot lock {self.folder} ({path}): {why}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -171,8 +173,11 @@ class FolderLock:
             if _same_file(fd, path):
                 break
             os.close(fd)  # the holder removed the file as it finished: lock the new one
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, {self.what}\n".encode(), 0)
+        try:  # who holds it, for a second writer's message; a full disk only loses the note
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}, {self.what}\n".encode(), 0)
+        except OSError:
+            pass
         self.fd = fd
         return self
 

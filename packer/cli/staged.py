@@ -60,7 +60,7 @@ def stage(dst, target, remove, no_verify, quiet, storage_options, as_json):
 
 
 @click.command()
-@click.argument("target", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("target", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (target, removed, bytes_freed, ...).")
 @library_errors

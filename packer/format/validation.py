@@ -161,7 +161,7 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
             raise c.fail(f"categories[{k}]", "must be an object with an int id and a str name")
     c.dict(man, "options", "options", optional=True)
     c.dict(man, "staged", "staged", optional=True)
-    for key in ("source", "pil", "created", "packer_version", "build_id"):
+    for key in ("source", "pil", "created", "packer_version", "build_id", "fingerprint"):
         c.str(man, key, key, optional=True)
     return man
 

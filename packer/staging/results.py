@@ -70,6 +70,8 @@ class UnstageResult:
     removed_dir: bool
 
     def message(self) -> str:
+        if not self.removed and not self.removed_dir and not os.path.lexists(self.target):
+            return f"nothing to unstage: {self.target} does not exist (removed already?)"
         where = "and the folder" if self.removed_dir else "(the folder holds other files: kept)"
         return (f"removed {len(self.removed)} staged file(s) from {self.target} {where}; "
                 f"freed {human_size(self.bytes_freed)}")

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from .._util.system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
-from .._util.fsio import FolderLock, check_folder, fsync_dir, write_json_atomic
+from .._util.fsio import FolderLock, check_folder, fsync_dir, remove_own, write_json_atomic
 from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256, read_manifest, set_table, shard_file, side_tables
 from ..storage import RemoteDataset, is_url
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
@@ -81,7 +81,7 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     man = read_manifest(src) if isinstance(src, Path) else src.read_manifest()
     plan = staging_plan(src, man)
     name = os.path.basename(str(src.resolve()).rstrip("/")) or "data"  # a folder's or a URL's
-    check_folder(target, marks=(STAGE_MARKER, MANIFEST), leftovers=(STAGE_LOCK,),
+    check_folder(target, marks=(STAGE_MARKER, MANIFEST), leftovers=(STAGE_LOCK, STAGE_MARKER + ".tmp"),
                  fix=f"stage into a folder of its own, e.g. {target / name}")
     made = [p for p in [target] + list(target.absolute().parents) if not p.exists()]
     try:
@@ -104,6 +104,8 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     staged_manifest = _staged_manifest(src, man, plan)
     previous = previous_names(target)
     wanted = {f.name for f in plan} | {MANIFEST}
+    for name in [STAGE_MARKER + ".tmp"] + ([MANIFEST + ".tmp"] if previous else []):
+        remove_own(target, name)  # a killed run's temp files (the marker says they are ours)
 
     _refuse_foreign(target, wanted - previous)
     # What is already there and right, what must be (re)copied, what must go.

@@ -21,6 +21,8 @@ from .results import UnstageResult
 
 STAGE_MARKER = ".packer-stage.json"   # written first, kept: says "packer staged this folder"
 STAGE_LOCK = LOCK_NAME                # flock'ed while staging or unstaging: one at a time
+# All a stage killed before its marker, or an unstage killed after removing it, leaves.
+KILLED_LEFTOVERS = {STAGE_LOCK, STAGE_MARKER + ".tmp"}
 
 
 def unstage(target: os.PathLike) -> UnstageResult:
@@ -28,10 +30,13 @@ def unstage(target: os.PathLike) -> UnstageResult:
     ``stage`` created for it, each only if that leaves it empty.
 
     Refuses a folder that is not a staged packer dataset: a build output, or anything else,
-    is never deleted by this function.
+    is never deleted by this function. A missing ``target`` has nothing to remove: an unstage
+    killed after removing it is done, so its re-run succeeds (removing nothing).
     """
     target = Path(target)
     with vanishing(target):
+        if not os.path.lexists(target):
+            return UnstageResult(target=target, removed=[], bytes_freed=0, removed_dir=False)
         if not target.is_dir():
             raise PackerError(f"{target} is not a folder; nothing to unstage")
         if (target / MANIFEST).exists():
@@ -43,6 +48,11 @@ def unstage(target: os.PathLike) -> UnstageResult:
                 raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
                                   f"output?); unstage removes staged copies only")
         if not (target / STAGE_MARKER).exists():
+            if set(os.listdir(target)) <= KILLED_LEFTOVERS:  # a stage or unstage killed early/late
+                with FolderLock(target, f"packer unstage {target}"):
+                    removed = [n for n in sorted(KILLED_LEFTOVERS - {STAGE_LOCK}) if remove_own(target, n)]
+                return UnstageResult(target=target, removed=removed, bytes_freed=0,
+                                     removed_dir=remove_folders(target, 0))
             raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER}, "
                               f"which lists what staging wrote); refusing to delete anything there")
         with FolderLock(target, f"packer unstage {target}"):

@@ -153,12 +153,15 @@ class _Run:
         source = select(source, part=self.part, shuffle=o["shuffle"], seed=o["seed"])
         dst.mkdir(parents=True, exist_ok=True)
         with FolderLock(dst, f"packer build into {dst}"):
+            fp = journal.fingerprint(source, o)
             if (dst / MANIFEST).exists():
+                done = None if self.overwrite else journal.finished(dst, fp)
+                if done is not None:  # this very build finished: a re-run changes nothing
+                    return done, len(done["shards"])
                 if not self.overwrite:
                     raise PackerError(f"{dst} already holds a finished dataset; replace it with "
                                       f"overwrite=True")
                 journal.remove_dataset(dst, read_manifest(dst))
-            fp = journal.fingerprint(source, o)
             run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
                           shard_size=o["shard_size"], strict=o["strict"])
             resumed = len(run.shards)

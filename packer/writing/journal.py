@@ -19,7 +19,7 @@ import msgpack
 
 from .._util.fsio import LOCK_NAME, check_folder, fsync_dir, remove_own, write_json_atomic
 from ..errors import PackerError
-from ..format.manifest import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, side_tables
+from ..format.manifest import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, read_manifest, side_tables
 from ..format.validation import is_plain_name
 from ..sources.base import ImageList
 from .shard import disk_errors, existing_shard_ok
@@ -72,8 +72,9 @@ def remove_dataset(dst: Path, manifest: dict) -> None:
     own = {s["path"] for s in manifest["shards"] if is_plain_name(s["path"])}
     own |= {entry["path"] for _, entry, _ in side_tables(manifest)}
     own |= {n for n in packer_names(dst) if n.startswith(".") or n.endswith(".tmp")}
-    own.discard(JOURNAL)
-    refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST})
+    own |= claimed(dst)  # a journal left by a run killed after its manifest: its names too
+    own.discard(JOURNAL)  # rewritten below, removed by the run that finishes
+    refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST, JOURNAL})
     # The journal claims the files before the manifest goes: if this is interrupted, a
     # re-run still knows they are packer's to remove.
     claim(dst, own)
@@ -92,10 +93,11 @@ def claim(dst: Path, names: Iterable[str]) -> None:
 
 
 def claimed(dst: Path) -> set:
-    """Names this folder's journal says packer wrote (or is removing)."""
+    """Names this folder's journal says packer wrote (or is removing), with their temp files."""
     j = _read(dst / JOURNAL) or {}
     names = {s["path"] for s in j.get("shards", [])} | set(j.get("owned", []))
-    return {n for n in names if is_plain_name(n)} | {JOURNAL}
+    names = {n for n in names if is_plain_name(n)}
+    return names | {n + ".tmp" for n in names} | {JOURNAL}
 
 
 def load(dst: Path, fp: str) -> dict:
@@ -158,6 +160,16 @@ def save(dst: Path, fp: str, shards: List[dict], skipped: List[dict], next_entry
         write_json_atomic(dst / JOURNAL, {"fingerprint": fp, "shards": shards,
                                           "skipped": skipped, "dropped": list(dropped),
                                           "next_entry": next_entry})
+
+
+def finished(dst: Path, fp: str) -> Optional[dict]:
+    """The manifest in ``dst`` if the run with fingerprint ``fp`` wrote it (a re-run after a
+    kill that came once the dataset was complete), its leftovers removed; else None."""
+    man = read_manifest(dst)
+    if not fp or man.get("fingerprint") != fp:
+        return None
+    remove_leftovers(dst, {s["path"] for s in man["shards"]})
+    return man
 
 
 def remove_leftovers(dst: Path, keep: set) -> None:

@@ -8,6 +8,7 @@ renamed in, and the new manifest comes last.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
@@ -19,11 +20,11 @@ from typing import List, Optional, Sequence, Tuple
 from . import journal
 from .._util.fsio import FolderLock, remove_own, write_json_atomic
 from ..errors import FormatError, PackerError
-from ..format.manifest import MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, dataset_schema, read_manifest, shard_file, side_tables
+from ..format.manifest import FORMAT_VERSION, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, dataset_schema, read_manifest, shard_file, side_tables
 from .packing import new_manifest
 from ..format.tables import read_column, read_offsets, read_paths
 from ..format.lmdbfile import shard_records
-from .shard import write_table
+from .shard import disk_errors, write_table
 from ..storage.urls import is_url
 
 
@@ -125,7 +126,13 @@ def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
 
 
 def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwrite: bool) -> dict:
+    rels = [os.path.relpath(p.resolve(), dst.resolve()).replace(os.sep, "/") for p, _ in mans]
+    fp = hashlib.sha256(json.dumps([FORMAT_VERSION, rels, [m.get("build_id") for _, m in mans]])
+                        .encode()).hexdigest()  # the same parts, as built: the same merge
     if (dst / MANIFEST).exists():
+        done = None if overwrite else journal.finished(dst, fp)
+        if done is not None:  # this very merge finished: a re-run changes nothing
+            return done
         if not overwrite:
             raise PackerError(f"{dst} already holds a finished dataset; replace it with "
                               f"overwrite=True")
@@ -141,12 +148,11 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
             and all(k in {kk for kk, _, _ in side_tables(m)} for _, m in mans)]
     with_paths = all(m.get("paths") for _, m in mans)
     names = {k: name for k, _, name in side_tables(first)}
-    journal.claim(dst, [OFFSETS, PATHS_INDEX, PATHS_TEXT] + [names[k] for k in keys])  # re-runnable
+    journal.claim(dst, [OFFSETS, PATHS_INDEX, PATHS_TEXT, MANIFEST] + [names[k] for k in keys])  # re-runnable
     shards, skipped, dropped, offsets, part_dirs = [], [], [], array("Q"), []
     path_ends, path_text = array("Q"), bytearray()
     tables = {k: None for k in keys}
-    for p, m in mans:
-        rel = os.path.relpath(p.resolve(), dst.resolve()).replace(os.sep, "/")
+    for rel, (p, m) in zip(rels, mans):
         part_dirs.append(rel)
         for s in m["shards"]:
             shards.append(dict(s, path=os.path.normpath(os.path.join(rel, s["path"])).replace(os.sep, "/")))
@@ -190,7 +196,8 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         skipped=skipped, source=first.get("source", ""),
         options=dict(first.get("options") or {}, part=None,
                      merged_from=[str(p) for p, _ in mans]))
-    manifest["parts"] = part_dirs
-    write_json_atomic(dst / MANIFEST, manifest)
+    manifest["parts"], manifest["fingerprint"] = part_dirs, fp
+    with disk_errors(dst / MANIFEST):
+        write_json_atomic(dst / MANIFEST, manifest)
     remove_own(dst, journal.JOURNAL)  # the overwrite's claim, if any: done
     return manifest

@@ -140,7 +140,7 @@ class Packing:
                     self.add_row(rec, rec["path"], rec["width"], rec["height"])
 
     def finish(self, *, classes: List[str], source: str, options: dict,
-               extra: Optional[dict] = None) -> dict:
+               extra: Optional[dict] = None, fingerprint: Optional[str] = None) -> dict:
         """Side tables, then the manifest (last: it makes the dataset complete)."""
         if not self.count:
             if self.skipped:
@@ -174,6 +174,7 @@ class Packing:
             skipped=[{"path": s["path"], "reason": s["reason"]} for s in self.skipped],
             source=source, options=options, schema=self.schema, columns=columns,
             dropped=self.dropped, extra=extra, **tables)
+        manifest["fingerprint"] = fingerprint or self.fingerprint  # a re-run knows its own dataset
         with disk_errors(self.dst / MANIFEST):
             write_json_atomic(self.dst / MANIFEST, manifest)
         return manifest

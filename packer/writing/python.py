@@ -91,6 +91,7 @@ class DatasetWriter:
         self.entry = 0  # samples seen
         self.digest = hashlib.sha256()
         self.run: Optional[Packing] = None
+        self.done: Optional[dict] = None  # the manifest a finished run of the same write left
         self.resumed_shards = 0
         self.dst.mkdir(parents=True, exist_ok=True)
         self.lock = FolderLock(self.dst, f"packer.write into {self.dst}")
@@ -103,15 +104,19 @@ class DatasetWriter:
         problem = detection_problem(self.schema) if self.task == "detection" else ""
         if problem:
             raise PackerError(f"a detection dataset {problem}")
-        if (self.dst / MANIFEST).exists():
-            if not self.overwrite:
-                raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
-                                  f"overwrite=True")
-            journal.remove_dataset(self.dst, read_manifest(self.dst))
         specs = [f.spec() for f in self.schema]
         self.fingerprint = hashlib.sha256(json.dumps(
             [FORMAT_VERSION, specs, self.task, self.classes, self.options],
             sort_keys=True).encode()).hexdigest()
+        if (self.dst / MANIFEST).exists():
+            man = read_manifest(self.dst)
+            if not self.overwrite and str(man.get("fingerprint")).startswith(self.fingerprint + ":"):
+                self.done = man  # the same write may have finished: finish() compares the samples
+                return
+            if not self.overwrite:
+                raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
+                                  f"overwrite=True")
+            journal.remove_dataset(self.dst, man)
         if self.overwrite and (self.dst / journal.JOURNAL).is_file():  # an interrupted write
             state = journal.restart(self.dst, self.fingerprint)
         else:
@@ -129,7 +134,7 @@ class DatasetWriter:
         if not isinstance(sample, dict) or "image" not in sample:
             raise PackerError(f"sample {self.entry} must be a dict with an 'image' (bytes, a path "
                               f"or a PIL image), got {type(sample).__name__}")
-        if self.run is None:
+        if self.run is None and self.done is None:
             self._open(sample)
         i = self.entry
         self.entry += 1
@@ -142,6 +147,9 @@ class DatasetWriter:
                               f"(0..{label}); name them with classes=[...] (without it, labels "
                               f"must stay below {DEFAULT_MAX_CLASSES:,})")
         digest = sample_digest(data, self.schema, values, i, path)
+        if self.done is not None:
+            self.digest.update(digest)
+            return
         if i < self.replay:  # packed by the interrupted run: only checked to be the same
             self.digest.update(digest)
             if i + 1 == self.replay and self.digest.hexdigest() != self.want_digest:
@@ -166,6 +174,8 @@ class DatasetWriter:
 
     def finish(self) -> dict:
         """Store what is queued, write tables and manifest; the dataset's manifest."""
+        if self.done is not None:
+            return self._finished()
         if self.run is None:
             raise PackerError("no samples were added; no dataset was written")
         if self.entry < self.replay:
@@ -178,10 +188,25 @@ class DatasetWriter:
         if classes is None:
             labels = self.run.labels
             classes = [str(i) for i in range(max(labels) + 1)] if len(labels) else []
-        manifest = self.run.finish(classes=classes, source="packer.write", options=self.options)
+        manifest = self.run.finish(classes=classes, source="packer.write", options=self.options,
+                                   fingerprint=self._final_fingerprint())
         journal.remove_leftovers(self.dst, {s["path"] for s in manifest["shards"]})
         self.close()
         return manifest
+
+    def _final_fingerprint(self) -> str:
+        return f"{self.fingerprint}:{self.entry}:{self.digest.hexdigest()}"
+
+    def _finished(self) -> dict:
+        """A re-run of a write that had finished (killed after its manifest): the same samples
+        leave the dataset as it is; others are refused, as for any finished dataset."""
+        done = journal.finished(self.dst, self._final_fingerprint())
+        self.close()
+        if done is None:
+            raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
+                              f"overwrite=True")
+        self.resumed_shards = len(done["shards"])
+        return done
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -346,8 +346,11 @@ def test_unstage_refuses_what_it_did_not_stage(dst, tmp_path):
     (plain / "x").write_text("x")
     with pytest.raises(PackerError, match="not a staged packer dataset"):
         unstage(plain)
+    gone = unstage(tmp_path / "missing")  # nothing there: an unstage killed at its end is done
+    assert gone.removed == [] and not gone.removed_dir and not (tmp_path / "missing").exists()
+    (tmp_path / "afile").write_text("x")
     with pytest.raises(PackerError, match="not a folder"):
-        unstage(tmp_path / "missing")
+        unstage(tmp_path / "afile")
 
 
 # -- several GPUs per node -------------------------------------------------------------------

@@ -46,6 +46,20 @@ def pytest_unconfigure(config):
 
 OLD_TMPDIR = pytest.StashKey()
 
+# Files the default run leaves to `pytest -m slow` (the README's second command; CI runs
+# both): their tests start interpreters or run scripts end to end, seconds each (importing
+# torch alone takes ~4 s on 2 cores). Single slow tests carry @pytest.mark.slow themselves.
+SLOW_FILES = {"test_snippets.py", "test_install.py", "test_train_example.py",
+              "test_distributed_recipes.py", "test_loader_exit.py", "test_platforms.py",
+              "test_hostile_lmdb.py", "test_gpu_worker.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.name in SLOW_FILES or path.parent.name == "benchmarks":
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def photos():

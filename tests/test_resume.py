@@ -294,9 +294,9 @@ def finished_shards(dst) -> int:
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_and_resumes(photo_src, tmp_path):
-    src = big_tree(tmp_path, photo_src, copies=8)
+    src = big_tree(tmp_path, photo_src, copies=16)
     dst = tmp_path / "d"
-    proc = start_build(src, dst)
+    proc = start_build(src, dst, "--workers", "1")  # one worker: the build outlasts the signal
     deadline = time.time() + 30
     while not finished_shards(dst) and time.time() < deadline:  # after a finished shard
         time.sleep(0.01)

@@ -16,7 +16,7 @@ def test_dry_run_end_to_end(tmp_path):
                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
-    variants = ("packer", "packer_pinned3", "packer_cpu")
+    variants = ("packer", "packer_pinned3", "packer_plain2", "packer_cpu")
     assert res["data"]["images"] == 160 and res["baseline"] == "packer"  # no DALI here
     assert set(res["skipped"]) == {"dali", "dali_hw99"}
     assert [sorted(o) for o in res["order"]] == [sorted(variants)] * 2

@@ -361,6 +361,19 @@ def test_disk_full_stops_clearly_keeps_shards_and_resumes(photo_src, tiny_disk, 
     assert_one_record_per_image(dst, photo_src)
 
 
+def test_disk_full_at_a_shards_first_page_leaves_no_temp_file(tiny_disk):
+    # the disk fills between creating the shard's temp file and LMDB's first write (its meta
+    # pages): the constructor fails, no caller holds a writer to abort, so it cleans up itself
+    with open(tiny_disk / "filler", "wb") as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+    with pytest.raises(PackerError, match="disk full while writing"):
+        ShardWriter(tiny_disk / "shard-00000.lmdb", expected_bytes=1 << 20)
+    assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
+
+
 def test_disk_full_is_a_packer_error_in_the_library(photo_src, tiny_disk):
     with pytest.raises(PackerError, match=r"disk full while writing .*MiB free\)\. Shards finished "
                                           r"before this one are kept"):

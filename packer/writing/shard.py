@@ -28,11 +28,16 @@ class ShardWriter:
         self.map_size = max(MIN_MAP, int(expected_bytes * 1.25))
         # meminit=True: zero page tails before writing them. Without it LMDB writes stale heap
         # bytes into the file, so shards differ from build to build (and leak memory contents).
+        self.env = None
         with disk_errors(self.path):
             open_new(self.partial).close()  # LMDB then opens this new file, not a planted link
-            self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
-                                 sync=False, metasync=False, readahead=False, meminit=True,
-                                 max_dbs=0, lock=False)
+            try:  # a full disk can fail the open itself: then no caller holds us to abort()
+                self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
+                                     sync=False, metasync=False, readahead=False,
+                                     meminit=True, max_dbs=0, lock=False)
+            except BaseException:
+                self.partial.unlink(missing_ok=True)
+                raise
         self.count = 0
         self.bytes = 0  # record bytes appended (payload, not file size)
         self._pending: List[Tuple[bytes, bytes]] = []

@@ -174,29 +174,45 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool
 
 def _copy(todo: List[StagedFile], target: Path, verify: bool, progress: bool,
           result: StageResult) -> None:
-    """Copy file k+1 while a second thread re-reads and checks file k. If a copy fails (or
-    Ctrl-C), the checks already queued still finish, so a re-run keeps those files. The bar
-    counts the data once: with ``verify`` its copy and its check are half each."""
+    """Copy file k+1 while a second thread re-reads and checks file k (object storage: several
+    files at once, ``files_at_once``). If a copy fails (or Ctrl-C), the checks already queued
+    still finish, so a re-run keeps those files. The bar counts the data once: with
+    ``verify`` its copy and its check are half each."""
     bar = _bar(progress, sum(f.bytes for f in todo), f"staging to {target.name or target}")
     share = (lambda n: bar.update(n / 2)) if verify else bar.update
     checks: List[Tuple[StagedFile, Future]] = []
+    copier = ThreadPoolExecutor(files_at_once(todo))
     try:
         with ThreadPoolExecutor(1) as checker:
-            for f in todo:
-                tmp = copy_file(f, target, share)
-                checks.append((f, checker.submit(check_and_rename, f, tmp, target,
+            copies = [copier.submit(copy_file, f, target, share) for f in todo]
+            for f, tmp in zip(todo, copies):
+                checks.append((f, checker.submit(check_and_rename, f, tmp.result(), target,
                                                  share if verify else None)))
             for f, fut in checks:
                 fut.result()
                 result.copied.append(f.name)
                 result.bytes_copied += f.bytes
     except BaseException:
+        copier.shutdown(wait=True, cancel_futures=True)
         for p in target.glob("." + "*" + TMP_SUFFIX):
             p.unlink(missing_ok=True)
         raise
     finally:
+        copier.shutdown()
         bar.close()
     fsync_dir(target)
+
+
+def files_at_once(todo: List[StagedFile]) -> int:
+    """1 for local files (one sequential read is the disk's best); from object storage, as many
+    as keep about ``packer_parallel`` ranged GETs busy (a 64 MiB shard has only 8 parts of 8
+    MiB), at most 8, so memory stays that of one large file."""
+    remote = [f.src for f in todo if not isinstance(f.src, Path)]
+    if not remote:
+        return 1
+    t = remote[0].dataset.store.transfer
+    parts = max(1, -(-max(f.bytes for f in todo) // t.part_size))
+    return max(1, min(8, t.parallel // parts))
 
 
 def staging_plan(src: Path, man: dict) -> List[StagedFile]:

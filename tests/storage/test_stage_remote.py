@@ -142,3 +142,17 @@ def test_missing_client_and_unknown_protocol(tmp_path, monkeypatch):
     with pytest.raises(PackerError, match="nosuchproto"):
         stage("nosuchproto://x/ds", tmp_path / "t", progress=False)
     assert not (tmp_path / "t").exists()
+
+
+def test_files_at_once_keeps_the_ranged_gets_busy_without_growing_memory(tmp_path):
+    from packer.staging.copy import StagedFile
+    from packer.staging.stager import files_at_once
+    from packer.storage import RemoteDataset
+
+    ds = RemoteDataset("s3://bucket/ds", {"packer_part_size": 8 << 20, "packer_parallel": 16,
+                                          "anon": True})
+    remote = lambda mib: StagedFile("x", ds / "x", mib << 20, None, "shard")  # noqa: E731
+    assert files_at_once([remote(64), remote(64)]) == 2      # 8 parts each: two files fill 16
+    assert files_at_once([remote(4)] * 20) == 8               # one part each: at most 8 files
+    assert files_at_once([remote(1024), remote(8)]) == 1      # the largest file sets it
+    assert files_at_once([StagedFile("x", tmp_path / "x", 1 << 20, None, "shard")]) == 1

@@ -2,18 +2,22 @@
 
 The state is (seed, epoch, global samples consumed) and rank ``r`` of ``W`` takes positions
 ``consumed + r, consumed + r + W, ...``, so any world size continues the same global
-sequence. ``order="block"`` reads windows of consecutive blocks for slow disks
+sequence. ``order="block"`` reads windows of consecutive blocks for slow disks;
+``order="node"`` gives each node its own shards, for a shard cache smaller than the data
 (docs/sampling.md)."""
 from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Any, Dict, Iterator, Optional, Sized
+import os
+from typing import Any, Dict, Iterator, List, Optional, Sized, Tuple
 
 import torch
 from torch.utils.data import Sampler
 
-ORDERS = ("random", "block")
+from .nodeorder import node_order
+
+ORDERS = ("random", "block", "node")
 _CHUNK = 8192  # indices converted to Python ints at a time: never a whole-epoch list
 
 
@@ -34,6 +38,8 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
         raise ValueError(f"block_size and window must be >= 1, got {block_size} and {window}")
     if not shuffle or n == 0:
         return torch.arange(n, dtype=torch.int64)
+    if order == "node":
+        raise ValueError("order='node' needs the dataset's shards: use PackedSampler")
     g = torch.Generator().manual_seed(seed_for(seed, epoch))
     if order == "random":
         return torch.randperm(n, generator=g)
@@ -106,6 +112,18 @@ def resolve_world(num_replicas: Optional[int], rank: Optional[int]):
     return num_replicas, rank
 
 
+def node_size(world: int, ranks_per_node: Optional[int]) -> int:
+    """Ranks per node for the node order: as given, else torchrun's ``LOCAL_WORLD_SIZE`` when
+    it divides ``world``, else 1."""
+    if ranks_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        ranks_per_node = int(local) if local.isdigit() and int(local) > 0 else 1
+        ranks_per_node = ranks_per_node if world % ranks_per_node == 0 else 1
+    if ranks_per_node < 1 or world % ranks_per_node:
+        raise ValueError(f"ranks_per_node must divide the world size {world}, got {ranks_per_node}")
+    return int(ranks_per_node)
+
+
 def rank_count(n: int, start: int, num_replicas: int, drop_last: bool) -> int:
     """Samples each rank gets for the global positions ``start..`` of an ``n``-sample epoch."""
     left = max(0, n - start)
@@ -121,7 +139,13 @@ class PackedSampler(Sampler[int]):
         seed: with the epoch, fixes the order on every machine. Use the same on all ranks.
         num_replicas / rank: default to torch.distributed's (1 and 0 when not initialised).
         drop_last: every rank gets ``n // W`` samples; otherwise pad to ``ceil(n / W)``.
-        order / block_size / window: ``"random"``, or ``"block"`` for slow disks.
+        order / block_size / window: ``"random"``; ``"block"`` for slow disks (``window``
+            blocks at a time, default 16); ``"node"`` for a shard cache smaller than the
+            data: each node reads its own share of the shards, ``window`` (default 2) at a
+            time, the shares moving every epoch, and the shards it will read next are
+            prefetched into the dataset's cache.
+        ranks_per_node: with ``order="node"``: default ``LOCAL_WORLD_SIZE`` (torchrun's)
+            when it divides the world size, else 1 (each rank its own share).
         aspect_groups / batch_size: every batch of ``batch_size`` holds one aspect group
             (torchvision's ``GroupedBatchSampler``), from the width/height columns.
 
@@ -133,8 +157,9 @@ class PackedSampler(Sampler[int]):
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
                  num_replicas: Optional[int] = None, rank: Optional[int] = None,
                  drop_last: bool = False, order: str = "random", *,
-                 block_size: int = 256, window: int = 16, aspect_groups: Optional[int] = None,
-                 batch_size: Optional[int] = None):
+                 block_size: int = 256, window: Optional[int] = None,
+                 aspect_groups: Optional[int] = None, batch_size: Optional[int] = None,
+                 ranks_per_node: Optional[int] = None):
         self.mixture = dataset if hasattr(dataset, "epoch_order") else None
         self.size = dataset.epoch_size if self.mixture is not None else len(dataset)
         if self.mixture is not None and order != "random":
@@ -152,8 +177,19 @@ class PackedSampler(Sampler[int]):
         self.aspect_groups, self.batch_size = aspect_groups, batch_size
         self.num_replicas, self.rank = resolve_world(num_replicas, rank)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        window = (2 if order == "node" else 16) if window is None else window
         self.order, self.block_size, self.window = order, int(block_size), int(window)
         global_order(0, order=order, block_size=self.block_size, window=self.window)  # validate
+        self.counts, self.cache, self.layout = None, None, None
+        if order == "node":
+            shards = getattr(dataset, "manifest", {}).get("shards")
+            if shards is None or self.mixture is not None:
+                raise ValueError("order='node' needs a PackedDataset (its shards are what "
+                                 "nodes divide)")
+            self.counts = [int(s["count"]) for s in shards]
+            self.cache = getattr(getattr(dataset, "reader", None), "cache", None)
+            self.layout = (self.num_replicas, node_size(self.num_replicas, ranks_per_node))
+        self._resumed_layout = None  # (epoch, layout) of a state saved at another world size
         self.epoch = 0
         self._start = 0     # global position the next __iter__ starts at (set by a resume)
         self._consumed = 0  # global position reached by the live iterator (for state_dict)
@@ -169,6 +205,11 @@ class PackedSampler(Sampler[int]):
         if self._cache is None or self._cache[:2] != (self.epoch, self.seed):
             if self.mixture is not None:
                 perm = self.mixture.epoch_order(self.seed, self.epoch, self.shuffle)
+            elif self.order == "node" and self.shuffle:
+                world, per_node = self.epoch_layout()
+                perm = node_order(self.counts, world=world, per_node=per_node,
+                                  window=self.window, generator=torch.Generator().manual_seed(
+                                      seed_for(self.seed, self.epoch)))
             else:
                 perm = global_order(self.size, seed=self.seed, epoch=self.epoch,
                                     shuffle=self.shuffle, order=self.order,
@@ -178,6 +219,13 @@ class PackedSampler(Sampler[int]):
                                      seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
             self._cache = (self.epoch, self.seed, perm)
         return self._cache[2]
+
+    def epoch_layout(self):
+        """(world size, ranks per node) that shape this epoch's node order: a resumed epoch
+        keeps the layout it started with, so every sample is still seen once."""
+        if self._resumed_layout is not None and self._resumed_layout[0] == self.epoch:
+            return self._resumed_layout[1]
+        return self.layout
 
     def __len__(self) -> int:
         return rank_count(self.size, self._start, self.num_replicas, self.drop_last)
@@ -193,13 +241,31 @@ class PackedSampler(Sampler[int]):
 
     def _iterate(self, perm, start: int, w: int, count: int) -> Iterator[int]:
         first = start + self.rank
+        ahead = self._prefetch_plan(perm, first, w, count)
         for lo in range(0, count, _CHUNK):
             hi = min(count, lo + _CHUNK)
             pos = torch.arange(first + lo * w, first + hi * w, w) % self.size
             for i, index in enumerate(perm[pos].tolist(), lo + 1):
+                while ahead and ahead[-1][0] <= i:
+                    self.cache.prefetch([ahead.pop()[1]])
                 self._consumed = start + i * w
                 yield index
         self._start = 0  # a finished pass: the next one starts the (next) epoch from the top
+
+    def _prefetch_plan(self, perm, first: int, w: int, count: int) -> List[Tuple[int, int]]:
+        """With ``order="node"`` through a shard cache: (position, shard) pairs, last first: at
+        that many samples into this pass, fetch that shard (about one window before this rank
+        first reads it)."""
+        if self.cache is None or not count or self.size == 0:
+            return []
+        ends = torch.tensor(self.counts, dtype=torch.int64).cumsum(0)
+        pos = torch.arange(first, first + count * w, w) % self.size
+        shard = torch.searchsorted(ends, perm[pos], right=True)
+        at = torch.full((len(self.counts),), count, dtype=torch.int64)
+        at.scatter_reduce_(0, shard, torch.arange(count), reduce="amin")
+        lead = max(1, self.window * count // len(self.counts))  # one window of this rank's
+        plan = sorted((max(0, int(p) - lead), k) for k, p in enumerate(at.tolist()) if p < count)
+        return plan[::-1]
 
     @property
     def start(self) -> int:
@@ -230,6 +296,8 @@ class PackedSampler(Sampler[int]):
         state = {"seed": self.seed, "epoch": self.epoch, "consumed": int(consumed), "size": self.size}
         if self.mixture is not None:  # what, with seed and epoch, fixes a mixture's order
             state["mixture"] = self.mixture.layout
+        if self.order == "node":  # and for the node order, the world it was laid out for
+            state["layout"] = list(self.epoch_layout())
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -251,6 +319,9 @@ class PackedSampler(Sampler[int]):
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, got {consumed}")
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        if self.order == "node" and "layout" in state:
+            self._resumed_layout = (self.epoch, tuple(state["layout"]))
+            self._cache = None
         # Saved after the epoch's last sample: the next pass is empty (the epoch is done; a
         # resumed loop that iterated it again would see every sample twice), the one after
         # starts from the top, and set_epoch(epoch + 1) starts the next epoch at once.
@@ -258,6 +329,7 @@ class PackedSampler(Sampler[int]):
 
     def __repr__(self) -> str:
         extra = f", block_size={self.block_size}, window={self.window}" if self.order == "block" else ""
+        extra += f", window={self.window}, layout={self.layout}" if self.order == "node" else ""
         return (f"PackedSampler(size={self.size}, rank={self.rank}/{self.num_replicas}, "
                 f"order={self.order!r}, shuffle={self.shuffle}, seed={self.seed}, "
                 f"epoch={self.epoch}, drop_last={self.drop_last}{extra})")

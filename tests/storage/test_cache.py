@@ -111,3 +111,19 @@ def test_prefetch_in_the_background(s3, remote, tmp_path):
     cache.shard_path(0)
     assert cache.hits >= 1 and cache.downloads == len(cache)
     cache.close()
+
+
+def test_the_node_order_prefetches_the_shards_its_rank_reads(s3, remote, tmp_path):
+    import torch
+    from packer import PackedDataset, PackedSampler
+
+    ds = PackedDataset(remote, cache_dir=tmp_path / "cache", storage_options=s3["options"])
+    cache = ds.reader.cache
+    sampler = PackedSampler(ds, order="node", num_replicas=2, rank=0, ranks_per_node=1, seed=1)
+    ends = torch.tensor([s["count"] for s in ds.manifest["shards"]]).cumsum(0)
+    wanted = {int(torch.searchsorted(ends, torch.tensor(i), right=True)) for i in sampler}
+    cache.close()  # waits for the prefetches the sampler started
+    assert 0 < len(wanted) < len(cache)  # this rank's node reads its share of the shards
+    fetched = {k for k, s in enumerate(cache.manifest["shards"])
+               if (cache.root / s["path"]).exists()}
+    assert fetched == wanted and cache.downloads == len(wanted)

@@ -93,14 +93,8 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
                         size=size, cuda=cuda, model=model, repeats=repeats,
                         seconds_per_variant=seconds, max_images=max_images, cold_cache=not warm,
                         progress=not quiet, figure_images=figure_images)
-    click.echo(rep.header())
-    click.echo()
-    click.echo(rep.table())
-    click.echo()
-    if rep.figures_text():
-        click.echo(rep.figures_text())
-        click.echo()
-    click.echo(f"Verdict: {rep.verdict()}")
+    parts = [rep.header(), rep.table(), rep.figures_text(), f"Verdict: {rep.verdict()}"]
+    click.echo("\n\n".join(filter(None, parts)))  # no figures: no paragraph
     if json_file is not None:
         rep.write_json(json_file)
         click.echo(f"wrote {json_file}")

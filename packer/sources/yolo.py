@@ -15,7 +15,8 @@ import yaml
 from ..errors import PackerError
 from .._util.fsio import read_file
 from .._util.text import is_utf8
-from .base import IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, is_image_file, read_data, show, utf8_text, walk_files
+from .base import (IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, read_data, show,
+                   utf8_text, walk_files)
 from .coco import coco_schema
 
 
@@ -72,7 +73,8 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
     if labels_root.resolve() in names_path.parents:  # a classes.txt beside the labels
         label_files.discard(names_path.relative_to(labels_root.resolve()).as_posix())
     shown_root = labels_root.resolve().name or str(labels_root)
-    chosen, claimed = match_labels(walk_files(root, is_image_file), label_files)
+    images = walk_files(root, lambda f: f.lower().endswith(IMG_EXTENSIONS))
+    chosen, claimed = match_labels(images, label_files)
     parsed: Dict[str, Any] = {}
     rows, dropped = [], []
     for k, (rel, label_rel, problem) in enumerate(chosen):

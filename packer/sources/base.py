@@ -206,12 +206,13 @@ def relative_path(rel: Any) -> Tuple[str, str]:
 
 
 def walk_files(root: Path, want) -> List[str]:
-    """Relative posix paths of the files ``want`` accepts, in ImageFolder's walk order
-    (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning."""
+    """Relative posix paths of the files whose full path ``want`` accepts, in ImageFolder's walk
+    order (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning."""
     found = []
     for dirpath, dirnames, fnames in sorted(walk(root)):
         rel_dir = os.path.relpath(dirpath, root)
-        found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames) if want(f))
+        found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames)
+                     if want(os.path.join(dirpath, f)))
     return found
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..errors import PackerError
 from .._util.text import is_utf8, printable
 from .base import (DEFAULT_MAX_CLASSES, IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source,
-                   class_labels, read_text, walk)
+                   class_labels, read_text, walk_files)
 
 
 class ImageFolder(Source):
@@ -97,13 +97,9 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
     entries: List[Tuple[str, int]] = []
     empty = []
     for label, cls in enumerate(classes):
-        before = len(entries)
-        for dirpath, _, fnames in sorted(walk(root / cls)):
-            rel_dir = os.path.relpath(dirpath, root)
-            for fname in sorted(fnames):
-                if is_valid_file(os.path.join(dirpath, fname)):
-                    entries.append((Path(rel_dir, fname).as_posix(), label))
-        if len(entries) == before:
+        found = walk_files(root / cls, is_valid_file)
+        entries.extend((Path(cls, rel).as_posix(), label) for rel in found)
+        if not found:
             empty.append(cls)
             if allow_empty:
                 warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "

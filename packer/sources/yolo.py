@@ -78,17 +78,16 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
     parsed: Dict[str, Any] = {}
     rows, dropped = [], []
     for k, (rel, label_rel, problem) in enumerate(chosen):
-        row: Dict[str, Any] = {"image_id": k, "boxes": [], "labels": []}
         if label_rel is not None and label_rel not in parsed:
             parsed[label_rel] = parse_label_file(labels_root / label_rel,
                                                  f"{shown_root}/{label_rel}", len(classes), rules)
         result = problem or parsed.get(label_rel, ([], [], []))
         if isinstance(result, str):
-            row = {"image_id": k, "reject": result}
-        else:
-            row["boxes"], row["labels"], reasons = result
-            dropped.extend({"path": rel, "reason": r} for r in reasons)
-        rows.append(row)
+            rows.append({"image_id": k, "reject": result})
+            continue
+        boxes, labels, reasons = result
+        rows.append({"image_id": k, "boxes": boxes, "labels": labels})
+        dropped.extend({"path": rel, "reason": r} for r in reasons)
     dropped.extend({"path": f"{shown_root}/{lab}", "reason": "no image for this label file"}
                    for lab in sorted(label_files - claimed))
     if not rows:

@@ -125,9 +125,8 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
                                "cluster CPU)")
     source = build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
                           label_column, allow_empty, extensions, max_classes)
-    transcode = None
-    if max_side or short_side or quality:
-        transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
+    transcode = (Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
+                 if max_side or short_side or quality else None)
     if not isinstance(dst, Path):  # a URL
         from ..storage.destination import Destination
         dst = Destination(dst, storage_options)

@@ -215,14 +215,9 @@ def column_names(file: Path, records, label: Optional[str]) -> List[str]:
 
 
 def kind(v: Any) -> str:
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, int):
-        return "int"
-    if isinstance(v, float):
-        return "float"
-    if isinstance(v, str):
-        return "str"
+    """The value's type in a column's terms; JSON and CSV give exactly these Python types."""
+    if type(v) in (bool, int, float, str):
+        return type(v).__name__
     if isinstance(v, list):
         if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             return "list of int"  # an empty list too: it fits a float list as well

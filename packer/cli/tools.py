@@ -12,7 +12,7 @@ from .common import library_errors
               help="Also ask torch for a GPU (imports torch: a few seconds).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (packer, python, pil, pil_summary, torch, cuda, "
-                   "triton, optional, polygons_c, cores, cpu_count).")
+                   "triton, optional, cores, cpu_count).")
 def doctor(cuda, as_json):
     """Show the environment packer runs in: PIL flavour (Pillow-SIMD or Pillow), libjpeg-turbo,
     torch (and with --cuda its GPU), Triton and the other optional packages, cores. Imports no

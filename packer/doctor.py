@@ -76,8 +76,7 @@ def format_doctor(d: Dict[str, object]) -> str:
         lines.append("triton   not available: GPU decoding needs it for its fused augment kernel "
                      "(pip install triton); the CPU path does not")
     optional = d.get("optional") or {}
-    missing = [name for name in OPTIONAL if name != "triton" and not optional.get(name)]
-    for name in missing:
-        lines.append(f"{name:<8} not installed: {OPTIONAL[name][1]} (for {OPTIONAL[name][0]})")
+    lines += [f"{name:<8} not installed: {hint} (for {what})" for name, (what, hint)
+              in OPTIONAL.items() if name != "triton" and not optional.get(name)]
     lines.append(f"cores    {d['cores']} usable of {d['cpu_count']}")
     return "\n".join(lines)

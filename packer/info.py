@@ -66,25 +66,22 @@ def format_info(i: dict, max_classes: int = 20) -> str:
         lines.append("classes:")
         rows = list(zip(range(len(i["classes"])), i["classes"],
                         i.get("class_counts") or [None] * len(i["classes"])))
-    for n, (label, c, k) in enumerate(rows):
-        if n == max_classes:
-            lines.append(f"  ... {len(rows) - max_classes} more (see --json)")
-            break
-        lines.append(f"  {p(label):>5}  {p(c)}  {k if k is not None else ''}".rstrip())
+    lines += [f"  {p(label):>5}  {p(c)}  {k if k is not None else ''}".rstrip()
+              for label, c, k in rows[:max_classes]]
+    if len(rows) > max_classes:
+        lines.append(f"  ... {len(rows) - max_classes} more (see --json)")
     lines.append("shards:")
     for s in i["shards"]:
         lines.append(f"  {p(s['path'])}  {s['count']} records  {human_size(s['bytes'])}")
     lines.append(f"skipped: {len(i['skipped'])}")
-    for s in i["skipped"][:10]:
-        lines.append(f"  {p(s['path'])}: {p(s['reason'])}")
+    lines += [f"  {p(s['path'])}: {p(s['reason'])}" for s in i["skipped"][:10]]
     if len(i["skipped"]) > 10:
         lines.append(f"  ... {len(i['skipped']) - 10} more (see --json)")
     if i.get("skipped_empty"):
         lines.append(f"left out (--skip-empty): {i['skipped_empty']} images without annotations")
     if i["dropped_count"]:
         lines.append(f"annotations dropped (images kept): {i['dropped_count']}")
-        for d in i["dropped"][:10]:
-            lines.append(f"  {p(d['path'])}: {p(d['reason'])}")
+        lines += [f"  {p(d['path'])}: {p(d['reason'])}" for d in i["dropped"][:10]]
     return "\n".join(lines)
 
 

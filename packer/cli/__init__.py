@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import click
 
+from . import data, staged, tools
 from .common import Size, library_errors, version_line
 
 __all__ = ["Size", "library_errors", "main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(commands=data.COMMANDS + staged.COMMANDS + tools.COMMANDS,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True,
               callback=lambda ctx, _, v: v and not ctx.resilient_parsing and (click.echo(version_line()), ctx.exit()),
               help="Show packer's version and which PIL it decodes with, then exit.")
@@ -32,12 +34,3 @@ def main():
     which PIL (Pillow or Pillow-SIMD) this environment decodes with.
     """
 
-
-def _register() -> None:
-    from . import data, staged, tools
-    for module in (data, staged, tools):
-        for command in module.COMMANDS:
-            main.add_command(command)
-
-
-_register()

@@ -16,11 +16,9 @@ from .. import __version__
 from ..errors import PackerError
 from .._util.text import terminal_text
 
-SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-              "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30,
-              "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
-
-
+# "", "B", then K, KB, KIB ... T, TB, TIB: powers of 1024
+SIZE_UNITS = {"": 1, "B": 1, **{p + s: 1 << 10 * i for i, p in enumerate("KMGT", 1)
+                                for s in ("", "B", "IB")}}
 SIZE_TEXT = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)([A-Z]*)\Z")
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from ..errors import PackerError
 from .._util.text import json_text, printable, terminal_text
 from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_lines
 
@@ -124,9 +125,8 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
                                "cluster CPU)")
     source = build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
                           label_column, allow_empty, extensions, max_classes)
-    transcode = None
-    if max_side or short_side or quality:
-        transcode = Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
+    transcode = (Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
+                 if max_side or short_side or quality else None)
     if not isinstance(dst, Path):  # a URL
         from ..storage.destination import Destination
         dst = Destination(dst, storage_options)
@@ -182,7 +182,6 @@ FLAG_WORDS = [(r"ImageFolder\(root, allow_empty=True\)", "--allow-empty"),
 @contextlib.contextmanager
 def flag_words():
     """A PackerError from the build with the sources' argument names as flags."""
-    from ..errors import PackerError
     try:
         yield
     except PackerError as e:
@@ -197,7 +196,6 @@ def flag_words():
 def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
                  label_column, allow_empty, extensions, max_classes=None):
     """The ``packer.sources`` object the build's flags name (an ImageFolder when none)."""
-    from ..errors import PackerError
     from ..sources import Coco, FileList, ImageFolder, Table, Yolo
     chosen = [flag for flag, value in (("--list", list_file), ("--coco", coco), ("--yolo", yolo),
                                        ("--meta", meta)) if value is not None]

@@ -50,12 +50,11 @@ def stage(dst, target, remove, no_verify, quiet, storage_options, as_json):
         if target is not None:
             raise click.UsageError("--remove takes only the staged folder: packer stage --remove TARGET")
         res = run_unstage(dst)
-        click.echo(result_json(res) if as_json else res.message())
-        return
-    if target is None:
+    elif target is None:
         raise click.UsageError("missing TARGET: packer stage DST TARGET")
-    res = run_stage(dst, target, progress=not (quiet or as_json), verify=not no_verify,
-                    storage_options=storage_options or None)
+    else:
+        res = run_stage(dst, target, progress=not (quiet or as_json), verify=not no_verify,
+                        storage_options=storage_options or None)
     click.echo(result_json(res) if as_json else res.message())
 
 

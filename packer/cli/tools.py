@@ -12,7 +12,7 @@ from .common import library_errors
               help="Also ask torch for a GPU (imports torch: a few seconds).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (packer, python, pil, pil_summary, torch, cuda, "
-                   "triton, optional, polygons_c, cores, cpu_count).")
+                   "triton, optional, cores, cpu_count).")
 def doctor(cuda, as_json):
     """Show the environment packer runs in: PIL flavour (Pillow-SIMD or Pillow), libjpeg-turbo,
     torch (and with --cuda its GPU), Triton and the other optional packages, cores. Imports no
@@ -93,14 +93,8 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
                         size=size, cuda=cuda, model=model, repeats=repeats,
                         seconds_per_variant=seconds, max_images=max_images, cold_cache=not warm,
                         progress=not quiet, figure_images=figure_images)
-    click.echo(rep.header())
-    click.echo()
-    click.echo(rep.table())
-    click.echo()
-    if rep.figures_text():
-        click.echo(rep.figures_text())
-        click.echo()
-    click.echo(f"Verdict: {rep.verdict()}")
+    parts = [rep.header(), rep.table(), rep.figures_text(), f"Verdict: {rep.verdict()}"]
+    click.echo("\n\n".join(filter(None, parts)))  # no figures: no paragraph
     if json_file is not None:
         rep.write_json(json_file)
         click.echo(f"wrote {json_file}")

@@ -29,17 +29,25 @@ DEFAULT_MAX_CLASSES = 1_000_000
 INT32_MAX = 2 ** 31 - 1  # labels.i32 holds 32-bit labels
 
 
-def numbered_classes(top: int, where: str, max_classes: int) -> List[str]:
-    """Class names "0".."``top``" for integer labels up to ``top``, at most ``max_classes`` of
-    them; else a PackerError naming ``where`` (the file and line) and the limit."""
+def class_labels(values: List[Any], where: Callable[[int], str],
+                 max_classes: int) -> Tuple[List[int], List[str]]:
+    """``(labels, classes)``: text labels name classes (sorted); integer labels (>= 0) make
+    classes "0".."max", at most ``max_classes``, else a PackerError naming ``where(i)`` (the
+    file and line of the largest, entry ``i``) and the limit."""
+    if not all(isinstance(v, int) for v in values):
+        classes = sorted(set(values))
+        idx = {c: i for i, c in enumerate(classes)}
+        return [idx[v] for v in values], classes
+    i = max(range(len(values)), key=values.__getitem__)
+    top = values[i]
     if top > INT32_MAX:
-        raise PackerError(f"{where}: label {top} is beyond the 32-bit labels a dataset stores "
-                          f"(at most {INT32_MAX:,})")
+        raise PackerError(f"{where(i)}: label {top} is beyond the 32-bit labels a dataset "
+                          f"stores (at most {INT32_MAX:,})")
     if top >= max_classes:
-        raise PackerError(f"{where}: label {top} would make {top + 1:,} classes (0..{top}), more "
-                          f"than max_classes ({max_classes:,}); if the labels are right, raise "
-                          f"max_classes")
-    return [str(i) for i in range(top + 1)]
+        raise PackerError(f"{where(i)}: label {top} would make {top + 1:,} classes (0..{top}), "
+                          f"more than max_classes ({max_classes:,}); if the labels are right, "
+                          f"raise max_classes")
+    return values, [str(k) for k in range(top + 1)]
 
 
 class EmptyClassWarning(UserWarning):
@@ -100,10 +108,6 @@ class Source:
 
     def check_destination(self, dst: Path) -> None:
         pass
-
-
-def is_image_file(name: str) -> bool:
-    return name.lower().endswith(IMG_EXTENSIONS)
 
 
 def walk(top: Path):
@@ -202,12 +206,13 @@ def relative_path(rel: Any) -> Tuple[str, str]:
 
 
 def walk_files(root: Path, want) -> List[str]:
-    """Relative posix paths of the files ``want`` accepts, in ImageFolder's walk order
-    (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning."""
+    """Relative posix paths of the files whose full path ``want`` accepts, in ImageFolder's walk
+    order (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning."""
     found = []
     for dirpath, dirnames, fnames in sorted(walk(root)):
         rel_dir = os.path.relpath(dirpath, root)
-        found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames) if want(f))
+        found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames)
+                     if want(os.path.join(dirpath, f)))
     return found
 
 

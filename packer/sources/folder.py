@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..errors import PackerError
 from .._util.text import is_utf8, printable
 from .base import (DEFAULT_MAX_CLASSES, IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source,
-                   numbered_classes, read_data, walk)
+                   class_labels, read_text, walk_files)
 
 
 class ImageFolder(Source):
@@ -97,13 +97,9 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
     entries: List[Tuple[str, int]] = []
     empty = []
     for label, cls in enumerate(classes):
-        before = len(entries)
-        for dirpath, _, fnames in sorted(walk(root / cls)):
-            rel_dir = os.path.relpath(dirpath, root)
-            for fname in sorted(fnames):
-                if is_valid_file(os.path.join(dirpath, fname)):
-                    entries.append((Path(rel_dir, fname).as_posix(), label))
-        if len(entries) == before:
+        found = walk_files(root / cls, is_valid_file)
+        entries.extend((Path(cls, rel).as_posix(), label) for rel in found)
+        if not found:
             empty.append(cls)
             if allow_empty:
                 warnings.warn(f"class folder {cls!r} has no images; it keeps label {label} "
@@ -124,12 +120,8 @@ def read_list(root: os.PathLike, list_file: os.PathLike, *,
         raise PackerError(f"FileList(list_file, root): root {root} does not exist or is not a "
                           f"folder (list_file's paths are relative to it)")
     rows: List[Tuple[str, str, int]] = []
-    try:
-        text = read_data(Path(list_file), "list_file").decode("utf-8")
-        text = text.replace("\r\n", "\n").replace("\r", "\n")  # as universal newlines read
-    except UnicodeDecodeError as e:
-        raise PackerError(f"{list_file} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                          f"save it as UTF-8") from None
+    text = read_text(Path(list_file), "list_file")
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # as universal newlines read
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip() or line.startswith("#"):
             continue
@@ -145,15 +137,11 @@ def read_list(root: os.PathLike, list_file: os.PathLike, *,
         raise PackerError(f"{list_file} lists no images")
     labels = [lab for _, lab, _ in rows]
     if all(_is_int(lab) for lab in labels):
-        ints = [int(lab) for lab in labels]
-        if min(ints) < 0:
+        labels = [int(lab) for lab in labels]
+        if min(labels) < 0:
             raise PackerError(f"{list_file}: labels must be >= 0")
-        top = max(range(len(ints)), key=ints.__getitem__)
-        classes = numbered_classes(ints[top], f"{list_file}:{rows[top][2]}", max_classes)
-        return ImageList(root, classes, [(p, i) for (p, _, _), i in zip(rows, ints)])
-    classes = sorted(set(labels))
-    idx = {c: i for i, c in enumerate(classes)}
-    return ImageList(root, classes, [(p, idx[lab]) for p, lab, _ in rows])
+    labels, classes = class_labels(labels, lambda i: f"{list_file}:{rows[i][2]}", max_classes)
+    return ImageList(root, classes, [(p, lab) for (p, _, _), lab in zip(rows, labels)])
 
 
 def _is_int(s: str) -> bool:

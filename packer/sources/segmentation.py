@@ -38,13 +38,12 @@ def stored_segmentation(raw: Raw, width: int, height: int) -> Tuple[Optional[Raw
     except (msgspec.ValidationError, RecursionError):
         return None, UNUSABLE
     counts, size = rle.get("counts"), rle.get("size")
-    if not (isinstance(counts, str) or isinstance(counts, list)
-            and set(map(type, counts)) <= {int} and min(counts, default=0) >= 0):
-        return None, UNUSABLE
-    if not (isinstance(size, list) and len(size) == 2
-            and all(type(s) is int and 0 <= s <= INT64_MAX for s in size)):
-        return None, UNUSABLE
-    if data_problem(rle, 1):  # stored one level down, in the image's list: checked at that depth
+    counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(
+        type(c) is int for c in counts) and min(counts, default=0) >= 0)
+    size_ok = isinstance(size, list) and len(size) == 2 and all(
+        type(s) is int and 0 <= s <= INT64_MAX for s in size)
+    # data_problem at depth 1: it is stored one level down, in the image's list
+    if not (counts_ok and size_ok) or data_problem(rle, 1):
         return None, UNUSABLE
     problem = rle_problem(counts, size, width, height)
     return (None, problem) if problem else (Raw(MSGPACK.encode(rle)), "")

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..errors import PackerError
 from .._util.text import is_utf8
 from .base import (DEFAULT_MAX_CLASSES, Annotations, ImageList, Source, image_root,
-                   numbered_classes, read_text, relative_path, show)
+                   class_labels, read_text, relative_path, show)
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 # Names the record itself uses (or the class label): a column may not shadow them.
@@ -215,14 +215,9 @@ def column_names(file: Path, records, label: Optional[str]) -> List[str]:
 
 
 def kind(v: Any) -> str:
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, int):
-        return "int"
-    if isinstance(v, float):
-        return "float"
-    if isinstance(v, str):
-        return "str"
+    """The value's type in a column's terms; JSON and CSV give exactly these Python types."""
+    if type(v) in (bool, int, float, str):
+        return type(v).__name__
     if isinstance(v, list):
         if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             return "list of int"  # an empty list too: it fits a float list as well
@@ -301,21 +296,15 @@ def label_column(file: Path, records, column: str, t: str,
                  max_classes: int = DEFAULT_MAX_CLASSES) -> Tuple[List[int], List[str]]:
     """Entry labels and class names from the ``label`` column (then not a field)."""
     values = [rec.pop(column) for _, rec in records]
-    if t == "str":
-        for (n, _), v in zip(records, values):
-            if not v:
-                raise PackerError(f"{file}:{n}: the label column {column!r} is empty; every "
-                                  f"image needs a class")
-        classes = sorted(set(values))
-        idx = {c: i for i, c in enumerate(classes)}
-        return [idx[v] for v in values], classes
-    if t == "int":
-        for (n, _), v in zip(records, values):
-            if v < 0:
-                raise PackerError(f"{file}:{n}: the label column {column!r} holds {v}; class "
-                                  f"indices must be >= 0")
-        top = max(range(len(values)), key=values.__getitem__)
-        where = f"{file}:{records[top][0]}: the label column {column!r}"
-        return values, numbered_classes(values[top], where, max_classes)
-    raise PackerError(f"Table(images, table, label={column!r}): the column holds {t} values; a "
-                      f"class label must be a class name (text) or a class index (int)")
+    if t not in ("str", "int"):
+        raise PackerError(f"Table(images, table, label={column!r}): the column holds {t} values; "
+                          f"a class label must be a class name (text) or a class index (int)")
+    for (n, _), v in zip(records, values):
+        if t == "str" and not v:
+            raise PackerError(f"{file}:{n}: the label column {column!r} is empty; every "
+                              f"image needs a class")
+        if t == "int" and v < 0:
+            raise PackerError(f"{file}:{n}: the label column {column!r} holds {v}; class "
+                              f"indices must be >= 0")
+    return class_labels(values, lambda i: f"{file}:{records[i][0]}: the label column {column!r}",
+                        max_classes)

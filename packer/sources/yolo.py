@@ -15,7 +15,8 @@ import yaml
 from ..errors import PackerError
 from .._util.fsio import read_file
 from .._util.text import is_utf8
-from .base import IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, is_image_file, read_data, show, utf8_text, walk_files
+from .base import (IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, read_data, show,
+                   utf8_text, walk_files)
 from .coco import coco_schema
 
 
@@ -72,21 +73,21 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
     if labels_root.resolve() in names_path.parents:  # a classes.txt beside the labels
         label_files.discard(names_path.relative_to(labels_root.resolve()).as_posix())
     shown_root = labels_root.resolve().name or str(labels_root)
-    chosen, claimed = match_labels(walk_files(root, is_image_file), label_files)
+    images = walk_files(root, lambda f: f.lower().endswith(IMG_EXTENSIONS))
+    chosen, claimed = match_labels(images, label_files)
     parsed: Dict[str, Any] = {}
     rows, dropped = [], []
     for k, (rel, label_rel, problem) in enumerate(chosen):
-        row: Dict[str, Any] = {"image_id": k, "boxes": [], "labels": []}
         if label_rel is not None and label_rel not in parsed:
             parsed[label_rel] = parse_label_file(labels_root / label_rel,
                                                  f"{shown_root}/{label_rel}", len(classes), rules)
         result = problem or parsed.get(label_rel, ([], [], []))
         if isinstance(result, str):
-            row = {"image_id": k, "reject": result}
-        else:
-            row["boxes"], row["labels"], reasons = result
-            dropped.extend({"path": rel, "reason": r} for r in reasons)
-        rows.append(row)
+            rows.append({"image_id": k, "reject": result})
+            continue
+        boxes, labels, reasons = result
+        rows.append({"image_id": k, "boxes": boxes, "labels": labels})
+        dropped.extend({"path": rel, "reason": r} for r in reasons)
     dropped.extend({"path": f"{shown_root}/{lab}", "reason": "no image for this label file"}
                    for lab in sorted(label_files - claimed))
     if not rows:

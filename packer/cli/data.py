@@ -13,12 +13,12 @@ from .._util.text import json_text, printable, terminal_text
 from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_lines
 
 @click.command()
-@click.argument("src", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("src", type=PathOrURL(file_okay=False, path_type=Path))
 @click.argument("dst", type=PathOrURL(file_okay=False, path_type=Path))
-@click.option("--list", "list_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+@click.option("--list", "list_file", type=PathOrURL(dir_okay=False, exists=True, path_type=Path),
               help="Take images from FILE's 'relative/path<TAB>label' lines (paths relative to SRC) "
                    "instead of SRC's class folders. Labels: all integers, or all class names.")
-@click.option("--coco", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+@click.option("--coco", type=PathOrURL(dir_okay=False, exists=True, path_type=Path),
               metavar="ANNOTATIONS.json",
               help="Detection: pack the images a COCO instances file lists (file_name relative "
                    "to SRC) with their boxes, category ids, iscrowd, area and segmentation.")
@@ -36,7 +36,7 @@ from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_
               help="With --yolo: 'ultralytics' leaves out (and lists) an image with any invalid "
                    "label line, as ultralytics does; 'lines' drops the line and keeps the image "
                    "[default: ultralytics].")
-@click.option("--meta", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+@click.option("--meta", type=PathOrURL(dir_okay=False, exists=True, path_type=Path),
               metavar="FILE",
               help="Any fields: a .jsonl or .csv file with one row per image: a 'path' "
                    "column (relative to SRC) and any others (int, float, bool, str, lists: "
@@ -116,7 +116,9 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     re-run the same command to resume after the last finished shard.
 
     DST may be a URL (s3://bucket/ds): the build runs in a temporary folder and uploads each
-    shard as it finishes, the manifest last; a re-run resumes (docs/object_storage.md).
+    shard as it finishes, the manifest last; a re-run resumes. SRC, --list, --coco and --meta
+    may be URLs too: the images are listed once and read with parallel GETs, never copied
+    whole (docs/object_storage.md). --storage-option applies to all of them.
     """
     from ..writing.builder import build as run_build
     from ..writing.check import DEFAULT_MAX_PIXELS, Checks, Transcode
@@ -124,7 +126,8 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
         raise click.UsageError("--ray and --workers exclude each other (Ray runs a task per "
                                "cluster CPU)")
     source = build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
-                          label_column, allow_empty, extensions, max_classes)
+                          label_column, allow_empty, extensions, max_classes,
+                          storage_options or None)
     transcode = (Transcode(max_side=max_side, short_side=short_side, quality=quality or 90)
                  if max_side or short_side or quality else None)
     if not isinstance(dst, Path):  # a URL
@@ -194,7 +197,7 @@ def flag_words():
 
 
 def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
-                 label_column, allow_empty, extensions, max_classes=None):
+                 label_column, allow_empty, extensions, max_classes=None, storage_options=None):
     """The ``packer.sources`` object the build's flags name (an ImageFolder when none)."""
     from ..sources import Coco, FileList, ImageFolder, Table, Yolo
     chosen = [flag for flag, value in (("--list", list_file), ("--coco", coco), ("--yolo", yolo),
@@ -212,16 +215,17 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta
     if max_classes is not None and list_file is None and label_column is None:
         raise PackerError("--max-classes bounds the integer labels of --list or --meta --label")
     limit = {} if max_classes is None else {"max_classes": max_classes}
+    store = {"storage_options": storage_options}
     if list_file is not None:
-        return FileList(list_file, root=src, **limit)
+        return FileList(list_file, root=src, **limit, **store)
     if coco is not None:
-        return Coco(src, coco, skip_empty=skip_empty)
+        return Coco(src, coco, skip_empty=skip_empty, **store)
     if yolo is not None:
         return Yolo(src, yolo, names, rules=yolo_rules or "ultralytics")
     if meta is not None:
-        return Table(src, meta, label=label_column, **limit)
+        return Table(src, meta, label=label_column, **limit, **store)
     exts = extensions and [e.strip() for e in extensions.split(",") if e.strip()]
-    return ImageFolder(src, extensions=exts or None, allow_empty=allow_empty)
+    return ImageFolder(src, extensions=exts or None, allow_empty=allow_empty, **store)
 
 
 @click.command()

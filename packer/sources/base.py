@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..errors import PackerError
 from .._util.fsio import read_file
 from .._util.text import is_utf8, printable
+from ..storage.files import ObjectFile, folder
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively as there.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -160,7 +161,7 @@ def read_data(path: Path, what: str) -> bytes:
     """The bytes of the regular file ``path`` (never a FIFO, a device or a link to one: they
     may never end), or a PackerError naming ``what`` it is."""
     try:
-        return read_file(path)
+        return path.read() if isinstance(path, ObjectFile) else read_file(path)
     except FileNotFoundError:
         raise PackerError(f"{what} {path} does not exist") from None
     except OSError as e:
@@ -175,10 +176,10 @@ def utf8_text(data: bytes, path: Path, what: str) -> str:
                           f"save it as UTF-8") from None
 
 
-def image_root(images: os.PathLike, who: str) -> Path:
-    """``images`` as the folder a source's paths are relative to; ``who``: the source's
-    signature, for the error (``Coco(images, annotations)``)."""
-    root = Path(images)
+def image_root(images: os.PathLike, who: str, storage_options: Optional[dict] = None):
+    """``images`` as the folder a source's paths are relative to (a ``RemoteFolder`` for a
+    URL); ``who``: the source's signature, for the error (``Coco(images, annotations)``)."""
+    root = images if hasattr(images, "is_dir") else folder(images, storage_options)
     if not root.is_dir():
         raise PackerError(f"{who}: images {root} does not exist or is not a folder")
     return root

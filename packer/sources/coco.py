@@ -13,12 +13,13 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from math import isfinite
 from pathlib import Path
-from typing import Annotated, Any, Dict, List, Tuple
+from typing import Annotated, Any, Dict, List, Optional, Tuple
 
 import msgspec
 from msgspec import Meta, Raw, Struct
 
 from ..errors import PackerError
+from ..storage.files import ObjectFile, folder, source_file
 from .base import Annotations, ImageList, Source, image_root, read_data, relative_path, show, utf8_text
 from .segmentation import INT64_MAX, stored_segmentation
 
@@ -85,8 +86,11 @@ class Coco(Source):
     """The images under ``images`` that the COCO instances JSON ``annotations`` lists, with their
     objects; ``skip_empty`` leaves out images with no usable object (``skipped_empty``)."""
 
-    def __init__(self, images: os.PathLike, annotations: os.PathLike, skip_empty: bool = False):
-        self.root, self.annotations, self.skip_empty = Path(images), Path(annotations), skip_empty
+    def __init__(self, images: os.PathLike, annotations: os.PathLike, skip_empty: bool = False,
+                 *, storage_options: Optional[dict] = None):
+        self.root, self.annotations = folder(images, storage_options), \
+            source_file(annotations, storage_options)
+        self.skip_empty = skip_empty
 
     def read(self) -> ImageList:
         return read_coco(self.root, self.annotations, skip_empty=self.skip_empty)
@@ -100,7 +104,7 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
     """``Coco(images, annotations_json, skip_empty).read()``: rows of ``Row``, and
     ``annotations.digest`` the file's sha256."""
     root = image_root(images, WHO)
-    file = Path(annotations_json)
+    file = annotations_json if isinstance(annotations_json, ObjectFile) else Path(annotations_json)
     raw = read_data(file, f"{WHO}: annotations")
     with ThreadPoolExecutor(1) as pool:  # sha256 lets go of the GIL: it hashes during the parse
         hashing = pool.submit(lambda: hashlib.sha256(raw).hexdigest())

@@ -3,12 +3,15 @@ torchvision's class order and walk exactly, so label *i* means the same class.""
 from __future__ import annotations
 
 import os
+import posixpath
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PackerError
 from .._util.text import is_utf8, printable
+from ..storage.files import ObjectFile, RemoteFolder, folder, source_file
+from ..storage.urls import is_url
 from .base import (DEFAULT_MAX_CLASSES, IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source,
                    class_labels, read_text, walk_files)
 
@@ -19,8 +22,8 @@ class ImageFolder(Source):
 
     def __init__(self, root: os.PathLike, extensions: Optional[Sequence[str]] = None,
                  is_valid_file: Optional[Callable[[str], bool]] = None,
-                 allow_empty: bool = False):
-        self.root, self.extensions = Path(root), extensions
+                 allow_empty: bool = False, *, storage_options: Optional[dict] = None):
+        self.root, self.extensions = folder(root, storage_options), extensions
         self.is_valid_file, self.allow_empty = is_valid_file, allow_empty
 
     def read(self) -> ImageList:
@@ -39,6 +42,8 @@ class ImageFolder(Source):
         return {k: v for k, v in given.items() if v is not None}
 
     def check_destination(self, dst: Path) -> None:
+        if isinstance(self.root, RemoteFolder):
+            return  # a local DST is never inside a folder in object storage
         dst, root = Path(dst).resolve(), self.root.resolve()
         if dst == root or root in dst.parents:
             raise PackerError(f"DST {dst} is inside the image folder {self.root}: it would "
@@ -51,10 +56,11 @@ class FileList(Source):
     the list's folder)."""
 
     def __init__(self, list_file: os.PathLike, root: Optional[os.PathLike] = None, *,
-                 max_classes: int = DEFAULT_MAX_CLASSES):
-        self.list_file = Path(list_file)
-        self.root = Path(root) if root is not None else self.list_file.parent
-        self.max_classes = max_classes
+                 max_classes: int = DEFAULT_MAX_CLASSES, storage_options: Optional[dict] = None):
+        self.list_file = source_file(list_file, storage_options)
+        if root is None:
+            root = posixpath.dirname(self.list_file) if is_url(list_file) else self.list_file.parent
+        self.root, self.max_classes = folder(root, storage_options), max_classes
 
     def read(self) -> ImageList:
         return read_list(self.root, self.list_file, max_classes=self.max_classes)
@@ -85,19 +91,29 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
                 is_valid_file: Optional[Callable[[str], bool]] = None,
                 allow_empty: bool = False) -> ImageList:
     """Walk ``root`` in ImageFolder order with torchvision's ``make_dataset`` rules (classes
-    sorted, files recursive and sorted; ``extensions`` or ``is_valid_file``, not both)."""
-    root = Path(root)
+    sorted, files recursive and sorted; ``extensions`` or ``is_valid_file``, not both); a
+    ``RemoteFolder``'s objects are taken as they would be laid out in folders."""
+    root = root if isinstance(root, RemoteFolder) else Path(root)
     if extensions is not None and is_valid_file is not None:
         raise PackerError("ImageFolder(root, extensions, is_valid_file): pass extensions or "
                           "is_valid_file, not both (as torchvision's ImageFolder)")
     if is_valid_file is None:
         exts = tuple(e.lower() for e in (extensions or IMG_EXTENSIONS))
         is_valid_file = lambda path: path.lower().endswith(exts)  # noqa: E731
-    classes = find_classes(root)
+    if isinstance(root, RemoteFolder):
+        tree = remote_tree(root)
+        classes = sorted(tree)
+        if not classes:
+            raise PackerError(f"ImageFolder(root): no objects in class folders under {root}: "
+                              f"expected ROOT/CLASS/IMAGE (a wrong URL or credentials?)")
+        listing = lambda cls: [r for r in tree[cls] if is_valid_file(root / f"{cls}/{r}")]  # noqa: E731
+    else:
+        classes = find_classes(root)
+        listing = lambda cls: walk_files(root / cls, is_valid_file)  # noqa: E731
     entries: List[Tuple[str, int]] = []
     empty = []
     for label, cls in enumerate(classes):
-        found = walk_files(root / cls, is_valid_file)
+        found = listing(cls)
         entries.extend((Path(cls, rel).as_posix(), label) for rel in found)
         if not found:
             empty.append(cls)
@@ -112,15 +128,29 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
     return ImageList(root, classes, entries)
 
 
+def remote_tree(root: RemoteFolder) -> Dict[str, List[str]]:
+    """Class -> the paths of the objects below it, in the order ``walk_files`` gives a local
+    folder (folders sorted, then names within each)."""
+    tree: Dict[str, List[str]] = {}
+    for rel in root.sizes():
+        cls, sep, rest = rel.partition("/")
+        if sep:
+            tree.setdefault(cls, []).append(rest)
+    for files in tree.values():
+        files.sort(key=lambda r: (posixpath.dirname(r), posixpath.basename(r)))
+    return tree
+
+
 def read_list(root: os.PathLike, list_file: os.PathLike, *,
               max_classes: int = DEFAULT_MAX_CLASSES) -> ImageList:
     """``relative/path<TAB>label`` lines; labels are all integers or all class names."""
-    root = Path(root)
+    root = root if isinstance(root, RemoteFolder) else Path(root)
     if not root.is_dir():
         raise PackerError(f"FileList(list_file, root): root {root} does not exist or is not a "
                           f"folder (list_file's paths are relative to it)")
     rows: List[Tuple[str, str, int]] = []
-    text = read_text(Path(list_file), "list_file")
+    text = read_text(list_file if isinstance(list_file, ObjectFile) else Path(list_file),
+                     "list_file")
     text = text.replace("\r\n", "\n").replace("\r", "\n")  # as universal newlines read
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip() or line.startswith("#"):

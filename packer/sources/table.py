@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
 from .._util.text import is_utf8
+from ..storage.files import ObjectFile, folder, source_file
 from .base import (DEFAULT_MAX_CLASSES, Annotations, ImageList, Source, image_root,
                    class_labels, read_text, relative_path, show)
 
@@ -41,8 +42,9 @@ class Table(Source):
     columns as typed fields; ``label=COLUMN`` makes that column the class label instead."""
 
     def __init__(self, images: os.PathLike, table: os.PathLike, label: Optional[str] = None, *,
-                 max_classes: int = DEFAULT_MAX_CLASSES):
-        self.root, self.table, self.label = Path(images), Path(table), label
+                 max_classes: int = DEFAULT_MAX_CLASSES, storage_options: Optional[dict] = None):
+        self.root, self.table = folder(images, storage_options), source_file(table, storage_options)
+        self.label = label
         self.max_classes = max_classes
 
     def read(self) -> ImageList:
@@ -56,7 +58,7 @@ def read_meta(images: os.PathLike, meta_file: os.PathLike, *, label: Optional[st
               max_classes: int = DEFAULT_MAX_CLASSES) -> ImageList:
     """``Table(images, meta_file, label).read()``."""
     root = image_root(images, "Table(images, table, label)")
-    file = Path(meta_file)
+    file = meta_file if isinstance(meta_file, ObjectFile) else Path(meta_file)
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
         records = jsonl_records(file)

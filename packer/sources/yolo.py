@@ -15,6 +15,7 @@ import yaml
 from ..errors import PackerError
 from .._util.fsio import read_file
 from .._util.text import is_utf8
+from ..storage.urls import is_url
 from .base import (IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, read_data, show,
                    utf8_text, walk_files)
 from .coco import coco_schema
@@ -48,6 +49,10 @@ class Yolo(Source):
         if rules not in RULES:
             raise PackerError(f"Yolo(images, labels, names, rules): rules must be "
                               f"'ultralytics' or 'lines', not {show(rules)!r}")
+        if any(is_url(p) for p in (images, labels, names)):
+            raise PackerError("Yolo(images, labels, names) reads local folders only (a label "
+                              "file per image would be a request each): copy them locally, or "
+                              "turn the labels into a --meta table (its images may be a URL)")
         self.root, self.labels, self.names = Path(images), Path(labels), Path(names)
         self.rules = rules
 

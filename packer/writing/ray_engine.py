@@ -15,6 +15,7 @@ from .. import __version__
 from .._util.fsio import remove_own
 from ..errors import PackerError
 from ..sources.base import ImageList
+from ..storage.files import RemoteFolder
 from .worker import ShardDone, ShardJob, ShardTask, write_shard
 
 INSTALL = "pip install 'packer-lmdb[ray]' (or pip install ray)"
@@ -122,7 +123,10 @@ def _slice(job: ShardJob, task: ShardTask):
     if ann is not None:
         ann = replace(ann, rows=list(ann.rows[a:e]), dropped=[], extra={})
     fields = copy.copy(job.fields)
-    fields.source = ImageList(Path(os.path.abspath(src.root)), src.classes, src.entries[a:e], ann)
+    entries = src.entries[a:e]
+    root = src.root.subset(rel for rel, _ in entries) if isinstance(src.root, RemoteFolder) \
+        else Path(os.path.abspath(src.root))
+    fields.source = ImageList(root, src.classes, entries, ann)
     return (replace(job, dst=Path(os.path.abspath(job.dst)), fields=fields),
             ShardTask(task.index, 0, e - a, task.expected_bytes), task)
 

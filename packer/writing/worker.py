@@ -5,9 +5,12 @@ from __future__ import annotations
 import gc
 import os
 import signal
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from .._util.fsio import NotAFile, read_file
 from .._util.system import die_with_parent
@@ -16,6 +19,7 @@ from ..format.fields import Field, encode
 from ..format.manifest import SHARD_PATTERN
 from ..format.records import pack_fields, record_bytes
 from ..sources.base import ImageList
+from ..storage.files import RemoteFolder
 from .._util.text import is_utf8
 from .shard import ShardWriter
 
@@ -23,6 +27,7 @@ PROGRESS_EVERY = 16  # images between a worker's progress reports (a shared coun
 PLANNED_SHARDS = 256    # a dataset smaller than this many shards is cut into about this many,
 MIN_PLANNED = 4 << 20   # but none planned under 4 MiB: shards for every core to write, and a
 #                         short tail (the last wave of shards leaves cores idle)
+FETCH_THREADS = 16  # GETs in flight per worker reading images from object storage
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,9 @@ def plan_shards(sizes: Sequence[int], shard_size: int) -> List[Tuple[int, int, i
 
 def file_sizes(source: ImageList) -> List[int]:
     """Each entry's file size (0 where it cannot be read: the worker reports why)."""
+    if isinstance(source.root, RemoteFolder):
+        listed = source.root.sizes()
+        return [listed.get(rel, 0) for rel, _ in source.entries]
     root, out = str(source.root), []
     for rel, _ in source.entries:
         try:
@@ -119,20 +127,51 @@ def init_worker(parent: int, job: ShardJob) -> None:
     _JOB[0] = job
 
 
-def read_entry(job: ShardJob, i: int):
-    """(status, payload, bytes read) for entry ``i``'s image: ("skip", reason) or ("ok",
-    the checked image)."""
+def fetch_entry(job: ShardJob, i: int) -> Tuple[Optional[bytes], str]:
+    """(the bytes of entry ``i``'s file, "") or (None, why it cannot be read). A store that
+    keeps failing raises: the build stops there and resumes on a re-run."""
     root, rel = job.fields.source.root, job.fields.source.entries[i][0]
     if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
-        return "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
-                        "-t utf8 --notest SRC`)"), 0
+        return None, ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
+                      "-t utf8 --notest SRC`)")
+    limit = job.checks.max_image_bytes
     try:
-        data = read_file(os.path.join(root, rel), job.checks.max_image_bytes,
-                         "max_image_bytes")
+        if isinstance(root, RemoteFolder):
+            return root.read(rel, limit, "max_image_bytes"), ""
+        return read_file(os.path.join(root, rel), limit, "max_image_bytes"), ""
     except NotAFile as e:
-        return "skip", str(e), 0
+        return None, str(e)
     except OSError as e:
-        return "skip", f"unreadable: {e.strerror or e}", 0
+        return None, f"unreadable: {e.strerror or e}"
+
+
+def fetched(job: ShardJob, task: ShardTask) -> Iterator[Tuple[Optional[bytes], str]]:
+    """``fetch_entry`` for the task's entries, in order; from object storage FETCH_THREADS at
+    once, at most twice that many ahead (memory stays bounded)."""
+    todo = iter(range(task.start, task.end))
+    if not isinstance(job.fields.source.root, RemoteFolder):
+        yield from (fetch_entry(job, i) for i in todo)
+        return
+    with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="packer-get") as pool:
+        ahead = deque(pool.submit(fetch_entry, job, i) for i in islice(todo, 2 * FETCH_THREADS))
+        try:
+            while ahead:
+                got = ahead.popleft().result()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    ahead.append(pool.submit(fetch_entry, job, nxt))
+                yield got
+        finally:
+            for f in ahead:
+                f.cancel()
+
+
+def read_entry(job: ShardJob, i: int, got: Optional[Tuple[Optional[bytes], str]] = None):
+    """(status, payload, bytes read) for entry ``i``'s image (``got``: its ``fetch_entry``, if
+    fetched already): ("skip", reason) or ("ok", the checked image)."""
+    data, why = got if got is not None else fetch_entry(job, i)
+    if data is None:
+        return "skip", why, 0
     try:
         checked = check_image(data, transcode=job.transcode, max_pixels=job.checks.max_pixels,
                               orientation=job.fields.upright)
@@ -159,12 +198,13 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
     job = job or _JOB[0]
     done, writer, unreported = ShardDone(task), None, 0
     entries = job.fields.source.entries
+    reads = fetched(job, task)
     try:
         for i in range(task.start, task.end):
             if job.stop is not None and job.stop.is_set():
                 done.stopped = True
                 break
-            status, payload, nbytes = read_entry(job, i)
+            status, payload, nbytes = read_entry(job, i, next(reads))
             done.in_bytes += nbytes
             if status == "ok":
                 status, payload = with_fields(job, i, payload)
@@ -187,6 +227,7 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
         if writer is not None and not (done.failed or done.stopped):
             done.shard, writer = writer.finish(), None
     finally:
+        reads.close()  # GETs still queued are dropped
         if writer is not None:  # stopped, failed or an exception: leave no temp files
             writer.abort()
     if done.failed and job.stop is not None:

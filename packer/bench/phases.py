@@ -227,12 +227,11 @@ class Runner:
             for _ in range(group):
                 next(it)
             t0 = time.perf_counter()
-            n = k = n_end = 0
+            n = n_end = 0
             t_end = t0
             limit = self.max_images or float("inf")
-            for x, _ in it:
+            for k, (x, _) in enumerate(it, 1):
                 n += len(x)
-                k += 1
                 if k % group == 0:
                     t_end, n_end = time.perf_counter(), n
                     if t_end - t0 >= self.seconds or n >= limit:

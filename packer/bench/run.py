@@ -28,6 +28,7 @@ from .phases import BenchInput, figure_plan, n_workers
 from .train import TrainRunner
 from .verdict import explain
 
+
 @dataclass
 class BenchReport:
     """What ``run_bench`` measured: ``results`` (a dict per variant: ``name``, ``kind``,

@@ -148,8 +148,7 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainS
 
 
 def _mark(cuda: bool):
-    """Now: a CUDA event recorded on the current stream (read after a synchronize), or the host
-    clock."""
+    """Now: a CUDA event on the current stream (read after a synchronize), or the host clock."""
     if not cuda:
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)

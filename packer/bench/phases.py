@@ -140,8 +140,8 @@ class Runner:
     def _read(self, s: BenchInput, order: List[int]) -> dict:
         """Records (or files) per second and MB/s, reading whole values in ``order``."""
         reader = None if s.name == "folder" else ShardReader(s.root)
-        keys = iter(order if reader else [Path(p) for p in s.files(order)])
-        read = reader.read if reader else Path.read_bytes
+        keys = iter(order if reader is not None else [Path(p) for p in s.files(order)])
+        read = reader.read if reader is not None else Path.read_bytes
         try:
             read(next(keys))  # warm-up: opens the environment / directory, first seek
             n = nbytes = 0

@@ -140,7 +140,7 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainS
             yield from CUDAPrefetcher(src, device=device, channels_last=True)
         else:
             for x, y in src:  # the copy and normalize are queued on the training stream
-                y = y.to(device, non_blocking=pin) if torch.is_tensor(y) else y  # (detection: lists)
+                y = y.to(device, non_blocking=pin) if torch.is_tensor(y) else y  # detection: list
                 yield step.normalize(x.to(device, non_blocking=pin)), y
     finally:
         if threaded:

@@ -21,7 +21,7 @@ import torch
 from helpers import packer_env, run_packer
 from packer import Checks, PackedDataset, build, merge
 from packer.transforms.decode import DecodeLetterbox, DecodeRandomResizedCrop
-from packer.demo.scenes import boxes_of, make_detection_folder
+from packer.demo.scenes import make_detection_folder
 from packer.errors import FormatError, PackerError
 from packer.format.manifest import column_file, file_sha256, read_manifest
 from packer.info import verify
@@ -232,8 +232,9 @@ def test_images_without_annotations_are_kept_or_skipped(scenes, coco_built, yolo
                                                         tmp_path):
     empty = sorted(n for n, (_, anns) in by_name.items() if not anns)
     assert len(empty) == EMPTY
-    assert empty == sorted(n for n, objs in boxes_of(scenes / "annotations.json").items()
-                           if not objs)
+    coco = json.loads((scenes / "annotations.json").read_text())
+    annotated = {a["image_id"] for a in coco["annotations"]}
+    assert empty == sorted(im["file_name"] for im in coco["images"] if im["id"] not in annotated)
     for root in (coco_built, yolo_built):
         ds = PackedDataset(root, target_keys=KEYS)
         paths = [ds.load(i)["path"] for i in range(len(ds))]

@@ -140,10 +140,6 @@ def recording(loader: Iterable, into: Targets):
 
 def compare_targets(want: Targets, got: Targets) -> Tuple[int, List[int]]:
     """(images both have, sorted ids that differ or that only one has)."""
-    bad = sorted(set(want) ^ set(got))
     both = set(want) & set(got)
-    for i in sorted(both):
-        (wb, wl), (gb, gl) = want[i], got[i]
-        if not (torch.equal(wb, gb) and torch.equal(wl, gl)):
-            bad.append(i)
-    return len(both), sorted(bad)
+    differ = {i for i in both if not all(map(torch.equal, want[i], got[i]))}  # boxes, labels
+    return len(both), sorted(differ | (set(want) ^ set(got)))

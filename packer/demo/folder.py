@@ -29,8 +29,7 @@ class FolderDataset(Dataset):
 
     def __getitem__(self, index: int):
         path, label = self.samples[index]
-        with open(path, "rb") as f:
-            return self.decode(f.read()), label
+        return self.decode(Path(path).read_bytes()), label
 
 
 class CocoFolderDataset(Dataset):
@@ -58,8 +57,7 @@ class CocoFolderDataset(Dataset):
 
     def __getitem__(self, index: int):
         path, image_id, objects = self.samples[index]
-        with open(path, "rb") as f:
-            data = f.read()
+        data = Path(path).read_bytes()
         target = coco_target(image_id, objects)
         if self.decode is not None and hasattr(self.decode, "decode_crop"):
             sample, crop, flipped = self.decode.decode_crop(data)
@@ -90,5 +88,4 @@ def canvas_size(sample) -> Tuple[int, int]:
     """(height, width) of a decoded sample: a PIL image or a (..., H, W) tensor."""
     if isinstance(sample, torch.Tensor):
         return int(sample.shape[-2]), int(sample.shape[-1])
-    w, h = sample.size
-    return h, w
+    return sample.size[::-1]

@@ -190,10 +190,8 @@ def run_job(res: DemoResult, outputs: Tuple[str, ...], on_step, stage_dir, progr
         return res
     finally:
         if res.staged_to is not None:
-            try:
+            with contextlib.suppress(PackerError):
                 unstage(res.staged_to)
-            except PackerError:
-                pass
             shutil.rmtree(res.staged_to, ignore_errors=True)  # ours, whatever is left
         if res.dir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -252,8 +250,7 @@ def compare_loaders(steps: Steps, datasets: Dict[str, tuple], loader: Callable, 
     """Interleaved epochs of ``loader(ds, sampler)`` over ``datasets`` (name -> (dataset,
     sampler)), best of ``rounds`` each (the least disturbed is closest to the real rate)."""
     res, cuda = steps.res, torch.cuda.is_available()
-    took = {name: 0.0 for name in datasets}
-    best = {name: 0.0 for name in datasets}
+    took, best = dict.fromkeys(datasets, 0.0), dict.fromkeys(datasets, 0.0)
     for r in range(rounds):
         for name, (ds, sampler) in datasets.items():
             t = steps.start(name) if r == 0 else time.perf_counter()
@@ -284,11 +281,10 @@ def loader_rate(batches: Iterable, workers: int, *, cuda: bool = False,
     """(images, seconds) of one pass over ``batches`` after the first wave (worker start-up);
     a pass too short for that is timed whole."""
     skip = max(1, workers)
-    count = timed = seen = 0
+    count = timed = 0
     t0 = t_start = time.perf_counter()
     with tqdm(total=total, unit="img", desc=desc, disable=not progress, leave=False) as bar:
-        for _, targets in batches:
-            seen += 1
+        for seen, (_, targets) in enumerate(batches, 1):
             count += len(targets)
             if seen > skip:
                 timed += len(targets)

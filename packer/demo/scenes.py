@@ -12,7 +12,7 @@ import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Dict, List, Optional, Tuple, Union
+from typing import Collection, Dict, List, Optional, Tuple
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
@@ -165,14 +165,10 @@ def make_detection_folder(dst: os.PathLike, images: int = 64, *, seed: int = 0,
     workers = min(usable_cores() if workers is None else workers, max(1, images // 64))
     if workers > 1:  # spawned: torch's thread pool (the noise) does not survive a fork
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_start_scenes, initargs=(job,)) as pool:
-            scenes = list(pool.map(_write_scene, range(images), chunksize=16))
+                                 initializer=_one_torch_thread) as pool:
+            scenes = list(pool.map(job, range(images), chunksize=16))
     else:
-        _JOB[0] = job
-        try:
-            scenes = [_write_scene(i) for i in range(images)]
-        finally:
-            _JOB[0] = None
+        scenes = [job(i) for i in range(images)]
     coco: Dict[str, list] = {"images": [], "annotations": [], "categories": [
         {"id": category_id(k), "name": n, "supercategory": "photo"} for k, n in enumerate(names)]}
     for i, (w, h, objects) in enumerate(scenes):
@@ -202,13 +198,13 @@ class _SceneJob:
     empty: Collection[int]
     no_label_file: Collection[int]
 
-    def write(self, i: int, photos: List[Image.Image]) -> Tuple[int, int, List[SceneObject]]:
-        scene = render_scene(self.seed, i, photos, max_objects=self.max_objects,
+    def __call__(self, i: int) -> Tuple[int, int, List[SceneObject]]:
+        if not _PHOTOS:
+            _PHOTOS.extend(load_photos())
+        scene = render_scene(self.seed, i, _PHOTOS, max_objects=self.max_objects,
                              empty=i in self.empty)
         stem = f"{i:06d}"
-        out = io.BytesIO()
-        scene.image.save(out, "JPEG", quality=scene.quality)
-        (self.dst / "images" / f"{stem}.jpg").write_bytes(out.getvalue())
+        scene.image.save(self.dst / "images" / f"{stem}.jpg", "JPEG", quality=scene.quality)
         w, h = scene.image.size
         lines = []
         for o in scene.objects:
@@ -217,39 +213,15 @@ class _SceneJob:
                          f"{(x1 - x0) / w:.6f} {(y1 - y0) / h:.6f}\n")
         label_file = self.dst / "labels" / f"{stem}.txt"
         if i in self.no_label_file:
-            if label_file.exists():
-                label_file.unlink()  # left from an earlier run into the same folder
+            label_file.unlink(missing_ok=True)  # left from an earlier run into the same folder
         else:
             label_file.write_text("".join(lines))
         return w, h, scene.objects
 
 
-_JOB: list = [None]  # the _SceneJob this process writes scenes of
-_PHOTOS: List[Image.Image] = []
+_PHOTOS: List[Image.Image] = []  # this process's load_photos()
 
 
-def _start_scenes(job: _SceneJob) -> None:
+def _one_torch_thread() -> None:
     import torch
     torch.set_num_threads(1)  # one process per core: torch's own threads only contend
-    _JOB[0] = job
-
-
-def _write_scene(i: int) -> Tuple[int, int, List[SceneObject]]:
-    if not _PHOTOS:
-        _PHOTOS.extend(load_photos())
-    return _JOB[0].write(i, _PHOTOS)
-
-
-def boxes_of(annotations_json: Union[os.PathLike, str, dict]
-             ) -> Dict[str, List[Tuple[int, List[float]]]]:
-    """{file_name: [(category_id, [x0, y0, x1, y1]), ...]} from a COCO file or its dict;
-    every image is listed, empty ones with [], so tests and benchmarks need no COCO API."""
-    coco = annotations_json
-    if not isinstance(coco, dict):
-        coco = json.loads(Path(coco).read_text())
-    names = {im["id"]: im["file_name"] for im in coco["images"]}
-    out: Dict[str, List[Tuple[int, List[float]]]] = {n: [] for n in names.values()}
-    for a in coco["annotations"]:
-        x, y, w, h = a["bbox"]
-        out[names[a["image_id"]]].append((a["category_id"], [x, y, x + w, y + h]))
-    return out

@@ -1,6 +1,5 @@
-"""``GPUDecoder``: the iterator a training loop uses on the GPU path: decode threads, each on its
-own CUDA stream, decode whole batches and augment them in one Triton kernel
-(docs/gpu_decode.md)."""
+"""``GPUDecoder``, the GPU path's iterator: decode threads, each on its own CUDA stream, decode
+whole batches and augment them in one Triton kernel (docs/gpu_decode.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -23,13 +22,11 @@ from .loader import ConnectionsWarning, connections_advice
 from .nvjpeg import NvjpegDecoder, load_nvjpeg, torchvision_decode
 from .options import DecodeStats, GPUOptions
 from .pipeline import Pipeline
-from .resample import TRITON_MISSING, ImageTable, resample_crops, triton_available
+from .resample import CPU_PATH, TRITON_MISSING, ImageTable, resample_crops, triton_available
 
 __all__ = ["GPUDecoder"]
 
 LETTERBOX_FILL = 114  # YOLO's grey
-CPU_PATH = ("use the CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
-            "make_loader and CUDAPrefetcher")
 
 
 class GPUDecoder(LoaderView):

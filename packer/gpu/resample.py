@@ -85,15 +85,13 @@ def resample_crops(images, boxes: torch.Tensor, size: Tuple[int, int],
     :class:`ImageTable` or uint8 (3, h, w) tensors), resize to ``size``, flip where ``flips``,
     and write ``x * scale + shift`` into ``out`` (uint8: the rounded pixels). Taps outside an
     image get no weight. CUDA runs the Triton kernel, the CPU :func:`reference_resample`."""
-    table = images if isinstance(images, ImageTable) else None
     b, (oh, ow) = len(images), size
-    device = boxes.device if not b else (table.base if table else images[0]).device
+    table = images if isinstance(images, ImageTable) or not b else ImageTable.from_images(images)
     if out is None:
+        device = table.base.device if b else boxes.device
         out = torch.empty((b, 3, oh, ow), dtype=torch.float32, device=device)
     if b == 0:
         return out
-    if table is None:
-        table = ImageTable.from_images(images)
     hw = table.sizes.to("cpu", torch.float64)
     boxes = boxes.to("cpu", torch.float64)
     flips = torch.zeros(b, dtype=torch.bool) if flips is None else flips.to("cpu", torch.bool)

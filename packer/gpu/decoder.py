@@ -7,7 +7,7 @@ import importlib
 import itertools
 import time
 import warnings
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -173,9 +173,8 @@ class GPUDecoder(LoaderView):
                 self.stats.add(gpu=len(images), batches=1)
                 return images, batch.sizes, batch.labels.to(self.device, non_blocking=True)
         views = batch.images()
-        n = len(views)
         on_gpu = (~batch.decoded).nonzero().flatten().tolist()
-        out: List[Optional[torch.Tensor]] = [None] * n
+        out = list(views)  # each replaced by its (3, h, w) image on self.device
         retried = 0
         if on_gpu:
             try:
@@ -189,10 +188,9 @@ class GPUDecoder(LoaderView):
             if not torch.equal(got[:, 1:], batch.sizes[on_gpu]) or bool((got[:, 0] != 3).any()):
                 raise RuntimeError("the decoder returned images of other sizes than their JPEG "
                                    "headers say (or not 3 channels)")
-        for i, v in enumerate(views):
-            if out[i] is None:
-                out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
-        self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
+        for i in batch.decoded.nonzero().flatten().tolist():
+            out[i] = views[i].to(self.device, non_blocking=True).permute(2, 0, 1)
+        self.stats.add(gpu=len(on_gpu), cpu=len(out) - len(on_gpu), retried=retried, batches=1)
         return (ImageTable.from_images(out), batch.sizes,
                 batch.labels.to(self.device, non_blocking=True))
 

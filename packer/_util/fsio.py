@@ -21,10 +21,7 @@ def open_new(path: os.PathLike, mode: str = "wb", *, replace_stale: bool = True)
     unlinked first: the link itself, never its target)."""
     path = Path(path)
     if replace_stale:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        path.unlink(missing_ok=True)
     try:
         fd = os.open(path, NEW_FLAGS, 0o644)
     except FileExistsError:

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import signal
 import time
 from typing import Callable, Dict, Optional, Tuple
@@ -92,25 +93,13 @@ def fs_type(path: os.PathLike) -> str:
                 fields = line.split()
                 if len(fields) < 3:
                     continue
-                mnt = _unescape_mount(fields[1])
+                # /proc/mounts writes space, tab, newline and backslash as octal (\040...)
+                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
                 if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best[0]:
                     best = (len(mnt), fields[2])
     except OSError:
         pass
     return best[1]
-
-
-def _unescape_mount(text: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "\\" and i + 3 < len(text) and text[i + 1:i + 4].isdigit():
-            out.append(chr(int(text[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
 
 
 def free_bytes(path: os.PathLike) -> int:
@@ -150,21 +139,16 @@ SHORT_WRITE_ROOM = 64 << 20  # one LMDB commit's worth (writer.TXN_BYTES)
 def _short_write(exc: BaseException, folder: str) -> bool:
     """LMDB reports a write cut short by a full disk as EIO (its page flush checks only the
     byte count): one when the disk has less room left than a commit needs."""
-    if "input/output error" not in str(exc).lower():
-        return False
-    try:
-        return free_bytes(folder) < SHORT_WRITE_ROOM
-    except OSError:
-        return False
+    return "input/output error" in str(exc).lower() and free_bytes(folder) < SHORT_WRITE_ROOM
 
 
 def human_size(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"``: powers of 1024, one decimal (whole bytes below 1 KiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+    return f"{n:.1f} TiB"
 
 
 SIMD_KERNEL = b"ImagingResampleHorizontalConvolution8u4x"  # Pillow-SIMD's AVX2/SSE4 resampler

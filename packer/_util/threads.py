@@ -1,5 +1,5 @@
-"""Thread plumbing written once: the end-of-stream marker, an error carried between threads,
-and queue operations that give up when asked to stop."""
+"""Thread plumbing: the end-of-stream marker, an error carried between threads, and queue
+operations that give up when asked to stop."""
 from __future__ import annotations
 
 import queue

@@ -1,6 +1,5 @@
 """Feeding the GPU path: ``make_gpu_loader`` (workers ship encoded JPEG bytes) and the CUDA
-hardware-queue setting that keeps decoding from waiting behind training kernels.
-"""
+hardware-queue setting that keeps decoding from waiting behind training kernels."""
 from __future__ import annotations
 
 import copy
@@ -75,8 +74,8 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
 
 
 def _encoded(dataset, max_pixels: int):
-    """``dataset`` (a path or a ``PackedDataset``) handing out ``EncodedImage(max_pixels)``
-    samples: a copy where its decoder differs; anything else as it is."""
+    """``dataset`` (a path or a ``PackedDataset``; anything else as it is) handing out
+    ``EncodedImage(max_pixels)`` samples."""
     if isinstance(dataset, (str, os.PathLike)):
         return PackedDataset(dataset, decode=EncodedImage(max_pixels))
     if isinstance(dataset, PackedDataset):

@@ -9,15 +9,12 @@ from typing import Optional
 
 from .._util.system import fs_type, meminfo
 from ..errors import PackerError
-from ..format.manifest import read_manifest, side_tables
+from ..format.manifest import read_manifest
 from ..storage import is_url, redact
+from ..storage.remote import dataset_files
 from .results import StageResult
 from .stager import stage
 
-__all__ = ["local_rank_from_env", "stage_once_per_node"]
-
-
-# -- several GPUs per node -------------------------------------------------------------------
 
 def local_rank_from_env() -> Optional[int]:
     """This process's rank within its node, from torchrun, SLURM or Open MPI variables."""
@@ -35,18 +32,12 @@ def stage_once_per_node(src: os.PathLike, target: os.PathLike, *, local_rank: Op
                         timeout: float = 4 * 3600, **kwargs) -> StageResult:
     """Stage once per node under ``torch.distributed``: local rank 0 copies, the others wait.
 
-    Call it on every rank (it is a collective when torch.distributed is initialised), before
-    building the dataset, with a node-local ``target`` such as ``/dev/shm/train``::
-
-        res = stage_once_per_node("/data/packed/train", "/dev/shm/train")
-        ds = PackedDataset(res.target, transform=...)
-
-    The wait is an all-reduce over a gloo group created with ``timeout`` seconds (default
-    4 h, since copying a big dataset can outlast the default collective timeout); it also
-    carries failure, so if staging fails on any node every rank raises instead of hanging.
-    Without torch.distributed (or with one process) it simply stages. ``local_rank`` defaults
-    to LOCAL_RANK (torchrun), SLURM_LOCALID or OMPI_COMM_WORLD_LOCAL_RANK. Other keyword
-    arguments go to ``stage``; non-zero local ranks return a result with ``waited=True``.
+    Call it on every rank (a collective once torch.distributed is initialised) with a
+    node-local ``target`` such as ``/dev/shm/train``, then ``PackedDataset(res.target)``. The
+    wait is an all-reduce over a gloo group with ``timeout`` seconds (4 h: a big copy outlasts
+    the default); it carries failure, so every rank raises instead of hanging. Without
+    torch.distributed it simply stages. ``local_rank`` defaults to ``local_rank_from_env()``;
+    other keyword arguments go to ``stage``; non-zero local ranks get ``waited=True``.
     """
     import datetime
 
@@ -83,12 +74,9 @@ def stage_once_per_node(src: os.PathLike, target: os.PathLike, *, local_rank: Op
                           f"node (see that rank's error); fix it and restart the job")
     if result is not None:
         return result
-    target = Path(target)
     man = read_manifest(target)  # cheap: local rank 0 just verified every byte
-    source = redact(src) if is_url(src) else Path(src)  # a URL's credentials are never shown
-    waited = StageResult(source=source, target=target, waited=True, fstype=fs_type(target),
-                         swap=meminfo().get("SwapTotal", 0) > 0)
-    tables = [entry for _, entry, _ in side_tables(man)]
-    waited.kept = [s["path"] for s in man["shards"]] + [t["path"] for t in tables]
-    waited.bytes_total = sum(s["bytes"] for s in man["shards"]) + sum(int(t.get("bytes", 0)) for t in tables)
-    return waited
+    files = dataset_files(man)
+    return StageResult(source=redact(src) if is_url(src) else Path(src),  # never credentials
+                       target=Path(target), waited=True, fstype=fs_type(target),
+                       swap=meminfo().get("SwapTotal", 0) > 0, kept=[f["path"] for f in files],
+                       bytes_total=sum(int(f.get("bytes", 0)) for f in files))

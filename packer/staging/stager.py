@@ -1,17 +1,8 @@
 """Staging: copy a finished dataset to fast storage (a tmpfs, ``/dev/shm``); ``unstager.py``
-undoes it.
-
-The copy is crash safe by the same rule as the build: each file is copied whole under a
-temporary name (``.NAME.staging``), hashed while it is copied and verified against the
-manifest, then renamed into place; the manifest — the one file readers require — goes
-last. TARGET is therefore either a complete dataset or one that nothing accepts as
-complete, and re-running the same command checks what is there (size and checksum) and
-recopies only what differs or is missing.
-
-Shard paths in a manifest may point outside the dataset folder (``packer merge`` refers to
-its parts' files); staging copies every referenced file into TARGET under a flat name and
-writes a manifest with rewritten paths, so TARGET is self-contained and
-``PackedDataset(TARGET)`` works with no other change.
+undoes it. Crash safe as the build: each file is copied whole under ``.NAME.staging``, hashed,
+checked against the manifest and renamed into place, the manifest last; a re-run recopies only
+what differs. Files outside the folder (a merge's parts) get flat names in a rewritten
+manifest, so TARGET is self-contained.
 """
 from __future__ import annotations
 
@@ -35,46 +26,24 @@ from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT
 from ..storage import RemoteDataset, is_url
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult
-from .unstager import (STAGE_LOCK, STAGE_MARKER, previous_names, read_marker, remove_folders,
-                       remove_staged, unstage, vanishing, write_marker)
+from .unstager import (STAGE_LOCK, STAGE_MARKER, manifest_or_none, previous_names, read_marker,
+                       remove_folders, remove_staged, unstage, vanishing, write_marker)
 
 __all__ = ["STAGE_LOCK", "STAGE_MARKER", "check_space", "stage", "staging_plan", "unstage"]
 
 
-def space_margin(need: int) -> int:
-    """Headroom kept free on TARGET beyond the bytes to copy: 1% + 1 MiB."""
-    return need // 100 + (1 << 20)
-
-
-def ram_margin(mem_total: int) -> int:
-    """RAM left for everything else when staging into a RAM filesystem: 5%, at least 256 MiB."""
-    return max(256 << 20, mem_total // 20)
-
-
-# -- stage -----------------------------------------------------------------------------------
-
 def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
           verify: bool = True, storage_options: Optional[dict] = None) -> StageResult:
-    """Copy the dataset ``src`` (shards, tables, manifest) into ``target`` and verify it.
+    """Copy the dataset ``src`` (a folder or a URL) into ``target`` (e.g. ``/dev/shm/NAME``;
+    made with its parents if missing, ``unstage`` removes them) and verify it.
 
-    Args:
-        src: a finished dataset (built or merged): a folder, or a URL (``s3://``, ``gs://``...).
-        target: where to put the copy, typically ``/dev/shm/NAME`` or a tmpfs mount; created
-            (parents too; ``unstage`` removes what it created) if missing. An existing
-            ``target`` must be empty or a staged copy (of this or another dataset): staging
-            never writes into a folder that holds other things (``/dev/shm`` itself).
-        progress: show a bytes progress bar (tqdm).
-        verify: hash files already in ``target`` before keeping them, and re-read each copied
-            file from ``target`` to check it against the manifest. With ``verify=False``
-            files already there are checked by size only, and copies are checked by the hash
-            computed while copying (which still catches a source that changed or rotted).
-        storage_options: for a URL: fsspec's options (endpoint, credentials) and packer's.
-
-    Returns a ``StageResult``; ``print(result.message())`` tells the user where the data is.
-    Raises ``PackerError`` for an incomplete source, a target that is not safe to write, or
-    not enough free space (checked before anything is written). A stage that fails once it
-    has started writing removes what staging wrote in ``target``; an interrupted one (Ctrl-C)
-    keeps it, so that the same call resumes (or ``unstage`` removes it).
+    An existing ``target`` must be empty or a staged copy: staging never writes into a folder
+    holding other things. ``verify`` hashes files already there before keeping them and
+    re-reads each copy (``False``: sizes only, plus the hash taken while copying).
+    ``storage_options``: for a URL, fsspec's and packer's options. Returns a ``StageResult``
+    (``message()`` says where the data is). An incomplete source, an unsafe target or too
+    little space is a ``PackerError`` before anything is written; a later failure removes what
+    staging wrote, while Ctrl-C keeps it for the same call to resume.
     """
     t0 = time.perf_counter()
     src, target = (RemoteDataset(src, storage_options) if is_url(src) else Path(src)), Path(target)
@@ -112,13 +81,14 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     stale = sorted(n for n in previous - wanted if (target / n).exists())
     temps = sorted(f".{n}{TMP_SUFFIX}" for n in previous if os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
     todo, doomed = _sort_out(target, plan, verify, progress, result)
-    manifest_ok = not todo and not stale and _same_manifest(target, staged_manifest)
+    manifest_ok = not todo and not stale and manifest_or_none(target) == staged_manifest
     result.bytes_total = sum(f.bytes for f in plan)
     if manifest_ok and not temps:
         result.seconds = time.perf_counter() - t0
         return result
 
-    need = sum(f.bytes for f in todo) + _json_size(staged_manifest)
+    body = json.dumps(staged_manifest, indent=1, ensure_ascii=False).encode("utf-8")
+    need = sum(f.bytes for f in todo) + len(body) + 1
     freeable = sum(_size(target / n) or 0 for n in doomed + stale + temps)
     check_space(target, need, freeable, result.fstype)
 
@@ -156,7 +126,7 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool
     to_hash = [f for f in plan if sizes[f.name] == f.bytes and verify and f.sha256 is not None]
     check_bar = _bar(progress, sum(f.bytes for f in to_hash), f"checking {target.name or target}")
     try:  # hashing releases the GIL: check several files at once
-        with ThreadPoolExecutor(_threads(len(to_hash))) as pool:
+        with ThreadPoolExecutor(max(1, min(len(to_hash), 8, os.cpu_count() or 1))) as pool:
             digests = dict(zip((f.name for f in to_hash),
                                pool.map(lambda f: file_sha256(target / f.name, check_bar.update), to_hash)))
     finally:
@@ -269,10 +239,7 @@ def _refuse_unsafe_target(src: Path, target: Path, plan: List[StagedFile]) -> No
     if (target / ".packer-build.json").exists():
         raise PackerError(f"{target} holds an unfinished `packer build`; pick another folder")
     if (target / MANIFEST).exists():
-        try:
-            existing = read_manifest(target)
-        except PackerError:
-            existing = None
+        existing = manifest_or_none(target)
         if existing is not None and "staged" not in existing:
             raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
                               f"output?); staging would overwrite it. Pick an empty folder")
@@ -293,38 +260,24 @@ def _refuse_foreign(target: Path, names: set) -> None:
 
 
 def check_space(target: Path, need: int, freeable: int, fstype: str) -> None:
-    usage = shutil.disk_usage(target)
-    free = usage.free + freeable
-    margin = space_margin(need)
+    """Refuse before writing: TARGET must have room for ``need`` bytes + 1 % + 1 MiB, and a RAM
+    filesystem must leave 5 % of the RAM (at least 256 MiB) to everything else."""
+    free = shutil.disk_usage(target).free + freeable
+    margin = need // 100 + (1 << 20)
     if need + margin > free:
         raise PackerError(
             f"{target} has {human_size(free)} free, the dataset needs {human_size(need)} "
             f"(+{human_size(margin)} margin); free some space or mount a bigger tmpfs: "
             f"{tmpfs_advice(need + margin)}")
-    if fstype in RAM_FS:
-        info = meminfo()
-        if "MemAvailable" in info:
-            avail = info["MemAvailable"]
-            keep = ram_margin(info.get("MemTotal", 0))
-            if need - freeable + keep > avail:  # files replaced in a tmpfs free their RAM
-                raise PackerError(
-                    f"{target} is in RAM ({fstype}) and the dataset needs {human_size(need)}, but "
-                    f"only {human_size(avail)} of RAM is available (keeping {human_size(keep)} for "
-                    f"everything else); staging would push the machine into swap or the OOM "
-                    f"killer. Free memory, or train from the disk copy")
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-def _same_manifest(target: Path, staged: dict) -> bool:
-    try:
-        return read_manifest(target) == staged
-    except PackerError:
-        return False
-
-
-def _json_size(obj) -> int:
-    return len(json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")) + 1
+    info = meminfo() if fstype in RAM_FS else {}
+    if "MemAvailable" in info:
+        avail, keep = info["MemAvailable"], max(256 << 20, info.get("MemTotal", 0) // 20)
+        if need - freeable + keep > avail:  # files replaced in a tmpfs free their RAM
+            raise PackerError(
+                f"{target} is in RAM ({fstype}) and the dataset needs {human_size(need)}, but "
+                f"only {human_size(avail)} of RAM is available (keeping {human_size(keep)} for "
+                f"everything else); staging would push the machine into swap or the OOM "
+                f"killer. Free memory, or train from the disk copy")
 
 
 def _size(path: Path) -> Optional[int]:
@@ -334,10 +287,6 @@ def _size(path: Path) -> Optional[int]:
     except OSError:
         return None
     return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
-def _threads(jobs: int) -> int:
-    return max(1, min(jobs, 8, os.cpu_count() or 1))
 
 
 def _bar(progress: bool, total: int, desc: str):

@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from .. import __version__
 from .._util.fsio import LOCK_NAME, FolderLock, remove_own, write_json_atomic
@@ -39,14 +39,10 @@ def unstage(target: os.PathLike) -> UnstageResult:
             return UnstageResult(target=target, removed=[], bytes_freed=0, removed_dir=False)
         if not target.is_dir():
             raise PackerError(f"{target} is not a folder; nothing to unstage")
-        if (target / MANIFEST).exists():
-            try:
-                staged = "staged" in read_manifest(target)
-            except PackerError:
-                staged = True  # a damaged manifest: the marker decides
-            if not staged:
-                raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
-                                  f"output?); unstage removes staged copies only")
+        existing = manifest_or_none(target)  # missing or damaged: the marker decides
+        if existing is not None and "staged" not in existing:
+            raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
+                              f"output?); unstage removes staged copies only")
         if not (target / STAGE_MARKER).exists():
             if set(os.listdir(target)) <= KILLED_LEFTOVERS:  # a stage or unstage killed early/late
                 with FolderLock(target, f"packer unstage {target}"):
@@ -60,6 +56,14 @@ def unstage(target: os.PathLike) -> UnstageResult:
             removed, freed = remove_staged(target)
     removed_dir = remove_folders(target, parents)
     return UnstageResult(target=target, removed=removed, bytes_freed=freed, removed_dir=removed_dir)
+
+
+def manifest_or_none(target: Path) -> Optional[dict]:
+    """TARGET's manifest, or None when it is missing or damaged."""
+    try:
+        return read_manifest(target)
+    except PackerError:
+        return None
 
 
 def remove_staged(target: Path):

@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, Optional
 
 from .._util.fsio import open_new
 from ..errors import FormatError, PackerError
-from .retry import ShortBody, with_retries
-from .urls import filesystem, redact, redact_text, secret_values, split_options, url_secrets
+from .retry import NotFound, ShortBody, with_retries
+from .urls import filesystem, redact, secret_values, split_options, url_secrets
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,16 @@ class Store:
             raise PackerError(f"{self.show(rel)} is a folder, not a file")
         return ObjectInfo(int(info["size"]), version_of(info))
 
-    def listing(self) -> Dict[str, ObjectInfo]:
-        """Every object directly in the folder, by name: one LIST request (a page per 1,000)."""
-        entries = self.call(lambda: self.fs.ls(self.root, detail=True, refresh=True),
-                            f"listing {self.shown}")
+    def listing(self, missing_ok: bool = False) -> Dict[str, ObjectInfo]:
+        """Every object directly in the folder, by name: one LIST request (a page per 1,000).
+        A missing folder is ``NotFound``, or empty with ``missing_ok``."""
+        try:
+            entries = self.call(lambda: self.fs.ls(self.root, detail=True, refresh=True),
+                                f"listing {self.shown}")
+        except NotFound:
+            if missing_ok:
+                return {}
+            raise
         return {posixpath.basename(e["name"].rstrip("/")): ObjectInfo(int(e.get("size") or 0), version_of(e))
                 for e in entries if e.get("type") != "directory"}
 
@@ -184,9 +190,6 @@ class Store:
             raise PackerError(f"{self.show(rel)} holds {got.size} bytes after uploading {size}; "
                               f"re-run the upload")
         return got
-
-    def redacted(self, text: str) -> str:
-        return redact_text(text, self.secrets)
 
 
 def version_of(info: Dict[str, Any]) -> Optional[str]:

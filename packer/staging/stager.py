@@ -121,7 +121,6 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool
     """(files to copy, names to delete first): a file already in TARGET is kept when its size
     (and, with ``verify``, its checksum) matches the manifest."""
     todo: List[StagedFile] = []
-    doomed: List[str] = []
     sizes = {f.name: _size(target / f.name) for f in plan}
     to_hash = [f for f in plan if sizes[f.name] == f.bytes and verify and f.sha256 is not None]
     check_bar = _bar(progress, sum(f.bytes for f in to_hash), f"checking {target.name or target}")
@@ -132,14 +131,11 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool
     finally:
         check_bar.close()
     for f in plan:
-        if sizes[f.name] is None:
-            todo.append(f)
-        elif sizes[f.name] == f.bytes and digests.get(f.name, f.sha256) == f.sha256:
+        if sizes[f.name] == f.bytes and digests.get(f.name, f.sha256) == f.sha256:
             result.kept.append(f.name)
         else:
             todo.append(f)
-            doomed.append(f.name)
-    return todo, doomed
+    return todo, [f.name for f in todo if sizes[f.name] is not None]
 
 
 def _copy(todo: List[StagedFile], target: Path, verify: bool, progress: bool,

@@ -58,10 +58,8 @@ class ShardCache:
         (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
         remote = fetch_manifest(self.store)
         self.manifest = deepcopy(remote)
-        self._entries = []  # per shard: (local name, remote path, bytes, sha256)
-        for s in remote["shards"]:
-            name = _content_name(s, remote, "lmdb")
-            self._entries.append((name, s["path"], s["bytes"], s.get("sha256")))
+        self._entries = [(_content_name(s, remote, "lmdb"), s["path"], s["bytes"], s.get("sha256"))
+                         for s in remote["shards"]]  # (local name, remote path, bytes, sha256)
         self.manifest["shards"] = [dict(s, path=e[0]) for s, e in zip(remote["shards"], self._entries)]
         self.manifest["cached"] = {"from": self.store.shown}
         biggest = max((s["bytes"] for s in remote["shards"]), default=0)
@@ -112,10 +110,8 @@ class ShardCache:
         fd = self._ensure(name, rel, size, sha, pin=pin)
         if fd is not None:
             with self._mutex:
-                if k in self._pins:
+                if self._pins.setdefault(k, fd) != fd:  # pinned meanwhile by another thread
                     os.close(fd)
-                else:
-                    self._pins[k] = fd
         return self.root / name
 
     def release(self, k: int) -> None:
@@ -247,23 +243,21 @@ def _content_name(entry: dict, manifest: dict, suffix: str) -> str:
     return f"{key[:32]}.{suffix}" if "." not in suffix else f"{key[:32]}-{suffix}"
 
 
+def _stat(path: Union[Path, os.DirEntry]) -> Optional[os.stat_result]:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
 def _size(path: Path) -> Optional[int]:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
-
-
-def _stat(entry: os.DirEntry):
-    try:
-        return entry.stat()
-    except FileNotFoundError:
-        return None
+    st = _stat(path)
+    return None if st is None else st.st_size
 
 
 def _touch(path: Path) -> None:
-    """Mark ``path`` used now: its access time (the LRU clock; its mtime, which readers
-    check to notice a replaced file, stays)."""
+    """Mark ``path`` used now: its atime is the LRU clock (its mtime, which readers check to
+    notice a replaced file, stays)."""
     try:
         st = path.stat()
         os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))

@@ -36,18 +36,15 @@ def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Op
     """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary one keeping two shards at
     most, so listing a dataset larger than the disk works."""
     from .cache import ShardCache
-    tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
-    try:
+    with contextlib.ExitStack() as stack:
+        tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
+        if tmp is not None:
+            stack.callback(shutil.rmtree, tmp, ignore_errors=True)
         cache = ShardCache(url, cache_dir if tmp is None else tmp, None, storage_options)
+        stack.callback(cache.close)
         if tmp is not None and not keep_all:
             cache.limit = 2 * max((s["bytes"] for s in cache.manifest["shards"]), default=0)
-        try:
-            yield cache
-        finally:
-            cache.close()
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        yield cache
 
 
 @contextlib.contextmanager

@@ -32,9 +32,7 @@ class Store:
         self.shown = redact(self.url)
         self.options, self.transfer = split_options(storage_options)
         self.secrets = secret_values(self.options) + url_secrets(url)
-        self._fs: Any = None
-        self._pid: Optional[int] = None
-        self.root = self.fs_root()
+        self.root = self.fs_root()  # and the client, made in this process
 
     def fs_root(self) -> str:
         fs, root = filesystem(self.url, self.options)

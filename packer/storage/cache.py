@@ -10,6 +10,7 @@ try:
 except ImportError:  # Windows: a ShardCache says so when made; importing this works
     fcntl = None
 
+import contextlib
 import hashlib
 import os
 import re
@@ -145,6 +146,16 @@ class ShardCache:
     def _lock(self, name: str, kind: str) -> int:
         return os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
 
+    @contextlib.contextmanager
+    def _locked(self, name: str, kind: str, how: int):
+        """Hold ``flock(how)`` on NAME's ``kind`` lock (``LOCK_NB``: BlockingIOError if taken)."""
+        fd = self._lock(name, kind)
+        try:
+            fcntl.flock(fd, how)
+            yield
+        finally:
+            os.close(fd)
+
     def _ensure(self, name: str, rel: str, size: int, sha: Optional[str], pin: bool) -> Optional[int]:
         """Make ``root/name`` present; with ``pin``, return the fd holding its pin (shared)."""
         path, fetched = self.root / name, False
@@ -159,14 +170,10 @@ class ShardCache:
                     return fd
                 if fd is not None:
                     os.close(fd)
-            fd = self._lock(name, "fetch")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # one writer per name: waits for another's download
+            with self._locked(name, "fetch", fcntl.LOCK_EX):  # one writer: waits for another's
                 if _size(path) != size:
                     self._fetch(name, rel, size, sha)
                     fetched = True
-            finally:
-                os.close(fd)
 
     def _fetch(self, name: str, rel: str, size: int, sha: Optional[str]) -> None:
         """Download ``rel`` to ``name``; the caller holds NAME's fetch lock."""
@@ -184,9 +191,7 @@ class ShardCache:
         """Evict least recently used, unpinned shards until ``need`` more bytes fit."""
         if self.limit is None:
             return
-        guard = self._lock("", "evict")
-        try:
-            fcntl.flock(guard, fcntl.LOCK_EX)  # one evicting process at a time
+        with self._locked("", "evict", fcntl.LOCK_EX):  # one evicting process at a time
             files = [(st.st_atime_ns, e.name, st.st_size) for e in os.scandir(self.root)
                      if e.name.endswith((".lmdb", ".part")) for st in [_stat(e)] if st is not None]
             used = sum(size for _, _, size in files)
@@ -199,19 +204,14 @@ class ShardCache:
                 warnings.warn(f"the shards in use in {self.root} ({human_size(used)}) and the next "
                               f"({human_size(need)}) exceed cache_limit ({human_size(self.limit)}): "
                               f"raise it, or read with fewer processes per node", RuntimeWarning)
-        finally:
-            os.close(guard)
 
     def _evict(self, name: str) -> bool:
         """Remove shard ``name`` unless some process pins it."""
-        fd = self._lock(name, "pin")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            (self.root / name).unlink(missing_ok=True)
+            with self._locked(name, "pin", fcntl.LOCK_EX | fcntl.LOCK_NB):
+                (self.root / name).unlink(missing_ok=True)
         except BlockingIOError:
             return False
-        finally:
-            os.close(fd)
         self.evictions += 1
         return True
 
@@ -219,15 +219,13 @@ class ShardCache:
         """Remove ``.part`` files no live process is writing (a crash's); returns how many."""
         removed = 0
         for p in self.root.glob(".*.part"):
-            fd = self._lock(p.name[1:].rsplit(".", 2)[0], "fetch")
+            name = p.name[1:].rsplit(".", 2)[0]  # .NAME.PID-TID.part
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                p.unlink(missing_ok=True)
-                removed += 1
+                with self._locked(name, "fetch", fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    p.unlink(missing_ok=True)
+                    removed += 1
             except BlockingIOError:
                 pass  # being written now
-            finally:
-                os.close(fd)
         return removed
 
     def usage(self) -> int:

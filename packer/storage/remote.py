@@ -11,8 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import FormatError, PackerError
 from ..format.manifest import MANIFEST, parse_manifest, read_manifest, side_tables
-from .objects import ObjectInfo, Store
-from .retry import NotFound
+from .objects import NotFound, ObjectInfo, Store
 
 UPLOAD_MARKER = ".packer-upload.json"  # present while an upload is unfinished
 

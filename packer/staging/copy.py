@@ -51,10 +51,8 @@ def copy_file(f: StagedFile, target: Path, progress) -> Path:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             pending: List[Future] = []
-            while True:
-                chunk = src.read(HASH_CHUNK)  # a new buffer each time: the hasher may hold the last
-                if not chunk:
-                    break
+            # a new buffer each time (no readinto): the hasher may still hold the last one
+            for chunk in iter(lambda: src.read(HASH_CHUNK), b""):
                 pending.append(hasher.submit(h.update, chunk))  # one worker: in order
                 out.write(chunk)  # a BufferedWriter: writes it all or raises
                 size += len(chunk)

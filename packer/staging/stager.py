@@ -143,10 +143,9 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool
 
 def _copy(todo: List[StagedFile], target: Path, verify: bool, progress: bool,
           result: StageResult) -> None:
-    """Copy file k+1 while a second thread re-reads and checks file k (object storage: several
-    files at once, ``files_at_once``). If a copy fails (or Ctrl-C), the checks already queued
-    still finish, so a re-run keeps those files. The bar counts the data once: with
-    ``verify`` its copy and its check are half each."""
+    """Copy file k+1 (``files_at_once``) while a second thread checks file k; on failure the
+    queued checks still finish, so a re-run keeps those files. With ``verify`` the bar counts
+    each file's copy and check as half each."""
     bar = _bar(progress, sum(f.bytes for f in todo), f"staging to {target.name or target}")
     share = (lambda n: bar.update(n / 2)) if verify else bar.update
     checks: List[Tuple[StagedFile, Future]] = []
@@ -185,10 +184,8 @@ def files_at_once(todo: List[StagedFile]) -> int:
 
 
 def staging_plan(src: Path, man: dict) -> List[StagedFile]:
-    """Every file the dataset needs, with the flat name it gets in TARGET. The manifest is
-    validated (``read_manifest``); here each file is also checked to be a regular file of
-    the size the manifest says, so space is planned from real sizes and a lying manifest is
-    refused before anything is copied."""
+    """Every file the dataset needs, with its flat name in TARGET; each must be a regular file
+    of its manifest size, so a lying manifest is refused before anything is copied."""
     shards = man["shards"]
     bases = [s["path"].rsplit("/", 1)[-1] for s in shards]
     reserved = {MANIFEST, LABELS, OFFSETS, PATHS_INDEX, PATHS_TEXT, STAGE_MARKER, STAGE_LOCK}

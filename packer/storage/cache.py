@@ -1,8 +1,7 @@
-"""A node-local cache of a remote dataset's shards, for reading without staging.
-
-All processes of a node share ``cache_dir/<name>-<hash of the URL>/``; a file is written
-only under an exclusive ``flock``, verified against its SHA-256 and renamed into place, and
-shards in use are pinned (shared ``flock``) against LRU eviction (docs/object_storage.md)."""
+"""A node-local cache of a remote dataset's shards, for reading without staging: the node's
+processes share ``cache_dir/<name>-<hash of the URL>/``; a file is written under an exclusive
+``flock``, verified and renamed into place; shards in use are pinned (shared ``flock``)
+against LRU eviction (docs/object_storage.md)."""
 from __future__ import annotations
 
 try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import os
 import posixpath
 import random
@@ -51,10 +52,9 @@ def transient(e: BaseException) -> bool:
     """Whether ``e`` is a failure another try may not meet (see the module docstring)."""
     if isinstance(e, PERMANENT):
         return False
-    for x in (e, e.__cause__):  # s3fs raises OSError "from" the client's error
-        status = _status(x) if x is not None else None
-        if status is not None:
-            return status >= 500 or status in (408, 429)
+    status = next(filter(None, map(_status, (e, e.__cause__))), None)  # s3fs: OSError from it
+    if status is not None:
+        return status >= 500 or status in (408, 429)
     if any(c.__name__ in TRANSIENT_NAMES for x in (e, e.__cause__) for c in type(x).__mro__):
         return True
     if isinstance(e, OSError):  # s3fs: SlowDown/503 -> EBUSY, 500 -> EREMOTEIO, unknown -> EIO
@@ -80,9 +80,8 @@ def _status(e: BaseException):
 def with_retries(fn: Callable[[], T], what: str, seconds: float, secrets: Iterable[str] = ()) -> T:
     """``fn()``, retried while it fails transiently and ``seconds`` have not passed since the
     first failure; then a PackerError naming ``what`` and the last error (redacted)."""
-    first, tries = None, 0
-    while True:
-        tries += 1
+    first = None
+    for tries in itertools.count(1):
         try:
             return fn()
         except Exception as e:  # classified below; anything permanent is re-raised as ours

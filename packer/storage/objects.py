@@ -52,7 +52,8 @@ def transient(e: BaseException) -> bool:
     """Whether ``e`` is a failure another try may not meet (see the module docstring)."""
     if isinstance(e, PERMANENT):
         return False
-    status = next(filter(None, map(_status, (e, e.__cause__))), None)  # s3fs: OSError from it
+    # s3fs raises OSError "from" the client's error, which carries the status
+    status = next((s for s in map(_status, (e, e.__cause__)) if s is not None), None)
     if status is not None:
         return status >= 500 or status in (408, 429)
     if any(c.__name__ in TRANSIENT_NAMES for x in (e, e.__cause__) for c in type(x).__mro__):

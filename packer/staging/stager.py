@@ -310,8 +310,9 @@ def stage_once_per_node(src: os.PathLike, target: os.PathLike, *, local_rank: Op
     node-local ``target`` such as ``/dev/shm/train``, then ``PackedDataset(res.target)``. The
     wait is an all-reduce over a gloo group with ``timeout`` seconds (4 h: a big copy outlasts
     the default); it carries failure, so every rank raises instead of hanging. Without
-    torch.distributed it simply stages. ``local_rank`` defaults to ``local_rank_from_env()``;
-    other keyword arguments go to ``stage``; non-zero local ranks get ``waited=True``.
+    torch.distributed (or with one process) it simply stages. ``local_rank`` defaults to
+    ``local_rank_from_env()``; other keyword arguments go to ``stage``; non-zero local ranks
+    get ``waited=True``.
     """
     import datetime
 

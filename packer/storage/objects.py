@@ -49,7 +49,8 @@ THROTTLE_WORDS = ("slowdown", "slow down", "throttl", "too many requests", "rate
 
 
 def transient(e: BaseException) -> bool:
-    """Whether ``e`` is a failure another try may not meet (see the module docstring)."""
+    """Whether ``e`` is a failure another try may not meet: a reset, timeout, 5xx, throttling
+    or short body."""
     if isinstance(e, PERMANENT):
         return False
     # s3fs raises OSError "from" the client's error, which carries the status

@@ -1,6 +1,5 @@
 """Copying one dataset file for ``stage``: whole, to a temporary name, hashing on the way;
-then checked and renamed into place. A full disk becomes a PackerError saying how to resume.
-"""
+then checked and renamed into place. A full disk becomes a PackerError saying how to resume."""
 from __future__ import annotations
 
 import hashlib
@@ -37,11 +36,8 @@ def tmpfs_advice(need: Optional[int] = None) -> str:
 
 
 def copy_file(f: StagedFile, target: Path, progress) -> Path:
-    """Copy ``f`` whole to a temporary name in TARGET, hashing on the way; returns that name.
-
-    Reading, hashing and writing overlap (hashlib and file I/O release the GIL): chunk i is
-    hashed in a second thread while it is written and chunk i+1 is read.
-    """
+    """Copy ``f`` whole to a temporary name in TARGET and return it; chunk i is hashed in a
+    second thread while it is written and i+1 read (hashlib and file I/O release the GIL)."""
     tmp = target / ("." + f.name + TMP_SUFFIX)
     if not isinstance(f.src, Path):  # in object storage: fetched and verified by packer.storage
         with disk_full(target / f.name):
@@ -55,14 +51,10 @@ def copy_file(f: StagedFile, target: Path, progress) -> Path:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             pending: List[Future] = []
-            while True:
-                chunk = src.read(HASH_CHUNK)  # a new buffer each time: the hasher may hold the last
-                if not chunk:
-                    break
+            # a new buffer each time (no readinto): the hasher may still hold the last one
+            for chunk in iter(lambda: src.read(HASH_CHUNK), b""):
                 pending.append(hasher.submit(h.update, chunk))  # one worker: in order
-                view, written = memoryview(chunk), 0
-                while written < len(chunk):
-                    written += out.write(view[written:])
+                out.write(chunk)  # a BufferedWriter: writes it all or raises
                 size += len(chunk)
                 progress(len(chunk))
                 if len(pending) > 2:  # bound the memory held by chunks waiting to be hashed

@@ -1,17 +1,9 @@
 """Staging: copy a finished dataset to fast storage (a tmpfs, ``/dev/shm``); ``unstager.py``
-undoes it.
-
-The copy is crash safe by the same rule as the build: each file is copied whole under a
-temporary name (``.NAME.staging``), hashed while it is copied and verified against the
-manifest, then renamed into place; the manifest — the one file readers require — goes
-last. TARGET is therefore either a complete dataset or one that nothing accepts as
-complete, and re-running the same command checks what is there (size and checksum) and
-recopies only what differs or is missing.
-
-Shard paths in a manifest may point outside the dataset folder (``packer merge`` refers to
-its parts' files); staging copies every referenced file into TARGET under a flat name and
-writes a manifest with rewritten paths, so TARGET is self-contained and
-``PackedDataset(TARGET)`` works with no other change.
+undoes it. Crash safe as the build: each file is copied whole under ``.NAME.staging``, hashed,
+checked against the manifest and renamed into place, the manifest last; a re-run recopies only
+what differs. Files outside the folder (a merge's parts) get flat names in a rewritten
+manifest, so TARGET is self-contained. ``stage_once_per_node``: local rank 0 stages under
+torch.distributed while the node's other ranks wait.
 """
 from __future__ import annotations
 
@@ -32,49 +24,29 @@ from .._util.system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
 from .._util.fsio import FolderLock, check_folder, fsync_dir, remove_own, write_json_atomic
 from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256, read_manifest, set_table, shard_file, side_tables
-from ..storage import RemoteDataset, is_url
+from ..storage import RemoteDataset, is_url, redact
+from ..storage.remote import dataset_files
 from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult
-from .unstager import (STAGE_LOCK, STAGE_MARKER, previous_names, read_marker, remove_folders,
-                       remove_staged, unstage, vanishing, write_marker)
+from .unstager import (STAGE_LOCK, STAGE_MARKER, manifest_or_none, previous_names, read_marker,
+                       remove_folders, remove_staged, unstage, vanishing, write_marker)
 
-__all__ = ["STAGE_LOCK", "STAGE_MARKER", "check_space", "stage", "staging_plan", "unstage"]
+__all__ = ["STAGE_LOCK", "STAGE_MARKER", "check_space", "local_rank_from_env", "stage",
+           "stage_once_per_node", "staging_plan", "unstage"]
 
-
-def space_margin(need: int) -> int:
-    """Headroom kept free on TARGET beyond the bytes to copy: 1% + 1 MiB."""
-    return need // 100 + (1 << 20)
-
-
-def ram_margin(mem_total: int) -> int:
-    """RAM left for everything else when staging into a RAM filesystem: 5%, at least 256 MiB."""
-    return max(256 << 20, mem_total // 20)
-
-
-# -- stage -----------------------------------------------------------------------------------
 
 def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
           verify: bool = True, storage_options: Optional[dict] = None) -> StageResult:
-    """Copy the dataset ``src`` (shards, tables, manifest) into ``target`` and verify it.
+    """Copy the dataset ``src`` (a folder or a URL) into ``target`` (e.g. ``/dev/shm/NAME``;
+    made with its parents if missing, ``unstage`` removes them) and verify it.
 
-    Args:
-        src: a finished dataset (built or merged): a folder, or a URL (``s3://``, ``gs://``...).
-        target: where to put the copy, typically ``/dev/shm/NAME`` or a tmpfs mount; created
-            (parents too; ``unstage`` removes what it created) if missing. An existing
-            ``target`` must be empty or a staged copy (of this or another dataset): staging
-            never writes into a folder that holds other things (``/dev/shm`` itself).
-        progress: show a bytes progress bar (tqdm).
-        verify: hash files already in ``target`` before keeping them, and re-read each copied
-            file from ``target`` to check it against the manifest. With ``verify=False``
-            files already there are checked by size only, and copies are checked by the hash
-            computed while copying (which still catches a source that changed or rotted).
-        storage_options: for a URL: fsspec's options (endpoint, credentials) and packer's.
-
-    Returns a ``StageResult``; ``print(result.message())`` tells the user where the data is.
-    Raises ``PackerError`` for an incomplete source, a target that is not safe to write, or
-    not enough free space (checked before anything is written). A stage that fails once it
-    has started writing removes what staging wrote in ``target``; an interrupted one (Ctrl-C)
-    keeps it, so that the same call resumes (or ``unstage`` removes it).
+    An existing ``target`` must be empty or a staged copy: staging never writes into a folder
+    holding other things. ``verify`` hashes files already there before keeping them and
+    re-reads each copy (``False``: sizes only, plus the hash taken while copying).
+    ``storage_options``: for a URL, fsspec's and packer's options. Returns a ``StageResult``
+    (``message()`` says where the data is). An incomplete source, an unsafe target or too
+    little space is a ``PackerError`` before anything is written; a later failure removes what
+    staging wrote, while Ctrl-C keeps it for the same call to resume.
     """
     t0 = time.perf_counter()
     src, target = (RemoteDataset(src, storage_options) if is_url(src) else Path(src)), Path(target)
@@ -112,13 +84,14 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     stale = sorted(n for n in previous - wanted if (target / n).exists())
     temps = sorted(f".{n}{TMP_SUFFIX}" for n in previous if os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
     todo, doomed = _sort_out(target, plan, verify, progress, result)
-    manifest_ok = not todo and not stale and _same_manifest(target, staged_manifest)
+    manifest_ok = not todo and not stale and manifest_or_none(target) == staged_manifest
     result.bytes_total = sum(f.bytes for f in plan)
     if manifest_ok and not temps:
         result.seconds = time.perf_counter() - t0
         return result
 
-    need = sum(f.bytes for f in todo) + _json_size(staged_manifest)
+    body = json.dumps(staged_manifest, indent=1, ensure_ascii=False).encode("utf-8")
+    need = sum(f.bytes for f in todo) + len(body) + 1
     freeable = sum(_size(target / n) or 0 for n in doomed + stale + temps)
     check_space(target, need, freeable, result.fstype)
 
@@ -151,33 +124,28 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool
     """(files to copy, names to delete first): a file already in TARGET is kept when its size
     (and, with ``verify``, its checksum) matches the manifest."""
     todo: List[StagedFile] = []
-    doomed: List[str] = []
     sizes = {f.name: _size(target / f.name) for f in plan}
     to_hash = [f for f in plan if sizes[f.name] == f.bytes and verify and f.sha256 is not None]
     check_bar = _bar(progress, sum(f.bytes for f in to_hash), f"checking {target.name or target}")
     try:  # hashing releases the GIL: check several files at once
-        with ThreadPoolExecutor(_threads(len(to_hash))) as pool:
+        with ThreadPoolExecutor(max(1, min(len(to_hash), 8, os.cpu_count() or 1))) as pool:
             digests = dict(zip((f.name for f in to_hash),
                                pool.map(lambda f: file_sha256(target / f.name, check_bar.update), to_hash)))
     finally:
         check_bar.close()
     for f in plan:
-        if sizes[f.name] is None:
-            todo.append(f)
-        elif sizes[f.name] == f.bytes and digests.get(f.name, f.sha256) == f.sha256:
+        if sizes[f.name] == f.bytes and digests.get(f.name, f.sha256) == f.sha256:
             result.kept.append(f.name)
         else:
             todo.append(f)
-            doomed.append(f.name)
-    return todo, doomed
+    return todo, [f.name for f in todo if sizes[f.name] is not None]
 
 
 def _copy(todo: List[StagedFile], target: Path, verify: bool, progress: bool,
           result: StageResult) -> None:
-    """Copy file k+1 while a second thread re-reads and checks file k (object storage: several
-    files at once, ``files_at_once``). If a copy fails (or Ctrl-C), the checks already queued
-    still finish, so a re-run keeps those files. The bar counts the data once: with
-    ``verify`` its copy and its check are half each."""
+    """Copy file k+1 (``files_at_once``) while a second thread checks file k; on failure the
+    queued checks still finish, so a re-run keeps those files. With ``verify`` the bar counts
+    each file's copy and check as half each."""
     bar = _bar(progress, sum(f.bytes for f in todo), f"staging to {target.name or target}")
     share = (lambda n: bar.update(n / 2)) if verify else bar.update
     checks: List[Tuple[StagedFile, Future]] = []
@@ -216,10 +184,8 @@ def files_at_once(todo: List[StagedFile]) -> int:
 
 
 def staging_plan(src: Path, man: dict) -> List[StagedFile]:
-    """Every file the dataset needs, with the flat name it gets in TARGET. The manifest is
-    validated (``read_manifest``); here each file is also checked to be a regular file of
-    the size the manifest says, so space is planned from real sizes and a lying manifest is
-    refused before anything is copied."""
+    """Every file the dataset needs, with its flat name in TARGET; each must be a regular file
+    of its manifest size, so a lying manifest is refused before anything is copied."""
     shards = man["shards"]
     bases = [s["path"].rsplit("/", 1)[-1] for s in shards]
     reserved = {MANIFEST, LABELS, OFFSETS, PATHS_INDEX, PATHS_TEXT, STAGE_MARKER, STAGE_LOCK}
@@ -269,10 +235,7 @@ def _refuse_unsafe_target(src: Path, target: Path, plan: List[StagedFile]) -> No
     if (target / ".packer-build.json").exists():
         raise PackerError(f"{target} holds an unfinished `packer build`; pick another folder")
     if (target / MANIFEST).exists():
-        try:
-            existing = read_manifest(target)
-        except PackerError:
-            existing = None
+        existing = manifest_or_none(target)
         if existing is not None and "staged" not in existing:
             raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
                               f"output?); staging would overwrite it. Pick an empty folder")
@@ -293,38 +256,24 @@ def _refuse_foreign(target: Path, names: set) -> None:
 
 
 def check_space(target: Path, need: int, freeable: int, fstype: str) -> None:
-    usage = shutil.disk_usage(target)
-    free = usage.free + freeable
-    margin = space_margin(need)
+    """Refuse before writing: TARGET must have room for ``need`` bytes + 1 % + 1 MiB, and a RAM
+    filesystem must leave 5 % of the RAM (at least 256 MiB) to everything else."""
+    free = shutil.disk_usage(target).free + freeable
+    margin = need // 100 + (1 << 20)
     if need + margin > free:
         raise PackerError(
             f"{target} has {human_size(free)} free, the dataset needs {human_size(need)} "
             f"(+{human_size(margin)} margin); free some space or mount a bigger tmpfs: "
             f"{tmpfs_advice(need + margin)}")
-    if fstype in RAM_FS:
-        info = meminfo()
-        if "MemAvailable" in info:
-            avail = info["MemAvailable"]
-            keep = ram_margin(info.get("MemTotal", 0))
-            if need - freeable + keep > avail:  # files replaced in a tmpfs free their RAM
-                raise PackerError(
-                    f"{target} is in RAM ({fstype}) and the dataset needs {human_size(need)}, but "
-                    f"only {human_size(avail)} of RAM is available (keeping {human_size(keep)} for "
-                    f"everything else); staging would push the machine into swap or the OOM "
-                    f"killer. Free memory, or train from the disk copy")
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-def _same_manifest(target: Path, staged: dict) -> bool:
-    try:
-        return read_manifest(target) == staged
-    except PackerError:
-        return False
-
-
-def _json_size(obj) -> int:
-    return len(json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")) + 1
+    info = meminfo() if fstype in RAM_FS else {}
+    if "MemAvailable" in info:
+        avail, keep = info["MemAvailable"], max(256 << 20, info.get("MemTotal", 0) // 20)
+        if need - freeable + keep > avail:  # files replaced in a tmpfs free their RAM
+            raise PackerError(
+                f"{target} is in RAM ({fstype}) and the dataset needs {human_size(need)}, but "
+                f"only {human_size(avail)} of RAM is available (keeping {human_size(keep)} for "
+                f"everything else); staging would push the machine into swap or the OOM "
+                f"killer. Free memory, or train from the disk copy")
 
 
 def _size(path: Path) -> Optional[int]:
@@ -336,10 +285,71 @@ def _size(path: Path) -> Optional[int]:
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
-def _threads(jobs: int) -> int:
-    return max(1, min(jobs, 8, os.cpu_count() or 1))
-
-
 def _bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                 disable=not progress or total == 0, dynamic_ncols=True, leave=False)
+
+
+def local_rank_from_env() -> Optional[int]:
+    """This process's rank within its node, from torchrun, SLURM or Open MPI variables."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        value = os.environ.get(var)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise PackerError(f"{var}={value!r} is not an integer") from None
+    return None
+
+
+def stage_once_per_node(src: os.PathLike, target: os.PathLike, *, local_rank: Optional[int] = None,
+                        timeout: float = 4 * 3600, **kwargs) -> StageResult:
+    """Stage once per node under ``torch.distributed``: local rank 0 copies, the others wait.
+
+    Call it on every rank (a collective once torch.distributed is initialised) with a
+    node-local ``target`` such as ``/dev/shm/train``, then ``PackedDataset(res.target)``. The
+    wait is an all-reduce over a gloo group with ``timeout`` seconds (4 h: a big copy outlasts
+    the default); it carries failure, so every rank raises instead of hanging. Without
+    torch.distributed (or with one process) it simply stages. ``local_rank`` defaults to
+    ``local_rank_from_env()``; other keyword arguments go to ``stage``; non-zero local ranks
+    get ``waited=True``.
+    """
+    import datetime
+
+    try:
+        import torch
+        import torch.distributed as dist
+        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except ImportError:  # pragma: no cover - torch is a dependency
+        active = False
+    if not active:
+        return stage(src, target, **kwargs)
+    local_rank = local_rank_from_env() if local_rank is None else local_rank
+    if local_rank is None:
+        raise PackerError("stage_once_per_node needs this process's rank within its node: "
+                          "launch with torchrun (sets LOCAL_RANK) or pass local_rank=")
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    try:
+        result: Optional[StageResult] = None
+        error: Optional[BaseException] = None
+        if local_rank == 0:
+            try:
+                result = stage(src, target, **kwargs)
+            except Exception as e:  # reported to every rank below, re-raised here
+                error = e
+        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    finally:
+        dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    if int(flag.item()) == 0:
+        raise PackerError(f"staging {src} to {target} failed on local rank 0 of this or another "
+                          f"node (see that rank's error); fix it and restart the job")
+    if result is not None:
+        return result
+    files = dataset_files(read_manifest(target))  # cheap: local rank 0 just verified every byte
+    return StageResult(source=redact(src) if is_url(src) else Path(src),  # never credentials
+                       target=Path(target), waited=True, fstype=fs_type(target),
+                       swap=meminfo().get("SwapTotal", 0) > 0, kept=[f["path"] for f in files],
+                       bytes_total=sum(int(f.get("bytes", 0)) for f in files))

@@ -1,16 +1,12 @@
-"""Undoing ``stage``: the marker in TARGET that lists what staging wrote, and ``unstage``, which
-removes exactly that — then TARGET and the parent folders staging created, when they are empty.
-
-The marker (``.packer-stage.json``) is written before staging changes anything in TARGET and
-kept afterwards: it is the only list of files staging (and so unstaging) may replace or delete.
-"""
+"""Undoing ``stage``. Its marker (``.packer-stage.json``), written before staging changes
+TARGET and kept, lists the only files staging may replace and ``unstage`` may delete."""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from .. import __version__
 from .._util.fsio import LOCK_NAME, FolderLock, remove_own, write_json_atomic
@@ -26,27 +22,19 @@ KILLED_LEFTOVERS = {STAGE_LOCK, STAGE_MARKER + ".tmp"}
 
 
 def unstage(target: os.PathLike) -> UnstageResult:
-    """Remove what ``stage`` put in ``target``, then the folder and the parent folders
-    ``stage`` created for it, each only if that leaves it empty.
-
-    Refuses a folder that is not a staged packer dataset: a build output, or anything else,
-    is never deleted by this function. A missing ``target`` has nothing to remove: an unstage
-    killed after removing it is done, so its re-run succeeds (removing nothing).
-    """
+    """Remove what ``stage`` put in ``target``, then the folder and the parents ``stage`` made
+    for it, each only if left empty. Refuses anything that is not a staged packer dataset; a
+    missing ``target`` has nothing to remove (so a killed unstage's re-run succeeds)."""
     target = Path(target)
     with vanishing(target):
         if not os.path.lexists(target):
             return UnstageResult(target=target, removed=[], bytes_freed=0, removed_dir=False)
         if not target.is_dir():
             raise PackerError(f"{target} is not a folder; nothing to unstage")
-        if (target / MANIFEST).exists():
-            try:
-                staged = "staged" in read_manifest(target)
-            except PackerError:
-                staged = True  # a damaged manifest: the marker decides
-            if not staged:
-                raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
-                                  f"output?); unstage removes staged copies only")
+        existing = manifest_or_none(target)  # missing or damaged: the marker decides
+        if existing is not None and "staged" not in existing:
+            raise PackerError(f"{target} holds a packer dataset that was not staged (a build "
+                              f"output?); unstage removes staged copies only")
         if not (target / STAGE_MARKER).exists():
             if set(os.listdir(target)) <= KILLED_LEFTOVERS:  # a stage or unstage killed early/late
                 with FolderLock(target, f"packer unstage {target}"):
@@ -62,13 +50,20 @@ def unstage(target: os.PathLike) -> UnstageResult:
     return UnstageResult(target=target, removed=removed, bytes_freed=freed, removed_dir=removed_dir)
 
 
+def manifest_or_none(target: Path) -> Optional[dict]:
+    """TARGET's manifest, or None when it is missing or damaged."""
+    try:
+        return read_manifest(target)
+    except PackerError:
+        return None
+
+
 def remove_staged(target: Path):
     """(names removed, bytes freed): every file the marker lists, their temp files, then the
     marker. The manifest goes first, so a half-removed dataset is never taken for a whole
     one. The caller holds TARGET's lock."""
     names = previous_names(target)
-    ordered = [MANIFEST] if MANIFEST in names else []
-    ordered += sorted(names - {MANIFEST})
+    ordered = sorted(names, key=lambda n: (n != MANIFEST, n))  # the manifest first
     ordered += [f".{n}{TMP_SUFFIX}" for n in sorted(names)]
     ordered += [MANIFEST + ".tmp", STAGE_MARKER + ".tmp", STAGE_MARKER]
     removed: List[str] = []
@@ -106,7 +101,7 @@ def write_marker(target: Path, src: Path, files: List[str], parents: int) -> Non
 def read_marker(target: Path) -> dict:
     try:
         marker = json.loads((target / STAGE_MARKER).read_text("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return {}
     if not isinstance(marker, dict):
         return {}
@@ -119,8 +114,9 @@ def previous_names(target: Path) -> set:
     """Names a previous staging run wrote in TARGET: what its marker lists, and nothing else
     (the only files staging will ever replace or delete)."""
     files = read_marker(target).get("files")
-    names = {n for n in files if _plain_name(n)} if isinstance(files, list) else set()
-    return names - {STAGE_MARKER, STAGE_LOCK}
+    plain = {n for n in (files if isinstance(files, list) else [])
+             if isinstance(n, str) and n not in ("", ".", "..") and not set("/\\\0") & set(n)}
+    return plain - {STAGE_MARKER, STAGE_LOCK}
 
 
 @contextlib.contextmanager
@@ -133,7 +129,3 @@ def vanishing(target: Path):
         raise PackerError(f"{e.filename or target} changed while packer worked in {target} "
                           f"(another process removing it?); re-run when it is done") from None
 
-
-def _plain_name(name) -> bool:
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
-            and "\\" not in name and "\0" not in name)

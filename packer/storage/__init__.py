@@ -2,9 +2,8 @@
 (the ``cloud`` extra) are imported only when a URL is used."""
 from .cache import ShardCache
 from .destination import Destination
-from .objects import ObjectInfo, Store
+from .objects import NotFound, ObjectInfo, Store
 from .remote import RemoteDataset, fetch_manifest, parse_manifest, upload_dataset
-from .retry import NotFound
 from .urls import CLOUD_EXTRA, Transfer, is_url, redact, redact_text
 
 __all__ = ["CLOUD_EXTRA", "Destination", "NotFound", "ObjectInfo", "RemoteDataset",

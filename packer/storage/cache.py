@@ -1,8 +1,7 @@
-"""A node-local cache of a remote dataset's shards, for reading without staging.
-
-All processes of a node share ``cache_dir/<name>-<hash of the URL>/``; a file is written
-only under an exclusive ``flock``, verified against its SHA-256 and renamed into place, and
-shards in use are pinned (shared ``flock``) against LRU eviction (docs/object_storage.md)."""
+"""A node-local cache of a remote dataset's shards, for reading without staging: the node's
+processes share ``cache_dir/<name>-<hash of the URL>/``; a file is written under an exclusive
+``flock``, verified and renamed into place; shards in use are pinned (shared ``flock``)
+against LRU eviction (docs/object_storage.md)."""
 from __future__ import annotations
 
 try:
@@ -10,6 +9,7 @@ try:
 except ImportError:  # Windows: a ShardCache says so when made; importing this works
     fcntl = None
 
+import contextlib
 import hashlib
 import os
 import re
@@ -58,10 +58,8 @@ class ShardCache:
         (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
         remote = fetch_manifest(self.store)
         self.manifest = deepcopy(remote)
-        self._entries = []  # per shard: (local name, remote path, bytes, sha256)
-        for s in remote["shards"]:
-            name = _content_name(s, remote, "lmdb")
-            self._entries.append((name, s["path"], s["bytes"], s.get("sha256")))
+        self._entries = [(_content_name(s, remote, "lmdb"), s["path"], s["bytes"], s.get("sha256"))
+                         for s in remote["shards"]]  # (local name, remote path, bytes, sha256)
         self.manifest["shards"] = [dict(s, path=e[0]) for s, e in zip(remote["shards"], self._entries)]
         self.manifest["cached"] = {"from": self.store.shown}
         biggest = max((s["bytes"] for s in remote["shards"]), default=0)
@@ -112,10 +110,8 @@ class ShardCache:
         fd = self._ensure(name, rel, size, sha, pin=pin)
         if fd is not None:
             with self._mutex:
-                if k in self._pins:
+                if self._pins.setdefault(k, fd) != fd:  # pinned meanwhile by another thread
                     os.close(fd)
-                else:
-                    self._pins[k] = fd
         return self.root / name
 
     def release(self, k: int) -> None:
@@ -149,6 +145,16 @@ class ShardCache:
     def _lock(self, name: str, kind: str) -> int:
         return os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
 
+    @contextlib.contextmanager
+    def _locked(self, name: str, kind: str, how: int):
+        """Hold ``flock(how)`` on NAME's ``kind`` lock (``LOCK_NB``: BlockingIOError if taken)."""
+        fd = self._lock(name, kind)
+        try:
+            fcntl.flock(fd, how)
+            yield
+        finally:
+            os.close(fd)
+
     def _ensure(self, name: str, rel: str, size: int, sha: Optional[str], pin: bool) -> Optional[int]:
         """Make ``root/name`` present; with ``pin``, return the fd holding its pin (shared)."""
         path, fetched = self.root / name, False
@@ -163,14 +169,10 @@ class ShardCache:
                     return fd
                 if fd is not None:
                     os.close(fd)
-            fd = self._lock(name, "fetch")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # one writer per name: waits for another's download
+            with self._locked(name, "fetch", fcntl.LOCK_EX):  # one writer: waits for another's
                 if _size(path) != size:
                     self._fetch(name, rel, size, sha)
                     fetched = True
-            finally:
-                os.close(fd)
 
     def _fetch(self, name: str, rel: str, size: int, sha: Optional[str]) -> None:
         """Download ``rel`` to ``name``; the caller holds NAME's fetch lock."""
@@ -188,9 +190,7 @@ class ShardCache:
         """Evict least recently used, unpinned shards until ``need`` more bytes fit."""
         if self.limit is None:
             return
-        guard = self._lock("", "evict")
-        try:
-            fcntl.flock(guard, fcntl.LOCK_EX)  # one evicting process at a time
+        with self._locked("", "evict", fcntl.LOCK_EX):  # one evicting process at a time
             files = [(st.st_atime_ns, e.name, st.st_size) for e in os.scandir(self.root)
                      if e.name.endswith((".lmdb", ".part")) for st in [_stat(e)] if st is not None]
             used = sum(size for _, _, size in files)
@@ -203,19 +203,14 @@ class ShardCache:
                 warnings.warn(f"the shards in use in {self.root} ({human_size(used)}) and the next "
                               f"({human_size(need)}) exceed cache_limit ({human_size(self.limit)}): "
                               f"raise it, or read with fewer processes per node", RuntimeWarning)
-        finally:
-            os.close(guard)
 
     def _evict(self, name: str) -> bool:
         """Remove shard ``name`` unless some process pins it."""
-        fd = self._lock(name, "pin")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            (self.root / name).unlink(missing_ok=True)
+            with self._locked(name, "pin", fcntl.LOCK_EX | fcntl.LOCK_NB):
+                (self.root / name).unlink(missing_ok=True)
         except BlockingIOError:
             return False
-        finally:
-            os.close(fd)
         self.evictions += 1
         return True
 
@@ -223,15 +218,13 @@ class ShardCache:
         """Remove ``.part`` files no live process is writing (a crash's); returns how many."""
         removed = 0
         for p in self.root.glob(".*.part"):
-            fd = self._lock(p.name[1:].rsplit(".", 2)[0], "fetch")
+            name = p.name[1:].rsplit(".", 2)[0]  # .NAME.PID-TID.part
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                p.unlink(missing_ok=True)
-                removed += 1
+                with self._locked(name, "fetch", fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    p.unlink(missing_ok=True)
+                    removed += 1
             except BlockingIOError:
                 pass  # being written now
-            finally:
-                os.close(fd)
         return removed
 
     def usage(self) -> int:
@@ -247,23 +240,21 @@ def _content_name(entry: dict, manifest: dict, suffix: str) -> str:
     return f"{key[:32]}.{suffix}" if "." not in suffix else f"{key[:32]}-{suffix}"
 
 
+def _stat(path: Union[Path, os.DirEntry]) -> Optional[os.stat_result]:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
 def _size(path: Path) -> Optional[int]:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
-
-
-def _stat(entry: os.DirEntry):
-    try:
-        return entry.stat()
-    except FileNotFoundError:
-        return None
+    st = _stat(path)
+    return None if st is None else st.st_size
 
 
 def _touch(path: Path) -> None:
-    """Mark ``path`` used now: its access time (the LRU clock; its mtime, which readers
-    check to notice a replaced file, stays)."""
+    """Mark ``path`` used now: its atime is the LRU clock (its mtime, which readers check to
+    notice a replaced file, stays)."""
     try:
         st = path.stat()
         os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))

@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional
 
 from .._util.fsio import write_json_atomic
 from ..errors import PackerError
-from ..format.manifest import MANIFEST, side_tables
+from ..format.manifest import MANIFEST
 from .objects import ObjectInfo, Store
-from .retry import NotFound
+from .remote import dataset_files
 from .urls import is_url
 
 RECORD = ".packer-uploaded.json"  # in the work folder: what went up, with its version
@@ -54,10 +54,7 @@ class Destination:
     def begin(self, overwrite: bool) -> Optional[dict]:
         """Before the build: the work folder's finished manifest when only uploading is left, else
         None. A finished dataset at the URL is refused unless ``overwrite`` (then unmade first)."""
-        try:
-            self._there = self.store.listing()
-        except NotFound:
-            self._there = {}
+        self._there = self.store.listing(missing_ok=True)
         local = self.work / MANIFEST
         local = local.read_bytes() if local.is_file() else None
         try:
@@ -89,15 +86,14 @@ class Destination:
     def finish(self, manifest: dict) -> None:
         """After the build: wait for the shards, send what is not there yet, the manifest
         last; then remove a default work folder."""
-        files = [(s["path"], s["bytes"], s["sha256"]) for s in manifest["shards"]
-                 if "/" not in s["path"]]  # the others are a merge's parts, there already
-        files += [(e["path"], e["bytes"], e["sha256"]) for _, e, _ in side_tables(manifest)]
+        files = [f for f in dataset_files(manifest)
+                 if "/" not in f["path"]]  # the others are a merge's parts, there already
         try:
             for f in self._futures:
                 f.result()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="packer-upload")
-            list(self._pool.map(lambda f: self._put(*f), files))
+            list(self._pool.map(lambda f: self._put(f["path"], f["bytes"], f["sha256"]), files))
         finally:
             self.abort()
         body = (self.work / MANIFEST).read_bytes()

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, Optional
 
 from .._util.fsio import NotAFile
 from .objects import Store
-from .retry import NotFound
+from .objects import NotFound
 from .urls import is_url
 
 

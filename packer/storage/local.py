@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, Optional
 
 from .._util.fsio import write_json_atomic
 from ..errors import PackerError
-from ..format.manifest import MANIFEST, read_manifest, side_tables
+from ..format.manifest import MANIFEST, read_manifest
 from .urls import is_url, redact
 
 
@@ -36,18 +36,15 @@ def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Op
     """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary one keeping two shards at
     most, so listing a dataset larger than the disk works."""
     from .cache import ShardCache
-    tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
-    try:
+    with contextlib.ExitStack() as stack:
+        tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
+        if tmp is not None:
+            stack.callback(shutil.rmtree, tmp, ignore_errors=True)
         cache = ShardCache(url, cache_dir if tmp is None else tmp, None, storage_options)
+        stack.callback(cache.close)
         if tmp is not None and not keep_all:
             cache.limit = 2 * max((s["bytes"] for s in cache.manifest["shards"]), default=0)
-        try:
-            yield cache
-        finally:
-            cache.close()
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        yield cache
 
 
 @contextlib.contextmanager
@@ -71,17 +68,17 @@ def fetch_dataset(url: str, folder: os.PathLike, storage_options: Optional[Dict[
     each checked against its SHA-256, the manifest last (a folder already holding this very
     manifest is complete and kept). For ``merge`` of parts in object storage."""
     from .objects import Store
-    from .remote import fetch_manifest
+    from .remote import dataset_files, fetch_manifest
     folder, store = Path(folder), Store(url, storage_options)
     man = fetch_manifest(store)
     if (folder / MANIFEST).is_file() and read_manifest(folder) == man:
         return folder
-    files = [(s["path"], s["bytes"], s.get("sha256")) for s in man["shards"]]
-    files += [(e["path"], e["bytes"], e.get("sha256")) for _, e, _ in side_tables(man)]
-    if any("/" in rel for rel, _, _ in files):
+    files = dataset_files(man)
+    if any("/" in f["path"] for f in files):
         raise PackerError(f"{store.shown} is itself a merged dataset; merge its parts instead")
     folder.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max(1, parallel)) as pool:
-        list(pool.map(lambda f: store.download(f[0], folder / f[0], f[1], f[2]), files))
+        list(pool.map(lambda f: store.download(f["path"], folder / f["path"], f["bytes"],
+                                               f.get("sha256")), files))
     write_json_atomic(folder / MANIFEST, man)
     return folder

@@ -11,10 +11,14 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import FormatError, PackerError
 from ..format.manifest import MANIFEST, parse_manifest, read_manifest, side_tables
-from .objects import ObjectInfo, Store
-from .retry import NotFound
+from .objects import NotFound, ObjectInfo, Store
 
 UPLOAD_MARKER = ".packer-upload.json"  # present while an upload is unfinished
+
+
+def dataset_files(man: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The manifest's file entries (``path``, ``bytes``, ``sha256``): shards, then side tables."""
+    return man["shards"] + [entry for _, entry, _ in side_tables(man)]
 
 
 def fetch_manifest(store: Store) -> Dict[str, Any]:
@@ -71,10 +75,7 @@ class RemoteDataset(str):
         """``rel`` as listed (one LIST for the folder; a HEAD for a part's file); None if absent."""
         if "/" not in rel:
             if self._listing is None:
-                try:
-                    self._listing = self.store.listing()
-                except NotFound:
-                    self._listing = {}
+                self._listing = self.store.listing(missing_ok=True)
             return self._listing.get(rel)
         try:
             return self.store.stat(rel)
@@ -111,27 +112,23 @@ def upload_dataset(src: os.PathLike, url: str, storage_options: Optional[Dict[st
     the names uploaded."""
     src = Path(src)
     man = read_manifest(src)
-    files = [(s["path"], s["bytes"]) for s in man["shards"]]
-    files += [(e["path"], e["bytes"]) for _, e, _ in side_tables(man)]
-    if any("/" in rel for rel, _ in files):
+    files = dataset_files(man)
+    if any("/" in f["path"] for f in files):
         raise PackerError(f"{src} is a merged dataset whose shards live in its parts; stage it "
                           f"into one folder first (packer stage), then upload the staged copy")
     store = Store(url, storage_options)
     body = (src / MANIFEST).read_bytes()
     ident = json.dumps({"build_id": man.get("build_id"), "manifest_bytes": len(body),
                         "shards": [s["sha256"] for s in man["shards"]]}).encode()
-    try:
-        there = store.listing()
-    except NotFound:
-        there = {}
+    there = store.listing(missing_ok=True)
     if MANIFEST in there and store.read_bytes(MANIFEST) == body:
         return []
     resuming = UPLOAD_MARKER in there and store.read_bytes(UPLOAD_MARKER) == ident
     store.call(lambda: store.fs.pipe_file(store.key(UPLOAD_MARKER), ident), f"writing {store.shown}")
     if MANIFEST in there:
         store.call(lambda: store.fs.rm_file(store.key(MANIFEST)), f"replacing {store.show(MANIFEST)}")
-    todo = [rel for rel, size in files
-            if not (resuming and rel in there and there[rel].size == size)]
+    todo = [f["path"] for f in files
+            if not (resuming and f["path"] in there and there[f["path"]].size == f["bytes"])]
     with ThreadPoolExecutor(max(1, workers)) as pool:
         list(pool.map(lambda rel: store.upload(src / rel, rel), todo))
     store.upload(src / MANIFEST, MANIFEST)

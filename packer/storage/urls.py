@@ -42,9 +42,7 @@ def redact(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    netloc = "***@" + parts.netloc.rsplit("@", 1)[1] if "@" in parts.netloc else parts.netloc
     out = f"{parts.scheme}://{netloc}{parts.path}"
     return out + ("?***" if parts.query else "") + ("#***" if parts.fragment else "")
 
@@ -111,10 +109,8 @@ def filesystem(url: str, options: Dict[str, Any]):
     scheme = url.split("://", 1)[0].lower()
     options = dict(options)
     if scheme in ("s3", "s3a"):
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", 10)
-        config.setdefault("read_timeout", 60)
-        options["config_kwargs"] = config
+        options["config_kwargs"] = {"connect_timeout": 10, "read_timeout": 60,
+                                    **(options.get("config_kwargs") or {})}
         if "endpoint_url" not in options and "endpoint_url" not in (options.get("client_kwargs") or {}):
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             if endpoint:

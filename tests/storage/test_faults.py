@@ -12,7 +12,7 @@ from packer.format.manifest import MANIFEST
 from packer.reading.reader import ShardReader
 from packer.staging import stage
 from packer.storage import Store
-from packer.storage.retry import transient
+from packer.storage.objects import transient
 
 FAST = {"config_kwargs": {"read_timeout": 1, "connect_timeout": 2, "retries": {"max_attempts": 1}}}
 

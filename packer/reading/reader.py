@@ -118,8 +118,11 @@ class ShardReader:
                               f"(damaged storage?); run `packer verify {self.root}`")
         return rec
 
-    def _cached(self, shard: int, keep: int = 2) -> None:
-        """Unpin and close the oldest cached shards beyond ``keep - 1``; fetch and pin ``shard``."""
+    def _cached(self, shard: int) -> None:
+        """Unpin and close the oldest cached shards beyond one (none with no ``cache_limit``:
+        nothing is evicted, so reopening would only cost a lock per sample); fetch and pin
+        ``shard``."""
+        keep = 2 if self.cache.limit is not None else len(self.paths) + 1
         while len(self._order) >= keep:
             k = self._order.pop(0)
             os.close(self._fds[k])

@@ -127,3 +127,17 @@ def test_the_node_order_prefetches_the_shards_its_rank_reads(s3, remote, tmp_pat
     fetched = {k for k, s in enumerate(cache.manifest["shards"])
                if (cache.root / s["path"]).exists()}
     assert fetched == wanted and cache.downloads == len(wanted)
+
+
+@pytest.mark.parametrize("limit", [None, 10 << 20])
+def test_without_a_limit_a_reader_keeps_its_shards_open(s3, remote, tmp_path, limit):
+    cache = ShardCache(remote, tmp_path / "cache", limit, s3["options"])
+    reader = ShardReader(remote, cache=cache)
+    firsts = reader.starts[:-1]
+    assert len(firsts) >= 3
+    for _ in range(2):  # shard 0, 1, 2, 0, 1, 2: with two open at most, each comes back
+        for i in firsts[:3]:
+            reader.read(i)
+    assert cache.downloads == 3
+    assert cache.hits == (0 if limit is None else 3)  # a reopen is a pin (and a lock) again
+    reader.close()

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""`packer build s3://.../images DST` against the same build from a local folder and against
+a plain parallel GET of the same objects, in one run.
+
+A local S3-compatible server (moto, its own process on 127.0.0.1) holds an ImageFolder of
+realistic photo JPEGs (``--images``). Each variant runs in a fresh process, in an order
+rotated per round:
+
+    local   packer.build(folder on disk, DST, workers=W): the disk baseline
+    url     packer.build(ImageFolder(URL), DST, workers=W): listed once, 16 GETs in flight
+            per worker, every image decoded and checked as in the local build
+    plain   every object fetched (W x 16 GETs in flight), nothing else: what the store serves
+
+and prints images/s and the url build's ratio to each. Nothing leaves loopback. Needs the
+cloud and test extras (fsspec, s3fs, moto[server]).
+
+    python benchmarks/bench_build_url.py                 # 2,000 images, 3 rounds
+    python benchmarks/bench_build_url.py --images 4000 --rounds 5 --workers 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SERVER = ("from moto.server import ThreadedMotoServer; import time; "
+          "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); s.start(); "
+          "print(s.get_host_and_port()[1], flush=True); time.sleep(10**7)")
+VARIANTS = ("local", "url", "plain")
+
+
+def variant(spec: dict) -> dict:
+    """One variant in this (fresh) process: seconds for the whole job."""
+    import packer
+    from packer.sources import ImageFolder
+
+    name, dst, opts = spec["name"], Path(spec["dst"]), spec["options"]
+    shutil.rmtree(dst, ignore_errors=True)
+    t0 = time.perf_counter()
+    if name == "plain":
+        from concurrent.futures import ThreadPoolExecutor
+
+        import fsspec
+        fs = fsspec.filesystem("s3", **opts)
+        keys = sorted(fs.find(spec["prefix"]))
+        with ThreadPoolExecutor(16 * spec["workers"]) as pool:
+            got = sum(len(b) for b in pool.map(fs.cat_file, keys))
+        count = len(keys)
+    else:
+        source = spec["folder"] if name == "local" else ImageFolder(spec["url"],
+                                                                     storage_options=opts)
+        res = packer.build(source, dst, workers=spec["workers"], progress=False)
+        count, got = res.count, res.bytes
+    return {"name": name, "images": count, "bytes": got, "seconds": time.perf_counter() - t0}
+
+
+def run_variant(spec: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--variant", json.dumps(spec)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"variant {spec['name']} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workdir", type=Path,
+                    default=Path(tempfile.gettempdir()) / "packer-bench-build-url")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.variant:
+        print(json.dumps(variant(json.loads(args.variant))))
+        return 0
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    import fsspec
+    from packer.demo.images import make_image_folder
+
+    folder = args.workdir / "photos"
+    if not folder.is_dir():
+        make_image_folder(folder, images=args.images, classes=10, workers=os.cpu_count() or 1)
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    rows = {v: [] for v in VARIANTS}
+    try:
+        opts = {"endpoint_url": f"http://127.0.0.1:{int(server.stdout.readline())}",
+                "key": "bench", "secret": "bench", "client_kwargs": {"region_name": "us-west-2"}}
+        fs = fsspec.filesystem("s3", **opts)
+        fs.mkdir("bench")
+        fs.put(str(folder) + "/", "bench/photos/", recursive=True)
+        spec = {"folder": str(folder), "url": "s3://bench/photos", "prefix": "bench/photos",
+                "options": opts, "workers": args.workers, "dst": str(args.workdir / "dst")}
+        for r in range(args.rounds):
+            names = list(VARIANTS[r % 3:] + VARIANTS[:r % 3])
+            for name in names:
+                res = run_variant(dict(spec, name=name))
+                rows[name].append(res["images"] / res["seconds"])
+                print(f"round {r} {name:6s} {rows[name][-1]:8.1f} images/s "
+                      f"({res['images']} in {res['seconds']:.1f} s)", flush=True)
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(args.workdir / "dst", ignore_errors=True)
+    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+    print(f"\n{args.images} images, {args.workers} workers, {os.cpu_count()} cores")
+    for k, v in rows.items():
+        print(f"  {k:6s} median {med[k]:8.1f} images/s (range {min(v):.1f}-{max(v):.1f})")
+    print(f"  url / local {med['url'] / med['local']:.2f}   url / plain {med['url'] / med['plain']:.2f}")
+    print("command: " + shlex.join([sys.executable, *sys.argv]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,10 +1,8 @@
-"""No stall at epoch boundaries: one DataLoader stream that runs on into the next epoch.
-
-``EpochBatches`` goes on from epoch *e*'s last batch to *e + 1*'s first, so workers never
-idle; batches go to whichever worker has room, carry their place (``Numbered``) and
-``EpochStream`` hands them out in the sampler's order, one epoch at a time."""
+"""No stall at epoch boundaries: one DataLoader stream (``EpochBatches``) runs on into the next
+epoch; batches carry their place (``Numbered``) and ``EpochStream`` hands them out in order."""
 from __future__ import annotations
 
+import itertools
 import math
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -115,17 +113,12 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[Numbered]:
         epoch = self.sampler.epoch_copy()  # from the caller's position (a resume), once
-        seq = 0
+        seq = itertools.count()
         while True:
-            batch: List[int] = []
-            for index in epoch:
-                batch.append(index)
-                if len(batch) == self.batch_size:
-                    yield Numbered(batch, seq)
-                    batch, seq = [], seq + 1
-            if batch and not self.drop_last:
-                yield Numbered(batch, seq)
-                seq += 1
+            indices = iter(epoch)
+            while batch := list(itertools.islice(indices, self.batch_size)):
+                if len(batch) == self.batch_size or not self.drop_last:
+                    yield Numbered(batch, next(seq))
             epoch = epoch.epoch_copy(epoch.epoch + 1)
 
 
@@ -142,8 +135,7 @@ class EpochStream:
         self.seq = 0  # the stream's next batch to hand out
 
     def epoch(self, start: Callable[[], Iterator]) -> "EpochPass":
-        """An iterator of one epoch; ``start()`` is ``iter(loader)``, called where the stream
-        (re)starts."""
+        """An iterator of one epoch; ``start()`` (``iter(loader)``) (re)starts the stream."""
         return EpochPass(self, start)
 
     def begin(self, start: Callable[[], Iterator]) -> None:

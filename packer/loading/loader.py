@@ -28,12 +28,9 @@ _HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # worker iterators with an exit 
 
 class PackedLoader(LoaderView):
     """What ``make_loader`` returns: a DataLoader's surface (``loader`` is the one inside), plus
-    ``set_epoch`` and, where it can resume, ``state_dict`` / ``load_state_dict`` with
-    ``StatefulDataLoader``'s semantics (the state counts batches the training loop received).
-
-    Over a ``PackedSampler`` the workers run on into the next epoch (``packer.loading.epochs``)
-    and the state is the sampler's. Over anything else it iterates a DataLoader, or
-    ``StatefulDataLoader`` with ``stateful=True``; without that it has no ``state_dict``."""
+    ``set_epoch`` and, where it can resume (``resumable``), ``state_dict`` / ``load_state_dict``
+    counting the batches the training loop received. Over a ``PackedSampler`` the workers run
+    on into the next epoch (``packer.loading.epochs``) and the state is the sampler's."""
 
     def __init__(self, loader: DataLoader, stream: Optional[EpochStream] = None):
         self.loader, self.stream = loader, stream
@@ -49,14 +46,6 @@ class PackedLoader(LoaderView):
     @property
     def collate_fn(self) -> Callable:
         return self.loader.collate_fn.collate if self.stream else self.loader.collate_fn
-
-    @property
-    def batch_size(self) -> Optional[int]:
-        return self.stream.batches.batch_size if self.stream else self.loader.batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        return self.stream.batches.drop_last if self.stream else self.loader.drop_last
 
     def __len__(self) -> int:
         return len(self.stream.batches) if self.stream else len(self.loader)
@@ -113,6 +102,8 @@ class PackedLoader(LoaderView):
                 f"PackedSampler (its default when given no sampler) or with stateful=True")
         if name.startswith("_") or name in ("loader", "stream"):
             raise AttributeError(name)
+        if self.stream and name in ("batch_size", "drop_last"):
+            return getattr(self.stream.batches, name)
         return getattr(self.loader, name)
 
     def __repr__(self) -> str:

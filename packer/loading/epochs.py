@@ -11,7 +11,7 @@ from torch.utils.data import get_worker_info
 
 from ..reading.sampler import PackedSampler
 
-__all__ = ["EpochBatches", "EpochStream", "Failed", "Numbered", "StampedCollate",
+__all__ = ["EpochBatches", "EpochPass", "EpochStream", "Failed", "Numbered", "StampedCollate",
            "StampedDataset"]
 
 
@@ -123,7 +123,7 @@ class EpochBatches:
 
 
 class EpochStream:
-    """One epoch per ``epoch()`` from a DataLoader over ``StampedDataset`` batched by ``batches``.
+    """Epochs (``EpochPass``) from a DataLoader over ``StampedDataset`` batched by ``batches``.
     Each batch handed out is reported to the sampler (``received``); if the sampler is not where
     the stream is (``set_epoch``, a resume), the batches made ahead are dropped and it restarts."""
 
@@ -133,10 +133,6 @@ class EpochStream:
         self.at: Optional[tuple] = None  # (epoch, start, seed, shuffle, order) the stream is at
         self.early: Dict[int, Any] = {}  # batches that came before their turn, by seq
         self.seq = 0  # the stream's next batch to hand out
-
-    def epoch(self, start: Callable[[], Iterator]) -> "EpochPass":
-        """An iterator of one epoch; ``start()`` (``iter(loader)``) (re)starts the stream."""
-        return EpochPass(self, start)
 
     def begin(self, start: Callable[[], Iterator]) -> None:
         """Restart the stream unless it is where the sampler is; then mark it mid-epoch (a
@@ -162,8 +158,8 @@ class EpochStream:
 
 
 class EpochPass:
-    """One epoch of an ``EpochStream``, as a DataLoader iterator: a batch that raised is counted
-    and raised, and the next ``next()`` goes on after it."""
+    """One epoch of an ``EpochStream``, as a DataLoader iterator; ``start()`` (``iter(loader)``)
+    (re)starts the stream. A batch that raised is counted and raised; ``next()`` goes on."""
 
     def __init__(self, stream: EpochStream, start: Callable[[], Iterator]):
         self.stream, self.start = stream, start

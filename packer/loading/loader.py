@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .._util.system import usable_cores
 from ..reading.sampler import PackedSampler
 from .collate import default_collate_for
-from .epochs import EpochBatches, EpochStream, StampedCollate, StampedDataset
+from .epochs import EpochBatches, EpochPass, EpochStream, StampedCollate, StampedDataset
 from .prefetch import LoaderView
 from .torchapi import shutdown_workers
 
@@ -51,7 +51,7 @@ class PackedLoader(LoaderView):
         return len(self.stream.batches) if self.stream else len(self.loader)
 
     def __iter__(self) -> Iterator:
-        return self.stream.epoch(self._start) if self.stream else self._start()
+        return EpochPass(self.stream, self._start) if self.stream else self._start()
 
     def _start(self) -> Iterator:
         """``iter(loader)``, its new workers shut down at interpreter exit (a weak hook registered

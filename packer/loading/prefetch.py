@@ -106,8 +106,7 @@ class CUDAPrefetcher(LoaderView):
             raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): "
                             "make_loader's over a PackedSampler (its default when given no "
                             "sampler), or make_loader(..., stateful=True)")
-        state = self._state if self._state is not None else self.loader.state_dict()
-        return {"loader": state}
+        return {"loader": self._state if self._state is not None else self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next ``iter()`` starts at the first batch not handed out before."""
@@ -226,10 +225,9 @@ def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]):
 
 def is_image_list_batch(batch: Any) -> bool:
     """A ``(images, targets)`` batch whose images are a list of uint8 (C, H, W) tensors."""
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not isinstance(batch[0], list):
-        return False
-    return bool(batch[0]) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
-                                  and t.dim() == 3 for t in batch[0])
+    return (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], list)
+            and bool(batch[0]) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                       and t.dim() == 3 for t in batch[0]))
 
 
 def iter_tensors(obj: Any):

@@ -1,6 +1,7 @@
 """``BackgroundIterator``: iterate anything in a background thread, a few items ahead."""
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Iterable, Iterator, Optional
@@ -69,10 +70,8 @@ class BackgroundIterator:
         self.close()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def background(iterable: Iterable, depth: int = 2) -> BackgroundIterator:
@@ -97,7 +96,5 @@ def _produce(it: Iterator, q: queue.Queue, stop: threading.Event) -> None:
     finally:
         close = getattr(it, "close", None)  # run a generator's finally blocks, here, not in GC
         if close is not None and stop.is_set():
-            try:
+            with contextlib.suppress(Exception):
                 close()
-            except Exception:
-                pass

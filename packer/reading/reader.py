@@ -141,10 +141,8 @@ class ShardReader:
         return state
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def _stat_identity(st: os.stat_result) -> Tuple[int, int, int, int]:

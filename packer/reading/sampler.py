@@ -192,8 +192,7 @@ class PackedSampler(Sampler[int]):
     def epoch_copy(self, epoch: Optional[int] = None) -> "PackedSampler":
         """A copy at the position it is now, or at the start of ``epoch``: what a loader that
         runs ahead iterates, leaving this sampler (its epoch, its state) the caller's."""
-        out = copy.copy(self)
-        out._cache = self._cache
+        out = copy.copy(self)  # shares the cached order
         if epoch is not None and epoch != self.epoch:
             out.epoch, out._start, out._consumed, out._cache = int(epoch), 0, 0, None
         return out

@@ -47,15 +47,13 @@ class TargetMaker:
             raise ValueError("pass target_keys (the detection target's keys) or target_fields "
                              "(stored fields in place of the target), not both")
         self.single = isinstance(target_fields, str)
-        names: Optional[List[str]] = [target_fields] if self.single else (
+        self.names: Optional[List[str]] = [target_fields] if self.single else (
             None if target_fields is None else list(target_fields))
-        unknown = [n for n in names or () if n not in self.fields]
+        unknown = [n for n in self.names or () if n not in self.fields]
         if unknown:
             raise ValueError(f"target_fields {unknown} are not fields of this dataset "
                              f"(fields: {', '.join(self.fields) or 'none'})")
-        self.names = names
-        self.keys = self.detection_keys(target_keys, masks) if names is None and \
-            self.task == "detection" else ()
+        self.keys = self.detection_keys(target_keys, masks) if self.detection else ()
         if target_keys is not None and self.task != "detection":
             raise ValueError(f"target_keys shapes a detection target; this is a {self.task} "
                              f"dataset (select its fields with target_fields)")

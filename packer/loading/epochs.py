@@ -1,10 +1,8 @@
-"""No stall at epoch boundaries: one DataLoader stream that runs on into the next epoch.
-
-``EpochBatches`` goes on from epoch *e*'s last batch to *e + 1*'s first, so workers never
-idle; batches go to whichever worker has room, carry their place (``Numbered``) and
-``EpochStream`` hands them out in the sampler's order, one epoch at a time."""
+"""No stall at epoch boundaries: one DataLoader stream (``EpochBatches``) runs on into the next
+epoch; batches carry their place (``Numbered``) and ``EpochStream`` hands them out in order."""
 from __future__ import annotations
 
+import itertools
 import math
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -13,7 +11,7 @@ from torch.utils.data import get_worker_info
 
 from ..reading.sampler import PackedSampler
 
-__all__ = ["EpochBatches", "EpochStream", "Failed", "Numbered", "StampedCollate",
+__all__ = ["EpochBatches", "EpochPass", "EpochStream", "Failed", "Numbered", "StampedCollate",
            "StampedDataset"]
 
 
@@ -115,22 +113,17 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[Numbered]:
         epoch = self.sampler.epoch_copy()  # from the caller's position (a resume), once
-        seq = 0
+        seq = itertools.count()
         while True:
-            batch: List[int] = []
-            for index in epoch:
-                batch.append(index)
-                if len(batch) == self.batch_size:
-                    yield Numbered(batch, seq)
-                    batch, seq = [], seq + 1
-            if batch and not self.drop_last:
-                yield Numbered(batch, seq)
-                seq += 1
+            indices = iter(epoch)
+            while batch := list(itertools.islice(indices, self.batch_size)):
+                if len(batch) == self.batch_size or not self.drop_last:
+                    yield Numbered(batch, next(seq))
             epoch = epoch.epoch_copy(epoch.epoch + 1)
 
 
 class EpochStream:
-    """One epoch per ``epoch()`` from a DataLoader over ``StampedDataset`` batched by ``batches``.
+    """Epochs (``EpochPass``) from a DataLoader over ``StampedDataset`` batched by ``batches``.
     Each batch handed out is reported to the sampler (``received``); if the sampler is not where
     the stream is (``set_epoch``, a resume), the batches made ahead are dropped and it restarts."""
 
@@ -140,11 +133,6 @@ class EpochStream:
         self.at: Optional[tuple] = None  # (epoch, start, seed, shuffle, order) the stream is at
         self.early: Dict[int, Any] = {}  # batches that came before their turn, by seq
         self.seq = 0  # the stream's next batch to hand out
-
-    def epoch(self, start: Callable[[], Iterator]) -> "EpochPass":
-        """An iterator of one epoch; ``start()`` is ``iter(loader)``, called where the stream
-        (re)starts."""
-        return EpochPass(self, start)
 
     def begin(self, start: Callable[[], Iterator]) -> None:
         """Restart the stream unless it is where the sampler is; then mark it mid-epoch (a
@@ -170,8 +158,8 @@ class EpochStream:
 
 
 class EpochPass:
-    """One epoch of an ``EpochStream``, as a DataLoader iterator: a batch that raised is counted
-    and raised, and the next ``next()`` goes on after it."""
+    """One epoch of an ``EpochStream``, as a DataLoader iterator; ``start()`` (``iter(loader)``)
+    (re)starts the stream. A batch that raised is counted and raised; ``next()`` goes on."""
 
     def __init__(self, stream: EpochStream, start: Callable[[], Iterator]):
         self.stream, self.start = stream, start

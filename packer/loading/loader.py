@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .._util.system import usable_cores
 from ..reading.sampler import PackedSampler
 from .collate import default_collate_for
-from .epochs import EpochBatches, EpochStream, StampedCollate, StampedDataset
+from .epochs import EpochBatches, EpochPass, EpochStream, StampedCollate, StampedDataset
 from .prefetch import LoaderView
 from .torchapi import shutdown_workers
 
@@ -28,12 +28,9 @@ _HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # worker iterators with an exit 
 
 class PackedLoader(LoaderView):
     """What ``make_loader`` returns: a DataLoader's surface (``loader`` is the one inside), plus
-    ``set_epoch`` and, where it can resume, ``state_dict`` / ``load_state_dict`` with
-    ``StatefulDataLoader``'s semantics (the state counts batches the training loop received).
-
-    Over a ``PackedSampler`` the workers run on into the next epoch (``packer.loading.epochs``)
-    and the state is the sampler's. Over anything else it iterates a DataLoader, or
-    ``StatefulDataLoader`` with ``stateful=True``; without that it has no ``state_dict``."""
+    ``set_epoch`` and, where it can resume (``resumable``), ``state_dict`` / ``load_state_dict``
+    counting the batches the training loop received. Over a ``PackedSampler`` the workers run
+    on into the next epoch (``packer.loading.epochs``) and the state is the sampler's."""
 
     def __init__(self, loader: DataLoader, stream: Optional[EpochStream] = None):
         self.loader, self.stream = loader, stream
@@ -50,19 +47,11 @@ class PackedLoader(LoaderView):
     def collate_fn(self) -> Callable:
         return self.loader.collate_fn.collate if self.stream else self.loader.collate_fn
 
-    @property
-    def batch_size(self) -> Optional[int]:
-        return self.stream.batches.batch_size if self.stream else self.loader.batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        return self.stream.batches.drop_last if self.stream else self.loader.drop_last
-
     def __len__(self) -> int:
         return len(self.stream.batches) if self.stream else len(self.loader)
 
     def __iter__(self) -> Iterator:
-        return self.stream.epoch(self._start) if self.stream else self._start()
+        return EpochPass(self.stream, self._start) if self.stream else self._start()
 
     def _start(self) -> Iterator:
         """``iter(loader)``, its new workers shut down at interpreter exit (a weak hook registered
@@ -113,6 +102,8 @@ class PackedLoader(LoaderView):
                 f"PackedSampler (its default when given no sampler) or with stateful=True")
         if name.startswith("_") or name in ("loader", "stream"):
             raise AttributeError(name)
+        if self.stream and name in ("batch_size", "drop_last"):
+            return getattr(self.stream.batches, name)
         return getattr(self.loader, name)
 
     def __repr__(self) -> str:

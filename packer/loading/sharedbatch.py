@@ -2,7 +2,8 @@
 block, not one file descriptor round trip per tensor (docs/benchmarks.md)."""
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import itertools
+from typing import Any, List
 
 import torch
 
@@ -21,8 +22,9 @@ class SharedBatch(list):
     def __reduce_ex__(self, protocol):
         tensors: List[torch.Tensor] = []
         skeleton = strip_tensors(list(self), tensors)
-        offsets, total = _offsets(tensors)
-        block = torch.empty(0, dtype=torch.uint8).set_(shared_storage(total))
+        sizes = (-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors)
+        offsets = [0, *itertools.accumulate(sizes)]
+        block = torch.empty(0, dtype=torch.uint8).set_(shared_storage(offsets[-1]))
         layout = []
         for t, off in zip(tensors, offsets):
             view_of(block, off, t.dtype, t.shape).copy_(t)
@@ -50,14 +52,6 @@ def strip_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
     if type(obj) in (list, tuple, SharedBatch):
         return (tuple if type(obj) is tuple else list)(strip_tensors(v, tensors) for v in obj)
     return obj
-
-
-def _offsets(tensors: List[torch.Tensor]) -> Tuple[List[int], int]:
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(end)
-        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    return offsets, end
 
 
 def view_of(block: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:

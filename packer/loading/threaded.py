@@ -1,11 +1,12 @@
 """``BackgroundIterator``: iterate anything in a background thread, a few items ahead."""
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Iterable, Iterator, Optional
 
-from .._util.threads import END, Raised, drain
+from .._util.threads import END, Raised, drain, stoppable_put
 
 __all__ = ["BackgroundIterator", "background"]
 
@@ -18,7 +19,10 @@ class BackgroundIterator:
     def __init__(self, iterable: Iterable, depth: int = 2):
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (items kept ready), got {depth!r}")
-        self._len = _length(iterable)
+        try:
+            self._len: Optional[int] = len(iterable)
+        except TypeError:
+            self._len = None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -51,16 +55,9 @@ class BackgroundIterator:
         """Stop the thread (it finishes the item it is producing) and release queued items."""
         self._done = True
         self._stop.set()
-        if threading.current_thread() is self._thread:  # collected by GC inside the thread
-            return
-        while self._thread.is_alive():
-            drain(self._queue)  # unblock a put() waiting on a full queue
-            self._thread.join(0.01)
-            if timeout is not None:
-                timeout -= 0.01
-                if timeout <= 0:
-                    break  # the source is stuck in its own next(); the daemon thread is left
-        drain(self._queue)
+        if threading.current_thread() is not self._thread:  # else collected by GC inside it
+            self._thread.join(timeout)  # past it, the source is stuck in its own next()
+            drain(self._queue)
 
     def _finish(self) -> None:
         self._done = True
@@ -73,10 +70,8 @@ class BackgroundIterator:
         self.close()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def background(iterable: Iterable, depth: int = 2) -> BackgroundIterator:
@@ -90,24 +85,16 @@ def _produce(it: Iterator, q: queue.Queue, stop: threading.Event) -> None:
             try:
                 item = next(it)
             except StopIteration:
-                q.put(END)
+                stoppable_put(q, END, stop)
                 return
             except BaseException as e:  # noqa: B902 - everything reaches the consumer
-                q.put(Raised(e, "the producer thread of packer.loading.BackgroundIterator"))
+                where = "the producer thread of packer.loading.BackgroundIterator"
+                stoppable_put(q, Raised(e, where), stop)
                 return
-            q.put(item)
+            stoppable_put(q, item, stop)
             del item
     finally:
         close = getattr(it, "close", None)  # run a generator's finally blocks, here, not in GC
         if close is not None and stop.is_set():
-            try:
+            with contextlib.suppress(Exception):
                 close()
-            except Exception:
-                pass
-
-
-def _length(iterable) -> Optional[int]:
-    try:
-        return len(iterable)
-    except TypeError:
-        return None

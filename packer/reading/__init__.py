@@ -3,11 +3,8 @@
 (``targets``, ``masks``), the sampler (``sampler``) and weighted mixtures (``mixture``)."""
 from .._util.lazy import lazy_names
 
-_WHERE = {".dataset": ["PackedDataset"],
-          ".iterable": ["PackedIterableDataset"],
-          ".mixture": ["Mixture"],
-          ".reader": ["ShardReader"],
-          ".sampler": ["PackedSampler"]}
+_WHERE = {".dataset": ["PackedDataset"], ".iterable": ["PackedIterableDataset"],
+          ".mixture": ["Mixture"], ".reader": ["ShardReader"], ".sampler": ["PackedSampler"]}
 __all__ = ["Mixture", "PackedDataset", "PackedIterableDataset", "PackedSampler", "ShardReader"]
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE, globals())

@@ -58,11 +58,8 @@ class PackedDataset(Dataset):
         self.root = os.fspath(root) if cache is None else os.fspath(cache.root)  # its side tables
         self.reader = ShardReader(root, verify_crc=verify_crc, cache=cache)
         self.manifest = self.reader.manifest
-        self.transform = transform
-        self.target_transform = target_transform
-        self.transforms = transforms
-        self.decode = decode
-        self.exif_orientation = exif_orientation
+        self.transform, self.target_transform = transform, target_transform
+        self.transforms, self.decode, self.exif_orientation = transforms, decode, exif_orientation
         self.schema = dataset_schema(self.manifest)
         self.make_target = TargetMaker(self.schema, target_fields=target_fields,
                                        target_keys=target_keys, masks=masks)
@@ -102,7 +99,7 @@ class PackedDataset(Dataset):
         """``(path, class_index)`` per record, as ImageFolder's ``samples`` (``-1``: no label)."""
         if self._samples is None:
             table = read_paths(self.root, self.manifest)
-            if table is None:  # built before the paths table (format < 1.2): from the records
+            if table is None:  # format < 1.2: no paths table
                 table = [self.reader.record(i)["path"] for i in range(len(self))]
             self._samples = Samples(self.manifest.get("source") or "", table, self._labels)
         return self._samples

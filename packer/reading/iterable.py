@@ -1,7 +1,5 @@
-"""``PackedIterableDataset``: stream records nearly sequentially, shuffled through a buffer.
-
-Each (rank, worker) reads one contiguous run of a block-order epoch, so every record is read
-once per epoch across all of them. No mid-epoch resume (use ``PackedSampler`` for that)."""
+"""``PackedIterableDataset``: stream records nearly sequentially, shuffled through a buffer;
+each (rank, worker) reads one contiguous run of a block-order epoch. No mid-epoch resume."""
 from __future__ import annotations
 
 import os
@@ -43,8 +41,8 @@ class PackedIterableDataset(IterableDataset):
         self.reader = ShardReader(root)
         self.make_target = TargetMaker(dataset_schema(self.reader.manifest))
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
-        self.shuffle, self.shuffle_buffer, self.block_size = bool(shuffle), int(shuffle_buffer), int(block_size)
-        self.seed, self.drop_last = int(seed), bool(drop_last)
+        self.shuffle, self.shuffle_buffer = bool(shuffle), int(shuffle_buffer)
+        self.block_size, self.seed, self.drop_last = int(block_size), int(seed), bool(drop_last)
         self.num_replicas, self.rank = resolve_world(num_replicas, rank)
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
@@ -81,11 +79,8 @@ class PackedIterableDataset(IterableDataset):
         if self.shuffle and self.shuffle_buffer > 1:
             records = _buffered(records, self.shuffle_buffer, rng)
         for data in records:
-            yield self._sample(data)
-
-    def _sample(self, data: bytes) -> Tuple[Any, Any]:
-        return to_sample(unpack_record(data), self.decode, self.transform, self.target_transform,
-                         make_target=self.make_target)
+            yield to_sample(unpack_record(data), self.decode, self.transform,
+                            self.target_transform, make_target=self.make_target)
 
     def __repr__(self) -> str:
         return (f"PackedIterableDataset({self.root!r}, {len(self.reader)} records, "

@@ -1,11 +1,9 @@
-"""``Mixture``: several datasets read as one, each taking a fixed share of every epoch.
-
-Indices are the sources' laid end to end (as ``ConcatDataset``'s); ``epoch_order(seed,
-epoch)`` is a pure function listing each source's largest-remainder share, which
-``PackedSampler`` iterates in place of its own permutation (docs/mixture.md)."""
+"""``Mixture``: several datasets read as one (indices as ``ConcatDataset``'s), each a fixed
+share of every epoch, which ``PackedSampler`` takes from ``epoch_order`` (docs/mixture.md)."""
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from fractions import Fraction
 from typing import Any, List, Optional, Sequence
@@ -65,7 +63,8 @@ def target_kind(dataset) -> Optional[str]:
 
 
 class Mixture(Dataset):
-    """Datasets read as one, each a fixed share of every epoch, through ``PackedSampler``.
+    """Datasets read as one, each a fixed share of every epoch, through ``PackedSampler``
+    (without one the weights do not apply; docs/mixture.md).
 
     Args:
         datasets: map-style datasets giving the same kind of target (else ``ValueError``);
@@ -73,9 +72,7 @@ class Mixture(Dataset):
         weights: each source's share of an epoch (non-negative, not all 0); default: lengths.
         epoch_size: samples per epoch (all ranks together); default: the sources' total.
 
-    ``counts``: each source's samples per epoch (largest-remainder rounding, summing to
-    ``epoch_size``). ``len()`` is the index space; without a ``PackedSampler`` the weights do
-    not apply (docs/mixture.md)."""
+    ``counts``: each source's samples per epoch, summing to ``epoch_size``."""
 
     def __init__(self, datasets: Sequence[Any], weights: Optional[Sequence[float]] = None, *,
                  epoch_size: Optional[int] = None):
@@ -87,12 +84,9 @@ class Mixture(Dataset):
                 raise ValueError(f"Mixture mixes map-style datasets (indexable, with len()); "
                                  f"source {s} is a {type(d).__name__}: use PackedDataset")
         self.lengths = [len(d) for d in self.sources]
-        self.offsets = [0]
-        for n in self.lengths:
-            self.offsets.append(self.offsets[-1] + n)
+        self.offsets = [0, *itertools.accumulate(self.lengths)]
         self.weights = _weights(weights, self.lengths)
-        if epoch_size is None:
-            epoch_size = self.offsets[-1]
+        epoch_size = self.offsets[-1] if epoch_size is None else epoch_size
         if not isinstance(epoch_size, int) or isinstance(epoch_size, bool) or epoch_size < 1:
             raise ValueError(f"epoch_size must be a positive int (samples per epoch), "
                              f"got {epoch_size!r}")
@@ -154,9 +148,8 @@ class Mixture(Dataset):
 
 def _weights(weights, lengths: List[int]) -> list:
     """The weights checked (default: the lengths)."""
-    if weights is None:
-        weights = list(lengths)
-    weights = [w if isinstance(w, int) else float(w) for w in weights]
+    weights = [w if isinstance(w, int) else float(w)
+               for w in (lengths if weights is None else weights)]
     if len(weights) != len(lengths):
         raise ValueError(f"Mixture got {len(lengths)} datasets and {len(weights)} weights; "
                          f"give one weight per dataset")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import os
 import stat
 from array import array
@@ -44,19 +45,16 @@ class ShardReader:
         self.manifest = manifest if manifest is not None else read_manifest(self.root)
         self.verify_crc = bool(verify_crc)
         self.build_id = self.manifest.get("build_id")
-        self.paths = [shard_file(self.root, s["path"]) for s in self.manifest["shards"]]
-        # Cumulative counts per *shard* (a handful of ints): index maths without per-sample lists.
-        self.starts = [0]
-        for s in self.manifest["shards"]:
-            self.starts.append(self.starts[-1] + s["count"])
+        shards = self.manifest["shards"]
+        self.paths = [shard_file(self.root, s["path"]) for s in shards]
+        self.starts = [0, *itertools.accumulate(s["count"] for s in shards)]  # per shard
         self.identity = [None if cache else _identity(p, s, self.root)
-                         for p, s in zip(self.paths, self.manifest["shards"])]
-        offsets = read_offsets(self.root, self.manifest)
-        if offsets is None:  # older datasets: read each shard's tree once, here
-            offsets = array("Q")
+                         for p, s in zip(self.paths, shards)]
+        self.offsets = read_offsets(self.root, self.manifest)  # (offset, length) pairs
+        if self.offsets is None:  # older datasets: read each shard's tree once, here
+            self.offsets = array("Q")
             for k, p in enumerate(self.paths):
-                offsets.extend(shard_records(cache.shard_path(k, pin=False) if cache else p))
-        self.offsets = offsets  # (offset, length) pairs
+                self.offsets.extend(shard_records(cache.shard_path(k, pin=False) if cache else p))
         self._pid: Optional[int] = None
         self._fds: List[Optional[int]] = []
         self._order: List[int] = []  # shards open from the cache, oldest first
@@ -146,10 +144,8 @@ class ShardReader:
         return state
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def _stat_identity(st: os.stat_result) -> Tuple[int, int, int, int]:

@@ -1,10 +1,6 @@
-"""``PackedSampler``: a seeded global order, split exactly across DDP ranks, resumable in O(1).
-
-The state is (seed, epoch, global samples consumed) and rank ``r`` of ``W`` takes positions
-``consumed + r, consumed + r + W, ...``, so any world size continues the same global
-sequence. ``order="block"`` reads windows of consecutive blocks for slow disks;
-``order="node"`` gives each node its own shards, for a shard cache smaller than the data
-(docs/sampling.md)."""
+"""``PackedSampler``: a seeded global order, split exactly across DDP ranks, resumable in O(1):
+rank ``r`` of ``W`` takes positions ``consumed + r, consumed + r + W, ...``; ``order="node"``
+gives each node its own shards, for a shard cache smaller than the data (docs/sampling.md)."""
 from __future__ import annotations
 
 import copy
@@ -43,19 +39,16 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
     g = torch.Generator().manual_seed(seed_for(seed, epoch))
     if order == "random":
         return torch.randperm(n, generator=g)
-    # Block order. Records of the permuted blocks, concatenated (each block ascending); the
-    # last block may be short, so lay out full blocks and drop what lies past the end.
+    # Block order: the permuted blocks' records (the last block may be short: drop past n).
     nblocks = -(-n // block_size)
     blocks = torch.randperm(nblocks, generator=g)
     grid = blocks[:, None] * block_size + torch.arange(block_size)
-    slot = torch.arange(nblocks)[:, None].expand(nblocks, block_size)  # block slot of each element
-    keep = grid < n
-    seq, slot = grid[keep], slot[keep]
+    slot = torch.arange(nblocks)[:, None].expand(nblocks, block_size)
+    seq, slot = grid[grid < n], slot[grid < n]
     if window == 1:
         return seq
-    # Which block each output position draws from: a random shuffle within each window...
+    # Blocks shuffled within each window; each block's records go out in ascending order.
     shuffled = slot[torch.argsort((slot // window) * n + torch.randperm(n, generator=g))]
-    # ...and each block's records go out in ascending order at the positions drawn for it.
     out = torch.empty_like(seq)
     out[torch.sort(shuffled, stable=True).indices] = seq
     return out
@@ -63,9 +56,8 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
 
 def aspect_group_ids(ratios: torch.Tensor, factor: int) -> torch.Tensor:
     """Group of each width/height ratio: torchvision's ``create_aspect_ratio_groups`` bins."""
-    edges = torch.pow(2.0, torch.linspace(-1, 1, 2 * factor + 1, dtype=torch.float64))
-    if factor == 0:
-        edges = torch.tensor([1.0], dtype=torch.float64)
+    edges = (torch.pow(2.0, torch.linspace(-1, 1, 2 * factor + 1, dtype=torch.float64))
+             if factor else torch.tensor([1.0], dtype=torch.float64))
     return torch.bucketize(ratios.to(torch.float64), edges, right=True)
 
 
@@ -76,16 +68,13 @@ def grouped_order(order: torch.Tensor, groups: torch.Tensor, chunk: int, *, seed
     n = len(order)
     if n == 0:
         return order
-    g = groups[order]
-    sorted_g, idx = torch.sort(g, stable=True)
+    sorted_g, idx = torch.sort(groups[order], stable=True)
     seq = order[idx]
-    # Position of each element inside its group; elements past the last full chunk are leftovers.
+    # Elements past their group's last full chunk are leftovers, run together in group order.
     starts = torch.searchsorted(sorted_g, sorted_g, right=False)
     ends = torch.searchsorted(sorted_g, sorted_g, right=True)
-    pos = torch.arange(n) - starts
-    full = pos < (ends - starts) // chunk * chunk
-    runs = list(seq[full].split(chunk))
-    runs += list(seq[~full].split(chunk))  # the leftovers of all groups, in group order
+    full = torch.arange(n) - starts < (ends - starts) // chunk * chunk
+    runs = list(seq[full].split(chunk)) + list(seq[~full].split(chunk))
     if shuffle and len(runs) > 1:
         gen = torch.Generator().manual_seed(seed_for(seed, epoch, 1))
         runs = [runs[i] for i in torch.randperm(len(runs), generator=gen).tolist()]
@@ -97,13 +86,12 @@ def grouped_order(order: torch.Tensor, groups: torch.Tensor, chunk: int, *, seed
 
 def resolve_world(num_replicas: Optional[int], rank: Optional[int]):
     """(world size, rank): the given values, else torch.distributed's, else (1, 0); checked."""
-    if num_replicas is None or rank is None:
-        dist = torch.distributed
-        ready = dist.is_available() and dist.is_initialized()
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if ready else 1
-        if rank is None:
-            rank = dist.get_rank() if ready else 0
+    dist = torch.distributed
+    ready = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if ready else 1
+    if rank is None:
+        rank = dist.get_rank() if ready else 0
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if not 0 <= rank < num_replicas:
@@ -131,11 +119,10 @@ def rank_count(n: int, start: int, num_replicas: int, drop_last: bool) -> int:
 
 
 class PackedSampler(Sampler[int]):
-    """Seeded, DDP-exact, O(1)-resumable sampler for ``PackedDataset`` (any ``Sized`` works).
+    """Seeded, DDP-exact, O(1)-resumable sampler for ``PackedDataset`` (any ``Sized``; a
+    ``Mixture`` orders its epochs itself); docs/sampling.md.
 
     Args:
-        dataset: only its length is used; a ``Mixture`` supplies each epoch's order itself.
-        shuffle: ``False`` gives ``0, 1, 2, ...`` (still split across ranks).
         seed: with the epoch, fixes the order on every machine. Use the same on all ranks.
         num_replicas / rank: default to torch.distributed's (1 and 0 when not initialised).
         drop_last: every rank gets ``n // W`` samples; otherwise pad to ``ceil(n / W)``.
@@ -149,10 +136,9 @@ class PackedSampler(Sampler[int]):
         aspect_groups / batch_size: every batch of ``batch_size`` holds one aspect group
             (torchvision's ``GroupedBatchSampler``), from the width/height columns.
 
-    Through ``make_loader`` each complete pass moves to the next epoch; otherwise call
-    ``set_epoch`` before each. ``state_dict()`` (``{"seed", "epoch", "consumed", "size"}``)
-    resumes at the first unseen sample, at any world size; ``consumed`` counts global samples
-    the training loop received: exact through ``make_loader``, else pass it (docs/sampling.md)."""
+    ``make_loader`` moves to the next epoch after each pass; otherwise call ``set_epoch``.
+    ``state_dict()`` resumes at the first unseen sample at any world size (without
+    ``make_loader``, pass ``consumed``: global samples the training loop received)."""
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
                  num_replicas: Optional[int] = None, rank: Optional[int] = None,
@@ -231,13 +217,10 @@ class PackedSampler(Sampler[int]):
         return rank_count(self.size, self._start, self.num_replicas, self.drop_last)
 
     def __iter__(self) -> Iterator[int]:
-        # Positions and counts are fixed now, eagerly: the iterator is independent of
-        # whatever load_state_dict/set_epoch does to the sampler afterwards.
-        start, w = self._start, self.num_replicas
-        count = len(self)
+        # Fixed now, eagerly: later load_state_dict/set_epoch calls do not reach the iterator.
         perm = self.permutation() if self.size else None
-        self._consumed = start
-        return self._iterate(perm, start, w, count)
+        self._consumed = self._start
+        return self._iterate(perm, self._start, self.num_replicas, len(self))
 
     def _iterate(self, perm, start: int, w: int, count: int) -> Iterator[int]:
         first = start + self.rank
@@ -275,8 +258,7 @@ class PackedSampler(Sampler[int]):
     def epoch_copy(self, epoch: Optional[int] = None) -> "PackedSampler":
         """A copy at the position it is now, or at the start of ``epoch``: what a loader that
         runs ahead iterates, leaving this sampler (its epoch, its state) the caller's."""
-        out = copy.copy(self)
-        out._cache = self._cache
+        out = copy.copy(self)  # shares the cached order
         if epoch is not None and epoch != self.epoch:
             out.epoch, out._start, out._consumed, out._cache = int(epoch), 0, 0, None
         return out
@@ -287,8 +269,8 @@ class PackedSampler(Sampler[int]):
         self._consumed = int(consumed)
 
     def state_dict(self, consumed: Optional[int] = None) -> Dict[str, int]:
-        """``{"seed", "epoch", "consumed", "size"}``; pass ``consumed`` (global samples the training
-        loop received this epoch) with a plain multi-worker ``DataLoader``."""
+        """``{"seed", "epoch", "consumed", "size"}`` (``consumed``: global samples the training
+        loop received this epoch; pass it with a plain multi-worker ``DataLoader``)."""
         if consumed is None:
             consumed = self._consumed
         elif consumed < 0:
@@ -322,9 +304,7 @@ class PackedSampler(Sampler[int]):
         if self.order == "node" and "layout" in state:
             self._resumed_layout = (self.epoch, tuple(state["layout"]))
             self._cache = None
-        # Saved after the epoch's last sample: the next pass is empty (the epoch is done; a
-        # resumed loop that iterated it again would see every sample twice), the one after
-        # starts from the top, and set_epoch(epoch + 1) starts the next epoch at once.
+        # Saved after the epoch's last sample: the next pass is empty (else every sample twice).
         self._consumed = self._start = consumed
 
     def __repr__(self) -> str:

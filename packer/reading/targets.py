@@ -13,9 +13,7 @@ from .._util.text import printable
 
 DEFAULT_KEYS = ("boxes", "labels", "image_id")  # torchvision's wrapper's default
 DETECTION_KEYS = DEFAULT_KEYS + ("area", "iscrowd")  # what any detection dataset can give
-# The keys in the order a target dict holds them (COCO builds add the last two); then any
-# other stored field.
-KEY_ORDER = DETECTION_KEYS + ("masks", "segmentation")
+KEY_ORDER = DETECTION_KEYS + ("masks", "segmentation")  # a target's order; COCO adds the last 2
 PER_OBJECT = ("labels", "area", "iscrowd", "ann_ids", "segmentation")  # one entry per box
 NOT_KEYS = {"bbox": "packer stores 'boxes' (XYXY, clipped to the image) instead",
             "category_id": "'labels' holds the COCO category ids"}
@@ -48,18 +46,14 @@ class TargetMaker:
         if target_fields is not None and target_keys is not None:
             raise ValueError("pass target_keys (the detection target's keys) or target_fields "
                              "(stored fields in place of the target), not both")
-        if isinstance(target_fields, str):
-            names: Optional[List[str]] = [target_fields]
-        else:
-            names = list(target_fields) if target_fields is not None else None
-        unknown = [n for n in names or () if n not in self.fields]
+        self.single = isinstance(target_fields, str)
+        self.names: Optional[List[str]] = [target_fields] if self.single else (
+            None if target_fields is None else list(target_fields))
+        unknown = [n for n in self.names or () if n not in self.fields]
         if unknown:
             raise ValueError(f"target_fields {unknown} are not fields of this dataset "
                              f"(fields: {', '.join(self.fields) or 'none'})")
-        self.single = isinstance(target_fields, str)
-        self.names = names
-        self.keys = self.detection_keys(target_keys, masks) if names is None and \
-            self.task == "detection" else ()
+        self.keys = self.detection_keys(target_keys, masks) if self.detection else ()
         if target_keys is not None and self.task != "detection":
             raise ValueError(f"target_keys shapes a detection target; this is a {self.task} "
                              f"dataset (select its fields with target_fields)")
@@ -124,12 +118,11 @@ class TargetMaker:
         h, w = rec["height"], rec["width"]
         boxes = array_tensor(self.fields["boxes"], rec["boxes"])
         n = len(boxes)
-        for name in PER_OBJECT:  # whatever the keys: a record is read whole or refused
-            if name in self.fields:
-                f, v = self.fields[name], rec[name]
-                count = f.shape_of(len(v))[0] if isinstance(f, ArrayField) else len(v)
-                if count != n:
-                    raise ValueError(f"{n} boxes but {count} {name}")
+        for name in (k for k in PER_OBJECT if k in self.fields):  # all checked, whatever the keys
+            f, v = self.fields[name], rec[name]
+            count = f.shape_of(len(v))[0] if isinstance(f, ArrayField) else len(v)
+            if count != n:
+                raise ValueError(f"{n} boxes but {count} {name}")
         out: Dict[str, Any] = {}
         for key in self.keys:
             if key == "boxes":
@@ -164,16 +157,10 @@ def wrap_boxes(boxes: torch.Tensor, canvas_size) -> torch.Tensor:
     return tv.BoundingBoxes(boxes, format="XYXY", canvas_size=tuple(int(s) for s in canvas_size))
 
 
-# EXIF orientation (2-8) as PIL's ``exif_transpose`` applies it: where a point (x, y) of
-# the stored W x H image goes (the function of (x, y, W, H)), and whether the sides swap.
-ORIENTATIONS = {2: (lambda x, y, w, h: (w - x, y), False),
-                3: (lambda x, y, w, h: (w - x, h - y), False),
-                4: (lambda x, y, w, h: (x, h - y), False),
-                5: (lambda x, y, w, h: (y, x), True),
-                6: (lambda x, y, w, h: (h - y, x), True),
-                7: (lambda x, y, w, h: (h - y, w - x), True),
-                8: (lambda x, y, w, h: (y, w - x), True)}
-MASK_FLIPS = {2: [-1], 3: [-1, -2], 4: [-2], 5: [], 6: [-1], 7: [-1, -2], 8: [-2]}  # after .T
+# EXIF orientation (2-8) as PIL's ``exif_transpose`` applies it: whether x and y swap (the
+# image is transposed), then which axes flip (-1: x, -2: y).
+ORIENTATIONS = {2: (False, [-1]), 3: (False, [-1, -2]), 4: (False, [-2]), 5: (True, []),
+                6: (True, [-1]), 7: (True, [-1, -2]), 8: (True, [-2])}
 
 
 def oriented(target: Dict[str, Any], orientation: int, width: int, height: int) -> Dict[str, Any]:
@@ -181,19 +168,23 @@ def oriented(target: Dict[str, Any], orientation: int, width: int, height: int) 
     ``exif_transpose`` for this EXIF orientation: boxes (and ``canvas_size``), masks."""
     if orientation not in ORIENTATIONS:
         return target
-    move, swap = ORIENTATIONS[orientation]
+    swap, flips = ORIENTATIONS[orientation]
+    w, h = (height, width) if swap else (width, height)
     out = dict(target)
     if "boxes" in target:
-        b = target["boxes"].as_subclass(torch.Tensor)
-        x0, y0 = move(b[:, 0], b[:, 1], width, height)
-        x1, y1 = move(b[:, 2], b[:, 3], width, height)
+        x0, y0, x1, y1 = target["boxes"].as_subclass(torch.Tensor).unbind(1)
+        if swap:
+            x0, y0, x1, y1 = y0, x0, y1, x1
+        if -1 in flips:
+            x0, x1 = w - x0, w - x1
+        if -2 in flips:
+            y0, y1 = h - y0, h - y1
         boxes = torch.stack([torch.minimum(x0, x1), torch.minimum(y0, y1),
                              torch.maximum(x0, x1), torch.maximum(y0, y1)], 1)
-        out["boxes"] = wrap_boxes(boxes, (width, height) if swap else (height, width))
+        out["boxes"] = wrap_boxes(boxes, (h, w))
     if "masks" in target:
         m = target["masks"].as_subclass(torch.Tensor)
-        m = m.transpose(-1, -2) if swap else m      # (y, x) -> (x, y) first, then the flips
-        flips = MASK_FLIPS[orientation]
+        m = m.transpose(-1, -2) if swap else m
         m = (m.flip(flips) if flips else m).contiguous()
         tv = tv_tensors()
         out["masks"] = tv.Mask(m) if tv is not None else m

@@ -41,9 +41,6 @@ def exif_tag(data: bytes) -> int:
     return stored_image(data).getexif().get(0x0112, 1)
 
 
-RESIZERS = ("auto", "pil", "torch")
-
-
 class CropDecoder:
     """Base for ``bytes -> uint8 (3, H, W)`` decoders (``PackedDataset(decode=)``): a view of an
     HWC buffer, so a stacked batch is channels_last. ``resize``: "pil", "torch" or "auto"
@@ -51,7 +48,7 @@ class CropDecoder:
 
     def __init__(self, size, resize: str = "pil"):
         self.size = (size, size) if isinstance(size, int) else tuple(size)  # (h, w)
-        if resize not in RESIZERS:
+        if resize not in ("auto", "pil", "torch"):
             raise ValueError(f"resize must be 'auto', 'pil' or 'torch', got {resize!r}")
         self.resize = resize
 
@@ -73,13 +70,13 @@ class CropDecoder:
             s = max(ow / (x1 - x0), oh / (y1 - y0))
             im.draft("RGB", (max(1, math.ceil(w * s)), max(1, math.ceil(h * s))))
         sx, sy = im.size[0] / w, im.size[1] / h
+        box = (x0 * sx, y0 * sy, x1 * sx, y1 * sy)  # in the decoded (maybe drafted) pixels
         im = im.convert("RGB")
         flipped = self.flip()
         if self.torch_resize():
-            x, (c0, r0, c1, r1) = resize_box(im, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), (oh, ow))
+            x, (c0, r0, c1, r1) = resize_box(im, box, (oh, ow))
             return (x.flip(2) if flipped else x), (c0 / sx, r0 / sy, c1 / sx, r1 / sy), flipped
-        im = im.resize((ow, oh), Image.BILINEAR, box=(x0 * sx, y0 * sy, x1 * sx, y1 * sy),
-                       reducing_gap=None)
+        im = im.resize((ow, oh), Image.BILINEAR, box=box, reducing_gap=None)
         if flipped:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
         return image_to_tensor(im), crop, flipped

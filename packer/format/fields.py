@@ -281,10 +281,7 @@ def flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
         return [v]
     if depth > 8:
         raise ValueError(f"field {name!r}: nested too deeply for an array")
-    out: List[Any] = []
-    for x in v:
-        out.extend(flatten(x, name, depth + 1) if isinstance(x, (list, tuple)) else [x])
-    return out
+    return [y for x in v for y in flatten(x, name, depth + 1)]
 
 
 def shown_int(v: int) -> str:

@@ -45,8 +45,7 @@ class ShardFile:
     def _meta(self) -> Tuple[int, int, int, int, int]:
         """(page size, last page, entries, root page, depth) of the newer of the two metas,
         both checked as LMDB checks them, and the newer one's pages all inside the file."""
-        metas = []
-        offset = 0
+        metas, offset = [], 0
         for _ in range(2):
             head = self._read(offset, PAGE_HEADER.size + META.size)
             flags = PAGE_HEADER.unpack_from(head)[2]
@@ -149,11 +148,3 @@ def shard_records(path: os.PathLike) -> array:
     finally:
         os.close(fd)
 
-
-def shard_entries(path: os.PathLike) -> int:
-    """How many records the shard at ``path`` says it holds (its meta data, checked)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return ShardFile(path, fd).entries
-    finally:
-        os.close(fd)

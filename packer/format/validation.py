@@ -3,6 +3,7 @@ naming the field, never a ``TypeError`` or a runaway loop (``docs/security.md``)
 from __future__ import annotations
 
 import re
+from itertools import dropwhile
 from pathlib import PurePosixPath
 from typing import Any, Dict, List
 
@@ -38,10 +39,7 @@ def shard_path_problem(path: Any) -> str:
     *folders, name = p.parts
     if not is_data_name(name):
         return "must end in a plain file name that is not one of packer's own (manifest.json, *.tmp)"
-    ups = 0
-    while ups < len(folders) and folders[ups] == "..":
-        ups += 1
-    if any(not is_plain_name(f) for f in folders[ups:]):
+    if any(not is_plain_name(f) for f in dropwhile(lambda f: f == "..", folders)):
         return "may go up ('..') only at its start"
     return ""
 
@@ -143,16 +141,12 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     wanted = [n for n, f in fields.items() if f.column and n != "label"]
     if man.get("schema") is not None and any(n not in columns for n in wanted):
         raise c.fail("columns", f"must hold a table for each scalar field ({', '.join(wanted)})")
-    for k, s in enumerate(c.list(man, "skipped", "skipped")):
-        if not isinstance(s, dict):
-            raise c.fail(f"skipped[{k}]", "must be an object")
-        c.str(s, "path", f"skipped[{k}].path")
-        c.str(s, "reason", f"skipped[{k}].reason")
-    for k, d in enumerate(c.list(man, "dropped", "dropped") if "dropped" in man else []):
-        if not isinstance(d, dict):
-            raise c.fail(f"dropped[{k}]", "must be an object")
-        c.str(d, "path", f"dropped[{k}].path")
-        c.str(d, "reason", f"dropped[{k}].reason")
+    for key in ("skipped", "dropped"):  # "dropped" is optional
+        for k, s in enumerate(c.list(man, key, key) if key in man or key == "skipped" else []):
+            if not isinstance(s, dict):
+                raise c.fail(f"{key}[{k}]", "must be an object")
+            c.str(s, "path", f"{key}[{k}].path")
+            c.str(s, "reason", f"{key}[{k}].reason")
     if "dropped_count" in man:
         c.int(man, "dropped_count", "dropped_count")
     for k, cat in enumerate(c.list(man, "categories", "categories") if "categories" in man else []):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
@@ -62,8 +63,7 @@ class Checks:
                 raise PackerError(f"{name} must be a positive {unit} count, got {v!r}")
 
     def options(self) -> dict:
-        """The manifest's record of them (its keys as before: strict, max_pixels, plus
-        max_image_bytes)."""
+        """The manifest's record of them."""
         return {"strict": self.strict, "max_pixels": self.max_pixels,
                 "max_image_bytes": self.max_image_bytes}
 
@@ -115,8 +115,9 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                     try:
                         im.convert("RGB")
                     except Exception as e:
-                        raise BadImage(f"cannot be converted to RGB as training does "
-                                       f"(mode {im.mode}): {str(e).strip() or type(e).__name__}") from None
+                        raise BadImage(f"cannot be converted to RGB as training does (mode "
+                                       f"{im.mode}): {str(e).strip() or type(e).__name__}") \
+                            from None
         except BadImage:
             raise
         except Exception as e:  # PIL raises a zoo of types on bad data; all mean "skip this file"
@@ -134,23 +135,18 @@ def exif_orientation(im: Image.Image) -> int:
     return value if type(value) is int and 1 <= value <= 8 else 1
 
 
-class _pil_pixel_limit:
+@contextmanager
+def _pil_pixel_limit(max_pixels: int):
     """PIL's own bomb check (warn above ``Image.MAX_IMAGE_PIXELS``, refuse above twice that)
     would skip images that ``--max-pixels`` allows: align it with ``max_pixels`` meanwhile.
     (Build workers are processes, so the module global is not shared with other threads.)"""
-
-    def __init__(self, max_pixels: int):
-        self.max_pixels = max_pixels
-
-    def __enter__(self):
-        self.saved = Image.MAX_IMAGE_PIXELS
-        if self.saved is not None and self.max_pixels > self.saved:
-            Image.MAX_IMAGE_PIXELS = self.max_pixels
-        return self
-
-    def __exit__(self, *exc):
-        Image.MAX_IMAGE_PIXELS = self.saved
-        return False
+    saved = Image.MAX_IMAGE_PIXELS
+    if saved is not None and max_pixels > saved:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
 
 
 def _reason(e: BaseException) -> str:

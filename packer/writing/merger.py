@@ -1,11 +1,7 @@
-"""``merge``: join datasets built with ``--part K/N`` into one, without copying shard data.
-
-The merged manifest refers to the parts' shard files by relative path (``../part-0/
-shard-00000.lmdb``) and lists the part folders under ``parts``; readers accept a shard path
-outside the dataset folder only inside a folder that is itself a packer dataset. Crash safety
-is the build's: DST's old manifest goes first (durably), the new tables are written new and
-renamed in, and the new manifest comes last.
-"""
+"""``merge``: join datasets built with ``--part K/N`` into one, without copying shard data:
+the merged manifest names the parts' shards by relative path (``../part-0/shard-00000.lmdb``)
+and their folders under ``parts``. Crash safety is the build's: old manifest first (durably),
+new tables renamed in, new manifest last."""
 from __future__ import annotations
 
 import hashlib
@@ -14,13 +10,15 @@ import os
 import posixpath
 import tempfile
 from array import array
+from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from . import journal
 from .._util.fsio import FolderLock, remove_own, write_json_atomic
 from ..errors import FormatError, PackerError
-from ..format.manifest import FORMAT_VERSION, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, dataset_schema, read_manifest, shard_file, side_tables
+from ..format.manifest import (FORMAT_VERSION, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT,
+                               dataset_schema, read_manifest, shard_file, side_tables)
 from .packing import new_manifest
 from ..format.tables import read_column, read_offsets, read_paths
 from ..format.lmdbfile import shard_records
@@ -148,22 +146,15 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
             and all(k in {kk for kk, _, _ in side_tables(m)} for _, m in mans)]
     with_paths = all(m.get("paths") for _, m in mans)
     names = {k: name for k, _, name in side_tables(first)}
-    journal.claim(dst, [OFFSETS, PATHS_INDEX, PATHS_TEXT, MANIFEST] + [names[k] for k in keys])  # re-runnable
-    shards, skipped, dropped, offsets, part_dirs = [], [], [], array("Q"), []
-    path_ends, path_text = array("Q"), bytearray()
-    tables = {k: None for k in keys}
-    for rel, (p, m) in zip(rels, mans):
-        part_dirs.append(rel)
-        for s in m["shards"]:
-            shards.append(dict(s, path=os.path.normpath(os.path.join(rel, s["path"])).replace(os.sep, "/")))
-        skipped.extend(m["skipped"])
-        dropped.extend(m.get("dropped", []))
+    journal.claim(dst, [OFFSETS, PATHS_INDEX, PATHS_TEXT, MANIFEST] + [names[k] for k in keys])
+    offsets, path_ends, path_text, tables = array("Q"), array("Q"), bytearray(), {}
+    for p, m in mans:
         for k in keys:
             part = read_column(p, "label" if k == "labels" else k.split(".", 1)[1], m)
             if k == "labels" and any(not 0 <= lab < len(classes) for lab in part):
                 raise FormatError(f"{p}: labels.i32 holds labels outside 0..{len(classes) - 1}; "
                                   f"the part is damaged (run `packer verify {p}`)")
-            tables[k] = part if tables[k] is None else tables[k] + part
+            tables[k] = tables[k] + part if k in tables else part
         if with_paths:  # each part's path ends shift by the text before it
             table = read_paths(p, m)
             path_ends.extend(e + len(path_text) for e in table.ends)
@@ -177,26 +168,23 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
     written = {"offsets": write_table(dst, OFFSETS, offsets)}
     paths = {"index": write_table(dst, PATHS_INDEX, path_ends),
              "text": write_table(dst, PATHS_TEXT, path_text)} if with_paths else None
-    for k in keys:
-        written[k] = write_table(dst, names[k], tables[k])
-        if k.startswith("columns."):
-            written[k]["dtype"] = first["columns"][k.split(".", 1)[1]]["dtype"]
-    columns = {k.split(".", 1)[1]: v for k, v in written.items() if k.startswith("columns.")}
-    counts = None
-    if "labels" in tables:
-        counts = [0] * len(classes)
-        for lab in tables["labels"]:
-            counts[lab] += 1
-    extra = {k: first[k] for k in ("categories",) if k in first}
+    written.update((k, write_table(dst, names[k], tables[k])) for k in keys)
+    columns = {k.split(".", 1)[1]: dict(v, dtype=first["columns"][k.split(".", 1)[1]]["dtype"])
+               for k, v in written.items() if k.startswith("columns.")}
+    counts = Counter(tables.get("labels", ()))
+    dropped = [d for _, m in mans for d in m.get("dropped", [])]
     manifest = new_manifest(
-        classes=classes, class_counts=counts, shards=shards, labels=written.get("labels"),
-        offsets=written["offsets"], columns=columns or None, paths=paths,
-        schema=first.get("schema"), dropped=dropped, extra=extra,
+        classes=classes, shards=[dict(s, path=posixpath.normpath(posixpath.join(rel, s["path"])))
+                                 for rel, (_, m) in zip(rels, mans) for s in m["shards"]],
+        class_counts=[counts[c] for c in range(len(classes))] if "labels" in tables else None,
+        labels=written.get("labels"), offsets=written["offsets"], columns=columns or None,
+        paths=paths, schema=first.get("schema"), dropped=dropped,
+        extra={k: first[k] for k in ("categories",) if k in first},
         dropped_count=sum(m.get("dropped_count", len(m.get("dropped", []))) for _, m in mans),
-        skipped=skipped, source=first.get("source", ""),
+        skipped=[s for _, m in mans for s in m["skipped"]], source=first.get("source", ""),
         options=dict(first.get("options") or {}, part=None,
                      merged_from=[str(p) for p, _ in mans]))
-    manifest["parts"], manifest["fingerprint"] = part_dirs, fp
+    manifest["parts"], manifest["fingerprint"] = rels, fp
     with disk_errors(dst / MANIFEST):
         write_json_atomic(dst / MANIFEST, manifest)
     remove_own(dst, journal.JOURNAL)  # the overwrite's claim, if any: done

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import uuid
 from array import array
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -14,8 +15,9 @@ from .._util.fsio import write_json_atomic
 from .._util.system import pil_summary
 from ..errors import PackerError
 from ..format.fields import DTYPES, encode, field_of
-from ..format.manifest import FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file
-from ..format.records import PackedFields, pack_fields, record_bytes, unpack_record
+from ..format.manifest import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS,
+                               PATHS_INDEX, PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file)
+from ..format.records import pack_fields, record_bytes, unpack_record
 from ..format.lmdbfile import shard_records
 from .._util.text import printable
 from .shard import ShardWriter, disk_errors, write_table
@@ -67,31 +69,19 @@ class Packing:
         self.dropped.extend({"path": printable(path), "reason": r, "entry": entry} for r in reasons)
 
     def add(self, entry: int, path: str, image: bytes, width: int, height: int, fmt: str,
-            mode: str, values: Dict[str, Any]) -> bool:
-        """Store one checked image with its field ``values``; False (and skipped) if they do
-        not fit the schema."""
+            mode: str, values: Dict[str, Any]) -> None:
+        """Store one checked image with its field ``values`` (skipped if they do not fit the
+        schema)."""
         try:
             stored = encode(self.fields, values)
         except ValueError as e:
-            self.skip(entry, path, f"annotation: {e}")
-            return False
-        self.add_packed(entry, path, image, width, height, fmt, mode, pack_fields(stored),
-                        self.column_values(stored))
-        return True
-
-    def column_values(self, stored: Dict[str, Any]) -> Dict[str, Any]:
-        """The stored values that also go to side tables (label and scalar columns)."""
-        return {k: stored[k] for k in self.column_names}
-
-    def add_packed(self, entry: int, path: str, image: bytes, width: int, height: int,
-                   fmt: str, mode: str, fields: PackedFields, columns: Dict[str, Any]) -> None:
-        """Store one checked image whose fields a build worker encoded and packed already."""
+            return self.skip(entry, path, f"annotation: {e}")
         if self.writer is None:
             self.writer = ShardWriter(self.dst / SHARD_PATTERN.format(len(self.shards)),
                                       expected_bytes=self.shard_size)
         self.writer.append(record_bytes(image, path=path, width=width, height=height,
-                                        format=fmt, mode=mode, fields=fields))
-        self.add_row(columns, path, width, height)
+                                        format=fmt, mode=mode, fields=pack_fields(stored)))
+        self.add_row(stored, path, width, height)
         if self.writer.bytes >= self.shard_size:
             self.end_shard(entry + 1)
 
@@ -157,11 +147,12 @@ class Packing:
                 raise PackerError(f"label {bad} is outside the {len(classes)} classes "
                                   f"(0..{len(classes) - 1}); no dataset was written")
             tables["labels"] = write_table(self.dst, LABELS, self.labels)
-            counts = [0] * len(classes)
-            for lab in self.labels:
-                counts[lab] += 1
-            tables["class_counts"] = counts
-        tables["offsets"] = write_table(self.dst, OFFSETS, _offsets(self.dst, self.shards))
+            counts = Counter(self.labels)
+            tables["class_counts"] = [counts[c] for c in range(len(classes))]
+        offsets = array("Q")
+        for s in self.shards:  # every record's byte range, read once: readers never walk LMDB
+            offsets.extend(shard_records(self.dst / s["path"]))
+        tables["offsets"] = write_table(self.dst, OFFSETS, offsets)
         tables["paths"] = {"index": write_table(self.dst, PATHS_INDEX, self.path_ends),
                            "text": write_table(self.dst, PATHS_TEXT, self.path_text)}
         columns = {}
@@ -178,14 +169,6 @@ class Packing:
         with disk_errors(self.dst / MANIFEST):
             write_json_atomic(self.dst / MANIFEST, manifest)
         return manifest
-
-
-def _offsets(dst: Path, shards: List[dict]) -> array:
-    """Every record's byte range in its shard, read once now so readers never walk LMDB."""
-    table = array("Q")
-    for s in shards:
-        table.extend(shard_records(dst / s["path"]))
-    return table
 
 
 def new_manifest(*, classes, shards, skipped, source, options, labels=None, offsets=None,

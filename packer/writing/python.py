@@ -19,16 +19,15 @@ from tqdm.auto import tqdm
 from . import journal
 from .._util.fsio import FolderLock, read_file
 from .._util.system import usable_cores
-from .builder import DEFAULT_SHARD_SIZE, MAX_SHARD_SIZE, BuildResult
+from .builder import DEFAULT_SHARD_SIZE, BuildResult, check_shard_size
 from .check import (DEFAULT_MAX_IMAGE_BYTES, BadImage, Checks, Transcode,
                     as_checks, check_image)
 from ..errors import PackerError
 from ..format.fields import Field, check_schema, detection_problem, encode, infer_field
 from ..format.manifest import FORMAT_VERSION, MANIFEST, read_manifest
+from ..format.validation import TASKS
 from .packing import Packing
 from ..sources.base import DEFAULT_MAX_CLASSES
-
-TASKS = ("classification", "detection", "generic")
 
 
 def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
@@ -73,8 +72,7 @@ class DatasetWriter:
                  transcode: Optional[Transcode] = None, checks: Checks = Checks(),
                  overwrite: bool = False):
         journal.check_dst(dst)  # before anything is written: packer writes only where asked
-        if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
-            raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}")
+        check_shard_size(shard_size)
         if task is not None and task not in TASKS:
             raise PackerError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         self.dst = Path(dst)

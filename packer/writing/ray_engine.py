@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Deque, Dict, Iterator, List, Optional
 
 from .. import __version__
-from .._util.fsio import remove_own
 from ..errors import PackerError
 from ..sources.base import ImageList
-from .worker import ShardDone, ShardJob, ShardTask, write_shard
+from .worker import ShardDone, ShardJob, ShardTask, remove_untaken, write_shard
 
 INSTALL = "pip install 'packer-lmdb[ray]' (or pip install ray)"
 
@@ -85,9 +84,7 @@ def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterato
         for ref in left:
             ray.cancel(ref)
         finished = ray.wait(left, num_returns=len(left), timeout=60)[0] if left else []
-        for d in [done, *ready.values(), *_quiet_results(ray, finished)]:
-            if d is not None and d.shard is not None and not d.taken:
-                remove_own(job.dst, d.shard["path"])
+        remove_untaken(job.dst, [done, *ready.values(), *_quiet_results(ray, finished)])
 
 
 def _result(ray, ref, task: ShardTask) -> ShardDone:

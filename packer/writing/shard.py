@@ -105,7 +105,7 @@ def disk_errors(path: Path):
         f"to resume"), types=(OSError, lmdb.Error))  # lmdb says it only in words
 
 
-def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optional[str]:
+def existing_shard_ok(entry: dict, root: Path) -> Optional[str]:
     """None if ``root/entry['path']`` matches its manifest entry, else what is wrong."""
     p = root / entry["path"]
     if not p.is_file():
@@ -113,9 +113,7 @@ def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optio
     size = p.stat().st_size
     if size != entry["bytes"]:
         return f"size {size} != {entry['bytes']}"
-    if check_hash and file_sha256(p) != entry["sha256"]:
-        return "checksum mismatch"
-    return None
+    return "checksum mismatch" if file_sha256(p) != entry["sha256"] else None
 
 
 def write_table(dst: Path, name: str, table) -> dict:

@@ -7,9 +7,9 @@ import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
-from .._util.fsio import NotAFile, read_file
+from .._util.fsio import NotAFile, read_file, remove_own
 from .._util.system import die_with_parent
 from .check import BadImage, Checked, Checks, Transcode, check_image
 from ..format.fields import Field, encode
@@ -119,37 +119,25 @@ def init_worker(parent: int, job: ShardJob) -> None:
     _JOB[0] = job
 
 
-def read_entry(job: ShardJob, i: int):
-    """(status, payload, bytes read) for entry ``i``'s image: ("skip", reason) or ("ok",
-    the checked image)."""
+def read_entry(job: ShardJob, i: int) -> Tuple[int, Union[Checked, str]]:
+    """(bytes read, the checked image or why it is skipped) for entry ``i``."""
     root, rel = job.fields.source.root, job.fields.source.entries[i][0]
     if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
-        return "skip", ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
-                        "-t utf8 --notest SRC`)"), 0
+        return 0, ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 -t utf8 "
+                   "--notest SRC`)")
     try:
         data = read_file(os.path.join(root, rel), job.checks.max_image_bytes,
                          "max_image_bytes")
     except NotAFile as e:
-        return "skip", str(e), 0
+        return 0, str(e)
     except OSError as e:
-        return "skip", f"unreadable: {e.strerror or e}", 0
+        return 0, f"unreadable: {e.strerror or e}"
     try:
-        checked = check_image(data, transcode=job.transcode, max_pixels=job.checks.max_pixels,
-                              orientation=job.fields.upright)
-        return "ok", checked, len(data)
+        return len(data), check_image(data, transcode=job.transcode,
+                                      max_pixels=job.checks.max_pixels,
+                                      orientation=job.fields.upright)
     except BadImage as e:
-        return "skip", str(e), len(data)
-
-
-def with_fields(job: ShardJob, i: int, c: Checked):
-    """(status, payload) for entry ``i`` whose image checked out as ``c``: ("skip", reason)
-    or ("ok", (stored bytes, width, height, format, mode, packed fields, columns, drop
-    reasons))."""
-    try:
-        packed, columns, reasons = job.fields.encoded(i, c.width, c.height, c.orientation)
-    except ValueError as e:
-        return "skip", f"annotation: {e}"
-    return "ok", (c.data, c.width, c.height, c.format, c.mode, packed, columns, reasons)
+        return len(data), str(e)
 
 
 def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
@@ -164,21 +152,25 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
             if job.stop is not None and job.stop.is_set():
                 done.stopped = True
                 break
-            status, payload, nbytes = read_entry(job, i)
+            nbytes, c = read_entry(job, i)
             done.in_bytes += nbytes
-            if status == "ok":
-                status, payload = with_fields(job, i, payload)
-            if status == "skip":
-                done.samples.append((i, None, payload))
-                reasons = [payload]
+            if isinstance(c, Checked):
+                try:
+                    packed, columns, reasons = job.fields.encoded(i, c.width, c.height,
+                                                                  c.orientation)
+                except ValueError as e:
+                    c = f"annotation: {e}"
+            if isinstance(c, str):  # skipped, and why
+                done.samples.append((i, None, c))
+                reasons = [c]
             else:
-                data, width, height, fmt, mode, packed, columns, reasons = payload
                 if writer is None:
                     writer = ShardWriter(job.dst / SHARD_PATTERN.format(task.index),
                                          expected_bytes=task.expected_bytes)
-                writer.append(record_bytes(data, path=entries[i][0], width=width,
-                                           height=height, format=fmt, mode=mode, fields=packed))
-                done.samples.append((i, (width, height, columns), reasons))
+                writer.append(record_bytes(c.data, path=entries[i][0], width=c.width,
+                                           height=c.height, format=c.format, mode=c.mode,
+                                           fields=packed))
+                done.samples.append((i, (c.width, c.height, columns), reasons))
             if job.checks.strict and reasons:
                 done.failed = True
                 break
@@ -201,3 +193,10 @@ def _report(job: ShardJob, n: int, force: bool = False) -> int:
     with job.progress.get_lock():
         job.progress.value += n
     return 0
+
+
+def remove_untaken(dst: Path, results: List[Optional[ShardDone]]) -> None:
+    """Remove the finished shards of ``results`` the builder has not taken (None: no result)."""
+    for done in results:
+        if done is not None and done.shard is not None and not done.taken:
+            remove_own(dst, done.shard["path"])

@@ -38,7 +38,8 @@ def shard_path_problem(path: Any) -> str:
         return "must be relative and normalized (no leading '/', './' or '//')"
     *folders, name = p.parts
     if not is_data_name(name):
-        return "must end in a plain file name that is not one of packer's own (manifest.json, *.tmp)"
+        return ("must end in a plain file name that is not one of packer's own (manifest.json, "
+                "*.tmp)")
     if any(not is_plain_name(f) for f in dropwhile(lambda f: f == "..", folders)):
         return "may go up ('..') only at its start"
     return ""
@@ -68,18 +69,14 @@ class _Check:
         if not isinstance(v, str) or not SHA256.fullmatch(v):
             raise self.fail(field, "must be a 64-digit lowercase hex SHA-256")
 
-    def dict(self, obj: dict, key: str, field: str, optional: bool = False) -> Dict[str, Any]:
+    def of(self, kind: type, obj: dict, key: str, field: str, optional: bool = False) -> Any:
+        """``obj[key]``, a ``dict`` or ``list`` (``optional``: an empty one for None)."""
         v = obj.get(key)
         if optional and v is None:
-            return {}
-        if not isinstance(v, dict):
-            raise self.fail(field, f"must be an object, got {type(v).__name__}")
-        return v
-
-    def list(self, obj: dict, key: str, field: str) -> List[Any]:
-        v = obj.get(key)
-        if not isinstance(v, list):
-            raise self.fail(field, f"must be a list, got {type(v).__name__}")
+            return kind()
+        if not isinstance(v, kind):
+            noun = "an object" if kind is dict else "a list"
+            raise self.fail(field, f"must be {noun}, got {type(v).__name__}")
         return v
 
 
@@ -91,7 +88,7 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     count = c.int(man, "count", "count")
     total = c.int(man, "bytes", "bytes")
     _classes(c, man)
-    shards = c.list(man, "shards", "shards")
+    shards = c.of(list, man, "shards", "shards")
     if not shards:
         raise c.fail("shards", "lists no shard")
     seen = set()
@@ -118,8 +115,8 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     for kind, width in TABLE_WIDTH.items():
         if man.get(kind) is None and (kind == "offsets" or "label" not in fields):
             continue  # optional
-        _table(c, c.dict(man, kind, kind), kind, width, count)
-    columns = c.dict(man, "columns", "columns", optional=True)
+        _table(c, c.of(dict, man, kind, kind), kind, width, count)
+    columns = c.of(dict, man, "columns", "columns", optional=True)
     for name, t in columns.items():
         if not isinstance(t, dict) or t.get("dtype") not in COLUMN_WIDTH:
             raise c.fail(f"columns.{name}", f"must be an object with a dtype of "
@@ -130,10 +127,10 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
         if t["dtype"] != want:
             raise c.fail(f"columns.{name}.dtype", f"must be {want}, the dtype of its field")
         _table(c, t, f"columns.{name}", COLUMN_WIDTH[t["dtype"]], count)
-    paths = c.dict(man, "paths", "paths", optional=True)
+    paths = c.of(dict, man, "paths", "paths", optional=True)
     if paths:
-        _table(c, c.dict(paths, "index", "paths.index"), "paths.index", 8, count)
-        text = c.dict(paths, "text", "paths.text")
+        _table(c, c.of(dict, paths, "index", "paths.index"), "paths.index", 8, count)
+        text = c.of(dict, paths, "text", "paths.text")
         if not is_data_name(text.get("path")):
             raise c.fail("paths.text.path", "must be a plain file name in the dataset folder")
         c.int(text, "bytes", "paths.text.bytes")
@@ -142,19 +139,20 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     if man.get("schema") is not None and any(n not in columns for n in wanted):
         raise c.fail("columns", f"must hold a table for each scalar field ({', '.join(wanted)})")
     for key in ("skipped", "dropped"):  # "dropped" is optional
-        for k, s in enumerate(c.list(man, key, key) if key in man or key == "skipped" else []):
+        for k, s in enumerate(c.of(list, man, key, key) if key in man or key == "skipped" else []):
             if not isinstance(s, dict):
                 raise c.fail(f"{key}[{k}]", "must be an object")
             c.str(s, "path", f"{key}[{k}].path")
             c.str(s, "reason", f"{key}[{k}].reason")
     if "dropped_count" in man:
         c.int(man, "dropped_count", "dropped_count")
-    for k, cat in enumerate(c.list(man, "categories", "categories") if "categories" in man else []):
+    categories = c.of(list, man, "categories", "categories") if "categories" in man else []
+    for k, cat in enumerate(categories):
         if not isinstance(cat, dict) or not isinstance(cat.get("name"), str) or not (
                 isinstance(cat.get("id"), int) and not isinstance(cat.get("id"), bool)):
             raise c.fail(f"categories[{k}]", "must be an object with an int id and a str name")
-    c.dict(man, "options", "options", optional=True)
-    c.dict(man, "staged", "staged", optional=True)
+    c.of(dict, man, "options", "options", optional=True)
+    c.of(dict, man, "staged", "staged", optional=True)
     for key in ("source", "pil", "created", "packer_version", "build_id", "fingerprint"):
         c.str(man, key, key, optional=True)
     return man
@@ -189,7 +187,7 @@ def _schema(c: _Check, man: dict) -> Dict[str, Field]:
 
 
 def _classes(c: _Check, man: dict) -> None:
-    classes = c.list(man, "classes", "classes")
+    classes = c.of(list, man, "classes", "classes")
     if not all(isinstance(x, str) for x in classes):
         raise c.fail("classes", "must be a list of strings")
     if len(set(classes)) != len(classes):

@@ -224,13 +224,12 @@ def _take(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard
 def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardTask]:
     """The plan's shards from ``run.start`` (where an interrupted run stopped, a shard
     boundary); if the files changed size since, the rest planned afresh, numbered on."""
-    plan = plan_shards(sizes, run.shard_size)
-    starts = [p[0] for p in plan]
     if run.start >= len(source.entries):
         return []
-    if run.start in starts:
-        k = starts.index(run.start)
-        return [ShardTask(k + j, a, e, n) for j, (a, e, n) in enumerate(plan[k:])]
+    plan = plan_shards(sizes, run.shard_size)
+    k = next((k for k, (a, _, _) in enumerate(plan) if a == run.start), None)
+    if k is not None:
+        return [ShardTask(k + j, *p) for j, p in enumerate(plan[k:])]
     last = max(shard_number(s["path"]) for s in run.shards) if run.shards else -1
     rest = plan_shards(sizes[run.start:], run.shard_size)
     return [ShardTask(last + 1 + j, run.start + a, run.start + e, n)

@@ -14,7 +14,7 @@ from . import journal
 from .._util.fsio import write_json_atomic
 from .._util.system import pil_summary
 from ..errors import PackerError
-from ..format.fields import DTYPES, encode, field_of
+from ..format.fields import DTYPES, field_of
 from ..format.manifest import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS,
                                PATHS_INDEX, PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file)
 from ..format.records import pack_fields, record_bytes, unpack_record
@@ -41,9 +41,8 @@ class Packing:
         self.labels = array("i")
         self.path_ends, self.path_text = array("Q"), bytearray()  # the paths table
         self.columns: Dict[str, array] = {n: array("i") for n in SIZE_COLUMNS}
-        for f in self.fields:
-            if f.column and f.name != "label":
-                self.columns[f.name] = array(DTYPES[f.column])
+        self.columns.update((f.name, array(DTYPES[f.column])) for f in self.fields
+                            if f.column and f.name != "label")
         self.column_names = [n for n in self.columns if n not in SIZE_COLUMNS]
         self.column_names += ["label"] if self.has_label else []
         self.writer: Optional[ShardWriter] = None
@@ -69,13 +68,8 @@ class Packing:
         self.dropped.extend({"path": printable(path), "reason": r, "entry": entry} for r in reasons)
 
     def add(self, entry: int, path: str, image: bytes, width: int, height: int, fmt: str,
-            mode: str, values: Dict[str, Any]) -> None:
-        """Store one checked image with its field ``values`` (skipped if they do not fit the
-        schema)."""
-        try:
-            stored = encode(self.fields, values)
-        except ValueError as e:
-            return self.skip(entry, path, f"annotation: {e}")
+            mode: str, stored: Dict[str, Any]) -> None:
+        """Store one checked image with its ``stored`` field values (``fields.encode``)."""
         if self.writer is None:
             self.writer = ShardWriter(self.dst / SHARD_PATTERN.format(len(self.shards)),
                                       expected_bytes=self.shard_size)
@@ -90,11 +84,9 @@ class Packing:
         self.path_ends.append(len(self.path_text))
         if self.has_label:
             self.labels.append(stored["label"])
-        self.columns["width"].append(width)
-        self.columns["height"].append(height)
+        values = dict(stored, width=width, height=height)
         for name, col in self.columns.items():
-            if name not in SIZE_COLUMNS:
-                col.append(stored[name])
+            col.append(values[name])
 
     def add_shard(self, shard: Optional[dict], next_entry: int) -> None:
         """A shard a build worker finished (None: all its images were skipped), in plan

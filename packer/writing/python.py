@@ -11,7 +11,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Union
 
 import msgpack
 from tqdm.auto import tqdm
@@ -20,8 +20,7 @@ from . import journal
 from .._util.fsio import FolderLock, read_file
 from .._util.system import usable_cores
 from .builder import DEFAULT_SHARD_SIZE, BuildResult, check_shard_size
-from .check import (DEFAULT_MAX_IMAGE_BYTES, BadImage, Checks, Transcode,
-                    as_checks, check_image)
+from .check import BadImage, Checked, Checks, Transcode, as_checks, check_image
 from ..errors import PackerError
 from ..format.fields import Field, check_schema, detection_problem, encode, infer_field
 from ..format.manifest import FORMAT_VERSION, MANIFEST, read_manifest
@@ -144,7 +143,11 @@ class DatasetWriter:
             raise PackerError(f"sample {i}: label {label} would make {label + 1:,} classes "
                               f"(0..{label}); name them with classes=[...] (without it, labels "
                               f"must stay below {DEFAULT_MAX_CLASSES:,})")
-        digest = sample_digest(data, self.schema, values, i, path)
+        try:
+            stored = encode(self.schema, values)
+        except ValueError as e:
+            raise PackerError(f"sample {i}: {e}") from None
+        digest = sample_digest(data, path, stored)
         if self.done is not None:
             self.digest.update(digest)
             return
@@ -158,17 +161,17 @@ class DatasetWriter:
             return
         check = self.pool.submit(check_sample, data, self.transcode,
                                  self.checks.max_pixels)
-        self.pending.append((i, path, values, digest, check))
+        self.pending.append((i, path, stored, digest, check))
         while self.pending and (len(self.pending) > self.window or self.pending[0][4].done()):
             self._store(*self.pending.popleft())
 
-    def _store(self, i: int, path: str, values: dict, digest: bytes, check: Future) -> None:
+    def _store(self, i: int, path: str, stored: dict, digest: bytes, check: Future) -> None:
         self.digest.update(digest)  # before the record: a shard it ends notes the digest
-        status, payload = check.result()
-        if status == "skip":
-            self.run.skip(i, path, payload)
+        c = check.result()
+        if isinstance(c, str):
+            self.run.skip(i, path, c)
         else:
-            self.run.add(i, path, *payload, values)
+            self.run.add(i, path, c.data, c.width, c.height, c.format, c.mode, stored)
 
     def finish(self) -> dict:
         """Store what is queued, write tables and manifest; the dataset's manifest."""
@@ -222,7 +225,7 @@ class DatasetWriter:
             self.close()
 
 
-def image_bytes(image: Any, i: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
+def image_bytes(image: Any, i: int, max_bytes: int):
     """(stored bytes, default path) of a sample's image: bytes as given, a regular file's
     bytes (at most ``max_bytes``), or a PIL image encoded losslessly as PNG."""
     if isinstance(image, (bytes, bytearray, memoryview)):
@@ -240,24 +243,19 @@ def image_bytes(image: Any, i: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
                       f"{type(image).__name__}")
 
 
-def sample_digest(data: bytes, schema: List[Field], values: dict, i: int, path: str) -> bytes:
+def sample_digest(data: bytes, path: str, stored: dict) -> bytes:
     """What makes a sample this sample: its image bytes, its path and its encoded fields."""
-    try:
-        stored = encode(schema, values)
-    except ValueError as e:
-        raise PackerError(f"sample {i}: {e}") from None
     h = hashlib.sha256(data)
     h.update(msgpack.packb([path, stored], use_bin_type=True))
     return h.digest()
 
 
-def check_sample(data: bytes, transcode, max_pixels: int):
-    """In a thread: ("ok", (bytes, width, height, format, mode)) or ("skip", reason)."""
+def check_sample(data: bytes, transcode, max_pixels: int) -> Union[Checked, str]:
+    """In a thread: the checked image, or why it is skipped."""
     try:
-        c = check_image(data, transcode=transcode, max_pixels=max_pixels)
+        return check_image(data, transcode=transcode, max_pixels=max_pixels)
     except BadImage as e:
-        return "skip", str(e)
-    return "ok", (c.data, c.width, c.height, c.format, c.mode)
+        return str(e)
 
 
 def infer_schema(sample: Dict[str, Any]) -> List[Field]:

@@ -16,15 +16,13 @@ from ..errors import PackerError
 from ..sources.base import ImageList
 from .worker import ShardDone, ShardJob, ShardTask, remove_untaken, write_shard
 
-INSTALL = "pip install 'packer-lmdb[ray]' (or pip install ray)"
-
-
 def need_ray():
     """The ``ray`` module, or a PackerError naming the pip command."""
     try:
         import ray
     except ImportError:
-        raise PackerError(f"building on Ray needs Ray installed: {INSTALL}") from None
+        raise PackerError("building on Ray needs Ray installed: pip install 'packer-lmdb[ray]' "
+                          "(or pip install ray)") from None
     return ray
 
 

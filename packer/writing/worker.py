@@ -19,7 +19,6 @@ from ..sources.base import ImageList
 from .._util.text import is_utf8
 from .shard import ShardWriter
 
-PROGRESS_EVERY = 16  # images between a worker's progress reports (a shared counter)
 PLANNED_SHARDS = 256    # a dataset smaller than this many shards is cut into about this many,
 MIN_PLANNED = 4 << 20   # but none planned under 4 MiB: shards for every core to write, and a
 #                         short tail (the last wave of shards leaves cores idle)
@@ -145,7 +144,7 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
     (runs in a worker; ``job`` given when run in-process). A set ``stop`` event, or a
     problem in a strict build, abandons the shard (its temp files removed)."""
     job = job or _JOB[0]
-    done, writer, unreported = ShardDone(task), None, 0
+    done, writer = ShardDone(task), None
     entries = job.fields.source.entries
     try:
         for i in range(task.start, task.end):
@@ -174,8 +173,9 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
             if job.checks.strict and reasons:
                 done.failed = True
                 break
-            unreported = _report(job, unreported + 1)
-        _report(job, unreported, force=True)
+            if job.progress is not None:  # the parent's progress bar, image by image
+                with job.progress.get_lock():
+                    job.progress.value += 1
         if writer is not None and not (done.failed or done.stopped):
             done.shard, writer = writer.finish(), None
     finally:
@@ -184,15 +184,6 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
     if done.failed and job.stop is not None:
         job.stop.set()  # the build fails: the other shards need not finish
     return done
-
-
-def _report(job: ShardJob, n: int, force: bool = False) -> int:
-    """Add ``n`` images to the shared progress counter every PROGRESS_EVERY; what is left."""
-    if job.progress is None or not n or (n < PROGRESS_EVERY and not force):
-        return n
-    with job.progress.get_lock():
-        job.progress.value += n
-    return 0
 
 
 def remove_untaken(dst: Path, results: List[Optional[ShardDone]]) -> None:

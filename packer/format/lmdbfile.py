@@ -147,4 +147,3 @@ def shard_records(path: os.PathLike) -> array:
         return ShardFile(path, fd).records()
     finally:
         os.close(fd)
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from itertools import dropwhile
 from pathlib import PurePosixPath
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 from ..errors import FormatError
 from .fields import Field, IntField, check_schema, detection_problem

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Tuple
 
 from PIL import Image, UnidentifiedImageError
@@ -30,11 +30,8 @@ class Transcode:
             raise PackerError(f"quality must be in 1..100, got {self.quality}")
 
     def target_size(self, w: int, h: int) -> Tuple[int, int]:
-        scale = 1.0
-        if self.max_side:
-            scale = min(scale, self.max_side / max(w, h))
-        if self.short_side:
-            scale = min(scale, self.short_side / min(w, h))
+        scale = min(self.max_side / max(w, h) if self.max_side else 1.0,
+                    self.short_side / min(w, h) if self.short_side else 1.0)
         if scale >= 1.0:
             return w, h
         return max(1, round(w * scale)), max(1, round(h * scale))
@@ -64,8 +61,7 @@ class Checks:
 
     def options(self) -> dict:
         """The manifest's record of them."""
-        return {"strict": self.strict, "max_pixels": self.max_pixels,
-                "max_image_bytes": self.max_image_bytes}
+        return asdict(self)
 
 
 def as_checks(checks) -> "Checks":

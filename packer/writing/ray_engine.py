@@ -16,6 +16,7 @@ from ..errors import PackerError
 from ..sources.base import ImageList
 from .worker import ShardDone, ShardJob, ShardTask, remove_untaken, write_shard
 
+
 def need_ray():
     """The ``ray`` module, or a PackerError naming the pip command."""
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from itertools import dropwhile
 from pathlib import PurePosixPath
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ..errors import FormatError
 from .fields import Field, IntField, check_schema, detection_problem
@@ -130,11 +130,7 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     paths = c.of(dict, man, "paths", "paths", optional=True)
     if paths:
         _table(c, c.of(dict, paths, "index", "paths.index"), "paths.index", 8, count)
-        text = c.of(dict, paths, "text", "paths.text")
-        if not is_data_name(text.get("path")):
-            raise c.fail("paths.text.path", "must be a plain file name in the dataset folder")
-        c.int(text, "bytes", "paths.text.bytes")
-        c.sha(text, "paths.text.sha256")
+        _table(c, c.of(dict, paths, "text", "paths.text"), "paths.text", None, count)
     wanted = [n for n, f in fields.items() if f.column and n != "label"]
     if man.get("schema") is not None and any(n not in columns for n in wanted):
         raise c.fail("columns", f"must hold a table for each scalar field ({', '.join(wanted)})")
@@ -158,10 +154,12 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     return man
 
 
-def _table(c: _Check, t: dict, kind: str, width: int, count: int) -> None:
+def _table(c: _Check, t: dict, kind: str, width: Optional[int], count: int) -> None:
+    """A side table's entry: a plain name, ``width`` bytes a record (None: any size), a hash."""
     if not is_data_name(t.get("path")):
         raise c.fail(f"{kind}.path", "must be a plain file name in the dataset folder")
-    if c.int(t, "bytes", f"{kind}.bytes") != width * count:
+    size = c.int(t, "bytes", f"{kind}.bytes")
+    if width is not None and size != width * count:
         raise c.fail(f"{kind}.bytes", f"must be {width} x count = {width * count}")
     c.sha(t, f"{kind}.sha256")
 

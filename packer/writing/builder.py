@@ -177,7 +177,6 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
             bar.close()
         manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
                               options=options, extra=ann.extra if ann is not None else None)
-        journal.remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
     return manifest, resumed
 
 
@@ -194,9 +193,8 @@ def source_schema(source: ImageList) -> dict:
 
 
 def _take(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard) -> None:
-    """The planned shards, written by the workers, taken in plan order: each one's samples
-    into the side tables and skip lists, then the shard into the journal. Shards after one
-    that was cut short are not taken (a strict build's failure stopped them)."""
+    """The planned shards taken in plan order: their samples into the tables and skip lists,
+    then the shard into the journal; none after one cut short (a strict build's failure)."""
     sizes = file_sizes(source)
     broken, in_bytes = False, 0
     for done in _shards(_remaining(sizes, run, source), workers, job, bar):

@@ -134,8 +134,7 @@ def exif_orientation(im: Image.Image) -> int:
 @contextmanager
 def _pil_pixel_limit(max_pixels: int):
     """PIL's own bomb check (warn above ``Image.MAX_IMAGE_PIXELS``, refuse above twice that)
-    would skip images that ``--max-pixels`` allows: align it with ``max_pixels`` meanwhile.
-    (Build workers are processes, so the module global is not shared with other threads.)"""
+    raised to ``max_pixels`` meanwhile, so it skips nothing ``--max-pixels`` allows."""
     saved = Image.MAX_IMAGE_PIXELS
     if saved is not None and max_pixels > saved:
         Image.MAX_IMAGE_PIXELS = max_pixels

@@ -168,8 +168,7 @@ def remove_leftovers(dst: Path, keep: set) -> None:
 
 
 def check_dst(dst) -> None:
-    """Refuse, before anything is written, a ``dst`` that build, merge or write must not
-    write into: a file, a folder that cannot be created, or a non-empty folder holding
-    neither a packer dataset nor the journal of packer's own unfinished run."""
+    """Refuse, before anything is written, a file, a folder that cannot be created, or a
+    non-empty folder holding neither a packer dataset nor an unfinished run's journal."""
     check_folder(dst, marks=(MANIFEST, JOURNAL), leftovers=(LOCK_NAME, JOURNAL + ".tmp"),
                  fix="pick a new or empty folder for the dataset, or move those files away")

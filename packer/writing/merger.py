@@ -28,19 +28,15 @@ from ..storage.urls import is_url
 
 def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = False,
           storage_options: Optional[dict] = None) -> dict:
-    """Join finished part datasets into one in ``dst``; returns its manifest.
+    """Join finished part datasets into one in ``dst`` (the parts stay where they are);
+    returns its manifest. Refused: a part given twice (any spelling, or sharing a shard file),
+    parts with different classes, labels outside them, ``dst`` a part, and an existing
+    dataset in ``dst`` unless ``overwrite``.
 
-    Keep the parts where they are (or stage the merged dataset, which copies everything it
-    references). Refused: a part given twice (any spelling, or two datasets sharing a shard
-    file), parts with different classes, labels outside the classes, a ``dst`` that is a
-    part, and an existing dataset in ``dst`` unless ``overwrite``.
-
-    Parts and ``dst`` may be URLs (``storage_options`` as for ``packer.stage``): each URL
-    part is fetched, every file checked against its SHA-256. A ``dst`` URL must lie in the
-    bucket of its parts, all URLs: it gets only the merged manifest and tables (manifest
-    last) and refers to the parts' shards where they are. A local ``dst`` refers to copies
-    of the URL parts fetched beside it, into ``DST.parts/``.
-    """
+    Parts and ``dst`` may be URLs (``storage_options`` as for ``packer.stage``), each fetched
+    part checked against its SHA-256. A ``dst`` URL must lie in the bucket of its parts, all
+    URLs: it gets only the merged manifest and tables; a local ``dst`` refers to copies of the
+    URL parts fetched into ``DST.parts/``."""
     if any(is_url(p) for p in [*parts, dst]):
         return _merge_urls(list(parts), dst, storage_options, overwrite)
     journal.check_dst(dst)  # before anything is written: packer writes only where asked

@@ -50,10 +50,6 @@ class Packing:
         if self.shards:
             self._recover()
 
-    @property
-    def count(self) -> int:
-        return len(self.columns["width"])
-
     def skip(self, entry: int, path: str, reason: str) -> None:
         if self.strict:
             raise PackerError(f"strict: {printable(path)}: {reason}; no dataset was written "
@@ -123,15 +119,16 @@ class Packing:
 
     def finish(self, *, classes: List[str], source: str, options: dict,
                extra: Optional[dict] = None, fingerprint: Optional[str] = None) -> dict:
-        """Side tables, then the manifest (last: it makes the dataset complete)."""
-        if not self.count:
+        """Side tables, then the manifest (last: it makes the dataset complete), then the
+        journal and leftovers go."""
+        rows = len(self.path_ends)
+        if not rows:
             if self.skipped:
                 first = self.skipped[0]
                 raise PackerError(f"all {len(self.skipped)} images were skipped (e.g. "
                                   f"{first['path']}: {first['reason']}); no dataset was written")
             raise PackerError("no samples to pack; no dataset was written")
-        count = sum(s["count"] for s in self.shards)
-        assert count == self.count, (count, self.count)
+        assert sum(s["count"] for s in self.shards) == rows
         tables: Dict[str, Any] = {}
         if self.has_label:
             bad = next((x for x in self.labels if not 0 <= x < len(classes)), None)
@@ -160,6 +157,7 @@ class Packing:
         manifest["fingerprint"] = fingerprint or self.fingerprint  # a re-run knows its own dataset
         with disk_errors(self.dst / MANIFEST):
             write_json_atomic(self.dst / MANIFEST, manifest)
+        journal.remove_leftovers(self.dst, {s["path"] for s in manifest["shards"]})
         return manifest
 
 

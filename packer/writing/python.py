@@ -191,7 +191,6 @@ class DatasetWriter:
             classes = [str(i) for i in range(max(labels) + 1)] if len(labels) else []
         manifest = self.run.finish(classes=classes, source="packer.write", options=self.options,
                                    fingerprint=self._final_fingerprint())
-        journal.remove_leftovers(self.dst, {s["path"] for s in manifest["shards"]})
         self.close()
         return manifest
 

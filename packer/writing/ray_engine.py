@@ -55,9 +55,8 @@ class RayEngine:
 
 
 def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
-    """Submit the tasks, a window at a time; yield their results in order. On close, tasks
-    still queued or running are cancelled and waited for, and shards finished but not taken
-    are removed (what stays in DST is what the journal lists)."""
+    """The tasks' results in order, a window of tasks at a time; on close the rest are cancelled
+    and waited for, and finished shards not taken removed."""
     pending: Deque = deque()  # (task, ref), in plan order
     ready: Dict = {}          # ref -> its ShardDone, finished out of order
     todo = iter(tasks)
@@ -110,9 +109,8 @@ def _quiet_results(ray, refs) -> List[ShardDone]:
 
 
 def _slice(job: ShardJob, task: ShardTask):
-    """(job, local task, task) for one shard: the job holds only the task's entries and
-    annotation rows (a task is sent only what it writes) and absolute paths (a Ray worker's
-    working folder is not the driver's); the local task counts from 0."""
+    """(job, local task, task) for one shard: a job holding only the task's entries and rows,
+    with absolute paths (a Ray worker's folder is not the driver's); the local task from 0."""
     src, a, e = job.fields.source, task.start, task.end
     ann = src.annotations
     if ann is not None:

@@ -57,8 +57,7 @@ class ShardWriter:
         while True:
             try:
                 with disk_errors(self.path), self.env.begin(write=True) as txn:
-                    cur = txn.cursor()
-                    consumed, added = cur.putmulti(self._pending, append=True)
+                    _, added = txn.cursor().putmulti(self._pending, append=True)
                     assert added == len(self._pending), "keys must be new and increasing"
                 break
             except lmdb.MapFullError:

@@ -194,6 +194,7 @@ def _classes(c: _Check, man: dict) -> None:
     if idx is not None and idx != {name: i for i, name in enumerate(classes)}:
         raise c.fail("class_to_idx", "does not match classes")
     counts = man.get("class_counts")
-    if counts is not None and (not isinstance(counts, list) or len(counts) != len(classes) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)):
+    if counts is not None and (not isinstance(counts, list) or len(counts) != len(classes)
+                               or not all(isinstance(n, int) and not isinstance(n, bool)
+                                          and n >= 0 for n in counts)):
         raise c.fail("class_counts", "must list one count >= 0 per class")

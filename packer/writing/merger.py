@@ -61,23 +61,25 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
 def _merge_urls(parts: list, dst, storage_options: Optional[dict], overwrite: bool) -> dict:
     from ..storage.destination import Destination
     from ..storage.local import fetch_dataset, shown
-    names = [p.split("://", 1)[1].rstrip("/") for p in parts + [dst] if is_url(p)]
-    base = posixpath.commonpath(names)
+    urls = {p: p.split("://", 1) for p in parts + [dst] if is_url(p)}  # (scheme, key)
+    base = posixpath.commonpath([key.rstrip("/") for _, key in urls.values()])
+
+    def under(url: str) -> str:  # where a URL's dataset goes below a local folder
+        return posixpath.relpath(urls[url][1].rstrip("/"), base)
+
     if not is_url(dst):
         home = Path(dst).parent / f"{Path(dst).name}.parts"
-        local = [fetch_dataset(p, home / posixpath.relpath(p.split("://", 1)[1].rstrip("/"), base),
-                               storage_options) if is_url(p) else p for p in parts]
+        local = [fetch_dataset(p, home / under(p), storage_options) if is_url(p) else p
+                 for p in parts]
         return _named(merge(local, dst, overwrite=overwrite), Path(dst), parts)
-    schemes = {p.split("://", 1)[0] for p in parts + [dst] if is_url(p)}
-    if not base or len(schemes) > 1 or not all(is_url(p) for p in parts):
+    if not base or len({s for s, _ in urls.values()}) > 1 or not all(map(is_url, parts)):
         raise PackerError(f"merging into {shown(dst)} needs every part in its bucket (the merged "
                           f"dataset refers to their shards there); merge into a local folder, "
                           f"stage it, and upload that (packer.storage.upload_dataset)")
     with tempfile.TemporaryDirectory(prefix="packer-merge-") as tmp:
-        here = lambda url: Path(tmp) / posixpath.relpath(url.split("://", 1)[1].rstrip("/"), base)
-        dest = Destination(dst, storage_options, here(dst))
+        dest = Destination(dst, storage_options, Path(tmp) / under(dst))
         dest.begin(overwrite)  # refused before any part is fetched
-        local = [fetch_dataset(p, here(p), storage_options) for p in parts]
+        local = [fetch_dataset(p, Path(tmp) / under(p), storage_options) for p in parts]
         manifest = _named(merge(local, dest.work), dest.work, parts)
         dest.finish(manifest)
         return manifest
@@ -96,8 +98,8 @@ def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
     seen: dict = {}
     for p, m in mans:  # the same folder twice, or the same part built twice
         opts = m.get("options") or {}
-        same_part = json.dumps([m.get("source"), opts], sort_keys=True) if opts.get("part") else None
-        for ident in (str(p.resolve()), same_part):
+        same = json.dumps([m.get("source"), opts], sort_keys=True) if opts.get("part") else None
+        for ident in (str(p.resolve()), same):
             if ident is not None and ident in seen:
                 raise PackerError(f"{p} is the same part as {seen[ident]} (given more than once); "
                                   f"merging it twice would duplicate its records")
@@ -111,9 +113,9 @@ def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
                 raise FormatError(f"{p / s['path']}, a shard of {p}, is missing") from None
             ident = (st.st_dev, st.st_ino)
             if ident in files:
-                raise PackerError(f"{p} and {files[ident]} share the shard file {s['path']} (the same "
-                                  f"part given twice, or a merged dataset with its own part); "
-                                  f"merging would duplicate its records")
+                raise PackerError(f"{p} and {files[ident]} share the shard file {s['path']} "
+                                  f"(the same part given twice, or a merged dataset with its own "
+                                  f"part); merging would duplicate its records")
             files[ident] = p
         if dst.exists() and dst.resolve() == p.resolve():
             raise PackerError(f"DST {dst} is one of the parts; merge into a new folder")

@@ -107,10 +107,10 @@ class DatasetWriter:
             sort_keys=True).encode()).hexdigest()
         if (self.dst / MANIFEST).exists():
             man = read_manifest(self.dst)
-            if not self.overwrite and str(man.get("fingerprint")).startswith(self.fingerprint + ":"):
-                self.done = man  # the same write may have finished: finish() compares the samples
-                return
-            if not self.overwrite:
+            if not self.overwrite:  # the same write may have finished: finish() compares
+                if str(man.get("fingerprint")).startswith(self.fingerprint + ":"):
+                    self.done = man
+                    return
                 raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
                                   f"overwrite=True")
             journal.remove_dataset(self.dst, man)
@@ -159,8 +159,7 @@ class DatasetWriter:
                     f"(its first {self.replay}); pass overwrite=True to start over, or the same "
                     f"samples in the same order to resume")
             return
-        check = self.pool.submit(check_sample, data, self.transcode,
-                                 self.checks.max_pixels)
+        check = self.pool.submit(check_sample, data, self.transcode, self.checks.max_pixels)
         self.pending.append((i, path, stored, digest, check))
         while self.pending and (len(self.pending) > self.window or self.pending[0][4].done()):
             self._store(*self.pending.popleft())

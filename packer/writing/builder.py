@@ -235,6 +235,7 @@ def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardT
 
 
 def check_shard_size(shard_size: int) -> None:
+    """A PackerError unless ``shard_size`` is 1 MiB to 64 GiB (build's and write's rule)."""
     if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
         raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}: "
                           f"shards are mapped whole into each reader's address space")

@@ -85,7 +85,6 @@ def claimed(dst: Path) -> set:
     """Names this folder's journal says packer wrote (or is removing), with their temp files."""
     j = _read(dst / JOURNAL) or {}
     names = {s["path"] for s in j.get("shards", [])} | set(j.get("owned", []))
-    names = {n for n in names if is_plain_name(n)}
     return names | {n + ".tmp" for n in names} | {JOURNAL}
 
 
@@ -124,6 +123,7 @@ def restart(dst: Path, fp: str) -> dict:
 
 
 def _read(path: Path) -> Optional[dict]:
+    """The journal at ``path``: None if there is none, {} unless well formed (plain names)."""
     if not path.is_file():
         return None
     try:

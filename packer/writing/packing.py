@@ -171,16 +171,11 @@ def new_manifest(*, classes, shards, skipped, source, options, labels=None, offs
         "count": sum(s["count"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
         "classes": list(classes), "class_to_idx": {c: i for i, c in enumerate(classes)},
     }
-    if class_counts is not None:
-        man["class_counts"] = list(class_counts)
-    if schema is not None:
-        man["schema"] = schema
-    man["shards"] = shards
-    for key, value in (("labels", labels), ("offsets", offsets), ("columns", columns),
-                       ("paths", paths)):
-        if value is not None:
+    for key, value in (("class_counts", class_counts), ("schema", schema), ("shards", shards),
+                       ("labels", labels), ("offsets", offsets), ("columns", columns),
+                       ("paths", paths), ("skipped", skipped)):
+        if value is not None:  # the optional keys only where the dataset has them
             man[key] = value
-    man["skipped"] = skipped
     if dropped:
         man["dropped_count"] = len(dropped) if dropped_count is None else dropped_count
         man["dropped"] = [{"path": d["path"], "reason": d["reason"]} for d in dropped[:MAX_DROPPED]]

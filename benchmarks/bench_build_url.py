@@ -57,7 +57,7 @@ def variant(spec: dict) -> dict:
         source = spec["folder"] if name == "local" else ImageFolder(spec["url"],
                                                                      storage_options=opts)
         res = packer.build(source, dst, workers=spec["workers"], progress=False)
-        count, got = res.count, res.bytes
+        count, got = res.manifest["count"], res.manifest["bytes"]
     return {"name": name, "images": count, "bytes": got, "seconds": time.perf_counter() - t0}
 
 

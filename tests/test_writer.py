@@ -129,12 +129,10 @@ def test_a_stale_partial_file_is_replaced(tmp_path, records):
 def test_existing_shard_ok(tmp_path, records):
     entry = write_shard(tmp_path / "s.lmdb", records[:3])
     assert existing_shard_ok(entry, tmp_path) is None
-    assert existing_shard_ok(entry, tmp_path, check_hash=False) is None
     data = bytearray((tmp_path / "s.lmdb").read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, different bytes
     (tmp_path / "s.lmdb").write_bytes(bytes(data))
     assert existing_shard_ok(entry, tmp_path) == "checksum mismatch"
-    assert existing_shard_ok(entry, tmp_path, check_hash=False) is None  # the size still fits
     (tmp_path / "s.lmdb").write_bytes(bytes(data[:-4096]))
     assert existing_shard_ok(entry, tmp_path) == f"size {len(data) - 4096} != {entry['bytes']}"
     (tmp_path / "s.lmdb").unlink()

@@ -45,16 +45,25 @@ class Field:
 
 
 class Scalar(Field):
-    """``int``, ``float``, ``bool``, ``str``: a Python value of ``want``; a 0-d tensor or numpy
-    value is taken by its own dtype (2.7 stays a float, refused for int)."""
+    """``int``, ``float``, ``bool``, ``str``: a Python value of ``want`` (or of ``takes``: a float
+    field takes ints); a 0-d tensor or numpy value is taken by its own dtype (2.7 stays a float,
+    refused for int)."""
     want: ClassVar[type] = object
+    takes: ClassVar[tuple] = ()
+    noun: ClassVar[str] = ""
 
-    def value(self, v: Any) -> Any:
+    def encode(self, v: Any) -> Any:
         if hasattr(v, "dtype") and hasattr(v, "shape"):
             if tuple(v.shape) != ():  # a tensor or numpy array: only a 0-d one is a scalar
                 raise ValueError(f"field {self.name!r} is a {self.type}, got an array of shape "
                                  f"{tuple(v.shape)}")
             v = v.item()
+        if isinstance(v, bool) != (self.want is bool) or not isinstance(v, self.takes or self.want):
+            raise ValueError(f"field {self.name!r}: {v!r:.60} is not {self.noun}")
+        v = self.want(v)  # an int subclass (IntEnum) as int, an int as float
+        problem = data_problem(v)
+        if problem:
+            raise ValueError(f"field {self.name!r}: {problem}")
         return v
 
     def check(self, v: Any) -> str:
@@ -64,51 +73,19 @@ class Scalar(Field):
 
 
 class IntField(Scalar):
-    type, column, want = "int", "int64", int
-
-    def encode(self, v: Any) -> int:
-        v = self.value(v)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"field {self.name!r}: {v!r} is not an int")
-        v = int(v)
-        if not INT64[0] <= v <= INT64[1]:
-            raise ValueError(f"field {self.name!r}: {shown_int(v)} does not fit in int64")
-        return v
+    type, column, want, noun = "int", "int64", int, "an int"
 
 
 class FloatField(Scalar):
-    type, column, want = "float", "float64", float
-
-    def encode(self, v: Any) -> float:
-        v = self.value(v)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"field {self.name!r}: {v!r} is not a number")
-        v = float(v)
-        if not math.isfinite(v):
-            raise ValueError(f"field {self.name!r}: {v} is not finite (NaN and inf are refused)")
-        return v
+    type, column, want, noun, takes = "float", "float64", float, "a number", (int, float)
 
 
 class BoolField(Scalar):
-    type, column, want = "bool", "uint8", bool
-
-    def encode(self, v: Any) -> bool:
-        v = self.value(v)
-        if not isinstance(v, bool):
-            raise ValueError(f"field {self.name!r}: {v!r} is not a bool")
-        return v
+    type, column, want, noun = "bool", "uint8", bool, "a bool"
 
 
 class StrField(Scalar):
-    type, want = "str", str  # no side table: variable width
-
-    def encode(self, v: Any) -> str:
-        v = self.value(v)
-        if not isinstance(v, str):
-            raise ValueError(f"field {self.name!r}: {type(v).__name__} is not a str")
-        if not is_utf8(v):
-            raise ValueError(f"field {self.name!r}: the text is not valid Unicode")
-        return v
+    type, want, noun = "str", str, "a str"  # no side table: variable width
 
 
 @dataclass(frozen=True)
@@ -281,14 +258,7 @@ def flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
         return [v]
     if depth > 8:
         raise ValueError(f"field {name!r}: nested too deeply for an array")
-    out: List[Any] = []
-    for x in v:
-        out.extend(flatten(x, name, depth + 1) if isinstance(x, (list, tuple)) else [x])
-    return out
-
-
-def shown_int(v: int) -> str:
-    return str(v) if v.bit_length() <= 128 else f"a {v.bit_length()}-bit integer"
+    return [y for x in v for y in flatten(x, name, depth + 1)]
 
 
 def numbers_fit(values) -> bool:
@@ -309,9 +279,12 @@ def data_problem(v: Any, depth: int = 0) -> str:
     if isinstance(v, str):
         return "" if v.isascii() or is_utf8(v) else "text is not valid Unicode (a lone surrogate)"
     if isinstance(v, int):
-        return "" if INT64[0] <= v <= INT64[1] else f"{shown_int(v)} does not fit in int64"
+        if INT64[0] <= v <= INT64[1]:
+            return ""
+        bits = v.bit_length()
+        return f"{v if bits <= 128 else f'a {bits}-bit integer'} does not fit in int64"
     if isinstance(v, float):
-        return "" if math.isfinite(v) else "holds NaN or inf (refused)"
+        return "" if math.isfinite(v) else f"{v} is not finite (NaN and inf are refused)"
     if isinstance(v, (list, tuple)):
         if v and type(v[0]) is list and set(map(type, v)) == {list}:
             if numbers_fit(chain.from_iterable(v)):  # lists of numbers (polygons)
@@ -321,9 +294,7 @@ def data_problem(v: Any, depth: int = 0) -> str:
         return next((p for p in (data_problem(x, depth + 1) for x in v) if p), "")
     if isinstance(v, dict):
         for k, x in v.items():
-            if not isinstance(k, str):
-                return f"map key {k!r} is not a str"
-            p = data_problem(x, depth + 1)
+            p = data_problem(x, depth + 1) if isinstance(k, str) else f"map key {k!r} is not a str"
             if p:
                 return p
         return ""

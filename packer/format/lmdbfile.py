@@ -16,7 +16,7 @@ P_BRANCH, P_LEAF, P_OVERFLOW, P_META = 0x01, 0x02, 0x04, 0x08
 F_BIGDATA, F_SUBDATA, F_DUPDATA = 0x01, 0x02, 0x04
 P_INVALID = (1 << 64) - 1
 PAGE_HEADER = struct.Struct("<QHHHH")      # pgno, pad, flags, lower, upper
-DB = struct.Struct("<IHHQQQQQ")            # pad (psize in the free DB), flags, depth, 3 counts, entries, root
+DB = struct.Struct("<IHHQQQQQ")            # psize (free DB), flags, depth, 3 counts, entries, root
 META = struct.Struct("<II QQ 48s48s QQ")   # magic, version, address, mapsize, 2 DBs, last_pg, txnid
 NODE = struct.Struct("<HHHH")              # lo, hi, flags, ksize
 MAX_DEPTH = 32
@@ -36,7 +36,8 @@ class ShardFile:
 
     def _read(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise self._fail(f"bytes {offset}..{offset + length} lie outside the file ({self.size} bytes)")
+            raise self._fail(f"bytes {offset}..{offset + length} lie outside the file "
+                             f"({self.size} bytes)")
         data = os.pread(self.fd, length, offset)
         if len(data) != length:
             raise self._fail("the file is shorter than it was a moment ago")
@@ -45,12 +46,12 @@ class ShardFile:
     def _meta(self) -> Tuple[int, int, int, int, int]:
         """(page size, last page, entries, root page, depth) of the newer of the two metas,
         both checked as LMDB checks them, and the newer one's pages all inside the file."""
-        metas = []
-        offset = 0
+        metas, offset = [], 0
         for _ in range(2):
             head = self._read(offset, PAGE_HEADER.size + META.size)
             flags = PAGE_HEADER.unpack_from(head)[2]
-            magic, version, _, _, free_db, main_db, last_pg, txnid = META.unpack_from(head, PAGE_HEADER.size)
+            magic, version, _, _, free_db, main_db, last_pg, txnid = META.unpack_from(
+                head, PAGE_HEADER.size)
             if not flags & P_META or magic != MAGIC:
                 raise self._fail("no LMDB meta page (wrong magic)")
             if version != DATA_VERSION:
@@ -103,7 +104,8 @@ class ShardFile:
         if self.root != P_INVALID:
             self._walk(self.root, 0, out)
         if len(out) != 2 * self.entries:
-            raise self._fail(f"{len(out) // 2} records in its tree, {self.entries} in its meta data")
+            raise self._fail(f"{len(out) // 2} records in its tree, {self.entries} in its meta "
+                             f"data")
         return out
 
     def _walk(self, pgno: int, level: int, out: array) -> None:
@@ -146,14 +148,5 @@ def shard_records(path: os.PathLike) -> array:
     fd = os.open(path, os.O_RDONLY)
     try:
         return ShardFile(path, fd).records()
-    finally:
-        os.close(fd)
-
-
-def shard_entries(path: os.PathLike) -> int:
-    """How many records the shard at ``path`` says it holds (its meta data, checked)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return ShardFile(path, fd).entries
     finally:
         os.close(fd)

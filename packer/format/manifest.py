@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -15,8 +16,8 @@ FORMAT_NAME = "packer"
 FORMAT_VERSION = "1.2"  # major.minor: readers refuse a newer major, accept a newer minor
 MANIFEST = "manifest.json"
 LABELS = "labels.i32"  # little-endian int32, one per record, in global record order
-OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) per record: where its value sits in its shard
-PATHS_INDEX = "paths.u64"  # little-endian uint64 per record: where its source path ends in paths.utf8
+OFFSETS = "offsets.u64"  # little-endian uint64 (offset, length) of each record in its shard
+PATHS_INDEX = "paths.u64"  # little-endian uint64 per record: where its path ends in paths.utf8
 PATHS_TEXT = "paths.utf8"  # every record's source path, UTF-8, back to back
 SHARD_PATTERN = "shard-{:05d}.lmdb"
 HASH_CHUNK = 8 << 20
@@ -29,9 +30,8 @@ SIZE_COLUMNS = ("width", "height")  # int32 side tables every dataset since 1.2 
 
 def shard_number(name: str) -> int:
     """N of a ``shard-NNNNN.lmdb`` name (-1 for any other name)."""
-    stem = name[len("shard-"):-len(".lmdb")] if name.startswith("shard-") and name.endswith(
-        ".lmdb") else ""
-    return int(stem) if stem.isdigit() and stem.isascii() else -1
+    m = re.fullmatch(r"shard-([0-9]+)\.lmdb", name)
+    return int(m[1]) if m else -1
 
 
 def column_file(name: str, dtype: str) -> str:
@@ -52,8 +52,8 @@ def side_tables(manifest: Dict[str, Any]) -> List[Tuple[str, Dict[str, Any], str
     for name, entry in (manifest.get("columns") or {}).items():
         out.append((f"columns.{name}", entry, column_file(name, entry["dtype"])))
     paths = manifest.get("paths") or {}
-    out += [(f"paths.{k}", paths[k], name) for k, name in (("index", PATHS_INDEX), ("text", PATHS_TEXT))
-            if k in paths]
+    out += [(f"paths.{k}", paths[k], name)
+            for k, name in (("index", PATHS_INDEX), ("text", PATHS_TEXT)) if k in paths]
     return out
 
 
@@ -69,10 +69,7 @@ def set_table(manifest: Dict[str, Any], key: str, entry: Dict[str, Any]) -> None
 def file_sha256(path: os.PathLike, progress=None) -> str:
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
-        while True:
-            chunk = f.read(HASH_CHUNK)
-            if not chunk:
-                break
+        for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
             h.update(chunk)
             if progress is not None:
                 progress(len(chunk))
@@ -109,8 +106,7 @@ def not_a_dataset(root: Path) -> str:
     if (root / ".packer-build.json").exists() or any(root.glob(".shard-*.partial")):
         return (f"{root} is an unfinished build (no {MANIFEST} yet); re-run the same "
                 f"`packer build` command to resume it")
-    images = ("*.jpg", "*.jpeg", "*.png", "*.JPEG", "*.JPG", "*/*.jpg", "*/*.jpeg", "*/*.png",
-              "*/*.JPEG", "*/*.JPG")
+    images = [f"{d}*.{e}" for d in ("", "*/") for e in ("jpg", "jpeg", "png", "JPEG", "JPG")]
     if any(next(root.glob(p), None) is not None for p in images):
         return (f"{root} is an image folder, not a packed dataset: pack it first with "
                 f"`packer build {root} DST` (then use DST)")

@@ -13,7 +13,7 @@ import msgspec
 from ..errors import FormatError
 from .fields import Field, IntField
 
-KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's byte order == numeric order, so appends are O(1)
+KEY = struct.Struct(">Q")  # 8-byte big-endian: LMDB's order is the numeric one, appends are O(1)
 # Every record's own keys; its schema's fields (``label`` for classification) come beside them.
 RECORD_TYPES = {"image": bytes, "path": str, "width": int, "height": int,
                 "format": str, "mode": str, "crc32": int}

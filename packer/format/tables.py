@@ -100,7 +100,8 @@ def _read_table(root: Path, entry: dict, name: str, typecode: str, count: int,
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
         f = open(os.open(path, READ_FLAGS | getattr(os, "O_NONBLOCK", 0)), "rb")
     except OSError as e:
-        raise FormatError(f"{path}: cannot read {name} ({e.strerror}); re-stage or rebuild") from None
+        raise FormatError(f"{path}: cannot read {name} ({e.strerror}); re-stage or rebuild") \
+            from None
     with f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_size != want:

@@ -3,8 +3,9 @@ naming the field, never a ``TypeError`` or a runaway loop (``docs/security.md``)
 from __future__ import annotations
 
 import re
+from itertools import dropwhile
 from pathlib import PurePosixPath
-from typing import Any, Dict, List
+from typing import Any, Dict, Optional
 
 from ..errors import FormatError
 from .fields import Field, IntField, check_schema, detection_problem
@@ -37,11 +38,9 @@ def shard_path_problem(path: Any) -> str:
         return "must be relative and normalized (no leading '/', './' or '//')"
     *folders, name = p.parts
     if not is_data_name(name):
-        return "must end in a plain file name that is not one of packer's own (manifest.json, *.tmp)"
-    ups = 0
-    while ups < len(folders) and folders[ups] == "..":
-        ups += 1
-    if any(not is_plain_name(f) for f in folders[ups:]):
+        return ("must end in a plain file name that is not one of packer's own (manifest.json, "
+                "*.tmp)")
+    if any(not is_plain_name(f) for f in dropwhile(lambda f: f == "..", folders)):
         return "may go up ('..') only at its start"
     return ""
 
@@ -70,18 +69,14 @@ class _Check:
         if not isinstance(v, str) or not SHA256.fullmatch(v):
             raise self.fail(field, "must be a 64-digit lowercase hex SHA-256")
 
-    def dict(self, obj: dict, key: str, field: str, optional: bool = False) -> Dict[str, Any]:
+    def of(self, kind: type, obj: dict, key: str, field: str, optional: bool = False) -> Any:
+        """``obj[key]``, a ``dict`` or ``list`` (``optional``: an empty one for None)."""
         v = obj.get(key)
         if optional and v is None:
-            return {}
-        if not isinstance(v, dict):
-            raise self.fail(field, f"must be an object, got {type(v).__name__}")
-        return v
-
-    def list(self, obj: dict, key: str, field: str) -> List[Any]:
-        v = obj.get(key)
-        if not isinstance(v, list):
-            raise self.fail(field, f"must be a list, got {type(v).__name__}")
+            return kind()
+        if not isinstance(v, kind):
+            noun = "an object" if kind is dict else "a list"
+            raise self.fail(field, f"must be {noun}, got {type(v).__name__}")
         return v
 
 
@@ -93,7 +88,7 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     count = c.int(man, "count", "count")
     total = c.int(man, "bytes", "bytes")
     _classes(c, man)
-    shards = c.list(man, "shards", "shards")
+    shards = c.of(list, man, "shards", "shards")
     if not shards:
         raise c.fail("shards", "lists no shard")
     seen = set()
@@ -120,8 +115,8 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
     for kind, width in TABLE_WIDTH.items():
         if man.get(kind) is None and (kind == "offsets" or "label" not in fields):
             continue  # optional
-        _table(c, c.dict(man, kind, kind), kind, width, count)
-    columns = c.dict(man, "columns", "columns", optional=True)
+        _table(c, c.of(dict, man, kind, kind), kind, width, count)
+    columns = c.of(dict, man, "columns", "columns", optional=True)
     for name, t in columns.items():
         if not isinstance(t, dict) or t.get("dtype") not in COLUMN_WIDTH:
             raise c.fail(f"columns.{name}", f"must be an object with a dtype of "
@@ -132,44 +127,39 @@ def validate_manifest(man: Any, where: str) -> Dict[str, Any]:
         if t["dtype"] != want:
             raise c.fail(f"columns.{name}.dtype", f"must be {want}, the dtype of its field")
         _table(c, t, f"columns.{name}", COLUMN_WIDTH[t["dtype"]], count)
-    paths = c.dict(man, "paths", "paths", optional=True)
+    paths = c.of(dict, man, "paths", "paths", optional=True)
     if paths:
-        _table(c, c.dict(paths, "index", "paths.index"), "paths.index", 8, count)
-        text = c.dict(paths, "text", "paths.text")
-        if not is_data_name(text.get("path")):
-            raise c.fail("paths.text.path", "must be a plain file name in the dataset folder")
-        c.int(text, "bytes", "paths.text.bytes")
-        c.sha(text, "paths.text.sha256")
+        _table(c, c.of(dict, paths, "index", "paths.index"), "paths.index", 8, count)
+        _table(c, c.of(dict, paths, "text", "paths.text"), "paths.text", None, count)
     wanted = [n for n, f in fields.items() if f.column and n != "label"]
     if man.get("schema") is not None and any(n not in columns for n in wanted):
         raise c.fail("columns", f"must hold a table for each scalar field ({', '.join(wanted)})")
-    for k, s in enumerate(c.list(man, "skipped", "skipped")):
-        if not isinstance(s, dict):
-            raise c.fail(f"skipped[{k}]", "must be an object")
-        c.str(s, "path", f"skipped[{k}].path")
-        c.str(s, "reason", f"skipped[{k}].reason")
-    for k, d in enumerate(c.list(man, "dropped", "dropped") if "dropped" in man else []):
-        if not isinstance(d, dict):
-            raise c.fail(f"dropped[{k}]", "must be an object")
-        c.str(d, "path", f"dropped[{k}].path")
-        c.str(d, "reason", f"dropped[{k}].reason")
+    for key in ("skipped", "dropped"):  # "dropped" is optional
+        for k, s in enumerate(c.of(list, man, key, key) if key in man or key == "skipped" else []):
+            if not isinstance(s, dict):
+                raise c.fail(f"{key}[{k}]", "must be an object")
+            c.str(s, "path", f"{key}[{k}].path")
+            c.str(s, "reason", f"{key}[{k}].reason")
     if "dropped_count" in man:
         c.int(man, "dropped_count", "dropped_count")
-    for k, cat in enumerate(c.list(man, "categories", "categories") if "categories" in man else []):
+    categories = c.of(list, man, "categories", "categories") if "categories" in man else []
+    for k, cat in enumerate(categories):
         if not isinstance(cat, dict) or not isinstance(cat.get("name"), str) or not (
                 isinstance(cat.get("id"), int) and not isinstance(cat.get("id"), bool)):
             raise c.fail(f"categories[{k}]", "must be an object with an int id and a str name")
-    c.dict(man, "options", "options", optional=True)
-    c.dict(man, "staged", "staged", optional=True)
+    c.of(dict, man, "options", "options", optional=True)
+    c.of(dict, man, "staged", "staged", optional=True)
     for key in ("source", "pil", "created", "packer_version", "build_id", "fingerprint"):
         c.str(man, key, key, optional=True)
     return man
 
 
-def _table(c: _Check, t: dict, kind: str, width: int, count: int) -> None:
+def _table(c: _Check, t: dict, kind: str, width: Optional[int], count: int) -> None:
+    """A side table's entry: a plain name, ``width`` bytes a record (None: any size), a hash."""
     if not is_data_name(t.get("path")):
         raise c.fail(f"{kind}.path", "must be a plain file name in the dataset folder")
-    if c.int(t, "bytes", f"{kind}.bytes") != width * count:
+    size = c.int(t, "bytes", f"{kind}.bytes")
+    if width is not None and size != width * count:
         raise c.fail(f"{kind}.bytes", f"must be {width} x count = {width * count}")
     c.sha(t, f"{kind}.sha256")
 
@@ -195,7 +185,7 @@ def _schema(c: _Check, man: dict) -> Dict[str, Field]:
 
 
 def _classes(c: _Check, man: dict) -> None:
-    classes = c.list(man, "classes", "classes")
+    classes = c.of(list, man, "classes", "classes")
     if not all(isinstance(x, str) for x in classes):
         raise c.fail("classes", "must be a list of strings")
     if len(set(classes)) != len(classes):
@@ -204,6 +194,7 @@ def _classes(c: _Check, man: dict) -> None:
     if idx is not None and idx != {name: i for i, name in enumerate(classes)}:
         raise c.fail("class_to_idx", "does not match classes")
     counts = man.get("class_counts")
-    if counts is not None and (not isinstance(counts, list) or len(counts) != len(classes) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)):
+    if counts is not None and (not isinstance(counts, list) or len(counts) != len(classes)
+                               or not all(isinstance(n, int) and not isinstance(n, bool)
+                                          and n >= 0 for n in counts)):
         raise c.fail("class_counts", "must list one count >= 0 per class")

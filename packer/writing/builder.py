@@ -16,14 +16,14 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Union
 from tqdm.auto import tqdm
 
 from . import journal
-from .._util.fsio import FolderLock, remove_own
+from .._util.fsio import FolderLock
 from .._util.system import human_size, usable_cores
 from .check import Checks, Transcode, as_checks
 from ..errors import PackerError
 from ..format.manifest import LABEL_FIELD, MANIFEST, classes_text, read_manifest, shard_number
 from .packing import Packing
 from .worker import (FieldMaker, ShardDone, ShardJob, ShardTask, file_sizes, init_worker,
-                     plan_shards, write_shard)
+                     plan_shards, remove_untaken, write_shard)
 from ..sources.base import ImageList, Source, parse_part, select
 from ..sources.folder import ImageFolder
 from ..storage.destination import as_destination
@@ -54,9 +54,9 @@ class BuildResult:
 
 def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
           shard_size: int = DEFAULT_SHARD_SIZE, workers: Optional[int] = None,
-          engine: Union[str, Any] = "local", transcode: Optional[Transcode] = None, shuffle: bool = False, seed: int = 0,
-          part: Optional[str] = None, checks: Checks = Checks(), overwrite: bool = False,
-          progress: bool = True) -> BuildResult:
+          engine: Union[str, Any] = "local", transcode: Optional[Transcode] = None,
+          shuffle: bool = False, seed: int = 0, part: Optional[str] = None,
+          checks: Checks = Checks(), overwrite: bool = False, progress: bool = True) -> BuildResult:
     """Pack ``source`` (a folder path, or a ``packer.sources`` object) into shards in ``dst``.
 
     ``shard_size``: bytes of source files per shard; ``workers``: processes (0: this one;
@@ -73,7 +73,9 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
     source, dst = as_source(source), Path(dst)
     workers = as_engine(engine, workers)
     checks = as_checks(checks)
-    _check_arguments(shard_size, workers)
+    check_shard_size(shard_size)
+    if isinstance(workers, int) and workers < 0:
+        raise PackerError("workers must be >= 0 (0 checks images in this process)")
     if remote is not None:  # only now, with the arguments checked, may the URL change
         if not isinstance(workers, int) and not remote.keep:
             raise PackerError(f"building into {remote} on an engine (Ray) needs Destination("
@@ -88,10 +90,10 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, **checks.options(), "list": None,
                **source.options()}
-    run = _Run(dst, options, workers, transcode, checks, chosen, overwrite, progress,
-               remote.shard_done if remote is not None else None)
+    on_shard = remote.shard_done if remote is not None else None
     try:
-        manifest, resumed = run.pack(source.read())
+        manifest, resumed = _pack(source.read(), dst, options, workers, transcode, checks, chosen,
+                                  overwrite, progress, on_shard)
     except BaseException:
         if remote is not None:
             remote.abort()  # the uploads running finish, so that their record is true
@@ -132,68 +134,50 @@ def as_engine(engine: Union[str, Any], workers: Optional[int]) -> Union[int, Any
                       f"packer.writing.ray_engine.RayEngine()), got {engine!r}")
 
 
-@dataclass
-class _Run:
-    """One build's settings, for ``pack``."""
-    dst: Path
-    options: dict
-    workers: Union[int, Any]  # a process count or an engine (``as_engine``)
-    transcode: Optional[Transcode]
-    checks: Checks
-    part: Optional[tuple]
-    overwrite: bool
-    progress: bool
-    on_shard: Optional[Callable[[dict], None]] = None  # each shard once the journal lists it
-
-    def pack(self, source: ImageList) -> tuple:
-        """(manifest, shards resumed): ``source`` packed into ``dst``."""
-        dst, o, src = self.dst, self.options, source.root
-        if not source.entries:
-            raise PackerError(f"{src}: no images to pack")
-        source = select(source, part=self.part, shuffle=o["shuffle"], seed=o["seed"])
-        dst.mkdir(parents=True, exist_ok=True)
-        with FolderLock(dst, f"packer build into {dst}"):
-            fp = journal.fingerprint(source, o)
-            if (dst / MANIFEST).exists():
-                done = None if self.overwrite else journal.finished(dst, fp)
-                if done is not None:  # this very build finished: a re-run changes nothing
-                    return done, len(done["shards"])
-                if not self.overwrite:
-                    raise PackerError(f"{dst} already holds a finished dataset; replace it with "
-                                      f"overwrite=True")
-                journal.remove_dataset(dst, read_manifest(dst))
-            run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
-                          shard_size=o["shard_size"], strict=o["strict"])
-            resumed = len(run.shards)
-            for shard in run.shards if self.on_shard is not None else []:
-                self.on_shard(shard)  # a resumed build's shards go up while it goes on
-            bar = tqdm(total=len(source.entries), initial=run.start, unit="img",
-                       disable=not self.progress, desc=f"packing {src.name or src}",
-                       dynamic_ncols=True, smoothing=0.05)
-            _drop_unusable(run, source)
-            try:
-                job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names),
-                               self.transcode, self.checks)
-                _pack(source, run, job, self.workers, bar, self.on_shard)
-            except BaseException:
-                run.abort()
-                raise
-            finally:
-                bar.close()
-            ann = source.annotations
-            manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
-                                  options=o, extra=ann.extra if ann is not None else None)
-            journal.remove_leftovers(dst, {s["path"] for s in manifest["shards"]})
-        return manifest, resumed
-
-
-def _drop_unusable(run: Packing, source: ImageList) -> None:
-    """The annotations the parser could not use (entry -1: not tied to one image), unless
-    the resumed journal has them."""
-    ann = source.annotations
-    if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
-        for d in ann.dropped:
-            run.drop(-1, d["path"], [d["reason"]])
+def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
+          transcode: Optional[Transcode], checks: Checks, part: Optional[tuple], overwrite: bool,
+          progress: bool, on_shard: Optional[Callable[[dict], None]]) -> tuple:
+    """(manifest, shards resumed): ``source`` packed into ``dst``; ``on_shard`` gets each shard
+    once the journal lists it."""
+    src = source.root
+    if not source.entries:
+        raise PackerError(f"{src}: no images to pack")
+    source = select(source, part=part, shuffle=options["shuffle"], seed=options["seed"])
+    dst.mkdir(parents=True, exist_ok=True)
+    with FolderLock(dst, f"packer build into {dst}"):
+        fp = journal.fingerprint(source, options)
+        if (dst / MANIFEST).exists():
+            done = None if overwrite else journal.finished(dst, fp)
+            if done is not None:  # this very build finished: a re-run changes nothing
+                return done, len(done["shards"])
+            if not overwrite:
+                raise PackerError(f"{dst} already holds a finished dataset; replace it with "
+                                  f"overwrite=True")
+            journal.remove_dataset(dst, read_manifest(dst))
+        run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),
+                      shard_size=options["shard_size"], strict=options["strict"])
+        resumed = len(run.shards)
+        for shard in run.shards if on_shard is not None else []:
+            on_shard(shard)  # a resumed build's shards go up while it goes on
+        bar = tqdm(total=len(source.entries), initial=run.start, unit="img",
+                   disable=not progress, desc=f"packing {src.name or src}",
+                   dynamic_ncols=True, smoothing=0.05)
+        ann = source.annotations
+        if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
+            for d in ann.dropped:  # not tied to one image (entry -1), unless resumed with them
+                run.drop(-1, d["path"], [d["reason"]])
+        try:
+            job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names), transcode,
+                           checks)
+            _take(source, run, job, workers, bar, on_shard)
+        except BaseException:
+            run.abort()
+            raise
+        finally:
+            bar.close()
+        manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
+                              options=options, extra=ann.extra if ann is not None else None)
+    return manifest, resumed
 
 
 def source_schema(source: ImageList) -> dict:
@@ -208,10 +192,9 @@ def source_schema(source: ImageList) -> dict:
     return {"task": task, "fields": fields + list(ann.schema)}
 
 
-def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard=None) -> None:
-    """The planned shards, written by the workers, taken in plan order: each one's samples
-    into the side tables and skip lists, then the shard into the journal. Shards after one
-    that was cut short are not taken (a strict build's failure stopped them)."""
+def _take(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard) -> None:
+    """The planned shards taken in plan order: their samples into the tables and skip lists,
+    then the shard into the journal; none after one cut short (a strict build's failure)."""
     sizes = file_sizes(source)
     broken, in_bytes = False, 0
     for done in _shards(_remaining(sizes, run, source), workers, job, bar):
@@ -239,25 +222,23 @@ def _pack(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard
 def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardTask]:
     """The plan's shards from ``run.start`` (where an interrupted run stopped, a shard
     boundary); if the files changed size since, the rest planned afresh, numbered on."""
-    plan = plan_shards(sizes, run.shard_size)
-    starts = [p[0] for p in plan]
     if run.start >= len(source.entries):
         return []
-    if run.start in starts:
-        k = starts.index(run.start)
-        return [ShardTask(k + j, a, e, n) for j, (a, e, n) in enumerate(plan[k:])]
+    plan = plan_shards(sizes, run.shard_size)
+    k = next((k for k, (a, _, _) in enumerate(plan) if a == run.start), None)
+    if k is not None:
+        return [ShardTask(k + j, *p) for j, p in enumerate(plan[k:])]
     last = max(shard_number(s["path"]) for s in run.shards) if run.shards else -1
     rest = plan_shards(sizes[run.start:], run.shard_size)
     return [ShardTask(last + 1 + j, run.start + a, run.start + e, n)
             for j, (a, e, n) in enumerate(rest)]
 
 
-def _check_arguments(shard_size: int, workers) -> None:
+def check_shard_size(shard_size: int) -> None:
+    """A PackerError unless ``shard_size`` is 1 MiB to 64 GiB (build's and write's rule)."""
     if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
         raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}: "
                           f"shards are mapped whole into each reader's address space")
-    if isinstance(workers, int) and workers < 0:
-        raise PackerError("workers must be >= 0 (0 checks images in this process)")
 
 
 def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[ShardDone]:
@@ -276,7 +257,7 @@ def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[Sha
                 yield current
                 current = None
         finally:
-            _remove_untaken(job.dst, [current])
+            remove_untaken(job.dst, [current])
         return
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     job.progress, job.stop = ctx.Value("q", 0), ctx.Event()
@@ -287,10 +268,7 @@ def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[Sha
     done: Optional[ShardDone] = None  # finished, not taken yet
     try:
         while True:
-            while len(pending) < 2 * workers:
-                task = next(todo, None)
-                if task is None:
-                    break
+            while len(pending) < 2 * workers and (task := next(todo, None)) is not None:
                 pending.append(pool.submit(write_shard, task))
             if not pending:
                 break
@@ -304,11 +282,5 @@ def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[Sha
         job.stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
         bar.update(base + job.progress.value - bar.n)
-        _remove_untaken(job.dst, [done] + [f.result() for f in pending if f.done()
-                                           and not f.cancelled() and f.exception() is None])
-
-
-def _remove_untaken(dst: Path, results: List[Optional[ShardDone]]) -> None:
-    for done in results:
-        if done is not None and done.shard is not None and not done.taken:
-            remove_own(dst, done.shard["path"])
+        remove_untaken(job.dst, [done] + [f.result() for f in pending if f.done()
+                                          and not f.cancelled() and f.exception() is None])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 import warnings
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Tuple
 
 from PIL import Image, UnidentifiedImageError
@@ -29,11 +30,8 @@ class Transcode:
             raise PackerError(f"quality must be in 1..100, got {self.quality}")
 
     def target_size(self, w: int, h: int) -> Tuple[int, int]:
-        scale = 1.0
-        if self.max_side:
-            scale = min(scale, self.max_side / max(w, h))
-        if self.short_side:
-            scale = min(scale, self.short_side / min(w, h))
+        scale = min(self.max_side / max(w, h) if self.max_side else 1.0,
+                    self.short_side / min(w, h) if self.short_side else 1.0)
         if scale >= 1.0:
             return w, h
         return max(1, round(w * scale)), max(1, round(h * scale))
@@ -62,10 +60,8 @@ class Checks:
                 raise PackerError(f"{name} must be a positive {unit} count, got {v!r}")
 
     def options(self) -> dict:
-        """The manifest's record of them (its keys as before: strict, max_pixels, plus
-        max_image_bytes)."""
-        return {"strict": self.strict, "max_pixels": self.max_pixels,
-                "max_image_bytes": self.max_image_bytes}
+        """The manifest's record of them."""
+        return asdict(self)
 
 
 def as_checks(checks) -> "Checks":
@@ -115,8 +111,9 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                     try:
                         im.convert("RGB")
                     except Exception as e:
-                        raise BadImage(f"cannot be converted to RGB as training does "
-                                       f"(mode {im.mode}): {str(e).strip() or type(e).__name__}") from None
+                        raise BadImage(f"cannot be converted to RGB as training does (mode "
+                                       f"{im.mode}): {str(e).strip() or type(e).__name__}") \
+                            from None
         except BadImage:
             raise
         except Exception as e:  # PIL raises a zoo of types on bad data; all mean "skip this file"
@@ -134,23 +131,17 @@ def exif_orientation(im: Image.Image) -> int:
     return value if type(value) is int and 1 <= value <= 8 else 1
 
 
-class _pil_pixel_limit:
+@contextmanager
+def _pil_pixel_limit(max_pixels: int):
     """PIL's own bomb check (warn above ``Image.MAX_IMAGE_PIXELS``, refuse above twice that)
-    would skip images that ``--max-pixels`` allows: align it with ``max_pixels`` meanwhile.
-    (Build workers are processes, so the module global is not shared with other threads.)"""
-
-    def __init__(self, max_pixels: int):
-        self.max_pixels = max_pixels
-
-    def __enter__(self):
-        self.saved = Image.MAX_IMAGE_PIXELS
-        if self.saved is not None and self.max_pixels > self.saved:
-            Image.MAX_IMAGE_PIXELS = self.max_pixels
-        return self
-
-    def __exit__(self, *exc):
-        Image.MAX_IMAGE_PIXELS = self.saved
-        return False
+    raised to ``max_pixels`` meanwhile, so it skips nothing ``--max-pixels`` allows."""
+    saved = Image.MAX_IMAGE_PIXELS
+    if saved is not None and max_pixels > saved:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
 
 
 def _reason(e: BaseException) -> str:

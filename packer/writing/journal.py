@@ -1,13 +1,6 @@
-"""What a build has written in DST: the resume journal, and the rule that packer removes only
-files it wrote itself.
-
-The journal (``.packer-build.json``) is created before any shard and lists the finished
-shards; while it exists, the packer-named files in DST (``shard-NNNNN.lmdb`` and the
-``.shard-*`` temp files) are this build's. A fresh build therefore refuses a DST that already
-holds such names without a journal or manifest that claims them, and ``overwrite`` removes
-only what the old manifest lists: a user's file that happens to be called
-``shard-00000.lmdb`` is never deleted.
-"""
+"""The resume journal (``.packer-build.json``), written before any shard and listing the
+finished ones, and the rule that packer removes only files it wrote: packer-named files in DST
+that no journal or manifest claims are refused, never deleted."""
 from __future__ import annotations
 
 import hashlib
@@ -54,9 +47,8 @@ def packer_names(dst: Path) -> List[str]:
 
 
 def refuse_foreign_files(dst: Path, names: Iterable[str]) -> None:
-    """Stop unless ``names`` is empty. The journal's own temp file never counts: a run killed
-    while writing the first journal leaves only that, and writing the journal replaces it
-    (unlinking a link there removes the link, never its target)."""
+    """Stop unless ``names`` is empty; the journal's own temp file never counts (writing the
+    journal replaces it, and a run killed while writing the first one leaves only that)."""
     names = sorted(set(names) - {JOURNAL + ".tmp"})
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -66,18 +58,15 @@ def refuse_foreign_files(dst: Path, names: Iterable[str]) -> None:
 
 
 def remove_dataset(dst: Path, manifest: dict) -> None:
-    """Remove a finished dataset in ``dst``: its manifest first, durably (a half-removed
-    dataset must not look complete), then the files it lists inside ``dst`` and the temp
-    and journal files of builds; never a file some other record does not claim."""
+    """Remove the finished dataset in ``dst``: its manifest first, durably (a half-removed
+    dataset must not look complete), then the files it or a journal claims."""
     own = {s["path"] for s in manifest["shards"] if is_plain_name(s["path"])}
     own |= {entry["path"] for _, entry, _ in side_tables(manifest)}
     own |= {n for n in packer_names(dst) if n.startswith(".") or n.endswith(".tmp")}
     own |= claimed(dst)  # a journal left by a run killed after its manifest: its names too
     own.discard(JOURNAL)  # rewritten below, removed by the run that finishes
     refuse_foreign_files(dst, set(packer_names(dst)) - own - {MANIFEST, JOURNAL})
-    # The journal claims the files before the manifest goes: if this is interrupted, a
-    # re-run still knows they are packer's to remove.
-    claim(dst, own)
+    claim(dst, own)  # before the manifest goes: a re-run still knows they are packer's
     remove_own(dst, MANIFEST)
     fsync_dir(dst)
     for name in sorted(own):
@@ -96,19 +85,16 @@ def claimed(dst: Path) -> set:
     """Names this folder's journal says packer wrote (or is removing), with their temp files."""
     j = _read(dst / JOURNAL) or {}
     names = {s["path"] for s in j.get("shards", [])} | set(j.get("owned", []))
-    names = {n for n in names if is_plain_name(n)}
     return names | {n + ".tmp" for n in names} | {JOURNAL}
 
 
 def load(dst: Path, fp: str) -> dict:
     """The journal of an earlier run with the same fingerprint (its shards re-checked, cut
     back to the last good one), or a fresh one; written before this run writes a shard."""
-    fresh = {"shards": [], "skipped": [], "next_entry": 0}
     j = _read(dst / JOURNAL)
     if j is None:  # a fresh build: whatever has packer's names here is not ours
         refuse_foreign_files(dst, packer_names(dst))
-        save(dst, fp, fresh["shards"], [], 0)
-        return fresh
+        return restart(dst, fp)
     for name in packer_names(dst):  # temp files of the run that wrote this journal
         if name.startswith(".shard-"):
             remove_own(dst, name)
@@ -137,6 +123,7 @@ def restart(dst: Path, fp: str) -> dict:
 
 
 def _read(path: Path) -> Optional[dict]:
+    """The journal at ``path``: None if there is none, {} unless well formed (plain names)."""
     if not path.is_file():
         return None
     try:
@@ -173,16 +160,15 @@ def finished(dst: Path, fp: str) -> Optional[dict]:
 
 
 def remove_leftovers(dst: Path, keep: set) -> None:
-    """After the manifest: the journal, temp files, and shard files the manifest does not
-    list (an interrupted earlier attempt of this build whose shards came out differently)."""
+    """After the manifest: the journal, temp files, and shard files not in ``keep`` (left by an
+    interrupted attempt whose shards came out differently)."""
     for name in packer_names(dst):
         if name not in keep and (name.startswith(".") or name.startswith("shard-")):
             remove_own(dst, name)
 
 
 def check_dst(dst) -> None:
-    """Refuse, before anything is written, a ``dst`` that build, merge or write must not
-    write into: a file, a folder that cannot be created, or a non-empty folder holding
-    neither a packer dataset nor the journal of packer's own unfinished run."""
+    """Refuse, before anything is written, a file, a folder that cannot be created, or a
+    non-empty folder holding neither a packer dataset nor an unfinished run's journal."""
     check_folder(dst, marks=(MANIFEST, JOURNAL), leftovers=(LOCK_NAME, JOURNAL + ".tmp"),
                  fix="pick a new or empty folder for the dataset, or move those files away")

@@ -1,11 +1,7 @@
-"""``merge``: join datasets built with ``--part K/N`` into one, without copying shard data.
-
-The merged manifest refers to the parts' shard files by relative path (``../part-0/
-shard-00000.lmdb``) and lists the part folders under ``parts``; readers accept a shard path
-outside the dataset folder only inside a folder that is itself a packer dataset. Crash safety
-is the build's: DST's old manifest goes first (durably), the new tables are written new and
-renamed in, and the new manifest comes last.
-"""
+"""``merge``: join datasets built with ``--part K/N`` into one, without copying shard data:
+the merged manifest names the parts' shards by relative path (``../part-0/shard-00000.lmdb``)
+and their folders under ``parts``. Crash safety is the build's: old manifest first (durably),
+new tables renamed in, new manifest last."""
 from __future__ import annotations
 
 import hashlib
@@ -14,13 +10,15 @@ import os
 import posixpath
 import tempfile
 from array import array
+from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from . import journal
 from .._util.fsio import FolderLock, remove_own, write_json_atomic
 from ..errors import FormatError, PackerError
-from ..format.manifest import FORMAT_VERSION, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, dataset_schema, read_manifest, shard_file, side_tables
+from ..format.manifest import (FORMAT_VERSION, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT,
+                               dataset_schema, read_manifest, shard_file, side_tables)
 from .packing import new_manifest
 from ..format.tables import read_column, read_offsets, read_paths
 from ..format.lmdbfile import shard_records
@@ -30,19 +28,15 @@ from ..storage.urls import is_url
 
 def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = False,
           storage_options: Optional[dict] = None) -> dict:
-    """Join finished part datasets into one in ``dst``; returns its manifest.
+    """Join finished part datasets into one in ``dst`` (the parts stay where they are);
+    returns its manifest. Refused: a part given twice (any spelling, or sharing a shard file),
+    parts with different classes, labels outside them, ``dst`` a part, and an existing
+    dataset in ``dst`` unless ``overwrite``.
 
-    Keep the parts where they are (or stage the merged dataset, which copies everything it
-    references). Refused: a part given twice (any spelling, or two datasets sharing a shard
-    file), parts with different classes, labels outside the classes, a ``dst`` that is a
-    part, and an existing dataset in ``dst`` unless ``overwrite``.
-
-    Parts and ``dst`` may be URLs (``storage_options`` as for ``packer.stage``): each URL
-    part is fetched, every file checked against its SHA-256. A ``dst`` URL must lie in the
-    bucket of its parts, all URLs: it gets only the merged manifest and tables (manifest
-    last) and refers to the parts' shards where they are. A local ``dst`` refers to copies
-    of the URL parts fetched beside it, into ``DST.parts/``.
-    """
+    Parts and ``dst`` may be URLs (``storage_options`` as for ``packer.stage``), each fetched
+    part checked against its SHA-256. A ``dst`` URL must lie in the bucket of its parts, all
+    URLs: it gets only the merged manifest and tables; a local ``dst`` refers to copies of the
+    URL parts fetched into ``DST.parts/``."""
     if any(is_url(p) for p in [*parts, dst]):
         return _merge_urls(list(parts), dst, storage_options, overwrite)
     journal.check_dst(dst)  # before anything is written: packer writes only where asked
@@ -67,23 +61,25 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
 def _merge_urls(parts: list, dst, storage_options: Optional[dict], overwrite: bool) -> dict:
     from ..storage.destination import Destination
     from ..storage.local import fetch_dataset, shown
-    names = [p.split("://", 1)[1].rstrip("/") for p in parts + [dst] if is_url(p)]
-    base = posixpath.commonpath(names)
+    urls = {p: p.split("://", 1) for p in parts + [dst] if is_url(p)}  # (scheme, key)
+    base = posixpath.commonpath([key.rstrip("/") for _, key in urls.values()])
+
+    def under(url: str) -> str:  # where a URL's dataset goes below a local folder
+        return posixpath.relpath(urls[url][1].rstrip("/"), base)
+
     if not is_url(dst):
         home = Path(dst).parent / f"{Path(dst).name}.parts"
-        local = [fetch_dataset(p, home / posixpath.relpath(p.split("://", 1)[1].rstrip("/"), base),
-                               storage_options) if is_url(p) else p for p in parts]
+        local = [fetch_dataset(p, home / under(p), storage_options) if is_url(p) else p
+                 for p in parts]
         return _named(merge(local, dst, overwrite=overwrite), Path(dst), parts)
-    schemes = {p.split("://", 1)[0] for p in parts + [dst] if is_url(p)}
-    if not base or len(schemes) > 1 or not all(is_url(p) for p in parts):
+    if not base or len({s for s, _ in urls.values()}) > 1 or not all(map(is_url, parts)):
         raise PackerError(f"merging into {shown(dst)} needs every part in its bucket (the merged "
                           f"dataset refers to their shards there); merge into a local folder, "
                           f"stage it, and upload that (packer.storage.upload_dataset)")
     with tempfile.TemporaryDirectory(prefix="packer-merge-") as tmp:
-        here = lambda url: Path(tmp) / posixpath.relpath(url.split("://", 1)[1].rstrip("/"), base)
-        dest = Destination(dst, storage_options, here(dst))
+        dest = Destination(dst, storage_options, Path(tmp) / under(dst))
         dest.begin(overwrite)  # refused before any part is fetched
-        local = [fetch_dataset(p, here(p), storage_options) for p in parts]
+        local = [fetch_dataset(p, Path(tmp) / under(p), storage_options) for p in parts]
         manifest = _named(merge(local, dest.work), dest.work, parts)
         dest.finish(manifest)
         return manifest
@@ -102,8 +98,8 @@ def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
     seen: dict = {}
     for p, m in mans:  # the same folder twice, or the same part built twice
         opts = m.get("options") or {}
-        same_part = json.dumps([m.get("source"), opts], sort_keys=True) if opts.get("part") else None
-        for ident in (str(p.resolve()), same_part):
+        same = json.dumps([m.get("source"), opts], sort_keys=True) if opts.get("part") else None
+        for ident in (str(p.resolve()), same):
             if ident is not None and ident in seen:
                 raise PackerError(f"{p} is the same part as {seen[ident]} (given more than once); "
                                   f"merging it twice would duplicate its records")
@@ -117,9 +113,9 @@ def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
                 raise FormatError(f"{p / s['path']}, a shard of {p}, is missing") from None
             ident = (st.st_dev, st.st_ino)
             if ident in files:
-                raise PackerError(f"{p} and {files[ident]} share the shard file {s['path']} (the same "
-                                  f"part given twice, or a merged dataset with its own part); "
-                                  f"merging would duplicate its records")
+                raise PackerError(f"{p} and {files[ident]} share the shard file {s['path']} "
+                                  f"(the same part given twice, or a merged dataset with its own "
+                                  f"part); merging would duplicate its records")
             files[ident] = p
         if dst.exists() and dst.resolve() == p.resolve():
             raise PackerError(f"DST {dst} is one of the parts; merge into a new folder")
@@ -148,22 +144,15 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
             and all(k in {kk for kk, _, _ in side_tables(m)} for _, m in mans)]
     with_paths = all(m.get("paths") for _, m in mans)
     names = {k: name for k, _, name in side_tables(first)}
-    journal.claim(dst, [OFFSETS, PATHS_INDEX, PATHS_TEXT, MANIFEST] + [names[k] for k in keys])  # re-runnable
-    shards, skipped, dropped, offsets, part_dirs = [], [], [], array("Q"), []
-    path_ends, path_text = array("Q"), bytearray()
-    tables = {k: None for k in keys}
-    for rel, (p, m) in zip(rels, mans):
-        part_dirs.append(rel)
-        for s in m["shards"]:
-            shards.append(dict(s, path=os.path.normpath(os.path.join(rel, s["path"])).replace(os.sep, "/")))
-        skipped.extend(m["skipped"])
-        dropped.extend(m.get("dropped", []))
+    journal.claim(dst, [OFFSETS, PATHS_INDEX, PATHS_TEXT, MANIFEST] + [names[k] for k in keys])
+    offsets, path_ends, path_text, tables = array("Q"), array("Q"), bytearray(), {}
+    for p, m in mans:
         for k in keys:
             part = read_column(p, "label" if k == "labels" else k.split(".", 1)[1], m)
             if k == "labels" and any(not 0 <= lab < len(classes) for lab in part):
                 raise FormatError(f"{p}: labels.i32 holds labels outside 0..{len(classes) - 1}; "
                                   f"the part is damaged (run `packer verify {p}`)")
-            tables[k] = part if tables[k] is None else tables[k] + part
+            tables[k] = tables[k] + part if k in tables else part
         if with_paths:  # each part's path ends shift by the text before it
             table = read_paths(p, m)
             path_ends.extend(e + len(path_text) for e in table.ends)
@@ -177,26 +166,23 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
     written = {"offsets": write_table(dst, OFFSETS, offsets)}
     paths = {"index": write_table(dst, PATHS_INDEX, path_ends),
              "text": write_table(dst, PATHS_TEXT, path_text)} if with_paths else None
-    for k in keys:
-        written[k] = write_table(dst, names[k], tables[k])
-        if k.startswith("columns."):
-            written[k]["dtype"] = first["columns"][k.split(".", 1)[1]]["dtype"]
-    columns = {k.split(".", 1)[1]: v for k, v in written.items() if k.startswith("columns.")}
-    counts = None
-    if "labels" in tables:
-        counts = [0] * len(classes)
-        for lab in tables["labels"]:
-            counts[lab] += 1
-    extra = {k: first[k] for k in ("categories",) if k in first}
+    written.update((k, write_table(dst, names[k], tables[k])) for k in keys)
+    columns = {k.split(".", 1)[1]: dict(v, dtype=first["columns"][k.split(".", 1)[1]]["dtype"])
+               for k, v in written.items() if k.startswith("columns.")}
+    counts = Counter(tables.get("labels", ()))
+    dropped = [d for _, m in mans for d in m.get("dropped", [])]
     manifest = new_manifest(
-        classes=classes, class_counts=counts, shards=shards, labels=written.get("labels"),
-        offsets=written["offsets"], columns=columns or None, paths=paths,
-        schema=first.get("schema"), dropped=dropped, extra=extra,
+        classes=classes, shards=[dict(s, path=posixpath.normpath(posixpath.join(rel, s["path"])))
+                                 for rel, (_, m) in zip(rels, mans) for s in m["shards"]],
+        class_counts=[counts[c] for c in range(len(classes))] if "labels" in tables else None,
+        labels=written.get("labels"), offsets=written["offsets"], columns=columns or None,
+        paths=paths, schema=first.get("schema"), dropped=dropped,
+        extra={k: first[k] for k in ("categories",) if k in first},
         dropped_count=sum(m.get("dropped_count", len(m.get("dropped", []))) for _, m in mans),
-        skipped=skipped, source=first.get("source", ""),
+        skipped=[s for _, m in mans for s in m["skipped"]], source=first.get("source", ""),
         options=dict(first.get("options") or {}, part=None,
                      merged_from=[str(p) for p, _ in mans]))
-    manifest["parts"], manifest["fingerprint"] = part_dirs, fp
+    manifest["parts"], manifest["fingerprint"] = rels, fp
     with disk_errors(dst / MANIFEST):
         write_json_atomic(dst / MANIFEST, manifest)
     remove_own(dst, journal.JOURNAL)  # the overwrite's claim, if any: done

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import uuid
 from array import array
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -13,9 +14,10 @@ from . import journal
 from .._util.fsio import write_json_atomic
 from .._util.system import pil_summary
 from ..errors import PackerError
-from ..format.fields import DTYPES, encode, field_of
-from ..format.manifest import FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file
-from ..format.records import PackedFields, pack_fields, record_bytes, unpack_record
+from ..format.fields import DTYPES, field_of
+from ..format.manifest import (FORMAT_NAME, FORMAT_VERSION, LABELS, MANIFEST, OFFSETS,
+                               PATHS_INDEX, PATHS_TEXT, SHARD_PATTERN, SIZE_COLUMNS, column_file)
+from ..format.records import pack_fields, record_bytes, unpack_record
 from ..format.lmdbfile import shard_records
 from .._util.text import printable
 from .shard import ShardWriter, disk_errors, write_table
@@ -39,19 +41,14 @@ class Packing:
         self.labels = array("i")
         self.path_ends, self.path_text = array("Q"), bytearray()  # the paths table
         self.columns: Dict[str, array] = {n: array("i") for n in SIZE_COLUMNS}
-        for f in self.fields:
-            if f.column and f.name != "label":
-                self.columns[f.name] = array(DTYPES[f.column])
+        self.columns.update((f.name, array(DTYPES[f.column])) for f in self.fields
+                            if f.column and f.name != "label")
         self.column_names = [n for n in self.columns if n not in SIZE_COLUMNS]
         self.column_names += ["label"] if self.has_label else []
         self.writer: Optional[ShardWriter] = None
         self.shard_note = None  # () -> dict: more facts for a finished shard's journal entry
         if self.shards:
             self._recover()
-
-    @property
-    def count(self) -> int:
-        return len(self.columns["width"])
 
     def skip(self, entry: int, path: str, reason: str) -> None:
         if self.strict:
@@ -67,31 +64,14 @@ class Packing:
         self.dropped.extend({"path": printable(path), "reason": r, "entry": entry} for r in reasons)
 
     def add(self, entry: int, path: str, image: bytes, width: int, height: int, fmt: str,
-            mode: str, values: Dict[str, Any]) -> bool:
-        """Store one checked image with its field ``values``; False (and skipped) if they do
-        not fit the schema."""
-        try:
-            stored = encode(self.fields, values)
-        except ValueError as e:
-            self.skip(entry, path, f"annotation: {e}")
-            return False
-        self.add_packed(entry, path, image, width, height, fmt, mode, pack_fields(stored),
-                        self.column_values(stored))
-        return True
-
-    def column_values(self, stored: Dict[str, Any]) -> Dict[str, Any]:
-        """The stored values that also go to side tables (label and scalar columns)."""
-        return {k: stored[k] for k in self.column_names}
-
-    def add_packed(self, entry: int, path: str, image: bytes, width: int, height: int,
-                   fmt: str, mode: str, fields: PackedFields, columns: Dict[str, Any]) -> None:
-        """Store one checked image whose fields a build worker encoded and packed already."""
+            mode: str, stored: Dict[str, Any]) -> None:
+        """Store one checked image with its ``stored`` field values (``fields.encode``)."""
         if self.writer is None:
             self.writer = ShardWriter(self.dst / SHARD_PATTERN.format(len(self.shards)),
                                       expected_bytes=self.shard_size)
         self.writer.append(record_bytes(image, path=path, width=width, height=height,
-                                        format=fmt, mode=mode, fields=fields))
-        self.add_row(columns, path, width, height)
+                                        format=fmt, mode=mode, fields=pack_fields(stored)))
+        self.add_row(stored, path, width, height)
         if self.writer.bytes >= self.shard_size:
             self.end_shard(entry + 1)
 
@@ -100,11 +80,9 @@ class Packing:
         self.path_ends.append(len(self.path_text))
         if self.has_label:
             self.labels.append(stored["label"])
-        self.columns["width"].append(width)
-        self.columns["height"].append(height)
+        values = dict(stored, width=width, height=height)
         for name, col in self.columns.items():
-            if name not in SIZE_COLUMNS:
-                col.append(stored[name])
+            col.append(values[name])
 
     def add_shard(self, shard: Optional[dict], next_entry: int) -> None:
         """A shard a build worker finished (None: all its images were skipped), in plan
@@ -141,15 +119,16 @@ class Packing:
 
     def finish(self, *, classes: List[str], source: str, options: dict,
                extra: Optional[dict] = None, fingerprint: Optional[str] = None) -> dict:
-        """Side tables, then the manifest (last: it makes the dataset complete)."""
-        if not self.count:
+        """Side tables, then the manifest (last: it makes the dataset complete), then the
+        journal and leftovers go."""
+        rows = len(self.path_ends)
+        if not rows:
             if self.skipped:
                 first = self.skipped[0]
                 raise PackerError(f"all {len(self.skipped)} images were skipped (e.g. "
                                   f"{first['path']}: {first['reason']}); no dataset was written")
             raise PackerError("no samples to pack; no dataset was written")
-        count = sum(s["count"] for s in self.shards)
-        assert count == self.count, (count, self.count)
+        assert sum(s["count"] for s in self.shards) == rows
         tables: Dict[str, Any] = {}
         if self.has_label:
             bad = next((x for x in self.labels if not 0 <= x < len(classes)), None)
@@ -157,11 +136,12 @@ class Packing:
                 raise PackerError(f"label {bad} is outside the {len(classes)} classes "
                                   f"(0..{len(classes) - 1}); no dataset was written")
             tables["labels"] = write_table(self.dst, LABELS, self.labels)
-            counts = [0] * len(classes)
-            for lab in self.labels:
-                counts[lab] += 1
-            tables["class_counts"] = counts
-        tables["offsets"] = write_table(self.dst, OFFSETS, _offsets(self.dst, self.shards))
+            counts = Counter(self.labels)
+            tables["class_counts"] = [counts[c] for c in range(len(classes))]
+        offsets = array("Q")
+        for s in self.shards:  # every record's byte range, read once: readers never walk LMDB
+            offsets.extend(shard_records(self.dst / s["path"]))
+        tables["offsets"] = write_table(self.dst, OFFSETS, offsets)
         tables["paths"] = {"index": write_table(self.dst, PATHS_INDEX, self.path_ends),
                            "text": write_table(self.dst, PATHS_TEXT, self.path_text)}
         columns = {}
@@ -177,15 +157,8 @@ class Packing:
         manifest["fingerprint"] = fingerprint or self.fingerprint  # a re-run knows its own dataset
         with disk_errors(self.dst / MANIFEST):
             write_json_atomic(self.dst / MANIFEST, manifest)
+        journal.remove_leftovers(self.dst, {s["path"] for s in manifest["shards"]})
         return manifest
-
-
-def _offsets(dst: Path, shards: List[dict]) -> array:
-    """Every record's byte range in its shard, read once now so readers never walk LMDB."""
-    table = array("Q")
-    for s in shards:
-        table.extend(shard_records(dst / s["path"]))
-    return table
 
 
 def new_manifest(*, classes, shards, skipped, source, options, labels=None, offsets=None,
@@ -198,16 +171,11 @@ def new_manifest(*, classes, shards, skipped, source, options, labels=None, offs
         "count": sum(s["count"] for s in shards), "bytes": sum(s["bytes"] for s in shards),
         "classes": list(classes), "class_to_idx": {c: i for i, c in enumerate(classes)},
     }
-    if class_counts is not None:
-        man["class_counts"] = list(class_counts)
-    if schema is not None:
-        man["schema"] = schema
-    man["shards"] = shards
-    for key, value in (("labels", labels), ("offsets", offsets), ("columns", columns),
-                       ("paths", paths)):
-        if value is not None:
+    for key, value in (("class_counts", class_counts), ("schema", schema), ("shards", shards),
+                       ("labels", labels), ("offsets", offsets), ("columns", columns),
+                       ("paths", paths), ("skipped", skipped)):
+        if value is not None:  # the optional keys only where the dataset has them
             man[key] = value
-    man["skipped"] = skipped
     if dropped:
         man["dropped_count"] = len(dropped) if dropped_count is None else dropped_count
         man["dropped"] = [{"path": d["path"], "reason": d["reason"]} for d in dropped[:MAX_DROPPED]]

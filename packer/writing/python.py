@@ -11,7 +11,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Union
 
 import msgpack
 from tqdm.auto import tqdm
@@ -19,16 +19,14 @@ from tqdm.auto import tqdm
 from . import journal
 from .._util.fsio import FolderLock, read_file
 from .._util.system import usable_cores
-from .builder import DEFAULT_SHARD_SIZE, MAX_SHARD_SIZE, BuildResult
-from .check import (DEFAULT_MAX_IMAGE_BYTES, BadImage, Checks, Transcode,
-                    as_checks, check_image)
+from .builder import DEFAULT_SHARD_SIZE, BuildResult, check_shard_size
+from .check import BadImage, Checked, Checks, Transcode, as_checks, check_image
 from ..errors import PackerError
 from ..format.fields import Field, check_schema, detection_problem, encode, infer_field
 from ..format.manifest import FORMAT_VERSION, MANIFEST, read_manifest
+from ..format.validation import TASKS
 from .packing import Packing
 from ..sources.base import DEFAULT_MAX_CLASSES
-
-TASKS = ("classification", "detection", "generic")
 
 
 def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
@@ -73,8 +71,7 @@ class DatasetWriter:
                  transcode: Optional[Transcode] = None, checks: Checks = Checks(),
                  overwrite: bool = False):
         journal.check_dst(dst)  # before anything is written: packer writes only where asked
-        if not 1 << 20 <= shard_size <= MAX_SHARD_SIZE:
-            raise PackerError(f"shard_size must be between 1 MiB and 64 GiB, got {shard_size}")
+        check_shard_size(shard_size)
         if task is not None and task not in TASKS:
             raise PackerError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         self.dst = Path(dst)
@@ -110,10 +107,10 @@ class DatasetWriter:
             sort_keys=True).encode()).hexdigest()
         if (self.dst / MANIFEST).exists():
             man = read_manifest(self.dst)
-            if not self.overwrite and str(man.get("fingerprint")).startswith(self.fingerprint + ":"):
-                self.done = man  # the same write may have finished: finish() compares the samples
-                return
-            if not self.overwrite:
+            if not self.overwrite:  # the same write may have finished: finish() compares
+                if str(man.get("fingerprint")).startswith(self.fingerprint + ":"):
+                    self.done = man
+                    return
                 raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
                                   f"overwrite=True")
             journal.remove_dataset(self.dst, man)
@@ -146,7 +143,11 @@ class DatasetWriter:
             raise PackerError(f"sample {i}: label {label} would make {label + 1:,} classes "
                               f"(0..{label}); name them with classes=[...] (without it, labels "
                               f"must stay below {DEFAULT_MAX_CLASSES:,})")
-        digest = sample_digest(data, self.schema, values, i, path)
+        try:
+            stored = encode(self.schema, values)
+        except ValueError as e:
+            raise PackerError(f"sample {i}: {e}") from None
+        digest = sample_digest(data, path, stored)
         if self.done is not None:
             self.digest.update(digest)
             return
@@ -158,19 +159,18 @@ class DatasetWriter:
                     f"(its first {self.replay}); pass overwrite=True to start over, or the same "
                     f"samples in the same order to resume")
             return
-        check = self.pool.submit(check_sample, data, self.transcode,
-                                 self.checks.max_pixels)
-        self.pending.append((i, path, values, digest, check))
+        check = self.pool.submit(check_sample, data, self.transcode, self.checks.max_pixels)
+        self.pending.append((i, path, stored, digest, check))
         while self.pending and (len(self.pending) > self.window or self.pending[0][4].done()):
             self._store(*self.pending.popleft())
 
-    def _store(self, i: int, path: str, values: dict, digest: bytes, check: Future) -> None:
+    def _store(self, i: int, path: str, stored: dict, digest: bytes, check: Future) -> None:
         self.digest.update(digest)  # before the record: a shard it ends notes the digest
-        status, payload = check.result()
-        if status == "skip":
-            self.run.skip(i, path, payload)
+        c = check.result()
+        if isinstance(c, str):
+            self.run.skip(i, path, c)
         else:
-            self.run.add(i, path, *payload, values)
+            self.run.add(i, path, c.data, c.width, c.height, c.format, c.mode, stored)
 
     def finish(self) -> dict:
         """Store what is queued, write tables and manifest; the dataset's manifest."""
@@ -190,7 +190,6 @@ class DatasetWriter:
             classes = [str(i) for i in range(max(labels) + 1)] if len(labels) else []
         manifest = self.run.finish(classes=classes, source="packer.write", options=self.options,
                                    fingerprint=self._final_fingerprint())
-        journal.remove_leftovers(self.dst, {s["path"] for s in manifest["shards"]})
         self.close()
         return manifest
 
@@ -224,7 +223,7 @@ class DatasetWriter:
             self.close()
 
 
-def image_bytes(image: Any, i: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
+def image_bytes(image: Any, i: int, max_bytes: int):
     """(stored bytes, default path) of a sample's image: bytes as given, a regular file's
     bytes (at most ``max_bytes``), or a PIL image encoded losslessly as PNG."""
     if isinstance(image, (bytes, bytearray, memoryview)):
@@ -242,24 +241,19 @@ def image_bytes(image: Any, i: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
                       f"{type(image).__name__}")
 
 
-def sample_digest(data: bytes, schema: List[Field], values: dict, i: int, path: str) -> bytes:
+def sample_digest(data: bytes, path: str, stored: dict) -> bytes:
     """What makes a sample this sample: its image bytes, its path and its encoded fields."""
-    try:
-        stored = encode(schema, values)
-    except ValueError as e:
-        raise PackerError(f"sample {i}: {e}") from None
     h = hashlib.sha256(data)
     h.update(msgpack.packb([path, stored], use_bin_type=True))
     return h.digest()
 
 
-def check_sample(data: bytes, transcode, max_pixels: int):
-    """In a thread: ("ok", (bytes, width, height, format, mode)) or ("skip", reason)."""
+def check_sample(data: bytes, transcode, max_pixels: int) -> Union[Checked, str]:
+    """In a thread: the checked image, or why it is skipped."""
     try:
-        c = check_image(data, transcode=transcode, max_pixels=max_pixels)
+        return check_image(data, transcode=transcode, max_pixels=max_pixels)
     except BadImage as e:
-        return "skip", str(e)
-    return "ok", (c.data, c.width, c.height, c.format, c.mode)
+        return str(e)
 
 
 def infer_schema(sample: Dict[str, Any]) -> List[Field]:

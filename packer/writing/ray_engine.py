@@ -12,13 +12,10 @@ from pathlib import Path
 from typing import Deque, Dict, Iterator, List, Optional
 
 from .. import __version__
-from .._util.fsio import remove_own
 from ..errors import PackerError
 from ..sources.base import ImageList
 from ..storage.files import RemoteFolder
-from .worker import ShardDone, ShardJob, ShardTask, write_shard
-
-INSTALL = "pip install 'packer-lmdb[ray]' (or pip install ray)"
+from .worker import ShardDone, ShardJob, ShardTask, remove_untaken, write_shard
 
 
 def need_ray():
@@ -26,7 +23,8 @@ def need_ray():
     try:
         import ray
     except ImportError:
-        raise PackerError(f"building on Ray needs Ray installed: {INSTALL}") from None
+        raise PackerError("building on Ray needs Ray installed: pip install 'packer-lmdb[ray]' "
+                          "(or pip install ray)") from None
     return ray
 
 
@@ -58,9 +56,8 @@ class RayEngine:
 
 
 def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
-    """Submit the tasks, a window at a time; yield their results in order. On close, tasks
-    still queued or running are cancelled and waited for, and shards finished but not taken
-    are removed (what stays in DST is what the journal lists)."""
+    """The tasks' results in order, a window of tasks at a time; on close the rest are cancelled
+    and waited for, and finished shards not taken removed."""
     pending: Deque = deque()  # (task, ref), in plan order
     ready: Dict = {}          # ref -> its ShardDone, finished out of order
     todo = iter(tasks)
@@ -86,9 +83,7 @@ def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterato
         for ref in left:
             ray.cancel(ref)
         finished = ray.wait(left, num_returns=len(left), timeout=60)[0] if left else []
-        for d in [done, *ready.values(), *_quiet_results(ray, finished)]:
-            if d is not None and d.shard is not None and not d.taken:
-                remove_own(job.dst, d.shard["path"])
+        remove_untaken(job.dst, [done, *ready.values(), *_quiet_results(ray, finished)])
 
 
 def _result(ray, ref, task: ShardTask) -> ShardDone:
@@ -115,9 +110,8 @@ def _quiet_results(ray, refs) -> List[ShardDone]:
 
 
 def _slice(job: ShardJob, task: ShardTask):
-    """(job, local task, task) for one shard: the job holds only the task's entries and
-    annotation rows (a task is sent only what it writes) and absolute paths (a Ray worker's
-    working folder is not the driver's); the local task counts from 0."""
+    """(job, local task, task) for one shard: a job holding only the task's entries and rows,
+    with absolute paths (a Ray worker's folder is not the driver's); the local task from 0."""
     src, a, e = job.fields.source, task.start, task.end
     ann = src.annotations
     if ann is not None:

@@ -57,8 +57,7 @@ class ShardWriter:
         while True:
             try:
                 with disk_errors(self.path), self.env.begin(write=True) as txn:
-                    cur = txn.cursor()
-                    consumed, added = cur.putmulti(self._pending, append=True)
+                    _, added = txn.cursor().putmulti(self._pending, append=True)
                     assert added == len(self._pending), "keys must be new and increasing"
                 break
             except lmdb.MapFullError:
@@ -105,7 +104,7 @@ def disk_errors(path: Path):
         f"to resume"), types=(OSError, lmdb.Error))  # lmdb says it only in words
 
 
-def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optional[str]:
+def existing_shard_ok(entry: dict, root: Path) -> Optional[str]:
     """None if ``root/entry['path']`` matches its manifest entry, else what is wrong."""
     p = root / entry["path"]
     if not p.is_file():
@@ -113,9 +112,7 @@ def existing_shard_ok(entry: dict, root: Path, check_hash: bool = True) -> Optio
     size = p.stat().st_size
     if size != entry["bytes"]:
         return f"size {size} != {entry['bytes']}"
-    if check_hash and file_sha256(p) != entry["sha256"]:
-        return "checksum mismatch"
-    return None
+    return "checksum mismatch" if file_sha256(p) != entry["sha256"] else None
 
 
 def write_table(dst: Path, name: str, table) -> dict:

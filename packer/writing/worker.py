@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
-from .._util.fsio import NotAFile, read_file
+from .._util.fsio import NotAFile, read_file, remove_own
 from .._util.system import die_with_parent
 from .check import BadImage, Checked, Checks, Transcode, check_image
 from ..format.fields import Field, encode
@@ -23,7 +23,6 @@ from ..storage.files import RemoteFolder
 from .._util.text import is_utf8
 from .shard import ShardWriter
 
-PROGRESS_EVERY = 16  # images between a worker's progress reports (a shared counter)
 PLANNED_SHARDS = 256    # a dataset smaller than this many shards is cut into about this many,
 MIN_PLANNED = 4 << 20   # but none planned under 4 MiB: shards for every core to write, and a
 #                         short tail (the last wave of shards leaves cores idle)
@@ -127,25 +126,25 @@ def init_worker(parent: int, job: ShardJob) -> None:
     _JOB[0] = job
 
 
-def fetch_entry(job: ShardJob, i: int) -> Tuple[Optional[bytes], str]:
-    """(the bytes of entry ``i``'s file, "") or (None, why it cannot be read). A store that
-    keeps failing raises: the build stops there and resumes on a re-run."""
+def fetch_entry(job: ShardJob, i: int) -> Union[bytes, str]:
+    """The bytes of entry ``i``'s file, or why it cannot be read. A store that keeps failing
+    raises: the build stops there and resumes on a re-run."""
     root, rel = job.fields.source.root, job.fields.source.entries[i][0]
     if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
-        return None, ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 "
-                      "-t utf8 --notest SRC`)")
+        return ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 -t utf8 "
+                "--notest SRC`)")
     limit = job.checks.max_image_bytes
     try:
         if isinstance(root, RemoteFolder):
-            return root.read(rel, limit, "max_image_bytes"), ""
-        return read_file(os.path.join(root, rel), limit, "max_image_bytes"), ""
+            return root.read(rel, limit, "max_image_bytes")
+        return read_file(os.path.join(root, rel), limit, "max_image_bytes")
     except NotAFile as e:
-        return None, str(e)
+        return str(e)
     except OSError as e:
-        return None, f"unreadable: {e.strerror or e}"
+        return f"unreadable: {e.strerror or e}"
 
 
-def fetched(job: ShardJob, task: ShardTask) -> Iterator[Tuple[Optional[bytes], str]]:
+def fetched(job: ShardJob, task: ShardTask) -> Iterator[Union[bytes, str]]:
     """``fetch_entry`` for the task's entries, in order; from object storage FETCH_THREADS at
     once, at most twice that many ahead (memory stays bounded)."""
     todo = iter(range(task.start, task.end))
@@ -166,29 +165,19 @@ def fetched(job: ShardJob, task: ShardTask) -> Iterator[Tuple[Optional[bytes], s
                 f.cancel()
 
 
-def read_entry(job: ShardJob, i: int, got: Optional[Tuple[Optional[bytes], str]] = None):
-    """(status, payload, bytes read) for entry ``i``'s image (``got``: its ``fetch_entry``, if
-    fetched already): ("skip", reason) or ("ok", the checked image)."""
-    data, why = got if got is not None else fetch_entry(job, i)
-    if data is None:
-        return "skip", why, 0
+def read_entry(job: ShardJob, i: int,
+               data: Union[bytes, str, None] = None) -> Tuple[int, Union[Checked, str]]:
+    """(bytes read, the checked image or why it is skipped) for entry ``i`` (``data``: its
+    ``fetch_entry``, if fetched already)."""
+    data = fetch_entry(job, i) if data is None else data
+    if isinstance(data, str):
+        return 0, data
     try:
-        checked = check_image(data, transcode=job.transcode, max_pixels=job.checks.max_pixels,
-                              orientation=job.fields.upright)
-        return "ok", checked, len(data)
+        return len(data), check_image(data, transcode=job.transcode,
+                                      max_pixels=job.checks.max_pixels,
+                                      orientation=job.fields.upright)
     except BadImage as e:
-        return "skip", str(e), len(data)
-
-
-def with_fields(job: ShardJob, i: int, c: Checked):
-    """(status, payload) for entry ``i`` whose image checked out as ``c``: ("skip", reason)
-    or ("ok", (stored bytes, width, height, format, mode, packed fields, columns, drop
-    reasons))."""
-    try:
-        packed, columns, reasons = job.fields.encoded(i, c.width, c.height, c.orientation)
-    except ValueError as e:
-        return "skip", f"annotation: {e}"
-    return "ok", (c.data, c.width, c.height, c.format, c.mode, packed, columns, reasons)
+        return len(data), str(e)
 
 
 def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
@@ -196,34 +185,38 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
     (runs in a worker; ``job`` given when run in-process). A set ``stop`` event, or a
     problem in a strict build, abandons the shard (its temp files removed)."""
     job = job or _JOB[0]
-    done, writer, unreported = ShardDone(task), None, 0
-    entries = job.fields.source.entries
-    reads = fetched(job, task)
+    done, writer = ShardDone(task), None
+    entries, reads = job.fields.source.entries, fetched(job, task)
     try:
         for i in range(task.start, task.end):
             if job.stop is not None and job.stop.is_set():
                 done.stopped = True
                 break
-            status, payload, nbytes = read_entry(job, i, next(reads))
+            nbytes, c = read_entry(job, i, next(reads))
             done.in_bytes += nbytes
-            if status == "ok":
-                status, payload = with_fields(job, i, payload)
-            if status == "skip":
-                done.samples.append((i, None, payload))
-                reasons = [payload]
+            if isinstance(c, Checked):
+                try:
+                    packed, columns, reasons = job.fields.encoded(i, c.width, c.height,
+                                                                  c.orientation)
+                except ValueError as e:
+                    c = f"annotation: {e}"
+            if isinstance(c, str):  # skipped, and why
+                done.samples.append((i, None, c))
+                reasons = [c]
             else:
-                data, width, height, fmt, mode, packed, columns, reasons = payload
                 if writer is None:
                     writer = ShardWriter(job.dst / SHARD_PATTERN.format(task.index),
                                          expected_bytes=task.expected_bytes)
-                writer.append(record_bytes(data, path=entries[i][0], width=width,
-                                           height=height, format=fmt, mode=mode, fields=packed))
-                done.samples.append((i, (width, height, columns), reasons))
+                writer.append(record_bytes(c.data, path=entries[i][0], width=c.width,
+                                           height=c.height, format=c.format, mode=c.mode,
+                                           fields=packed))
+                done.samples.append((i, (c.width, c.height, columns), reasons))
             if job.checks.strict and reasons:
                 done.failed = True
                 break
-            unreported = _report(job, unreported + 1)
-        _report(job, unreported, force=True)
+            if job.progress is not None:  # the parent's progress bar, image by image
+                with job.progress.get_lock():
+                    job.progress.value += 1
         if writer is not None and not (done.failed or done.stopped):
             done.shard, writer = writer.finish(), None
     finally:
@@ -235,10 +228,8 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
     return done
 
 
-def _report(job: ShardJob, n: int, force: bool = False) -> int:
-    """Add ``n`` images to the shared progress counter every PROGRESS_EVERY; what is left."""
-    if job.progress is None or not n or (n < PROGRESS_EVERY and not force):
-        return n
-    with job.progress.get_lock():
-        job.progress.value += n
-    return 0
+def remove_untaken(dst: Path, results: List[Optional[ShardDone]]) -> None:
+    """Remove the finished shards of ``results`` the builder has not taken (None: no result)."""
+    for done in results:
+        if done is not None and done.shard is not None and not done.taken:
+            remove_own(dst, done.shard["path"])

@@ -20,7 +20,8 @@ def rates_on_all_cores(fn: Callable[[Sequence], float], shares: Sequence[Sequenc
     """``fn(share)`` (images/s of one loop over ``share``) in one forked process per share,
     all released at once by a barrier. Fork, so ``fn`` may be a closure over open state."""
     ctx = mp.get_context("fork")
-    barrier, results = ctx.Barrier(len(shares)), ctx.Array("d", len(shares))
+    barrier = ctx.Barrier(len(shares))
+    results = ctx.Array("d", len(shares))
     procs = [ctx.Process(target=_run, args=(fn, share, barrier, results, k), daemon=True)
              for k, share in enumerate(shares)]
     for p in procs:

@@ -9,7 +9,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from PIL import Image
 
@@ -51,11 +51,12 @@ def time_builds(src: os.PathLike, tmp: Path, *, workers: int, repeats: int, deco
     total = sum(os.path.getsize(Path(src, rel)) for rel, _ in entries)
     step = max(1, len(entries) // max(1, decode_sample))
     sample = [Path(src, rel).read_bytes() for rel, _ in entries[::step]]
-    rows = {name: [] for name in (DECODE, DECODE_LOADED, *(name for name, _ in variants))}
     result = {"images": len(entries), "bytes": total, "workers": workers,
-              "repeats": repeats, "pil": pil_summary(), "rows": rows}
+              "repeats": repeats, "pil": pil_summary()}
     log(f"{len(entries)} images, {total / len(entries) / 1e3:.0f} KB mean, "
         f"PIL: {result['pil']}, {workers} workers")
+    rows: Dict[str, List[float]] = {DECODE: [], DECODE_LOADED: []}
+    rows.update((name, []) for name, _ in variants)
     for r in range(repeats):
         rows[DECODE].append(decode_rate(sample))
         rows[DECODE_LOADED].append(statistics.median(
@@ -65,6 +66,7 @@ def time_builds(src: os.PathLike, tmp: Path, *, workers: int, repeats: int, deco
             res = build(src, dst, workers=workers, transcode=transcode, progress=False)
             rows[name].append(len(entries) / res.seconds)
             shutil.rmtree(dst)
+    result["rows"] = rows
     return result
 
 
@@ -72,17 +74,25 @@ def sample_folder(root: os.PathLike, dest: os.PathLike, images: int) -> Path:
     """``images`` of dataset ``root``'s stored image files, evenly spaced, written unchanged as an
     image folder in ``dest`` (a folder per label): the build figure's input."""
     ds = PackedDataset(root)
+    n = len(ds)
     labeled = ds.manifest.get("labels") is not None
-    n = min(images, len(ds))
-    step = len(ds) / max(1, n)
+    step = n / max(1, min(images, n))
     try:
-        for i in (int(k * step) for k in range(n)):
+        for k in range(min(images, n)):
+            i = int(k * step)
             rec = ds.load(i)
             ext = os.path.splitext(str(rec.get("path", "")))[1].lower()
-            ext = ext if ext in IMG_EXTENSIONS else ".jpg"
             folder = Path(dest, f"{ds.target(i):05d}" if labeled else "images")
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"{i:09d}{ext}").write_bytes(rec["image"])
+            (folder / f"{i:09d}{ext if ext in IMG_EXTENSIONS else '.jpg'}").write_bytes(rec["image"])
     finally:
         ds.reader.close()
     return Path(dest)
+
+
+def build_ratios(result: dict, variant: str, cores: int) -> List[float]:
+    """Per repeat of ``time_builds``: ``variant``'s images/s ÷ (cores x one core's decode)."""
+    rows = result["rows"]
+    return [b / (max(1, cores) * d) for b, d in zip(rows[variant], rows[DECODE])]
+
+

@@ -9,13 +9,15 @@ from typing import Optional, Sequence, Tuple
 
 from .._util.system import fs_type
 
+
 def drop_page_cache(paths: Sequence[os.PathLike] = (), everything: bool = True) -> str:
     """Evict ``paths`` from the page cache so the next read comes from the device: as root (with
     ``everything``) drop_caches, else ``POSIX_FADV_DONTNEED`` per file. Returns how."""
     if everything and hasattr(os, "geteuid") and os.geteuid() == 0:
         try:
             os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
             return "cold (drop_caches)"
         except OSError:
             pass  # root in a container: /proc/sys is read-only; fall back to these files
@@ -58,9 +60,10 @@ def storage(path: os.PathLike) -> str:
     if fs in ("tmpfs", "ramfs"):
         return f"{fs} (RAM)"
     try:
-        disk = block_disk(path)[1]
-        if disk is not None and (disk / "queue" / "rotational").exists():
-            rot = (disk / "queue" / "rotational").read_text().strip() == "1"
+        _, disk = block_disk(path)
+        flag = disk / "queue" / "rotational" if disk is not None else None
+        if flag is not None and flag.exists():
+            rot = flag.read_text().strip() == "1"
             return f"{fs} on {disk.name}, {'rotational' if rot else 'non-rotational'}"
     except (OSError, ValueError):
         pass

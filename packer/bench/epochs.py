@@ -2,6 +2,7 @@
 against a plain DataLoader over the same ``PackedSampler``, collate and workers."""
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -51,21 +52,27 @@ class StandInStep:
         pass
 
 
+def plain_loader(ds, sampler: PackedSampler, batch_size: int, workers: int,
+                 pin_memory: bool) -> DataLoader:
+    """The baseline: a DataLoader with make_loader's collate, workers and prefetch, epoch by
+    epoch."""
+    return DataLoader(ds, batch_size, sampler=sampler, num_workers=workers,
+                      collate_fn=functools.partial(collate_uint8), pin_memory=pin_memory,
+                      persistent_workers=workers > 0,
+                      prefetch_factor=max(2, math.ceil(TOTAL_PREFETCH / workers)) if workers else None)
+
+
 def one_run(ds: PackedDataset, across: bool, *, batch_size: int, workers: int, epochs: int,
             step) -> EpochRun:
-    """``epochs`` epochs after a warm-up, through ``make_loader`` (``across``) or the baseline, a
-    DataLoader with its collate, workers and prefetch; ``step``: seconds or a step object."""
+    """``epochs`` epochs after a warm-up, through ``make_loader`` (``across``) or ``plain_loader``;
+    ``step``: seconds (``StandInStep``) or a step object."""
     step = StandInStep(step) if isinstance(step, (int, float)) else step
     if across:
         made = make_loader(ds, batch_size, num_workers=workers, pin_memory=step.pin_memory)
         set_epoch = made.set_epoch
     else:
         sampler = PackedSampler(ds, seed=0)
-        prefetch = max(2, math.ceil(TOTAL_PREFETCH / workers)) if workers else None
-        made = DataLoader(ds, batch_size, sampler=sampler, num_workers=workers,
-                          collate_fn=collate_uint8, pin_memory=step.pin_memory,
-                          persistent_workers=workers > 0, prefetch_factor=prefetch)
-        set_epoch = sampler.set_epoch
+        made, set_epoch = plain_loader(ds, sampler, batch_size, workers, step.pin_memory), sampler.set_epoch
     loader = step.feed(made)
     for x, y in loader:  # warm-up epoch: workers started, caches warm
         step(x, y)
@@ -90,6 +97,9 @@ def loader_batch_time(ds: PackedDataset, batch_size: int, workers: int) -> float
     """Seconds per batch the loader needs inside an epoch, with nothing else running."""
     it = iter(make_loader(ds, batch_size, shuffle=False, num_workers=workers, pin_memory=False))
     next(it)
-    t0 = time.perf_counter()
-    n = sum(1 for _ in it)
+    t0, n = time.perf_counter(), 0
+    for _ in it:
+        n += 1
     return (time.perf_counter() - t0) / max(n, 1)
+
+

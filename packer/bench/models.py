@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import PackerError
-from ..loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, normalize_affine, normalize_uint8
+from ..loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, normalize_uint8
 
 __all__ = ["TinyNet", "TrainStep", "make_model", "resnet50"]
 
@@ -30,8 +30,9 @@ class TrainStep:
             net.parameters(), lr=0.01, momentum=0.9)
         self.loss = criterion if criterion is not None else nn.CrossEntropyLoss()
         self.amp, self.scaler, self.scheduler = amp, scaler, scheduler
-        scale, shift = normalize_affine(IMAGENET_MEAN, IMAGENET_STD)
-        self.scale, self.shift = scale.to(device), shift.to(device)
+        mean = torch.tensor(IMAGENET_MEAN).view(1, -1, 1, 1)
+        std = torch.tensor(IMAGENET_STD).view(1, -1, 1, 1)
+        self.scale, self.shift = (1 / (255 * std)).to(device), (-mean / std).to(device)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 -> float32 normalized, channels_last: what CUDAPrefetcher does, done in-loop."""

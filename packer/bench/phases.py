@@ -2,11 +2,7 @@
 figures), each over the packed data and the ImageFolder-style baseline (``FolderDataset``)."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import importlib.util
-import io
 import math
 import random
 import statistics
@@ -16,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from PIL import Image
 
 from .._util.system import usable_cores
 from ..writing.builder import build
@@ -28,7 +23,7 @@ from ..reading.reader import ShardReader
 from ..demo import FolderDataset
 from . import build as build_bench
 from .coldread import drop_page_cache, storage
-from .efficiency import GOAL as EFFICIENCY_GOAL, core_rates, steady_loader_rate
+from .efficiency import GOAL as EFFICIENCY_GOAL, efficiency_round
 from .epochs import VARIANTS as EPOCH_VARIANTS, loader_batch_time, one_run
 
 DECODE_SAMPLE = 200      # images held in memory for the one-core decode runs
@@ -43,6 +38,8 @@ class DecodeFullRandomResizedCrop(DecodeRandomResizedCrop):
     (what torchvision's RandomResizedCrop after ``Image.open().convert("RGB")`` costs)."""
 
     def __call__(self, data: bytes):
+        import io
+        from PIL import Image
         im = Image.open(io.BytesIO(data)).convert("RGB")
         oh, ow = self.size
         im = im.resize((ow, oh), Image.BILINEAR, box=self.box(*im.size), reducing_gap=None)
@@ -87,11 +84,10 @@ class Runner:
         self.report, self.bar, self.seconds, self.max_images = report, bar, seconds, max_images
         self.cold_cache = cold_cache
 
-    @contextlib.contextmanager
-    def _run(self, name: str):
-        """One run: named on the progress bar while it lasts, counted when it ends."""
+    def _begin(self, name: str) -> None:
         self.bar.set_postfix_str(name)
-        yield
+
+    def _tick(self) -> None:
         self.bar.update(1)
 
     def _evict(self, source: BenchInput, order: Sequence[int]) -> Optional[str]:
@@ -124,13 +120,14 @@ class Runner:
         cache: Dict[str, Optional[str]] = {}
         if not self.cold_cache:  # warm means warm: one untimed pass fills the page cache
             for s in sources:
-                self.bar.set_postfix_str(f"read {s.name} (warm-up)")
+                self._begin(f"read {s.name} (warm-up)")
                 self._read(s, orders[s.name])
         for _ in range(repeats):
             for s in sources:
-                with self._run(f"read {s.name}"):
-                    cache[s.name] = self._evict(s, orders[s.name])
-                    runs[s.name].append(self._read(s, orders[s.name]))
+                self._begin(f"read {s.name}")
+                cache[s.name] = self._evict(s, orders[s.name])
+                runs[s.name].append(self._read(s, orders[s.name]))
+                self._tick()
         for s in sources:
             how = cache[s.name] or "warm"
             label = "tmpfs" if how.startswith("RAM") else how.split(" (")[0]
@@ -139,22 +136,32 @@ class Runner:
 
     def _read(self, s: BenchInput, order: List[int]) -> dict:
         """Records (or files) per second and MB/s, reading whole values in ``order``."""
-        reader = None if s.name == "folder" else ShardReader(s.root)
-        keys = iter(order if reader is not None else [Path(p) for p in s.files(order)])
-        read = reader.read if reader is not None else Path.read_bytes
+        if s.name == "folder":
+            paths = [p for p in s.files(order)]
+
+            def read(k):
+                with open(paths[k], "rb") as f:
+                    return len(f.read())
+            close = None
+        else:
+            reader = ShardReader(s.root)
+
+            def read(k):
+                return len(reader.read(order[k]))
+            close = reader.close
         try:
-            read(next(keys))  # warm-up: opens the environment / directory, first seek
+            read(0)  # warm-up: opens the environment / directory, first seek
             n = nbytes = 0
             t0 = time.perf_counter()
-            for key in keys:
-                nbytes += len(read(key))
+            for k in range(1, len(order)):
+                nbytes += read(k)
                 n += 1
                 if n % 8 == 0 and time.perf_counter() - t0 >= self.seconds:
                     break
             el = time.perf_counter() - t0
         finally:
-            if reader is not None:
-                reader.close()
+            if close is not None:
+                close()
         return {"images_per_s": n / el, "mb_per_s": nbytes / el / 1e6}
 
     def decode_phase(self, packed: PackedDataset, order: List[int], size: int, cores: int,
@@ -164,8 +171,10 @@ class Runner:
         short = max(16, math.ceil(size * 8 / 7))  # 256 for 224: Resize(256) + crop(224)'s rule
         small = []
         for data in sample:
-            with contextlib.suppress(Exception):  # undecodable here: verify reports it, not us
+            try:
                 small.append(check_image(data, transcode=Transcode(short_side=short)).data)
+            except Exception:  # not decodable here: the dataset's verify reports it, not us
+                pass
         variants = [("decode full-size + crop (1 core)", DecodeFullRandomResizedCrop(size), sample),
                     ("decode reduced-size + crop (1 core)", DecodeRandomResizedCrop(size), sample),
                     (f"decode reduced, packed --short-side {short} (1 core)",
@@ -173,9 +182,10 @@ class Runner:
         runs: Dict[str, List[dict]] = {v[0]: [] for v in variants}
         for r in range(repeats):
             for name, fn, blobs in variants:
-                with self._run(name):
-                    random.seed(r)
-                    runs[name].append(self._decode(fn, blobs))
+                self._begin(name)
+                random.seed(r)
+                runs[name].append(self._decode(fn, blobs))
+                self._tick()
         for name, _, blobs in variants:
             res = self._add(name, "decode", runs[name], cores=cores,
                             mean_kb=sum(map(len, blobs)) / max(1, len(blobs)) / 1e3)
@@ -205,14 +215,15 @@ class Runner:
         for r in range(repeats):
             for w in workers:
                 for s in sources:
-                    with self._run(f"loader {s.name}, {n_workers(w)}"):
-                        self._evict(s, orders[s.name])
-                        loader = make_loader(s.dataset(size), batch_size, sampler=orders[s.name],
-                                             num_workers=w, pin_memory=False, drop_last=True,
-                                             persistent_workers=False,
-                                             worker_init_fn=functools.partial(seed_worker, r))
-                        runs[(s.name, w)].append(self._time_loader(loader, w))
-                        del loader
+                    self._begin(f"loader {s.name}, {n_workers(w)}")
+                    self._evict(s, orders[s.name])
+                    ds = s.dataset(size)
+                    loader = make_loader(ds, batch_size, sampler=orders[s.name], num_workers=w,
+                                         pin_memory=False, persistent_workers=False, drop_last=True,
+                                         worker_init_fn=SeedWorker(r))
+                    runs[(s.name, w)].append(self._time_loader(loader, w))
+                    del loader, ds
+                    self._tick()
         for w in workers:
             for s in sources:
                 self._add(f"loader {s.name}, {n_workers(w)}", "loader",
@@ -227,11 +238,12 @@ class Runner:
             for _ in range(group):
                 next(it)
             t0 = time.perf_counter()
-            n = n_end = 0
+            n = k = n_end = 0
             t_end = t0
             limit = self.max_images or float("inf")
-            for k, (x, _) in enumerate(it, 1):
+            for x, _ in it:
                 n += len(x)
+                k += 1
                 if k % group == 0:
                     t_end, n_end = time.perf_counter(), n
                     if t_end - t0 >= self.seconds or n >= limit:
@@ -251,36 +263,38 @@ class Runner:
         cores = usable_cores()
         with tempfile.TemporaryDirectory(prefix="packer-bench-figures-") as tmp:
             tmp = Path(tmp)
-            with self._run(f"build rate ratio ({images} images)"):
-                src = build_bench.sample_folder(dst, tmp / "src", images)
-                self._build_figure(src, tmp, cores, repeats)
+            self._begin(f"build rate ratio ({images} images)")
+            src = build_bench.sample_folder(dst, tmp / "src", images)
+            self._build_figure(src, tmp, cores, repeats)
             build(src, tmp / "packed", workers=cores, progress=False)
             ds = PackedDataset(tmp / "packed", decode=DecodeRandomResizedCrop(size))
             self._efficiency_figure(ds, workers, batch_size, repeats)
             self._epoch_figure(ds, workers, batch_size, repeats)
 
     def _build_figure(self, src: Path, tmp: Path, cores: int, repeats: int) -> None:
-        variant = build_bench.build_variants()[0]  # bytes unchanged: what `packer build` does
+        name, _ = build_bench.build_variants()[0]  # bytes unchanged: what `packer build` does
         res = build_bench.time_builds(src, tmp, workers=cores, repeats=repeats,
-                                      decode_sample=2 * DECODE_SAMPLE, variants=[variant],
-                                      log=lambda _: None)
-        built, decoded = res["rows"][variant[0]], res["rows"][build_bench.DECODE]
+                                      decode_sample=2 * DECODE_SAMPLE,
+                                      variants=build_bench.build_variants()[:1], log=lambda _: None)
         self.report.figures["build_ratio"] = dict(
-            summary([b / (max(1, cores) * d) for b, d in zip(built, decoded)]),
-            goal=build_bench.GOAL, build_images_per_s=statistics.median(built),
-            decode_images_per_s=statistics.median(decoded), cores=cores, workers=cores,
-            images=res["images"])
+            summary(build_bench.build_ratios(res, name, cores)), goal=build_bench.GOAL,
+            build_images_per_s=statistics.median(res["rows"][name]),
+            decode_images_per_s=statistics.median(res["rows"][build_bench.DECODE]),
+            cores=cores, workers=cores, images=res["images"])
+        self._tick()
 
     def _efficiency_figure(self, ds: PackedDataset, workers: int, batch_size: int,
                            repeats: int) -> None:
-        """Rounds of one core's ``ds[i]`` loop alone and ``workers`` at once, then the loader."""
+        """``efficiency_round``'s rounds: one core's ``ds[i]`` loop alone and ``workers`` at once,
+        then the loader."""
         indices = list(range(len(ds)))
-        rounds = []
+        core, busy, loader = [], [], []
         for _ in range(repeats):
-            with self._run("loader efficiency"):
-                rounds.append((*core_rates(ds, indices, workers),
-                               steady_loader_rate(ds, indices, batch_size, workers)))
-        core, busy, loader = zip(*rounds)
+            self._begin("loader efficiency")
+            for out, v in zip((core, busy, loader),
+                              efficiency_round(ds, indices, batch_size, workers)):
+                out.append(v)
+            self._tick()
         self.report.figures["loader_efficiency"] = dict(
             summary([lo / (workers * c) for lo, c in zip(loader, core)]), goal=EFFICIENCY_GOAL,
             all_cores_busy=summary([lo / (workers * b) for lo, b in zip(loader, busy)]),
@@ -296,11 +310,12 @@ class Runner:
         kept: Dict[str, List[float]] = {k: [] for k in EPOCH_KEYS.values()}
         for _ in range(repeats):
             for name, across in EPOCH_VARIANTS.items():
-                with self._run(f"epoch-boundary wait, {name}"):
-                    run = one_run(ds, across, batch_size=batch_size, workers=workers,
-                                  epochs=FIGURE_EPOCHS, step=step)
+                self._begin(f"epoch-boundary wait, {name}")
+                run = one_run(ds, across, batch_size=batch_size, workers=workers,
+                              epochs=FIGURE_EPOCHS, step=step)
                 waits[EPOCH_KEYS[across]] += [w * 1e3 for w in run.first_waits]
                 kept[EPOCH_KEYS[across]].append(run.kept)
+                self._tick()
         fig = {k: summary(v) for k, v in waits.items()}
         fig.update(kept={k: statistics.median(v) for k, v in kept.items()}, step_ms=step * 1e3,
                    epochs=FIGURE_EPOCHS, workers=workers, batch_size=batch_size,
@@ -327,9 +342,14 @@ def summary(values: List[float]) -> dict:
             "values": list(values)}
 
 
-def seed_worker(r: int, worker_id: int) -> None:
-    """Per-worker, per-repeat seed for the random crops: ``partial(seed_worker, r)``."""
-    random.seed(r * 1009 + worker_id)
+class SeedWorker:
+    """Per-worker, per-repeat seed for the random crops (picklable for spawn)."""
+
+    def __init__(self, r: int):
+        self.r = r
+
+    def __call__(self, worker_id: int) -> None:
+        random.seed(self.r * 1009 + worker_id)
 
 
 def n_workers(w: int) -> str:
@@ -337,6 +357,7 @@ def n_workers(w: int) -> str:
 
 
 def has_module(name: str) -> bool:
+    import importlib.util
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):

@@ -16,8 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
-from .._util.system import (PILLOW_SIMD_HINT, busy_cores, free_bytes, human_size, pil_info,
-                            pil_summary, usable_cores)
+from .._util.system import PILLOW_SIMD_HINT, busy_cores, free_bytes, human_size, pil_info, pil_summary, usable_cores
 from ..reading.dataset import PackedDataset
 from ..demo import FolderDataset
 from ..errors import PackerError
@@ -27,6 +26,8 @@ from .models import make_model
 from .phases import BenchInput, figure_plan, n_workers
 from .train import TrainRunner
 from .verdict import explain
+
+PLOT_HINT = "--plot needs matplotlib: pip install matplotlib"
 
 
 @dataclass
@@ -39,6 +40,9 @@ class BenchReport:
     config: dict = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+
+    def get(self, name: str) -> Optional[dict]:
+        return next((r for r in self.results if r["name"] == name), None)
 
     def of(self, kind: str, source: Optional[str] = None) -> List[dict]:
         return [r for r in self.results if r["kind"] == kind
@@ -66,11 +70,12 @@ class BenchReport:
         optional = [("MB/s", "mb_per_s", "{:,.1f}"),
                     ("x cores", "ceiling_images_per_s", "{:,.0f}"),
                     ("data wait ms/step", "data_wait_ms", "{:.1f}"),
-                    ("starved %", "starvation_pct", "{:.0f}"), ("storage", "storage", "{}")]
+                    ("starved %", "starvation_pct", "{:.0f}")]
         for title, k, fmt in optional:
             if any(r.get(k) is not None for r in self.results):
-                cols.append((title, lambda r, k=k, fmt=fmt: "" if r.get(k) is None
-                             else fmt.format(r[k])))
+                cols.append((title, lambda r, k=k, fmt=fmt: "" if r.get(k) is None else fmt.format(r[k])))
+        if any(r.get("storage") for r in self.results):
+            cols.append(("storage", lambda r: r.get("storage") or ""))
         rows = [[title for title, _ in cols], ["---"] * len(cols)]
         rows += [[fn(r) for _, fn in cols] for r in self.results]
         return "\n".join("| " + " | ".join(row) + " |" for row in rows)
@@ -112,7 +117,7 @@ class BenchReport:
 
     def plot(self, path: os.PathLike) -> None:
         """A bar chart of images/s per variant (one panel per kind, whiskers = spread)."""
-        plt = check_plot()
+        plt = _pyplot()
         kinds = [k for k in ("stage", "read", "decode", "loader", "train") if self.of(k)]
         counts = [len(self.of(k)) for k in kinds]
         fig, axes = plt.subplots(len(kinds), 1, figsize=(9, 1.2 + 0.42 * sum(counts) + 0.5 * len(kinds)),
@@ -137,16 +142,19 @@ class BenchReport:
         plt.close(fig)
 
 
-def check_plot():
-    """``matplotlib.pyplot`` (Agg); PackerError if it is missing, checked before measuring."""
+def check_plot() -> None:
+    """Raise PackerError now (not after minutes of measuring) if matplotlib is missing."""
+    _pyplot()
+
+
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PackerError(f"--plot needs matplotlib: pip install matplotlib (matplotlib requires "
-                          f"stock Pillow, which replaces Pillow-SIMD; to get it back: "
-                          f"{PILLOW_SIMD_HINT})") from None
+        raise PackerError(f"{PLOT_HINT} (matplotlib requires stock Pillow, which replaces "
+                          f"Pillow-SIMD; to get it back: {PILLOW_SIMD_HINT})") from None
     return plt
 
 

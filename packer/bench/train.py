@@ -2,12 +2,9 @@
 against the same step on a batch kept on the device; data wait timed with CUDA events."""
 from __future__ import annotations
 
-import contextlib
-import functools
-import itertools
 import statistics
 import time
-from typing import Dict, Iterator, List
+from typing import Callable, Dict, List
 
 import torch
 
@@ -17,11 +14,9 @@ from ..reading.dataset import PackedDataset
 from ..loading.loader import make_loader
 from ..loading.prefetch import CUDAPrefetcher
 from .models import TrainStep, make_model
-from .phases import BenchInput, Runner, has_module, n_workers, seed_worker
+from .phases import BenchInput, Runner, SeedWorker, has_module, n_workers
 
 GPU_DECODE = "GPU decode (nvJPEG)"
-FEEDS = ["plain", "pin_memory + non_blocking", "background thread", "CUDAPrefetcher",
-         "thread + CUDAPrefetcher"]
 
 
 class TrainRunner(Runner):
@@ -35,35 +30,48 @@ class TrainRunner(Runner):
         w = max(loaders, key=lambda r: r["images_per_s"])["workers"] if loaders else usable_cores()
         classes = len(PackedDataset(source.root).classes)
         net = make_model(model, max(1000, classes) if model != "tiny" else max(10, classes))
-        step = TrainStep(net.to(device, memory_format=torch.channels_last), device)
+        net = net.to(device, memory_format=torch.channels_last)
+        step = TrainStep(net, device)
+        benchmark_before = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True  # fixed shapes: let cudnn pick its fastest kernels
+        try:
+            self._train_variants(source, orders, batch_size, size, model, device, repeats, w,
+                                 classes, step)
+        finally:
+            torch.backends.cudnn.benchmark = benchmark_before
+
+    def _train_variants(self, source, orders, batch_size, size, model, device, repeats, w,
+                        classes, step) -> None:
         x_syn = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, device=device)
-        syn_batch = (step.normalize(x_syn), torch.randint(0, classes, (batch_size,), device=device))
-        names = ["synthetic (batch on device)", *FEEDS]
+        x_syn = step.normalize(x_syn)
+        y_syn = torch.randint(0, classes, (batch_size,), device=device)
+        for _ in range(5):  # autotune and allocate once, outside every timed run
+            step(x_syn, y_syn)
+        _sync(device)
+        names = ["synthetic (batch on device)", "plain", "pin_memory + non_blocking",
+                 "background thread", "CUDAPrefetcher", "thread + CUDAPrefetcher"]
         if device.type == "cuda" and has_module("torchvision"):
             names.append(GPU_DECODE)  # packer's nvJPEG path: workers only read bytes
             self.bar.total += repeats
         runs: Dict[str, List[dict]] = {n: [] for n in names}
-        benchmark_before = torch.backends.cudnn.benchmark
-        torch.backends.cudnn.benchmark = True  # fixed shapes: let cudnn pick its fastest kernels
-        try:
-            for _ in range(5):  # autotune and allocate once, outside every timed run
-                step(*syn_batch)
-            _sync(device)
-            for r in range(repeats):
-                for name in names:
-                    if name == names[0]:
-                        feed, warmup = (syn_batch for _ in itertools.count()), 1
-                    else:
-                        self._evict(source, orders[source.name])
-                        feed = _feed(name, source.dataset(size), orders[source.name], batch_size,
-                                     size, w, step, device, r)
-                        warmup = max(1, w) + 1
-                    with self._run(f"train {name}"), contextlib.closing(feed):
-                        runs[name].append(self._train_run(step, feed, warmup, device))
-        finally:
-            torch.backends.cudnn.benchmark = benchmark_before
-        syn = self._add(f"train {model}: synthetic (batch on {device.type})", "train",
-                        runs[names[0]], workers=None, feed="synthetic")
+        for r in range(repeats):
+            for name in names:
+                self._begin(f"train {name}")
+                if name.startswith("synthetic"):
+                    runs[name].append(self._train_run(step, _repeat((x_syn, y_syn)), 1, device))
+                else:
+                    self._evict(source, orders[source.name])
+                    feed, closers = _feed(name, source.dataset(size), orders[source.name],
+                                          batch_size, size, w, step, device, r)
+                    try:
+                        runs[name].append(self._train_run(step, feed, max(1, w) + 1, device))
+                    finally:
+                        for c in closers:
+                            c()
+                        del feed
+                self._tick()
+        syn = self._add(f"train {model}: synthetic (batch on {device.type})", "train", runs[names[0]],
+                        workers=None, feed="synthetic")
         for name in names[1:]:
             res = self._add(f"train {model}: {name}, {n_workers(w)}", "train", runs[name],
                             source=source.name, workers=w, feed=name)
@@ -77,16 +85,15 @@ class TrainRunner(Runner):
             "training stream); no per-step synchronize" if device.type == "cuda"
             else "host clock between steps (CPU run)")
 
-    def _train_run(self, step: TrainStep, feed, warmup: int, device: torch.device) -> dict:
+    def _train_run(self, step: "TrainStep", feed, warmup: int, device: torch.device) -> dict:
         """Throughput between two synchronizes; data wait from events around each step, so the host
         never waits inside the timed steps."""
         it = (as_labels(x, y) for x, y in feed)
-        cuda = device.type == "cuda"
         try:
             for _ in range(warmup):
                 step(*next(it))
             _sync(device)
-            marks: list = []  # alternating step start / step end
+            marks = _Marks(device)
             host_wait = 0.0
             n, t0 = 0, time.perf_counter()
             limit = self.max_images or float("inf")
@@ -97,20 +104,19 @@ class TrainRunner(Runner):
                 except StopIteration:
                     break
                 host_wait += time.perf_counter() - th
-                marks.append(_mark(cuda))
+                marks.mark()
                 step(x, y)
-                marks.append(_mark(cuda))
+                marks.mark()
                 n += len(x)
             _sync(device)
             el = time.perf_counter() - t0
         except StopIteration:
             return {}
-        if not marks:
+        steps = len(marks.marks) // 2
+        if steps == 0:
             return {}
-        gaps = [end.elapsed_time(start) if cuda else 1e3 * (start - end)  # step end -> next start
-                for end, start in zip(marks[1:-1:2], marks[2::2])]
-        return {"images_per_s": n / el, "data_wait_ms": statistics.fmean(gaps) if gaps else 0.0,
-                "host_wait_ms": 1e3 * host_wait / (len(marks) // 2)}
+        return {"images_per_s": n / el, "data_wait_ms": marks.mean_gap_ms(),
+                "host_wait_ms": 1e3 * host_wait / steps}
 
 
 def as_labels(x: torch.Tensor, y):
@@ -120,40 +126,71 @@ def as_labels(x: torch.Tensor, y):
     return x, y
 
 
+def _repeat(batch):
+    while True:
+        yield batch
+
+
 def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainStep,
-          device: torch.device, r: int) -> Iterator:
-    """(normalized images, labels) on ``device`` from one feeding variant; ``close()`` stops it."""
+          device: torch.device, r: int):
+    """An iterator of (normalized images, labels) on ``device`` for one feeding variant, and the
+    callables that shut it down."""
     if name == GPU_DECODE:
         from ..gpu import GPUDecoder, make_gpu_loader  # needs torchvision or libnvjpeg: on demand
         loader = make_gpu_loader(ds, batch_size, sampler=order, num_workers=w, drop_last=True,
                                  persistent_workers=False)
-        yield from GPUDecoder(loader, size=size, dtype=torch.float32, device=device, seed=r)
-        return
-    pin = device.type == "cuda" and name != "plain"
+        g = iter(GPUDecoder(loader, size=size, dtype=torch.float32, device=device, seed=r))
+        return g, [g.close]
+    gpu = device.type == "cuda"
+    pin = gpu and name != "plain"
     loader = make_loader(ds, batch_size, sampler=order, num_workers=w, pin_memory=pin,
-                         persistent_workers=False, drop_last=True,
-                         worker_init_fn=functools.partial(seed_worker, r))
-    threaded = name in ("background thread", "thread + CUDAPrefetcher")
-    src = background(loader, depth=2) if threaded else loader  # hand-over off the training thread
-    try:
-        if name.endswith("CUDAPrefetcher"):
-            yield from CUDAPrefetcher(src, device=device, channels_last=True)
-        else:
+                         persistent_workers=False, drop_last=True, worker_init_fn=SeedWorker(r))
+    closers: List[Callable] = []
+    if name in ("plain", "pin_memory + non_blocking", "background thread"):
+        src = loader
+        if name == "background thread":
+            src = background(loader, depth=2)
+            closers.append(src.close)
+
+        def gen():
             for x, y in src:  # the copy and normalize are queued on the training stream
-                y = y.to(device, non_blocking=pin) if torch.is_tensor(y) else y  # detection: list
+                y = y.to(device, non_blocking=pin) if torch.is_tensor(y) else y  # (detection: lists)
                 yield step.normalize(x.to(device, non_blocking=pin)), y
-    finally:
-        if threaded:
-            src.close()
+        g = gen()
+        closers.insert(0, g.close)
+        return g, closers
+    src = loader
+    if name == "thread + CUDAPrefetcher":
+        src = background(loader, depth=2)  # batch hand-over from workers off the training thread
+        closers.append(src.close)
+    g = iter(CUDAPrefetcher(src, device=device, channels_last=True))
+    closers.insert(0, g.close)
+    return g, closers
 
 
-def _mark(cuda: bool):
-    """Now: a CUDA event on the current stream (read after a synchronize), or the host clock."""
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
+class _Marks:
+    """Timestamps alternating step start / step end: CUDA events on the current stream (read
+    after the final synchronize), or host clock readings on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def mean_gap_ms(self) -> float:
+        """Mean time from one step's end to the next step's start (0 for a single step)."""
+        gaps = []
+        for k in range(2, len(self.marks) - 1, 2):
+            end, start = self.marks[k - 1], self.marks[k]
+            gaps.append(end.elapsed_time(start) if self.cuda else 1e3 * (start - end))
+        return statistics.fmean(gaps) if gaps else 0.0
 
 
 def _sync(device: torch.device) -> None:

@@ -7,7 +7,6 @@ from typing import List
 from .phases import has_module, n_workers
 from .train import GPU_DECODE
 
-
 def explain(rep) -> str:
     """The verdict for a ``BenchReport``: one sentence per rule that has its numbers."""
     facts = _Facts(rep)

@@ -1,5 +1,7 @@
-"""Crop boxes for a whole batch (CPU, float64): the CPU decoders' ``box()`` rules, vectorised;
-:func:`packer.gpu.resample.resample_crops` then cuts the pixels out."""
+"""Crop boxes for a batch at once: torchvision's RandomResizedCrop and Resize + CenterCrop
+maths, vectorised (CPU, float64), the same boxes as the CPU decoders' ``box()``; the pixels
+are then cut out and resized by :func:`packer.gpu.resample.resample_crops`.
+"""
 from __future__ import annotations
 
 import math

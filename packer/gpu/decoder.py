@@ -1,5 +1,6 @@
-"""``GPUDecoder``, the GPU path's iterator: decode threads, each on its own CUDA stream, decode
-whole batches and augment them in one Triton kernel (docs/gpu_decode.md)."""
+"""``GPUDecoder``: the iterator a training loop uses on the GPU path: decode threads, each on its
+own CUDA stream, decode whole batches and augment them in one Triton kernel
+(docs/gpu_decode.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -7,7 +8,7 @@ import importlib
 import itertools
 import time
 import warnings
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -22,11 +23,13 @@ from .loader import ConnectionsWarning, connections_advice
 from .nvjpeg import NvjpegDecoder, load_nvjpeg, torchvision_decode
 from .options import DecodeStats, GPUOptions
 from .pipeline import Pipeline
-from .resample import CPU_PATH, TRITON_MISSING, ImageTable, resample_crops, triton_available
+from .resample import TRITON_MISSING, ImageTable, resample_crops, triton_available
 
 __all__ = ["GPUDecoder"]
 
 LETTERBOX_FILL = 114  # YOLO's grey
+CPU_PATH = ("use the CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
+            "make_loader and CUDAPrefetcher")
 
 
 class GPUDecoder(LoaderView):
@@ -173,8 +176,9 @@ class GPUDecoder(LoaderView):
                 self.stats.add(gpu=len(images), batches=1)
                 return images, batch.sizes, batch.labels.to(self.device, non_blocking=True)
         views = batch.images()
+        n = len(views)
         on_gpu = (~batch.decoded).nonzero().flatten().tolist()
-        out = list(views)  # each replaced by its (3, h, w) image on self.device
+        out: List[Optional[torch.Tensor]] = [None] * n
         retried = 0
         if on_gpu:
             try:
@@ -188,9 +192,10 @@ class GPUDecoder(LoaderView):
             if not torch.equal(got[:, 1:], batch.sizes[on_gpu]) or bool((got[:, 0] != 3).any()):
                 raise RuntimeError("the decoder returned images of other sizes than their JPEG "
                                    "headers say (or not 3 channels)")
-        for i in batch.decoded.nonzero().flatten().tolist():
-            out[i] = views[i].to(self.device, non_blocking=True).permute(2, 0, 1)
-        self.stats.add(gpu=len(on_gpu), cpu=len(out) - len(on_gpu), retried=retried, batches=1)
+        for i, v in enumerate(views):
+            if out[i] is None:
+                out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
+        self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
         return (ImageTable.from_images(out), batch.sizes,
                 batch.labels.to(self.device, non_blocking=True))
 

@@ -41,10 +41,14 @@ def pack_targets(targets: Sequence[Dict]) -> DetectionTargets:
                             torch.tensor([int(t["image_id"]) for t in targets]), per_box)
 
 
-def letterbox_crops(sizes: torch.Tensor, size: Tuple[int, int]):
+def is_detection_batch(targets: Sequence) -> bool:
+    return bool(targets) and isinstance(targets[0], dict) and "boxes" in targets[0]
+
+
+def letterbox_crops(sizes: torch.Tensor, size: Tuple[int, int], scale_up: bool = True):
     """The letterbox as a crop reaching past the image, and where each image's pixels land:
     ``(crops (B, 4) float64, inside (B, 4) top, left, bottom, right)``."""
-    scale, pad, new = letterbox_params(sizes, size)
+    scale, pad, new = letterbox_params(sizes, size, scale_up=scale_up)
     scale = scale.double()
     oh, ow = size
     top, left = pad[:, 0].double(), pad[:, 1].double()
@@ -78,11 +82,15 @@ def place_boxes(targets: DetectionTargets, crops: torch.Tensor, size: Tuple[int,
     boxes, keep = crop_boxes(targets.boxes, targets.counts, crops.to(dev), size,
                              None if flips is None else flips.to(dev), min_visible=min_visible)
     counts = targets.counts.tolist()  # (waits for the targets' copy: a few hundred bytes)
-    out, start = [], 0
-    for n, image_id, kept in zip(counts, targets.image_id.tolist(), keep.cpu().split(counts)):
-        sel = kept.nonzero().flatten().to(dev) + start
+    ids = targets.image_id.tolist()
+    keep_cpu = keep.cpu()
+    out = []
+    start = 0
+    for i, n in enumerate(counts):
+        k = keep_cpu[start:start + n]
+        sel = torch.nonzero(k).flatten().to(dev) + start
         rest = {k: v[sel] for k, v in targets.per_box.items()}  # torchvision's key order:
         out.append({"boxes": wrap_boxes(boxes[sel], size), "labels": rest.pop("labels"),
-                    "image_id": image_id, **rest})
+                    "image_id": ids[i], **rest})
         start += n
     return out

@@ -1,9 +1,8 @@
-"""The CPU side of GPU decoding, in DataLoader workers: JPEG headers, the ``decode=`` hook
-(:class:`EncodedImage`) and the collate into one flat buffer (:class:`EncodedBatch`)."""
+"""The CPU side of GPU decoding, in DataLoader workers: JPEG header parsing, the ``decode=``
+hook (:class:`EncodedImage`) and the collate into one flat buffer (:class:`EncodedBatch`)."""
 from __future__ import annotations
 
 import ctypes
-import itertools
 from typing import Any, List, NamedTuple, Optional
 
 import torch
@@ -13,7 +12,7 @@ from ..errors import FormatError
 from ..loading.torchapi import shared_empty
 from ..transforms.decode import open_image
 from ..format.images import DEFAULT_MAX_PIXELS
-from .detection import pack_targets
+from .detection import is_detection_batch, pack_targets
 
 __all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",
            "gpu_decodable", "jpeg_info"]
@@ -71,13 +70,19 @@ def jpeg_info(data) -> Optional[JpegInfo]:
                 return None
             nf = seg[5]
             factors = [(seg[7 + 3 * k] >> 4, seg[7 + 3 * k] & 15) for k in range(nf)]
-            sub = "gray" if nf == 1 else "other"
-            if nf == 3 and factors[1] == factors[2] == (1, 1):
-                sub = _CHROMA.get(factors[0], "other")
+            process, arithmetic = _SOF[m]
             return JpegInfo((seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2], nf, seg[0],
-                            *_SOF[m], sub, adobe)
+                            process, arithmetic, _subsampling(factors), adobe)
         i += 2 + length
     return None
+
+
+def _subsampling(factors) -> str:
+    if len(factors) == 1:
+        return "gray"
+    if len(factors) == 3 and factors[1] == factors[2] == (1, 1):
+        return _CHROMA.get(factors[0], "other")
+    return "other"
 
 
 def gpu_decodable(info: Optional[JpegInfo]) -> bool:
@@ -145,29 +150,38 @@ class EncodedBatch(NamedTuple):
     def images(self) -> List[torch.Tensor]:
         """Per-image views: 1-D JPEG bytes, or (H, W, 3) pixels where ``decoded``."""
         views = list(torch.split(self.data, torch.diff(self.offsets).tolist()))
-        for i in self.decoded.nonzero().flatten().tolist():
-            h, w = self.sizes[i].tolist()
-            views[i] = views[i].view(h, w, 3)
+        if bool(self.decoded.any()):
+            for i in self.decoded.nonzero().flatten().tolist():
+                h, w = self.sizes[i].tolist()
+                views[i] = views[i].view(h, w, 3)
         return views
 
 
 def collate_encoded(batch) -> EncodedBatch:
-    """``(EncodedSample, label)`` pairs as one :class:`EncodedBatch` (shared memory in a worker)."""
+    """Collate ``(EncodedSample, label)`` pairs into an :class:`EncodedBatch` (in shared memory
+    in a worker)."""
     if not batch:
         raise ValueError("collate_encoded got an empty batch")
     samples, targets = zip(*batch)
     if not isinstance(samples[0], EncodedSample):
         raise TypeError(f"collate_encoded needs samples from PackedDataset(root, decode="
                         f"EncodedImage()) (use make_gpu_loader), got {type(samples[0]).__name__}")
-    offsets = [0, *itertools.accumulate(len(s.data) for s in samples)]
-    total = offsets[-1]
-    in_worker = get_worker_info() is not None and total > 0
-    data = shared_empty((total,)) if in_worker else torch.empty(total, dtype=torch.uint8)
+    offsets = [0]
+    for s in samples:
+        offsets.append(offsets[-1] + len(s.data))
+    data = _empty_u8(offsets[-1])
+    base = data.data_ptr()
     for s, o in zip(samples, offsets):
-        ctypes.memmove(data.data_ptr() + o, s.data, len(s.data))
-    detection = isinstance(targets[0], dict) and "boxes" in targets[0]
+        ctypes.memmove(base + o, s.data, len(s.data))
     return EncodedBatch(data, torch.tensor(offsets, dtype=torch.int64),
                         torch.tensor([(s.height, s.width) for s in samples], dtype=torch.int64),
                         torch.tensor([s.decoded for s in samples], dtype=torch.bool),
-                        pack_targets(targets) if detection else default_collate(list(targets)))
+                        pack_targets(targets) if is_detection_batch(targets)
+                        else default_collate(list(targets)))
+
+
+def _empty_u8(n: int) -> torch.Tensor:
+    if get_worker_info() is not None and n > 0:
+        return shared_empty((n,))
+    return torch.empty(n, dtype=torch.uint8)
 

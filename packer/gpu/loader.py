@@ -1,5 +1,6 @@
 """Feeding the GPU path: ``make_gpu_loader`` (workers ship encoded JPEG bytes) and the CUDA
-hardware-queue setting that keeps decoding from waiting behind training kernels."""
+hardware-queue setting that keeps decoding from waiting behind training kernels.
+"""
 from __future__ import annotations
 
 import copy
@@ -74,8 +75,8 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
 
 
 def _encoded(dataset, max_pixels: int):
-    """``dataset`` (a path or a ``PackedDataset``; anything else as it is) handing out
-    ``EncodedImage(max_pixels)`` samples."""
+    """``dataset`` (a path or a ``PackedDataset``) handing out ``EncodedImage(max_pixels)``
+    samples: a copy where its decoder differs; anything else as it is."""
     if isinstance(dataset, (str, os.PathLike)):
         return PackedDataset(dataset, decode=EncodedImage(max_pixels))
     if isinstance(dataset, PackedDataset):

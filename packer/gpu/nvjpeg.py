@@ -1,9 +1,9 @@
-"""nvJPEG decoders: :class:`NvjpegDecoder` (libnvjpeg through ctypes, the default) and
-torchvision's batched ``decode_jpeg`` (``torchvision_decode``)."""
+"""nvJPEG decoders for ``packer.gpu``: :class:`NvjpegDecoder` (libnvjpeg called directly
+through ctypes, the default) and torchvision's batched ``decode_jpeg`` (``torchvision_decode``).
+"""
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import threading
 from typing import List, Optional, Tuple
@@ -28,7 +28,7 @@ class _Image(ctypes.Structure):  # nvjpegImage_t (nvJPEG >= 11: size_t pitches)
 
 class NvjpegDecoder:
     """nvJPEG's batched decoder called directly (ctypes): torchvision's pixels, but one output
-    allocation per batch and one handle per decode thread, on a highest-priority stream.
+    allocation per batch and one handle per decode thread, on a stream of ``priority``.
     Raises OSError/RuntimeError when libnvjpeg cannot be set up. Handles are never freed, so
     :meth:`shared` gives one instance per (device, slot)."""
     _shared: dict = {}
@@ -39,7 +39,7 @@ class NvjpegDecoder:
             cls._shared[device, slot] = cls(device)
         return cls._shared[device, slot]
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, hardware: bool = True, priority: Optional[int] = None):
         self.lib = lib = load_nvjpeg()
         vp, pp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
         lib.nvjpegCreateEx.argtypes = [ctypes.c_int, vp, vp, ctypes.c_uint, pp]
@@ -54,14 +54,16 @@ class NvjpegDecoder:
         self._info.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
         self.handle, self.state = vp(), vp()
         self.backend = "hardware"
-        status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(self.handle))
+        status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(self.handle)) if hardware else -1
         if status != 0:  # no hardware engine (status 8: arch mismatch): nvJPEG picks a backend
             self.backend = "default"
             status = lib.nvjpegCreateEx(0, None, None, 0, ctypes.byref(self.handle))
         _check(status, "nvjpegCreateEx")
         _check(lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
+        if priority is None:
+            priority = torch.cuda.Stream.priority_range()[1]  # the highest
         self.device = device
-        self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
+        self.stream = torch.cuda.Stream(device, priority=priority)
         self._batch = 0
         self._lock = threading.Lock()
         self._w, self._h = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()  # reused by _size
@@ -136,10 +138,14 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with nvJPEG status {status}")
 
 
-@functools.lru_cache(maxsize=None)  # a failure is not cached: the next call tries again
+_NVJPEG_LIB = []
+
+
 def load_nvjpeg():
     """libnvjpeg: torchvision's bundled copy first (it matches torch's CUDA), then the
     system's (CUDA toolkit, nvidia-nvjpeg wheels)."""
+    if _NVJPEG_LIB:
+        return _NVJPEG_LIB[0]
     import ctypes.util
     import glob
     import importlib.util
@@ -156,7 +162,8 @@ def load_nvjpeg():
     errors = []
     for name in names:
         try:
-            return ctypes.CDLL(name)
+            _NVJPEG_LIB.append(ctypes.CDLL(name))
+            return _NVJPEG_LIB[0]
         except OSError as e:
             errors.append(str(e))
     raise OSError("libnvjpeg not found (install torchvision, or the CUDA toolkit's nvJPEG): "

@@ -1,5 +1,6 @@
-"""Crop, antialiased bilinear resize, flip, normalize and cast a whole batch: one Triton kernel
-on CUDA, the same maths in torch on the CPU; within one level of PIL's BILINEAR resize."""
+"""Crop + antialiased bilinear resize + flip + normalize + dtype of a whole batch
+(:func:`resample_crops`): one Triton kernel on CUDA, :func:`reference_resample` (the same
+maths in torch) on the CPU. Within one level of PIL's BILINEAR resize of the same pixels."""
 from __future__ import annotations
 
 import importlib
@@ -12,28 +13,29 @@ from ..errors import PackerError
 
 __all__ = ["ImageTable", "reference_resample", "resample_crops", "triton_available"]
 
-# Output rows per program and warps of the kernel's launch (measured: docs/gpu_decode.md).
+# Output rows per program and warps of the kernel's launch (docs/gpu_decode.md has the
+# tile shapes measured).
 CONFIG = {"rows": 8, "num_warps": 4}
 
-CPU_PATH = ("use the CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
-            "make_loader and CUDAPrefetcher")
-TRITON_MISSING = ("GPU decoding needs Triton for its fused augment kernel: pip install triton (it "
-                  "comes with PyTorch's CUDA wheels on Linux; pip install 'packer-lmdb[gpu]' names "
-                  f"it); without it {CPU_PATH}")
+TRITON_MISSING = (
+    "GPU decoding needs Triton for its fused augment kernel: pip install triton (it comes with "
+    "PyTorch's CUDA wheels on Linux; pip install 'packer-lmdb[gpu]' names it); without it use the CPU "
+    "path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with make_loader and "
+    "CUDAPrefetcher")
 
 
 class ImageTable:
     """Decoded uint8 RGB images of one batch, wherever they lie on one device: a ``base``
     tensor and, per image, its offset in bytes from ``base`` and its (channel, row, column)
     strides (``layout``, (B, 4) int64, on the CPU), with ``sizes`` (B, 2) (h, w)."""
-    __slots__ = ("base", "layout", "sizes", "_views")
+    __slots__ = ("base", "layout", "sizes", "_images", "_views")
 
     def __init__(self, base: torch.Tensor, layout: torch.Tensor, sizes: torch.Tensor,
                  images: Optional[List[torch.Tensor]] = None):
         if base.dtype != torch.uint8:
             raise TypeError(f"ImageTable needs uint8 images, got {base.dtype}")
         self.base, self.layout, self.sizes = base, layout, sizes
-        self._views = images  # separate tensors: they must stay alive
+        self._images = self._views = images  # separate tensors: they must stay alive
 
     @classmethod
     def planar(cls, buffer: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor) -> "ImageTable":
@@ -67,6 +69,10 @@ class ImageTable:
                            for (off, c, r, x), (h, w) in zip(self.layout.tolist(), self.sizes.tolist())]
         return self._views
 
+    def tensors(self) -> List[torch.Tensor]:
+        """What must stay alive while a kernel reads the images (for ``record_stream``)."""
+        return [self.base] if self._images is None else list(self._images)
+
 
 def triton_available() -> bool:
     """Whether the fused kernel can run here (Triton importable and set up)."""
@@ -85,13 +91,15 @@ def resample_crops(images, boxes: torch.Tensor, size: Tuple[int, int],
     :class:`ImageTable` or uint8 (3, h, w) tensors), resize to ``size``, flip where ``flips``,
     and write ``x * scale + shift`` into ``out`` (uint8: the rounded pixels). Taps outside an
     image get no weight. CUDA runs the Triton kernel, the CPU :func:`reference_resample`."""
+    table = images if isinstance(images, ImageTable) else None
     b, (oh, ow) = len(images), size
-    table = images if isinstance(images, ImageTable) or not b else ImageTable.from_images(images)
+    device = boxes.device if not b else (table.base if table else images[0]).device
     if out is None:
-        device = table.base.device if b else boxes.device
         out = torch.empty((b, 3, oh, ow), dtype=torch.float32, device=device)
     if b == 0:
         return out
+    if table is None:
+        table = ImageTable.from_images(images)
     hw = table.sizes.to("cpu", torch.float64)
     boxes = boxes.to("cpu", torch.float64)
     flips = torch.zeros(b, dtype=torch.bool) if flips is None else flips.to("cpu", torch.bool)
@@ -122,9 +130,10 @@ def launch_kernel(images: ImageTable, params: torch.Tensor, size: Tuple[int, int
 
     from .kernel import crop_resize  # imports Triton's compiler: on first use only
     b, (oh, ow) = len(images), size
+    p = params.to(torch.float64)
     # One table, one copy: (offset, channel, row, column strides, h, w, y0, sy, fy, x0, sx, fx).
     tab = torch.cat([images.layout.to(torch.float64), images.sizes.to(torch.float64),
-                     params[:, 0:3], params[:, 4:7]], 1).contiguous()
+                     p[:, 0:3], p[:, 4:7]], 1).contiguous()
     dev = out.device
     if dev.type == "cuda":  # pinned, so the copy does not wait for the stream's queued work
         tab = tab.pin_memory().to(dev, non_blocking=True)

@@ -42,22 +42,29 @@ class LoaderView:
     def set_epoch(self, epoch: int) -> None:
         """Call ``set_epoch(epoch)`` on the loader, its sampler(s) and its dataset, where they
         have one (DistributedSampler needs it to reshuffle each epoch)."""
-        seen, batches = set(), getattr(self.loader, "batch_sampler", None)
-        for obj in (self.loader, getattr(self.loader, "sampler", None), batches,
-                    getattr(self.loader, "dataset", None), getattr(batches, "sampler", None)):
+        seen = set()
+        candidates = [self.loader]
+        for name in ("sampler", "batch_sampler", "dataset"):
+            candidates.append(getattr(self.loader, name, None))
+        candidates.append(getattr(getattr(self.loader, "batch_sampler", None), "sampler", None))
+        for obj in candidates:
             fn = getattr(obj, "set_epoch", None)
-            if obj is not self and callable(fn) and id(obj) not in seen:
+            if obj is not None and obj is not self and callable(fn) and id(obj) not in seen:
                 seen.add(id(obj))
                 fn(epoch)
 
 
 class CUDAPrefetcher(LoaderView):
-    """Iterate ``loader`` (again and again) with each batch already on ``device``: uint8
-    ``(N, C, H, W)`` images (or detection's lists of ``(C, H, W)``) become ``dtype``,
-    ``(x / 255 - mean) / std`` (``None``: ``x / 255``); other tensors just move.
+    """Iterate ``loader`` with each batch already on ``device``, images normalized.
 
-    Batches are made on the side stream ``self.stream`` and handed over with ``wait_stream``
-    and ``record_stream`` (docs/loading.md); they should come pinned (a warning says so once)."""
+    Re-iterable; ``len()``, ``sampler``, ``dataset`` pass through and ``set_epoch`` reaches the
+    sampler. uint8 ``(N, C, H, W)`` images (or detection's lists of ``(C, H, W)``) become
+    ``dtype``, ``(x / 255 - mean) / std`` (``None``: ``x / 255``), channels_last if asked;
+    other tensors just move; non-tensors pass unchanged.
+
+    Each batch is made on the side stream ``self.stream``; at hand-out the consumer's stream
+    waits on it and every tensor is ``record_stream``-ed there (docs/loading.md). Batches
+    should come pinned: a warning says so once per pass."""
 
     def __init__(self, loader: Iterable, mean: Optional[Sequence[float]] = IMAGENET_MEAN,
                  std: Optional[Sequence[float]] = IMAGENET_STD, *,
@@ -66,10 +73,14 @@ class CUDAPrefetcher(LoaderView):
         if dtype not in _FLOATS:
             raise ValueError(f"dtype must be one of torch.float32, bfloat16, float16 or float64 "
                              f"(what the model consumes), got {dtype}")
-        self.loader, self.dtype, self.channels_last = loader, dtype, bool(channels_last)
+        self.loader = loader
+        self.dtype = dtype
+        self.channels_last = bool(channels_last)
         self.device = _resolve_device(device)
-        self._scale, self._shift = (t.to(self.device) for t in normalize_affine(mean, std))
+        scale, shift = normalize_affine(mean, std)
         self.mean, self.std = (None, None) if mean is None else (tuple(mean), tuple(std))
+        self._scale = scale.to(self.device)
+        self._shift = shift.to(self.device)
         self.stream: Optional[torch.cuda.Stream] = None
         self._warned = False
         self._state = None  # the loader's state after the last batch handed out
@@ -106,7 +117,8 @@ class CUDAPrefetcher(LoaderView):
             raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): "
                             "make_loader's over a PackedSampler (its default when given no "
                             "sampler), or make_loader(..., stateful=True)")
-        return {"loader": self._state if self._state is not None else self.loader.state_dict()}
+        state = self._state if self._state is not None else self.loader.state_dict()
+        return {"loader": state}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next ``iter()`` starts at the first batch not handed out before."""
@@ -115,8 +127,9 @@ class CUDAPrefetcher(LoaderView):
 
     def _preload(self, it):
         """Start copying and normalizing the next batch on the side stream (returns at once)."""
-        batch = next(it, END)
-        if batch is END:
+        try:
+            batch = next(it)
+        except StopIteration:
             return END
         if not self._warned:
             self._warned = True
@@ -177,7 +190,8 @@ def normalize_affine(mean, std):
                          "or neither for x / 255")
     if mean is None:
         mean, std = (0.0,), (1.0,)
-    mean, std = (torch.as_tensor(v, dtype=torch.float64).flatten() for v in (mean, std))
+    mean = torch.as_tensor(mean, dtype=torch.float64).flatten()
+    std = torch.as_tensor(std, dtype=torch.float64).flatten()
     if mean.numel() != std.numel() or mean.numel() == 0:
         raise ValueError(f"mean and std need one value per channel, got {mean.numel()} and "
                          f"{std.numel()}")
@@ -193,7 +207,9 @@ def normalize_affine(mean, std):
 
 def _resolve_device(device) -> torch.device:
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -225,9 +241,10 @@ def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]):
 
 def is_image_list_batch(batch: Any) -> bool:
     """A ``(images, targets)`` batch whose images are a list of uint8 (C, H, W) tensors."""
-    return (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], list)
-            and bool(batch[0]) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
-                                       and t.dim() == 3 for t in batch[0]))
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not isinstance(batch[0], list):
+        return False
+    return bool(batch[0]) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                  and t.dim() == 3 for t in batch[0])
 
 
 def iter_tensors(obj: Any):

@@ -25,11 +25,11 @@ from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_
 @click.option("--skip-empty", is_flag=True,
               help="With --coco: leave out images without annotations [default: keep them, "
                    "with empty targets].")
-@click.option("--yolo", type=click.Path(file_okay=False, exists=True, path_type=Path),
+@click.option("--yolo", type=PathOrURL(file_okay=False, exists=True, path_type=Path),
               metavar="LABELS_DIR",
               help="Detection: every image under SRC, with LABELS_DIR/<same path>.txt lines "
                    "'class cx cy w h' (normalized); needs --names.")
-@click.option("--names", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+@click.option("--names", type=PathOrURL(dir_okay=False, exists=True, path_type=Path),
               help="With --yolo: class names, a text file (one per line) or a YAML list or "
                    "'names:' map (e.g. the dataset's data.yaml).")
 @click.option("--yolo-rules", type=click.Choice(["ultralytics", "lines"]), default=None,
@@ -116,8 +116,8 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     re-run the same command to resume after the last finished shard.
 
     DST may be a URL (s3://bucket/ds): the build runs in a temporary folder and uploads each
-    shard as it finishes, the manifest last; a re-run resumes. SRC, --list, --coco and --meta
-    may be URLs too: the images are listed once and read with parallel GETs, never copied
+    shard as it finishes, the manifest last; a re-run resumes. SRC, --list, --coco, --yolo,
+    --names and --meta may be URLs too: the images are listed once and read with parallel GETs, never copied
     whole (docs/object_storage.md). --storage-option applies to all of them.
     """
     from ..writing.builder import build as run_build
@@ -221,7 +221,7 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta
     if coco is not None:
         return Coco(src, coco, skip_empty=skip_empty, **store)
     if yolo is not None:
-        return Yolo(src, yolo, names, rules=yolo_rules or "ultralytics")
+        return Yolo(src, yolo, names, rules=yolo_rules or "ultralytics", **store)
     if meta is not None:
         return Table(src, meta, label=label_column, **limit, **store)
     exts = extensions and [e.strip() for e in extensions.split(",") if e.strip()]

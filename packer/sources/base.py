@@ -5,6 +5,7 @@ selection.
 from __future__ import annotations
 
 import os
+import posixpath
 import random
 import re
 import warnings
@@ -15,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..errors import PackerError
 from .._util.fsio import read_file
 from .._util.text import is_utf8, printable
-from ..storage.files import ObjectFile, folder
+from ..storage.files import ObjectFile, RemoteFolder, folder
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively as there.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -208,13 +209,21 @@ def relative_path(rel: Any) -> Tuple[str, str]:
 
 def walk_files(root: Path, want) -> List[str]:
     """Relative posix paths of the files whose full path ``want`` accepts, in ImageFolder's walk
-    order (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning."""
+    order (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning;
+    a ``RemoteFolder``'s objects in the same order (folders, then names in each)."""
+    if isinstance(root, RemoteFolder):
+        return sorted((r for r in root.sizes() if want(root / r)), key=walk_order)
     found = []
     for dirpath, dirnames, fnames in sorted(walk(root)):
         rel_dir = os.path.relpath(dirpath, root)
         found.extend(Path(rel_dir, f).as_posix() for f in sorted(fnames)
                      if want(os.path.join(dirpath, f)))
     return found
+
+
+def walk_order(rel: str) -> Tuple[str, str]:
+    """Where ``walk_files`` puts the file ``rel``: by its folder, then by its name."""
+    return posixpath.dirname(rel), posixpath.basename(rel)
 
 
 def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:

@@ -13,7 +13,7 @@ from .._util.text import is_utf8, printable
 from ..storage.files import ObjectFile, RemoteFolder, folder, source_file
 from ..storage.urls import is_url
 from .base import (DEFAULT_MAX_CLASSES, IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source,
-                   class_labels, read_text, walk_files)
+                   class_labels, read_text, walk_files, walk_order)
 
 
 class ImageFolder(Source):
@@ -137,7 +137,7 @@ def remote_tree(root: RemoteFolder) -> Dict[str, List[str]]:
         if sep:
             tree.setdefault(cls, []).append(rest)
     for files in tree.values():
-        files.sort(key=lambda r: (posixpath.dirname(r), posixpath.basename(r)))
+        files.sort(key=walk_order)
     return tree
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 from array import array
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -15,7 +17,7 @@ import yaml
 from ..errors import PackerError
 from .._util.fsio import read_file
 from .._util.text import is_utf8
-from ..storage.urls import is_url
+from ..storage.files import ObjectFile, RemoteFolder, folder, source_file
 from .base import (IMG_EXTENSIONS, Annotations, ImageList, Source, image_root, read_data, show,
                    utf8_text, walk_files)
 from .coco import coco_schema
@@ -29,6 +31,7 @@ def f32(*values: float) -> List[float]:
 LOW, HIGH = f32(-0.01, 1.01)  # ultralytics' tolerance: 1 % outside [0, 1], kept and clipped
 MIN_SIDE = 10  # ultralytics leaves out images under 10 pixels on a side
 RULES = ("ultralytics", "lines")
+MAX_LABEL_BYTES = 64 << 20  # a label file read from object storage (lines of five numbers)
 MAX_NAMES_BYTES = 4 << 20  # a names file holds class names (and a dataset's settings)
 YAML_HELP = ("a names YAML is a list ('- person' lines or [person, car]), or 'names:' followed "
              "by such a list, by indented '0: person' lines or by {0: person, 1: car}; or give "
@@ -45,15 +48,12 @@ class Yolo(Source):
     out) or "lines" (the line is dropped)."""
 
     def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike,
-                 rules: str = "ultralytics"):
+                 rules: str = "ultralytics", *, storage_options: Optional[dict] = None):
         if rules not in RULES:
             raise PackerError(f"Yolo(images, labels, names, rules): rules must be "
                               f"'ultralytics' or 'lines', not {show(rules)!r}")
-        if any(is_url(p) for p in (images, labels, names)):
-            raise PackerError("Yolo(images, labels, names) reads local folders only (a label "
-                              "file per image would be a request each): copy them locally, or "
-                              "turn the labels into a --meta table (its images may be a URL)")
-        self.root, self.labels, self.names = Path(images), Path(labels), Path(names)
+        self.root, self.labels = folder(images, storage_options), folder(labels, storage_options)
+        self.names = source_file(names, storage_options)
         self.rules = rules
 
     def read(self) -> ImageList:
@@ -68,23 +68,25 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
     """``Yolo(images, labels_dir, names, rules).read()``: a row per image, ``{"image_id",
     "boxes", "labels"}`` or ``{"image_id", "reject": why the image is left out}``."""
     root = image_root(images, "Yolo(images, labels, names)")
-    labels_root = Path(labels_dir)
+    labels_root = labels_dir if isinstance(labels_dir, RemoteFolder) else Path(labels_dir)
     if not labels_root.is_dir():
         raise PackerError(f"Yolo(images, labels, names): labels {labels_root} does not exist "
                           f"or is not a folder")
-    classes = read_names(Path(names))
+    classes = read_names(names if isinstance(names, ObjectFile) else Path(names))
     label_files = set(walk_files(labels_root, lambda f: f.lower().endswith(".txt")))
-    names_path = Path(names).resolve()
-    if labels_root.resolve() in names_path.parents:  # a classes.txt beside the labels
-        label_files.discard(names_path.relative_to(labels_root.resolve()).as_posix())
+    if isinstance(labels_root, Path) and not isinstance(names, ObjectFile):
+        names_path = Path(names).resolve()
+        if labels_root.resolve() in names_path.parents:  # a classes.txt beside the labels
+            label_files.discard(names_path.relative_to(labels_root.resolve()).as_posix())
     shown_root = labels_root.resolve().name or str(labels_root)
     images = walk_files(root, lambda f: f.lower().endswith(IMG_EXTENSIONS))
     chosen, claimed = match_labels(images, label_files)
+    texts = label_texts(labels_root, {lab for _, lab, _ in chosen if lab is not None})
     parsed: Dict[str, Any] = {}
     rows, dropped = [], []
     for k, (rel, label_rel, problem) in enumerate(chosen):
         if label_rel is not None and label_rel not in parsed:
-            parsed[label_rel] = parse_label_file(labels_root / label_rel,
+            parsed[label_rel] = parse_label_file(partial(texts, label_rel),
                                                  f"{shown_root}/{label_rel}", len(classes), rules)
         result = problem or parsed.get(label_rel, ([], [], []))
         if isinstance(result, str):
@@ -134,11 +136,33 @@ def match_labels(images: List[str], label_files: set):
     return chosen, claimed
 
 
-def parse_label_file(path: Path, shown: str, nclasses: int, rules: str = "ultralytics"):
-    """``(boxes cxcywh, class ids, reasons for dropped lines)``, or why the image cannot be
-    packed (the file is unreadable; by ultralytics' rules, any line is invalid)."""
+def label_texts(labels_root, rels: set):
+    """A function giving the bytes of the label file ``rel`` (raising ``OSError`` as a read
+    does); from object storage all are fetched first, 16 GETs at a time."""
+    if not isinstance(labels_root, RemoteFolder):
+        return lambda rel: read_file(labels_root / rel)
+
+    def get(rel: str):
+        try:
+            return rel, labels_root.read(rel, MAX_LABEL_BYTES, "a label file's limit")
+        except OSError as e:
+            return rel, e
+    with ThreadPoolExecutor(16, thread_name_prefix="packer-labels") as pool:
+        got = dict(pool.map(get, sorted(rels)))
+
+    def text(rel: str) -> bytes:
+        if isinstance(got[rel], OSError):
+            raise got[rel]
+        return got[rel]
+    return text
+
+
+def parse_label_file(data, shown: str, nclasses: int, rules: str = "ultralytics"):
+    """``(boxes cxcywh, class ids, reasons for dropped lines)`` of the label file (``data``:
+    a function giving its bytes), or why the image cannot be packed (the file is unreadable;
+    by ultralytics' rules, any line is invalid)."""
     try:
-        text = read_file(path).decode("utf-8-sig")
+        text = data().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         return (f"{shown} is not UTF-8 text ({e.reason} at byte {e.start}): its objects are "
                 f"unknown, so the image is not packed; save the file as UTF-8")

@@ -48,6 +48,8 @@ def scenes(tmp_path_factory, s3):
     rows = [{"path": f"{i:06d}.jpg", "caption": f"scene {i}", "score": i / 10}
             for i in range(24)]
     (src / "meta.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = sorted((src / "labels").glob("*.txt"))[0]  # an invalid line: the image is left out
+    first.write_text(first.read_text() + "0 0.5 0.5 2.5 0.1\n")
     s3["fs"].put(str(src) + "/", f"{BUCKET}/scenes/", recursive=True)
     return src, f"s3://{BUCKET}/scenes"
 
@@ -84,6 +86,19 @@ def test_coco_table_and_list_by_url_equal_the_local_builds(scenes, s3, tmp_path)
     quiet_build(FileList(f"{url}/images/list.txt", storage_options=opts),  # root: the list's
                 tmp_path / "list-url", workers=0)
     assert shards(tmp_path / "list-url") == shards(tmp_path / "list-local")
+
+
+def test_yolo_by_url_equals_the_local_build(scenes, s3, tmp_path):
+    src, url = scenes
+    quiet_build(Yolo(src / "images", src / "labels", src / "data.yaml"), tmp_path / "local",
+                workers=0)
+    res = CliRunner().invoke(main, ["build", f"{url}/images", str(tmp_path / "url"), "-q",
+                                    "--yolo", f"{url}/labels", "--names", f"{url}/data.yaml",
+                                    "--shard-size", "1M", *opts_flags(s3["options"])])
+    assert res.exit_code == 0, res.output
+    assert shards(tmp_path / "url") == shards(tmp_path / "local")
+    skipped = shards(tmp_path / "url")[2]
+    assert len(skipped) == 1 and skipped[0]["reason"].startswith("annotation: labels/000000.txt:")
 
 
 def test_limits_and_missing_objects_are_skipped_as_on_disk(scenes, s3, tmp_path):
@@ -129,8 +144,6 @@ def test_faults_are_retried_and_a_dead_store_stops_the_build_which_resumes(
 def test_clear_errors_for_what_cannot_be_read(s3):
     with pytest.raises(PackerError, match="no objects in class folders under"):
         ImageFolder(f"s3://{BUCKET}/nothing-here", storage_options=s3["options"]).read()
-    with pytest.raises(PackerError, match="reads local folders only"):
-        Yolo(f"s3://{BUCKET}/scenes/images", "labels", "names.txt")
     with pytest.raises(PackerError, match="does not exist"):
         Coco(f"s3://{BUCKET}/scenes/images", f"s3://{BUCKET}/scenes/none.json",
              storage_options=s3["options"]).read()

@@ -11,7 +11,7 @@ fresh process, in an order rotated per round, and reads ``--epochs`` epochs thro
     staged   packer.stage(URL, /dev/shm/...) first (not timed), then PackedDataset(local copy)
     cold     PackedDataset(URL, cache_dir=<empty>): every shard downloaded on first use
     warm     the same with a cache that already holds every shard
-    quarter  cache_limit = 25 % of the shard bytes, empty at start, PackedSampler(order=
+    quarter  cache_limit = 25 % of the shard bytes (at least two shards), empty at start, PackedSampler(order=
              "node"): a few shards at a time, the next ones prefetched, about one download
              of each shard per epoch
     quarter_random  the same cache with the random order: nearly every batch misses (bounded
@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     src = make_dataset(args.workdir, args.images, args.shard_mb)
     man = read_manifest(src)
     shard_bytes = sum(s["bytes"] for s in man["shards"])
+    largest = max(s["bytes"] for s in man["shards"])  # a reader pins two: the least a cache holds
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
     staged = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()) / "packer-bench-cache"
     rows = {v: [] for v in args.only.split(",")}
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         spec = {"url": url, "options": opts, "staged": str(staged), "cache": caches,
                 "raw": args.raw, "workers": args.workers, "batch": args.batch,
                 "epochs": args.epochs, "random_batches": args.random_batches,
-                "quarter_bytes": shard_bytes // 4}
+                "quarter_bytes": max(shard_bytes // 4, 2 * largest)}
         for r in range(args.rounds):
             names = list(rows)
             names = names[r % len(names):] + names[:r % len(names)]

@@ -294,13 +294,17 @@ def finished_shards(dst) -> int:
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_and_resumes(photo_src, tmp_path):
-    src = big_tree(tmp_path, photo_src, copies=16)
+    src = big_tree(tmp_path, photo_src, copies=40)  # 1,920 images: seconds of work left
     dst = tmp_path / "d"
     proc = start_build(src, dst, "--workers", "1")  # one worker: the build outlasts the signal
-    deadline = time.time() + 30
+    deadline = time.time() + 60
     while not finished_shards(dst) and time.time() < deadline:  # after a finished shard
         time.sleep(0.01)
+    # Frozen first, so that a test process starved by a busy machine cannot lose the race
+    # with the build; the Ctrl-C is then delivered the moment the build runs again.
+    kill_group(proc, signal.SIGSTOP)
     kill_group(proc, signal.SIGINT)  # Ctrl-C goes to the whole foreground process group
+    kill_group(proc, signal.SIGCONT)
     out, err = proc.communicate(timeout=60)
     kill_group(proc, signal.SIGKILL)
     if proc.returncode == 0:

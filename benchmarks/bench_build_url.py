@@ -24,15 +24,11 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SERVER = ("from moto.server import ThreadedMotoServer; import time; "
-          "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); s.start(); "
-          "print(s.get_host_and_port()[1], flush=True); time.sleep(10**7)")
 VARIANTS = ("local", "url", "plain")
 
 
@@ -61,13 +57,6 @@ def variant(spec: dict) -> dict:
     return {"name": name, "images": count, "bytes": got, "seconds": time.perf_counter() - t0}
 
 
-def run_variant(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--variant", json.dumps(spec)],
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"variant {spec['name']} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
@@ -82,34 +71,25 @@ def main(argv=None) -> int:
     if args.variant:
         print(json.dumps(variant(json.loads(args.variant))))
         return 0
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     import fsspec
+    from benchlib.objectstore import run_variant, s3_server
     from packer.demo.images import make_image_folder
 
     folder = args.workdir / "photos"
     if not folder.is_dir():
         make_image_folder(folder, images=args.images, classes=10, workers=os.cpu_count() or 1)
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
     rows = {v: [] for v in VARIANTS}
-    try:
-        opts = {"endpoint_url": f"http://127.0.0.1:{int(server.stdout.readline())}",
-                "key": "bench", "secret": "bench", "client_kwargs": {"region_name": "us-west-2"}}
-        fs = fsspec.filesystem("s3", **opts)
-        fs.mkdir("bench")
-        fs.put(str(folder) + "/", "bench/photos/", recursive=True)
+    with s3_server() as opts:
+        fsspec.filesystem("s3", **opts).put(str(folder) + "/", "bench/photos/", recursive=True)
         spec = {"folder": str(folder), "url": "s3://bench/photos", "prefix": "bench/photos",
                 "options": opts, "workers": args.workers, "dst": str(args.workdir / "dst")}
         for r in range(args.rounds):
-            names = list(VARIANTS[r % 3:] + VARIANTS[:r % 3])
-            for name in names:
-                res = run_variant(dict(spec, name=name))
+            for name in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+                res = run_variant(__file__, dict(spec, name=name))
                 rows[name].append(res["images"] / res["seconds"])
                 print(f"round {r} {name:6s} {rows[name][-1]:8.1f} images/s "
                       f"({res['images']} in {res['seconds']:.1f} s)", flush=True)
-    finally:
-        server.kill()
-        server.wait()
-        shutil.rmtree(args.workdir / "dst", ignore_errors=True)
+    shutil.rmtree(args.workdir / "dst", ignore_errors=True)
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
     print(f"\n{args.images} images, {args.workers} workers, {os.cpu_count()} cores")
     for k, v in rows.items():

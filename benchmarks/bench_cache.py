@@ -28,15 +28,11 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SERVER = ("from moto.server import ThreadedMotoServer; import time; "
-          "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); s.start(); "
-          "print(s.get_host_and_port()[1], flush=True); time.sleep(10**7)")
 VARIANTS = ("staged", "cold", "warm", "quarter", "quarter_random")
 
 
@@ -73,6 +69,36 @@ def variant(spec: dict) -> dict:
     return {"name": name, "images": images, "seconds": secs, "rate": images / secs}
 
 
+def run_rounds(args, src: Path, staged: Path, opts: dict, rows: dict, quarter: int) -> None:
+    """Upload ``src``, stage it, then every variant per round in a rotated order."""
+    from packer import stage
+    from packer.storage import upload_dataset
+    from benchlib.objectstore import run_variant
+
+    url = "s3://bench/ds"
+    upload_dataset(src, url, opts)
+    shutil.rmtree(staged, ignore_errors=True)
+    stage(url, staged, progress=False, storage_options=opts)
+    caches = {v: str(args.workdir / f"cache-{v}") for v in VARIANTS}
+    spec = {"url": url, "options": opts, "staged": str(staged), "cache": caches,
+            "raw": args.raw, "workers": args.workers, "batch": args.batch,
+            "epochs": args.epochs, "random_batches": args.random_batches,
+            "quarter_bytes": quarter}
+    for r in range(args.rounds):
+        names = list(rows)
+        names = names[r % len(names):] + names[:r % len(names)]
+        for name in names:
+            for v in VARIANTS:
+                if v != "warm":  # the warm cache is filled once, below, and kept
+                    shutil.rmtree(caches[v], ignore_errors=True)
+            if name == "warm" and not os.path.isdir(caches["warm"]):
+                run_variant(__file__, dict(spec, name="cold", cache=dict(caches, cold=caches["warm"])))
+            res = run_variant(__file__, dict(spec, name=name))
+            rows[name].append(res["rate"])
+            print(f"round {r} {name:15s} {res['rate']:8.1f} images/s "
+                  f"({res['images']} in {res['seconds']:.1f} s)", flush=True)
+
+
 def make_dataset(work: Path, images: int, shard_mb: int) -> Path:
     from packer import build
     from packer.demo.images import make_image_folder
@@ -103,49 +129,19 @@ def main(argv=None) -> int:
     if args.variant:
         print(json.dumps(variant(json.loads(args.variant))))
         return 0
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    import fsspec
-    from packer import stage
+    from benchlib.objectstore import s3_server
     from packer.format.manifest import read_manifest
-    from packer.storage import upload_dataset
 
     src = make_dataset(args.workdir, args.images, args.shard_mb)
     man = read_manifest(src)
     shard_bytes = sum(s["bytes"] for s in man["shards"])
     largest = max(s["bytes"] for s in man["shards"])  # a reader pins two: the least a cache holds
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
     staged = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()) / "packer-bench-cache"
     rows = {v: [] for v in args.only.split(",")}
     try:
-        endpoint = f"http://127.0.0.1:{int(server.stdout.readline())}"
-        opts = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
-                "client_kwargs": {"region_name": "us-west-2"}}
-        fsspec.filesystem("s3", **opts).mkdir("bench")
-        url = "s3://bench/ds"
-        upload_dataset(src, url, opts)
-        shutil.rmtree(staged, ignore_errors=True)
-        stage(url, staged, progress=False, storage_options=opts)
-        caches = {v: str(args.workdir / f"cache-{v}") for v in VARIANTS}
-        spec = {"url": url, "options": opts, "staged": str(staged), "cache": caches,
-                "raw": args.raw, "workers": args.workers, "batch": args.batch,
-                "epochs": args.epochs, "random_batches": args.random_batches,
-                "quarter_bytes": max(shard_bytes // 4, 2 * largest)}
-        for r in range(args.rounds):
-            names = list(rows)
-            names = names[r % len(names):] + names[:r % len(names)]
-            for name in names:
-                for v in VARIANTS:
-                    if v != "warm":  # the warm cache is filled once, below, and kept
-                        shutil.rmtree(caches[v], ignore_errors=True)
-                if name == "warm" and not os.path.isdir(caches["warm"]):
-                    run_variant(dict(spec, name="cold", cache=dict(caches, cold=caches["warm"])))
-                res = run_variant(dict(spec, name=name))
-                rows[name].append(res["rate"])
-                print(f"round {r} {name:15s} {res['rate']:8.1f} images/s "
-                      f"({res['images']} in {res['seconds']:.1f} s)", flush=True)
+        with s3_server() as opts:
+            run_rounds(args, src, staged, opts, rows, max(shard_bytes // 4, 2 * largest))
     finally:
-        server.kill()
-        server.wait()
         shutil.rmtree(staged, ignore_errors=True)
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
     base = med.get("staged")
@@ -158,14 +154,6 @@ def main(argv=None) -> int:
               f"ratio to staged {ratio}")
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     return 0
-
-
-def run_variant(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--variant", json.dumps(spec)],
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"variant {spec['name']} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -30,9 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-SERVER = ("from moto.server import ThreadedMotoServer; import time; "
-          "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); s.start(); "
-          "print(s.get_host_and_port()[1], flush=True); time.sleep(10**7)")
+from benchlib.objectstore import SERVER
 
 
 def make_dataset(workdir: Path, mb: int, shard_mb: int) -> Path:

@@ -1,6 +1,6 @@
-"""``benchmarks/bench_build_url.py`` and ``benchmarks/bench_cache.py`` end to end on tiny
-inputs: each starts its own S3 server on loopback, runs every variant in a fresh process and
-prints the table with its ratios."""
+"""The object-storage benchmarks (``bench_build_url.py``, ``bench_cache.py``,
+``bench_object_store.py``) end to end on tiny inputs: each starts its own S3 server on
+loopback, runs every variant and prints the table with its ratios."""
 import os
 import re
 import subprocess
@@ -32,3 +32,11 @@ def test_cache_bench_prints_every_variant_against_staged(tmp_path):
               "--workdir", str(tmp_path))
     for name in ("staged", "cold", "warm", "quarter", "quarter_random"):
         assert re.search(rf"  {name} +median +[0-9.]+ images/s .* ratio to staged [0-9.]+", out), out
+
+
+def test_object_store_bench_prints_stage_against_a_plain_download(tmp_path):
+    out = run("bench_object_store.py", "--mb", "8", "--shard-mb", "4", "--part-mb", "1",
+              "--rounds", "1", "--workdir", str(tmp_path / "w"), "--target", str(tmp_path / "t"))
+    for name in ("plain", "packer", "nocheck"):
+        assert re.search(rf"  {name} +median +[0-9.]+ MiB/s .* ratio to plain \(medians\) [0-9.]+",
+                         out), out

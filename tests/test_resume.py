@@ -229,10 +229,13 @@ def test_overwrite_removes_the_manifest_before_anything_else(photo_src, tmp_path
 # -- real kills ----------------------------------------------------------------------------------
 
 def start_build(src, dst, *extra):
+    # As a shell starts a foreground job: Ctrl-C at its default, whatever this process has
+    # (an ignored SIGINT is inherited across exec, and Python then installs no handler).
     return subprocess.Popen([sys.executable, "-m", "packer", "build", str(src), str(dst),
                              "--shard-size", "1M", "-q", *map(str, extra)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def kill_group(proc, sig):

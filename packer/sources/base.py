@@ -180,7 +180,7 @@ def utf8_text(data: bytes, path: Path, what: str) -> str:
 def image_root(images: os.PathLike, who: str, storage_options: Optional[dict] = None):
     """``images`` as the folder a source's paths are relative to (a ``RemoteFolder`` for a
     URL); ``who``: the source's signature, for the error (``Coco(images, annotations)``)."""
-    root = images if hasattr(images, "is_dir") else folder(images, storage_options)
+    root = folder(images, storage_options)
     if not root.is_dir():
         raise PackerError(f"{who}: images {root} does not exist or is not a folder")
     return root

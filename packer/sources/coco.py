@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta, Raw, Struct
 
 from ..errors import PackerError
-from ..storage.files import ObjectFile, folder, source_file
+from ..storage.files import folder, source_file
 from .base import Annotations, ImageList, Source, image_root, read_data, relative_path, show, utf8_text
 from .segmentation import INT64_MAX, stored_segmentation
 
@@ -104,7 +104,7 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
     """``Coco(images, annotations_json, skip_empty).read()``: rows of ``Row``, and
     ``annotations.digest`` the file's sha256."""
     root = image_root(images, WHO)
-    file = annotations_json if isinstance(annotations_json, ObjectFile) else Path(annotations_json)
+    file = source_file(annotations_json)
     raw = read_data(file, f"{WHO}: annotations")
     with ThreadPoolExecutor(1) as pool:  # sha256 lets go of the GIL: it hashes during the parse
         hashing = pool.submit(lambda: hashlib.sha256(raw).hexdigest())

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PackerError
 from .._util.text import is_utf8, printable
-from ..storage.files import ObjectFile, RemoteFolder, folder, source_file
+from ..storage.files import RemoteFolder, folder, source_file
 from ..storage.urls import is_url
 from .base import (DEFAULT_MAX_CLASSES, IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source,
                    class_labels, read_text, walk_files, walk_order)
@@ -93,7 +93,7 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
     """Walk ``root`` in ImageFolder order with torchvision's ``make_dataset`` rules (classes
     sorted, files recursive and sorted; ``extensions`` or ``is_valid_file``, not both); a
     ``RemoteFolder``'s objects are taken as they would be laid out in folders."""
-    root = root if isinstance(root, RemoteFolder) else Path(root)
+    root = folder(root)
     if extensions is not None and is_valid_file is not None:
         raise PackerError("ImageFolder(root, extensions, is_valid_file): pass extensions or "
                           "is_valid_file, not both (as torchvision's ImageFolder)")
@@ -144,13 +144,12 @@ def remote_tree(root: RemoteFolder) -> Dict[str, List[str]]:
 def read_list(root: os.PathLike, list_file: os.PathLike, *,
               max_classes: int = DEFAULT_MAX_CLASSES) -> ImageList:
     """``relative/path<TAB>label`` lines; labels are all integers or all class names."""
-    root = root if isinstance(root, RemoteFolder) else Path(root)
+    root = folder(root)
     if not root.is_dir():
         raise PackerError(f"FileList(list_file, root): root {root} does not exist or is not a "
                           f"folder (list_file's paths are relative to it)")
     rows: List[Tuple[str, str, int]] = []
-    text = read_text(list_file if isinstance(list_file, ObjectFile) else Path(list_file),
-                     "list_file")
+    text = read_text(source_file(list_file), "list_file")
     text = text.replace("\r\n", "\n").replace("\r", "\n")  # as universal newlines read
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip() or line.startswith("#"):

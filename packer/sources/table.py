@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
 from .._util.text import is_utf8
-from ..storage.files import ObjectFile, folder, source_file
+from ..storage.files import folder, source_file
 from .base import (DEFAULT_MAX_CLASSES, Annotations, ImageList, Source, image_root,
                    class_labels, read_text, relative_path, show)
 
@@ -58,7 +58,7 @@ def read_meta(images: os.PathLike, meta_file: os.PathLike, *, label: Optional[st
               max_classes: int = DEFAULT_MAX_CLASSES) -> ImageList:
     """``Table(images, meta_file, label).read()``."""
     root = image_root(images, "Table(images, table, label)")
-    file = meta_file if isinstance(meta_file, ObjectFile) else Path(meta_file)
+    file = source_file(meta_file)
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
         records = jsonl_records(file)

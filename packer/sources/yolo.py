@@ -68,11 +68,11 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
     """``Yolo(images, labels_dir, names, rules).read()``: a row per image, ``{"image_id",
     "boxes", "labels"}`` or ``{"image_id", "reject": why the image is left out}``."""
     root = image_root(images, "Yolo(images, labels, names)")
-    labels_root = labels_dir if isinstance(labels_dir, RemoteFolder) else Path(labels_dir)
+    labels_root = folder(labels_dir)
     if not labels_root.is_dir():
         raise PackerError(f"Yolo(images, labels, names): labels {labels_root} does not exist "
                           f"or is not a folder")
-    classes = read_names(names if isinstance(names, ObjectFile) else Path(names))
+    classes = read_names(source_file(names))
     label_files = set(walk_files(labels_root, lambda f: f.lower().endswith(".txt")))
     if isinstance(labels_root, Path) and not isinstance(names, ObjectFile):
         names_path = Path(names).resolve()

@@ -102,10 +102,16 @@ class ObjectFile(str):
 
 
 def folder(where: os.PathLike, storage_options: Optional[Dict[str, Any]] = None):
-    """``where`` as a source's image folder: a ``RemoteFolder`` for a URL, else a ``Path``."""
+    """``where`` as a source's image folder: a ``RemoteFolder`` for a URL (or one already
+    made), else a ``Path``."""
+    if isinstance(where, RemoteFolder):
+        return where
     return RemoteFolder(where, storage_options) if is_url(where) else Path(where)
 
 
 def source_file(where: os.PathLike, storage_options: Optional[Dict[str, Any]] = None):
-    """``where`` as a source's annotation file: an ``ObjectFile`` for a URL, else a ``Path``."""
+    """``where`` as a source's annotation file: an ``ObjectFile`` for a URL (or one already
+    made), else a ``Path``."""
+    if isinstance(where, ObjectFile):
+        return where
     return ObjectFile(where, storage_options) if is_url(where) else Path(where)

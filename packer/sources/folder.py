@@ -59,7 +59,7 @@ class FileList(Source):
                  max_classes: int = DEFAULT_MAX_CLASSES, storage_options: Optional[dict] = None):
         self.list_file = source_file(list_file, storage_options)
         if root is None:
-            root = posixpath.dirname(self.list_file) if is_url(list_file) else self.list_file.parent
+            root = posixpath.dirname(list_file) if is_url(list_file) else self.list_file.parent
         self.root, self.max_classes = folder(root, storage_options), max_classes
 
     def read(self) -> ImageList:

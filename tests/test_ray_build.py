@@ -155,6 +155,29 @@ def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path):
             assert left["ray"][n] == left["local"][n], n
 
 
+def test_a_task_cancelled_as_it_finishes_leaves_no_shard(cluster, folder, tmp_path, monkeypatch):
+    """A failing shard cancels the tasks still running. One cancelled after its shard was
+    renamed into place but before it returned has no result for the driver (Ray reports it
+    cancelled), so the driver removes its planned shard by name."""
+    from packer.writing import ray_engine
+
+    def write_part(job, local, task, version):
+        if task.index == 0:
+            time.sleep(3)  # the next task has written its shard by then, and waits
+            raise PackerError("strict: the first shard is broken")
+        (job.dst / f"shard-{task.index:05d}.lmdb").write_bytes(b"finished")
+        time.sleep(6)  # cancelled meanwhile: Ray waits for it to end, then reports it cancelled
+
+    monkeypatch.setattr(ray_engine, "write_part", write_part)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers lack tests/
+    try:
+        with pytest.raises(PackerError, match="the first shard is broken"):
+            build(ImageFolder(folder), tmp_path / "dst", engine="ray")
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert sorted(p.name for p in (tmp_path / "dst").glob("shard-*")) == []
+
+
 def test_no_ray_is_one_line(folder, tmp_path):
     """Without Ray: one line naming the pip command, before anything is written; and
     ``import packer`` never imports Ray."""

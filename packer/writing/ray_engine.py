@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Deque, Dict, Iterator, List, Optional
 
 from .. import __version__
+from .._util.fsio import remove_own
 from ..errors import PackerError
+from ..format.manifest import SHARD_PATTERN
 from ..sources.base import ImageList
 from ..storage.files import RemoteFolder
 from .worker import ShardDone, ShardJob, ShardTask, remove_untaken, write_shard
@@ -79,11 +81,14 @@ def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterato
             yield done
             done = None
     finally:
-        left = [ref for _, ref in pending if ref not in ready]
-        for ref in left:
+        left = [(task, ref) for task, ref in pending if ref not in ready]
+        for _, ref in left:
             ray.cancel(ref)
-        finished = ray.wait(left, num_returns=len(left), timeout=60)[0] if left else []
-        remove_untaken(job.dst, [done, *ready.values(), *_quiet_results(ray, finished)])
+        if left:
+            ray.wait([ref for _, ref in left], num_returns=len(left), timeout=60)
+        remove_untaken(job.dst, [done, *ready.values()])
+        for task, _ in left:  # one cancelled as it finished has its shard and no result
+            remove_own(job.dst, SHARD_PATTERN.format(task.index))
 
 
 def _result(ray, ref, task: ShardTask) -> ShardDone:
@@ -97,16 +102,6 @@ def _result(ray, ref, task: ShardTask) -> ShardDone:
         raise PackerError(f"Ray could not write shard {task.index} ({type(e).__name__}: "
                           f"{str(e).splitlines()[0]}); the shards finished before it are kept: "
                           f"re-run the same build to resume") from e
-
-
-def _quiet_results(ray, refs) -> List[ShardDone]:
-    out = []
-    for ref in refs:
-        try:
-            out.append(ray.get(ref))
-        except Exception:  # cancelled, or failed: it left no finished shard
-            pass
-    return out
 
 
 def _slice(job: ShardJob, task: ShardTask):

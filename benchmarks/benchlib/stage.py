@@ -200,7 +200,7 @@ def stage_report(res: dict) -> str:
     s = results["stage"]
     lines.append(f"\nstaging (one-off, same disk conditions): {s['bytes'] / 1e6:.0f} MB in "
                  f"{s['seconds']:.2f} s ({s['bytes'] / 1e6 / s['seconds']:.0f} MB/s, copy + "
-                 f"sha256 + read-back check)")
+                 f"sha256 check)")
     lines.append("disk reads/record: read requests completed for the reading process (its "
                  "cgroup's counter)" if res["cgroup_counter"] else
                  "disk reads/record: read requests the whole disk completed meanwhile (no "

@@ -1,5 +1,7 @@
-"""Copying one dataset file for ``stage``: whole, to a temporary name, hashing on the way;
-then checked and renamed into place. A full disk becomes a PackerError saying how to resume."""
+"""Copying one dataset file for ``stage``: whole, to a temporary name, hashing on the way,
+checked against the manifest and renamed into place. A full disk becomes a PackerError saying
+how to resume. The copy is not read back: right after writing, a read comes from the page
+cache, so a second hash would check memory against memory."""
 from __future__ import annotations
 
 import hashlib
@@ -12,8 +14,8 @@ from typing import List, Optional
 
 from .._util.fsio import open_new
 from .._util.system import disk_full_as, human_size
-from ..errors import FormatError, PackerError
-from ..format.manifest import HASH_CHUNK, file_sha256
+from ..errors import FormatError
+from ..format.manifest import HASH_CHUNK
 
 TMP_SUFFIX = ".staging"
 
@@ -35,18 +37,24 @@ def tmpfs_advice(need: Optional[int] = None) -> str:
     return f"sudo mount -t tmpfs -o size={size} tmpfs MOUNTPOINT"
 
 
-def copy_file(f: StagedFile, target: Path, progress) -> Path:
-    """Copy ``f`` whole to a temporary name in TARGET and return it; chunk i is hashed in a
-    second thread while it is written and i+1 read (hashlib and file I/O release the GIL)."""
+def copy_file(f: StagedFile, target: Path, progress) -> None:
+    """Copy ``f`` whole to a temporary name in TARGET, check it, rename it to ``f.name``."""
     tmp = target / ("." + f.name + TMP_SUFFIX)
     if not isinstance(f.src, Path):  # in object storage: fetched and verified by packer.storage
         with disk_full(target / f.name):
             f.src.download(tmp, f.bytes, f.sha256, progress)
-        return tmp
+    else:
+        _copy_local(f, tmp, progress)
+    os.replace(tmp, target / f.name)
+
+
+def _copy_local(f: StagedFile, tmp: Path, progress) -> None:
+    """``f`` into ``tmp``, checked; chunk i is hashed in a second thread while it is written
+    and i+1 read (hashlib and file I/O release the GIL)."""
     h = hashlib.sha256()
     size = 0
     try:
-        with disk_full(target / f.name), ThreadPoolExecutor(1) as hasher, \
+        with disk_full(tmp.parent / f.name), ThreadPoolExecutor(1) as hasher, \
                 open(f.src, "rb", buffering=0) as src, open_new(tmp) as out:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -67,22 +75,6 @@ def copy_file(f: StagedFile, target: Path, progress) -> Path:
             raise FormatError(f"{f.src} does not match its manifest entry (size {size} for "
                               f"{f.bytes}, or a checksum mismatch): the source dataset is damaged; "
                               f"run `packer verify` on it, and rebuild it")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def check_and_rename(f: StagedFile, tmp: Path, target: Path, progress) -> None:
-    """Re-read the copy (when ``progress`` is given: verify=True) and rename it into place."""
-    try:
-        if tmp.stat().st_size != f.bytes:
-            raise PackerError(f"the copy of {f.src} in {target} has the wrong size; re-run the "
-                              f"same command")
-        if progress is not None and f.sha256 is not None and file_sha256(tmp, progress) != f.sha256:
-            raise PackerError(f"the copy of {f.src} in {target} reads back differently from what "
-                              f"was written (failing memory or storage?); re-run the same command")
-        os.replace(tmp, target / f.name)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

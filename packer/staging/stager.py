@@ -13,7 +13,7 @@ import os
 import stat
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -26,7 +26,7 @@ from .._util.fsio import FolderLock, check_folder, fsync_dir, remove_own, write_
 from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256, read_manifest, set_table, shard_file, side_tables
 from ..storage import RemoteDataset, is_url, redact
 from ..storage.remote import dataset_files
-from .copy import TMP_SUFFIX, StagedFile, check_and_rename, copy_file, disk_full, tmpfs_advice
+from .copy import TMP_SUFFIX, StagedFile, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult
 from .unstager import (STAGE_LOCK, STAGE_MARKER, manifest_or_none, previous_names, read_marker,
                        remove_folders, remove_staged, unstage, vanishing, write_marker)
@@ -41,8 +41,9 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     made with its parents if missing, ``unstage`` removes them) and verify it.
 
     An existing ``target`` must be empty or a staged copy: staging never writes into a folder
-    holding other things. ``verify`` hashes files already there before keeping them and
-    re-reads each copy (``False``: sizes only, plus the hash taken while copying).
+    holding other things. Each copy is hashed as it is copied and checked against the
+    manifest; ``verify`` also hashes files already there before keeping them (``False``: a
+    re-run trusts their sizes).
     ``storage_options``: for a URL, fsspec's and packer's options. Returns a ``StageResult``
     (``message()`` says where the data is). An incomplete source, an unsafe target or too
     little space is a ``PackerError`` before anything is written; a later failure removes what
@@ -105,7 +106,7 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
         for name in temps + doomed + stale:
             (target / name).unlink(missing_ok=True)
         result.removed = sorted(set(doomed + stale))
-        _copy(todo, target, verify, progress, result)
+        _copy(todo, target, progress, result)
         with disk_full(target / MANIFEST):
             write_json_atomic(target / MANIFEST, staged_manifest)
         write_marker(target, src, sorted(wanted), parents)
@@ -141,25 +142,17 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool
     return todo, [f.name for f in todo if sizes[f.name] is not None]
 
 
-def _copy(todo: List[StagedFile], target: Path, verify: bool, progress: bool,
-          result: StageResult) -> None:
-    """Copy file k+1 (``files_at_once``) while a second thread checks file k; on failure the
-    queued checks still finish, so a re-run keeps those files. With ``verify`` the bar counts
-    each file's copy and check as half each."""
+def _copy(todo: List[StagedFile], target: Path, progress: bool, result: StageResult) -> None:
+    """Copy ``files_at_once`` files at a time, each renamed into place once checked (so a
+    re-run keeps it); on a failure the copies under way finish or fail, and temp files go."""
     bar = _bar(progress, sum(f.bytes for f in todo), f"staging to {target.name or target}")
-    share = (lambda n: bar.update(n / 2)) if verify else bar.update
-    checks: List[Tuple[StagedFile, Future]] = []
     copier = ThreadPoolExecutor(files_at_once(todo))
     try:
-        with ThreadPoolExecutor(1) as checker:
-            copies = [copier.submit(copy_file, f, target, share) for f in todo]
-            for f, tmp in zip(todo, copies):
-                checks.append((f, checker.submit(check_and_rename, f, tmp.result(), target,
-                                                 share if verify else None)))
-            for f, fut in checks:
-                fut.result()
-                result.copied.append(f.name)
-                result.bytes_copied += f.bytes
+        copies = [copier.submit(copy_file, f, target, bar.update) for f in todo]
+        for f, fut in zip(todo, copies):
+            fut.result()
+            result.copied.append(f.name)
+            result.bytes_copied += f.bytes
     except BaseException:
         copier.shutdown(wait=True, cancel_futures=True)
         for p in target.glob("." + "*" + TMP_SUFFIX):

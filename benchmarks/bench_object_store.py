@@ -22,13 +22,12 @@ import argparse
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib.objectstore import SERVER
+from benchlib.objectstore import s3_server
 
 
 def make_dataset(workdir: Path, mb: int, shard_mb: int) -> Path:
@@ -78,20 +77,14 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/packer-bench-s3"))
     ap.add_argument("--target", type=Path, default=Path("/dev/shm/packer-bench-s3"))
     args = ap.parse_args(argv)
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     import fsspec
     from packer import stage
     from packer.format.manifest import read_manifest, side_tables
     from packer.storage import upload_dataset
 
     src = make_dataset(args.workdir, args.mb, args.shard_mb)
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
-    try:
-        endpoint = f"http://127.0.0.1:{int(server.stdout.readline())}"
-        creds = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
-                 "client_kwargs": {"region_name": "us-west-2"}}
+    with s3_server() as creds:
         fs = fsspec.filesystem("s3", **creds)
-        fs.mkdir("bench")
         opts = dict(creds, packer_part_size=args.part_mb << 20, packer_parallel=args.parallel)
         upload_dataset(src, "s3://bench/ds", opts)
         man = read_manifest(src)
@@ -112,9 +105,6 @@ def main(argv=None) -> int:
                 rows[name].append(total / secs / 2**20)
                 print(f"round {r} {name:8s} {rows[name][-1]:8.1f} MiB/s", flush=True)
         shutil.rmtree(args.target, ignore_errors=True)
-    finally:
-        server.kill()
-        server.wait()
     best = {k: max(v) for k, v in rows.items()}
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
     print(f"\n{total / 2**20:.0f} MiB in {len(keys)} objects ({len(man['shards'])} shards), "

@@ -20,7 +20,8 @@ def s3_server(bucket: str = "bench") -> Iterator[dict]:
     """The server's storage_options (a made-up key), with ``bucket`` made; killed on exit."""
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     import fsspec
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)  # not its request log
     try:
         opts = {"endpoint_url": f"http://127.0.0.1:{int(server.stdout.readline())}",
                 "key": "bench", "secret": "bench", "client_kwargs": {"region_name": "us-west-2"}}

@@ -59,7 +59,8 @@ class RayEngine:
 
 def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
     """The tasks' results in order, a window of tasks at a time; on close the rest are cancelled
-    and waited for, and finished shards not taken removed."""
+    and waited for, and finished shards not taken removed. (Cancelling raises KeyboardInterrupt
+    in a running task at its next Python instruction: ``write_shard`` removes its temp files.)"""
     pending: Deque = deque()  # (task, ref), in plan order
     ready: Dict = {}          # ref -> its ShardDone, finished out of order
     todo = iter(tasks)

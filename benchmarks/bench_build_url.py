@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         print(json.dumps(variant(json.loads(args.variant))))
         return 0
     import fsspec
-    from benchlib.objectstore import run_variant, s3_server
+    from benchlib.objectstore import print_medians, run_variant, s3_server
     from packer.demo.images import make_image_folder
 
     folder = args.workdir / "photos"
@@ -90,10 +90,8 @@ def main(argv=None) -> int:
                 print(f"round {r} {name:6s} {rows[name][-1]:8.1f} images/s "
                       f"({res['images']} in {res['seconds']:.1f} s)", flush=True)
     shutil.rmtree(args.workdir / "dst", ignore_errors=True)
-    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
     print(f"\n{args.images} images, {args.workers} workers, {os.cpu_count()} cores")
-    for k, v in rows.items():
-        print(f"  {k:6s} median {med[k]:8.1f} images/s (range {min(v):.1f}-{max(v):.1f})")
+    med = print_medians(rows, "images/s")
     print(f"  url / local {med['url'] / med['local']:.2f}   url / plain {med['url'] / med['plain']:.2f}")
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     return 0

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.variant:
         print(json.dumps(variant(json.loads(args.variant))))
         return 0
-    from benchlib.objectstore import s3_server
+    from benchlib.objectstore import print_medians, s3_server
     from packer.format.manifest import read_manifest
 
     src = make_dataset(args.workdir, args.images, args.shard_mb)
@@ -143,15 +143,10 @@ def main(argv=None) -> int:
             run_rounds(args, src, staged, opts, rows, max(shard_bytes // 4, 2 * largest))
     finally:
         shutil.rmtree(staged, ignore_errors=True)
-    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-    base = med.get("staged")
     print(f"\n{len(man['shards'])} shards, {shard_bytes / 2**20:.0f} MiB, {args.images} images, "
           f"{args.workers} workers, {args.epochs} epochs, {'raw bytes' if args.raw else 'decoded'}, "
           f"{os.cpu_count()} cores")
-    for k, v in rows.items():
-        ratio = f"{med[k] / base:.2f}" if base else "-"
-        print(f"  {k:15s} median {med[k]:8.1f} images/s  (range {min(v):.1f}-{max(v):.1f})  "
-              f"ratio to staged {ratio}")
+    print_medians(rows, "images/s", "staged")
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     return 0
 

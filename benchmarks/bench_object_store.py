@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib.objectstore import s3_server
+from benchlib.objectstore import print_medians, s3_server
 
 
 def make_dataset(workdir: Path, mb: int, shard_mb: int) -> Path:
@@ -105,13 +105,9 @@ def main(argv=None) -> int:
                 rows[name].append(total / secs / 2**20)
                 print(f"round {r} {name:8s} {rows[name][-1]:8.1f} MiB/s", flush=True)
         shutil.rmtree(args.target, ignore_errors=True)
-    best = {k: max(v) for k, v in rows.items()}
-    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
     print(f"\n{total / 2**20:.0f} MiB in {len(keys)} objects ({len(man['shards'])} shards), "
           f"{args.part_mb} MiB parts, {args.parallel} at a time, {os.cpu_count()} cores")
-    for k in rows:
-        print(f"  {k:8s} median {med[k]:7.1f} MiB/s  best {best[k]:7.1f} MiB/s  "
-              f"ratio to plain (medians) {med[k] / med['plain']:.2f}")
+    print_medians(rows, "MiB/s", "plain")
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     return 0
 

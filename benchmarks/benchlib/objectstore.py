@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Iterator
+from typing import Iterator, Optional
 
 SERVER = ("from moto.server import ThreadedMotoServer; import time; "
           "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); s.start(); "
@@ -39,3 +39,12 @@ def run_variant(script: str, spec: dict) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"variant {spec['name']} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_medians(rows: dict, unit: str, base: Optional[str] = None) -> dict:
+    """One line per variant (median, range, and the ratio of medians to ``base``); the medians."""
+    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+    for k, v in rows.items():
+        ratio = f"  ratio to {base} {med[k] / med[base]:.2f}" if base and med.get(base) else ""
+        print(f"  {k:15s} median {med[k]:8.1f} {unit}  (range {min(v):.1f}-{max(v):.1f}){ratio}")
+    return med

@@ -40,11 +40,11 @@ def tmpfs_advice(need: Optional[int] = None) -> str:
 def copy_file(f: StagedFile, target: Path, progress) -> None:
     """Copy ``f`` whole to a temporary name in TARGET, check it, rename it to ``f.name``."""
     tmp = target / ("." + f.name + TMP_SUFFIX)
-    if not isinstance(f.src, Path):  # in object storage: fetched and verified by packer.storage
-        with disk_full(target / f.name):
+    with disk_full(target / f.name):
+        if isinstance(f.src, Path):
+            _copy_local(f, tmp, progress)
+        else:  # in object storage: fetched and verified by packer.storage
             f.src.download(tmp, f.bytes, f.sha256, progress)
-    else:
-        _copy_local(f, tmp, progress)
     os.replace(tmp, target / f.name)
 
 
@@ -54,8 +54,8 @@ def _copy_local(f: StagedFile, tmp: Path, progress) -> None:
     h = hashlib.sha256()
     size = 0
     try:
-        with disk_full(tmp.parent / f.name), ThreadPoolExecutor(1) as hasher, \
-                open(f.src, "rb", buffering=0) as src, open_new(tmp) as out:
+        with ThreadPoolExecutor(1) as hasher, open(f.src, "rb", buffering=0) as src, \
+                open_new(tmp) as out:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             pending: List[Future] = []

@@ -18,6 +18,9 @@ Outputs stay on the GPU; nothing consumes them (the pipelines alone).
   packer          GPUDecoder(make_gpu_loader(root, 256), size=224, train=True): all defaults
   packer_pinned3  the same, make_gpu_loader(pin_memory=True), GPUOptions(decode_threads=3)
   packer_plain2   the same, make_gpu_loader(pin_memory=False), GPUOptions(decode_threads=2)
+  packer_<knobs>  (only with --only) packer with settings joined by "_": w<N> loader workers,
+                  t<N> decode threads (JPEG engine), c<N> cuda_threads (CUDA cores), plain
+                  (unpinned), pinned, od / fixed (threads_on_demand on / off); e.g. packer_w8_c1
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
   synthetic       (with --train) one resident batch: the model alone, the baseline
@@ -42,6 +45,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -132,15 +136,38 @@ def packer_source(a, name: str):
         ds = PackedDataset(a.packed, decode=DecodeRandomResizedCrop(a.size))
         loader = make_loader(ds, a.batch, shuffle=True, num_workers=workers)
         return CUDAPrefetcher(loader, device=None if cuda else "cpu"), loader
-    pinned, plain = name == "packer_pinned3", name == "packer_plain2"
-    loader = make_gpu_loader(a.packed, a.batch, **({"pin_memory": pinned and cuda} if pinned or plain else {}))
-    opts = {"decode_threads": 3} if pinned else {"decode_threads": 2} if plain else {}
+    knobs = packer_knobs(name)
+    more = {"num_workers": knobs["w"]} if "w" in knobs else {}
+    if "plain" in knobs or "pinned" in knobs:
+        more["pin_memory"] = "pinned" in knobs and cuda
+    loader = make_gpu_loader(a.packed, a.batch, **more)
+    opts = {k: knobs[v] for k, v in (("decode_threads", "t"), ("cuda_threads", "c"),
+                                     ("threads_on_demand", "od")) if v in knobs}
     if a.dry_run:  # PIL stands in for nvJPEG, the CPU reference for the kernel
         from benchlib.gpu_common import pil_decoder
         opts["decoder"] = pil_decoder
     g = GPUDecoder(loader, size=a.size, train=True, options=GPUOptions(**opts) if opts else None,
                    **({} if cuda else {"device": torch.device("cpu")}))
     return g, loader
+
+
+def packer_knobs(name: str) -> dict:
+    """``packer_w8_t3_c1_plain`` -> {"w": 8, "t": 3, "c": 1, "plain": 0}; the two named
+    variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
+    knobs = {}
+    for tok in name.split("_")[1:]:
+        m = re.fullmatch(r"(w|t|c|plain|pinned|od|fixed)(\d*)", tok)
+        if m is None or (m[1] in "wtc" and not m[2]):
+            raise SystemExit(f"unknown setting {tok!r} in variant {name!r}")
+        if m[1] in ("od", "fixed"):  # threads_on_demand on / off
+            knobs["od"] = int(m[1] == "od")
+        elif m[1] in ("plain", "pinned"):
+            knobs[m[1]] = 0
+            if m[2]:
+                knobs["t"] = int(m[2])
+        else:
+            knobs[m[1]] = int(m[2])
+    return knobs
 
 
 def child(a) -> dict:
@@ -306,9 +333,13 @@ def parent(a) -> int:
     if a.train and not a.only:
         wanted = ["synthetic"] + wanted
     unknown = [v for v in wanted if v not in VARIANTS + ("synthetic",) and not
-               (v.startswith("workers") and v[7:].isdigit())]
+               (v.startswith("workers") and v[7:].isdigit()) and not v.startswith("packer_")]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS} and workers<N>")
+        raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS}, workers<N>, "
+                         f"packer_<knobs>")
+    for v in wanted:
+        if v.startswith("packer_") and v != "packer_cpu":
+            packer_knobs(v)  # a typo stops here, not in every child
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"args": vars(a).copy(), "data": make_data(a), "cores": a.cpus,

@@ -165,15 +165,16 @@ def _copy(todo: List[StagedFile], target: Path, progress: bool, result: StageRes
 
 
 def files_at_once(todo: List[StagedFile]) -> int:
-    """1 for local files (one sequential read is the disk's best); from object storage, as many
-    as keep about ``packer_parallel`` ranged GETs busy (a 64 MiB shard has only 8 parts of 8
-    MiB), at most 8, so memory stays that of one large file."""
+    """1 for local files (one sequential read is the disk's best); from object storage, one
+    more than keeps ``packer_parallel`` ranged GETs busy (a 64 MiB shard has only 8 parts of 8
+    MiB), at most 8: the GETs share one pool (``Store.pool``), so the extra file's parts wait
+    in it and start as soon as a file's last parts leave threads free."""
     remote = [f.src for f in todo if not isinstance(f.src, Path)]
     if not remote:
         return 1
     t = remote[0].dataset.store.transfer
     parts = max(1, -(-max(f.bytes for f in todo) // t.part_size))
-    return max(1, min(8, t.parallel // parts))
+    return max(2, min(8, t.parallel // parts + 1))
 
 
 def staging_plan(src: Path, man: dict) -> List[StagedFile]:

@@ -9,6 +9,7 @@ import itertools
 import os
 import posixpath
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -123,6 +124,7 @@ class Store:
     """A folder in object storage (``url``): read, download and upload its files.
     ``storage_options`` go to fsspec except packer's ``packer_*`` keys (``Transfer``); a Store
     pickles without its client (fsspec's async clients do not survive a fork)."""
+    _pool_lock = threading.Lock()
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None):
         self.url = url.rstrip("/")
@@ -130,6 +132,7 @@ class Store:
         self.options, self.transfer = split_options(storage_options)
         self.secrets = secret_values(self.options) + url_secrets(url)
         self.root = self.fs_root()  # and the client, made in this process
+        self._pool = self._pool_pid = None
 
     def fs_root(self) -> str:
         fs, root = filesystem(self.url, self.options)
@@ -143,7 +146,17 @@ class Store:
         return self._fs
 
     def __getstate__(self):
-        return dict(self.__dict__, _fs=None, _pid=None)
+        return dict(self.__dict__, _fs=None, _pid=None, _pool=None, _pool_pid=None)
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The ``parallel`` threads that make the ranged GETs, shared by every file this process
+        downloads at once: the next file's parts start while a file's last parts arrive, and
+        no more than ``parallel`` GETs are ever in flight. Made again after a fork."""
+        with self._pool_lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = ThreadPoolExecutor(self.transfer.parallel, thread_name_prefix="packer-get")
+                self._pool_pid = os.getpid()
+            return self._pool
 
     def key(self, rel: str) -> str:
         """The store's path of ``rel`` (``NAME``, or ``../part/NAME`` from a merge): '..' may
@@ -241,11 +254,10 @@ class Store:
             raise
 
     def _fetch_into(self, rel: str, dest: Path, size: int, progress) -> str:
-        part, window = self.transfer.part_size, 2 * self.transfer.parallel
+        part, window = self.transfer.part_size, self.transfer.parallel
         ranges = [(o, min(size, o + part)) for o in range(0, size, part)]
         h = hashlib.sha256()
-        pool = ThreadPoolExecutor(min(self.transfer.parallel, max(1, len(ranges))))
-        done = False
+        pool, pending = self.pool(), []
         try:
             with open_new(dest) as out:
                 pending = [pool.submit(self.get_range, rel, a, b) for a, b in ranges[:window]]
@@ -260,9 +272,11 @@ class Store:
                         progress(len(data))
                 out.flush()
                 os.fsync(out.fileno())
-            done = True
-        finally:  # on failure, parts still queued are dropped and running ones not waited for
-            pool.shutdown(wait=done, cancel_futures=True)
+        except BaseException:  # parts still queued are dropped, running ones not waited for
+            for f in pending:
+                if f is not None:
+                    f.cancel()
+            raise
         return h.hexdigest()
 
     def _change(self, rel: str, before: ObjectInfo) -> str:

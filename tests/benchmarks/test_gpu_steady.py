@@ -43,3 +43,23 @@ def test_help_names_the_command():
                          timeout=60)
     assert run.returncode == 0, run.stderr
     assert "python3 benchmarks/bench_gpu_steady.py --images 10000 --rounds 3" in run.stdout
+
+
+def test_variant_knobs():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_gpu_steady as b
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert b.packer_knobs("packer") == {}
+    assert b.packer_knobs("packer_w8_t4_c1_plain") == {"w": 8, "t": 4, "c": 1, "plain": 0}
+    assert b.packer_knobs("packer_pinned3") == {"pinned": 0, "t": 3}
+    assert b.packer_knobs("packer_plain2") == {"plain": 0, "t": 2}
+    assert b.packer_knobs("packer_od") == {"od": 1} and b.packer_knobs("packer_fixed") == {"od": 0}
+    for bad in ("packer_x3", "packer_w", "packer_w8_fast"):
+        try:
+            b.packer_knobs(bad)
+        except SystemExit as e:
+            assert bad.split("_")[-1] in str(e)
+        else:
+            raise AssertionError(bad)

@@ -152,7 +152,33 @@ def test_files_at_once_keeps_the_ranged_gets_busy_without_growing_memory(tmp_pat
     ds = RemoteDataset("s3://bucket/ds", {"packer_part_size": 8 << 20, "packer_parallel": 16,
                                           "anon": True})
     remote = lambda mib: StagedFile("x", ds / "x", mib << 20, None, "shard")  # noqa: E731
-    assert files_at_once([remote(64), remote(64)]) == 2      # 8 parts each: two files fill 16
+    assert files_at_once([remote(64), remote(64)]) == 3      # 8 parts each: two files fill 16, one waits
     assert files_at_once([remote(4)] * 20) == 8               # one part each: at most 8 files
     assert files_at_once([remote(1024), remote(8)]) == 1      # the largest file sets it
+    assert files_at_once([remote(128), remote(128)]) == 2     # 16 parts: one file and the next
     assert files_at_once([StagedFile("x", tmp_path / "x", 1 << 20, None, "shard")]) == 1
+
+
+def test_ranged_gets_share_one_pool_per_process(s3, remote, tmp_path):
+    """Every file's GETs go through one pool of packer_parallel threads (the next file starts
+    while a file's last parts arrive); a forked child makes its own and still downloads."""
+    from packer.storage import RemoteDataset
+
+    store = RemoteDataset(remote, s3_options(s3["endpoint"], packer_parallel=3)).store
+    pool = store.pool()
+    assert store.pool() is pool and pool._max_workers == 3
+    shard = json.loads(store.read_bytes(MANIFEST))["shards"][0]
+    name, size, sha = shard["path"], shard["bytes"], shard["sha256"]
+    store.download(name, tmp_path / "a", size, sha)
+    assert store.pool() is pool
+    pid = os.fork()
+    if pid == 0:  # the parent's pool threads do not exist here: a pool of its own must be made
+        code = 1
+        try:
+            code = 0 if store.pool() is not pool else 2
+            store.download(name, tmp_path / "b", size, sha)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()

@@ -19,8 +19,7 @@ Outputs stay on the GPU; nothing consumes them (the pipelines alone).
   packer_pinned3  the same, make_gpu_loader(pin_memory=True), GPUOptions(decode_threads=3)
   packer_plain2   the same, make_gpu_loader(pin_memory=False), GPUOptions(decode_threads=2)
   packer_<knobs>  (only with --only) packer with settings joined by "_": w<N> loader workers,
-                  t<N> decode threads (JPEG engine), c<N> cuda_threads (CUDA cores), plain
-                  (unpinned), pinned, od / fixed (threads_on_demand on / off); e.g. packer_w8_c1
+                  t<N> decode threads, plain (unpinned), pinned; e.g. packer_w8_t1
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
   synthetic       (with --train) one resident batch: the model alone, the baseline
@@ -141,8 +140,7 @@ def packer_source(a, name: str):
     if "plain" in knobs or "pinned" in knobs:
         more["pin_memory"] = "pinned" in knobs and cuda
     loader = make_gpu_loader(a.packed, a.batch, **more)
-    opts = {k: knobs[v] for k, v in (("decode_threads", "t"), ("cuda_threads", "c"),
-                                     ("threads_on_demand", "od")) if v in knobs}
+    opts = {"decode_threads": knobs["t"]} if "t" in knobs else {}
     if a.dry_run:  # PIL stands in for nvJPEG, the CPU reference for the kernel
         from benchlib.gpu_common import pil_decoder
         opts["decoder"] = pil_decoder
@@ -152,16 +150,14 @@ def packer_source(a, name: str):
 
 
 def packer_knobs(name: str) -> dict:
-    """``packer_w8_t3_c1_plain`` -> {"w": 8, "t": 3, "c": 1, "plain": 0}; the two named
+    """``packer_w8_t3_plain`` -> {"w": 8, "t": 3, "plain": 0}; the two named
     variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
     knobs = {}
     for tok in name.split("_")[1:]:
-        m = re.fullmatch(r"(w|t|c|plain|pinned|od|fixed)(\d*)", tok)
-        if m is None or (m[1] in "wtc" and not m[2]):
+        m = re.fullmatch(r"(w|t|plain|pinned)(\d*)", tok)
+        if m is None or (m[1] in "wt" and not m[2]):
             raise SystemExit(f"unknown setting {tok!r} in variant {name!r}")
-        if m[1] in ("od", "fixed"):  # threads_on_demand on / off
-            knobs["od"] = int(m[1] == "od")
-        elif m[1] in ("plain", "pinned"):
+        if m[1] in ("plain", "pinned"):
             knobs[m[1]] = 0
             if m[2]:
                 knobs["t"] = int(m[2])

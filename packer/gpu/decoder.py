@@ -284,9 +284,7 @@ def _decoders(opts: GPUOptions, device: torch.device):
         threads = opts.decode_threads or (3 if opts.overlap == 2 else 1)
         try:
             decoders = [NvjpegDecoder.shared(device, k) for k in range(threads)]
-            decoders += [NvjpegDecoder.shared(device, k, hardware=False)
-                         for k in range(opts.cuda_threads)]
-            return decoders, "+".join(dict.fromkeys(f"nvjpeg-{d.backend}" for d in decoders))
+            return decoders, f"nvjpeg-{decoders[0].backend}"
         except (OSError, RuntimeError):
             if opts.backend == "nvjpeg":
                 raise

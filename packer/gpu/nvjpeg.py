@@ -29,19 +29,15 @@ class _Image(ctypes.Structure):  # nvjpegImage_t (nvJPEG >= 11: size_t pitches)
 class NvjpegDecoder:
     """nvJPEG's batched decoder called directly (ctypes): torchvision's pixels, but one output
     allocation per batch and one handle per decode thread, on a stream of ``priority``.
-    ``hardware``: the JPEG engine where the GPU has one (else nvJPEG's default backend);
-    False: CUDA cores (GPU_HYBRID: Huffman decoding on the GPU too, for batches over ~50), the
-    share DALI's ``hw_decoder_load`` leaves off the engine. Raises OSError/RuntimeError when
-    libnvjpeg cannot be set up. Handles are never freed, so :meth:`shared` gives one instance
-    per (device, slot, hardware)."""
+    Raises OSError/RuntimeError when libnvjpeg cannot be set up. Handles are never freed, so
+    :meth:`shared` gives one instance per (device, slot)."""
     _shared: dict = {}
 
     @classmethod
-    def shared(cls, device: torch.device, slot: int = 0, hardware: bool = True) -> "NvjpegDecoder":
-        key = (device, slot, hardware)
-        if key not in cls._shared:
-            cls._shared[key] = cls(device, hardware=hardware)
-        return cls._shared[key]
+    def shared(cls, device: torch.device, slot: int = 0) -> "NvjpegDecoder":
+        if (device, slot) not in cls._shared:
+            cls._shared[device, slot] = cls(device)
+        return cls._shared[device, slot]
 
     def __init__(self, device: torch.device, *, hardware: bool = True, priority: Optional[int] = None):
         self.lib = lib = load_nvjpeg()
@@ -57,8 +53,8 @@ class NvjpegDecoder:
         self._info = ctypes.PyDLL(lib._name).nvjpegGetImageInfo
         self._info.argtypes = [vp, vp, ctypes.c_size_t, ip, ip, ip, ip]
         self.handle, self.state = vp(), vp()
-        self.backend = "hardware" if hardware else "cuda"
-        status = lib.nvjpegCreateEx(3 if hardware else 2, None, None, 0, ctypes.byref(self.handle))
+        self.backend = "hardware"
+        status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(self.handle)) if hardware else -1
         if status != 0:  # no hardware engine (status 8: arch mismatch): nvJPEG picks a backend
             self.backend = "default"
             status = lib.nvjpegCreateEx(0, None, None, 0, ctypes.byref(self.handle))

@@ -21,11 +21,6 @@ class GPUOptions:
     channels_last: the output batch's memory format.
     overlap: 2: background threads on their own streams; 1: one thread; 0: inline.
     decode_threads: with ``overlap=2`` (None: 3 for nvJPEG, 1 for torchvision).
-    cuda_threads: nvJPEG only: decode threads more, decoding whole batches on the CUDA cores
-    instead of the JPEG engine (DALI's ``hw_decoder_load`` split; needs ``overlap=2``).
-    threads_on_demand: decode threads beyond the first take a batch only while the consumer
-    finds none ready: all run when the input is behind, one beside a step that keeps up (the
-    others' share of the GIL slows an eager training loop).
     queue_depth: decoded batches waiting between stages (bounds GPU memory).
     max_ahead: steps the consumer may queue beyond the last finished (``GPUDecoder.throttle``).
     backend: "nvjpeg", "torchvision" or "auto" (the first that loads).
@@ -38,8 +33,6 @@ class GPUOptions:
     channels_last: bool = True
     overlap: int = 2
     decode_threads: Optional[int] = None
-    cuda_threads: int = 0
-    threads_on_demand: bool = False
     queue_depth: int = 2
     max_ahead: Optional[int] = 3
     backend: str = "auto"
@@ -65,10 +58,6 @@ class GPUOptions:
                                     or (threads > 1 and self.overlap != 2)):
             raise ValueError(f"decode_threads must be None or an int >= 1, and 1 unless overlap=2, "
                              f"got {threads!r}")
-        if not isinstance(self.cuda_threads, int) or self.cuda_threads < 0 or (
-                self.cuda_threads and self.overlap != 2):
-            raise ValueError(f"cuda_threads must be an int >= 0, and 0 unless overlap=2, "
-                             f"got {self.cuda_threads!r}")
         if self.backend not in ("auto", "nvjpeg", "torchvision"):
             raise ValueError(f"backend must be 'auto', 'nvjpeg' or 'torchvision', got {self.backend!r}")
 

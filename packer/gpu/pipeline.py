@@ -23,7 +23,6 @@ class Pipeline:
         """``dec``: the ``GPUDecoder`` whose ``decode_batch``/``augment_batch`` the threads run;
         batch n's crops come from seed ``base + n``, whichever thread augments it."""
         self.stop, self.stats = threading.Event(), dec.stats
-        self.behind = threading.Event()  # the consumer found no batch ready: input is behind
         self.out: queue.Queue = queue.Queue(dec.options.queue_depth)
         lock, count = threading.Lock(), itertools.count()
         snapshot = getattr(dec.loader, "state_dict", None)
@@ -37,10 +36,9 @@ class Pipeline:
                 return n, batch
         threads = dec.decode_threads
         self._ordered = self._in_order(self.out, threads)
-        on_demand = dec.options.threads_on_demand
         self.threads = [threading.Thread(
             target=self._run, args=(src, functools.partial(_both, dec, dec.decoders[k], base),
-                                    dec.streams[k], on_demand and k > 0),
+                                    dec.streams[k]),
             daemon=True, name=f"packer-gpu-decode-{k}") for k in range(threads)]
         for t in self.threads:
             t.start()
@@ -52,10 +50,7 @@ class Pipeline:
 
         def get():
             while want[0] not in held:
-                if q.empty():
-                    self.behind.set()  # the consumer is about to wait: the input is behind
                 item = self._get(q)
-                self.behind.clear()
                 if isinstance(item, Raised):
                     raise _Forward(item)
                 if item is END:
@@ -71,17 +66,14 @@ class Pipeline:
             return want[0] - 1, held.pop(want[0] - 1)
         return get
 
-    def _run(self, source, fn, stream, on_demand: bool = False) -> None:
+    def _run(self, source, fn, stream) -> None:
         # Seconds waiting for the loader, working, and waiting for room in the queue: the
-        # stage that neither waits nor is blocked is the bottleneck. A thread ``on_demand``
-        # takes a batch only while the consumer is behind (fewer threads beside the step).
+        # stage that neither waits nor is blocked is the bottleneck.
         where = "decode+augment"
         try:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 clock, add = time.perf_counter, self.stats.add_time
                 while not self.stop.is_set():
-                    if on_demand and not self.behind.wait(0.05):
-                        continue
                     t0 = clock()
                     try:
                         n, item = source()

@@ -167,8 +167,9 @@ def _copy(todo: List[StagedFile], target: Path, progress: bool, result: StageRes
 def files_at_once(todo: List[StagedFile]) -> int:
     """1 for local files (one sequential read is the disk's best); from object storage, one
     more than keeps ``packer_parallel`` ranged GETs busy (a 64 MiB shard has only 8 parts of 8
-    MiB), at most 8: the GETs share one pool (``Store.pool``), so the extra file's parts wait
-    in it and start as soon as a file's last parts leave threads free."""
+    MiB), at least 2, at most 8: the GETs share one pool (``Store.pool``), so the next file's
+    parts wait in it and start as soon as a file's last parts leave threads free (one file
+    at a time left the pool ~45 % idle: 0.59 of a plain download on 16 cores)."""
     remote = [f.src for f in todo if not isinstance(f.src, Path)]
     if not remote:
         return 1

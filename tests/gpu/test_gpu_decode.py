@@ -72,37 +72,6 @@ def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads):
     assert set(seconds) == stages and all(v >= 0 for v in seconds.values())
 
 
-def test_threads_on_demand_work_only_while_the_consumer_waits(mixed):
-    """threads_on_demand: beside a slow consumer (a step that keeps up) the first thread does
-    nearly all the batches; beside a fast one (input behind) all three take their share."""
-    import threading
-    import time
-    loader = make_gpu_loader(mixed, 2, shuffle=False, num_workers=0)
-
-    def share(consumer_s: float, decode_s: float) -> dict:
-        who: dict = {}
-
-        def decoder(datas, device):
-            name = threading.current_thread().name
-            who[name] = who.get(name, 0) + 1
-            time.sleep(decode_s)
-            return pil_decoder(datas, device)
-        dec = _cpu_decoder(loader, decode_threads=3, threads_on_demand=True, decoder=decoder,
-                           train=False)
-        labels = []
-        for _ in range(2):
-            for _, y in dec:
-                labels += y.tolist()
-                time.sleep(consumer_s)
-        assert labels == 2 * loader.dataset.targets  # order and every batch, as without
-        return who
-    slow = share(consumer_s=0.15, decode_s=0.0)  # a batch takes ~30 ms here
-    first = slow.pop("packer-gpu-decode-0")
-    assert first >= 2 * len(loader) - 4 and sum(slow.values()) <= 4, (first, slow)
-    fast = share(consumer_s=0.0, decode_s=0.03)
-    assert len(fast) == 3 and min(fast.values()) >= len(loader) // 4, fast
-
-
 def test_pipeline_same_result_for_every_overlap_and_epoch_seeding(mixed):
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)
     runs = []
@@ -235,8 +204,6 @@ def test_constructor_errors(mixed, monkeypatch):
                       ({"crop_fraction": 1.5}, "crop_fraction"), ({"mean": (0.5,)}, "mean"),
                       ({"min_visible": 2.0}, "min_visible"), ({"decode_threads": 0}, "decode_threads"),
                       ({"decode_threads": 2, "overlap": 1}, "decode_threads"),
-                      ({"cuda_threads": 1, "overlap": 1}, "cuda_threads"),
-                      ({"cuda_threads": -1}, "cuda_threads"),
                       ({"backend": "dali"}, "backend")]:
         with pytest.raises(ValueError, match=match):
             _cpu_decoder(loader, **kw)
@@ -368,29 +335,21 @@ def test_gpu_overlap_modes_agree(mixed):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("backend,cuda_threads", [("torchvision", 0), ("nvjpeg", 0), ("nvjpeg", 1)])
-def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend, cuda_threads):
+@pytest.mark.parametrize("backend", ["torchvision", "nvjpeg"])
+def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend):
     pytest.importorskip("torchvision")
     plain = GPUDecoder(make_gpu_loader(mixed, 4, shuffle=False, num_workers=0), train=False,
                        dtype=torch.uint8)
     ref = torch.cat([x.cpu() for x, _ in plain])
     loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
     try:
-        dec = make_decoder(loader, train=False, dtype=torch.uint8, decode_threads=3, backend=backend,
-                           cuda_threads=cuda_threads)
+        dec = make_decoder(loader, train=False, dtype=torch.uint8, decode_threads=3, backend=backend)
     except OSError:
         pytest.skip("libnvjpeg not found")
-    if cuda_threads:
-        assert dec.decode_threads == 4 and dec.backend.endswith("+nvjpeg-cuda"), dec.backend
     for _ in range(2):  # twice: the threads' handles and streams are reused
         xs, labels = [], []
         for x, y in dec:
             xs.append(x.cpu())
             labels += y.tolist()
-        assert labels == loader.dataset.targets
-        if cuda_threads:  # the CUDA decoder's IDCT may differ from the engine's by a level
-            diff = (torch.cat(xs).int() - ref.int()).abs()
-            assert diff.float().mean() < 0.5 and int(diff.max()) <= 16, (diff.float().mean(), diff.max())
-        else:
-            assert torch.equal(torch.cat(xs), ref)
+        assert labels == loader.dataset.targets and torch.equal(torch.cat(xs), ref)
     assert dec.stats.gpu == 2 * plain.stats.gpu and dec.stats.retried == 0

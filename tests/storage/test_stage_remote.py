@@ -154,8 +154,9 @@ def test_files_at_once_keeps_the_ranged_gets_busy_without_growing_memory(tmp_pat
     remote = lambda mib: StagedFile("x", ds / "x", mib << 20, None, "shard")  # noqa: E731
     assert files_at_once([remote(64), remote(64)]) == 3      # 8 parts each: two files fill 16, one waits
     assert files_at_once([remote(4)] * 20) == 8               # one part each: at most 8 files
-    assert files_at_once([remote(1024), remote(8)]) == 1      # the largest file sets it
     assert files_at_once([remote(128), remote(128)]) == 2     # 16 parts: one file and the next
+    assert files_at_once([remote(136), remote(8)]) == 2       # 17 parts: still the next one waiting
+    assert files_at_once([remote(1024), remote(8)]) == 2      # the largest file sets it
     assert files_at_once([StagedFile("x", tmp_path / "x", 1 << 20, None, "shard")]) == 1
 
 

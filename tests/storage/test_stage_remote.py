@@ -176,10 +176,19 @@ def test_ranged_gets_share_one_pool_per_process(s3, remote, tmp_path):
     if pid == 0:  # the parent's pool threads do not exist here: a pool of its own must be made
         code = 1
         try:
-            code = 0 if store.pool() is not pool else 2
-            store.download(name, tmp_path / "b", size, sha)
+            if store.pool() is pool:
+                code = 2
+            else:
+                store.download(name, tmp_path / "b", size, sha)
+                code = 0
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + 120  # the parent's pool in the child would wait forever
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if status[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's download hung")
+    assert os.waitstatus_to_exitcode(status[1]) == 0
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()

@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-size", type=int, default=d.gpu_size, help="SSDlite's input")
     ap.add_argument("--steps", type=int, default=d.steps, help="gpu: timed steps per round")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="gpu: untimed steps first")
+    ap.add_argument("--decode-threads", type=int, help="gpu: GPUDecoder's decode threads "
+                    "(default: GPUOptions' default)")
     ap.add_argument("--root", help="data folder; --slow-disk throttles its disk")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
@@ -53,7 +55,8 @@ def main(argv=None) -> int:
     opts = DetectionBenchOptions(images=args.images, workers=args.workers, rounds=args.rounds,
                                  batch_size=args.batch_size, size=args.size,
                                  gpu_batch=args.gpu_batch, gpu_size=args.gpu_size,
-                                 steps=args.steps, warmup=args.warmup, root=args.root)
+                                 steps=args.steps, warmup=args.warmup, root=args.root,
+                                 decode_threads=args.decode_threads)
     out = bench_detection(chosen or ["cpu", "build", "gpu"], opts)
     print("\n" + detection_table(out))
     print("command: " + shlex.join([sys.executable, *sys.argv]))

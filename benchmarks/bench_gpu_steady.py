@@ -19,7 +19,8 @@ Outputs stay on the GPU; nothing consumes them (the pipelines alone).
   packer_pinned3  the same, make_gpu_loader(pin_memory=True), GPUOptions(decode_threads=3)
   packer_plain2   the same, make_gpu_loader(pin_memory=False), GPUOptions(decode_threads=2)
   packer_<knobs>  (only with --only) packer with settings joined by "_": w<N> loader workers,
-                  t<N> decode threads, plain (unpinned), pinned; e.g. packer_w8_t1
+                  t<N> decode threads, plain (unpinned), pinned, s<N> the interpreter's
+                  switch interval in microseconds (sys.setswitchinterval); e.g. packer_w8_t1
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
   synthetic       (with --train) one resident batch: the model alone, the baseline
@@ -136,6 +137,8 @@ def packer_source(a, name: str):
         loader = make_loader(ds, a.batch, shuffle=True, num_workers=workers)
         return CUDAPrefetcher(loader, device=None if cuda else "cpu"), loader
     knobs = packer_knobs(name)
+    if "s" in knobs:  # the interpreter's switch interval, in microseconds
+        sys.setswitchinterval(knobs["s"] / 1e6)
     more = {"num_workers": knobs["w"]} if "w" in knobs else {}
     if "plain" in knobs or "pinned" in knobs:
         more["pin_memory"] = "pinned" in knobs and cuda
@@ -154,8 +157,8 @@ def packer_knobs(name: str) -> dict:
     variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
     knobs = {}
     for tok in name.split("_")[1:]:
-        m = re.fullmatch(r"(w|t|plain|pinned)(\d*)", tok)
-        if m is None or (m[1] in "wt" and not m[2]):
+        m = re.fullmatch(r"(w|t|s|plain|pinned)(\d*)", tok)
+        if m is None or (m[1] in "wts" and not m[2]):
             raise SystemExit(f"unknown setting {tok!r} in variant {name!r}")
         if m[1] in ("plain", "pinned"):
             knobs[m[1]] = 0

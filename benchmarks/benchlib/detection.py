@@ -71,6 +71,7 @@ class DetectionBenchOptions:
     bps: int = 100 << 20
     seed: int = 0
     dry_run: bool = False      # gpu on the CPU, PIL in nvJPEG's place: checks the code only
+    decode_threads: Optional[int] = None  # GPUOptions(decode_threads=...) of the GPU path
 
 
 def torchvision_baseline() -> bool:
@@ -321,7 +322,8 @@ def gpu_decoder(packed: Path, opts: DetectionBenchOptions, dev: torch.device, le
     """An endless ``GPUDecoder`` (train=True: random crops or letterbox, and flips) over
     ``packed``; in a dry run on the CPU with PIL decoding and the resize's CPU reference."""
     from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
-    options = GPUOptions(decoder=pil_decoder) if opts.dry_run else None
+    options = GPUOptions(decode_threads=opts.decode_threads,
+                         decoder=pil_decoder if opts.dry_run else None)
     loader = make_gpu_loader(str(packed), opts.gpu_batch, num_workers=opts.workers,
                              drop_last=True)
     return endless(GPUDecoder(loader, size=opts.gpu_size, letterbox=letterbox, device=dev,

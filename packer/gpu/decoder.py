@@ -174,7 +174,7 @@ class GPUDecoder(LoaderView):
                 pass  # nvJPEG refused the batch: the path below retries image by image
             else:
                 self.stats.add(gpu=len(images), batches=1)
-                return images, batch.sizes, batch.labels.to(self.device, non_blocking=True)
+                return images, batch.sizes, self._labels(batch.labels)
         views = batch.images()
         n = len(views)
         on_gpu = (~batch.decoded).nonzero().flatten().tolist()
@@ -196,8 +196,14 @@ class GPUDecoder(LoaderView):
             if out[i] is None:
                 out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
         self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
-        return (ImageTable.from_images(out), batch.sizes,
-                batch.labels.to(self.device, non_blocking=True))
+        return ImageTable.from_images(out), batch.sizes, self._labels(batch.labels)
+
+    def _labels(self, labels):
+        """Class labels on the device; detection targets stay on the host for
+        ``place_boxes``, which moves what is kept."""
+        if isinstance(labels, DetectionTargets):
+            return labels
+        return labels.to(self.device, non_blocking=True)
 
     def _decode_alone(self, data: torch.Tensor, decoder) -> torch.Tensor:
         try:
@@ -232,7 +238,7 @@ class GPUDecoder(LoaderView):
                 grey = grey * self.norm_scale.flatten().expand(3) + self.norm_shift.flatten().expand(3)
             fill_outside(out, inside, flips, grey)
         if isinstance(labels, DetectionTargets):
-            labels = place_boxes(labels, boxes, self.size, flips, o.min_visible)
+            labels = place_boxes(labels, boxes, self.size, flips, o.min_visible, self.device)
         return out, labels
 
     def __repr__(self) -> str:

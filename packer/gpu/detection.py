@@ -7,7 +7,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..errors import PackerError
-from ..transforms.boxes import crop_boxes, letterbox_params
+from ..transforms.boxes import crop_boxes, letterbox_params, to_device
 from ..reading.targets import wrap_boxes
 
 
@@ -75,22 +75,20 @@ def fill_outside(out: torch.Tensor, inside: torch.Tensor, flips: Optional[torch.
 
 
 def place_boxes(targets: DetectionTargets, crops: torch.Tensor, size: Tuple[int, int],
-                flips: Optional[torch.Tensor], min_visible: float) -> List[Dict]:
-    """Per-image target dicts for the augmented images (boxes moved, clipped, and dropped
-    when less than ``min_visible`` of them stays in view), on the targets' device."""
-    dev = targets.boxes.device
-    boxes, keep = crop_boxes(targets.boxes, targets.counts, crops.to(dev), size,
-                             None if flips is None else flips.to(dev), min_visible=min_visible)
-    counts = targets.counts.tolist()  # (waits for the targets' copy: a few hundred bytes)
-    ids = targets.image_id.tolist()
-    keep_cpu = keep.cpu()
-    out = []
-    start = 0
-    for i, n in enumerate(counts):
-        k = keep_cpu[start:start + n]
-        sel = torch.nonzero(k).flatten().to(dev) + start
-        rest = {k: v[sel] for k, v in targets.per_box.items()}  # torchvision's key order:
-        out.append({"boxes": wrap_boxes(boxes[sel], size), "labels": rest.pop("labels"),
-                    "image_id": ids[i], **rest})
-        start += n
-    return out
+                flips: Optional[torch.Tensor], min_visible: float,
+                device: torch.device) -> List[Dict]:
+    """Per-image target dicts on ``device`` for the augmented images (boxes moved, clipped, and
+    dropped when less than ``min_visible`` of them stays in view). ``targets`` on the host:
+    the maths runs there and each field crosses in one copy, split into per-image views, so
+    a batch costs a few operations and no wait, whatever its images (each operation of a
+    decode thread waits for the training loop to let go of the GIL)."""
+    boxes, keep = crop_boxes(targets.boxes, targets.counts, crops, size, flips,
+                             min_visible=min_visible)
+    image = torch.repeat_interleave(torch.arange(len(targets.counts)), targets.counts)
+    counts = torch.bincount(image[keep], minlength=len(targets.counts)).tolist()
+    fields = {"boxes": boxes, **targets.per_box}  # torchvision's key order, image_id third
+    moved = {k: to_device(v[keep], device).split(counts) for k, v in fields.items()}
+    labels = moved.pop("labels")
+    return [{"boxes": wrap_boxes(b, size), "labels": labels[i], "image_id": n,
+             **{k: v[i] for k, v in moved.items() if k != "boxes"}}
+            for i, (b, n) in enumerate(zip(moved["boxes"], targets.image_id.tolist()))]

@@ -12,7 +12,7 @@ from ..errors import FormatError
 from ..loading.torchapi import shared_empty
 from ..transforms.decode import open_image
 from ..format.images import DEFAULT_MAX_PIXELS
-from .detection import is_detection_batch, pack_targets
+from .detection import DetectionTargets, is_detection_batch, pack_targets
 
 __all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",
            "gpu_decodable", "jpeg_info"]
@@ -147,6 +147,19 @@ class EncodedBatch(NamedTuple):
     decoded: torch.Tensor  # bool (B,)
     labels: Any            # (B,) as default_collate makes them; detection: DetectionTargets
 
+    def __reduce__(self):
+        # From a worker only ``data`` crosses as shared memory; the small fields travel inside
+        # the message as bytes. Each tensor would be a shared-memory file of its own, taken in
+        # by ~30 system calls in the training process, every one waiting there for the GIL.
+        labels = self.labels
+        if isinstance(labels, DetectionTargets):
+            labels = ("boxes", *map(_raw, labels[:3]), {k: _raw(v) for k, v in labels[3].items()})
+        elif isinstance(labels, torch.Tensor):
+            labels = ("tensor", _raw(labels))
+        else:
+            labels = ("other", labels)
+        return _rebuild, (self.data, *map(_raw, self[1:4]), labels)
+
     def images(self) -> List[torch.Tensor]:
         """Per-image views: 1-D JPEG bytes, or (H, W, 3) pixels where ``decoded``."""
         views = list(torch.split(self.data, torch.diff(self.offsets).tolist()))
@@ -155,6 +168,29 @@ class EncodedBatch(NamedTuple):
                 h, w = self.sizes[i].tolist()
                 views[i] = views[i].view(h, w, 3)
         return views
+
+
+def _raw(t: torch.Tensor) -> tuple:
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.nbytes), t.dtype, tuple(t.shape)
+
+
+def _tensor(raw: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
+
+
+def _rebuild(data, offsets, sizes, decoded, labels) -> EncodedBatch:
+    kind, *rest = labels
+    if kind == "boxes":
+        labels = DetectionTargets(*(_tensor(*r) for r in rest[:3]),
+                                  {k: _tensor(*r) for k, r in rest[3].items()})
+    elif kind == "tensor":
+        labels = _tensor(*rest[0])
+    else:
+        labels = rest[0]
+    return EncodedBatch(data, _tensor(*offsets), _tensor(*sizes), _tensor(*decoded), labels)
 
 
 def collate_encoded(batch) -> EncodedBatch:

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["crop_boxes", "letterbox_params"]
+__all__ = ["crop_boxes", "letterbox_params", "to_device"]
 
 Size = Tuple[int, int]
 
@@ -31,7 +31,7 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     ax = torch.where(flips, -sx, sx)
     bx = torch.where(flips, ow + c[:, 0] * sx, -c[:, 0] * sx)
     aff = torch.stack([ax, bx, sy, -c[:, 1] * sy, flips.to(cwork)], 1)
-    a = _to(aff.to(work), dev)[_image_index(counts, len(boxes), dev)]        # (N, 5)
+    a = to_device(aff.to(work), dev)[_image_index(counts, len(boxes), dev)]        # (N, 5)
     b = boxes.to(work)
     xs = b[:, 0::2] * a[:, 0:1] + a[:, 1:2]                                   # (N, 2)
     ys = b[:, 1::2] * a[:, 2:3] + a[:, 3:4]
@@ -72,12 +72,12 @@ def _image_index(counts: torch.Tensor, n: int, device: torch.device) -> torch.Te
     counts (free to read) are checked against ``n``."""
     if counts.device.type == "cpu" and int(counts.sum()) != n:
         raise ValueError(f"counts sum to {int(counts.sum())} but there are {n} boxes")
-    counts = _to(counts, device)
+    counts = to_device(counts, device)
     rows = torch.arange(len(counts), device=device)
     return torch.repeat_interleave(rows, counts, output_size=n)
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor to ``device`` without waiting for the GPU's queued work (a copy
     from pageable memory would block until the stream catches up)."""
     if device.type != "cuda" or t.device.type != "cpu":

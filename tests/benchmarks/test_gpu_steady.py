@@ -55,7 +55,8 @@ def test_variant_knobs():
     assert b.packer_knobs("packer_w8_t4_plain") == {"w": 8, "t": 4, "plain": 0}
     assert b.packer_knobs("packer_pinned3") == {"pinned": 0, "t": 3}
     assert b.packer_knobs("packer_plain2") == {"plain": 0, "t": 2}
-    for bad in ("packer_x3", "packer_w", "packer_w8_fast", "packer_c1"):
+    assert b.packer_knobs("packer_t1_s500") == {"t": 1, "s": 500}
+    for bad in ("packer_x3", "packer_w", "packer_s", "packer_w8_fast", "packer_c1"):
         try:
             b.packer_knobs(bad)
         except SystemExit as e:

@@ -141,3 +141,34 @@ def test_target_keys_follow_the_kept_boxes(det):
         assert len(g["area"]) == len(g["iscrowd"]) == len(g["boxes"]) <= len(w["boxes"])
     with pytest.raises(Exception, match="not masks"):
         next(iter(make_gpu_loader(PackedDataset(det, target_keys="all"), 6, num_workers=0)))
+
+
+def test_boxes_move_per_batch_not_per_image():
+    """``place_boxes`` copies each field to the device once per batch, whatever the number of
+    images (a copy per image stalled the decode thread, and every torch call made there
+    waits for the training loop's GIL)."""
+    from torch.overrides import TorchFunctionMode
+
+    from packer.gpu.detection import place_boxes
+
+    class Copies(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.n += getattr(func, "__name__", "") in ("to", "cuda", "copy_", "pin_memory")
+            return func(*args, **(kwargs or {}))
+
+    def copies(images):
+        counts = torch.tensor([2] * images)
+        boxes = torch.tensor([[10.0, 10, 50, 40], [0, 0, 300, 200]]).repeat(images, 1)
+        targets = DetectionTargets(boxes, counts, torch.arange(images),
+                                   {"labels": torch.arange(2 * images), "area": boxes[:, 0]})
+        crops = torch.tensor([[0.0, 0, 320, 256]]).repeat(images, 1).double()
+        with Copies() as mode:
+            out = place_boxes(targets, crops, SIZE, None, 0.25, torch.device("cpu"))
+        assert [len(t["boxes"]) for t in out] == [2] * images
+        assert [t["labels"].tolist() for t in out] == [[2 * i, 2 * i + 1] for i in range(images)]
+        return mode.n
+    assert copies(2) == copies(16)

@@ -23,9 +23,16 @@ Outputs stay on the GPU; nothing consumes them (the pipelines alone).
                   switch interval in microseconds (sys.setswitchinterval); e.g. packer_w8_t1
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
-  synthetic       (with --train) one resident batch: the model alone, the baseline
+  synthetic       (with --train or --detection) one resident batch: the model alone, the
+                  baseline
   workers<N>      packer_cpu with N workers, N = cores - 1 and cores (only with --only):
                   which should default_num_workers() be
+
+--detection: --images COCO-style photo scenes with pasted objects at known boxes (default
+2,000), packed with ``Coco``, and an SSDlite320 training step (bf16 autocast, SGD, batch 32,
+320 px, torchvision's detection targets) on every batch: ``synthetic`` (one resident batch),
+``packer_cpu`` (``DecodeLetterbox`` in the workers + ``CUDAPrefetcher``), ``packer``
+(``GPUDecoder(letterbox=True)``, its defaults) and ``packer_t1`` by default; knobs as above.
 
 Prints one table (median, min-max, each round, ratio to dali per round and of the medians);
 writes results.json and results.md to --out (default $OUT, else ./gpu-steady-out). The DALI
@@ -36,12 +43,14 @@ cores and an H100 (data made once under --root).
     python3 benchmarks/bench_gpu_steady.py --images 10000 --rounds 3 --out "$OUT"
     python3 benchmarks/bench_gpu_steady.py --train --out "$OUT"   # fed ResNet-18 vs synthetic
     python3 benchmarks/bench_gpu_steady.py --only workers15,workers16 --out "$OUT"
+    python3 benchmarks/bench_gpu_steady.py --detection --rounds 3 --out "$OUT"   # SSDlite320
     python3 benchmarks/bench_gpu_steady.py --dry-run   # tiny, CPU, PIL for nvJPEG, no DALI
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -54,6 +63,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 VARIANTS = ("dali", "dali_hw99", "packer", "packer_pinned3", "packer_plain2", "packer_cpu")
+DETECTION = ("synthetic", "packer_cpu", "packer", "packer_t1")
 MEAN, STD = [0.485 * 255, 0.456 * 255, 0.406 * 255], [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
@@ -152,6 +162,41 @@ def packer_source(a, name: str):
     return g, loader
 
 
+def detection_source(a, name: str, counter):
+    """(endless model batches, the GPUDecoder or None, the loader, the SSDlite320 step) for a
+    --detection variant; the resident batch is the CPU path's first."""
+    import torch
+    from benchlib.detection import model_batch, ssd_step
+    from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader, reserve_cuda_queues
+    from packer.loading.loader import make_loader
+    from packer.loading.prefetch import CUDAPrefetcher
+    from packer.reading.dataset import PackedDataset
+    from packer.transforms.decode import DecodeLetterbox
+    reserve_cuda_queues()  # every variant alike, before CUDA starts
+    dev = torch.device("cpu") if a.dry_run else torch.device("cuda", torch.cuda.current_device())
+    ds = PackedDataset(a.packed, decode=DecodeLetterbox(a.size))
+    step = ssd_step(dev, 1 + max(c["id"] for c in ds.categories))
+    if name in ("synthetic", "packer_cpu"):
+        loader = make_loader(ds, a.batch, shuffle=True, drop_last=True)
+        g = CUDAPrefetcher(loader, mean=None, std=None, device=dev)
+        if name == "synthetic":
+            batch = model_batch(*next(iter(g)))
+            return (batch for _ in itertools.count()), None, loader, step
+        return (model_batch(*b) for b in loader_batches(g, counter)), None, loader, step
+    knobs = packer_knobs(name)
+    more = {"num_workers": knobs["w"]} if "w" in knobs else {}
+    if "plain" in knobs or "pinned" in knobs:
+        more["pin_memory"] = "pinned" in knobs and not a.dry_run
+    loader = make_gpu_loader(a.packed, a.batch, drop_last=True, **more)
+    opts = {"decode_threads": knobs["t"]} if "t" in knobs else {}
+    if a.dry_run:
+        from benchlib.gpu_common import pil_decoder
+        opts["decoder"] = pil_decoder
+    g = GPUDecoder(loader, size=a.size, letterbox=True, mean=None, std=None,
+                   dtype=torch.float32, device=dev, options=GPUOptions(**opts))
+    return (model_batch(*b) for b in loader_batches(g, counter)), g, loader, step
+
+
 def packer_knobs(name: str) -> dict:
     """``packer_w8_t3_plain`` -> {"w": 8, "t": 3, "plain": 0}; the two named
     variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
@@ -175,8 +220,11 @@ def child(a) -> dict:
     import torch
     if a.dry_run:
         torch.set_num_threads(1)  # 2 OpenMP threads per process on 2 busy cores crawl
-    counter, extra, g = {"epochs": 0}, {}, None
-    if a.variant.startswith("dali"):
+    counter, extra, g, step = {"epochs": 0}, {}, None, None
+    if a.detection:
+        it, g, loader, step = detection_source(a, a.variant, counter)
+        extra.update(num_workers=loader.num_workers, pin_memory=bool(loader.pin_memory))
+    elif a.variant.startswith("dali"):
         import nvidia.dali
         extra["dali"] = nvidia.dali.__version__
         it = dali_batches(a, 0.99 if a.variant == "dali_hw99" else None)
@@ -188,7 +236,8 @@ def child(a) -> dict:
         it = loader_batches(g, counter)
     cuda = torch.cuda.is_available() and not a.dry_run
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step = train_step(a) if a.train else (lambda x, y: None)
+    if step is None:
+        step = train_step(a) if a.train else (lambda x, y: None)
 
     def take() -> int:
         x, y = next(it)
@@ -211,7 +260,7 @@ def child(a) -> dict:
     gaps = [1e3 * (b - a_) for a_, b in zip([t0] + arrivals, arrivals)]
     q = statistics.quantiles(gaps, n=10) if len(gaps) > 1 else gaps * 9
     seen = (a.warmup + a.batches) * a.batch
-    boundaries = counter["epochs"] - e0 if g is not None else \
+    boundaries = counter["epochs"] - e0 if g is not None or a.variant == "packer_cpu" else \
         seen // a.images - (a.warmup * a.batch) // a.images  # DALI's reader wraps by itself
     stats = getattr(g, "stats", None)
     if stats is not None:
@@ -232,9 +281,19 @@ def child(a) -> dict:
 def make_data(a) -> dict:
     """The JPEG tree (DALI's file_root) and its packed copy, made once per size under --root."""
     from packer.writing.builder import build
-    root = Path(a.root) / f"{a.images}{'-dry' if a.dry_run else ''}"
+    root = Path(a.root) / f"{'det-' if a.detection else ''}{a.images}{'-dry' if a.dry_run else ''}"
     src, packed, done = root / "src", root / "packed", root / "src.done"
-    if not done.exists():
+    if a.detection:
+        from packer.demo.scenes import make_detection_folder
+        from packer.sources import Coco
+        if not done.exists():
+            made = make_detection_folder(src, a.images, seed=0)
+            assert made == src, made
+            done.write_text("")
+        if not (packed / "manifest.json").exists():
+            build(Coco(src / "images", src / "annotations.json"), packed, workers=a.cpus,
+                  progress=False)
+    elif not done.exists():
         t0 = time.perf_counter()
         if a.dry_run:  # tiny photos, serially: the test's few seconds
             import torch
@@ -250,7 +309,7 @@ def make_data(a) -> dict:
             make_folder(SimpleNamespace(log=print), src, a.images, a.classes, a.cpus)
         done.write_text("")
         print(f"made {a.images} JPEGs in {time.perf_counter() - t0:.1f} s", flush=True)
-    if not (packed / "manifest.json").exists():
+    if not (packed / "manifest.json").exists():  # (detection scenes were built above)
         print(build(src, packed, workers=a.cpus, progress=False).summary(), flush=True)
     m = json.loads((packed / "manifest.json").read_text())
     a.src, a.packed = str(src), str(packed)
@@ -277,6 +336,7 @@ def run_child(a, name: str) -> dict:
     for k in ("images", "classes", "batch", "warmup", "batches", "size"):
         cmd += [f"--{k}", str(getattr(a, k))]
     cmd += (["--dry-run"] if a.dry_run else []) + (["--train"] if a.train else [])
+    cmd += ["--detection"] if a.detection else []
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout)
@@ -328,11 +388,12 @@ def table(base: str, summary: dict) -> str:
 
 def parent(a) -> int:
     t_all = time.perf_counter()
-    wanted = a.only.split(",") if a.only else list(VARIANTS)
+    wanted = a.only.split(",") if a.only else list(DETECTION if a.detection else VARIANTS)
     if a.train and not a.only:
         wanted = ["synthetic"] + wanted
     unknown = [v for v in wanted if v not in VARIANTS + ("synthetic",) and not
-               (v.startswith("workers") and v[7:].isdigit()) and not v.startswith("packer_")]
+               (v.startswith("workers") and v[7:].isdigit()) and not v.startswith("packer_")
+               or a.detection and (v.startswith("dali") or v.startswith("workers"))]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS}, workers<N>, "
                          f"packer_<knobs>")
@@ -361,8 +422,9 @@ def parent(a) -> int:
             (out / "results.json").write_text(json.dumps(results, indent=1))
     first = next((r for rs in runs.values() for r in rs if "gpu" in r), {})
     d = results["data"]
+    what = "SSDlite320 step on detection scenes" if a.detection else "JPEGs"
     md = (f"{first.get('gpu', '?')}, {a.cpus} cores, torch {first.get('torch', '?')}; {d['images']} "
-          f"JPEGs, {d['bytes_per_image'] / 1024:.1f} KiB each; batch {a.batch}, {a.warmup} warm-up "
+          f"{what}, {d['bytes_per_image'] / 1024:.1f} KiB each; batch {a.batch}, {a.warmup} warm-up "
           f"+ {a.batches} timed batches per process, {a.rounds} rounds; "
           f"{time.perf_counter() - t_all:.0f} s in all\n\n")
     md += table(results["baseline"], results["summary"])
@@ -374,10 +436,11 @@ def parent(a) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", type=int, default=10_000)
+    p.add_argument("--images", type=int, help="default 10,000 (--detection: 2,000)")
     p.add_argument("--classes", type=int, default=100)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--size", type=int, default=224, help="output side (packer's variants)")
+    p.add_argument("--batch", type=int, help="default 256 (--detection: 32)")
+    p.add_argument("--size", type=int, help="output side (packer's variants): default 224 "
+                   "(--detection: 320)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=20, help="batches before the window")
     p.add_argument("--batches", type=int, default=250, help="batches in the timed window")
@@ -391,10 +454,15 @@ def main(argv=None) -> int:
     p.add_argument("--train", action="store_true", help="a ResNet-18 eager step (bf16, "
                    "channels_last) on every batch, and a 'synthetic' variant (one resident "
                    "batch) as the baseline: how much of the model's speed each pipeline keeps")
+    p.add_argument("--detection", action="store_true", help="an SSDlite320 training step on "
+                   "COCO-style scenes fed by each path (see above)")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--packed", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    for k, usual, det in (("images", 10_000, 2_000), ("batch", 256, 32), ("size", 224, 320)):
+        if getattr(a, k) is None:
+            setattr(a, k, det if a.detection else usual)
     if a.variant:
         print(json.dumps(child(a)), flush=True)
         import atexit
@@ -402,7 +470,9 @@ def main(argv=None) -> int:
         os._exit(0)
     if a.dry_run and a.train:
         raise SystemExit("--train needs a GPU; the dry run has none")
-    if a.dry_run:
+    if a.dry_run and a.detection:  # SSDlite on 2 cores: a few steps
+        a.images, a.batch, a.warmup, a.batches, a.size, a.rounds = 8, 2, 2, 12, 64, 1
+    elif a.dry_run:
         a.images, a.classes, a.batch, a.warmup, a.batches, a.size = 160, 4, 16, 3, 36, 32
         a.rounds = min(a.rounds, 2)
     from packer._util.system import usable_cores

@@ -63,3 +63,26 @@ def test_variant_knobs():
             assert bad.split("_")[-1] in str(e)
         else:
             raise AssertionError(bad)
+
+
+def test_detection_dry_run(tmp_path):
+    """--detection: detection scenes packed with Coco, an SSDlite320 step fed by each path in
+    its own process, the resident batch as the baseline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "OUT")}
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--detection", "--dry-run", "--root",
+                          str(tmp_path / "data"), "--out", str(out)], capture_output=True,
+                         text=True, timeout=400, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["baseline"] == "synthetic" and res["data"]["images"] == 8
+    assert sorted(res["runs"]) == sorted(["synthetic", "packer_cpu", "packer", "packer_t1"])
+    for v in ("packer_cpu", "packer", "packer_t1"):
+        r = res["runs"][v][0]
+        assert r["rate"] > 0 and r["epoch_boundaries"] >= 3 and r["images"] == 12 * 2
+    assert res["runs"]["packer"][0]["decoded"]["gpu"] > 0  # GPUDecoder's path, PIL standing in
+    assert "SSDlite320 step on detection scenes" in (out / "results.md").read_text()
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--detection", "--dry-run", "--only",
+                          "dali", "--root", str(tmp_path / "data")], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert bad.returncode != 0 and "unknown variants ['dali']" in bad.stderr

@@ -79,9 +79,9 @@ def place_boxes(targets: DetectionTargets, crops: torch.Tensor, size: Tuple[int,
                 device: torch.device) -> List[Dict]:
     """Per-image target dicts on ``device`` for the augmented images (boxes moved, clipped, and
     dropped when less than ``min_visible`` of them stays in view). ``targets`` on the host:
-    the maths runs there and each field crosses in one copy, split into per-image views, so
-    a batch costs a few operations and no wait, whatever its images (each operation of a
-    decode thread waits for the training loop to let go of the GIL)."""
+    the maths runs there and each field crosses in one copy, split into per-image views: a
+    fixed number of calls per batch and no wait, whatever its images (the decode thread's
+    time under the GIL comes out of an eager training loop's; docs/gpu_decode.md)."""
     boxes, keep = crop_boxes(targets.boxes, targets.counts, crops, size, flips,
                              min_visible=min_visible)
     image = torch.repeat_interleave(torch.arange(len(targets.counts)), targets.counts)

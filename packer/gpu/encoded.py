@@ -149,11 +149,12 @@ class EncodedBatch(NamedTuple):
 
     def __reduce__(self):
         # From a worker only ``data`` crosses as shared memory; the small fields travel inside
-        # the message as bytes. Each tensor would be a shared-memory file of its own, taken in
-        # by ~30 system calls in the training process, every one waiting there for the GIL.
+        # the message as bytes. Each tensor would be a shared-memory file of its own, handed
+        # over through a socket (~30 system calls and Python) in the training process.
         labels = self.labels
         if isinstance(labels, DetectionTargets):
-            labels = ("boxes", *map(_raw, labels[:3]), {k: _raw(v) for k, v in labels[3].items()})
+            labels = ("boxes", *map(_raw, (labels.boxes, labels.counts, labels.image_id)),
+                      {k: _raw(v) for k, v in labels.per_box.items()})
         elif isinstance(labels, torch.Tensor):
             labels = ("tensor", _raw(labels))
         else:

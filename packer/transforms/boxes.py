@@ -31,7 +31,7 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     ax = torch.where(flips, -sx, sx)
     bx = torch.where(flips, ow + c[:, 0] * sx, -c[:, 0] * sx)
     aff = torch.stack([ax, bx, sy, -c[:, 1] * sy, flips.to(cwork)], 1)
-    a = to_device(aff.to(work), dev)[_image_index(counts, len(boxes), dev)]        # (N, 5)
+    a = to_device(aff.to(work), dev)[_image_index(counts, len(boxes), dev)]   # (N, 5)
     b = boxes.to(work)
     xs = b[:, 0::2] * a[:, 0:1] + a[:, 1:2]                                   # (N, 2)
     ys = b[:, 1::2] * a[:, 2:3] + a[:, 3:4]

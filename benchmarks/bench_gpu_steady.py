@@ -135,7 +135,7 @@ def loader_batches(source, counter):
 def packer_source(a, name: str):
     """The variant's iterable, and what to record from it afterwards."""
     import torch
-    from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
+    from packer.gpu import GPUDecoder
     from packer.loading.loader import make_loader
     from packer.loading.prefetch import CUDAPrefetcher
     from packer.reading.dataset import PackedDataset
@@ -146,18 +146,8 @@ def packer_source(a, name: str):
         ds = PackedDataset(a.packed, decode=DecodeRandomResizedCrop(a.size))
         loader = make_loader(ds, a.batch, shuffle=True, num_workers=workers)
         return CUDAPrefetcher(loader, device=None if cuda else "cpu"), loader
-    knobs = packer_knobs(name)
-    if "s" in knobs:  # the interpreter's switch interval, in microseconds
-        sys.setswitchinterval(knobs["s"] / 1e6)
-    more = {"num_workers": knobs["w"]} if "w" in knobs else {}
-    if "plain" in knobs or "pinned" in knobs:
-        more["pin_memory"] = "pinned" in knobs and cuda
-    loader = make_gpu_loader(a.packed, a.batch, **more)
-    opts = {"decode_threads": knobs["t"]} if "t" in knobs else {}
-    if a.dry_run:  # PIL stands in for nvJPEG, the CPU reference for the kernel
-        from benchlib.gpu_common import pil_decoder
-        opts["decoder"] = pil_decoder
-    g = GPUDecoder(loader, size=a.size, train=True, options=GPUOptions(**opts) if opts else None,
+    loader, options = gpu_settings(a, name)
+    g = GPUDecoder(loader, size=a.size, train=True, options=options,
                    **({} if cuda else {"device": torch.device("cpu")}))
     return g, loader
 
@@ -167,7 +157,7 @@ def detection_source(a, name: str, counter):
     --detection variant; the resident batch is the CPU path's first."""
     import torch
     from benchlib.detection import model_batch, ssd_step
-    from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader, reserve_cuda_queues
+    from packer.gpu import GPUDecoder, reserve_cuda_queues
     from packer.loading.loader import make_loader
     from packer.loading.prefetch import CUDAPrefetcher
     from packer.reading.dataset import PackedDataset
@@ -183,18 +173,27 @@ def detection_source(a, name: str, counter):
             batch = model_batch(*next(iter(g)))
             return (batch for _ in itertools.count()), None, loader, step
         return (model_batch(*b) for b in loader_batches(g, counter)), None, loader, step
+    loader, options = gpu_settings(a, name, drop_last=True)
+    g = GPUDecoder(loader, size=a.size, letterbox=True, mean=None, std=None,
+                   dtype=torch.float32, device=dev, options=options)
+    return (model_batch(*b) for b in loader_batches(g, counter)), g, loader, step
+
+
+def gpu_settings(a, name: str, **loader_options):
+    """(make_gpu_loader, GPUOptions) of a packer variant's knobs; in a dry run PIL decodes."""
+    from packer.gpu import GPUOptions, make_gpu_loader
     knobs = packer_knobs(name)
-    more = {"num_workers": knobs["w"]} if "w" in knobs else {}
+    if "s" in knobs:  # the interpreter's switch interval, in microseconds
+        sys.setswitchinterval(knobs["s"] / 1e6)
+    if "w" in knobs:
+        loader_options["num_workers"] = knobs["w"]
     if "plain" in knobs or "pinned" in knobs:
-        more["pin_memory"] = "pinned" in knobs and not a.dry_run
-    loader = make_gpu_loader(a.packed, a.batch, drop_last=True, **more)
+        loader_options["pin_memory"] = "pinned" in knobs and not a.dry_run
     opts = {"decode_threads": knobs["t"]} if "t" in knobs else {}
-    if a.dry_run:
+    if a.dry_run:  # PIL stands in for nvJPEG, the CPU reference for the kernel
         from benchlib.gpu_common import pil_decoder
         opts["decoder"] = pil_decoder
-    g = GPUDecoder(loader, size=a.size, letterbox=True, mean=None, std=None,
-                   dtype=torch.float32, device=dev, options=GPUOptions(**opts))
-    return (model_batch(*b) for b in loader_batches(g, counter)), g, loader, step
+    return make_gpu_loader(a.packed, a.batch, **loader_options), GPUOptions(**opts)
 
 
 def packer_knobs(name: str) -> dict:
@@ -287,8 +286,7 @@ def make_data(a) -> dict:
         from packer.demo.scenes import make_detection_folder
         from packer.sources import Coco
         if not done.exists():
-            made = make_detection_folder(src, a.images, seed=0)
-            assert made == src, made
+            make_detection_folder(src, a.images, seed=0)
             done.write_text("")
         if not (packed / "manifest.json").exists():
             build(Coco(src / "images", src / "annotations.json"), packed, workers=a.cpus,

@@ -7,7 +7,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..errors import PackerError
-from ..transforms.boxes import crop_boxes, letterbox_params, to_device
+from ..transforms.boxes import crop_boxes, image_index, letterbox_params, to_device
 from ..reading.targets import wrap_boxes
 
 
@@ -84,7 +84,7 @@ def place_boxes(targets: DetectionTargets, crops: torch.Tensor, size: Tuple[int,
     time under the GIL comes out of an eager training loop's; docs/gpu_decode.md)."""
     boxes, keep = crop_boxes(targets.boxes, targets.counts, crops, size, flips,
                              min_visible=min_visible)
-    image = torch.repeat_interleave(torch.arange(len(targets.counts)), targets.counts)
+    image = image_index(targets.counts, len(keep), keep.device)
     counts = torch.bincount(image[keep], minlength=len(targets.counts)).tolist()
     fields = {"boxes": boxes, **targets.per_box}  # torchvision's key order, image_id third
     moved = {k: to_device(v[keep], device).split(counts) for k, v in fields.items()}

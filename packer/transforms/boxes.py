@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["crop_boxes", "letterbox_params", "to_device"]
+__all__ = ["crop_boxes", "image_index", "letterbox_params", "to_device"]
 
 Size = Tuple[int, int]
 
@@ -31,7 +31,7 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     ax = torch.where(flips, -sx, sx)
     bx = torch.where(flips, ow + c[:, 0] * sx, -c[:, 0] * sx)
     aff = torch.stack([ax, bx, sy, -c[:, 1] * sy, flips.to(cwork)], 1)
-    a = to_device(aff.to(work), dev)[_image_index(counts, len(boxes), dev)]   # (N, 5)
+    a = to_device(aff.to(work), dev)[image_index(counts, len(boxes), dev)]   # (N, 5)
     b = boxes.to(work)
     xs = b[:, 0::2] * a[:, 0:1] + a[:, 1:2]                                   # (N, 2)
     ys = b[:, 1::2] * a[:, 2:3] + a[:, 3:4]
@@ -67,7 +67,7 @@ def _area(b: torch.Tensor) -> torch.Tensor:
     return (b[:, 2] - b[:, 0]).clamp(min=0) * (b[:, 3] - b[:, 1]).clamp(min=0)
 
 
-def _image_index(counts: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+def image_index(counts: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
     """(n,) image of each box. ``output_size`` keeps a GPU ``counts`` from syncing; host
     counts (free to read) are checked against ``n``."""
     if counts.device.type == "cpu" and int(counts.sum()) != n:

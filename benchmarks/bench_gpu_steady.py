@@ -42,6 +42,7 @@ cores and an H100 (data made once under --root).
 
     python3 benchmarks/bench_gpu_steady.py --images 10000 --rounds 3 --out "$OUT"
     python3 benchmarks/bench_gpu_steady.py --train --out "$OUT"   # fed ResNet-18 vs synthetic
+    python3 benchmarks/bench_gpu_steady.py --train --model resnet50 --only synthetic,packer,packer_cpu
     python3 benchmarks/bench_gpu_steady.py --only workers15,workers16 --out "$OUT"
     python3 benchmarks/bench_gpu_steady.py --detection --rounds 3 --out "$OUT"   # SSDlite320
     python3 benchmarks/bench_gpu_steady.py --dry-run   # tiny, CPU, PIL for nvJPEG, no DALI
@@ -107,10 +108,10 @@ def synthetic_batches(a):
 
 
 def train_step(a):
-    """A ResNet-18 eager training step (bf16 autocast, channels_last, SGD) on each batch."""
+    """An eager training step of --model (bf16 autocast, channels_last, SGD) on each batch."""
     import torch
     import torchvision
-    model = torchvision.models.resnet18(num_classes=a.classes).cuda()
+    model = getattr(torchvision.models, a.model)(num_classes=a.classes).cuda()
     model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -331,7 +332,7 @@ def dali_missing(a):
 
 def run_child(a, name: str) -> dict:
     cmd = [sys.executable, __file__, "--variant", name, "--src", a.src, "--packed", a.packed]
-    for k in ("images", "classes", "batch", "warmup", "batches", "size"):
+    for k in ("images", "classes", "batch", "warmup", "batches", "size", "model"):
         cmd += [f"--{k}", str(getattr(a, k))]
     cmd += (["--dry-run"] if a.dry_run else []) + (["--train"] if a.train else [])
     cmd += ["--detection"] if a.detection else []
@@ -420,7 +421,8 @@ def parent(a) -> int:
             (out / "results.json").write_text(json.dumps(results, indent=1))
     first = next((r for rs in runs.values() for r in rs if "gpu" in r), {})
     d = results["data"]
-    what = "SSDlite320 step on detection scenes" if a.detection else "JPEGs"
+    what = ("SSDlite320 step on detection scenes" if a.detection else
+            f"JPEGs, {a.model} step" if a.train else "JPEGs")
     md = (f"{first.get('gpu', '?')}, {a.cpus} cores, torch {first.get('torch', '?')}; {d['images']} "
           f"{what}, {d['bytes_per_image'] / 1024:.1f} KiB each; batch {a.batch}, {a.warmup} warm-up "
           f"+ {a.batches} timed batches per process, {a.rounds} rounds; "
@@ -449,7 +451,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", type=int, default=None, help="processes making the data")
     p.add_argument("--child-timeout", type=int, default=150, help="seconds per variant run")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
-    p.add_argument("--train", action="store_true", help="a ResNet-18 eager step (bf16, "
+    p.add_argument("--model", default="resnet18", choices=("resnet18", "resnet50"),
+                   help="--train's model (default resnet18)")
+    p.add_argument("--train", action="store_true", help="a --model eager step (bf16, "
                    "channels_last) on every batch, and a 'synthetic' variant (one resident "
                    "batch) as the baseline: how much of the model's speed each pipeline keeps")
     p.add_argument("--detection", action="store_true", help="an SSDlite320 training step on "

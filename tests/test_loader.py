@@ -13,6 +13,8 @@ from packer.reading.dataset import PackedDataset
 from packer.demo import make_image_folder
 from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop
 from packer.loading import PackedLoader, collate_uint8
+import packer.loading.loader as loader_module
+from packer._util.system import usable_cores
 from packer.loading.loader import TOTAL_PREFETCH, default_num_workers, make_loader
 from packer.reading.sampler import PackedSampler
 from packer.loading.threaded import background
@@ -214,8 +216,15 @@ def test_make_loader_defaults(packed):
 def test_default_workers_shared_by_local_ranks(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     alone = default_num_workers()
+    assert alone == usable_cores()  # one rank: a worker on every core
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
-    assert default_num_workers() == max(1, alone // 64)
+    assert default_num_workers() == max(1, alone // 64 - 1)
+    monkeypatch.setattr(loader_module, "usable_cores", lambda: 32)
+    assert default_num_workers() == 1  # never 0: 32 // 64 - 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_num_workers() == 15  # each rank's process keeps a core of its 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_num_workers() == 32
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -219,8 +219,10 @@ def _workers(num_workers, prefetch_factor, context, kwargs: dict) -> int:
     if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
         raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
     kwargs["prefetch_factor"] = prefetch_factor
-    kwargs["multiprocessing_context"] = context = context if context is not None else default_context()
-    method = context if isinstance(context, str) else getattr(context, "get_start_method", lambda: None)()
+    context = context if context is not None else default_context()
+    kwargs["multiprocessing_context"] = context
+    named = context if isinstance(context, str) else getattr(context, "get_start_method", None)
+    method = named() if callable(named) else named
     if (method or mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]) == "spawn":
         kwargs["worker_init_fn"] = _ExitLikeFork(kwargs.get("worker_init_fn"))
     return num_workers
@@ -233,7 +235,7 @@ class _ExitLikeFork:
     inside torch's C++ (a stopped worker is mid-stream: the workers run on into the next
     epoch); that thread is then unwound through C++ and the worker aborts ("terminate called
     without an active exception"; the loader's owner sees "worker killed by signal: Aborted").
-    Measured: 2 aborts in 12 loaders of 2 spawned workers, 0 with the hook. The exit code is 0:
+    Measured: 3 aborts in 24 loaders of 2 spawned workers, 0 in 36 with the hook. Exit code 0:
     the worker loop reports every error through its queue."""
 
     def __init__(self, fn: Optional[Callable]):

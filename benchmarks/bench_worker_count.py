@@ -4,8 +4,8 @@ each --workers value in turn, a fresh run per value, the order rotated each roun
 
 Every run trains --epochs epochs of --data (a packed ImageFolder) on --ranks processes and
 prints train_example's ``RESULT images_per_s=...`` (global images/s over each epoch's steps
-after its start-up steps). ``default`` runs without --workers: ``default_num_workers()``, the
-cores this process may use divided by the ranks on the host. One table out: median, each
+after its start-up steps). ``default`` runs without --workers: ``default_num_workers()``
+(with several ranks on a host: its cores / ranks, less one per rank). One table out: median, each
 round, and the ratio to ``default`` per round and of the medians.
 
     python3 benchmarks/bench_worker_count.py --make 20000 --data /tmp/wc --ranks 2 \\
@@ -30,12 +30,12 @@ TRAIN = HERE.parent / "scripts" / "train_example.py"
 
 
 def make_data(n: int, data: Path) -> None:
-    """n photo JPEGs in 100 classes (50 when n is small), packed into ``data``."""
+    """n photo JPEGs (n // 16 classes, 2 to 100), packed into ``data``."""
     from packer import build
     from packer.demo import make_image_folder
     src = data.with_name(data.name + "-src")
     make_image_folder(src, images=n, classes=min(100, max(2, n // 16)), workers=os.cpu_count())
-    build(str(src), str(data), progress=False)
+    build(src, data, progress=False)
 
 
 def run(a, workers: str) -> float:

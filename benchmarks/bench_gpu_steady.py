@@ -8,8 +8,12 @@ variant as a child process of this script (``--variant NAME``, one JSON line out
 --rounds rounds, the order rotated each round. Each child takes --warmup batches, then
 times a window of --batches batches (crossing >= 3 epoch boundaries at the defaults: an
 epoch is 40 batches of 256) between two ``torch.cuda.synchronize()``; images/s = images in
-the window / its seconds. Batch-arrival gaps (no synchronize per batch) show the swings.
-Outputs stay on the GPU; nothing consumes them (the pipelines alone).
+the window / its seconds. Batch-arrival gaps (no synchronize per batch) show the swings;
+``epoch_start_gap_ms`` is the median gap before an epoch's first batch. packer's variants
+drop each epoch's last partial batch (``drop_last=True``), as DALI's reader and the resident
+batch have none: a new batch shape costs an eager model a one-time set-up (cuDNN plans) that
+is no part of the input pipeline. Outputs stay on the GPU; nothing consumes them (the
+pipelines alone).
 
   dali            fn.readers.file(random_shuffle) -> decoders.image_random_crop(mixed) ->
                   resize 224 -> crop_mirror_normalize(fp16, CHW, coin-flip mirror);
@@ -145,9 +149,9 @@ def packer_source(a, name: str):
     if name.startswith("packer_cpu") or name.startswith("workers"):
         workers = int(name[7:]) if name.startswith("workers") else None
         ds = PackedDataset(a.packed, decode=DecodeRandomResizedCrop(a.size))
-        loader = make_loader(ds, a.batch, shuffle=True, num_workers=workers)
+        loader = make_loader(ds, a.batch, shuffle=True, num_workers=workers, drop_last=True)
         return CUDAPrefetcher(loader, device=None if cuda else "cpu"), loader
-    loader, options = gpu_settings(a, name)
+    loader, options = gpu_settings(a, name, drop_last=True)
     g = GPUDecoder(loader, size=a.size, train=True, options=options,
                    **({} if cuda else {"device": torch.device("cpu")}))
     return g, loader
@@ -239,9 +243,15 @@ def child(a) -> dict:
     if step is None:
         step = train_step(a) if a.train else (lambda x, y: None)
 
+    threads, starts = [], []  # decode threads at work per batch; epochs' first batches
+
     def take() -> int:
+        e = counter["epochs"]
         x, y = next(it)
         step(x, y)
+        starts.append(counter["epochs"] != e)
+        if hasattr(getattr(g, "stats", None), "threads"):
+            threads.append(g.stats.threads)
         return x.shape[0] if isinstance(x, torch.Tensor) else a.batch  # DALI's TensorList
     try:
         take()
@@ -250,6 +260,7 @@ def child(a) -> dict:
             take()
         sync()  # the window: between two synchronizes, batch arrivals timed without
         e0, t0, n, arrivals = counter["epochs"], time.perf_counter(), 0, []
+        del starts[:], threads[:]
         for _ in range(a.batches):
             n += take()
             arrivals.append(time.perf_counter())
@@ -268,6 +279,11 @@ def child(a) -> dict:
                                  for k, v in stats.seconds.items()}
         extra["decoded"] = {"gpu": stats.gpu, "cpu": stats.cpu, "retried": stats.retried}
         extra["backend"] = g.backend
+        if threads:
+            extra["decode_threads_mean"] = statistics.mean(threads)
+    firsts = [d for d, s in zip(gaps, starts) if s]
+    if firsts:  # the wait for an epoch's first batch (the pipelines restart there)
+        extra["epoch_start_gap_ms"] = statistics.median(firsts)
     return {"variant": a.variant, "rate": n / (t1 - t0), "images": n, "seconds": t1 - t0,
             "batches": a.batches, "epoch_boundaries": boundaries,
             "gap_ms": {"p10": q[0], "p50": statistics.median(gaps), "p90": q[8], "max": max(gaps)},

@@ -69,6 +69,8 @@ class GPUDecoder(LoaderView):
         self.norm_scale, self.norm_shift = s.to(self.device), t.to(self.device)
         self.seed = seed
         self._state = None  # the loader's state after the last batch handed out
+        self._active = 1  # decode threads at work (Pipeline paces them), kept across passes
+        self._ahead: list = []  # events of the consumer's last steps (throttle)
         self._gen = torch.Generator()
         self._gen.manual_seed(seed if seed is not None else int(torch.randint(1 << 62, ()).item()))
         self.stats = DecodeStats()
@@ -91,7 +93,7 @@ class GPUDecoder(LoaderView):
         self._state = snapshot() if snapshot is not None else None
         base = int(torch.randint(1 << 62, (), generator=self._gen))  # this pass's crops
         clock, st = time.perf_counter, self.stats
-        ahead: list = []
+        ahead = self._ahead  # kept across passes: the GPU's queue does not end with an epoch
         if self.options.overlap == 0:
             for k in itertools.count():
                 t0 = clock()
@@ -110,13 +112,14 @@ class GPUDecoder(LoaderView):
                 st.add_time("augment", t3 - t2)
                 self._state = state
                 yield out
-        pipe = Pipeline(self, it, base)
+        pipe = Pipeline(self, it, base, self._active)
         try:
             for k in itertools.count():
                 t0 = clock()
                 self.throttle(ahead)
                 t1 = clock()
-                item = pipe.get()
+                item = pipe.get(gpu_busy=len(ahead) > 1 and not ahead[-2].query())
+                self._active = st.threads = pipe.active
                 st.add_time("throttle", t1 - t0)
                 st.add_time("consumer", clock() - t1)
                 if item is END:

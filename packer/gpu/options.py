@@ -20,7 +20,8 @@ class GPUOptions:
     min_visible: detection: an object with less of its box left in the crop is dropped.
     channels_last: the output batch's memory format.
     overlap: 2: background threads on their own streams; 1: one thread; 0: inline.
-    decode_threads: with ``overlap=2`` (None: 3 for nvJPEG, 1 for torchvision).
+    decode_threads: with ``overlap=2``, the most that decode at once (None: 3 for nvJPEG, 1 for
+    torchvision); those beyond the first work only while the consumer starves.
     queue_depth: decoded batches waiting between stages (bounds GPU memory).
     max_ahead: steps the consumer may queue beyond the last finished (``GPUDecoder.throttle``).
     backend: "nvjpeg", "torchvision" or "auto" (the first that loads).
@@ -64,13 +65,15 @@ class GPUOptions:
 
 @dataclass
 class DecodeStats:
-    """Where images were decoded (``cpu``, ``retried``) and the host time per stage
-    (``seconds``: ``loader``, ``decode``, ``augment``, ``<stage> blocked``, ``consumer``,
-    ``throttle``; docs/gpu_decode.md)."""
+    """Where images were decoded (``cpu``, ``retried``), the decode threads at work as the
+    last batch was handed out (``threads``: the pipeline paces them) and the host time per
+    stage (``seconds``: ``loader``, ``decode``, ``augment``, ``<stage> blocked``,
+    ``consumer``, ``throttle``; docs/gpu_decode.md)."""
     gpu: int = 0
     cpu: int = 0
     retried: int = 0
     batches: int = 0
+    threads: int = 0
     seconds: dict = field(default_factory=dict)
 
     def __post_init__(self):

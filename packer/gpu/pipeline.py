@@ -1,5 +1,7 @@
 """The threads behind ``GPUDecoder``: each on its own CUDA stream, joined by bounded queues;
-batches come out in the loader's order; errors travel to the consumer.
+batches come out in the loader's order; errors travel to the consumer. Threads beyond the
+first decode only while the consumer starves: beside an eager training loop every busy thread
+takes interpreter time from the loop (docs/gpu_decode.md, "How many decode threads work").
 """
 from __future__ import annotations
 
@@ -15,14 +17,22 @@ import torch
 from .._util.threads import END, Raised, drain, stoppable_get, stoppable_put
 
 
+CALM = 8  # batches in a row that find the consumer fed before one decode thread rests
+
+
 class Pipeline:
     """The decode threads, each on its own stream, joined to the consumer by a bounded queue;
-    batches go out in the order taken from the loader. ``close`` stops and joins them."""
+    batches go out in the order taken from the loader. ``active`` threads take batches: one
+    more each time the consumer waits with the GPU idle, one fewer after ``CALM`` batches in a
+    row without that. ``close`` stops and joins them."""
 
-    def __init__(self, dec, it, base: int):
+    def __init__(self, dec, it, base: int, active: int = 1):
         """``dec``: the ``GPUDecoder`` whose ``decode_batch``/``augment_batch`` the threads run;
-        batch n's crops come from seed ``base + n``, whichever thread augments it."""
+        batch n's crops come from seed ``base + n``, whichever thread augments it; ``active``:
+        threads decoding at the start (the last pass's count carries over)."""
         self.stop, self.stats = threading.Event(), dec.stats
+        self.active, self.calm = max(1, min(active, dec.decode_threads)), 0
+        self.turn, self.exhausted, self.started = threading.Condition(), False, False
         self.out: queue.Queue = queue.Queue(dec.options.queue_depth)
         lock, count = threading.Lock(), itertools.count()
         snapshot = getattr(dec.loader, "state_dict", None)
@@ -30,14 +40,22 @@ class Pipeline:
 
         def src():  # one batch and its number (and the loader's state then), atomically
             with lock:
-                n, batch = next(count), next(it)
+                if self.exhausted:
+                    raise StopIteration
+                try:
+                    n, batch = next(count), next(it)
+                except StopIteration:
+                    self.exhausted = True
+                    with self.turn:  # resting threads wake to end too
+                        self.turn.notify_all()
+                    raise
                 if snapshot is not None:
                     self.states[n] = snapshot()
                 return n, batch
         threads = dec.decode_threads
         self._ordered = self._in_order(self.out, threads)
         self.threads = [threading.Thread(
-            target=self._run, args=(src, functools.partial(_both, dec, dec.decoders[k], base),
+            target=self._run, args=(k, src, functools.partial(_both, dec, dec.decoders[k], base),
                                     dec.streams[k]),
             daemon=True, name=f"packer-gpu-decode-{k}") for k in range(threads)]
         for t in self.threads:
@@ -48,9 +66,15 @@ class Pipeline:
         nothing is left."""
         held, want, ended = {}, [0], [0]
 
-        def get():
+        def get(starved):  # starved(): called once if nothing is ready, in order or not
             while want[0] not in held:
-                item = self._get(q)
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    if not held:  # later batches waiting: this one is only being put
+                        starved()
+                    starved = _nothing
+                    item = self._get(q)
                 if isinstance(item, Raised):
                     raise _Forward(item)
                 if item is END:
@@ -66,7 +90,7 @@ class Pipeline:
             return want[0] - 1, held.pop(want[0] - 1)
         return get
 
-    def _run(self, source, fn, stream) -> None:
+    def _run(self, k: int, source, fn, stream) -> None:
         # Seconds waiting for the loader, working, and waiting for room in the queue: the
         # stage that neither waits nor is blocked is the bottleneck.
         where = "decode+augment"
@@ -74,6 +98,9 @@ class Pipeline:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 clock, add = time.perf_counter, self.stats.add_time
                 while not self.stop.is_set():
+                    with self.turn:  # a resting thread holds no batch and takes no interpreter time
+                        while k >= self.active and not (self.stop.is_set() or self.exhausted):
+                            self.turn.wait(0.05)
                     t0 = clock()
                     try:
                         n, item = source()
@@ -103,16 +130,34 @@ class Pipeline:
     def _get(self, q):
         return stoppable_get(q, self.stop)
 
-    def get(self):
+    def get(self, gpu_busy: bool = False):
+        """The next batch in order (``END`` after the last); ``gpu_busy``: the consumer's GPU
+        still has a step queued, so a wait now costs it nothing and asks for no thread."""
+        waited = []
         try:  # several threads put finished batches: hand them out in the loader's order
-            item = self._ordered()[1]
+            item = self._ordered(lambda: waited.append(True))[1]
         except StopIteration:
             item = END
         except _Forward as f:
             item = f.raised
         if isinstance(item, Raised):
             item.reraise()
+        if self.started and item is not END:  # a pass's first batch waits for the threads
+            self._pace(starved=bool(waited) and not gpu_busy)
+        self.started = True
         return item
+
+    def _pace(self, starved: bool) -> None:
+        """One more decode thread when the consumer starved, one fewer after ``CALM`` calm
+        batches: a loop that needs one thread keeps one, the pipeline alone gets them all."""
+        self.calm = 0 if starved else self.calm + 1
+        want = (min(len(self.threads), self.active + 1) if starved else
+                self.active - 1 if self.calm >= CALM and self.active > 1 else self.active)
+        if want != self.active:
+            self.calm = 0
+            with self.turn:
+                self.active = want
+                self.turn.notify_all()
 
     def close(self, timeout: float = 60.0) -> None:
         self.stop.set()
@@ -126,6 +171,10 @@ class Pipeline:
         self._ordered = None  # its closure holds batches and this object: no cycle left for
         # the garbage collector, which could run in a DataLoader worker forked later and
         # free CUDA memory there (CUDA cannot be used in a forked child: the worker aborts)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _both(dec, decoder, base, n, batch):

@@ -30,6 +30,9 @@ def test_dry_run_end_to_end(tmp_path):
             assert r["epoch_boundaries"] >= 3 and r["batches"] == 36
             assert r["images"] == 36 * 16  # 160 images: 10 whole batches an epoch
             assert 0 < r["gap_ms"]["p50"] <= r["gap_ms"]["max"]
+            assert 0 < r["epoch_start_gap_ms"] <= r["gap_ms"]["max"]
+            if v != "packer_cpu":
+                assert 1 <= r["decode_threads_mean"] <= 3
     assert res["runs"]["packer"][0]["decoded"]["cpu"] == 0  # the stand-in decoder took all
     table = (out / "results.md").read_text()
     assert "| variant | median img/s | min-max |" in table and "x packer per round" in table

@@ -65,7 +65,8 @@ def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads):
     assert labels == loader.dataset.targets and shapes == {(3, 224, 224)}
     n_cpu = sum(not on for _, on in KINDS.values())
     stats = dec.stats.as_dict()
-    seconds = stats.pop("seconds")
+    seconds, at_work = stats.pop("seconds"), stats.pop("threads")
+    assert (1 <= at_work <= threads) if overlap else at_work == 0
     assert stats == {"gpu": len(labels) - n_cpu, "cpu": n_cpu, "retried": 0, "batches": len(loader)}
     stages = ({"loader", "decode", "augment"} if overlap == 0 else
               {"loader", "decode+augment", "decode+augment blocked", "consumer", "throttle"})
@@ -87,6 +88,43 @@ def test_pipeline_same_result_for_every_overlap_and_epoch_seeding(mixed):
     first = next(iter(dec))[0]
     assert not torch.equal(first, runs[0][0])  # another epoch, other crops
     assert not torch.equal(next(iter(dec))[0], first)  # another pass, no set_epoch: other crops
+
+
+def _paced_passes(mixed, consumer_s: float, decode_s: float) -> list:
+    """Two passes (batch 1) through 3 decode threads; the thread names in decoding order."""
+    import time
+    names = []
+
+    def decoder(datas, device):
+        names.append(threading.current_thread().name)
+        time.sleep(decode_s)
+        return pil_decoder(datas, device)
+    loader = make_gpu_loader(mixed, 1, shuffle=False, num_workers=0)
+    dec = _cpu_decoder(loader, decode_threads=3, decoder=decoder, seed=0)
+    done = []
+
+    def run():
+        for _ in range(2):
+            for _ in dec:
+                time.sleep(consumer_s)
+        done.append(True)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert done, "a pass did not end (a resting decode thread never ended?)"
+    return names
+
+
+def test_pipeline_rests_decode_threads_a_slow_consumer_does_not_need(mixed):
+    """A consumer slower than one thread's decoding gets its batches from one thread once the
+    pipeline has settled: busy extra threads would take its interpreter time."""
+    names = _paced_passes(mixed, consumer_s=0.08, decode_s=0)
+    assert set(names[-12:]) == {"packer-gpu-decode-0"}, names
+
+
+def test_pipeline_wakes_every_decode_thread_for_a_starved_consumer(mixed):
+    names = _paced_passes(mixed, consumer_s=0, decode_s=0.03)
+    assert len(set(names[-12:])) == 3, names
 
 
 def test_abandoned_pipeline_is_freed_without_the_garbage_collector(mixed):

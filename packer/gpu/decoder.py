@@ -118,7 +118,7 @@ class GPUDecoder(LoaderView):
                 t0 = clock()
                 self.throttle(ahead)
                 t1 = clock()
-                item = pipe.get(gpu_busy=len(ahead) > 1 and not ahead[-2].query())
+                item = pipe.get(ran_dry=lambda: not ahead or ahead[-1].query())
                 self._active = st.threads = pipe.active
                 st.add_time("throttle", t1 - t0)
                 st.add_time("consumer", clock() - t1)

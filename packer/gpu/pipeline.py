@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 
@@ -23,8 +24,8 @@ CALM = 8  # batches in a row that find the consumer fed before one decode thread
 class Pipeline:
     """The decode threads, each on its own stream, joined to the consumer by a bounded queue;
     batches go out in the order taken from the loader. ``active`` threads take batches: one
-    more each time the consumer waits with the GPU idle, one fewer after ``CALM`` batches in a
-    row without that. ``close`` stops and joins them."""
+    more each time the consumer waited so long that its GPU ran dry, one fewer after ``CALM``
+    batches in a row without that. ``close`` stops and joins them."""
 
     def __init__(self, dec, it, base: int, active: int = 1):
         """``dec``: the ``GPUDecoder`` whose ``decode_batch``/``augment_batch`` the threads run;
@@ -130,9 +131,10 @@ class Pipeline:
     def _get(self, q):
         return stoppable_get(q, self.stop)
 
-    def get(self, gpu_busy: bool = False):
-        """The next batch in order (``END`` after the last); ``gpu_busy``: the consumer's GPU
-        still has a step queued, so a wait now costs it nothing and asks for no thread."""
+    def get(self, ran_dry: Callable[[], bool] = lambda: True):
+        """The next batch in order (``END`` after the last); ``ran_dry()``: whether the
+        consumer's GPU has finished all it was given: a wait that let it run dry asks for
+        another thread, one hidden behind queued work does not."""
         waited = []
         try:  # several threads put finished batches: hand them out in the loader's order
             item = self._ordered(lambda: waited.append(True))[1]
@@ -143,7 +145,7 @@ class Pipeline:
         if isinstance(item, Raised):
             item.reraise()
         if self.started and item is not END:  # a pass's first batch waits for the threads
-            self._pace(starved=bool(waited) and not gpu_busy)
+            self._pace(starved=bool(waited) and ran_dry())
         self.started = True
         return item
 

@@ -244,14 +244,15 @@ def child(a) -> dict:
         step = train_step(a) if a.train else (lambda x, y: None)
 
     threads, starts = [], []  # decode threads at work per batch; epochs' first batches
+    stats = getattr(g, "stats", None)  # GPUDecoder's
 
     def take() -> int:
         e = counter["epochs"]
         x, y = next(it)
         step(x, y)
         starts.append(counter["epochs"] != e)
-        if hasattr(getattr(g, "stats", None), "threads"):
-            threads.append(g.stats.threads)
+        if stats is not None:
+            threads.append(stats.threads)
         return x.shape[0] if isinstance(x, torch.Tensor) else a.batch  # DALI's TensorList
     try:
         take()
@@ -273,7 +274,6 @@ def child(a) -> dict:
     seen = (a.warmup + a.batches) * a.batch
     boundaries = counter["epochs"] - e0 if g is not None or a.variant == "packer_cpu" else \
         seen // a.images - (a.warmup * a.batch) // a.images  # DALI's reader wraps by itself
-    stats = getattr(g, "stats", None)
     if stats is not None:
         extra["ms_per_batch"] = {k: round(1e3 * v / max(1, stats.batches), 2)
                                  for k, v in stats.seconds.items()}

@@ -67,14 +67,13 @@ class Pipeline:
         nothing is left."""
         held, want, ended = {}, [0], [0]
 
-        def get(starved):  # starved(): called once if nothing is ready, in order or not
+        def get():  # (number, item, whether nothing was ready, in order or not)
+            starved = False
             while want[0] not in held:
                 try:
                     item = q.get_nowait()
                 except queue.Empty:
-                    if not held:  # later batches waiting: this one is only being put
-                        starved()
-                    starved = _nothing
+                    starved = starved or not held  # later ones waiting: this one is being put
                     item = self._get(q)
                 if isinstance(item, Raised):
                     raise _Forward(item)
@@ -88,7 +87,7 @@ class Pipeline:
                 n, rest = item
                 held[n] = rest
             want[0] += 1
-            return want[0] - 1, held.pop(want[0] - 1)
+            return want[0] - 1, held.pop(want[0] - 1), starved
         return get
 
     def _run(self, k: int, source, fn, stream) -> None:
@@ -135,9 +134,9 @@ class Pipeline:
         """The next batch in order (``END`` after the last); ``ran_dry()``: whether the
         consumer's GPU has finished all it was given: a wait that let it run dry asks for
         another thread, one hidden behind queued work does not."""
-        waited = []
+        starved = False
         try:  # several threads put finished batches: hand them out in the loader's order
-            item = self._ordered(lambda: waited.append(True))[1]
+            _, item, starved = self._ordered()
         except StopIteration:
             item = END
         except _Forward as f:
@@ -145,7 +144,7 @@ class Pipeline:
         if isinstance(item, Raised):
             item.reraise()
         if self.started and item is not END:  # a pass's first batch waits for the threads
-            self._pace(starved=bool(waited) and ran_dry())
+            self._pace(starved=starved and ran_dry())
         self.started = True
         return item
 
@@ -173,10 +172,6 @@ class Pipeline:
         self._ordered = None  # its closure holds batches and this object: no cycle left for
         # the garbage collector, which could run in a DataLoader worker forked later and
         # free CUDA memory there (CUDA cannot be used in a forked child: the worker aborts)
-
-
-def _nothing() -> None:
-    pass
 
 
 def _both(dec, decoder, base, n, batch):

@@ -164,10 +164,11 @@ def test_prefetcher_state_counts_what_the_consumer_received(uid_dataset):
     assert torch.is_tensor(torch.zeros(1))
 
 
-@pytest.mark.parametrize("overlap", [1, 2])
-def test_gpu_decoder_state_counts_what_the_consumer_received(uid_dataset, overlap):
-    """The decode threads draw batches well ahead of the consumer (PIL stands in for nvJPEG
-    on the CPU here); the state must count only what the consumer got."""
+@pytest.mark.parametrize("overlap,passes", [(1, 0), (2, 0), (2, 1)])
+def test_gpu_decoder_state_counts_what_the_consumer_received(uid_dataset, overlap, passes):
+    """The decode threads draw batches well ahead of the consumer, into the next epoch once
+    one ends (PIL stands in for nvJPEG on the CPU here); the state must count only what the
+    consumer got."""
     from packer import GPUDecoder, PackedDataset, PackedSampler
     from packer.gpu import GPUOptions, make_gpu_loader
     from helpers import pil_decoder
@@ -178,6 +179,8 @@ def test_gpu_decoder_state_counts_what_the_consumer_received(uid_dataset, overla
         opts = GPUOptions(decoder=pil_decoder, overlap=overlap, queue_depth=3)
         return GPUDecoder(loader, size=32, device="cpu", options=opts)
     first, got = feed(), []
+    for _ in range(passes):  # the threads go on into the next epoch after each
+        assert sorted(u for _, uid in first for u in uid.tolist()) == list(range(N))
     it = iter(first)
     for _ in range(3):
         got += next(it)[1].tolist()

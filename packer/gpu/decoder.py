@@ -6,8 +6,10 @@ from __future__ import annotations
 import ctypes
 import importlib
 import itertools
+import threading
 import time
 import warnings
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -15,6 +17,8 @@ import torch
 from .._util.threads import END
 from ..transforms.decode import open_image
 from ..errors import PackerError
+from ..loading.epochs import position
+from ..loading.loader import PackedLoader
 from ..loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors, normalize_affine
 from .augment import center_crop_boxes, random_resized_crop_boxes
 from .detection import DetectionTargets, fill_outside, letterbox_crops, place_boxes
@@ -22,12 +26,13 @@ from .encoded import EncodedBatch
 from .loader import ConnectionsWarning, connections_advice
 from .nvjpeg import NvjpegDecoder, load_nvjpeg, torchvision_decode
 from .options import DecodeStats, GPUOptions
-from .pipeline import Pipeline
+from .pipeline import NextPass, Pipeline
 from .resample import TRITON_MISSING, ImageTable, resample_crops, triton_available
 
 __all__ = ["GPUDecoder"]
 
 LETTERBOX_FILL = 114  # YOLO's grey
+KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> a decoder's _kept
 CPU_PATH = ("use the CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
             "make_loader and CUDAPrefetcher")
 
@@ -71,6 +76,9 @@ class GPUDecoder(LoaderView):
         self._state = None  # the loader's state after the last batch handed out
         self._active = 1  # decode threads at work (Pipeline paces them), kept across passes
         self._ahead: list = []  # events of the consumer's last steps (throttle)
+        self._kept: dict = {}  # a pipeline gone on into the next pass: pipe, next, state
+        weakref.finalize(self, _close_kept, self._kept)
+        self._reseeded = False  # set_epoch reseeded the crops since the last pass began
         self._gen = torch.Generator()
         self._gen.manual_seed(seed if seed is not None else int(torch.randint(1 << 62, ()).item()))
         self.stats = DecodeStats()
@@ -85,13 +93,27 @@ class GPUDecoder(LoaderView):
         ``seed``, crops and flips become a function of (seed, epoch) too."""
         super().set_epoch(epoch)
         if self.seed is not None:
-            self._gen.manual_seed(self.seed * 1_000_003 + epoch)
+            self._gen.manual_seed(_epoch_seed(self.seed, epoch))
+            self._reseeded = True
 
     def __iter__(self):
-        it = iter(self.loader)
         snapshot = getattr(self.loader, "state_dict", None)
-        self._state = snapshot() if snapshot is not None else None
+        reseeded, self._reseeded = self._reseeded, False
         base = int(torch.randint(1 << 62, (), generator=self._gen))  # this pass's crops
+        kept = self._kept
+        other = KEPT.get(self.loader) if isinstance(self.loader, PackedLoader) else None
+        if other is not None and other is not kept:
+            _close_kept(other)  # another decoder's threads went on with this loader: stop them
+        pipe, nxt, self._state = (kept.pop(k, None) for k in ("pipe", "next", "state"))
+        if pipe is not None and nxt.key != (self._position(), base):
+            pipe.close()  # the loader or the crops moved since the pass was begun early
+            pipe, s = None, self.loader.sampler
+            s.received(s.start)  # what the threads drew for it was never handed out
+        if pipe is None:
+            it = iter(self.loader)
+            self._state = snapshot() if snapshot is not None else None
+        else:
+            nxt.begun.set()  # the threads may draw the rest of the pass
         clock, st = time.perf_counter, self.stats
         ahead = self._ahead  # kept across passes: the GPU's queue does not end with an epoch
         if self.options.overlap == 0:
@@ -112,7 +134,11 @@ class GPUDecoder(LoaderView):
                 st.add_time("augment", t3 - t2)
                 self._state = state
                 yield out
-        pipe = Pipeline(self, it, base, self._active)
+        if pipe is None:
+            gen = torch.Generator()
+            gen.set_state(self._gen.get_state())  # the next passes' crops, if nothing reseeds
+            me, stop = weakref.proxy(self), threading.Event()  # threads must not keep self alive
+            pipe = Pipeline(me, _passes(me, it, base, gen, reseeded, stop), self._active, stop)
         try:
             for k in itertools.count():
                 t0 = clock()
@@ -124,16 +150,21 @@ class GPUDecoder(LoaderView):
                 st.add_time("consumer", clock() - t1)
                 if item is END:
                     return
+                if isinstance(item, NextPass):  # the threads went on: keep them for the next pass
+                    kept.update(pipe=pipe, next=item, state=pipe.states.pop(pipe.handed, None))
+                    KEPT[self.loader] = kept
+                    return
                 (images, labels), event = item
                 if event is not None:
                     cur = torch.cuda.current_stream(self.device)
                     cur.wait_event(event)
                     for t in iter_tensors((images, labels)):
                         t.record_stream(cur)
-                self._state = pipe.states.pop(k, self._state)  # batches arrive in order
+                self._state = pipe.states.pop(pipe.handed, self._state)
                 yield images, labels
         finally:
-            pipe.close()
+            if kept.get("pipe") is not pipe:
+                pipe.close()
 
     def state_dict(self) -> dict:
         """The loader's state as of the last batch handed out (decode threads run ahead); needs a
@@ -145,8 +176,16 @@ class GPUDecoder(LoaderView):
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next ``iter()`` starts at the first batch not handed out before."""
+        _close_kept(self._kept)
         self.loader.load_state_dict(state["loader"])
         self._state = state["loader"]
+
+    def _position(self) -> Optional[tuple]:
+        """Where the sampler of a loader that runs on into the next epoch (make_loader's with a
+        ``PackedSampler``) is; None for other loaders, whose passes start anew."""
+        if not isinstance(self.loader, PackedLoader) or self.loader.stream is None:
+            return None
+        return position(self.loader.sampler)
 
     def throttle(self, ahead: list) -> None:
         """Let the consumer queue at most ``max_ahead`` steps beyond what the GPU finished: a loop
@@ -248,6 +287,46 @@ class GPUDecoder(LoaderView):
         return (f"GPUDecoder({self.loader!r}, size={self.size}, train={self.train}, "
                 f"dtype={self.dtype}, device={self.device}, overlap={self.options.overlap}, "
                 f"backend={self.backend!r})")
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return seed * 1_000_003 + epoch
+
+
+def _passes(dec, it, base: int, gen: torch.Generator, reseeded: bool, stop: threading.Event):
+    """``(crop seed, batch)`` of a pass; then, for a loader that runs on into the next epoch, a
+    ``NextPass`` and the next pass, begun as ``__iter__`` would begin it if nothing moves the
+    sampler or reseeds the crops in between (``__iter__`` checks the key): the next epoch's
+    first batches are decoded while this one ends. Of a pass the consumer has not begun, at
+    most ``queue_depth`` batches (and never its end, which moves the sampler on) are drawn.
+    ``gen`` continues the crop generator; ``reseeded``: this pass followed a ``set_epoch``
+    with a seed, so the next will too."""
+    early, begun = min(dec.options.queue_depth, len(dec.loader)), None
+    while True:
+        for k in itertools.count():
+            while begun is not None and k >= early and not begun.wait(0.05):
+                if stop.is_set():
+                    return
+            batch = next(it, END)
+            if batch is END:
+                break
+            yield base + k, batch
+        at = dec._position()
+        if at is None:
+            return
+        if reseeded:
+            gen = torch.Generator().manual_seed(_epoch_seed(dec.seed, dec.loader.sampler.epoch))
+        base = int(torch.randint(1 << 62, (), generator=gen))
+        it, begun = iter(dec.loader), threading.Event()
+        yield NextPass((at, base), begun)
+
+
+def _close_kept(kept: dict) -> None:
+    """Stop a pipeline kept for the next pass (its decoder is gone, or resumes elsewhere)."""
+    pipe = kept.pop("pipe", None)
+    kept.clear()
+    if pipe is not None:
+        pipe.close()
 
 
 def _gpu_device(device, need_nvjpeg: bool, backend: str = "auto") -> torch.device:

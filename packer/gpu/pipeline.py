@@ -2,6 +2,7 @@
 batches come out in the loader's order; errors travel to the consumer. Threads beyond the
 first decode only while the consumer starves: beside an eager training loop every busy thread
 takes interpreter time from the loop (docs/gpu_decode.md, "How many decode threads work").
+A pipeline may run on into the next pass (``NextPass`` marks where one ends).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import queue
 import threading
 import time
 from contextlib import nullcontext
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -21,30 +22,41 @@ from .._util.threads import END, Raised, drain, stoppable_get, stoppable_put
 CALM = 8  # batches in a row that find the consumer fed before one decode thread rests
 
 
+class NextPass:
+    """Where one pass ends and the next, begun early, starts; ``key`` says what that pass was
+    started as, for the consumer to check before it uses it; ``begun``: set once it does."""
+    __slots__ = ("key", "begun")
+
+    def __init__(self, key, begun: threading.Event):
+        self.key, self.begun = key, begun
+
+
 class Pipeline:
     """The decode threads, each on its own stream, joined to the consumer by a bounded queue;
-    batches go out in the order taken from the loader. ``active`` threads take batches: one
+    batches go out in the order taken from ``items``. ``active`` threads take batches: one
     more each time the consumer waited so long that its GPU ran dry, one fewer after ``CALM``
     batches in a row without that. ``close`` stops and joins them."""
 
-    def __init__(self, dec, it, base: int, active: int = 1):
-        """``dec``: the ``GPUDecoder`` whose ``decode_batch``/``augment_batch`` the threads run;
-        batch n's crops come from seed ``base + n``, whichever thread augments it; ``active``:
-        threads decoding at the start (the last pass's count carries over)."""
-        self.stop, self.stats = threading.Event(), dec.stats
+    def __init__(self, dec, items, active: int = 1, stop: Optional[threading.Event] = None):
+        """``dec``: the ``GPUDecoder`` (a weak proxy) whose ``decode_batch``/``augment_batch``
+        the threads run; ``items``: ``(crop seed, batch)`` pairs, and ``NextPass`` markers that
+        pass through; ``active``: threads decoding at the start (the last count carries over);
+        ``stop``: the event ``close`` sets (``items`` may wait on it)."""
+        self.stop, self.stats = stop or threading.Event(), dec.stats
         self.active, self.calm = max(1, min(active, dec.decode_threads)), 0
         self.turn, self.exhausted, self.started = threading.Condition(), False, False
         self.out: queue.Queue = queue.Queue(dec.options.queue_depth)
         lock, count = threading.Lock(), itertools.count()
         snapshot = getattr(dec.loader, "state_dict", None)
-        self.states: dict = {}  # batch number -> the loader's state right after it was drawn
+        self.states: dict = {}  # item number -> the loader's state right after it was drawn
+        self.handed = -1  # the number of the last item handed out
 
         def src():  # one batch and its number (and the loader's state then), atomically
             with lock:
                 if self.exhausted:
                     raise StopIteration
                 try:
-                    n, batch = next(count), next(it)
+                    n, batch = next(count), next(items)
                 except StopIteration:
                     self.exhausted = True
                     with self.turn:  # resting threads wake to end too
@@ -56,7 +68,7 @@ class Pipeline:
         threads = dec.decode_threads
         self._ordered = self._in_order(self.out, threads)
         self.threads = [threading.Thread(
-            target=self._run, args=(k, src, functools.partial(_both, dec, dec.decoders[k], base),
+            target=self._run, args=(k, src, functools.partial(_both, dec, dec.decoders[k]),
                                     dec.streams[k]),
             daemon=True, name=f"packer-gpu-decode-{k}") for k in range(threads)]
         for t in self.threads:
@@ -106,8 +118,11 @@ class Pipeline:
                         n, item = source()
                     except StopIteration:
                         break
+                    if isinstance(item, NextPass):
+                        self._put(self.out, (n, item))
+                        continue
                     t1 = clock()
-                    res = fn(n, item)
+                    res = fn(*item)
                     t2 = clock()
                     event = None
                     if stream is not None:
@@ -136,14 +151,15 @@ class Pipeline:
         another thread, one hidden behind queued work does not."""
         starved = False
         try:  # several threads put finished batches: hand them out in the loader's order
-            _, item, starved = self._ordered()
+            self.handed, item, starved = self._ordered()
         except StopIteration:
             item = END
         except _Forward as f:
             item = f.raised
         if isinstance(item, Raised):
             item.reraise()
-        if self.started and item is not END:  # a pass's first batch waits for the threads
+        if self.started and item is not END and not isinstance(item, NextPass):
+            # a pipeline's first batch waits for the threads
             self._pace(starved=starved and ran_dry())
         self.started = True
         return item
@@ -163,6 +179,8 @@ class Pipeline:
     def close(self, timeout: float = 60.0) -> None:
         self.stop.set()
         for t in self.threads:
+            if t is threading.current_thread():  # the decoder's last reference went here
+                continue
             waited = 0.0
             while t.is_alive() and waited < timeout:  # a stuck loader leaves a daemon thread
                 drain(self.out)
@@ -174,8 +192,8 @@ class Pipeline:
         # free CUDA memory there (CUDA cannot be used in a forked child: the worker aborts)
 
 
-def _both(dec, decoder, base, n, batch):
-    return dec.augment_batch(dec.decode_batch(batch, decoder=decoder), base + n)
+def _both(dec, decoder, seed, batch):
+    return dec.augment_batch(dec.decode_batch(batch, decoder=decoder), seed)
 
 
 class _Forward(Exception):

@@ -11,11 +11,11 @@ import random
 import shutil
 import sys
 import threading
+import time
 import types
 
 import pytest
 import torch
-from PIL import Image
 
 from packer.errors import PackerError
 from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
@@ -24,6 +24,7 @@ from packer.gpu.encoded import gpu_decodable, jpeg_info
 from packer.gpu.nvjpeg import NvjpegDecoder, torchvision_decode
 from packer.gpu.resample import ImageTable
 from packer.reading.dataset import PackedDataset
+from packer.reading.sampler import PackedSampler
 from packer.transforms.decode import DecodeCenterCrop
 
 from helpers import KINDS, cuda, pil_decoder, rgb_tensor
@@ -45,14 +46,13 @@ def _cpu_decoder(loader, **kw):
 
 def _slow_pil(datas, device):
     """PIL with a random delay: with several decode threads, batches finish out of order."""
-    import time
     time.sleep(random.random() * 0.02)
     return pil_decoder(datas, device)
 
 
 @pytest.mark.parametrize("overlap,threads", [(0, 1), (1, 1), (2, 1), (2, 3)])
 def test_pipeline_labels_order_and_fallback_counts(mixed, overlap, threads):
-    loader = make_gpu_loader(mixed, 5, shuffle=False, num_workers=1)
+    loader = sequential_loader(mixed, 5, num_workers=1)  # counts of one pass alone
     dec = _cpu_decoder(loader, overlap=overlap, seed=0, dtype=torch.float32,
                        decode_threads=threads, decoder=_slow_pil if threads > 1 else pil_decoder)
     assert len(dec) == len(loader) and dec.dataset is loader.dataset and dec.sampler is loader.sampler
@@ -90,9 +90,63 @@ def test_pipeline_same_result_for_every_overlap_and_epoch_seeding(mixed):
     assert not torch.equal(next(iter(dec))[0], first)  # another pass, no set_epoch: other crops
 
 
+class CountedPipeline(decoder_module.Pipeline):
+    made = 0
+
+    def __init__(self, *args):
+        CountedPipeline.made += 1
+        super().__init__(*args)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pipeline_runs_on_into_the_next_pass_with_the_same_crops(mixed, monkeypatch, threads):
+    """The decode threads begin the next epoch while one ends; the batches (crops, flips,
+    labels) are those of a decoder that starts each pass anew (overlap=0), with a seed and
+    set_epoch every pass, with a seed alone, and after a set_epoch that jumps (the pass begun
+    early is dropped)."""
+    monkeypatch.setattr(decoder_module, "Pipeline", CountedPipeline)
+    ds = PackedDataset(mixed)
+    loader = make_gpu_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=1,
+                             drop_last=True)
+    inline = make_gpu_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=0,
+                             drop_last=True)
+    for epochs, made in (([0, 1, 2], 1), ([None] * 3, 1), ([0, 1, 5, 6], 2)):
+        CountedPipeline.made = 0
+        dec = _cpu_decoder(loader, seed=3, decode_threads=threads,
+                           decoder=_slow_pil if threads > 1 else pil_decoder)
+        ref = _cpu_decoder(inline, seed=3, overlap=0)
+        for p, epoch in enumerate(epochs):
+            if epoch is not None:
+                dec.set_epoch(epoch)
+                ref.set_epoch(epoch)
+            got, want = list(dec), list(ref)
+            assert len(got) == len(want) == len(loader)
+            for (x, y), (x0, y0) in zip(got, want):
+                assert torch.equal(y, y0) and torch.equal(x, x0), (epochs, p)
+        assert CountedPipeline.made == made, epochs
+        assert dec._kept["pipe"].threads[0].is_alive()  # gone on into the next pass
+
+
+def test_decoder_dropped_between_passes_stops_its_threads(mixed):
+    import gc
+    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=0)
+    dec = _cpu_decoder(loader, decode_threads=2)
+    list(dec)
+    threads = dec._kept["pipe"].threads
+    assert all(t.is_alive() for t in threads)
+    gc.disable()  # by reference counting alone: the threads hold no reference to the decoder
+    try:
+        del dec
+        deadline = time.monotonic() + 10
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        gc.enable()
+    assert not any(t.is_alive() for t in threads)
+
+
 def _paced_passes(mixed, consumer_s: float, decode_s: float) -> list:
     """Two passes (batch 1) through 3 decode threads; the thread names in decoding order."""
-    import time
     names = []
 
     def decoder(datas, device):
@@ -187,8 +241,15 @@ class FlatPIL:
         return ImageTable.planar(buffer, starts, hw)
 
 
+def sequential_loader(root, batch_size: int, **kw):
+    """A loader whose sampler is DataLoader's own: a ``GPUDecoder``'s pipeline then ends with
+    each pass (one runs on otherwise, decoding the next pass's first batches)."""
+    order = torch.utils.data.SequentialSampler(range(len(PackedDataset(root))))
+    return make_gpu_loader(root, batch_size, sampler=order, **kw)
+
+
 def test_flat_decode_path_matches_the_list_path(mixed):
-    loader = make_gpu_loader(mixed, 5, shuffle=False, num_workers=0)
+    loader = sequential_loader(mixed, 5, num_workers=0)
     flat = FlatPIL()
     for train in (False, True):
         a = [x for x, _ in _cpu_decoder(loader, decoder=flat, train=train, seed=3, dtype=torch.uint8)]
@@ -316,7 +377,7 @@ def test_gpu_nvjpeg_pixels_match_cpu_decode(mixed, backend):
 @pytest.mark.parametrize("overlap,backend", [(0, "auto"), (2, "auto"), (2, "nvjpeg")])
 def test_gpu_decoder_labels_fallbacks_and_eval(mixed, overlap, backend):
     pytest.importorskip("torchvision")
-    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=2)
+    loader = sequential_loader(mixed, 8, num_workers=2)  # the counts of one pass alone
     try:
         dec = make_decoder(loader, overlap=overlap, train=False, dtype=torch.uint8, seed=0,
                          backend=backend)
@@ -351,6 +412,7 @@ def test_gpu_decoder_train_bf16_and_memory_bounded(mixed):
         for x, y in dec:
             assert x.dtype == torch.bfloat16 and x.is_contiguous(memory_format=torch.channels_last)
             assert torch.isfinite(x.float()).all()
+        time.sleep(1)  # the threads decode the next epoch's first batches (queue_depth), then wait
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     _report("memory", {"allocated_per_epoch": allocated,
@@ -376,10 +438,9 @@ def test_gpu_overlap_modes_agree(mixed):
 @pytest.mark.parametrize("backend", ["torchvision", "nvjpeg"])
 def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend):
     pytest.importorskip("torchvision")
-    plain = GPUDecoder(make_gpu_loader(mixed, 4, shuffle=False, num_workers=0), train=False,
-                       dtype=torch.uint8)
+    plain = GPUDecoder(sequential_loader(mixed, 4, num_workers=0), train=False, dtype=torch.uint8)
     ref = torch.cat([x.cpu() for x, _ in plain])
-    loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
+    loader = sequential_loader(mixed, 4, num_workers=2)  # the counts of its passes alone
     try:
         dec = make_decoder(loader, train=False, dtype=torch.uint8, decode_threads=3, backend=backend)
     except OSError:

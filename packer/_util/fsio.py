@@ -16,18 +16,17 @@ LOCK_NAME = ".packer-lock"  # one per folder packer writes: DST of build/merge, 
 NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def open_new(path: os.PathLike, mode: str = "wb", *, replace_stale: bool = True):
-    """``path`` created new, for writing, never through a symlink (a leftover of that name is
-    unlinked first: the link itself, never its target)."""
+def open_new(path: os.PathLike):
+    """``path`` created new, for binary writing, never through a symlink (a leftover of that
+    name is unlinked first: the link itself, never its target)."""
     path = Path(path)
-    if replace_stale:
-        path.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
     try:
         fd = os.open(path, NEW_FLAGS, 0o644)
     except FileExistsError:
         raise PackerError(f"{path} appeared while packer was creating it: another process is "
                           f"writing in {path.parent}; stop it and re-run") from None
-    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+    return os.fdopen(fd, "wb")
 
 
 def write_new_atomic(path: os.PathLike, data: bytes) -> None:
@@ -123,7 +122,10 @@ def _check_creatable(folder: Path) -> None:
         reason = _why_not_writable(probe.parent) if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) \
             else f"{e.strerror} (the filesystem of {probe.parent} does not take new folders)"
         raise PackerError(f"cannot create {folder}: {reason}") from None
-    os.rmdir(probe)
+    try:
+        os.rmdir(probe)
+    except OSError:  # removed or filled meanwhile by a concurrent run: checked when locked
+        pass
 
 
 def _why_not_writable(folder: Path) -> str:

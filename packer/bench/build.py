@@ -1,6 +1,5 @@
-"""Build throughput against the cost of decoding every image once on all cores, in the same
-run on the same files (issue 2's goal: build images/s >= 0.8 x cores x one core's decode rate).
-``benchmarks/bench_build.py`` runs it on a whole folder; ``packer bench`` on a sample."""
+"""Build throughput against the cost of decoding every image once on all cores, on the same
+files in the same run (``GOAL``); ``benchmarks/bench_build.py`` runs it on a whole folder."""
 from __future__ import annotations
 
 import io
@@ -94,5 +93,3 @@ def build_ratios(result: dict, variant: str, cores: int) -> List[float]:
     """Per repeat of ``time_builds``: ``variant``'s images/s ÷ (cores x one core's decode)."""
     rows = result["rows"]
     return [b / (max(1, cores) * d) for b, d in zip(rows[variant], rows[DECODE])]
-
-

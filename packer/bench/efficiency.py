@@ -1,7 +1,5 @@
-"""Loader efficiency, as issue 16 defines it: images/s of ``make_loader`` with W workers ÷
-(W × one core's images/s for the same per-sample work, the dataset's own ``ds[i]`` in a plain
-loop over the same samples), one core measured alone and with all W busy (``allcores``).
-"""
+"""Loader efficiency (issue 16): images/s of ``make_loader`` with W workers ÷ (W × one core's
+images/s of a plain ``ds[i]`` loop over the same samples), one core alone and with all W busy."""
 from __future__ import annotations
 
 import time
@@ -54,18 +52,9 @@ def steady_loader_rate(ds, indices: List[int], batch_size: int, workers: int,
                                    persistent_workers=False, **kwargs), workers)
 
 
-def efficiency_round(ds, indices: List[int], batch_size: int, workers: int):
-    """One round's ``(core, core_loaded, loader)`` images/s: ``core_rates`` and
-    ``make_loader`` over all of ``indices`` (``steady_loader_rate``)."""
-    return (*core_rates(ds, indices, workers), steady_loader_rate(ds, indices, batch_size,
-                                                                  workers))
-
-
 def core_rates(ds, indices: List[int], workers: int) -> Tuple[float, float]:
     """A ``ds[i]`` loop over one worker's share of ``indices`` alone, and the same loop in
     ``workers`` processes at once (images/s of one of them)."""
     w = max(1, workers)
     core = one_core_rate(ds, indices[::w])
     return core, median_rate_on_all_cores(lambda share: one_core_rate(ds, share), indices, w)
-
-

@@ -2,7 +2,6 @@
 against a plain DataLoader over the same ``PackedSampler``, collate and workers."""
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -57,7 +56,7 @@ def plain_loader(ds, sampler: PackedSampler, batch_size: int, workers: int,
     """The baseline: a DataLoader with make_loader's collate, workers and prefetch, epoch by
     epoch."""
     return DataLoader(ds, batch_size, sampler=sampler, num_workers=workers,
-                      collate_fn=functools.partial(collate_uint8), pin_memory=pin_memory,
+                      collate_fn=collate_uint8, pin_memory=pin_memory,
                       persistent_workers=workers > 0,
                       prefetch_factor=max(2, math.ceil(TOTAL_PREFETCH / workers)) if workers else None)
 
@@ -101,5 +100,3 @@ def loader_batch_time(ds: PackedDataset, batch_size: int, workers: int) -> float
     for _ in it:
         n += 1
     return (time.perf_counter() - t0) / max(n, 1)
-
-

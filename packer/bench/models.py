@@ -123,4 +123,3 @@ def resnet50(num_classes: int = 1000) -> nn.Module:
             cin = 4 * width
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
     return nn.Sequential(*layers)
-

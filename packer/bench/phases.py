@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-
 from .._util.system import usable_cores
 from ..writing.builder import build
 from ..writing.check import Transcode, check_image
@@ -23,7 +22,7 @@ from ..reading.reader import ShardReader
 from ..demo import FolderDataset
 from . import build as build_bench
 from .coldread import drop_page_cache, storage
-from .efficiency import GOAL as EFFICIENCY_GOAL, efficiency_round
+from .efficiency import GOAL as EFFICIENCY_GOAL, core_rates, steady_loader_rate
 from .epochs import VARIANTS as EPOCH_VARIANTS, loader_batch_time, one_run
 
 DECODE_SAMPLE = 200      # images held in memory for the one-core decode runs
@@ -137,7 +136,7 @@ class Runner:
     def _read(self, s: BenchInput, order: List[int]) -> dict:
         """Records (or files) per second and MB/s, reading whole values in ``order``."""
         if s.name == "folder":
-            paths = [p for p in s.files(order)]
+            paths = s.files(order)
 
             def read(k):
                 with open(paths[k], "rb") as f:
@@ -285,16 +284,14 @@ class Runner:
 
     def _efficiency_figure(self, ds: PackedDataset, workers: int, batch_size: int,
                            repeats: int) -> None:
-        """``efficiency_round``'s rounds: one core's ``ds[i]`` loop alone and ``workers`` at once,
-        then the loader."""
-        indices = list(range(len(ds)))
-        core, busy, loader = [], [], []
+        """Per round: one core's ``ds[i]`` loop alone and ``workers`` at once, then the loader."""
+        indices, rounds = list(range(len(ds))), []
         for _ in range(repeats):
             self._begin("loader efficiency")
-            for out, v in zip((core, busy, loader),
-                              efficiency_round(ds, indices, batch_size, workers)):
-                out.append(v)
+            rounds.append((*core_rates(ds, indices, workers),
+                           steady_loader_rate(ds, indices, batch_size, workers)))
             self._tick()
+        core, busy, loader = zip(*rounds)
         self.report.figures["loader_efficiency"] = dict(
             summary([lo / (workers * c) for lo, c in zip(loader, core)]), goal=EFFICIENCY_GOAL,
             all_cores_busy=summary([lo / (workers * b) for lo, b in zip(loader, busy)]),

@@ -41,9 +41,6 @@ class BenchReport:
     environment: dict = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
 
-    def get(self, name: str) -> Optional[dict]:
-        return next((r for r in self.results if r["name"] == name), None)
-
     def of(self, kind: str, source: Optional[str] = None) -> List[dict]:
         return [r for r in self.results if r["kind"] == kind
                 and (source is None or r.get("source") == source)]
@@ -117,7 +114,7 @@ class BenchReport:
 
     def plot(self, path: os.PathLike) -> None:
         """A bar chart of images/s per variant (one panel per kind, whiskers = spread)."""
-        plt = _pyplot()
+        plt = check_plot()
         kinds = [k for k in ("stage", "read", "decode", "loader", "train") if self.of(k)]
         counts = [len(self.of(k)) for k in kinds]
         fig, axes = plt.subplots(len(kinds), 1, figsize=(9, 1.2 + 0.42 * sum(counts) + 0.5 * len(kinds)),
@@ -142,12 +139,9 @@ class BenchReport:
         plt.close(fig)
 
 
-def check_plot() -> None:
-    """Raise PackerError now (not after minutes of measuring) if matplotlib is missing."""
-    _pyplot()
-
-
-def _pyplot():
+def check_plot():
+    """matplotlib's pyplot (Agg); a PackerError if it is missing, so the CLI asks first, not
+    after minutes of measuring."""
     try:
         import matplotlib
         matplotlib.use("Agg")

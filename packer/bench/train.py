@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
@@ -145,27 +145,19 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainS
     pin = gpu and name != "plain"
     loader = make_loader(ds, batch_size, sampler=order, num_workers=w, pin_memory=pin,
                          persistent_workers=False, drop_last=True, worker_init_fn=SeedWorker(r))
-    closers: List[Callable] = []
-    if name in ("plain", "pin_memory + non_blocking", "background thread"):
-        src = loader
-        if name == "background thread":
-            src = background(loader, depth=2)
-            closers.append(src.close)
-
+    src, closers = loader, []
+    if name in ("background thread", "thread + CUDAPrefetcher"):
+        src = background(loader, depth=2)  # batch hand-over from workers off the training thread
+        closers.append(src.close)
+    if name.endswith("CUDAPrefetcher"):
+        g = iter(CUDAPrefetcher(src, device=device, channels_last=True))
+    else:
         def gen():
             for x, y in src:  # the copy and normalize are queued on the training stream
                 y = y.to(device, non_blocking=pin) if torch.is_tensor(y) else y  # (detection: lists)
                 yield step.normalize(x.to(device, non_blocking=pin)), y
         g = gen()
-        closers.insert(0, g.close)
-        return g, closers
-    src = loader
-    if name == "thread + CUDAPrefetcher":
-        src = background(loader, depth=2)  # batch hand-over from workers off the training thread
-        closers.append(src.close)
-    g = iter(CUDAPrefetcher(src, device=device, channels_last=True))
-    closers.insert(0, g.close)
-    return g, closers
+    return g, [g.close] + closers
 
 
 class _Marks:

@@ -7,6 +7,7 @@ from typing import List
 from .phases import has_module, n_workers
 from .train import GPU_DECODE
 
+
 def explain(rep) -> str:
     """The verdict for a ``BenchReport``: one sentence per rule that has its numbers."""
     facts = _Facts(rep)
@@ -84,13 +85,11 @@ def _workers(f: _Facts) -> List[str]:
         by_w = sorted(f.rep.of("loader", src), key=lambda r: r["workers"])
         if len(by_w) > 1:
             b = f.best_of[src]
-            if b is by_w[-1] and b["workers"] < f.cores:
-                return [f"The {src} loader still speeds up at {n_workers(b['workers'])}: "
-                        f"try --workers up to {f.cores}."]
             if b is not by_w[-1]:
                 return [f"More than {n_workers(b['workers'])} did not help the {src} loader "
                         f"(workers compete with the main process for {f.cores} cores)."]
-            return []
+            return [f"The {src} loader still speeds up at {n_workers(b['workers'])}: "
+                    f"try --workers up to {f.cores}."] if b["workers"] < f.cores else []
     return []
 
 

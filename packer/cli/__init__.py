@@ -33,4 +33,3 @@ def main():
     Run `packer COMMAND --help` for each command's options, and `packer doctor` to see
     which PIL (Pillow or Pillow-SIMD) this environment decodes with.
     """
-

@@ -12,6 +12,7 @@ from ..errors import PackerError
 from .._util.text import json_text, printable, terminal_text
 from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_lines
 
+
 @click.command()
 @click.argument("src", type=PathOrURL(file_okay=False, path_type=Path))
 @click.argument("dst", type=PathOrURL(file_okay=False, path_type=Path))

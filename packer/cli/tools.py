@@ -7,6 +7,7 @@ import click
 
 from .common import library_errors
 
+
 @click.command()
 @click.option("--cuda", is_flag=True,
               help="Also ask torch for a GPU (imports torch: a few seconds).")

@@ -17,13 +17,12 @@ from ..transforms.decode import DecodeLetterbox
 from ..errors import PackerError
 from ..loading.collate import collate_detection
 from ..loading.loader import default_num_workers, make_loader
-from ..reading.sampler import PackedSampler
 from .folder import CocoFolderDataset
-from .run import DemoResult, Steps, build_and_verify, compare_loaders, device_name, run_job
+from .run import (DemoResult, Steps, build_and_verify, compare_loaders, demo_images, device_name,
+                  run_job)
 from .scenes import make_detection_folder
 
 DETECTION_IMAGES = 512      # the least: ~32 MB of scenes, made in ~13 s on one core
-DETECTION_BATCHES_PER_WORKER = 4
 Targets = Dict[int, Tuple[torch.Tensor, torch.Tensor]]   # image id -> (boxes, labels)
 
 
@@ -66,9 +65,8 @@ class DetectionDemoResult(DemoResult):
 
 
 def detection_demo_images(workers: int, batch_size: int = 16) -> int:
-    """The default scene count: ``DETECTION_IMAGES``, or enough for each loader worker to
-    make several batches on many cores."""
-    return max(DETECTION_IMAGES, DETECTION_BATCHES_PER_WORKER * batch_size * max(1, workers))
+    """The default scene count: ``demo_images`` with ``DETECTION_IMAGES`` at least."""
+    return demo_images(workers, batch_size, DETECTION_IMAGES)
 
 
 def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
@@ -103,17 +101,12 @@ def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[in
     def compare(steps: Steps, coco: Path, read_from: Path) -> None:
         decode = DecodeLetterbox(size)
         folder = CocoFolderDataset(coco / "images", coco / "annotations.json", decode=decode)
-        packed = PackedDataset(read_from, decode=decode)
         res.objects = sum(len(s[2]) for s in folder.samples)
         seen: Dict[str, Targets] = {"folder loader": {}, "packed loader": {}}
-        try:
-            compare_loaders(steps, {"folder loader": (folder, None),
-                                    "packed loader": (packed, PackedSampler(packed, seed=seed))},
-                            lambda ds, smp: detection_loader(ds, batch_size, load_workers, sampler=smp),
-                            read_from, rounds, progress, "CocoDetection-style, JSON + a file per image",
-                            record=lambda name, batches: recording(batches, seen[name]))
-        finally:
-            packed.reader.close()
+        compare_loaders(steps, folder, PackedDataset(read_from, decode=decode), seed,
+                        lambda ds, smp: detection_loader(ds, batch_size, load_workers, sampler=smp),
+                        read_from, rounds, progress, "CocoDetection-style, JSON + a file per image",
+                        record=lambda name, batches: recording(batches, seen[name]))
         res.images_checked, res.mismatched = compare_targets(seen["folder loader"],
                                                              seen["packed loader"])
 

@@ -9,7 +9,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 from tqdm.auto import tqdm
@@ -102,10 +102,10 @@ class DemoResult:
         return "\n".join(lines)
 
 
-def demo_images(workers: int, batch_size: int = 64) -> int:
-    """The default image count: ``DEMO_IMAGES``, or more on many cores, so that each loader
-    worker makes several batches (a rate measured over one wave of batches is start-up)."""
-    return max(DEMO_IMAGES, DEMO_BATCHES_PER_WORKER * batch_size * max(1, workers))
+def demo_images(workers: int, batch_size: int = 64, least: int = DEMO_IMAGES) -> int:
+    """The default image count: ``least``, or more on many cores, so that each loader worker
+    makes several batches (a rate measured over one wave of batches is start-up)."""
+    return max(least, DEMO_BATCHES_PER_WORKER * batch_size * max(1, workers))
 
 
 def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
@@ -152,16 +152,12 @@ def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
 
     def compare(steps: Steps, src: Path, read_from: Path) -> None:
         decode = DecodeRandomResizedCrop(size)
-        packed = PackedDataset(read_from, decode=decode)
-        try:
-            compare_loaders(steps, {"folder loader": (FolderDataset(src, decode=decode), None),
-                                    "packed loader": (packed, PackedSampler(packed, seed=seed))},
-                            lambda ds, smp: make_loader(ds, batch_size, sampler=smp,
-                                                        num_workers=load_workers,
-                                                        persistent_workers=False),
-                            read_from, rounds, progress, "ImageFolder-style, a file per image")
-        finally:
-            packed.reader.close()
+        compare_loaders(steps, FolderDataset(src, decode=decode),
+                        PackedDataset(read_from, decode=decode), seed,
+                        lambda ds, smp: make_loader(ds, batch_size, sampler=smp,
+                                                    num_workers=load_workers,
+                                                    persistent_workers=False),
+                        read_from, rounds, progress, "ImageFolder-style, a file per image")
 
     return run_job(res, ("images", "packed"), on_step, stage_dir, progress, make, compare)
 
@@ -244,27 +240,33 @@ def stage_copy(steps: Steps, packed: Path, stage_dir: os.PathLike, progress: boo
     return staged
 
 
-def compare_loaders(steps: Steps, datasets: Dict[str, tuple], loader: Callable, read_from: Path,
-                    rounds: int, progress: bool, baseline: str,
+def compare_loaders(steps: Steps, folder, packed: PackedDataset, seed: int, loader: Callable,
+                    read_from: Path, rounds: int, progress: bool, baseline: str,
                     record: Optional[Callable] = None) -> None:
-    """Interleaved epochs of ``loader(ds, sampler)`` over ``datasets`` (name -> (dataset,
-    sampler)), best of ``rounds`` each (the least disturbed is closest to the real rate)."""
+    """Interleaved epochs of ``loader(ds, sampler)`` over the ``folder`` dataset and ``packed``
+    (a seeded PackedSampler; its reader closed after), best of ``rounds`` each (the least
+    disturbed is closest to the real rate)."""
     res, cuda = steps.res, torch.cuda.is_available()
-    took, best = dict.fromkeys(datasets, 0.0), dict.fromkeys(datasets, 0.0)
-    for r in range(rounds):
-        for name, (ds, sampler) in datasets.items():
-            t = steps.start(name) if r == 0 else time.perf_counter()
-            if sampler is not None:
-                sampler.set_epoch(r)
-            batches = loader(ds, sampler)
-            if r == 0 and record is not None:
-                batches = record(name, batches)
-            if cuda:
-                batches = CUDAPrefetcher(batches)
-            n, sec = loader_rate(batches, res.workers, cuda=cuda, total=len(ds),
-                                 progress=progress, desc=f"{name} {r + 1}/{rounds}")
-            best[name] = max(best[name], n / sec)
-            took[name] += time.perf_counter() - t
+    try:
+        datasets = {"folder loader": (folder, None),
+                    "packed loader": (packed, PackedSampler(packed, seed=seed))}
+        took, best = dict.fromkeys(datasets, 0.0), dict.fromkeys(datasets, 0.0)
+        for r in range(rounds):
+            for name, (ds, sampler) in datasets.items():
+                t = steps.start(name) if r == 0 else time.perf_counter()
+                if sampler is not None:
+                    sampler.set_epoch(r)
+                batches = loader(ds, sampler)
+                if r == 0 and record is not None:
+                    batches = record(name, batches)
+                if cuda:
+                    batches = CUDAPrefetcher(batches)
+                n, sec = loader_rate(batches, res.workers, cuda=cuda, total=len(ds),
+                                     progress=progress, desc=f"{name} {r + 1}/{rounds}")
+                best[name] = max(best[name], n / sec)
+                took[name] += time.perf_counter() - t
+    finally:
+        packed.reader.close()
     res.folder_images_per_s, res.packed_images_per_s = best["folder loader"], best["packed loader"]
     to_gpu = " + CUDAPrefetcher" if cuda else ""
     where = "staged copy" if read_from == res.staged_to else "shards"

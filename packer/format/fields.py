@@ -29,7 +29,7 @@ MAX_DEPTH = 32  # nesting of ``data`` values
 class Field:
     """A schema entry. ``encode(value)``: the stored form of a sample's value; ``check(stored)``:
     why a stored value is not one of this field's, or ""; ``column``: the side-table dtype
-    (None: no side table)."""
+    (None: no side table). Both take any plain data (``data_problem``) unless overridden."""
     name: str
     type: ClassVar[str] = ""
     column: ClassVar[Optional[str]] = None
@@ -38,10 +38,14 @@ class Field:
         return {"name": self.name, "type": self.type}
 
     def encode(self, v: Any) -> Any:
-        raise NotImplementedError
+        problem = data_problem(v)
+        if problem:
+            raise ValueError(f"field {self.name!r}: {problem}")
+        return v
 
     def check(self, v: Any) -> str:
-        raise NotImplementedError
+        problem = data_problem(v)
+        return f"field {self.name!r}: {problem}" if problem else ""
 
 
 class Scalar(Field):
@@ -60,11 +64,7 @@ class Scalar(Field):
             v = v.item()
         if isinstance(v, bool) != (self.want is bool) or not isinstance(v, self.takes or self.want):
             raise ValueError(f"field {self.name!r}: {v!r:.60} is not {self.noun}")
-        v = self.want(v)  # an int subclass (IntEnum) as int, an int as float
-        problem = data_problem(v)
-        if problem:
-            raise ValueError(f"field {self.name!r}: {problem}")
-        return v
+        return super().encode(self.want(v))  # an IntEnum as int, an int as float
 
     def check(self, v: Any) -> str:
         if not isinstance(v, self.want) or self.want is int and isinstance(v, bool):
@@ -101,17 +101,15 @@ class ArrayField(Field):
     def encode(self, v: Any) -> bytes:
         """Nested lists, an ``array.array``, a tensor or a numpy array -> little-endian bytes."""
         code, rows = DTYPES[self.dtype], self.shape[1:]
-        if len(rows) == 1 and isinstance(v, list) and v and isinstance(v[0], (list, tuple)):
-            try:  # rows of numbers (boxes): flattened in C; anything odd: the general path says
-                if set(map(len, v)) == {rows[0]}:
-                    v = array(code, chain.from_iterable(v))
-            except (TypeError, OverflowError):
-                pass
-        elif not rows and type(v) is list and not (v and isinstance(v[0], (list, tuple))):
-            try:  # a flat list of numbers (labels, ids): straight into the array
+        nested = isinstance(v, list) and v and isinstance(v[0], (list, tuple))
+        try:  # rows of numbers (boxes) or a flat list (labels, ids) straight into the array, in
+            # C; anything odd: the general path below says what
+            if len(rows) == 1 and nested and set(map(len, v)) == {rows[0]}:
+                v = array(code, chain.from_iterable(v))
+            elif not rows and type(v) is list and not nested:
                 v = array(code, v)
-            except (TypeError, OverflowError):
-                pass
+        except (TypeError, OverflowError):
+            pass
         if hasattr(v, "detach"):  # a torch tensor: no torch import needed here
             v = v.detach().cpu().reshape(-1).tolist()
         elif hasattr(v, "tolist") and not isinstance(v, array):  # numpy
@@ -127,10 +125,7 @@ class ArrayField(Field):
         if code in "fd" and not all(map(math.isfinite, out)):
             raise ValueError(f"field {self.name!r}: holds NaN or inf (refused)")
         self.shape_of(len(out) * out.itemsize)  # checks the element count against the shape
-        if sys.byteorder != "little":
-            out = array(code, out)  # a copy: the caller's array stays as it was
-            out.byteswap()
-        return out.tobytes()
+        return little_endian(out).tobytes()
 
     def check(self, v: Any) -> str:
         if not isinstance(v, bytes):
@@ -161,27 +156,26 @@ class ArrayField(Field):
         """A stored value as a flat ``array.array`` in native byte order (shape: ``shape_of``)."""
         out = array(DTYPES[self.dtype])
         out.frombytes(raw)
-        if sys.byteorder != "little":
-            out.byteswap()
-        return out
+        return little_endian(out)
 
 
 class DataField(Field):
+    """Any plain nested data: lists, maps, str, numbers, bool, None."""
     type = "data"
-
-    def encode(self, v: Any) -> Any:
-        problem = data_problem(v)
-        if problem:
-            raise ValueError(f"field {self.name!r}: {problem}")
-        return v
-
-    def check(self, v: Any) -> str:
-        problem = data_problem(v)
-        return f"field {self.name!r}: {problem}" if problem else ""
 
 
 FIELD_TYPES = {c.type: c for c in (IntField, FloatField, BoolField, StrField, ArrayField,
                                    DataField)}
+
+
+def little_endian(a: array) -> array:
+    """``a`` as stored (little-endian), or a stored array in native order: ``a`` itself on a
+    little-endian machine, else a byte-swapped copy."""
+    if sys.byteorder == "little":
+        return a
+    swapped = array(a.typecode, a)
+    swapped.byteswap()
+    return swapped
 
 
 def field_of(spec: Dict[str, Any]) -> Field:
@@ -293,11 +287,9 @@ def data_problem(v: Any, depth: int = 0) -> str:
             return ""
         return next((p for p in (data_problem(x, depth + 1) for x in v) if p), "")
     if isinstance(v, dict):
-        for k, x in v.items():
-            p = data_problem(x, depth + 1) if isinstance(k, str) else f"map key {k!r} is not a str"
-            if p:
-                return p
-        return ""
+        found = (data_problem(x, depth + 1) if isinstance(k, str) else f"map key {k!r} is not a str"
+                 for k, x in v.items())
+        return next((p for p in found if p), "")
     return f"{type(v).__name__} is not plain data (lists, maps, str, numbers, bool, None)"
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 from array import array
 from itertools import islice
 from pathlib import Path
 from typing import Optional
 
 from ..errors import FormatError
-from .fields import DTYPES
+from .fields import DTYPES, little_endian
 from .manifest import read_manifest
 
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -112,6 +111,4 @@ def _read_table(root: Path, entry: dict, name: str, typecode: str, count: int,
         table.frombytes(f.read(want))
     if len(table) * table.itemsize != want:
         raise FormatError(f"{path} changed while it was read; the dataset is damaged")
-    if sys.byteorder != "little":
-        table.byteswap()
-    return table
+    return little_endian(table)

@@ -3,13 +3,12 @@ epoch; batches carry their place (``Numbered``) and ``EpochStream`` hands them o
 from __future__ import annotations
 
 import itertools
-import math
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from torch.utils.data import get_worker_info
 
-from ..reading.sampler import PackedSampler
+from ..reading.sampler import PackedSampler, rank_count
 
 __all__ = ["EpochBatches", "EpochPass", "EpochStream", "Failed", "Numbered", "StampedCollate",
            "StampedDataset"]
@@ -106,7 +105,7 @@ class EpochBatches:
 
     def per_epoch(self, samples: int) -> int:
         """Batches of an epoch of ``samples`` on this rank."""
-        return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
+        return rank_count(samples, 0, self.batch_size, self.drop_last)
 
     def __len__(self) -> int:  # one epoch's worth, as DataLoader's len() reports it
         return self.per_epoch(len(self.sampler))

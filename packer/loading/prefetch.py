@@ -42,14 +42,11 @@ class LoaderView:
     def set_epoch(self, epoch: int) -> None:
         """Call ``set_epoch(epoch)`` on the loader, its sampler(s) and its dataset, where they
         have one (DistributedSampler needs it to reshuffle each epoch)."""
-        seen = set()
-        candidates = [self.loader]
-        for name in ("sampler", "batch_sampler", "dataset"):
-            candidates.append(getattr(self.loader, name, None))
-        candidates.append(getattr(getattr(self.loader, "batch_sampler", None), "sampler", None))
-        for obj in candidates:
+        seen = {id(self)}
+        inner = [getattr(self.loader, n, None) for n in ("sampler", "batch_sampler", "dataset")]
+        for obj in [self.loader, *inner, getattr(inner[1], "sampler", None)]:
             fn = getattr(obj, "set_epoch", None)
-            if obj is not None and obj is not self and callable(fn) and id(obj) not in seen:
+            if callable(fn) and id(obj) not in seen:
                 seen.add(id(obj))
                 fn(epoch)
 
@@ -73,14 +70,10 @@ class CUDAPrefetcher(LoaderView):
         if dtype not in _FLOATS:
             raise ValueError(f"dtype must be one of torch.float32, bfloat16, float16 or float64 "
                              f"(what the model consumes), got {dtype}")
-        self.loader = loader
-        self.dtype = dtype
-        self.channels_last = bool(channels_last)
+        self.loader, self.dtype, self.channels_last = loader, dtype, bool(channels_last)
         self.device = _resolve_device(device)
-        scale, shift = normalize_affine(mean, std)
+        self._scale, self._shift = (t.to(self.device) for t in normalize_affine(mean, std))
         self.mean, self.std = (None, None) if mean is None else (tuple(mean), tuple(std))
-        self._scale = scale.to(self.device)
-        self._shift = shift.to(self.device)
         self.stream: Optional[torch.cuda.Stream] = None
         self._warned = False
         self._state = None  # the loader's state after the last batch handed out
@@ -190,8 +183,7 @@ def normalize_affine(mean, std):
                          "or neither for x / 255")
     if mean is None:
         mean, std = (0.0,), (1.0,)
-    mean = torch.as_tensor(mean, dtype=torch.float64).flatten()
-    std = torch.as_tensor(std, dtype=torch.float64).flatten()
+    mean, std = (torch.as_tensor(v, dtype=torch.float64).flatten() for v in (mean, std))
     if mean.numel() != std.numel() or mean.numel() == 0:
         raise ValueError(f"mean and std need one value per channel, got {mean.numel()} and "
                          f"{std.numel()}")
@@ -207,9 +199,7 @@ def normalize_affine(mean, std):
 
 def _resolve_device(device) -> torch.device:
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():

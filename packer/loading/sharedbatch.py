@@ -3,7 +3,7 @@ block, not one file descriptor round trip per tensor (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, List
+from typing import Any, Callable, List
 
 import torch
 
@@ -33,25 +33,30 @@ class SharedBatch(list):
 
 
 class _Hole:
-    """Where the ``index``-th tensor goes back into the rebuilt structure."""
-    __slots__ = ("index",)
+    """Where the next tensor (in walk order) goes back into the rebuilt structure."""
+    __slots__ = ()
 
-    def __init__(self, index: int):
-        self.index = index
+
+def walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``leaf`` applied to everything but the dicts, lists and plain tuples it
+    walks (a ``SharedBatch`` becomes a list)."""
+    if type(obj) is dict:
+        return {k: walk(v, leaf) for k, v in obj.items()}
+    if type(obj) in (list, tuple, SharedBatch):
+        return (tuple if type(obj) is tuple else list)(walk(v, leaf) for v in obj)
+    return leaf(obj)
 
 
 def strip_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
     """``obj`` with every dense CPU tensor that needs no grad replaced by a ``_Hole`` (the
-    tensor appended to ``tensors``); dicts, lists and plain tuples are walked."""
-    if (isinstance(obj, torch.Tensor) and obj.layout == torch.strided and obj.device.type == "cpu"
-            and not obj.requires_grad):
-        tensors.append(obj)
-        return _Hole(len(tensors) - 1)
-    if type(obj) is dict:
-        return {k: strip_tensors(v, tensors) for k, v in obj.items()}
-    if type(obj) in (list, tuple, SharedBatch):
-        return (tuple if type(obj) is tuple else list)(strip_tensors(v, tensors) for v in obj)
-    return obj
+    tensor appended to ``tensors``)."""
+    def take(t):
+        if (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
+                and not t.requires_grad):
+            tensors.append(t)
+            return _Hole()
+        return t
+    return walk(obj, take)
 
 
 def view_of(block: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -70,14 +75,5 @@ def rebuild_batch(block: torch.Tensor, layout: list, skeleton: Any) -> Any:
             t = t.as_subclass(cls)
             t.__dict__.update(state)
         tensors.append(t)
-    return fill_tensors(skeleton, tensors)
-
-
-def fill_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    if isinstance(obj, _Hole):
-        return tensors[obj.index]
-    if type(obj) is dict:
-        return {k: fill_tensors(v, tensors) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(fill_tensors(v, tensors) for v in obj)
-    return obj
+    rest = iter(tensors)
+    return walk(skeleton, lambda x: next(rest) if isinstance(x, _Hole) else x)

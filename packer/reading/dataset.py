@@ -104,10 +104,7 @@ class PackedDataset(Dataset):
             self._samples = Samples(self.manifest.get("source") or "", table, self._labels)
         return self._samples
 
-    @property
-    def imgs(self) -> "Samples":
-        """ImageFolder's alias of ``samples``."""
-        return self.samples
+    imgs = samples  # ImageFolder's alias
 
     def find_classes(self, directory: Optional[os.PathLike] = None) -> Tuple[List[str], dict]:
         """``(classes, class_to_idx)``: this dataset's; or, given ``directory``, what

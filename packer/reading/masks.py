@@ -138,19 +138,19 @@ def counts_tensor(s: str) -> torch.Tensor:
         raw = s.encode("ascii")
     except UnicodeEncodeError:
         raise ValueError("a compressed RLE string holds a character that is not ASCII") from None
-    c = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64) - 48 if raw else \
-        torch.zeros(0, dtype=torch.int64)
-    if len(c) and (int(c.min()) < 0 or int(c.max()) > 63 or int(c[-1]) & 0x20):
+    if not raw:
+        return torch.zeros(0, dtype=torch.int64)
+    c = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64) - 48
+    if int(c.min()) < 0 or int(c.max()) > 63 or int(c[-1]) & 0x20:
         raise ValueError("a compressed RLE string cut short or holding a foreign character")
     last = c & 0x20 == 0                                      # a count's last character
-    group = torch.cat([c.new_zeros(1), last[:-1].cumsum(0)]) if len(c) else c
-    first = torch.cat([c.new_zeros(1), last.nonzero().flatten()[:-1] + 1]) if len(c) else c
-    k = torch.arange(len(c)) - first[group]                   # character index in its count
-    if len(c) and int(k.max()) > 11:  # 12 characters hold 60 bits: more is no count
-        raise ValueError("a compressed RLE string with a count out of range")
-    x = torch.zeros(int(last.sum()), dtype=torch.int64)
-    x.index_add_(0, group, (c & 0x1F) << (5 * k))
     ends = last.nonzero().flatten()
+    group = torch.cat([c.new_zeros(1), last[:-1].cumsum(0)])
+    k = torch.arange(len(c)) - torch.cat([c.new_zeros(1), ends[:-1] + 1])[group]  # index in count
+    if int(k.max()) > 11:  # 12 characters hold 60 bits: more is no count
+        raise ValueError("a compressed RLE string with a count out of range")
+    x = torch.zeros(len(ends), dtype=torch.int64)
+    x.index_add_(0, group, (c & 0x1F) << (5 * k))
     negative = (c[ends] & 0x10) != 0
     x -= negative.to(torch.int64) << (5 * (k[ends] + 1))
     if len(x) > 3:  # counts[m] += counts[m - 2] for m > 2: running sums of each parity

@@ -21,9 +21,8 @@ _WALK, _INTERLEAVE = 2, 3  # seed_for salts (1 is grouped_order's)
 def share_counts(weights: Sequence[float], total: int) -> List[int]:
     """``total`` split in proportion to ``weights`` by largest remainder (ties: the earlier
     source), in exact arithmetic so every machine splits the same way."""
-    exact = [Fraction(w) for w in weights]
-    whole = sum(exact)
-    exact = [w * total / whole for w in exact]
+    whole = sum(map(Fraction, weights))
+    exact = [Fraction(w) * total / whole for w in weights]
     counts = [math.floor(e) for e in exact]
     by_rest = sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))
     for i in by_rest[:total - sum(counts)]:
@@ -164,13 +163,12 @@ def _weights(weights, lengths: List[int]) -> list:
 
 def _check_targets(sources: List[Any]) -> None:
     """Refuse sources whose targets cannot be batched together."""
-    kinds = [(s, target_kind(d)) for s, d in enumerate(sources)]
-    kinds = [(s, k) for s, k in kinds if k is not None]
+    kinds = [(s, k) for s, d in enumerate(sources) if (k := target_kind(d)) is not None]
     for s, k in kinds[1:]:
         if k != kinds[0][1]:
-            first = kinds[0]
+            s0, k0 = kinds[0]
             raise ValueError(
                 f"Mixture sources must give the same kind of target to be batched together: "
-                f"source {first[0]} ({sources[first[0]]!r}) gives {first[1]}, source {s} "
+                f"source {s0} ({sources[s0]!r}) gives {k0}, source {s} "
                 f"({sources[s]!r}) gives {k}; select matching targets (target_fields=, "
                 f"target_keys=) or map them with target_transform=")

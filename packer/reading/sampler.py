@@ -127,10 +127,9 @@ class PackedSampler(Sampler[int]):
         num_replicas / rank: default to torch.distributed's (1 and 0 when not initialised).
         drop_last: every rank gets ``n // W`` samples; otherwise pad to ``ceil(n / W)``.
         order / block_size / window: ``"random"``; ``"block"`` for slow disks (``window``
-            blocks at a time, default 16); ``"node"`` for a shard cache smaller than the
-            data: each node reads its own share of the shards, ``window`` (default 2) at a
-            time, the shares moving every epoch, and the shards it will read next are
-            prefetched into the dataset's cache.
+            blocks at a time, default 16); ``"node"`` for a shard cache smaller than the data:
+            each node reads its own share of the shards, ``window`` (default 2) at a time,
+            prefetching the next into the dataset's cache; the shares move every epoch.
         ranks_per_node: with ``order="node"``: default ``LOCAL_WORLD_SIZE`` (torchrun's)
             when it divides the world size, else 1 (each rank its own share).
         aspect_groups / batch_size: every batch of ``batch_size`` holds one aspect group
@@ -259,8 +258,8 @@ class PackedSampler(Sampler[int]):
         """A copy at the position it is now, or at the start of ``epoch``: what a loader that
         runs ahead iterates, leaving this sampler (its epoch, its state) the caller's."""
         out = copy.copy(self)  # shares the cached order
-        if epoch is not None and epoch != self.epoch:
-            out.epoch, out._start, out._consumed, out._cache = int(epoch), 0, 0, None
+        if epoch is not None:
+            out.set_epoch(epoch)
         return out
 
     def received(self, consumed: int) -> None:

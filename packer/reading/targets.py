@@ -27,13 +27,13 @@ def array_tensor(f: ArrayField, raw: bytes) -> torch.Tensor:
     return torch.tensor(f.values(raw), dtype=TORCH_DTYPES[f.dtype]).reshape(f.shape_of(len(raw)))
 
 
-def tv_tensors():
-    """torchvision's tv_tensors module, or None where torchvision is not installed."""
+def tv_wrap(kind: str, t: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``t`` as ``torchvision.tv_tensors.<kind>`` where torchvision is installed, else as is."""
     try:
-        from torchvision import tv_tensors as tv
+        from torchvision import tv_tensors
     except ImportError:  # torchvision is optional: plain tensors then
-        return None
-    return tv
+        return t
+    return getattr(tv_tensors, kind)(t, **kwargs)
 
 
 class TargetMaker:
@@ -82,10 +82,9 @@ class TargetMaker:
                 why = "; ".join(f"{k}: {NOT_KEYS[k]}" for k in extra if k in NOT_KEYS)
                 raise ValueError(f"target_keys {extra} are not available; this dataset gives "
                                  f"{', '.join(available)}" + (f" ({why})" if why else ""))
-        if masks:
+        if masks:  # without segmentation, __init__ refuses it
             keys.add("masks")
-        return tuple(k for k in available if k in keys) + tuple(
-            k for k in ("masks",) if k in keys and k not in available)
+        return tuple(k for k in available if k in keys)
 
     @property
     def detection(self) -> bool:
@@ -145,16 +144,13 @@ class TargetMaker:
             raise FormatError(f"record {printable(str(rec.get('path')))!s}: its segmentation "
                               f"cannot be made into masks: {e} (limits: docs/security.md)") \
                 from None
-        tv = tv_tensors()
-        return tv.Mask(m) if tv is not None else m
+        return tv_wrap("Mask", m)
 
 
 def wrap_boxes(boxes: torch.Tensor, canvas_size) -> torch.Tensor:
     """``tv_tensors.BoundingBoxes`` (XYXY) where torchvision is installed, else the tensor."""
-    tv = tv_tensors()
-    if tv is None:
-        return boxes
-    return tv.BoundingBoxes(boxes, format="XYXY", canvas_size=tuple(int(s) for s in canvas_size))
+    return tv_wrap("BoundingBoxes", boxes, format="XYXY",
+                   canvas_size=tuple(int(s) for s in canvas_size))
 
 
 # EXIF orientation (2-8) as PIL's ``exif_transpose`` applies it: whether x and y swap (the
@@ -185,8 +181,6 @@ def oriented(target: Dict[str, Any], orientation: int, width: int, height: int) 
     if "masks" in target:
         m = target["masks"].as_subclass(torch.Tensor)
         m = m.transpose(-1, -2) if swap else m
-        m = (m.flip(flips) if flips else m).contiguous()
-        tv = tv_tensors()
-        out["masks"] = tv.Mask(m) if tv is not None else m
+        out["masks"] = tv_wrap("Mask", (m.flip(flips) if flips else m).contiguous())
     return out
 

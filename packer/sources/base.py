@@ -177,12 +177,12 @@ def utf8_text(data: bytes, path: Path, what: str) -> str:
                           f"save it as UTF-8") from None
 
 
-def image_root(images: os.PathLike, who: str, storage_options: Optional[dict] = None):
+def image_root(images: os.PathLike, who: str, what: str = "images"):
     """``images`` as the folder a source's paths are relative to (a ``RemoteFolder`` for a
-    URL); ``who``: the source's signature, for the error (``Coco(images, annotations)``)."""
-    root = folder(images, storage_options)
+    URL), else a PackerError naming ``who`` (the source's signature) and ``what`` (the argument)."""
+    root = folder(images)
     if not root.is_dir():
-        raise PackerError(f"{who}: images {root} does not exist or is not a folder")
+        raise PackerError(f"{who}: {what} {root} does not exist or is not a folder")
     return root
 
 

@@ -164,18 +164,12 @@ def read_list(root: os.PathLike, list_file: os.PathLike, *,
         rows.append((Path(rel).as_posix(), parts[1].strip(), n))
     if not rows:
         raise PackerError(f"{list_file} lists no images")
-    labels = [lab for _, lab, _ in rows]
-    if all(_is_int(lab) for lab in labels):
-        labels = [int(lab) for lab in labels]
+    try:
+        labels = [int(lab) for _, lab, _ in rows]
+    except ValueError:  # not all integers: class names
+        labels = [lab for _, lab, _ in rows]
+    else:
         if min(labels) < 0:
             raise PackerError(f"{list_file}: labels must be >= 0")
     labels, classes = class_labels(labels, lambda i: f"{list_file}:{rows[i][2]}", max_classes)
     return ImageList(root, classes, [(p, lab) for (p, _, _), lab in zip(rows, labels)])
-
-
-def _is_int(s: str) -> bool:
-    try:
-        int(s)
-        return True
-    except ValueError:
-        return False

@@ -144,13 +144,10 @@ def csv_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
     for i, name in enumerate(header):
         if name in header[:i]:
             raise PackerError(f"{file}:1: column {show(name)!r} appears twice in the header")
-    records: List[Tuple[int, Dict[str, Any]]] = [(n, {}) for n, _ in cells]
-    for i, name in enumerate(header):
-        column = [(n, row[i]) for n, row in cells]
-        values = [c for _, c in column] if name == "path" else csv_column(file, name, column)
-        for (_, rec), v in zip(records, values):
-            rec[name] = v
-    return records
+    columns = [[row[i] for _, row in cells] if name == "path" else
+               csv_column(file, name, [(n, row[i]) for n, row in cells])
+               for i, name in enumerate(header)]
+    return [(n, dict(zip(header, values))) for (n, _), values in zip(cells, zip(*columns))]
 
 
 def csv_column(file: Path, name: str, column: List[Tuple[int, str]]) -> List[Any]:
@@ -295,7 +292,7 @@ def field_schema(column: str, t: str, records) -> Dict[str, Any]:
 
 
 def label_column(file: Path, records, column: str, t: str,
-                 max_classes: int = DEFAULT_MAX_CLASSES) -> Tuple[List[int], List[str]]:
+                 max_classes: int) -> Tuple[List[int], List[str]]:
     """Entry labels and class names from the ``label`` column (then not a field)."""
     values = [rec.pop(column) for _, rec in records]
     if t not in ("str", "int"):

@@ -68,10 +68,7 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
     """``Yolo(images, labels_dir, names, rules).read()``: a row per image, ``{"image_id",
     "boxes", "labels"}`` or ``{"image_id", "reject": why the image is left out}``."""
     root = image_root(images, "Yolo(images, labels, names)")
-    labels_root = folder(labels_dir)
-    if not labels_root.is_dir():
-        raise PackerError(f"Yolo(images, labels, names): labels {labels_root} does not exist "
-                          f"or is not a folder")
+    labels_root = image_root(labels_dir, "Yolo(images, labels, names)", "labels")
     classes = read_names(source_file(names))
     label_files = set(walk_files(labels_root, lambda f: f.lower().endswith(".txt")))
     if isinstance(labels_root, Path) and not isinstance(names, ObjectFile):
@@ -111,29 +108,25 @@ def match_labels(images: List[str], label_files: set):
     """``[(image, label file or None, why none or "")]`` and the label files claimed; a flat
     ``<stem>.txt`` that images in several folders would share belongs to none."""
     flat_claims: Dict[str, set] = {}
-    plan: List[Tuple[str, Optional[str], Optional[str]]] = []
+    plan: List[Tuple[str, Optional[str], bool]] = []  # (image, label file, whether flat)
     for rel in images:
         p = PurePosixPath(rel)
-        same = p.with_suffix(".txt").as_posix()
-        flat = p.stem + ".txt"
+        same, flat = p.with_suffix(".txt").as_posix(), p.stem + ".txt"
         if same in label_files:
-            plan.append((rel, same, None))
+            plan.append((rel, same, False))
         elif flat in label_files:
-            plan.append((rel, None, flat))
+            plan.append((rel, flat, True))
             flat_claims.setdefault(flat, set()).add(p.with_suffix("").as_posix())
         else:
-            plan.append((rel, None, None))
+            plan.append((rel, None, False))
     chosen: List[Tuple[str, Optional[str], str]] = []
-    for rel, same, flat in plan:
-        if flat is not None and len(flat_claims[flat]) > 1:
-            chosen.append((rel, None, f"label file {show(flat)} could belong to any of "
-                                      f"{len(flat_claims[flat])} images named "
-                                      f"{show(PurePosixPath(flat).stem)}.*; lay LABELS out "
-                                      f"like IMAGES"))
-        else:
-            chosen.append((rel, same or flat, ""))
-    claimed = {same or flat for _, same, flat in plan}
-    return chosen, claimed
+    for rel, label, is_flat in plan:
+        sharing = len(flat_claims[label]) if is_flat else 1
+        chosen.append((rel, label, "") if sharing == 1 else
+                      (rel, None, f"label file {show(label)} could belong to any of {sharing} "
+                                  f"images named {show(PurePosixPath(label).stem)}.*; lay LABELS "
+                                  f"out like IMAGES"))
+    return chosen, {label for _, label, _ in plan}
 
 
 def label_texts(labels_root, rels: set):
@@ -141,20 +134,14 @@ def label_texts(labels_root, rels: set):
     does); from object storage all are fetched first, 16 GETs at a time."""
     if not isinstance(labels_root, RemoteFolder):
         return lambda rel: read_file(labels_root / rel)
-
-    def get(rel: str):
-        try:
-            return rel, labels_root.read(rel, MAX_LABEL_BYTES, "a label file's limit")
-        except OSError as e:
-            return rel, e
     with ThreadPoolExecutor(16, thread_name_prefix="packer-labels") as pool:
-        got = dict(pool.map(get, sorted(rels)))
-
-    def text(rel: str) -> bytes:
-        if isinstance(got[rel], OSError):
-            raise got[rel]
-        return got[rel]
-    return text
+        got = {rel: pool.submit(labels_root.read, rel, MAX_LABEL_BYTES, "a label file's limit")
+               for rel in sorted(rels)}
+    for f in got.values():  # an OSError is that image's; anything else stops the read now
+        e = f.exception()
+        if e is not None and not isinstance(e, OSError):
+            raise e
+    return lambda rel: got[rel].result()
 
 
 def parse_label_file(data, shown: str, nclasses: int, rules: str = "ultralytics"):

@@ -1,10 +1,6 @@
-"""Staging: copy a finished dataset to fast storage (a tmpfs, ``/dev/shm``); ``unstager.py``
-undoes it. Crash safe as the build: each file is copied whole under ``.NAME.staging``, hashed,
-checked against the manifest and renamed into place, the manifest last; a re-run recopies only
-what differs. Files outside the folder (a merge's parts) get flat names in a rewritten
-manifest, so TARGET is self-contained. ``stage_once_per_node``: local rank 0 stages under
-torch.distributed while the node's other ranks wait.
-"""
+"""Staging: copy a finished dataset to fast storage, each file checked and renamed into place
+(``copy.py``), the manifest last; files outside the folder (a merge's parts) get flat names in
+a rewritten manifest, so TARGET is self-contained. ``unstager.py`` undoes it."""
 from __future__ import annotations
 
 import copy
@@ -29,10 +25,9 @@ from ..storage.remote import dataset_files
 from .copy import TMP_SUFFIX, StagedFile, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult
 from .unstager import (STAGE_LOCK, STAGE_MARKER, manifest_or_none, previous_names, read_marker,
-                       remove_folders, remove_staged, unstage, vanishing, write_marker)
+                       remove_folders, remove_staged, vanishing, write_marker)
 
-__all__ = ["STAGE_LOCK", "STAGE_MARKER", "check_space", "local_rank_from_env", "stage",
-           "stage_once_per_node", "staging_plan", "unstage"]
+__all__ = ["check_space", "local_rank_from_env", "stage", "stage_once_per_node", "staging_plan"]
 
 
 def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
@@ -165,11 +160,9 @@ def _copy(todo: List[StagedFile], target: Path, progress: bool, result: StageRes
 
 
 def files_at_once(todo: List[StagedFile]) -> int:
-    """1 for local files (one sequential read is the disk's best); from object storage, one
-    more than keeps ``packer_parallel`` ranged GETs busy (a 64 MiB shard has only 8 parts of 8
-    MiB), at least 2, at most 8: the GETs share one pool (``Store.pool``), so the next file's
-    parts wait in it and start as soon as a file's last parts leave threads free (one file
-    at a time leaves the pool idle at the end of every file)."""
+    """1 for local files (one sequential read is the disk's best); from object storage, 2 to 8:
+    one more than keeps ``packer_parallel`` ranged GETs busy, so the next file's parts wait in
+    the shared pool (``Store.pool``) and start as soon as threads free up."""
     remote = [f.src for f in todo if not isinstance(f.src, Path)]
     if not remote:
         return 1

@@ -128,4 +128,3 @@ def vanishing(target: Path):
     except (FileNotFoundError, FileExistsError) as e:  # FileExistsError: mkdir racing rmdir
         raise PackerError(f"{e.filename or target} changed while packer worked in {target} "
                           f"(another process removing it?); re-run when it is done") from None
-

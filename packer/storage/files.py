@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
 from .._util.fsio import NotAFile
-from .objects import Store
-from .objects import NotFound
+from .objects import NotFound, Store
 from .urls import is_url
 
 

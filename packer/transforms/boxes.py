@@ -20,8 +20,7 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     ``min_visible`` of a box is still in view. Fixed shapes, so nothing syncs with the GPU."""
     oh, ow = size
     dev, work = boxes.device, _work_dtype(boxes.device)
-    cwork = _work_dtype(crops.device)
-    c = crops.to(cwork)
+    c = crops.to(_work_dtype(crops.device))
     # tensor / tensor: ``number / tensor`` multiplies by a reciprocal, 1 ulp off Python's.
     sx, sy = (c.new_tensor([ow, oh]) / (c[:, 2:] - c[:, :2])).unbind(1)
     if flips is None:
@@ -30,7 +29,7 @@ def crop_boxes(boxes: torch.Tensor, counts: torch.Tensor, crops: torch.Tensor, s
     # Per image: x' = ax * x + bx, y' = sy * y + by (ax < 0 where flipped).
     ax = torch.where(flips, -sx, sx)
     bx = torch.where(flips, ow + c[:, 0] * sx, -c[:, 0] * sx)
-    aff = torch.stack([ax, bx, sy, -c[:, 1] * sy, flips.to(cwork)], 1)
+    aff = torch.stack([ax, bx, sy, -c[:, 1] * sy, flips.to(c.dtype)], 1)
     a = to_device(aff.to(work), dev)[image_index(counts, len(boxes), dev)]   # (N, 5)
     b = boxes.to(work)
     xs = b[:, 0::2] * a[:, 0:1] + a[:, 1:2]                                   # (N, 2)

@@ -171,8 +171,7 @@ class DecodeCenterCrop(CropDecoder):
         """``(rw, rh, left, top)``: torchvision's resized size and the crop's offset in it
         (negative where CenterCrop pads)."""
         r, (oh, ow) = self.resize_size, self.size
-        short, long = (w, h) if w <= h else (h, w)
-        rw, rh = (r, int(r * long / short)) if w <= h else (int(r * long / short), r)
+        rw, rh = (r, int(r * h / w)) if w <= h else (int(r * w / h), r)
 
         def offset(image: int, crop: int) -> int:
             return int(round((image - crop) / 2.0)) if crop <= image else -((crop - image) // 2)

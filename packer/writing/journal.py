@@ -116,7 +116,7 @@ def restart(dst: Path, fp: str) -> dict:
     """Drop what the interrupted run this journal belongs to wrote; a fresh journal for ``fp``."""
     mine = claimed(dst) - {JOURNAL}
     for name in packer_names(dst):
-        if name in mine or name.startswith("shard-") or name.startswith(".shard-"):
+        if name in mine or name.startswith(("shard-", ".shard-")):
             remove_own(dst, name)
     save(dst, fp, [], [], 0)
     return {"shards": [], "skipped": [], "dropped": [], "next_entry": 0}
@@ -163,7 +163,7 @@ def remove_leftovers(dst: Path, keep: set) -> None:
     """After the manifest: the journal, temp files, and shard files not in ``keep`` (left by an
     interrupted attempt whose shards came out differently)."""
     for name in packer_names(dst):
-        if name not in keep and (name.startswith(".") or name.startswith("shard-")):
+        if name not in keep and name.startswith((".", "shard-")):
             remove_own(dst, name)
 
 

@@ -10,7 +10,6 @@ import os
 import posixpath
 import tempfile
 from array import array
-from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -19,10 +18,10 @@ from .._util.fsio import FolderLock, remove_own, write_json_atomic
 from ..errors import FormatError, PackerError
 from ..format.manifest import (FORMAT_VERSION, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT,
                                dataset_schema, read_manifest, shard_file, side_tables)
-from .packing import new_manifest
+from .packing import new_manifest, write_tables
 from ..format.tables import read_column, read_offsets, read_paths
 from ..format.lmdbfile import shard_records
-from .shard import disk_errors, write_table
+from .shard import disk_errors
 from ..storage.urls import is_url
 
 
@@ -148,11 +147,12 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
     offsets, path_ends, path_text, tables = array("Q"), array("Q"), bytearray(), {}
     for p, m in mans:
         for k in keys:
-            part = read_column(p, "label" if k == "labels" else k.split(".", 1)[1], m)
+            name = "label" if k == "labels" else k.split(".", 1)[1]
+            part = read_column(p, name, m)
             if k == "labels" and any(not 0 <= lab < len(classes) for lab in part):
                 raise FormatError(f"{p}: labels.i32 holds labels outside 0..{len(classes) - 1}; "
                                   f"the part is damaged (run `packer verify {p}`)")
-            tables[k] = tables[k] + part if k in tables else part
+            tables[name] = tables[name] + part if name in tables else part
         if with_paths:  # each part's path ends shift by the text before it
             table = read_paths(p, m)
             path_ends.extend(e + len(path_text) for e in table.ends)
@@ -163,25 +163,18 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
             for s in m["shards"]:
                 part_offsets.extend(shard_records(shard_file(p, s["path"])))
         offsets.extend(part_offsets)  # per shard: they concatenate
-    written = {"offsets": write_table(dst, OFFSETS, offsets)}
-    paths = {"index": write_table(dst, PATHS_INDEX, path_ends),
-             "text": write_table(dst, PATHS_TEXT, path_text)} if with_paths else None
-    written.update((k, write_table(dst, names[k], tables[k])) for k in keys)
-    columns = {k.split(".", 1)[1]: dict(v, dtype=first["columns"][k.split(".", 1)[1]]["dtype"])
-               for k, v in written.items() if k.startswith("columns.")}
-    counts = Counter(tables.get("labels", ()))
+    written = write_tables(dst, len(classes), offsets, tables.pop("label", None),
+                           (path_ends, path_text) if with_paths else None, tables)
     dropped = [d for _, m in mans for d in m.get("dropped", [])]
     manifest = new_manifest(
         classes=classes, shards=[dict(s, path=posixpath.normpath(posixpath.join(rel, s["path"])))
                                  for rel, (_, m) in zip(rels, mans) for s in m["shards"]],
-        class_counts=[counts[c] for c in range(len(classes))] if "labels" in tables else None,
-        labels=written.get("labels"), offsets=written["offsets"], columns=columns or None,
-        paths=paths, schema=first.get("schema"), dropped=dropped,
+        schema=first.get("schema"), dropped=dropped,
         extra={k: first[k] for k in ("categories",) if k in first},
         dropped_count=sum(m.get("dropped_count", len(m.get("dropped", []))) for _, m in mans),
         skipped=[s for _, m in mans for s in m["skipped"]], source=first.get("source", ""),
         options=dict(first.get("options") or {}, part=None,
-                     merged_from=[str(p) for p, _ in mans]))
+                     merged_from=[str(p) for p, _ in mans]), **written)
     manifest["parts"], manifest["fingerprint"] = rels, fp
     with disk_errors(dst / MANIFEST):
         write_json_atomic(dst / MANIFEST, manifest)

@@ -95,12 +95,10 @@ class Packing:
     def end_shard(self, next_entry: int) -> None:
         """Finish the open shard (if any) and record it in the journal."""
         if self.writer is not None:
-            self.shards.append(self.writer.finish())
-            self.writer = None
+            shard, self.writer = self.writer.finish(), None
             if self.shard_note is not None:
-                self.shards[-1].update(self.shard_note())
-            journal.save(self.dst, self.fingerprint, self.shards, self.skipped, next_entry,
-                         self.dropped)
+                shard.update(self.shard_note())
+            self.add_shard(shard, next_entry)
 
     def abort(self) -> None:
         if self.writer is not None:
@@ -129,36 +127,48 @@ class Packing:
                                   f"{first['path']}: {first['reason']}); no dataset was written")
             raise PackerError("no samples to pack; no dataset was written")
         assert sum(s["count"] for s in self.shards) == rows
-        tables: Dict[str, Any] = {}
         if self.has_label:
             bad = next((x for x in self.labels if not 0 <= x < len(classes)), None)
             if bad is not None:
                 raise PackerError(f"label {bad} is outside the {len(classes)} classes "
                                   f"(0..{len(classes) - 1}); no dataset was written")
-            tables["labels"] = write_table(self.dst, LABELS, self.labels)
-            counts = Counter(self.labels)
-            tables["class_counts"] = [counts[c] for c in range(len(classes))]
         offsets = array("Q")
         for s in self.shards:  # every record's byte range, read once: readers never walk LMDB
             offsets.extend(shard_records(self.dst / s["path"]))
-        tables["offsets"] = write_table(self.dst, OFFSETS, offsets)
-        tables["paths"] = {"index": write_table(self.dst, PATHS_INDEX, self.path_ends),
-                           "text": write_table(self.dst, PATHS_TEXT, self.path_text)}
-        columns = {}
-        for name, col in self.columns.items():
-            dtype = next(k for k, v in DTYPES.items() if v == col.typecode)
-            columns[name] = dict(write_table(self.dst, column_file(name, dtype), col), dtype=dtype)
+        tables = write_tables(self.dst, len(classes), offsets,
+                              self.labels if self.has_label else None,
+                              (self.path_ends, self.path_text), self.columns)
         manifest = new_manifest(
             classes=classes, shards=[{k: s[k] for k in ("path", "count", "bytes", "sha256")}
                                      for s in self.shards],
             skipped=[{"path": s["path"], "reason": s["reason"]} for s in self.skipped],
-            source=source, options=options, schema=self.schema, columns=columns,
-            dropped=self.dropped, extra=extra, **tables)
+            source=source, options=options, schema=self.schema, dropped=self.dropped,
+            extra=extra, **tables)
         manifest["fingerprint"] = fingerprint or self.fingerprint  # a re-run knows its own dataset
         with disk_errors(self.dst / MANIFEST):
             write_json_atomic(self.dst / MANIFEST, manifest)
         journal.remove_leftovers(self.dst, {s["path"] for s in manifest["shards"]})
         return manifest
+
+
+def write_tables(dst: Path, n_classes: int, offsets: array, labels: Optional[array],
+                 paths: Optional[tuple], columns: Dict[str, array]) -> Dict[str, Any]:
+    """Write a dataset's side tables (``paths``: the path ends and text, or None); the
+    ``new_manifest`` arguments that list them."""
+    out: Dict[str, Any] = {"offsets": write_table(dst, OFFSETS, offsets)}
+    if labels is not None:
+        out["labels"] = write_table(dst, LABELS, labels)
+        counts = Counter(labels)
+        out["class_counts"] = [counts[c] for c in range(n_classes)]
+    if paths is not None:
+        out["paths"] = {"index": write_table(dst, PATHS_INDEX, paths[0]),
+                        "text": write_table(dst, PATHS_TEXT, paths[1])}
+    listed = {}
+    for name, col in columns.items():
+        dtype = next(k for k, v in DTYPES.items() if v == col.typecode)
+        listed[name] = dict(write_table(dst, column_file(name, dtype), col), dtype=dtype)
+    out["columns"] = listed or None
+    return out
 
 
 def new_manifest(*, classes, shards, skipped, source, options, labels=None, offsets=None,

@@ -109,7 +109,7 @@ class DatasetWriter:
             man = read_manifest(self.dst)
             if not self.overwrite:  # the same write may have finished: finish() compares
                 if str(man.get("fingerprint")).startswith(self.fingerprint + ":"):
-                    self.done = man
+                    self.done, self.replay = man, float("inf")  # every sample only checked
                     return
                 raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
                                   f"overwrite=True")
@@ -148,10 +148,7 @@ class DatasetWriter:
         except ValueError as e:
             raise PackerError(f"sample {i}: {e}") from None
         digest = sample_digest(data, path, stored)
-        if self.done is not None:
-            self.digest.update(digest)
-            return
-        if i < self.replay:  # packed by the interrupted run: only checked to be the same
+        if i < self.replay:  # packed by the interrupted (or finished) run: only checked
             self.digest.update(digest)
             if i + 1 == self.replay and self.digest.hexdigest() != self.want_digest:
                 raise PackerError(
@@ -186,8 +183,7 @@ class DatasetWriter:
         self.run.end_shard(self.entry)
         classes = self.classes
         if classes is None:
-            labels = self.run.labels
-            classes = [str(i) for i in range(max(labels) + 1)] if len(labels) else []
+            classes = [str(i) for i in range(max(self.run.labels, default=-1) + 1)]
         manifest = self.run.finish(classes=classes, source="packer.write", options=self.options,
                                    fingerprint=self._final_fingerprint())
         self.close()

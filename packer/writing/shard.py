@@ -3,7 +3,6 @@ fsynced, hashed and renamed into place), and the per-record side tables."""
 from __future__ import annotations
 
 import os
-import sys
 from array import array
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -12,6 +11,7 @@ import lmdb
 
 from .._util.system import disk_full_as
 from .._util.fsio import fsync_dir, open_new, write_new_atomic
+from ..format.fields import little_endian
 from ..format.manifest import file_sha256
 from ..format.records import key
 
@@ -25,6 +25,7 @@ class ShardWriter:
     def __init__(self, path: os.PathLike, *, expected_bytes: int):
         self.path = Path(path)
         self.partial = self.path.with_name("." + self.path.name + ".partial")
+        self.compact = self.path.with_name("." + self.path.name + ".compact")
         self.map_size = max(MIN_MAP, int(expected_bytes * 1.25))
         # meminit=True: zero page tails before writing them. Without it LMDB writes stale heap
         # bytes into the file, so shards differ from build to build (and leak memory contents).
@@ -70,17 +71,16 @@ class ShardWriter:
     def finish(self) -> dict:
         """Compact into the final file; returns the manifest's shard entry."""
         self.flush()
-        tmp = self.path.with_name("." + self.path.name + ".compact")
         with disk_errors(self.path):
-            with open_new(tmp) as f:
+            with open_new(self.compact) as f:
                 self.env.copyfd(f.fileno(), compact=True)
                 f.flush()
                 os.fsync(f.fileno())
         self.close()
         self.partial.unlink(missing_ok=True)
-        digest = file_sha256(tmp)
-        size = tmp.stat().st_size
-        os.replace(tmp, self.path)
+        digest = file_sha256(self.compact)
+        size = self.compact.stat().st_size
+        os.replace(self.compact, self.path)
         fsync_dir(self.path.parent)
         return {"path": self.path.name, "count": self.count, "bytes": size, "sha256": digest}
 
@@ -91,7 +91,7 @@ class ShardWriter:
 
     def abort(self) -> None:
         self.close()
-        for p in (self.partial, self.path.with_name("." + self.path.name + ".compact")):
+        for p in (self.partial, self.compact):
             p.unlink(missing_ok=True)
 
 
@@ -119,10 +119,7 @@ def write_table(dst: Path, name: str, table) -> dict:
     """Write a per-record table (an ``array``: little-endian; or bytes as they are),
     atomically; its manifest entry."""
     if isinstance(table, array):
-        if sys.byteorder != "little":
-            table = array(table.typecode, table)
-            table.byteswap()
-        table = table.tobytes()
+        table = little_endian(table).tobytes()
     with disk_errors(dst / name):
         write_new_atomic(dst / name, bytes(table))
     return {"path": name, "bytes": (dst / name).stat().st_size, "sha256": file_sha256(dst / name)}

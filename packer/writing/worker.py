@@ -165,11 +165,8 @@ def fetched(job: ShardJob, task: ShardTask) -> Iterator[Union[bytes, str]]:
                 f.cancel()
 
 
-def read_entry(job: ShardJob, i: int,
-               data: Union[bytes, str, None] = None) -> Tuple[int, Union[Checked, str]]:
-    """(bytes read, the checked image or why it is skipped) for entry ``i`` (``data``: its
-    ``fetch_entry``, if fetched already)."""
-    data = fetch_entry(job, i) if data is None else data
+def read_entry(job: ShardJob, data: Union[bytes, str]) -> Tuple[int, Union[Checked, str]]:
+    """(bytes read, the checked image or why it is skipped) for a ``fetch_entry`` result."""
     if isinstance(data, str):
         return 0, data
     try:
@@ -192,7 +189,7 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
             if job.stop is not None and job.stop.is_set():
                 done.stopped = True
                 break
-            nbytes, c = read_entry(job, i, next(reads))
+            nbytes, c = read_entry(job, next(reads))
             done.in_bytes += nbytes
             if isinstance(c, Checked):
                 try:

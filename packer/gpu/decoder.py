@@ -138,7 +138,7 @@ class GPUDecoder(LoaderView):
             gen = torch.Generator()
             gen.set_state(self._gen.get_state())  # the next passes' crops, if nothing reseeds
             me, stop = weakref.proxy(self), threading.Event()  # threads must not keep self alive
-            pipe = Pipeline(me, _passes(me, it, base, gen, reseeded, stop), self._active, stop)
+            pipe = Pipeline(me, _passes(me, it, base, gen, reseeded, stop), stop, self._active)
         try:
             for k in itertools.count():
                 t0 = clock()

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from contextlib import nullcontext
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -37,12 +37,12 @@ class Pipeline:
     more each time the consumer waited so long that its GPU ran dry, one fewer after ``CALM``
     batches in a row without that. ``close`` stops and joins them."""
 
-    def __init__(self, dec, items, active: int = 1, stop: Optional[threading.Event] = None):
+    def __init__(self, dec, items, stop: threading.Event, active: int = 1):
         """``dec``: the ``GPUDecoder`` (a weak proxy) whose ``decode_batch``/``augment_batch``
         the threads run; ``items``: ``(crop seed, batch)`` pairs, and ``NextPass`` markers that
-        pass through; ``active``: threads decoding at the start (the last count carries over);
-        ``stop``: the event ``close`` sets (``items`` may wait on it)."""
-        self.stop, self.stats = stop or threading.Event(), dec.stats
+        pass through; ``stop``: the event ``close`` sets (``items`` may wait on it); ``active``:
+        threads decoding at the start (the last count carries over)."""
+        self.stop, self.stats = stop, dec.stats
         self.active, self.calm = max(1, min(active, dec.decode_threads)), 0
         self.turn, self.exhausted, self.started = threading.Condition(), False, False
         self.out: queue.Queue = queue.Queue(dec.options.queue_depth)

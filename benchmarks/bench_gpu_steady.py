@@ -69,6 +69,7 @@ from types import SimpleNamespace
 
 VARIANTS = ("dali", "dali_hw99", "packer", "packer_pinned3", "packer_plain2", "packer_cpu")
 DETECTION = ("synthetic", "packer_cpu", "packer", "packer_t1")
+DETECTORS = {"ssdlite": "SSDlite320", "fasterrcnn": "fasterrcnn_mobilenet_v3_large_320_fpn"}
 MEAN, STD = [0.485 * 255, 0.456 * 255, 0.406 * 255], [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
@@ -112,7 +113,9 @@ def synthetic_batches(a):
 
 
 def train_step(a):
-    """An eager training step of --model (bf16 autocast, channels_last, SGD) on each batch."""
+    """An eager training step of --model (bf16 autocast, channels_last, SGD) on each batch;
+    with --graph the same step captured once as one CUDA graph (PyTorch's whole-network
+    recipe: static input tensors the batch is copied into, then one replay per step)."""
     import torch
     import torchvision
     model = getattr(torchvision.models, a.model)(num_classes=a.classes).cuda()
@@ -121,12 +124,31 @@ def train_step(a):
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not a.graph):
             loss = loss_fn(model(x.contiguous(memory_format=torch.channels_last)), y)
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not a.graph)
         loss.backward()
         opt.step()
-    return step
+    if not a.graph:
+        return step
+    sx = torch.randn(a.batch, 3, a.size, a.size, device="cuda", dtype=torch.bfloat16)
+    sx = sx.contiguous(memory_format=torch.channels_last)
+    sy = torch.randint(0, a.classes, (a.batch,), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+        for _ in range(3):
+            step(sx, sy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(sx, sy)
+
+    def replay(x, y):
+        sx.copy_(x)
+        sy.copy_(y)
+        graph.replay()
+    return replay
 
 
 def loader_batches(source, counter):
@@ -158,10 +180,10 @@ def packer_source(a, name: str):
 
 
 def detection_source(a, name: str, counter):
-    """(endless model batches, the GPUDecoder or None, the loader, the SSDlite320 step) for a
+    """(endless model batches, the GPUDecoder or None, the loader, the --model step) for a
     --detection variant; the resident batch is the CPU path's first."""
     import torch
-    from benchlib.detection import model_batch, ssd_step
+    from benchlib.detection import detection_step, model_batch
     from packer.gpu import GPUDecoder, reserve_cuda_queues
     from packer.loading.loader import make_loader
     from packer.loading.prefetch import CUDAPrefetcher
@@ -170,7 +192,7 @@ def detection_source(a, name: str, counter):
     reserve_cuda_queues()  # every variant alike, before CUDA starts
     dev = torch.device("cpu") if a.dry_run else torch.device("cuda", torch.cuda.current_device())
     ds = PackedDataset(a.packed, decode=DecodeLetterbox(a.size))
-    step = ssd_step(dev, 1 + max(c["id"] for c in ds.categories))
+    step = detection_step(dev, 1 + max(c["id"] for c in ds.categories), a.model)
     if name in ("synthetic", "packer_cpu"):
         loader = make_loader(ds, a.batch, shuffle=True, drop_last=True)
         g = CUDAPrefetcher(loader, mean=None, std=None, device=dev)
@@ -351,6 +373,7 @@ def run_child(a, name: str) -> dict:
     for k in ("images", "classes", "batch", "warmup", "batches", "size", "model"):
         cmd += [f"--{k}", str(getattr(a, k))]
     cmd += (["--dry-run"] if a.dry_run else []) + (["--train"] if a.train else [])
+    cmd += ["--graph"] if a.graph else []
     cmd += ["--detection"] if a.detection else []
     t0 = time.perf_counter()
     try:
@@ -437,8 +460,8 @@ def parent(a) -> int:
             (out / "results.json").write_text(json.dumps(results, indent=1))
     first = next((r for rs in runs.values() for r in rs if "gpu" in r), {})
     d = results["data"]
-    what = ("SSDlite320 step on detection scenes" if a.detection else
-            f"JPEGs, {a.model} step" if a.train else "JPEGs")
+    what = (f"{DETECTORS[a.model]} step on detection scenes" if a.detection else
+            f"JPEGs, {a.model} step{' (one CUDA graph)' if a.graph else ''}" if a.train else "JPEGs")
     md = (f"{first.get('gpu', '?')}, {a.cpus} cores, torch {first.get('torch', '?')}; {d['images']} "
           f"{what}, {d['bytes_per_image'] / 1024:.1f} KiB each; batch {a.batch}, {a.warmup} warm-up "
           f"+ {a.batches} timed batches per process, {a.rounds} rounds; "
@@ -467,8 +490,11 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", type=int, default=None, help="processes making the data")
     p.add_argument("--child-timeout", type=int, default=150, help="seconds per variant run")
     p.add_argument("--dry-run", action="store_true", help="tiny and on the CPU, PIL for nvJPEG")
-    p.add_argument("--model", default="resnet18", choices=("resnet18", "resnet50"),
-                   help="--train's model (default resnet18)")
+    p.add_argument("--model", choices=("resnet18", "resnet50", "ssdlite", "fasterrcnn"),
+                   help="--train's model (default resnet18) or --detection's (default ssdlite: "
+                   "SSDlite320-MobileNetV3; fasterrcnn: fasterrcnn_mobilenet_v3_large_320_fpn)")
+    p.add_argument("--graph", action="store_true", help="with --train: the step captured as "
+                   "one CUDA graph (no per-kernel launches from Python)")
     p.add_argument("--train", action="store_true", help="a --model eager step (bf16, "
                    "channels_last) on every batch, and a 'synthetic' variant (one resident "
                    "batch) as the baseline: how much of the model's speed each pipeline keeps")
@@ -478,7 +504,8 @@ def main(argv=None) -> int:
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--packed", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    for k, usual, det in (("images", 10_000, 2_000), ("batch", 256, 32), ("size", 224, 320)):
+    for k, usual, det in (("images", 10_000, 2_000), ("batch", 256, 32), ("size", 224, 320),
+                          ("model", "resnet18", "ssdlite")):
         if getattr(a, k) is None:
             setattr(a, k, det if a.detection else usual)
     if a.variant:
@@ -488,6 +515,9 @@ def main(argv=None) -> int:
         os._exit(0)
     if a.dry_run and a.train:
         raise SystemExit("--train needs a GPU; the dry run has none")
+    if a.graph and not a.train or (a.model in ("ssdlite", "fasterrcnn")) != a.detection:
+        raise SystemExit("--graph goes with --train; ssdlite and fasterrcnn with --detection, "
+                         "resnet18 and resnet50 with --train")
     if a.dry_run and a.detection:  # SSDlite on 2 cores: a few steps
         a.images, a.batch, a.warmup, a.batches, a.size, a.rounds = 8, 2, 2, 12, 64, 1
     elif a.dry_run:

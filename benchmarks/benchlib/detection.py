@@ -266,7 +266,7 @@ def gpu_section(packed: Path, opts: DetectionBenchOptions, out: dict, log: Log) 
     out["environment"]["gpu"] = ("dry run on the CPU" if opts.dry_run
                                  else torch.cuda.get_device_name(dev))
     feeds, classes = gpu_feeds(packed, opts, dev)
-    step = ssd_step(dev, classes)
+    step = detection_step(dev, classes)
     images, targets = next(feeds["CPU path: DecodeLetterbox + CUDAPrefetcher"])
     fed = {"resident batch (on the GPU)": iter(lambda: (images, targets), None), **feeds}
     decoders = {"GPUDecoder alone: RandomResizedCrop + flip": gpu_decoder(packed, opts, dev, False),
@@ -345,18 +345,20 @@ def gpu_feeds(packed: Path, opts: DetectionBenchOptions, dev: torch.device):
             "GPU path: GPUDecoder(letterbox=True)": (model_batch(*b) for b in gpu)}, classes
 
 
-def ssd_step(dev: torch.device, num_classes: int):
-    """One SSDlite320-MobileNetV3 training step (bf16 autocast on CUDA, SGD):
+def detection_step(dev: torch.device, num_classes: int, model: str = "ssdlite"):
+    """One training step (bf16 autocast on CUDA, SGD) of torchvision's SSDlite320-MobileNetV3
+    (``ssdlite``) or fasterrcnn_mobilenet_v3_large_320_fpn (``fasterrcnn``), untrained:
     ``step(images, targets)``."""
-    from torchvision.models.detection import ssdlite320_mobilenet_v3_large
+    from torchvision.models import detection
     torch.backends.cudnn.benchmark = True
-    model = ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None,
-                                          num_classes=num_classes).to(dev).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=4e-5)
+    make = {"ssdlite": detection.ssdlite320_mobilenet_v3_large,
+            "fasterrcnn": detection.fasterrcnn_mobilenet_v3_large_320_fpn}[model]
+    net = make(weights=None, weights_backbone=None, num_classes=num_classes).to(dev).train()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=4e-5)
 
     def step(images, targets) -> None:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            losses = model(images, targets)
+            losses = net(images, targets)
         sum(losses.values()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

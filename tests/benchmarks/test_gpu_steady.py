@@ -89,3 +89,23 @@ def test_detection_dry_run(tmp_path):
                           "dali", "--root", str(tmp_path / "data")], capture_output=True,
                          text=True, timeout=120, env=env)
     assert bad.returncode != 0 and "unknown variants ['dali']" in bad.stderr
+
+
+def test_detection_model_and_graph_options(tmp_path):
+    """--model fasterrcnn trains fasterrcnn_mobilenet_v3_large_320_fpn on the scenes; --graph
+    (a CUDA graph) goes with --train only, detection models with --detection only."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "OUT")}
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--detection", "--model", "fasterrcnn",
+                          "--only", "synthetic,packer", "--dry-run", "--root", str(tmp_path / "data"),
+                          "--out", str(out)], capture_output=True, text=True, timeout=400, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["args"]["model"] == "fasterrcnn" and res["runs"]["packer"][0]["rate"] > 0
+    assert "fasterrcnn_mobilenet_v3_large_320_fpn step on detection scenes" in (
+        out / "results.md").read_text()
+    for bad in (["--graph"], ["--detection", "--graph"], ["--model", "fasterrcnn"],
+                ["--detection", "--model", "resnet50"]):
+        r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *bad], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert r.returncode != 0 and "--graph goes with --train" in r.stderr, bad

@@ -104,12 +104,13 @@ def dali_batches(a, hw_load=None):
 
 
 def synthetic_batches(a):
-    """One resident batch, forever: the model's speed with no input pipeline."""
+    """One resident batch, forever: the model's speed with no input pipeline. Made at once,
+    before a --graph step is captured (PyTorch's recipe: resident tensors first)."""
     import torch
     x = torch.randn(a.batch, 3, a.size, a.size, device="cuda", dtype=torch.bfloat16)
     y = torch.randint(0, a.classes, (a.batch,), device="cuda")
-    while True:
-        yield x.contiguous(memory_format=torch.channels_last), y
+    batch = x.contiguous(memory_format=torch.channels_last), y
+    return (batch for _ in itertools.count())
 
 
 def train_step(a):

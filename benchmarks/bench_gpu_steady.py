@@ -132,24 +132,10 @@ def train_step(a):
         opt.step()
     if not a.graph:
         return step
-    sx = torch.randn(a.batch, 3, a.size, a.size, device="cuda", dtype=torch.bfloat16)
-    sx = sx.contiguous(memory_format=torch.channels_last)
-    sy = torch.randint(0, a.classes, (a.batch,), device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-        for _ in range(3):
-            step(sx, sy)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(sx, sy)
-
-    def replay(x, y):
-        sx.copy_(x)
-        sy.copy_(y)
-        graph.replay()
-    return replay
+    from benchlib.gpu_common import capture_step
+    x = torch.randn(a.batch, 3, a.size, a.size, device="cuda", dtype=torch.bfloat16)
+    y = torch.randint(0, a.classes, (a.batch,), device="cuda")
+    return capture_step(step, x.contiguous(memory_format=torch.channels_last), y)
 
 
 def loader_batches(source, counter):

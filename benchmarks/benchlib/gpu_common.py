@@ -22,7 +22,7 @@ import torch
 from packer.transforms.decode import image_to_tensor, open_image
 from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
 
-__all__ = ["GPUBench", "GPUBenchArgs", "JpgSampler", "SECTIONS", "decoder_passes", "encoded_views",
+__all__ = ["GPUBench", "GPUBenchArgs", "JpgSampler", "SECTIONS", "capture_step", "decoder_passes", "encoded_views",
            "endless", "epochs_rate", "fed_rate", "gpu_time", "median_rate", "new_decoder",
            "pil_decoder", "preload", "synthetic_batch", "sync"]
 
@@ -122,6 +122,28 @@ class GPUBench:
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def capture_step(step, sx: torch.Tensor, sy: torch.Tensor):
+    """``step(sx, sy)`` captured once as one CUDA graph (PyTorch's whole-network recipe:
+    warm-up on a side stream, then capture): ``replay(x, y)`` copies a batch into the static
+    inputs and launches the whole step at once."""
+    cur = torch.cuda.current_stream(sx.device)
+    side = torch.cuda.Stream(sx.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(sx, sy)
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(sx, sy)
+
+    def replay(x: torch.Tensor, y: torch.Tensor) -> None:
+        sx.copy_(x, non_blocking=True)
+        sy.copy_(y, non_blocking=True)
+        graph.replay()
+    return replay
 
 
 def median_rate(fn, images: int, repeats: int, dev: torch.device):

@@ -16,7 +16,7 @@ import torch
 from packer.gpu import make_gpu_loader
 from packer.gpu.nvjpeg import NvjpegDecoder
 from packer.loading.prefetch import CUDAPrefetcher
-from benchlib.gpu_common import GPUBench, encoded_views, endless, fed_rate, median_rate, new_decoder, preload, synthetic_batch, sync
+from benchlib.gpu_common import GPUBench, capture_step, encoded_views, endless, fed_rate, median_rate, new_decoder, preload, synthetic_batch, sync
 from benchlib.gpu_probe import YuvDecoder
 from packer.bench.models import TrainStep, make_model
 
@@ -40,29 +40,14 @@ def graphed_step(dev: torch.device, x: torch.Tensor, y: torch.Tensor):
     import torch.nn.functional as F
     model = _resnet18(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    sx, sy = x.clone(), y.clone()
 
-    def body():
+    def body(sx, sy):
         opt.zero_grad(set_to_none=False)
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             loss = F.cross_entropy(model(sx), sy)
         loss.backward()
         opt.step()
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(5):
-            body()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-
-    def step(xb, yb):
-        sx.copy_(xb, non_blocking=True)
-        sy.copy_(yb, non_blocking=True)
-        graph.replay()
-    return step
+    return capture_step(body, x.clone(), y.clone())
 
 
 def _steps_rate(b: GPUBench, step, x, y) -> float:

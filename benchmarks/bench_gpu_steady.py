@@ -48,6 +48,7 @@ cores and an H100 (data made once under --root).
     python3 benchmarks/bench_gpu_steady.py --train --out "$OUT"   # fed ResNet-18 vs synthetic
     python3 benchmarks/bench_gpu_steady.py --train --model resnet50 --only synthetic,packer,packer_cpu
     python3 benchmarks/bench_gpu_steady.py --only workers15,workers16 --out "$OUT"
+    python3 benchmarks/bench_gpu_steady.py --train --graph --profile 10 --only synthetic,packer_t1
     python3 benchmarks/bench_gpu_steady.py --detection --rounds 3 --out "$OUT"   # SSDlite320
     python3 benchmarks/bench_gpu_steady.py --dry-run   # tiny, CPU, PIL for nvJPEG, no DALI
 """
@@ -276,6 +277,8 @@ def child(a) -> dict:
             arrivals.append(time.perf_counter())
         sync()
         t1 = time.perf_counter()
+        if a.profile:
+            extra["device_ms_per_batch"] = device_time(take, sync, a.profile, cuda)
     finally:
         it.close()
     gaps = [1e3 * (b - a_) for a_, b in zip([t0] + arrivals, arrivals)]
@@ -299,6 +302,26 @@ def child(a) -> dict:
             "startup_s": t_first - t_start, "warmup_s": t0 - t_first, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if cuda else "cpu",
             "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), **extra}
+
+
+def device_time(take, sync, batches: int, cuda: bool, most: int = 16) -> dict:
+    """``batches`` more batches under torch's profiler: the device time per batch of the
+    kernels and copies that took the most (CUDA; the operators' own CPU time without a GPU),
+    and their sum over all of them (``all``; streams that overlap add up): where a fed
+    step's GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(batches):
+            take()
+        sync()
+    totals: dict = {}
+    for e in prof.events():
+        us = e.device_time_total if cuda else e.self_cpu_time_total
+        if us and (not cuda or e.device_type.name == "CUDA"):
+            totals[e.name[:70]] = totals.get(e.name[:70], 0.0) + us
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:most]
+    return {"all": round(sum(totals.values()) / 1e3 / batches, 3),
+            **{k: round(v / 1e3 / batches, 3) for k, v in top}}
 
 
 # -- the parent: data, rounds, table ----------------------------------------------------------
@@ -357,7 +380,7 @@ def dali_missing(a):
 
 def run_child(a, name: str) -> dict:
     cmd = [sys.executable, __file__, "--variant", name, "--src", a.src, "--packed", a.packed]
-    for k in ("images", "classes", "batch", "warmup", "batches", "size", "model"):
+    for k in ("images", "classes", "batch", "warmup", "batches", "size", "model", "profile"):
         cmd += [f"--{k}", str(getattr(a, k))]
     cmd += (["--dry-run"] if a.dry_run else []) + (["--train"] if a.train else [])
     cmd += ["--graph"] if a.graph else []
@@ -442,6 +465,8 @@ def parent(a) -> int:
             runs[v].append(res)
             print(f"round {k + 1} {v}: " + (f"{res['rate']:,.0f} img/s, gaps {res['gap_ms']}"
                   if "rate" in res else res["error"] + "\n" + res["tail"]), flush=True)
+            if "device_ms_per_batch" in res:
+                print(f"  device ms per batch: {res['device_ms_per_batch']}", flush=True)
             base, results["summary"] = summarize(runs)
             results["baseline"], results["wall_s"] = base, time.perf_counter() - t_all
             (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -487,6 +512,9 @@ def main(argv=None) -> int:
                    "batch) as the baseline: how much of the model's speed each pipeline keeps")
     p.add_argument("--detection", action="store_true", help="an SSDlite320 training step on "
                    "COCO-style scenes fed by each path (see above)")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="after the window, N "
+                   "more batches under torch's profiler: device ms per batch by kernel "
+                   "(results.json, device_ms_per_batch)")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--packed", help=argparse.SUPPRESS)

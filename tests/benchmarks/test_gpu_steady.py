@@ -13,7 +13,8 @@ def test_dry_run_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "OUT")}
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--root", str(tmp_path / "data"),
-                          "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+                          "--out", str(out), "--profile", "2"], capture_output=True, text=True,
+                         timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     variants = ("packer", "packer_pinned3", "packer_plain2", "packer_cpu")
@@ -33,6 +34,10 @@ def test_dry_run_end_to_end(tmp_path):
             assert 0 < r["epoch_start_gap_ms"] <= r["gap_ms"]["max"]
             if v != "packer_cpu":
                 assert 1 <= r["decode_threads_mean"] <= 3
+            prof = r["device_ms_per_batch"]  # --profile 2: what the profiled batches ran
+            assert prof["all"] > 0 and 1 < len(prof) <= 17
+            assert sum(ms for k, ms in prof.items() if k != "all") <= prof["all"] + 1e-3 * len(prof)
+    assert "device ms per batch: {'all': " in run.stdout
     assert res["runs"]["packer"][0]["decoded"]["cpu"] == 0  # the stand-in decoder took all
     table = (out / "results.md").read_text()
     assert "| variant | median img/s | min-max |" in table and "x packer per round" in table

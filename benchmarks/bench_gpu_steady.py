@@ -318,7 +318,8 @@ def device_time(take, sync, batches: int, cuda: bool, most: int = 16) -> dict:
     for e in prof.events():
         us = e.device_time_total if cuda else e.self_cpu_time_total
         if us and (not cuda or e.device_type.name == "CUDA"):
-            totals[e.name[:70]] = totals.get(e.name[:70], 0.0) + us
+            name = e.name[:70]
+            totals[name] = totals.get(name, 0.0) + us
     top = sorted(totals.items(), key=lambda kv: -kv[1])[:most]
     return {"all": round(sum(totals.values()) / 1e3 / batches, 3),
             **{k: round(v / 1e3 / batches, 3) for k, v in top}}

@@ -23,8 +23,8 @@ from packer.transforms.decode import image_to_tensor, open_image
 from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
 
 __all__ = ["GPUBench", "GPUBenchArgs", "JpgSampler", "SECTIONS", "capture_step", "decoder_passes",
-           "encoded_views", "endless", "epochs_rate", "fed_rate", "gpu_time", "median_rate", "new_decoder",
-           "pil_decoder", "preload", "synthetic_batch", "sync"]
+           "encoded_views", "endless", "epochs_rate", "fed_rate", "gpu_time", "median_rate",
+           "new_decoder", "pil_decoder", "preload", "synthetic_batch", "sync"]
 
 # The sections --only and --skip name ("transcoded" is a --skip name too: the max512 and
 # short256 sets' decode, augment and pipeline rows).

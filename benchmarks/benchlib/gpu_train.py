@@ -16,7 +16,8 @@ import torch
 from packer.gpu import make_gpu_loader
 from packer.gpu.nvjpeg import NvjpegDecoder
 from packer.loading.prefetch import CUDAPrefetcher
-from benchlib.gpu_common import GPUBench, capture_step, encoded_views, endless, fed_rate, median_rate, new_decoder, preload, synthetic_batch, sync
+from benchlib.gpu_common import (GPUBench, capture_step, encoded_views, endless, fed_rate, median_rate,
+                                  new_decoder, preload, synthetic_batch, sync)
 from benchlib.gpu_probe import YuvDecoder
 from packer.bench.models import TrainStep, make_model
 

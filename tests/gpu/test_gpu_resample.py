@@ -56,9 +56,12 @@ _INTERPRETED = textwrap.dedent("""
     rng, photos = random.Random(7), load_photos()
     pil = []
     for w, h in [(32, 24), (20, 28), (40, 14)]:
-        base = rng.choice(photos)
-        x, y = rng.randint(0, base.width - 2 * w), rng.randint(0, base.height - 2 * h)
-        pil.append(base.crop((x, y, x + 2 * w, y + 2 * h)).resize((w, h), Image.BICUBIC))
+        im = None
+        while im is None or float(rgb(im).float().std()) < 20:    # detail, not a patch of sky
+            base = rng.choice(photos)
+            x, y = rng.randint(0, base.width - 2 * w), rng.randint(0, base.height - 2 * h)
+            im = base.crop((x, y, x + 2 * w, y + 2 * h)).resize((w, h), Image.BICUBIC)
+        pil.append(im)
     imgs = [rgb(im) for im in pil]
     imgs[1] = imgs[1].contiguous()                                   # planar, like nvJPEG's
     sizes = torch.tensor([[im.height, im.width] for im in pil])

@@ -13,7 +13,9 @@ the window / its seconds. Batch-arrival gaps (no synchronize per batch) show the
 drop each epoch's last partial batch (``drop_last=True``), as DALI's reader and the resident
 batch have none: a new batch shape costs an eager model a one-time set-up (cuDNN plans) that
 is no part of the input pipeline. Outputs stay on the GPU; nothing consumes them (the
-pipelines alone).
+pipelines alone). Each run also records ``cpu_in_window``: the CPU seconds the window took
+of each of its threads (by name: decode threads, the DataLoader's pin thread), of its loader
+workers together, and its page faults and context switches.
 
   dali            fn.readers.file(random_shuffle) -> decoders.image_random_crop(mixed) ->
                   resize 224 -> crop_mirror_normalize(fp16, CHW, coin-flip mirror);
@@ -24,7 +26,9 @@ pipelines alone).
   packer_plain2   the same, make_gpu_loader(pin_memory=False), GPUOptions(decode_threads=2)
   packer_<knobs>  (only with --only) packer with settings joined by "_": w<N> loader workers,
                   t<N> decode threads, plain (unpinned), pinned, s<N> the interpreter's
-                  switch interval in microseconds (sys.setswitchinterval); e.g. packer_w8_t1
+                  switch interval in microseconds (sys.setswitchinterval), nvic / nvichw:
+                  nvImageCodec decodes (GPUOptions(decoder=), its defaults / its hardware
+                  and CUDA backends only; needs nvidia-nvimgcodec-cu13); e.g. packer_w8_t1
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
   synthetic       (with --train or --detection) one resident batch: the model alone, the
@@ -208,14 +212,23 @@ def gpu_settings(a, name: str, **loader_options):
     if a.dry_run:  # PIL stands in for nvJPEG, the CPU reference for the kernel
         from benchlib.gpu_common import pil_decoder
         opts["decoder"] = pil_decoder
+    elif "nvic" in knobs or "nvichw" in knobs:
+        import torch
+        from benchlib.gpu_common import NvImageCodecDecoder
+        opts["decoder"] = NvImageCodecDecoder(torch.device("cuda", torch.cuda.current_device()),
+                                              hw_only="nvichw" in knobs)
     return make_gpu_loader(a.packed, a.batch, **loader_options), GPUOptions(**opts)
 
 
 def packer_knobs(name: str) -> dict:
-    """``packer_w8_t3_plain`` -> {"w": 8, "t": 3, "plain": 0}; the two named
+    """``packer_w8_t3_plain`` -> {"w": 8, "t": 3, "plain": 0} (``nvic``/``nvichw``: nvImageCodec
+    decodes, through ``GPUOptions(decoder=)``); the two named
     variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
     knobs = {}
     for tok in name.split("_")[1:]:
+        if tok in ("nvic", "nvichw"):  # nvImageCodec decodes (hw: engine + CUDA only)
+            knobs[tok] = 0
+            continue
         m = re.fullmatch(r"(w|t|s|plain|pinned)(\d*)", tok)
         if m is None or (m[1] in "wts" and not m[2]):
             raise SystemExit(f"unknown setting {tok!r} in variant {name!r}")
@@ -270,6 +283,7 @@ def child(a) -> dict:
         for _ in range(a.warmup - 1):
             take()
         sync()  # the window: between two synchronizes, batch arrivals timed without
+        cpu0 = cpu_times()
         e0, t0, n, arrivals = counter["epochs"], time.perf_counter(), 0, []
         del starts[:], threads[:]
         for _ in range(a.batches):
@@ -277,6 +291,8 @@ def child(a) -> dict:
             arrivals.append(time.perf_counter())
         sync()
         t1 = time.perf_counter()
+        cpu1 = cpu_times()
+        extra["cpu_in_window"] = {k: round(v - cpu0.get(k, 0), 2) for k, v in cpu1.items()}
         if a.profile:
             extra["device_ms_per_batch"] = device_time(take, sync, a.profile, cuda)
     finally:
@@ -302,6 +318,36 @@ def child(a) -> dict:
             "startup_s": t_first - t_start, "warmup_s": t0 - t_first, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if cuda else "cpu",
             "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), **extra}
+
+
+def cpu_times() -> dict:
+    """CPU seconds so far of this process's threads (by name) and of its child processes
+    (the loader's workers, summed), with its minor page faults and context switches: where
+    the host time goes when a window is slow (Linux /proc; empty elsewhere)."""
+    import threading
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    names = {str(t.native_id): t.name for t in threading.enumerate()}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                f_ = f.read().rsplit(")", 1)[1].split()
+            key = names.get(tid, "other threads")
+            out[key] = out.get(key, 0.0) + (int(f_[11]) + int(f_[12])) / tick
+        me = str(os.getpid())
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    f_ = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if f_[1] == me:
+                out["workers"] = out.get("workers", 0.0) + (int(f_[11]) + int(f_[12])) / tick
+        import resource
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        out.update(minflt=r.ru_minflt, nvcsw=r.ru_nvcsw, nivcsw=r.ru_nivcsw)
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
 
 
 def device_time(take, sync, batches: int, cuda: bool, most: int = 16) -> dict:

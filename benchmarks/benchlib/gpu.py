@@ -2,7 +2,8 @@
 decode path against the CPU path, in one run.
 
 Makes ImageNet-like JPEGs, packs them as stored and transcoded, then measures images/s to
-224x224 for: the CPU path (Pillow in DataLoader workers on all cores), nvJPEG decode alone,
+224x224 for: the CPU path (Pillow in DataLoader workers on all cores), nvJPEG decode alone
+(torchvision's, packer's binding, and nvImageCodec's where ``nvidia-nvimgcodec-cu13`` imports),
 the batched augment alone, the whole GPUDecoder pipeline (inline, one thread, two threads;
 train and eval), the same on transcoded data, whether the hardware JPEG engine works (NVML's
 JPG utilization), ResNet-18 steps fed by the GPU path vs synthetic batches, and pixel
@@ -31,7 +32,7 @@ from packer.doctor import doctor
 from packer.gpu import make_gpu_loader, reserve_cuda_queues
 from packer.gpu.nvjpeg import NvjpegDecoder, torchvision_decode
 from packer.loading.loader import make_loader
-from benchlib.gpu_common import SECTIONS, GPUBench, GPUBenchArgs, pil_decoder
+from benchlib.gpu_common import SECTIONS, GPUBench, GPUBenchArgs, NvImageCodecDecoder, pil_decoder
 from benchlib.gpu_decode import agreement, augment_only, cpu_path, decode_only, decode_parallel, make_data, pipeline, pipeline_gpu_time, pipeline_variants, progressive_vs_baseline
 from benchlib.gpu_probe import YuvDecoder, dmon, kernel_profile, nvjpeg_probe, profile_augment
 from benchlib.gpu_train import beside, contention, fed_diagnostics, resnet
@@ -101,6 +102,12 @@ def _setup(b: GPUBench) -> None:
             b.decoders[f"nvjpeg-{nv.backend}"] = nv
         except Exception as e:
             b.log(f"   NvjpegDecoder unavailable: {e!r}")
+        for hw_only in (False, True):  # a third-party batched decoder, where installed
+            try:
+                nvic = NvImageCodecDecoder(b.dev, hw_only=hw_only)
+                b.decoders[nvic.name] = nvic
+            except ImportError:
+                break
     b.log(f"   decoders: {list(b.decoders)}; GPUDecoder runs use {next(iter(b.decoders))}")
     b.pil = doctor()["pil_summary"]
     env = {"torch": torch.__version__, "pil": b.pil, "cpus": b.a.cpus,

@@ -22,7 +22,7 @@ import torch
 from packer.transforms.decode import image_to_tensor, open_image
 from packer.gpu import GPUDecoder, GPUOptions, make_gpu_loader
 
-__all__ = ["GPUBench", "GPUBenchArgs", "JpgSampler", "SECTIONS", "capture_step", "decoder_passes",
+__all__ = ["GPUBench", "GPUBenchArgs", "JpgSampler", "NvImageCodecDecoder", "SECTIONS", "capture_step", "decoder_passes",
            "encoded_views", "endless", "epochs_rate", "fed_rate", "gpu_time", "median_rate",
            "new_decoder", "pil_decoder", "preload", "synthetic_batch", "sync"]
 
@@ -266,6 +266,40 @@ def pil_decoder(datas: List[torch.Tensor], device: torch.device) -> List[torch.T
     """PIL in nvJPEG's place (dry runs): JPEG byte tensors to (3, h, w) uint8 on ``device``."""
     return [image_to_tensor(open_image(ctypes.string_at(d.data_ptr(), d.numel()))).to(device)
             for d in datas]
+
+
+class NvImageCodecDecoder:
+    """nvImageCodec's batched decode (``nvidia-nvimgcodec-cu13``) as a ``GPUOptions(decoder=)``
+    callable: JPEG byte tensors to planar (3, h, w) uint8 images on ``device``, ready on the
+    caller's current stream. One ``nvimgcodec.Decoder`` per calling thread. ``hw_only``:
+    the hardware engine then CUDA decoding (no CPU backend); else nvImageCodec's defaults.
+    Raises ImportError where the package is missing; RuntimeError for an image it refuses."""
+
+    def __init__(self, device: torch.device, hw_only: bool = False):
+        from nvidia import nvimgcodec
+        self.n, self.device, self.hw_only = nvimgcodec, device, hw_only
+        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
+                                              color_spec=nvimgcodec.ColorSpec.SRGB,
+                                              sample_format=nvimgcodec.SampleFormat.P_RGB)
+        self.local = threading.local()
+        self.name = "nvimgcodec-hw" if hw_only else "nvimgcodec"
+
+    def decoder(self):
+        d = getattr(self.local, "decoder", None)
+        if d is None:
+            n = self.n
+            backends = [n.Backend(n.BackendKind.HW_GPU_ONLY), n.Backend(n.BackendKind.GPU_ONLY)] \
+                if self.hw_only else None
+            d = self.local.decoder = n.Decoder(device_id=self.device.index or 0, backends=backends)
+        return d
+
+    def __call__(self, datas: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+        streams = [self.n.CodeStream(d.numpy()) for d in datas]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        images = self.decoder().decode(streams, params=self.params, cuda_stream=stream)
+        if any(im is None for im in images):
+            raise RuntimeError("nvImageCodec could not decode an image of the batch")
+        return [torch.as_tensor(im, device=device) for im in images]
 
 
 class JpgSampler:

@@ -34,6 +34,10 @@ def test_dry_run_end_to_end(tmp_path):
             assert 0 < r["epoch_start_gap_ms"] <= r["gap_ms"]["max"]
             if v != "packer_cpu":
                 assert 1 <= r["decode_threads_mean"] <= 3
+            cpu = r["cpu_in_window"]  # where the host time of the window went
+            assert cpu["workers"] > 0 and cpu["minflt"] >= 0 and cpu["nvcsw"] > 0
+            if v != "packer_cpu":
+                assert "packer-gpu-decode-0" in cpu
             prof = r["device_ms_per_batch"]  # --profile 2: what the profiled batches ran
             assert prof["all"] > 0 and 1 < len(prof) <= 17
             assert sum(ms for k, ms in prof.items() if k != "all") <= prof["all"] + 1e-3 * len(prof)
@@ -64,7 +68,9 @@ def test_variant_knobs():
     assert b.packer_knobs("packer_pinned3") == {"pinned": 0, "t": 3}
     assert b.packer_knobs("packer_plain2") == {"plain": 0, "t": 2}
     assert b.packer_knobs("packer_t1_s500") == {"t": 1, "s": 500}
-    for bad in ("packer_x3", "packer_w", "packer_s", "packer_w8_fast", "packer_c1"):
+    assert b.packer_knobs("packer_nvic_t3") == {"nvic": 0, "t": 3}
+    assert b.packer_knobs("packer_nvichw") == {"nvichw": 0}
+    for bad in ("packer_x3", "packer_w", "packer_s", "packer_w8_fast", "packer_c1", "packer_nvic2"):
         try:
             b.packer_knobs(bad)
         except SystemExit as e:

@@ -3,7 +3,7 @@ decode path against the CPU path, in one run.
 
 Makes ImageNet-like JPEGs, packs them as stored and transcoded, then measures images/s to
 224x224 for: the CPU path (Pillow in DataLoader workers on all cores), nvJPEG decode alone
-(torchvision's, packer's binding, and nvImageCodec's where ``nvidia-nvimgcodec-cu13`` imports),
+(torchvision's, packer's binding; nvImageCodec's with PACKER_BENCH_NVIMGCODEC=1),
 the batched augment alone, the whole GPUDecoder pipeline (inline, one thread, two threads;
 train and eval), the same on transcoded data, whether the hardware JPEG engine works (NVML's
 JPG utilization), ResNet-18 steps fed by the GPU path vs synthetic batches, and pixel
@@ -102,12 +102,11 @@ def _setup(b: GPUBench) -> None:
             b.decoders[f"nvjpeg-{nv.backend}"] = nv
         except Exception as e:
             b.log(f"   NvjpegDecoder unavailable: {e!r}")
-        for hw_only in (False, True):  # a third-party batched decoder, where installed
-            try:
-                nvic = NvImageCodecDecoder(b.dev, hw_only=hw_only)
-                b.decoders[nvic.name] = nvic
-            except ImportError:
-                break
+        # nvImageCodec on request: its threads make workers forked later crash (SIGSEGV), so
+        # run it with sections that fork none after decode-only (--skip pipeline).
+        for hw_only in (False, True) if os.environ.get("PACKER_BENCH_NVIMGCODEC") else ():
+            nvic = NvImageCodecDecoder(b.dev, hw_only=hw_only)
+            b.decoders[nvic.name] = nvic
     b.log(f"   decoders: {list(b.decoders)}; GPUDecoder runs use {next(iter(b.decoders))}")
     b.pil = doctor()["pil_summary"]
     env = {"torch": torch.__version__, "pil": b.pil, "cpus": b.a.cpus,

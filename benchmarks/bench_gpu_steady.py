@@ -206,6 +206,8 @@ def gpu_settings(a, name: str, **loader_options):
         sys.setswitchinterval(knobs["s"] / 1e6)
     if "w" in knobs:
         loader_options["num_workers"] = knobs["w"]
+    if "norel" in knobs:
+        os.environ["PACKER_SHM_RELEASE"] = "0"
     if "plain" in knobs or "pinned" in knobs:
         loader_options["pin_memory"] = "pinned" in knobs and not a.dry_run
     opts = {"decode_threads": knobs["t"]} if "t" in knobs else {}
@@ -226,7 +228,7 @@ def packer_knobs(name: str) -> dict:
     variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
     knobs = {}
     for tok in name.split("_")[1:]:
-        if tok in ("nvic", "nvichw"):  # nvImageCodec decodes (hw: engine + CUDA only)
+        if tok in ("nvic", "nvichw", "norel"):  # norel: workers' blocks freed where dropped  # nvImageCodec decodes (hw: engine + CUDA only)
             knobs[tok] = 0
             continue
         m = re.fullmatch(r"(w|t|s|plain|pinned)(\d*)", tok)

@@ -28,7 +28,8 @@ workers together, and its page faults and context switches.
                   t<N> decode threads, plain (unpinned), pinned, s<N> the interpreter's
                   switch interval in microseconds (sys.setswitchinterval), nvic / nvichw:
                   nvImageCodec decodes (GPUOptions(decoder=), its defaults / its hardware
-                  and CUDA backends only; needs nvidia-nvimgcodec-cu13); e.g. packer_w8_t1
+                  and CUDA backends only; needs nvidia-nvimgcodec-cu13), norel: the workers'
+                  shared blocks freed where dropped (PACKER_SHM_RELEASE=0); e.g. packer_w8_t1
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
   synthetic       (with --train or --detection) one resident batch: the model alone, the

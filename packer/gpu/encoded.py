@@ -202,28 +202,29 @@ def _rebuild(data, offsets, sizes, decoded, labels) -> EncodedBatch:
 
 class _Releaser:
     """Frees the blocks of shared memory that batches arrive in from the workers, in a thread
-    of its own, ``HELD`` batches after they arrive: unmapping a batch of ~17 MB costs ~4 ms
-    (docs/benchmarks.md), which the thread that drops the last reference would otherwise pay
-    for every batch (the DataLoader's pin thread, which the whole pipeline waits on)."""
+    of its own, ``HELD`` batches after they arrive: unmapping a batch of ~17 MB costs ~4 ms,
+    which the thread that drops the last reference would otherwise pay for every batch (the
+    DataLoader's pin thread, which the whole pipeline waits on). PACKER_SHM_RELEASE=0: off."""
     HELD = 4
 
     def __init__(self):
-        self.held: collections.deque = collections.deque()
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
-        self.pid = None
+        self.pid, self.held = None, collections.deque()
 
     def hold(self, block: torch.Tensor) -> None:
-        if self.pid != os.getpid():  # first use, or a forked child: a thread of this process
-            self.pid = os.getpid()
-            self.held.clear()
-            threading.Thread(target=self._free, daemon=True, name="packer-shm-release").start()
-        self.held.append(block)
-        while len(self.held) > self.HELD:
-            self.out.put(self.held.popleft())
+        if self.pid != os.getpid():  # first use, or a forked child: state of this process
+            self.pid, self.lock = os.getpid(), threading.Lock()
+            self.held, self.out = collections.deque(), queue.SimpleQueue()
+            threading.Thread(target=self._free, args=(self.out,), daemon=True,
+                             name="packer-shm-release").start()
+        with self.lock:
+            self.held.append(block)
+            while len(self.held) > self.HELD:
+                self.out.put(self.held.popleft())
 
-    def _free(self) -> None:
+    @staticmethod
+    def _free(out: queue.SimpleQueue) -> None:
         while True:
-            self.out.get()  # dropped here: the unmapping happens in this thread
+            out.get()  # dropped here: the unmapping happens in this thread
 
 
 _RELEASER = _Releaser()

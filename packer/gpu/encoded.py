@@ -204,22 +204,27 @@ class _Releaser:
     """Frees the blocks of shared memory that batches arrive in from the workers, in a thread
     of its own, ``HELD`` batches after they arrive: unmapping a batch of ~17 MB costs ~4 ms,
     which the thread that drops the last reference would otherwise pay for every batch (the
-    DataLoader's pin thread, which the whole pipeline waits on). PACKER_SHM_RELEASE=0: off."""
-    HELD = 4
+    DataLoader's pin thread, which the whole pipeline waits on). At most ``HELD`` blocks and
+    ``HELD_BYTES`` are kept (shared memory is often small in containers).
+    PACKER_SHM_RELEASE=0: off."""
+    HELD, HELD_BYTES = 4, 128 << 20
 
     def __init__(self):
-        self.pid, self.held = None, collections.deque()
+        self.pid, self.held, self.nbytes = None, collections.deque(), 0
 
     def hold(self, block: torch.Tensor) -> None:
         if self.pid != os.getpid():  # first use, or a forked child: state of this process
             self.pid, self.lock = os.getpid(), threading.Lock()
-            self.held, self.out = collections.deque(), queue.SimpleQueue()
+            self.held, self.nbytes, self.out = collections.deque(), 0, queue.SimpleQueue()
             threading.Thread(target=self._free, args=(self.out,), daemon=True,
                              name="packer-shm-release").start()
         with self.lock:
             self.held.append(block)
-            while len(self.held) > self.HELD:
-                self.out.put(self.held.popleft())
+            self.nbytes += block.nbytes
+            while len(self.held) > self.HELD or self.nbytes > self.HELD_BYTES:
+                old = self.held.popleft()
+                self.nbytes -= old.nbytes
+                self.out.put(old)
 
     @staticmethod
     def _free(out: queue.SimpleQueue) -> None:

@@ -141,14 +141,17 @@ def test_a_batch_crosses_from_a_worker_as_one_shared_block(mixed, tmp_path):
 def test_the_workers_blocks_are_freed_in_a_thread_of_their_own(mixed, monkeypatch):
     """A batch's shared block from a worker stays referenced for ``HELD`` more batches, then a
     thread of its own drops it: unmapping a block (~4 ms for 17 MB) is then not paid by the
-    thread the pipeline waits on (the DataLoader's pin thread). PACKER_SHM_RELEASE=0: off."""
+    thread the pipeline waits on (the DataLoader's pin thread). PACKER_SHM_RELEASE=0: off;
+    no more than ``HELD_BYTES`` are kept."""
     import threading
     import time
     import weakref
     from packer.gpu import encoded
-    for env, held in (("1", encoded._Releaser.HELD), ("0", 0)):
+    for env, limit, held in (("1", None, encoded._Releaser.HELD), ("0", None, 0), ("1", 0, 0)):
         monkeypatch.setenv("PACKER_SHM_RELEASE", env)
         rel = encoded._Releaser()
+        if limit is not None:
+            rel.HELD_BYTES = limit
         monkeypatch.setattr(encoded, "_RELEASER", rel)
         refs = [weakref.ref(b.data) for b in
                 make_gpu_loader(mixed, 2, shuffle=False, num_workers=1, pin_memory=False)]
@@ -159,7 +162,8 @@ def test_the_workers_blocks_are_freed_in_a_thread_of_their_own(mixed, monkeypatc
         assert all(r() is None for r in refs[:len(refs) - held])  # freed
         assert all(r() is not None for r in refs[len(refs) - held:])  # still held
         threads = [t for t in threading.enumerate() if t.name == "packer-shm-release"]
-        assert (rel.pid == os.getpid()) == bool(held) and (len(threads) >= 1 or not held)
+        assert (rel.pid == os.getpid()) == (env == "1") and (len(threads) >= 1 or not held)
+        assert rel.nbytes == sum(b.nbytes for b in rel.held)
 
 
 def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):

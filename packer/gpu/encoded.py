@@ -202,7 +202,7 @@ def _rebuild(data, offsets, sizes, decoded, labels) -> EncodedBatch:
 
 class _Releaser:
     """Frees the blocks of shared memory that batches arrive in from the workers, in a thread
-    of its own, ``HELD`` batches after they arrive: unmapping a batch of ~17 MB costs ~4 ms,
+    of its own, ``HELD`` batches after they arrive: unmapping a batch of ~17 MB costs ~5 ms,
     which the thread that drops the last reference would otherwise pay for every batch (the
     DataLoader's pin thread, which the whole pipeline waits on). At most ``HELD`` blocks and
     ``HELD_BYTES`` are kept (shared memory is often small in containers).

@@ -140,7 +140,7 @@ def test_a_batch_crosses_from_a_worker_as_one_shared_block(mixed, tmp_path):
 
 def test_the_workers_blocks_are_freed_in_a_thread_of_their_own(mixed, monkeypatch):
     """A batch's shared block from a worker stays referenced for ``HELD`` more batches, then a
-    thread of its own drops it: unmapping a block (~4 ms for 17 MB) is then not paid by the
+    thread of its own drops it: unmapping a block (~5 ms for 17 MB) is then not paid by the
     thread the pipeline waits on (the DataLoader's pin thread). PACKER_SHM_RELEASE=0: off;
     no more than ``HELD_BYTES`` are kept."""
     import threading

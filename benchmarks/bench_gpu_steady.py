@@ -224,12 +224,11 @@ def gpu_settings(a, name: str, **loader_options):
 
 
 def packer_knobs(name: str) -> dict:
-    """``packer_w8_t3_plain`` -> {"w": 8, "t": 3, "plain": 0} (``nvic``/``nvichw``: nvImageCodec
-    decodes, through ``GPUOptions(decoder=)``); the two named
-    variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
+    """``packer_w8_t3_plain`` -> {"w": 8, "t": 3, "plain": 0} (the knobs: module docstring);
+    the two named variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
     knobs = {}
     for tok in name.split("_")[1:]:
-        if tok in ("nvic", "nvichw", "norel"):  # norel: workers' blocks freed where dropped  # nvImageCodec decodes (hw: engine + CUDA only)
+        if tok in ("nvic", "nvichw", "norel"):  # flags without a number
             knobs[tok] = 0
             continue
         m = re.fullmatch(r"(w|t|s|plain|pinned)(\d*)", tok)

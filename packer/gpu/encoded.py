@@ -210,21 +210,18 @@ class _Releaser:
     HELD, HELD_BYTES = 4, 128 << 20
 
     def __init__(self):
-        self.pid, self.held, self.nbytes = None, collections.deque(), 0
+        self.pid, self.held = None, collections.deque()
 
     def hold(self, block: torch.Tensor) -> None:
         if self.pid != os.getpid():  # first use, or a forked child: state of this process
             self.pid, self.lock = os.getpid(), threading.Lock()
-            self.held, self.nbytes, self.out = collections.deque(), 0, queue.SimpleQueue()
+            self.held, self.out = collections.deque(), queue.SimpleQueue()
             threading.Thread(target=self._free, args=(self.out,), daemon=True,
                              name="packer-shm-release").start()
         with self.lock:
             self.held.append(block)
-            self.nbytes += block.nbytes
-            while len(self.held) > self.HELD or self.nbytes > self.HELD_BYTES:
-                old = self.held.popleft()
-                self.nbytes -= old.nbytes
-                self.out.put(old)
+            while len(self.held) > self.HELD or sum(b.nbytes for b in self.held) > self.HELD_BYTES:
+                self.out.put(self.held.popleft())
 
     @staticmethod
     def _free(out: queue.SimpleQueue) -> None:

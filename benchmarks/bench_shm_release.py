@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""What taking in a GPU-path batch from a DataLoader worker costs the receiving thread, with the
-workers' shared blocks freed where they are dropped (PACKER_SHM_RELEASE=0) or by packer's
-release thread (the default); and freeing one block of shared memory against copying it.
+"""What taking in a GPU-path batch from a DataLoader worker costs the receiving thread: in a
+slot of the loader's batch ring (the default), or as a shared block of its own freed by
+packer's release thread (PACKER_BATCH_RING=0) or where it is dropped (and
+PACKER_SHM_RELEASE=0); and freeing one block of shared memory against copying it.
 
 Makes --images photo-like JPEGs (~500x375, from packer's shipped photos), packs them, then in
 --rounds rounds, each variant in a fresh process (order alternating): ``make_gpu_loader(root,
@@ -86,10 +87,13 @@ def main(argv=None) -> int:
         print(json.dumps(child(a.child, a.batch, a.workers, a.epochs)))
         return 0
     packed = str(make_data(a))
-    runs: dict = {"release": [], "norel": []}
+    runs: dict = {"ring": [], "release": [], "norel": []}
+    envs = {"ring": {}, "release": {"PACKER_BATCH_RING": "0"},
+            "norel": {"PACKER_BATCH_RING": "0", "PACKER_SHM_RELEASE": "0"}}
     for r in range(a.rounds):
-        for name in (("release", "norel") if r % 2 == 0 else ("norel", "release")):
-            env = {**os.environ, "PACKER_SHM_RELEASE": "1" if name == "release" else "0"}
+        names = list(runs)
+        for name in names[r % 3:] + names[:r % 3]:  # the order rotated each round
+            env = {**os.environ, "PACKER_BATCH_RING": "1", "PACKER_SHM_RELEASE": "1", **envs[name]}
             cmd = [sys.executable, __file__, "--child", packed, "--batch", str(a.batch),
                    "--workers", str(a.workers), "--epochs", str(a.epochs)]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -99,8 +103,10 @@ def main(argv=None) -> int:
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     summary = {k: statistics.median(x["cpu_ms"] for x in v) for k, v in runs.items()}
     blocks = free_vs_copy(a.block_mib)
-    lines = ["| freed by | receiving thread CPU ms a batch (rounds) | median |", "|---|---|---:|"]
-    for k, label in (("norel", "the thread that drops it"), ("release", "packer's release thread")):
+    lines = ["| batch arrives | receiving thread CPU ms a batch (rounds) | median |", "|---|---|---:|"]
+    for k, label in (("norel", "own block, freed by the thread that drops it"),
+                     ("release", "own block, freed by packer's release thread"),
+                     ("ring", "in a slot of the batch ring")):
         rounds = " / ".join(f"{x['cpu_ms']:.2f}" for x in runs[k])
         lines.append(f"| {label} | {rounds} | {summary[k]:.2f} |")
     lines.append(f"\none {blocks['mib']} MiB shared block: copy {blocks['copy_ms']:.2f} ms, "

@@ -17,9 +17,10 @@ from ..loading.torchapi import shared_empty
 from ..transforms.decode import open_image
 from ..format.images import DEFAULT_MAX_PIXELS
 from .detection import DetectionTargets, is_detection_batch, pack_targets
+from .ring import BatchRing, locate, ring_view
 
-__all__ = ["EncodedBatch", "EncodedImage", "EncodedSample", "JpegInfo", "collate_encoded",
-           "gpu_decodable", "jpeg_info"]
+__all__ = ["EncodedBatch", "EncodedCollate", "EncodedImage", "EncodedSample", "JpegInfo",
+           "collate_encoded", "gpu_decodable", "jpeg_info"]
 
 
 # SOFn marker -> (process, arithmetic coding). 0xC4 (DHT), 0xC8 (JPG), 0xCC (DAC) are not SOFs.
@@ -152,9 +153,10 @@ class EncodedBatch(NamedTuple):
     labels: Any            # (B,) as default_collate makes them; detection: DetectionTargets
 
     def __reduce__(self):
-        # From a worker only ``data`` crosses as shared memory; the small fields travel inside
-        # the message as bytes. Each tensor would be a shared-memory file of its own, handed
-        # over through a socket (~30 system calls and Python) in the training process.
+        # From a worker only ``data`` crosses as shared memory (or as the place in a
+        # ``BatchRing`` it was written to); the small fields travel inside the message as
+        # bytes. Each tensor would be a shared-memory file of its own, handed over through a
+        # socket (~30 system calls and Python) in the training process.
         labels = self.labels
         if isinstance(labels, DetectionTargets):
             labels = ("boxes", *map(_raw, (labels.boxes, labels.counts, labels.image_id)),
@@ -163,7 +165,8 @@ class EncodedBatch(NamedTuple):
             labels = ("tensor", _raw(labels))
         else:
             labels = ("other", labels)
-        return _rebuild, (self.data, *map(_raw, self[1:4]), labels)
+        data = get_worker_info() is not None and locate(self.data) or self.data
+        return _rebuild, (data, *map(_raw, self[1:4]), labels)
 
     def images(self) -> List[torch.Tensor]:
         """Per-image views: 1-D JPEG bytes, or (H, W, 3) pixels where ``decoded``."""
@@ -195,7 +198,9 @@ def _rebuild(data, offsets, sizes, decoded, labels) -> EncodedBatch:
         labels = _tensor(*rest[0])
     else:
         labels = rest[0]
-    if os.environ.get("PACKER_SHM_RELEASE", "1") != "0":
+    if isinstance(data, tuple):
+        data = ring_view(*data)
+    elif os.environ.get("PACKER_SHM_RELEASE", "1") != "0":
         _RELEASER.hold(data)
     return EncodedBatch(data, _tensor(*offsets), _tensor(*sizes), _tensor(*decoded), labels)
 
@@ -232,9 +237,9 @@ class _Releaser:
 _RELEASER = _Releaser()
 
 
-def collate_encoded(batch) -> EncodedBatch:
+def collate_encoded(batch, ring: Optional[BatchRing] = None) -> EncodedBatch:
     """Collate ``(EncodedSample, label)`` pairs into an :class:`EncodedBatch` (in shared memory
-    in a worker)."""
+    in a worker: a slot of ``ring`` where one is free and the batch fits)."""
     if not batch:
         raise ValueError("collate_encoded got an empty batch")
     samples, targets = zip(*batch)
@@ -244,7 +249,7 @@ def collate_encoded(batch) -> EncodedBatch:
     offsets = [0]
     for s in samples:
         offsets.append(offsets[-1] + len(s.data))
-    data = _empty_u8(offsets[-1])
+    data = _empty_u8(offsets[-1], ring)
     base = data.data_ptr()
     for s, o in zip(samples, offsets):
         ctypes.memmove(base + o, s.data, len(s.data))
@@ -255,8 +260,19 @@ def collate_encoded(batch) -> EncodedBatch:
                         else default_collate(list(targets)))
 
 
-def _empty_u8(n: int) -> torch.Tensor:
-    if get_worker_info() is not None and n > 0:
-        return shared_empty((n,))
-    return torch.empty(n, dtype=torch.uint8)
+class EncodedCollate:
+    """``collate_encoded`` into ``ring`` (``make_gpu_loader`` sets it before workers start)."""
+
+    def __init__(self, ring: Optional[BatchRing] = None):
+        self.ring = ring
+
+    def __call__(self, batch) -> EncodedBatch:
+        return collate_encoded(batch, self.ring)
+
+
+def _empty_u8(n: int, ring: Optional[BatchRing]) -> torch.Tensor:
+    if get_worker_info() is None or n == 0:
+        return torch.empty(n, dtype=torch.uint8)
+    slot = ring.claim(n) if ring is not None else None
+    return shared_empty((n,)) if slot is None else slot
 

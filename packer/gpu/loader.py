@@ -13,13 +13,16 @@ from ..reading.dataset import PackedDataset
 from ..reading.mixture import Mixture
 from ..loading.loader import make_loader
 from ..format.images import DEFAULT_MAX_PIXELS
-from .encoded import EncodedImage, collate_encoded
+from .encoded import EncodedCollate, EncodedImage
+from .ring import BatchRing
 
 __all__ = ["ConnectionsWarning", "connections_advice", "make_gpu_loader", "reserve_cuda_queues"]
 
 # nvJPEG's per-image steps wait behind training kernels on a shared hardware queue (8 by
 # default; docs/gpu_decode.md); CUDA reads this when its context is created.
 CUDA_QUEUES = 32
+RING_SPARE = 4  # ring slots beyond the batches the workers may hold at once
+RING_BYTES = 1 << 30  # the most a loader's ring takes (pinned host memory)
 
 
 def reserve_cuda_queues(n: int = CUDA_QUEUES) -> bool:
@@ -59,7 +62,12 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
 
     ``max_pixels``: the largest image a worker lets through, from the JPEG header (None: the
     dataset's ``EncodedImage``'s limit, else build's default). Other keywords go to
-    ``make_loader``. Also calls :func:`reserve_cuda_queues`."""
+    ``make_loader``. Also calls :func:`reserve_cuda_queues`.
+
+    With the default ``collate_fn`` and forked workers, batches travel in a
+    :class:`~packer.gpu.ring.BatchRing`: one slot per batch the workers may hold plus
+    ``RING_SPARE``, each 1.25x the dataset's mean image size x ``batch_size``, at most
+    ``RING_BYTES`` in all, pinned once (PACKER_BATCH_RING=0: off)."""
     reserve_cuda_queues()
     own = getattr(dataset, "decode", None)
     own = own.max_pixels if isinstance(own, EncodedImage) else None
@@ -70,8 +78,25 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
         dataset.sources = [_encoded(d, max_pixels) for d in dataset.sources]
     else:
         dataset = _encoded(dataset, max_pixels)
-    kwargs.setdefault("collate_fn", collate_encoded)
-    return make_loader(dataset, batch_size, **kwargs)
+    collate = EncodedCollate()
+    kwargs.setdefault("collate_fn", collate)
+    loader = make_loader(dataset, batch_size, **kwargs)
+    if (loader.collate_fn is collate and loader.num_workers and batch_size
+            and os.environ.get("PACKER_BATCH_RING", "1") != "0"):
+        collate.ring = _batch_ring(dataset, batch_size,
+                                   loader.num_workers * loader.prefetch_factor + RING_SPARE)
+    return loader
+
+
+def _batch_ring(dataset, batch_size: int, slots: int) -> Optional[BatchRing]:
+    """A ring for batches of ``batch_size`` of ``dataset``'s images, sized from their mean
+    stored size; None where no manifest says it."""
+    sources = dataset.sources if isinstance(dataset, Mixture) else [dataset]
+    means = [d.manifest.get("bytes", 0) / max(1, d.manifest.get("count", 0)) for d in sources
+             if isinstance(d, PackedDataset)]
+    slot = int(1.25 * batch_size * max(means, default=0))
+    slots = min(slots, RING_BYTES // max(1, slot))
+    return BatchRing(slots, slot) if slot and slots >= 2 else None
 
 
 def _encoded(dataset, max_pixels: int):

@@ -1,4 +1,4 @@
-"""benchmarks/bench_shm_release.py end to end, tiny: both variants in fresh processes, the
+"""benchmarks/bench_shm_release.py end to end, tiny: the three variants in fresh processes, the
 free-vs-copy timing, and the table."""
 import json
 import subprocess
@@ -16,8 +16,8 @@ def test_tiny_run(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
-    for name in ("release", "norel"):
+    for name in ("ring", "release", "norel"):
         assert len(res["runs"][name]) == 2
         assert all(r["batches"] == 4 and r["cpu_ms"] > 0 for r in res["runs"][name])
     assert res["block"]["mib"] == 1 and res["block"]["copy_ms"] > 0 and res["block"]["free_ms"] > 0
-    assert "| packer's release thread |" in run.stdout and "shared block: copy" in run.stdout
+    assert "| in a slot of the batch ring |" in run.stdout and "shared block: copy" in run.stdout

@@ -422,6 +422,29 @@ def test_gpu_decoder_train_bf16_and_memory_bounded(mixed):
 
 @pytest.mark.gpu
 @cuda
+def test_gpu_ring_batches_are_pinned_without_a_copy_and_decode_the_same(mixed):
+    """make_gpu_loader's ring is registered as pinned memory once: the DataLoader's pin thread
+    passes its batches on as they are (no copy), nvJPEG reads them there, and workers forked
+    after the registration (a new set each pass) write into it too."""
+    pytest.importorskip("torchvision")
+    plain = GPUDecoder(sequential_loader(mixed, 4, num_workers=0), train=False, dtype=torch.uint8)
+    ref = torch.cat([x.cpu() for x, _ in plain])
+    loader = sequential_loader(mixed, 4, num_workers=2, persistent_workers=False)
+    ring = loader.collate_fn.ring
+    for _ in range(2):
+        batches = list(loader)
+        inside = [ring.base <= b.data.data_ptr() < ring.base + ring.nbytes for b in batches]
+        assert ring.pinned and sum(inside) >= len(batches) - 2
+        assert all(b.data.is_pinned() for b in batches)
+        del batches
+    dec = GPUDecoder(loader, train=False, dtype=torch.uint8)
+    for _ in range(2):
+        assert torch.equal(torch.cat([x.cpu() for x, _ in dec]), ref)
+    assert dec.stats.gpu == 2 * plain.stats.gpu
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_overlap_modes_agree(mixed):
     pytest.importorskip("torchvision")
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)

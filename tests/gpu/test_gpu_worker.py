@@ -86,13 +86,19 @@ def test_collate_encoded(photos):
         collate_encoded([(torch.zeros(3, 2, 2, dtype=torch.uint8), 0)])
 
 
+def in_ring(loader, t) -> bool:
+    ring = loader.collate_fn.ring
+    return ring is not None and ring.base + ring.head <= t.data_ptr() < ring.base + ring.nbytes
+
+
 def test_make_gpu_loader_routes_fallbacks_in_workers(mixed):
     loader = make_gpu_loader(mixed, 4, shuffle=False, num_workers=2)
     ds = loader.dataset
     assert isinstance(ds.decode, EncodedImage) and loader.pin_memory is torch.cuda.is_available()
     seen = {}
     for batch in loader:
-        assert isinstance(batch, EncodedBatch) and (batch.data.is_shared() or batch.data.is_pinned())
+        assert isinstance(batch, EncodedBatch)
+        assert batch.data.is_shared() or batch.data.is_pinned() or in_ring(loader, batch.data)
         for i, (lab, dec, v) in enumerate(zip(batch.labels.tolist(), batch.decoded.tolist(), batch.images())):
             seen[len(seen)] = (lab, dec, v.shape)
     paths = [ds.load(i)["path"] for i in range(len(ds))]
@@ -108,9 +114,11 @@ def test_make_gpu_loader_routes_fallbacks_in_workers(mixed):
         make_gpu_loader(PackedDataset(mixed, transform=lambda x: x), 4)
 
 
-def test_a_batch_crosses_from_a_worker_as_one_shared_block(mixed, tmp_path):
+def test_a_batch_crosses_from_a_worker_as_one_shared_block(mixed, tmp_path, monkeypatch):
     """Only the bytes cross as shared memory; offsets, sizes, flags and labels travel in the
-    message (each shared tensor costs the training process ~30 system calls to take in)."""
+    message (each shared tensor costs the training process ~30 system calls to take in).
+    Without a ring (PACKER_BATCH_RING=0) the bytes are a shared block of their own."""
+    monkeypatch.setenv("PACKER_BATCH_RING", "0")
     from packer import build
     from packer.demo.scenes import make_detection_folder
     from packer.gpu.detection import DetectionTargets
@@ -147,6 +155,7 @@ def test_the_workers_blocks_are_freed_in_a_thread_of_their_own(mixed, monkeypatc
     import time
     import weakref
     from packer.gpu import encoded
+    monkeypatch.setenv("PACKER_BATCH_RING", "0")
     for env, limit, held in (("1", None, encoded._Releaser.HELD), ("0", None, 0), ("1", 0, 0)):
         monkeypatch.setenv("PACKER_SHM_RELEASE", env)
         rel = encoded._Releaser()
@@ -163,6 +172,68 @@ def test_the_workers_blocks_are_freed_in_a_thread_of_their_own(mixed, monkeypatc
         assert all(r() is not None for r in refs[len(refs) - held:])  # still held
         threads = [t for t in threading.enumerate() if t.name == "packer-shm-release"]
         assert (rel.pid == os.getpid()) == (env == "1") and (len(threads) >= 1 or not held)
+
+
+def test_batches_travel_in_a_ring_of_slots_the_workers_reuse(mixed):
+    """Forked workers write each batch into a free slot of the loader's ``BatchRing`` and send
+    where it is (no new shared block per batch); the slot stays the training process's while
+    a tensor on it lives, then is free for the workers again. Same bytes as without workers."""
+    import gc
+    from packer.gpu.loader import RING_SPARE
+    from packer.gpu.ring import MAIN, FREE, BatchRing
+    alone = list(make_gpu_loader(mixed, 3, shuffle=False, num_workers=0, pin_memory=False))
+    loader = make_gpu_loader(mixed, 3, shuffle=False, num_workers=2, pin_memory=False)
+    ring = loader.collate_fn.ring
+    assert ring.slots == 2 * loader.prefetch_factor + RING_SPARE
+    # Room for a whole epoch held at once plus the workers' run into the next one:
+    loader.collate_fn.ring = ring = BatchRing(4 * ring.slots, ring.slot_bytes)
+    for _ in range(2):  # the second epoch reuses the slots the first one freed
+        got = list(loader)
+        assert len(got) == len(alone)
+        for a, b in zip(alone, got):
+            assert torch.equal(a.data, b.data) and torch.equal(a.offsets, b.offsets)
+            assert torch.equal(a.decoded, b.decoded) and torch.equal(a.labels, b.labels)
+        inside = [in_ring(loader, b.data) for b in got]
+        fits = [b.data.nbytes <= ring.slot_bytes for b in got]
+        assert inside == fits and sum(inside) >= len(got) - 2
+        slots = [(b.data.data_ptr() - ring.base - ring.head) // ring.slot_bytes
+                 for b, i in zip(got, inside) if i]
+        assert [ring.owner[k] for k in slots] == [MAIN] * len(slots)
+        del got, b
+        gc.collect()  # free, or already claimed by a worker running on into the next epoch
+        assert all(ring.owner[k] == FREE or ring.owner[k] > 0 for k in slots)
+
+
+def test_a_full_ring_or_a_large_batch_falls_back_to_a_block_of_its_own(mixed):
+    """A batch larger than a slot, or one that finds every slot taken, travels as a shared
+    block as before: no worker waits for a slot (the training process may hold them all)."""
+    import subprocess
+    from packer.gpu.ring import BatchRing
+    alone = list(make_gpu_loader(mixed, 3, shuffle=False, num_workers=0, pin_memory=False))
+    for ring, inside in ((BatchRing(1, 1 << 20), 1), (BatchRing(4, 16), 0)):
+        loader = make_gpu_loader(mixed, 3, shuffle=False, num_workers=2, pin_memory=False)
+        loader.collate_fn.ring = ring  # before the workers start
+        got = list(loader)
+        assert [torch.equal(a.data, b.data) for a, b in zip(alone, got)] == [True] * len(alone)
+        assert sum(in_ring(loader, b.data) for b in got) == inside
+        assert sum(b.data.is_shared() for b in got) == len(got) - inside
+    # A slot claimed by a worker that died before its batch arrived is claimed again.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    loader = make_gpu_loader(mixed, 3, shuffle=False, num_workers=1, pin_memory=False)
+    loader.collate_fn.ring = ring = BatchRing(2, 1 << 20)
+    ring.owner[0] = ring.owner[1] = dead.pid
+    assert in_ring(loader, next(iter(loader)).data)
+
+
+def test_spawned_workers_write_no_ring(mixed):
+    """A ring is a mapping inherited through fork: spawned workers send blocks as before."""
+    alone = list(make_gpu_loader(mixed, 8, shuffle=False, num_workers=0, pin_memory=False))
+    loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=1, pin_memory=False,
+                             multiprocessing_context="spawn")
+    got = list(loader)
+    assert loader.collate_fn.ring is not None and not any(in_ring(loader, b.data) for b in got)
+    assert [torch.equal(a.data, b.data) for a, b in zip(alone, got)] == [True] * len(alone)
 
 
 def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):

@@ -1,0 +1,127 @@
+"""Shared buffers, pinned once, that forked DataLoader workers write the GPU path's batches
+into: a batch then reaches nvJPEG without the pin thread's copy (~17 MB a batch of 256
+photos) and without mapping and unmapping a new shared block for it (docs/gpu_decode.md).
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import multiprocessing as mp
+import os
+import weakref
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["BatchRing"]
+
+_RINGS: "weakref.WeakValueDictionary[int, BatchRing]" = weakref.WeakValueDictionary()
+_TOKENS = itertools.count(1)
+FREE, MAIN = 0, -1  # a slot's owner: free, held by the training process, else a worker's pid
+
+
+class BatchRing:
+    """``slots`` buffers of ``slot_bytes`` in one anonymous shared mapping made before the
+    workers fork (so neither /dev/shm nor a file is involved). A worker claims a free slot
+    for a batch that fits (:meth:`claim`), else the batch travels as before; the training
+    process takes it over on arrival (:meth:`view`), registers the whole mapping as pinned
+    memory with CUDA once, and frees the slot when the last tensor on it is gone. A slot
+    whose worker died before its batch arrived is claimed again. Workers that are not forked
+    (spawn, forkserver) see no mapping and never claim."""
+
+    def __init__(self, slots: int, slot_bytes: int):
+        if slots < 1 or slot_bytes < 1:
+            raise ValueError(f"a BatchRing needs slots and slot_bytes >= 1, got {slots}, {slot_bytes}")
+        page = mmap.PAGESIZE
+        self.slots, self.slot_bytes = slots, -(-slot_bytes // page) * page
+        self.head = -(-8 * slots // page) * page  # the owner table, then the slots
+        self.nbytes = self.head + slots * self.slot_bytes
+        self.mm: Optional[mmap.mmap] = mmap.mmap(-1, self.nbytes)
+        self.owner = (ctypes.c_int64 * slots).from_buffer(self.mm)
+        self.base = ctypes.addressof(self.owner)
+        self.lock, self.next = mp.get_context("fork").Lock(), 0
+        self.pid, self.pinned = os.getpid(), None
+        self.token = next(_TOKENS)
+        _RINGS[self.token] = self
+
+    def __getstate__(self):  # pickled to a spawned worker: it writes batches as before
+        return {"mm": None}
+
+    def claim(self, nbytes: int) -> Optional[torch.Tensor]:
+        """In a forked worker: ``nbytes`` of a free slot, now this process's, or None."""
+        if self.mm is None or not 0 < nbytes <= self.slot_bytes or os.getpid() == self.pid:
+            return None
+        me = os.getpid()
+        with self.lock:
+            for k in range(self.slots):
+                i = (self.next + k) % self.slots
+                who = self.owner[i]
+                if who == FREE or (who > 0 and who != me and not _alive(who)):
+                    self.owner[i], self.next = me, i + 1
+                    return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes,
+                                            offset=self.head + i * self.slot_bytes)
+        return None
+
+    def locate(self, t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+        """``(token, slot, nbytes)`` of a batch a worker wrote into a slot of its own."""
+        i, rest = divmod(t.data_ptr() - self.base - self.head, self.slot_bytes)
+        if self.mm is None or not 0 <= i < self.slots or rest or self.owner[i] != os.getpid():
+            return None
+        return self.token, i, t.nbytes
+
+    def view(self, slot: int, nbytes: int) -> torch.Tensor:
+        """In the training process: the batch in ``slot``, which is free again once the
+        returned tensor and every view of it are gone (they keep the ring alive)."""
+        self.owner[slot] = MAIN
+        if self.pinned is None:
+            self.pinned = _pin(self.base, self.nbytes)
+            if self.pinned:
+                weakref.finalize(self, _unpin, self.base, os.getpid()).atexit = False
+        start = self.head + slot * self.slot_bytes
+        mv = memoryview(self.mm)[start:start + nbytes]
+        weakref.finalize(mv, self.free, slot)
+        return torch.frombuffer(mv, dtype=torch.uint8)
+
+    def free(self, slot: int) -> None:
+        self.owner[slot] = FREE
+
+
+def locate(t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+    """Where a worker's batch lies in a ring, or None (then it travels as a tensor)."""
+    for ring in list(_RINGS.values()):
+        where = ring.locate(t)
+        if where is not None:
+            return where
+    return None
+
+
+def ring_view(token: int, slot: int, nbytes: int) -> torch.Tensor:
+    ring = _RINGS.get(token)
+    if ring is None:
+        raise RuntimeError("a GPU-path batch arrived for a batch ring this process no longer "
+                           "has (its loader was deleted while its workers ran)")
+    return ring.view(slot, nbytes)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pin(base: int, nbytes: int) -> bool:
+    """Register the mapping with CUDA as pinned memory (False where CUDA or the host's
+    locked-memory limit says no: the batches are then copied by the pin thread as before)."""
+    if not torch.cuda.is_available():
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(base, nbytes, 1)) == 0  # 1: portable
+
+
+def _unpin(base: int, pid: int) -> None:
+    if os.getpid() == pid:  # never in a forked child, where CUDA cannot run
+        torch.cuda.cudart().cudaHostUnregister(base)

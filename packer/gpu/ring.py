@@ -4,6 +4,7 @@ photos) and without mapping and unmapping a new shared block for it (docs/gpu_de
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import mmap
@@ -41,7 +42,7 @@ class BatchRing:
         self.owner = (ctypes.c_int64 * slots).from_buffer(self.mm)
         self.base = ctypes.addressof(self.owner)
         self.lock, self.next = mp.get_context("fork").Lock(), 0
-        self.pid, self.pinned = os.getpid(), None
+        self.pid, self.pinned, self.pending = os.getpid(), None, collections.deque()
         self.token = next(_TOKENS)
         _RINGS[self.token] = self
 
@@ -78,13 +79,23 @@ class BatchRing:
             self.pinned = _pin(self.base, self.nbytes)
             if self.pinned:
                 weakref.finalize(self, _unpin, self.base, os.getpid()).atexit = False
+        while self.pending and self.pending[0][1].query():  # copies from those slots done
+            self.owner[self.pending.popleft()[0]] = FREE
         start = self.head + slot * self.slot_bytes
         mv = memoryview(self.mm)[start:start + nbytes]
-        weakref.finalize(mv, self.free, slot)
+        weakref.finalize(mv, self.release, slot).atexit = False
         return torch.frombuffer(mv, dtype=torch.uint8)
 
-    def free(self, slot: int) -> None:
-        self.owner[slot] = FREE
+    def release(self, slot: int) -> None:
+        """The last tensor on ``slot`` is gone. Pinned, the slot is free once the work queued
+        so far on this thread's CUDA stream is done: a ``non_blocking`` copy out of it may
+        still be reading (torch's own pinned memory waits the same way)."""
+        if self.pinned:
+            done = torch.cuda.Event()
+            done.record()
+            self.pending.append((slot, done))
+        else:
+            self.owner[slot] = FREE
 
 
 def locate(t: torch.Tensor) -> Optional[Tuple[int, int, int]]:

@@ -445,6 +445,27 @@ def test_gpu_ring_batches_are_pinned_without_a_copy_and_decode_the_same(mixed):
 
 @pytest.mark.gpu
 @cuda
+def test_gpu_ring_slot_waits_for_a_non_blocking_copy_out_of_it(mixed):
+    """A caller's ``non_blocking`` copy out of a batch may still be queued when the batch is
+    dropped: its slot is reused only once the work queued on that stream has run."""
+    alone = [b.data.clone() for b in make_gpu_loader(mixed, 2, shuffle=False, num_workers=0,
+                                                     pin_memory=False)]
+    from packer.gpu.ring import BatchRing
+    loader = make_gpu_loader(mixed, 2, shuffle=False, num_workers=2)
+    # Two slots: each is written again within a few batches (the rest travel as blocks).
+    loader.collate_fn.ring = BatchRing(2, loader.collate_fn.ring.slot_bytes)
+    for _ in range(2):
+        copies = []
+        for b in loader:
+            torch.cuda._sleep(50_000_000)  # a busy stream: the copy runs tens of ms from now
+            copies.append(b.data.to("cuda", non_blocking=True))
+            del b
+        assert [torch.equal(c.cpu(), a) for c, a in zip(copies, alone)] == [True] * len(alone)
+    assert loader.collate_fn.ring.pinned
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_overlap_modes_agree(mixed):
     pytest.importorskip("torchvision")
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)

@@ -290,3 +290,12 @@ def test_background_over_a_loader(packed):
     loader = make_loader(ds, 32, shuffle=False, num_workers=1, pin_memory=False)
     ys = [y for _, y in background(loader)]
     assert torch.cat(ys).tolist() == ds.targets
+
+
+def test_start_method_names_how_workers_start_without_fixing_the_default():
+    import multiprocessing as mp
+    from packer.loading.loader import start_method
+    before = mp.get_start_method(allow_none=True)
+    assert start_method("spawn") == "spawn" and start_method(mp.get_context("forkserver")) == "forkserver"
+    assert start_method(None) == (before or mp.get_all_start_methods()[0])
+    assert mp.get_start_method(allow_none=True) == before

@@ -11,7 +11,7 @@ import torch
 
 from ..reading.dataset import PackedDataset
 from ..reading.mixture import Mixture
-from ..loading.loader import make_loader
+from ..loading.loader import make_loader, start_method
 from ..format.images import DEFAULT_MAX_PIXELS
 from .encoded import EncodedCollate, EncodedImage
 from .ring import BatchRing
@@ -64,7 +64,8 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     dataset's ``EncodedImage``'s limit, else build's default). Other keywords go to
     ``make_loader``. Also calls :func:`reserve_cuda_queues`.
 
-    With the default ``collate_fn`` and forked workers, batches travel in a
+    With the default ``collate_fn`` and forked workers (not spawn or forkserver, which
+    Python 3.14 makes Linux's default), batches travel in a
     :class:`~packer.gpu.ring.BatchRing`: one slot per batch the workers may hold plus
     ``RING_SPARE``, each 1.25x the dataset's mean image size x ``batch_size``, at most
     ``RING_BYTES`` in all, pinned once (PACKER_BATCH_RING=0: off)."""
@@ -82,6 +83,7 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     kwargs.setdefault("collate_fn", collate)
     loader = make_loader(dataset, batch_size, **kwargs)
     if (loader.collate_fn is collate and loader.num_workers and batch_size
+            and start_method(loader.multiprocessing_context) == "fork"
             and os.environ.get("PACKER_BATCH_RING", "1") != "0"):
         collate.ring = _batch_ring(dataset, batch_size,
                                    loader.num_workers * loader.prefetch_factor + RING_SPARE)

@@ -91,11 +91,14 @@ class BatchRing:
         so far on this thread's CUDA stream is done: a ``non_blocking`` copy out of it may
         still be reading (torch's own pinned memory waits the same way)."""
         if self.pinned:
-            done = torch.cuda.Event()
-            done.record()
-            self.pending.append((slot, done))
-        else:
-            self.owner[slot] = FREE
+            try:
+                done = torch.cuda.Event()
+                done.record()
+                self.pending.append((slot, done))
+                return
+            except RuntimeError:  # CUDA gone (interpreter exit): nothing reads the slot
+                pass
+        self.owner[slot] = FREE
 
 
 def locate(t: torch.Tensor) -> Optional[Tuple[int, int, int]]:

@@ -20,7 +20,7 @@ from .epochs import EpochBatches, EpochPass, EpochStream, StampedCollate, Stampe
 from .prefetch import LoaderView
 from .torchapi import shutdown_workers
 
-__all__ = ["PackedLoader", "default_context", "default_num_workers", "make_loader"]
+__all__ = ["PackedLoader", "default_context", "default_num_workers", "make_loader", "start_method"]
 
 TOTAL_PREFETCH = 8  # batches in flight across all workers, see make_loader
 _HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # worker iterators with an exit hook
@@ -217,11 +217,17 @@ def _workers(num_workers, prefetch_factor, context, kwargs: dict) -> int:
         raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
     kwargs["prefetch_factor"] = prefetch_factor
     kwargs["multiprocessing_context"] = context = default_context() if context is None else context
-    named = context if isinstance(context, str) else getattr(context, "get_start_method", None)
-    method = named() if callable(named) else named
-    if (method or mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]) == "spawn":
+    if start_method(context) == "spawn":
         kwargs["worker_init_fn"] = _ExitLikeFork(kwargs.get("worker_init_fn"))
     return num_workers
+
+
+def start_method(context=None) -> str:
+    """How workers of a DataLoader with ``multiprocessing_context=context`` start ("fork",
+    "spawn", "forkserver"), without fixing the process's default."""
+    named = context if isinstance(context, str) else getattr(context, "get_start_method", None)
+    method = named() if callable(named) else named
+    return method or mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
 
 
 class _ExitLikeFork:

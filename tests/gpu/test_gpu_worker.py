@@ -227,12 +227,16 @@ def test_a_full_ring_or_a_large_batch_falls_back_to_a_block_of_its_own(mixed):
 
 
 def test_spawned_workers_write_no_ring(mixed):
-    """A ring is a mapping inherited through fork: spawned workers send blocks as before."""
+    """A ring is a mapping inherited through fork: spawned workers get none and send blocks
+    as before, even when handed one."""
+    from packer.gpu.ring import BatchRing
     alone = list(make_gpu_loader(mixed, 8, shuffle=False, num_workers=0, pin_memory=False))
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=1, pin_memory=False,
                              multiprocessing_context="spawn")
+    assert loader.collate_fn.ring is None
+    loader.collate_fn.ring = BatchRing(4, 1 << 20)
     got = list(loader)
-    assert loader.collate_fn.ring is not None and not any(in_ring(loader, b.data) for b in got)
+    assert not any(in_ring(loader, b.data) for b in got) and all(b.data.is_shared() for b in got)
     assert [torch.equal(a.data, b.data) for a, b in zip(alone, got)] == [True] * len(alone)
 
 

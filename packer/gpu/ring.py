@@ -27,9 +27,9 @@ class BatchRing:
     workers fork (so neither /dev/shm nor a file is involved). A worker claims a free slot
     for a batch that fits (:meth:`claim`), else the batch travels as before; the training
     process takes it over on arrival (:meth:`view`), registers the whole mapping as pinned
-    memory with CUDA once, and frees the slot when the last tensor on it is gone. A slot
-    whose worker died before its batch arrived is claimed again. Workers that are not forked
-    (spawn, forkserver) see no mapping and never claim."""
+    memory with CUDA once, and frees the slot after the last tensor on it is gone
+    (:meth:`release`). A slot whose worker died before its batch arrived is claimed again.
+    Workers that are not forked (spawn, forkserver) see no mapping and never claim."""
 
     def __init__(self, slots: int, slot_bytes: int):
         if slots < 1 or slot_bytes < 1:
@@ -129,8 +129,8 @@ def _alive(pid: int) -> bool:
 
 
 def _pin(base: int, nbytes: int) -> bool:
-    """Register the mapping with CUDA as pinned memory (False where CUDA or the host's
-    locked-memory limit says no: the batches are then copied by the pin thread as before)."""
+    """Register the mapping with CUDA as pinned memory (False where CUDA says no: the
+    batches are then copied by the pin thread as before)."""
     if not torch.cuda.is_available():
         return False
     return int(torch.cuda.cudart().cudaHostRegister(base, nbytes, 1)) == 0  # 1: portable

@@ -237,7 +237,8 @@ class GPUDecoder(LoaderView):
         for i, v in enumerate(views):
             if out[i] is None:
                 out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
-        if self.device.type == "cuda":  # the host bytes (a ring slot) may be reused once we return
+        if self.device.type == "cuda":  # copies done here: the batch's host bytes (a ring slot)
+            # may be reused once it is dropped, whichever thread (and stream) drops it
             torch.cuda.current_stream(self.device).synchronize()
         self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
         return ImageTable.from_images(out), batch.sizes, self._labels(batch.labels)

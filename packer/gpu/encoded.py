@@ -165,7 +165,7 @@ class EncodedBatch(NamedTuple):
             labels = ("tensor", _raw(labels))
         else:
             labels = ("other", labels)
-        data = get_worker_info() is not None and locate(self.data) or self.data
+        data = locate(self.data) or self.data  # only a worker's own slot is located
         return _rebuild, (data, *map(_raw, self[1:4]), labels)
 
     def images(self) -> List[torch.Tensor]:

@@ -42,7 +42,7 @@ class BatchRing:
         self.owner = (ctypes.c_int64 * slots).from_buffer(self.mm)
         self.base = ctypes.addressof(self.owner)
         self.lock, self.next = mp.get_context("fork").Lock(), 0
-        self.pid, self.pinned, self.pending = os.getpid(), None, collections.deque()
+        self.pinned, self.pending = None, collections.deque()
         self.token = next(_TOKENS)
         _RINGS[self.token] = self
 
@@ -51,7 +51,7 @@ class BatchRing:
 
     def claim(self, nbytes: int) -> Optional[torch.Tensor]:
         """In a forked worker: ``nbytes`` of a free slot, now this process's, or None."""
-        if self.mm is None or not 0 < nbytes <= self.slot_bytes or os.getpid() == self.pid:
+        if self.mm is None or not 0 < nbytes <= self.slot_bytes:
             return None
         me = os.getpid()
         with self.lock:
@@ -123,8 +123,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 

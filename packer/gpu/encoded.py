@@ -17,7 +17,7 @@ from ..loading.torchapi import shared_empty
 from ..transforms.decode import open_image
 from ..format.images import DEFAULT_MAX_PIXELS
 from .detection import DetectionTargets, is_detection_batch, pack_targets
-from .ring import BatchRing, locate, ring_view
+from .ring import BatchRing, arrived, locate
 
 __all__ = ["EncodedBatch", "EncodedCollate", "EncodedImage", "EncodedSample", "JpegInfo",
            "collate_encoded", "gpu_decodable", "jpeg_info"]
@@ -198,9 +198,9 @@ def _rebuild(data, offsets, sizes, decoded, labels) -> EncodedBatch:
         labels = _tensor(*rest[0])
     else:
         labels = rest[0]
-    if isinstance(data, tuple):
-        data = ring_view(*data)
-    elif os.environ.get("PACKER_SHM_RELEASE", "1") != "0":
+    in_slot = isinstance(data, tuple)
+    data = arrived(data)
+    if not in_slot and os.environ.get("PACKER_SHM_RELEASE", "1") != "0":
         _RELEASER.hold(data)
     return EncodedBatch(data, _tensor(*offsets), _tensor(*sizes), _tensor(*decoded), labels)
 

@@ -21,7 +21,11 @@ __all__ = ["ConnectionsWarning", "connections_advice", "make_gpu_loader", "reser
 # nvJPEG's per-image steps wait behind training kernels on a shared hardware queue (8 by
 # default; docs/gpu_decode.md); CUDA reads this when its context is created.
 CUDA_QUEUES = 32
-RING_SPARE = 4  # ring slots beyond the batches the workers may hold at once
+# Ring slots beyond the batches the DataLoader keeps in flight: the training process also
+# holds those its decode threads work on, the finished ones waiting their turn, the one
+# being used and those whose release waits on the GPU (with 4, a batch in eight found no
+# free slot: docs/benchmarks.md).
+RING_SPARE = 12
 RING_BYTES = 1 << 30  # the most a loader's ring takes (pinned host memory)
 
 

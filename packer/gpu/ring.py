@@ -79,12 +79,15 @@ class BatchRing:
             self.pinned = _pin(self.base, self.nbytes)
             if self.pinned:
                 weakref.finalize(self, _unpin, self.base, os.getpid()).atexit = False
-        while self.pending and self.pending[0][1].query():  # copies from those slots done
-            self.owner[self.pending.popleft()[0]] = FREE
         start = self.head + slot * self.slot_bytes
         mv = memoryview(self.mm)[start:start + nbytes]
         weakref.finalize(mv, self.release, slot).atexit = False
         return torch.frombuffer(mv, dtype=torch.uint8)
+
+    def reap(self) -> None:
+        """Free the released slots whose copies are done (in the training process)."""
+        while self.pending and self.pending[0][1].query():
+            self.owner[self.pending.popleft()[0]] = FREE
 
     def release(self, slot: int) -> None:
         """The last tensor on ``slot`` is gone. Pinned, the slot is free once the work queued
@@ -110,12 +113,20 @@ def locate(t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
     return None
 
 
-def ring_view(token: int, slot: int, nbytes: int) -> torch.Tensor:
-    ring = _RINGS.get(token)
+def arrived(data):
+    """In the training process, an arriving batch's data: the view of its ring slot where
+    ``data`` is ``(token, slot, nbytes)``, else ``data``. Every arrival, in a slot or not,
+    frees the slots whose release finished: a ring whose slots are all waiting on the GPU
+    gets no batch in a slot, so freeing them only when one arrives would leave it full."""
+    for ring in list(_RINGS.values()):
+        ring.reap()
+    if not isinstance(data, tuple):
+        return data
+    ring = _RINGS.get(data[0])
     if ring is None:
         raise RuntimeError("a GPU-path batch arrived for a batch ring this process no longer "
                            "has (its loader was deleted while its workers ran)")
-    return ring.view(slot, nbytes)
+    return ring.view(*data[1:])
 
 
 def _alive(pid: int) -> bool:

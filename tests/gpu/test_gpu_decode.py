@@ -466,6 +466,23 @@ def test_gpu_ring_slot_waits_for_a_non_blocking_copy_out_of_it(mixed):
 
 @pytest.mark.gpu
 @cuda
+def test_gpu_ring_whose_slots_all_wait_frees_them_as_blocks_arrive():
+    """Slots released while work was queued are freed by the next batch to arrive, in a slot
+    or not: a ring whose every slot waits gets no batch in a slot to free them."""
+    from packer.gpu.ring import FREE, BatchRing, arrived
+    ring = BatchRing(2, 4096)
+    views = [arrived((ring.token, i, 16)) for i in range(2)]
+    assert ring.pinned
+    torch.cuda._sleep(50_000_000)  # the releases below wait behind this
+    del views
+    torch.cuda.synchronize()
+    assert FREE not in list(ring.owner)  # released, not yet freed
+    assert arrived(torch.zeros(3, dtype=torch.uint8)).numel() == 3  # a batch in its own block
+    assert list(ring.owner) == [FREE, FREE]
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_overlap_modes_agree(mixed):
     pytest.importorskip("torchvision")
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=0)

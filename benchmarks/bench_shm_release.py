@@ -13,6 +13,7 @@ Then, in this process: a block of --block-mib of shared memory, written, copied 
 buffer (as pinning does) and freed, the two timed (median of 40).
 
     python3 benchmarks/bench_shm_release.py --images 1536 --rounds 3
+    python3 benchmarks/bench_shm_release.py --images 1536 --rounds 3 --context forkserver
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ import time
 from pathlib import Path
 
 
-def child(root: str, batch: int, workers: int, epochs: int) -> dict:
+def child(root: str, batch: int, workers: int, epochs: int, context=None) -> dict:
     from packer.gpu import make_gpu_loader
-    loader = make_gpu_loader(root, batch, num_workers=workers, pin_memory=False, drop_last=True)
+    loader = make_gpu_loader(root, batch, num_workers=workers, pin_memory=False, drop_last=True,
+                             multiprocessing_context=context)
     for b in loader:  # warm-up: workers started, first blocks mapped
         del b
     n, c0, t0 = 0, time.thread_time(), time.perf_counter()
@@ -79,12 +81,14 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--block-mib", type=int, default=17, help="block size for free vs copy")
+    p.add_argument("--context", choices=["fork", "spawn", "forkserver"],
+                   help="how the workers start (default: make_loader's choice)")
     p.add_argument("--root", default="/tmp/packer-shm-release")
     p.add_argument("--out", default=os.environ.get("OUT") or "shm-release-out")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.batch, a.workers, a.epochs)))
+        print(json.dumps(child(a.child, a.batch, a.workers, a.epochs, a.context)))
         return 0
     packed = str(make_data(a))
     runs: dict = {"ring": [], "release": [], "norel": []}
@@ -96,6 +100,7 @@ def main(argv=None) -> int:
             env = {**os.environ, "PACKER_BATCH_RING": "1", "PACKER_SHM_RELEASE": "1", **envs[name]}
             cmd = [sys.executable, __file__, "--child", packed, "--batch", str(a.batch),
                    "--workers", str(a.workers), "--epochs", str(a.epochs)]
+            cmd += ["--context", a.context] if a.context else []
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)

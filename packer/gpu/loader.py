@@ -68,8 +68,7 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     dataset's ``EncodedImage``'s limit, else build's default). Other keywords go to
     ``make_loader``. Also calls :func:`reserve_cuda_queues`.
 
-    With the default ``collate_fn`` and forked workers (not spawn or forkserver, which
-    Python 3.14 makes Linux's default), batches travel in a
+    With the default ``collate_fn`` and workers, batches travel in a
     :class:`~packer.gpu.ring.BatchRing`: one slot per batch the workers may hold plus
     ``RING_SPARE``, each 1.25x the dataset's mean image size x ``batch_size``, at most
     ``RING_BYTES`` in all, pinned once (PACKER_BATCH_RING=0: off)."""
@@ -87,14 +86,14 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     kwargs.setdefault("collate_fn", collate)
     loader = make_loader(dataset, batch_size, **kwargs)
     if (loader.collate_fn is collate and loader.num_workers and batch_size
-            and start_method(loader.multiprocessing_context) == "fork"
             and os.environ.get("PACKER_BATCH_RING", "1") != "0"):
         collate.ring = _batch_ring(dataset, batch_size,
-                                   loader.num_workers * loader.prefetch_factor + RING_SPARE)
+                                   loader.num_workers * loader.prefetch_factor + RING_SPARE,
+                                   start_method(loader.multiprocessing_context))
     return loader
 
 
-def _batch_ring(dataset, batch_size: int, slots: int) -> Optional[BatchRing]:
+def _batch_ring(dataset, batch_size: int, slots: int, method: str) -> Optional[BatchRing]:
     """A ring for batches of ``batch_size`` of ``dataset``'s images, sized from their mean
     stored size; None where no manifest says it."""
     sources = dataset.sources if isinstance(dataset, Mixture) else [dataset]
@@ -102,7 +101,7 @@ def _batch_ring(dataset, batch_size: int, slots: int) -> Optional[BatchRing]:
              if isinstance(d, PackedDataset)]
     slot = int(1.25 * batch_size * max(means, default=0))
     slots = min(slots, RING_BYTES // max(1, slot))
-    return BatchRing(slots, slot) if slot and slots >= 2 else None
+    return BatchRing(slots, slot, method) if slot and slots >= 2 else None
 
 
 def _encoded(dataset, max_pixels: int):

@@ -1,6 +1,6 @@
-"""Shared buffers, pinned once, that forked DataLoader workers write the GPU path's batches
-into: a batch then reaches nvJPEG without the pin thread's copy (~17 MB a batch of 256
-photos) and without mapping and unmapping a new shared block for it (docs/gpu_decode.md).
+"""Shared buffers, pinned once, that DataLoader workers write the GPU path's batches into:
+a batch then reaches nvJPEG without the pin thread's copy (~17 MB a batch of 256 photos)
+and without mapping and unmapping a new shared block for it (docs/gpu_decode.md).
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import mmap
 import multiprocessing as mp
 import os
 import weakref
+from multiprocessing.context import get_spawning_popen
+from multiprocessing.reduction import DupFd
 from typing import Optional, Tuple
 
 import torch
@@ -23,34 +25,44 @@ FREE, MAIN = 0, -1  # a slot's owner: free, held by the training process, else a
 
 
 class BatchRing:
-    """``slots`` buffers of ``slot_bytes`` in one anonymous shared mapping made before the
-    workers fork (so neither /dev/shm nor a file is involved). A worker claims a free slot
-    for a batch that fits (:meth:`claim`), else the batch travels as before; the training
-    process takes it over on arrival (:meth:`view`), registers the whole mapping as pinned
+    """``slots`` buffers of ``slot_bytes`` in one shared mapping of a memory file (no name in
+    /dev/shm or on disk; it vanishes with the last process that maps it). Workers forked
+    after it was made inherit the mapping; workers started by ``method`` spawn or
+    forkserver are handed the file as they start. A worker claims a free slot for a batch
+    that fits (:meth:`claim`), else the batch travels as before; the training process
+    takes it over on arrival (:func:`arrived`), registers the whole mapping as pinned
     memory with CUDA once, and frees the slot after the last tensor on it is gone
-    (:meth:`release`). A slot whose worker died before its batch arrived is claimed again.
-    Workers that are not forked (spawn, forkserver) see no mapping and never claim."""
+    (:meth:`release`). A slot whose worker died before its batch arrived is claimed again."""
 
-    def __init__(self, slots: int, slot_bytes: int):
+    def __init__(self, slots: int, slot_bytes: int, method: str = "fork"):
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"a BatchRing needs slots and slot_bytes >= 1, got {slots}, {slot_bytes}")
         page = mmap.PAGESIZE
         self.slots, self.slot_bytes = slots, -(-slot_bytes // page) * page
         self.head = -(-8 * slots // page) * page  # the owner table, then the slots
-        self.nbytes = self.head + slots * self.slot_bytes
-        self.mm: Optional[mmap.mmap] = mmap.mmap(-1, self.nbytes)
-        self.owner = (ctypes.c_int64 * slots).from_buffer(self.mm)
-        self.base = ctypes.addressof(self.owner)
-        self.lock, self.next = mp.get_context("fork").Lock(), 0
-        self.pinned, self.pending = None, collections.deque()
-        self.token = next(_TOKENS)
-        _RINGS[self.token] = self
+        self.fd = os.memfd_create("packer-batch-ring") if hasattr(os, "memfd_create") else -1
+        if self.fd >= 0:
+            os.ftruncate(self.fd, self.head + slots * self.slot_bytes)
+            weakref.finalize(self, os.close, self.fd)
+        self._map(mp.get_context(method).Lock(), next(_TOKENS))
 
-    def __getstate__(self):  # pickled to a spawned worker: it writes batches as before
-        return {"mm": None}
+    def _map(self, lock, token: int) -> None:
+        self.nbytes = self.head + self.slots * self.slot_bytes
+        self.mm: Optional[mmap.mmap] = mmap.mmap(self.fd, self.nbytes)
+        self.owner = (ctypes.c_int64 * self.slots).from_buffer(self.mm)
+        self.base = ctypes.addressof(self.owner)
+        self.lock, self.token, self.next = lock, token, 0
+        self.pinned, self.pending = None, collections.deque()
+        _RINGS[token] = self
+
+    def __reduce__(self):
+        if self.fd >= 0 and get_spawning_popen() is not None:  # a worker being started
+            return _attach, (DupFd(self.fd), self.slots, self.slot_bytes, self.head, self.lock,
+                             self.token)
+        return _detached, ()  # anywhere else: a ring that never claims
 
     def claim(self, nbytes: int) -> Optional[torch.Tensor]:
-        """In a forked worker: ``nbytes`` of a free slot, now this process's, or None."""
+        """In a worker: ``nbytes`` of a free slot, now this process's, or None."""
         if self.mm is None or not 0 < nbytes <= self.slot_bytes:
             return None
         me = os.getpid()
@@ -127,6 +139,20 @@ def arrived(data):
         raise RuntimeError("a GPU-path batch arrived for a batch ring this process no longer "
                            "has (its loader was deleted while its workers ran)")
     return ring.view(*data[1:])
+
+
+def _attach(fd, slots: int, slot_bytes: int, head: int, lock, token: int) -> BatchRing:
+    """In a worker started by spawn or forkserver: the training process's ring."""
+    ring = BatchRing.__new__(BatchRing)
+    ring.fd, ring.slots, ring.slot_bytes, ring.head = fd.detach(), slots, slot_bytes, head
+    ring._map(lock, token)
+    return ring
+
+
+def _detached() -> BatchRing:
+    ring = BatchRing.__new__(BatchRing)
+    ring.mm = None
+    return ring
 
 
 def _alive(pid: int) -> bool:

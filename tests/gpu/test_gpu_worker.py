@@ -226,18 +226,24 @@ def test_a_full_ring_or_a_large_batch_falls_back_to_a_block_of_its_own(mixed):
     assert in_ring(loader, next(iter(loader)).data)
 
 
-def test_spawned_workers_write_no_ring(mixed):
-    """A ring is a mapping inherited through fork: spawned workers get none and send blocks
-    as before, even when handed one."""
-    from packer.gpu.ring import BatchRing
+@pytest.mark.parametrize("context", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])
+def test_workers_started_by_spawn_or_forkserver_write_into_the_ring(mixed, context):
+    """Workers that are not forked are handed the ring's memory file as they start (Python
+    3.14 makes forkserver Linux's default): their batches arrive in slots too, the same
+    bytes, and the next pass's new workers reuse the slots."""
+    import pickle
     alone = list(make_gpu_loader(mixed, 8, shuffle=False, num_workers=0, pin_memory=False))
     loader = make_gpu_loader(mixed, 8, shuffle=False, num_workers=1, pin_memory=False,
-                             multiprocessing_context="spawn")
-    assert loader.collate_fn.ring is None
-    loader.collate_fn.ring = BatchRing(4, 1 << 20)
-    got = list(loader)
-    assert not any(in_ring(loader, b.data) for b in got) and all(b.data.is_shared() for b in got)
-    assert [torch.equal(a.data, b.data) for a, b in zip(alone, got)] == [True] * len(alone)
+                             multiprocessing_context=context, persistent_workers=False)
+    ring = loader.collate_fn.ring
+    for _ in range(2):
+        got = list(loader)
+        assert [torch.equal(a.data, b.data) for a, b in zip(alone, got)] == [True] * len(alone)
+        inside = [in_ring(loader, b.data) for b in got]
+        assert inside == [b.data.nbytes <= ring.slot_bytes for b in got] and any(inside)
+        del got
+    # Pickled anywhere but to a worker being started, a ring is one that never claims.
+    assert pickle.loads(pickle.dumps(ring)).claim(1) is None
 
 
 def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):

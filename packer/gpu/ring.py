@@ -25,10 +25,10 @@ FREE, MAIN = 0, -1  # a slot's owner: free, held by the training process, else a
 
 
 class BatchRing:
-    """``slots`` buffers of ``slot_bytes`` in one shared mapping of a memory file (no name in
-    /dev/shm or on disk; it vanishes with the last process that maps it). Workers forked
-    after it was made inherit the mapping; workers started by ``method`` spawn or
-    forkserver are handed the file as they start. A worker claims a free slot for a batch
+    """``slots`` buffers of ``slot_bytes`` in one shared mapping that workers started by
+    ``method`` reach: forked ones inherit it (anonymous memory); for spawn and forkserver it
+    maps a memory file handed to each worker as it starts (no name in /dev/shm or on disk;
+    it vanishes with the last process that maps it). A worker claims a free slot for a batch
     that fits (:meth:`claim`), else the batch travels as before; the training process
     takes it over on arrival (:func:`arrived`), registers the whole mapping as pinned
     memory with CUDA once, and frees the slot after the last tensor on it is gone
@@ -40,7 +40,8 @@ class BatchRing:
         page = mmap.PAGESIZE
         self.slots, self.slot_bytes = slots, -(-slot_bytes // page) * page
         self.head = -(-8 * slots // page) * page  # the owner table, then the slots
-        self.fd = os.memfd_create("packer-batch-ring") if hasattr(os, "memfd_create") else -1
+        by_file = method != "fork" and hasattr(os, "memfd_create")
+        self.fd = os.memfd_create("packer-batch-ring") if by_file else -1
         if self.fd >= 0:
             os.ftruncate(self.fd, self.head + slots * self.slot_bytes)
             weakref.finalize(self, os.close, self.fd)

@@ -152,7 +152,7 @@ def _attach(fd, slots: int, slot_bytes: int, head: int, lock, token: int) -> Bat
 
 def _detached() -> BatchRing:
     ring = BatchRing.__new__(BatchRing)
-    ring.mm = None
+    ring.mm, ring.fd = None, -1
     return ring
 
 

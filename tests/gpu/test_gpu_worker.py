@@ -243,7 +243,7 @@ def test_workers_started_by_spawn_or_forkserver_write_into_the_ring(mixed, conte
         assert inside == [b.data.nbytes <= ring.slot_bytes for b in got] and any(inside)
         del got
     # Pickled anywhere but to a worker being started, a ring is one that never claims.
-    assert pickle.loads(pickle.dumps(ring)).claim(1) is None
+    assert pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(ring)))).claim(1) is None
 
 
 def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):

@@ -226,7 +226,7 @@ def test_a_full_ring_or_a_large_batch_falls_back_to_a_block_of_its_own(mixed):
     assert in_ring(loader, next(iter(loader)).data)
 
 
-@pytest.mark.parametrize("context", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_workers_started_by_spawn_or_forkserver_write_into_the_ring(mixed, context):
     """Workers that are not forked are handed the ring's memory file as they start (Python
     3.14 makes forkserver Linux's default): their batches arrive in slots too, the same

@@ -31,7 +31,8 @@ workers together, and its page faults and context switches.
                   and CUDA backends only; needs nvidia-nvimgcodec-cu13), norel: the workers'
                   shared blocks freed where dropped (PACKER_SHM_RELEASE=0), noring: no
                   batch ring, each batch a shared block of its own copied by the pin thread
-                  (PACKER_BATCH_RING=0); e.g. packer_w8_t1
+                  (PACKER_BATCH_RING=0), spawn / forkserver: the loader's workers started
+                  that way (multiprocessing_context); e.g. packer_w8_t1
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
   synthetic       (with --train or --detection) one resident batch: the model alone, the
@@ -213,6 +214,9 @@ def gpu_settings(a, name: str, **loader_options):
         os.environ["PACKER_SHM_RELEASE"] = "0"
     if "noring" in knobs:
         os.environ["PACKER_BATCH_RING"] = "0"
+    for method in ("spawn", "forkserver"):
+        if method in knobs:
+            loader_options["multiprocessing_context"] = method
     if "plain" in knobs or "pinned" in knobs:
         loader_options["pin_memory"] = "pinned" in knobs and not a.dry_run
     opts = {"decode_threads": knobs["t"]} if "t" in knobs else {}
@@ -232,7 +236,7 @@ def packer_knobs(name: str) -> dict:
     the two named variants as they were: pinned3 = pinned + t3, plain2 = plain + t2."""
     knobs = {}
     for tok in name.split("_")[1:]:
-        if tok in ("nvic", "nvichw", "norel", "noring"):  # flags without a number
+        if tok in ("nvic", "nvichw", "norel", "noring", "spawn", "forkserver"):  # flags
             knobs[tok] = 0
             continue
         m = re.fullmatch(r"(w|t|s|plain|pinned)(\d*)", tok)

@@ -200,7 +200,10 @@ def test_batches_travel_in_a_ring_of_slots_the_workers_reuse(mixed):
                  for b, i in zip(got, inside) if i]
         assert [ring.owner[k] for k in slots] == [MAIN] * len(slots)
         del got, b
-        gc.collect()  # free, or already claimed by a worker running on into the next epoch
+        gc.collect()
+        if torch.cuda.is_available():  # pinned: a slot is free once the work queued is done
+            torch.cuda.synchronize()
+        ring.reap()  # free, or already claimed by a worker running on into the next epoch
         assert all(ring.owner[k] == FREE or ring.owner[k] > 0 for k in slots)
 
 

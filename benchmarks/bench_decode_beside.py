@@ -153,7 +153,7 @@ def fed_rate(step, decoders, fmt, threads: int, batch: int, n: int, steps: int) 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=1024)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=150)

@@ -33,6 +33,24 @@ OPEN_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os,
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+HELD: set = set()  # lock descriptors open in this process now (fetch, evict, pin)
+
+
+def _drop_inherited() -> None:
+    """In a child just forked (a DataLoader worker): close the parent's lock descriptors.
+    ``flock`` belongs to the open file, which the child shares: a copy left open would hold
+    the parent's fetch lock for the child's life, and the next fetch of that shard, the
+    child's own included, would wait forever."""
+    for fd in list(HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited)
+
+
 def parse_size(value: Union[int, str, None]) -> Optional[int]:
     """``None``, a byte count, or text such as ``"200G"`` / ``"1.5T"`` (powers of 1024)."""
     if value is None or isinstance(value, int):
@@ -91,10 +109,8 @@ class ShardCache:
         self._reset()
 
     def _here(self) -> None:
-        """After a fork: the parent's pins and threads are not this process's."""
+        """After a fork: the parent's pins (closed at the fork) and threads are not ours."""
         if self._pid != os.getpid():
-            for fd in self._pins.values():
-                os.close(fd)  # the parent's lock stays: it holds its own descriptor
             self._reset()
 
     def shard_path(self, k: int, *, pin: bool = True) -> Path:
@@ -111,7 +127,7 @@ class ShardCache:
         if fd is not None:
             with self._mutex:
                 if self._pins.setdefault(k, fd) != fd:  # pinned meanwhile by another thread
-                    os.close(fd)
+                    _close_lock(fd)
         return self.root / name
 
     def release(self, k: int) -> None:
@@ -120,7 +136,7 @@ class ShardCache:
         with self._mutex:
             fd = self._pins.pop(k, None)
         if fd is not None:
-            os.close(fd)
+            _close_lock(fd)
 
     def prefetch(self, shards: Iterable[int]) -> List[Future]:
         """Fetch these shards in the background (``prefetch_workers`` at a time), unpinned;
@@ -143,7 +159,9 @@ class ShardCache:
         return len(self._entries)
 
     def _lock(self, name: str, kind: str) -> int:
-        return os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
+        fd = os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
+        HELD.add(fd)  # before any flock: a child forked from here on closes its copy
+        return fd
 
     @contextlib.contextmanager
     def _locked(self, name: str, kind: str, how: int):
@@ -153,7 +171,7 @@ class ShardCache:
             fcntl.flock(fd, how)
             yield
         finally:
-            os.close(fd)
+            _close_lock(fd)
 
     def _ensure(self, name: str, rel: str, size: int, sha: Optional[str], pin: bool) -> Optional[int]:
         """Make ``root/name`` present; with ``pin``, return the fd holding its pin (shared)."""
@@ -168,7 +186,7 @@ class ShardCache:
                     self.hits += not fetched
                     return fd
                 if fd is not None:
-                    os.close(fd)
+                    _close_lock(fd)
             with self._locked(name, "fetch", fcntl.LOCK_EX):  # one writer: waits for another's
                 if _size(path) != size:
                     self._fetch(name, rel, size, sha)
@@ -231,6 +249,11 @@ class ShardCache:
         """Bytes of shards in the cache now (all processes')."""
         return sum(st.st_size for e in os.scandir(self.root) if e.name.endswith(".lmdb")
                    for st in [_stat(e)] if st is not None)
+
+
+def _close_lock(fd: int) -> None:
+    HELD.discard(fd)  # first: once closed, the number may be another thread's new file
+    os.close(fd)
 
 
 def _content_name(entry: dict, manifest: dict, suffix: str) -> str:

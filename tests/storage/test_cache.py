@@ -141,3 +141,41 @@ def test_without_a_limit_a_reader_keeps_its_shards_open(s3, remote, tmp_path, li
     assert cache.downloads == 3
     assert cache.hits == (0 if limit is None else 3)  # a reopen is a pin (and a lock) again
     reader.close()
+
+
+def test_a_worker_forked_during_a_fetch_does_not_hold_its_lock(s3, remote, tmp_path):
+    """The sampler prefetches in the training process while DataLoader workers are forked:
+    a worker forked mid-download must not keep that download's lock (flock belongs to the
+    open file the child shares), else fetching the shard again waits for ever, in the
+    worker and in the training process."""
+    import multiprocessing as mp
+    import threading
+    cache = ShardCache(remote, tmp_path / "cache", None, s3["options"])
+    started, forked, done = threading.Event(), threading.Event(), tmp_path / "parent-done"
+    real = cache.store.download
+
+    def download(*args, **kwargs):  # the parent's fetch is under way when the worker forks
+        started.set()
+        assert forked.wait(60)
+        return real(*args, **kwargs)
+    cache.store.download = download
+    future = cache.prefetch([0])[0]
+    assert started.wait(60)
+    worker = mp.get_context("fork").Process(target=fetch_again_in_a_worker, args=(cache, done, real))
+    worker.start()
+    forked.set()
+    path = future.result(timeout=60)
+    done.touch()
+    worker.join(60)
+    assert worker.exitcode == 0, f"the worker's fetch hung or failed (exit {worker.exitcode})"
+    assert cache.shard_path(0) == path and path.stat().st_size == cache.manifest["shards"][0]["bytes"]
+    cache.close()
+
+
+def fetch_again_in_a_worker(cache, done, download):
+    signal.alarm(30)  # a hang ends the worker (SIGALRM) instead of the test run
+    cache.store.download = download
+    while not done.exists():
+        time.sleep(0.01)
+    cache.shard_path(0, pin=False).unlink()  # evicted: fetched again, under the same lock
+    assert cache.shard_path(0, pin=False).is_file()

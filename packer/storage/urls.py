@@ -17,6 +17,7 @@ URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 SECRET_KEYS = re.compile(r"key|secret|token|password|passwd|credential|sas|signature|auth",
                          re.IGNORECASE)
+GCS_REQUEST_SECONDS = 120  # one ranged GET of packer_part_size (8 MiB): 70 KB/s at least
 CLIENTS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
            "abfs": "adlfs", "abfss": "adlfs"}
 
@@ -92,15 +93,20 @@ def split_options(storage_options: Optional[Dict[str, Any]]) -> Tuple[Dict[str, 
         raise PackerError(f"storage_options has unknown packer keys ({', '.join(unknown)}); "
                           f"known: packer_part_size, packer_parallel, packer_retry_seconds")
     transfer = Transfer(**{k[len("packer_"):]: v for k, v in ours.items()})
-    if transfer.part_size < 1 or transfer.parallel < 1 or transfer.retry_seconds < 0:
-        raise PackerError(f"storage_options: packer_part_size and packer_parallel must be >= 1, "
-                          f"packer_retry_seconds >= 0 (got {transfer})")
+    whole = [transfer.part_size, transfer.parallel]
+    seconds = transfer.retry_seconds
+    if not (all(type(v) is int and v >= 1 for v in whole)
+            and type(seconds) in (int, float) and 0 <= seconds < float("inf")):
+        raise PackerError(f"storage_options: packer_part_size and packer_parallel must be whole "
+                          f"numbers >= 1, packer_retry_seconds a number >= 0 (got "
+                          f"{transfer.part_size!r}, {transfer.parallel!r}, {seconds!r})")
     return options, transfer
 
 
 def filesystem(url: str, options: Dict[str, Any]):
     """(fsspec filesystem, path within it) for ``url``; a missing client is a PackerError naming
-    the pip command. S3 gets bounded timeouts unless given (a stall must be retried, not hang)."""
+    the pip command. S3 and GCS get bounded timeouts unless given (a stall must be retried,
+    not hang)."""
     try:
         import fsspec
     except ImportError:
@@ -115,6 +121,8 @@ def filesystem(url: str, options: Dict[str, Any]):
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             if endpoint:
                 options["endpoint_url"] = endpoint
+    elif scheme in ("gs", "gcs"):  # gcsfs: no limit by default; this one is per request
+        options.setdefault("requests_timeout", GCS_REQUEST_SECONDS)
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError:

@@ -43,6 +43,14 @@ def test_split_options():
         split_options({"packer_nope": 1})
     with pytest.raises(PackerError, match=">= 1"):
         split_options({"packer_part_size": 0})
+    # From --storage-option KEY=VALUE text, or NaN (which JSON parsing lets through): a clear
+    # error, not a TypeError later or retries without end.
+    for bad in ({"packer_part_size": "8M"}, {"packer_parallel": 2.5}, {"packer_parallel": True},
+                {"packer_retry_seconds": float("nan")}, {"packer_retry_seconds": float("inf")},
+                {"packer_retry_seconds": "5"}):
+        with pytest.raises(PackerError, match="whole numbers >= 1"):
+            split_options(bad)
+    assert split_options({"packer_retry_seconds": 0.5})[1].retry_seconds == 0.5
 
 
 def test_upload_puts_the_manifest_last_and_resumes(s3, local_dataset, proxy, tmp_path):

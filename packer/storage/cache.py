@@ -11,6 +11,7 @@ except ImportError:  # Windows: a ShardCache says so when made; importing this w
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import threading
@@ -21,10 +22,10 @@ from copy import deepcopy
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from .._util.fsio import lock_module
+from .._util.fsio import lock_module, write_json_atomic
 from .._util.system import human_size
 from ..errors import PackerError
-from ..format.manifest import set_table, side_tables
+from ..format.manifest import MANIFEST, set_table, side_tables
 from .objects import Store
 from .remote import fetch_manifest
 
@@ -154,6 +155,20 @@ class ShardCache:
             self._pool = None
         for k in list(self._pins):
             self.release(k)
+
+    def write_manifest(self) -> Path:
+        """``root/manifest.json``: ``root`` read as a dataset folder once every shard is here.
+        One process writes it at a time (``info``/``verify`` runs sharing a ``cache_dir``);
+        one that already says the same is left as it is."""
+        path = self.root / MANIFEST
+        with self._locked(MANIFEST, "write", fcntl.LOCK_EX):
+            try:
+                same = json.loads(path.read_bytes()) == self.manifest
+            except (OSError, ValueError):
+                same = False
+            if not same:
+                write_json_atomic(path, self.manifest)
+        return path
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -58,7 +58,7 @@ def local_root(name: Any, storage_options: Optional[Dict[str, Any]] = None,
     with cache_for(name, storage_options, cache_dir, keep_all=True) as cache:
         with ThreadPoolExecutor(max(1, parallel)) as pool:
             list(pool.map(lambda k: cache.shard_path(k, pin=False), range(len(cache))))
-        write_json_atomic(cache.root / MANIFEST, cache.manifest)
+        cache.write_manifest()
         yield cache.root
 
 

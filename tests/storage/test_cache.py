@@ -179,3 +179,29 @@ def fetch_again_in_a_worker(cache, done, download):
         time.sleep(0.01)
     cache.shard_path(0, pin=False).unlink()  # evicted: fetched again, under the same lock
     assert cache.shard_path(0, pin=False).is_file()
+
+
+LOCAL_ROOT_LOOP = textwrap.dedent("""
+    import json, sys, time
+    from packer.format.manifest import read_manifest
+    from packer.storage.local import local_root
+    url, cache_dir, opts, go = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    while not __import__("os").path.exists(go):
+        time.sleep(0.005)
+    end = time.monotonic() + 4
+    while time.monotonic() < end:
+        with local_root(url, opts, cache_dir) as root:
+            assert read_manifest(root)["shards"]
+""")
+
+
+def test_commands_sharing_a_cache_dir_write_its_manifest_in_turn(s3, remote, tmp_path):
+    """`packer info/verify URL --cache-dir D` run at once on a node: each makes D's copy a
+    dataset folder (its manifest.json), none breaks the other's write or reads half of one."""
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", LOCAL_ROOT_LOOP, remote, str(tmp_path / "cache"),
+                               json.dumps(s3["options"]), str(go)], stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT))) for _ in range(3)]
+    go.touch()
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(e[-1500:] for e in errors)

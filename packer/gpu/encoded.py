@@ -249,15 +249,16 @@ def collate_encoded(batch, ring: Optional[BatchRing] = None) -> EncodedBatch:
     offsets = [0]
     for s in samples:
         offsets.append(offsets[-1] + len(s.data))
+    # Everything that can fail comes before a ring slot is claimed: a failed batch's slot
+    # would stay its worker's for the worker's life.
+    labels = pack_targets(targets) if is_detection_batch(targets) else default_collate(list(targets))
+    sizes = torch.tensor([(s.height, s.width) for s in samples], dtype=torch.int64)
     data = _empty_u8(offsets[-1], ring)
     base = data.data_ptr()
     for s, o in zip(samples, offsets):
         ctypes.memmove(base + o, s.data, len(s.data))
-    return EncodedBatch(data, torch.tensor(offsets, dtype=torch.int64),
-                        torch.tensor([(s.height, s.width) for s in samples], dtype=torch.int64),
-                        torch.tensor([s.decoded for s in samples], dtype=torch.bool),
-                        pack_targets(targets) if is_detection_batch(targets)
-                        else default_collate(list(targets)))
+    return EncodedBatch(data, torch.tensor(offsets, dtype=torch.int64), sizes,
+                        torch.tensor([s.decoded for s in samples], dtype=torch.bool), labels)
 
 
 class EncodedCollate:

@@ -10,6 +10,7 @@ import itertools
 import mmap
 import multiprocessing as mp
 import os
+import threading
 import weakref
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd
@@ -22,6 +23,9 @@ __all__ = ["BatchRing"]
 _RINGS: "weakref.WeakValueDictionary[int, BatchRing]" = weakref.WeakValueDictionary()
 _TOKENS = itertools.count(1)
 FREE, MAIN = 0, -1  # a slot's owner: free, held by the training process, else a worker's pid
+# Seconds a worker waits for the claim lock (held for microseconds) before it takes the
+# holder for killed in there, and stops claiming.
+CLAIM_WAIT = 1.0
 
 
 class BatchRing:
@@ -54,6 +58,7 @@ class BatchRing:
         self.base = ctypes.addressof(self.owner)
         self.lock, self.token, self.next = lock, token, 0
         self.pinned, self.pending = None, collections.deque()
+        self.pid, self.guard = os.getpid(), threading.Lock()  # the training process's side
         _RINGS[token] = self
 
     def __reduce__(self):
@@ -67,7 +72,10 @@ class BatchRing:
         if self.mm is None or not 0 < nbytes <= self.slot_bytes:
             return None
         me = os.getpid()
-        with self.lock:
+        if not self.lock.acquire(timeout=CLAIM_WAIT):  # its holder was killed in there
+            self.mm = None  # this worker's batches travel as blocks of their own from now on
+            return None
+        try:
             for k in range(self.slots):
                 i = (self.next + k) % self.slots
                 who = self.owner[i]
@@ -75,6 +83,8 @@ class BatchRing:
                     self.owner[i], self.next = me, i + 1
                     return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes,
                                             offset=self.head + i * self.slot_bytes)
+        finally:
+            self.lock.release()
         return None
 
     def locate(self, t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
@@ -88,29 +98,36 @@ class BatchRing:
         """In the training process: the batch in ``slot``, which is free again once the
         returned tensor and every view of it are gone (they keep the ring alive)."""
         self.owner[slot] = MAIN
-        if self.pinned is None:
-            self.pinned = _pin(self.base, self.nbytes)
-            if self.pinned:
-                weakref.finalize(self, _unpin, self.base, os.getpid()).atexit = False
+        with self.guard:  # batches of two loaders arrive in two threads
+            if self.pinned is None:
+                self.pinned = _pin(self.base, self.nbytes)
+                if self.pinned:
+                    weakref.finalize(self, _unpin, self.base, os.getpid()).atexit = False
         start = self.head + slot * self.slot_bytes
         mv = memoryview(self.mm)[start:start + nbytes]
         weakref.finalize(mv, self.release, slot).atexit = False
         return torch.frombuffer(mv, dtype=torch.uint8)
 
     def reap(self) -> None:
-        """Free the released slots whose copies are done (in the training process)."""
-        while self.pending and self.pending[0][1].query():
-            self.owner[self.pending.popleft()[0]] = FREE
+        """Free the released slots whose copies are done (in the training process; every
+        thread a batch arrives in reaps every ring, so one at a time)."""
+        with self.guard:
+            while self.pending and self.pending[0][1].query():
+                self.owner[self.pending.popleft()[0]] = FREE
 
     def release(self, slot: int) -> None:
         """The last tensor on ``slot`` is gone. Pinned, the slot is free once the work queued
         so far on this thread's CUDA stream is done: a ``non_blocking`` copy out of it may
-        still be reading (torch's own pinned memory waits the same way)."""
+        still be reading (torch's own pinned memory waits the same way). Nothing in a process
+        forked from the training one (a view collected there is not the slot's holder)."""
+        if os.getpid() != self.pid:
+            return
         if self.pinned:
             try:
                 done = torch.cuda.Event()
                 done.record()
-                self.pending.append((slot, done))
+                with self.guard:
+                    self.pending.append((slot, done))
                 return
             except RuntimeError:  # CUDA gone (interpreter exit): nothing reads the slot
                 pass

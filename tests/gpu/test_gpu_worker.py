@@ -267,3 +267,98 @@ def test_cuda_queues_are_reserved_explicitly_not_on_import(tmp_path):
         assert out[:3] == [value, "False", value]  # the user's choice stays
         assert f"CUDA_DEVICE_MAX_CONNECTIONS is {value}" in out[3]
         assert "packer.gpu.reserve_cuda_queues()" in out[3]
+
+
+def test_a_worker_killed_holding_the_ring_lock_stops_no_one(tmp_path):
+    """A worker killed (OOM, terminate) inside a claim leaves the ring's lock taken for good:
+    the other workers' batches then travel as blocks of their own instead of waiting."""
+    import multiprocessing as mp
+    from packer.gpu.ring import BatchRing
+    ring = BatchRing(4, 1 << 16)
+    holder = mp.get_context("fork").Process(target=die_holding, args=(ring,))
+    holder.start()
+    holder.join(30)
+    worker = mp.get_context("fork").Process(target=claim_twice, args=(ring,))
+    worker.start()
+    worker.join(30)
+    assert worker.exitcode == 0, f"the claim waited for the dead holder (exit {worker.exitcode})"
+
+
+def die_holding(ring):
+    ring.lock.acquire()
+    os._exit(0)
+
+
+def claim_twice(ring):
+    import signal
+    signal.alarm(10)
+    assert ring.claim(100) is None and ring.claim(100) is None
+
+
+def test_a_batch_whose_labels_fail_to_collate_leaves_the_ring_alone(photos):
+    """A failed collate in a worker (its exception goes to the training loop) must not keep
+    a slot: with persistent workers it would be the worker's for good."""
+    from torch.utils.data import DataLoader
+    from packer.gpu.encoded import EncodedCollate
+    from packer.gpu.ring import FREE, BatchRing
+    data = kind_bytes(photos, "baseline.jpg")
+    info = jpeg_info(data)
+    rows = [(EncodedSample(data, info.height, info.width, False), label)
+            for label in (1, "a", 2, "b")]  # ints and text: default_collate refuses
+    ring = BatchRing(2, 1 << 20)
+    loader = DataLoader(rows, batch_size=2, num_workers=1, persistent_workers=True,
+                        collate_fn=EncodedCollate(ring), multiprocessing_context="fork")
+    it = iter(loader)
+    with pytest.raises(TypeError):
+        next(it)
+    assert list(ring.owner) == [FREE, FREE]
+    del it
+
+
+def test_a_ring_view_collected_in_a_forked_process_frees_nothing():
+    """A slot's view in garbage at a fork (a reference cycle not yet collected) is collected
+    in the worker too: that must not free the slot, which stays the training process's until
+    its own collection (a worker could claim it meanwhile, then have it freed under it)."""
+    import gc
+    import multiprocessing as mp
+    from packer.gpu.ring import FREE, MAIN, BatchRing
+    ring = BatchRing(2, 1 << 16)
+    ring.owner[0] = os.getpid()
+    cycle = [ring.view(0, 16)]
+    cycle.append(cycle)
+    gc.disable()
+    try:
+        del cycle
+        child = mp.get_context("fork").Process(target=gc.collect)
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0 and ring.owner[0] == MAIN
+    finally:
+        gc.enable()
+    gc.collect()
+    assert ring.owner[0] == FREE
+
+
+def test_two_threads_reaping_one_ring_free_only_what_is_done():
+    """Batches of two loaders arrive in two threads, and each arrival reaps every ring: a
+    slot whose copy is still running must stay held whatever the interleaving."""
+    import threading
+    import time
+    from packer.gpu.ring import FREE, MAIN, BatchRing
+
+    class Copy:  # stands in for a CUDA event: done or not, slow to ask
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            time.sleep(0.02)  # both threads ask about the first slot at once
+            return self.done
+    ring = BatchRing(2, 1 << 16)
+    ring.owner[0] = ring.owner[1] = MAIN
+    ring.pending.extend([(0, Copy(True)), (1, Copy(False))])
+    threads = [threading.Thread(target=ring.reap) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert list(ring.owner) == [FREE, MAIN]

@@ -385,3 +385,24 @@ def test_disk_full_is_a_packer_error_in_the_library(photo_src, tiny_disk):
     with pytest.raises(PackerError, match=r"disk full while writing .*MiB free\)\. Shards finished "
                                           r"before this one are kept"):
         quiet_build(photo_src, tiny_disk / "dst")
+
+
+def test_another_src_with_the_same_names_is_another_build(photo_src, tmp_path, monkeypatch):
+    """A second SRC holding files of the same names (another photo set, a re-export) is not
+    the interrupted build's input: its run starts over rather than resuming into a mix of
+    both, and over a finished dataset it is refused, not taken for a no-op re-run."""
+    from packer.demo import make_image_folder
+    other = make_image_folder(tmp_path / "other", images=48, classes=4, seed=2)
+    assert image_files(other) == image_files(photo_src)
+    dst = tmp_path / "d"
+    with monkeypatch.context() as mp:
+        crash_on_finish(mp, after=2)
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(photo_src, dst, workers=0, shard_size=1 << 20)
+    r = quiet_build(other, dst, workers=0, shard_size=1 << 20)
+    assert r.resumed_shards == 0
+    ref = quiet_build(other, tmp_path / "ref", workers=0, shard_size=1 << 20)
+    assert [s["sha256"] for s in r.manifest["shards"]] == [s["sha256"] for s in ref.manifest["shards"]]
+    with pytest.raises(PackerError, match="already holds a finished dataset"):
+        quiet_build(photo_src, dst, workers=0, shard_size=1 << 20)
+    assert quiet_build(other, dst, workers=0, shard_size=1 << 20).resumed_shards == len(ref.manifest["shards"])

@@ -23,12 +23,14 @@ BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", "paths.*", LABELS, OFF
                   JOURNAL, LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp")
 
 
-def fingerprint(source: ImageList, options: dict) -> str:
-    """Identifies a build's input and options: a re-run with the same one resumes."""
+def fingerprint(source: ImageList, options: dict, sizes: List[int]) -> str:
+    """Identifies a build's input and options: a re-run with the same one resumes. The
+    folder and each file's size count: another SRC with the same names is another input."""
     h = hashlib.sha256()
-    h.update(json.dumps([FORMAT_VERSION, source.classes, options], sort_keys=True).encode())
-    for rel, label in source.entries:
-        h.update(f"{rel}\t{label}\n".encode("utf-8", "surrogateescape"))
+    h.update(json.dumps([FORMAT_VERSION, str(source.root.resolve()), source.classes, options],
+                        sort_keys=True).encode("utf-8", "surrogateescape"))
+    for (rel, label), size in zip(source.entries, sizes):
+        h.update(f"{rel}\t{label}\t{size}\n".encode("utf-8", "surrogateescape"))
     ann = source.annotations
     if ann is not None:  # the annotations are input too
         h.update(json.dumps([ann.schema, ann.task, ann.extra,

@@ -321,6 +321,31 @@ def test_ctrl_c_exits_130_and_resumes(photo_src, tmp_path):
     assert_one_record_per_image(dst, src)
 
 
+@pytest.mark.slow
+def test_a_build_worker_killed_is_a_message_and_the_rerun_resumes(photo_src, tmp_path):
+    """The OOM killer takes a build worker: one message that says what happened and what to
+    do (no BrokenProcessPool traceback), the finished shards kept for the re-run."""
+    src = big_tree(tmp_path, photo_src, copies=40)
+    dst = tmp_path / "d"
+    proc = start_build(src, dst, "--workers", "2")
+    deadline = time.time() + 60
+    while not finished_shards(dst) and time.time() < deadline:
+        time.sleep(0.01)
+    kill_group(proc, signal.SIGSTOP)  # frozen, so the build cannot finish meanwhile
+    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    kill_group(proc, signal.SIGCONT)
+    out, err = proc.communicate(timeout=60)
+    kill_group(proc, signal.SIGKILL)
+    assert workers and proc.returncode == 1, err
+    assert err.startswith("Error: a build worker process died") and "--workers N" in err, err
+    assert "Traceback" not in err
+    rerun = run_packer("build", src, dst, "--shard-size", "1M", "-q")
+    assert rerun.stdout.startswith("resumed after ")
+    assert_one_record_per_image(dst, src)
+
+
 # -- a full disk -----------------------------------------------------------------------------
 
 @pytest.fixture

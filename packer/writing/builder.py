@@ -9,6 +9,7 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Deque, Iterator, List, Optional, Union
@@ -279,6 +280,10 @@ def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[Sha
             done = pending.popleft().result()
             yield done
             done = None
+    except BrokenProcessPool:
+        raise PackerError(f"a build worker process died (killed; out of memory?) while packing "
+                          f"into {job.dst}; the finished shards are kept: re-run the same build "
+                          f"to resume, with fewer workers (workers=N) if memory ran out") from None
     finally:
         job.stop.set()
         pool.shutdown(wait=True, cancel_futures=True)

@@ -3,6 +3,7 @@
 a rewritten manifest, so TARGET is self-contained. ``unstager.py`` undoes it."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -150,8 +151,9 @@ def _copy(todo: List[StagedFile], target: Path, progress: bool, result: StageRes
             result.bytes_copied += f.bytes
     except BaseException:
         copier.shutdown(wait=True, cancel_futures=True)
-        for p in target.glob("." + "*" + TMP_SUFFIX):
-            p.unlink(missing_ok=True)
+        for f in todo:  # this run's temp files only: TARGET may hold others' of that form
+            with contextlib.suppress(OSError):  # never in place of the error being raised
+                (target / f".{f.name}{TMP_SUFFIX}").unlink(missing_ok=True)
         raise
     finally:
         copier.shutdown()

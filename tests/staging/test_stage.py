@@ -179,6 +179,24 @@ def test_damaged_source_is_refused(dst, tmp_path):
     assert not (tmp_path / "ram").exists()  # the copies, TARGET and the parent it made: gone
 
 
+def test_a_failed_restage_removes_only_its_own_temp_files(dst, tmp_path):
+    """Other files in a staged TARGET are left alone, even named like packer's temp files:
+    a re-stage that fails removes the temp files of its own copies, nothing else."""
+    target = tmp_path / "t"
+    stage(dst, target, progress=False)
+    (target / ".notes.staging").write_text("mine")
+    (target / ".folder.staging").mkdir()
+    shard = dst / read_manifest(dst)["shards"][-1]["path"]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (target / shard.name).unlink()  # so the re-stage copies the damaged shard
+    with pytest.raises(FormatError, match="source dataset is damaged"):
+        stage(dst, target, progress=False)
+    assert (target / ".notes.staging").read_text() == "mine" and (target / ".folder.staging").is_dir()
+    assert not (target / f".{shard.name}.staging").exists()
+
+
 def test_unfinished_source_is_refused(dst, tmp_path):
     (dst / MANIFEST).unlink()
     with pytest.raises(FormatError, match="not a packer dataset"):

@@ -299,3 +299,25 @@ def test_start_method_names_how_workers_start_without_fixing_the_default():
     assert start_method("spawn") == "spawn" and start_method(mp.get_context("forkserver")) == "forkserver"
     assert start_method(None) == (before or mp.get_all_start_methods()[0])
     assert mp.get_start_method(allow_none=True) == before
+
+
+def test_epochs_of_no_batch_end_with_workers_too(packed):
+    """Fewer samples than a batch with drop_last (a small validation set, many ranks): every
+    epoch is empty, with workers too (the batch stream looked for a batch for ever)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+    code = textwrap.dedent(f"""
+        from packer import DecodeCenterCrop, PackedDataset, make_loader
+        ds = PackedDataset({str(packed[1])!r}, decode=DecodeCenterCrop(32))
+        for workers in (0, 2):
+            loader = make_loader(ds, 256, drop_last=True,
+                                 num_workers=workers, pin_memory=False)
+            print(len(loader), *[len(list(loader)) for _ in range(2)])
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:2] == ["0 0 0", "0 0 0"]

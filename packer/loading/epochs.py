@@ -111,9 +111,9 @@ class EpochBatches:
         return self.per_epoch(len(self.sampler))
 
     def __iter__(self) -> Iterator[Numbered]:
-        if len(self) == 0:  # every epoch empty (fewer samples than a batch, with drop_last)
-            return
         epoch = self.sampler.epoch_copy()  # from the caller's position (a resume), once
+        if not self.per_epoch(len(epoch.epoch_copy(epoch.epoch + 1))):
+            return  # every epoch empty (fewer samples than a batch, with drop_last)
         seq = itertools.count()
         while True:
             indices = iter(epoch)

@@ -215,7 +215,7 @@ def test_the_default_loader_resumes_after_the_last_batch_it_handed_out():
     head = [next(it)[1].tolist() for _ in range(4)]  # the workers have made more by now
     state = first.state_dict()
     assert state == {"sampler": {"seed": first.sampler.seed, "epoch": 0, "consumed": 16,
-                                 "size": 40}}
+                                 "size": 40, "arrangement": {"order": "random", "shuffle": True}}}
     second = make_loader(ds, 4, num_workers=2, pin_memory=False)
     second.load_state_dict(state)
     rest = [y.tolist() for _, y in second]

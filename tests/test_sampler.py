@@ -143,13 +143,15 @@ def test_set_epoch_changes_order_and_reaches_persistent_workers():
 # -- resume ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("order", ["random", "block"])
-def test_state_is_a_few_integers_and_resume_skips_nothing_and_replays_nothing(order):
+def test_state_is_a_few_numbers_and_resume_skips_nothing_and_replays_nothing(order):
     n, w = 1001, 3
     full = [list(s) for s in ranks(n, w, seed=4, order=order)]
     samplers = ranks(n, w, seed=4, order=order)
     heads = [take(s, 100) for s in samplers]
     state = samplers[0].state_dict()
-    assert state == {"seed": 4, "epoch": 0, "consumed": 300, "size": n}
+    arranged = {"order": order, "shuffle": True, **({"block_size": 256, "window": 16}
+                                                     if order == "block" else {})}
+    assert state == {"seed": 4, "epoch": 0, "consumed": 300, "size": n, "arrangement": arranged}
     assert all(s.state_dict() == state for s in samplers)  # ranks agree: save rank 0's
     resumed = ranks(n, w, seed=999, order=order)  # the state's seed wins
     for s in resumed:
@@ -322,7 +324,8 @@ def test_stateful_dataloader_round_trip(workers):
     sampler_state = states[0]
     for key in ("_snapshot", "_main_snapshot", "_sampler_iter_state", "sampler_state"):
         sampler_state = sampler_state.get(key, sampler_state)
-    assert sampler_state == {"seed": 21, "epoch": 0, "consumed": k * bs * w, "size": n}
+    assert sampler_state == {"seed": 21, "epoch": 0, "consumed": k * bs * w, "size": n,
+                             "arrangement": {"order": "random", "shuffle": True}}
     del its
     rest = fresh_process(SDL_SCRIPT, json.dumps([n, w, bs, workers, states[0]]))  # rank 0's state
     assert [h + r for h, r in zip(heads, rest)] == full
@@ -404,6 +407,34 @@ def test_grouped_order_depends_on_the_global_batch_and_resumes():
     s.load_state_dict({"seed": 1, "epoch": 0, "consumed": 40})
     assert list(s) == one[40:]  # O(1) resume: the same order, from the next unseen sample
     assert list(PackedSampler(ds, aspect_groups=0, batch_size=8, seed=2)) != one
+
+
+def test_a_state_resumes_only_into_the_order_it_was_saved_for():
+    """The rest of an epoch is exactly the unseen samples only in the same arrangement: a
+    state from another order, block size or (grouped) global batch is refused; another
+    world size with the same global batch, or without groups, resumes."""
+    ds = _Ratios(200)
+    ranks = [PackedSampler(ds, seed=0, num_replicas=4, rank=r, aspect_groups=2, batch_size=8)
+             for r in range(4)]
+    its = [iter(s) for s in ranks]
+    seen = [next(it) for _ in range(3) for it in its for _ in range(8)]  # 3 global batches
+    state = ranks[0].state_dict()
+    with pytest.raises(ValueError, match="same batch_size x world size"):
+        PackedSampler(ds, seed=0, num_replicas=2, rank=0, aspect_groups=2,
+                      batch_size=8).load_state_dict(state)
+    rest = []
+    for r in range(2):  # 2 ranks x 16: the same global batch
+        s = PackedSampler(ds, seed=0, num_replicas=2, rank=r, aspect_groups=2, batch_size=16)
+        s.load_state_dict(state)
+        rest += list(s)
+    assert sorted(seen + rest) == list(range(200))
+    block = PackedSampler(range(100), order="block", block_size=8, seed=1)
+    with pytest.raises(ValueError, match="arranged as"):
+        PackedSampler(range(100), seed=1).load_state_dict(block.state_dict())
+    with pytest.raises(ValueError, match="arranged as"):
+        PackedSampler(range(100), order="block", block_size=16, seed=1).load_state_dict(block.state_dict())
+    elastic = PackedSampler(range(100), order="block", block_size=8, seed=1, num_replicas=3, rank=0)
+    elastic.load_state_dict(block.state_dict())  # another world size: fine
 
 
 def test_grouping_needs_batch_size_and_ratios():

@@ -268,8 +268,9 @@ class PackedSampler(Sampler[int]):
         self._consumed = int(consumed)
 
     def state_dict(self, consumed: Optional[int] = None) -> Dict[str, int]:
-        """``{"seed", "epoch", "consumed", "size"}`` (``consumed``: global samples the training
-        loop received this epoch; pass it with a plain multi-worker ``DataLoader``)."""
+        """``{"seed", "epoch", "consumed", "size", "arrangement"}`` (``consumed``: global
+        samples the training loop received this epoch; pass it with a plain multi-worker
+        ``DataLoader``)."""
         if consumed is None:
             consumed = self._consumed
         elif consumed < 0:
@@ -279,7 +280,20 @@ class PackedSampler(Sampler[int]):
             state["mixture"] = self.mixture.layout
         if self.order == "node":  # and for the node order, the world it was laid out for
             state["layout"] = list(self.epoch_layout())
+        state["arrangement"] = self._arrangement()
         return state
+
+    def _arrangement(self) -> Dict[str, Any]:
+        """What, with seed and epoch, fixes the global order: a state resumes only into it."""
+        key: Dict[str, Any] = {"order": self.order, "shuffle": self.shuffle}
+        if self.order == "block":
+            key["block_size"] = self.block_size
+        if self.order != "random":
+            key["window"] = self.window
+        if self.groups is not None:  # grouped in runs of one global batch
+            key["aspect_groups"] = self.aspect_groups
+            key["global_batch"] = self.batch_size * self.num_replicas
+        return key
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from ``state`` (maybe saved at another world size) at the next unseen sample."""
@@ -296,6 +310,12 @@ class PackedSampler(Sampler[int]):
                              f"([samples, samples per epoch] per source), this one is "
                              f"{layout or 'not a mixture'}; "
                              f"resume with the same sources, weights and epoch_size")
+        saved, mine = state.get("arrangement"), self._arrangement()
+        if saved is not None and dict(saved) != mine:
+            raise ValueError(f"the state was saved for a sampler arranged as {dict(saved)}, this "
+                             f"one is {mine}: the rest of the epoch would repeat some samples "
+                             f"and skip others; resume with the same order settings (and, with "
+                             f"aspect_groups, the same batch_size x world size)")
         consumed = int(state["consumed"])
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, got {consumed}")

@@ -431,3 +431,24 @@ def test_another_src_with_the_same_names_is_another_build(photo_src, tmp_path, m
     with pytest.raises(PackerError, match="already holds a finished dataset"):
         quiet_build(photo_src, dst, workers=0, shard_size=1 << 20)
     assert quiet_build(other, dst, workers=0, shard_size=1 << 20).resumed_shards == len(ref.manifest["shards"])
+
+
+def test_side_tables_of_a_run_killed_before_its_manifest_go_with_the_next_run(photo_src, tmp_path,
+                                                                           monkeypatch):
+    """Killed after its side tables, before its manifest; re-run with other input (here no
+    labels): the first run's labels.i32 is removed, not left unlisted, so a later overwrite
+    is not refused for a file packer wrote itself."""
+    from packer import build
+    from packer.sources import Table
+    dst = tmp_path / "d"
+    with monkeypatch.context() as mp:
+        mp.setattr(packing_mod, "new_manifest", lambda **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(photo_src, dst, workers=0)
+    assert (dst / "labels.i32").exists() and not (dst / "manifest.json").exists()
+    table = tmp_path / "meta.jsonl"
+    table.write_text("".join(json.dumps({"path": p, "score": 1.5}) + "\n" for p in image_files(photo_src)))
+    build(Table(photo_src, table), dst, workers=0, progress=False)
+    assert "labels" not in read_manifest(dst) and not (dst / "labels.i32").exists()
+    quiet_build(photo_src, dst, workers=0, overwrite=True)
+    assert read_manifest(dst)["labels"]

@@ -146,8 +146,7 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
     source = select(source, part=part, shuffle=options["shuffle"], seed=options["seed"])
     dst.mkdir(parents=True, exist_ok=True)
     with FolderLock(dst, f"packer build into {dst}"):
-        sizes = file_sizes(source)
-        fp = journal.fingerprint(source, options, sizes)
+        fp = journal.fingerprint(source, options)
         if (dst / MANIFEST).exists():
             done = None if overwrite else journal.finished(dst, fp)
             if done is not None:  # this very build finished: a re-run changes nothing
@@ -171,7 +170,7 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
         try:
             job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names), transcode,
                            checks)
-            _take(source, run, job, workers, bar, on_shard, sizes)
+            _take(source, run, job, workers, bar, on_shard)
         except BaseException:
             run.abort()
             raise
@@ -194,10 +193,10 @@ def source_schema(source: ImageList) -> dict:
     return {"task": task, "fields": fields + list(ann.schema)}
 
 
-def _take(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard,
-          sizes: List[int]) -> None:
+def _take(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard) -> None:
     """The planned shards taken in plan order: their samples into the tables and skip lists,
     then the shard into the journal; none after one cut short (a strict build's failure)."""
+    sizes = file_sizes(source)
     broken, in_bytes = False, 0
     for done in _shards(_remaining(sizes, run, source), workers, job, bar):
         in_bytes += done.in_bytes

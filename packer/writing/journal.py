@@ -23,14 +23,14 @@ BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", "paths.*", LABELS, OFF
                   JOURNAL, LABELS + ".tmp", OFFSETS + ".tmp", MANIFEST + ".tmp", JOURNAL + ".tmp")
 
 
-def fingerprint(source: ImageList, options: dict, sizes: List[int]) -> str:
+def fingerprint(source: ImageList, options: dict) -> str:
     """Identifies a build's input and options: a re-run with the same one resumes. The
-    folder and each file's size count: another SRC with the same names is another input."""
+    folder counts: another SRC holding the same names is another input."""
     h = hashlib.sha256()
     h.update(json.dumps([FORMAT_VERSION, str(source.root.resolve()), source.classes, options],
                         sort_keys=True).encode("utf-8", "surrogateescape"))
-    for (rel, label), size in zip(source.entries, sizes):
-        h.update(f"{rel}\t{label}\t{size}\n".encode("utf-8", "surrogateescape"))
+    for rel, label in source.entries:
+        h.update(f"{rel}\t{label}\n".encode("utf-8", "surrogateescape"))
     ann = source.annotations
     if ann is not None:  # the annotations are input too
         h.update(json.dumps([ann.schema, ann.task, ann.extra,
@@ -157,15 +157,18 @@ def finished(dst: Path, fp: str) -> Optional[dict]:
     man = read_manifest(dst)
     if not fp or man.get("fingerprint") != fp:
         return None
-    remove_leftovers(dst, {s["path"] for s in man["shards"]})
+    remove_leftovers(dst, man)
     return man
 
 
-def remove_leftovers(dst: Path, keep: set) -> None:
-    """After the manifest: the journal, temp files, and shard files not in ``keep`` (left by an
-    interrupted attempt whose shards came out differently)."""
+def remove_leftovers(dst: Path, manifest: dict) -> None:
+    """After the manifest: the journal, temp files, and every file with a build's names that
+    ``manifest`` does not list (an interrupted attempt's shards or side tables that came out
+    otherwise; a build starts only in a folder where no one else's files have such names)."""
+    keep = {s["path"] for s in manifest["shards"]} | {MANIFEST}
+    keep |= {entry["path"] for _, entry, _ in side_tables(manifest)}
     for name in packer_names(dst):
-        if name not in keep and name.startswith((".", "shard-")):
+        if name not in keep:
             remove_own(dst, name)
 
 

@@ -147,7 +147,7 @@ class Packing:
         manifest["fingerprint"] = fingerprint or self.fingerprint  # a re-run knows its own dataset
         with disk_errors(self.dst / MANIFEST):
             write_json_atomic(self.dst / MANIFEST, manifest)
-        journal.remove_leftovers(self.dst, {s["path"] for s in manifest["shards"]})
+        journal.remove_leftovers(self.dst, manifest)
         return manifest
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import itertools
 import os
 import stat
@@ -76,22 +77,36 @@ class ShardReader:
             if self.cache is not None:
                 self._cached(shard)
             try:
-                fd = os.open(self.paths[shard], READ_FLAGS)
-            except OSError as e:
-                raise FormatError(
-                    f"{self.paths[shard]} cannot be opened ({e.strerror}): it was removed or "
-                    f"made unreadable after this dataset was opened (unstaged?); stage or open "
-                    f"the dataset again") from None
-            st = os.fstat(fd)
-            if self.cache is not None and st.st_size == self.manifest["shards"][shard]["bytes"]:
-                self.identity[shard] = _stat_identity(st)  # named by its SHA-256: any copy is it
-            if _stat_identity(st) != self.identity[shard]:
-                os.close(fd)
-                raise FormatError(
-                    f"{self.paths[shard]} was replaced after this dataset was opened (re-staged "
-                    f"or rebuilt in place?): its records no longer match the offsets and labels "
-                    f"read then. Open the dataset again (a new PackedDataset) to read the new files")
+                fd = self._open(shard)
+            except BaseException:
+                if self.cache is not None:  # not open: its pin goes (it is not in _order)
+                    self.cache.release(shard)
+                raise
             self._fds[shard] = fd
+            if self.cache is not None:
+                self._order.append(shard)
+        return fd
+
+    def _open(self, shard: int) -> int:
+        try:
+            fd = os.open(self.paths[shard], READ_FLAGS)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise FormatError(f"{self.paths[shard]} cannot be opened: too many open files "
+                                  f"(raise the limit: ulimit -n)") from None
+            raise FormatError(
+                f"{self.paths[shard]} cannot be opened ({e.strerror}): it was removed or "
+                f"made unreadable after this dataset was opened (unstaged?); stage or open "
+                f"the dataset again") from None
+        st = os.fstat(fd)
+        if self.cache is not None and st.st_size == self.manifest["shards"][shard]["bytes"]:
+            self.identity[shard] = _stat_identity(st)  # named by its SHA-256: any copy is it
+        if _stat_identity(st) != self.identity[shard]:
+            os.close(fd)
+            raise FormatError(
+                f"{self.paths[shard]} was replaced after this dataset was opened (re-staged "
+                f"or rebuilt in place?): its records no longer match the offsets and labels "
+                f"read then. Open the dataset again (a new PackedDataset) to read the new files")
         return fd
 
     def read(self, index: int) -> bytes:
@@ -126,8 +141,7 @@ class ShardReader:
             os.close(self._fds[k])
             self._fds[k] = None
             self.cache.release(k)
-        self.cache.shard_path(shard)
-        self._order.append(shard)
+        self.cache.shard_path(shard)  # pinned; listed in _order once it is open
 
     def close(self) -> None:
         if self._pid == os.getpid():

@@ -205,3 +205,29 @@ def test_commands_sharing_a_cache_dir_write_its_manifest_in_turn(s3, remote, tmp
     go.touch()
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(e[-1500:] for e in errors)
+
+
+def test_a_shard_that_fails_to_open_leaves_the_reader_usable(s3, remote, local_dataset, tmp_path):
+    """A cached shard damaged between its fetch and its open is one FormatError; the reader's
+    open-shard bookkeeping stays right (it once held the failed shard as open, and closing it
+    later raised a TypeError) and the shard's pin goes."""
+    from packer.errors import FormatError
+
+    class DamagedOnce(ShardCache):  # another process truncates shard 1 right after its fetch
+        damaged = False
+
+        def shard_path(self, k, *, pin=True):
+            path = super().shard_path(k, pin=pin)
+            if k == 1 and not self.damaged:
+                self.damaged = True
+                os.truncate(path, 100)
+            return path
+    cache = DamagedOnce(remote, tmp_path / "cache", 10 << 20, s3["options"])
+    reader, local = ShardReader(remote, cache=cache), ShardReader(local_dataset)
+    first = reader.starts[:3]
+    assert reader.read(first[0]) == local.read(first[0])
+    with pytest.raises(FormatError, match="replaced"):
+        reader.read(first[1])
+    assert 1 not in cache._pins
+    for i in (first[1], first[2], first[0], first[1]):  # opened, evicted and closed in turn
+        assert reader.read(i) == local.read(i)

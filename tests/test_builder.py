@@ -222,7 +222,8 @@ def test_finished_dst_needs_overwrite(photo_src, tmp_path):
     quiet_build(photo_src, dst, shard_size=1 << 20)
     (dst / "README.txt").write_text("mine")
     before = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
-    with pytest.raises(PackerError, match=r"already holds a finished dataset; replace it with overwrite=True"):
+    with pytest.raises(PackerError, match=r"already holds a finished dataset \(of another source or options, or an "
+                                         r"older packer\); replace it with overwrite=True"):
         quiet_build(photo_src, dst, shard_size=2 << 20)
     assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == before
     m = quiet_build(photo_src, dst, shard_size=2 << 20, overwrite=True).manifest

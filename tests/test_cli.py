@@ -63,7 +63,8 @@ def test_build_errors(photo_src, built, tmp_path):
     res = invoke("build", tmp_path / "nope", tmp_path / "d", code=1)
     assert res.stderr == f"Error: source folder {tmp_path / 'nope'} does not exist or is not a folder\n"
     res = invoke("build", photo_src, dst, "-q", code=1)
-    assert res.stderr == f"Error: {dst} already holds a finished dataset; replace it with --overwrite\n"
+    assert res.stderr == (f"Error: {dst} already holds a finished dataset (of another source or "
+                          f"options, or an older packer); replace it with --overwrite\n")
     assert invoke("build", photo_src, tmp_path / "d", "--part", "4/4", code=1).stderr == \
         "Error: part 4/4: K must be in 0..N-1 (parts are numbered from 0)\n"
     assert "Error: --shard-size must be between 1 MiB and 64 GiB" in \

@@ -452,3 +452,14 @@ def test_side_tables_of_a_run_killed_before_its_manifest_go_with_the_next_run(ph
     assert "labels" not in read_manifest(dst) and not (dst / "labels.i32").exists()
     quiet_build(photo_src, dst, workers=0, overwrite=True)
     assert read_manifest(dst)["labels"]
+
+
+def test_a_no_op_rerun_keeps_the_users_files_named_like_tables(photo_src, tmp_path):
+    """Files a user puts in a finished dataset's folder stay, even named like side tables:
+    only what packer claimed is ever removed."""
+    dst = tmp_path / "d"
+    quiet_build(photo_src, dst, workers=0)
+    (dst / "paths.txt").write_text("notes")
+    (dst / "column-readme.md").write_text("notes")
+    assert quiet_build(photo_src, dst, workers=0).resumed_shards == len(read_manifest(dst)["shards"])
+    assert (dst / "paths.txt").exists() and (dst / "column-readme.md").exists()

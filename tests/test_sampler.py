@@ -429,12 +429,19 @@ def test_a_state_resumes_only_into_the_order_it_was_saved_for():
         rest += list(s)
     assert sorted(seen + rest) == list(range(200))
     block = PackedSampler(range(100), order="block", block_size=8, seed=1)
+    take(block, 10)  # mid-epoch
     with pytest.raises(ValueError, match="arranged as"):
         PackedSampler(range(100), seed=1).load_state_dict(block.state_dict())
     with pytest.raises(ValueError, match="arranged as"):
         PackedSampler(range(100), order="block", block_size=16, seed=1).load_state_dict(block.state_dict())
     elastic = PackedSampler(range(100), order="block", block_size=8, seed=1, num_replicas=3, rank=0)
     elastic.load_state_dict(block.state_dict())  # another world size: fine
+    # At an epoch's edge nothing of the old order is left; unshuffled, every order is 0..n-1.
+    edge = dict(state, consumed=0)
+    PackedSampler(ds, seed=0, num_replicas=8, rank=0, aspect_groups=2, batch_size=8).load_state_dict(edge)
+    plain = PackedSampler(range(100), order="block", shuffle=False)
+    take(plain, 10)
+    PackedSampler(range(100), shuffle=False).load_state_dict(plain.state_dict())
 
 
 def test_grouping_needs_batch_size_and_ratios():

@@ -11,6 +11,7 @@ import mmap
 import multiprocessing as mp
 import os
 import threading
+import warnings
 import weakref
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd
@@ -58,7 +59,8 @@ class BatchRing:
         self.base = ctypes.addressof(self.owner)
         self.lock, self.token, self.next = lock, token, 0
         self.pinned, self.pending = None, collections.deque()
-        self.pid, self.guard = os.getpid(), threading.Lock()  # the training process's side
+        # The training process's side; reentrant: a collection inside reap() may release.
+        self.pid, self.guard = os.getpid(), threading.RLock()
         _RINGS[token] = self
 
     def __reduce__(self):
@@ -74,6 +76,9 @@ class BatchRing:
         me = os.getpid()
         if not self.lock.acquire(timeout=CLAIM_WAIT):  # its holder was killed in there
             self.mm = None  # this worker's batches travel as blocks of their own from now on
+            warnings.warn(f"the GPU batch ring's lock stayed taken for {CLAIM_WAIT} s (a loader "
+                          f"worker killed while holding it?): this worker's batches travel as "
+                          f"shared blocks from now on", RuntimeWarning)
             return None
         try:
             for k in range(self.slots):

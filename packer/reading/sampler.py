@@ -286,9 +286,11 @@ class PackedSampler(Sampler[int]):
     def _arrangement(self) -> Dict[str, Any]:
         """What, with seed and epoch, fixes the global order: a state resumes only into it."""
         key: Dict[str, Any] = {"order": self.order, "shuffle": self.shuffle}
-        if self.order == "block":
+        if not self.shuffle:  # every order is the dataset's own then
+            del key["order"]
+        elif self.order == "block":
             key["block_size"] = self.block_size
-        if self.order != "random":
+        if self.shuffle and self.order != "random":
             key["window"] = self.window
         if self.groups is not None:  # grouped in runs of one global batch
             key["aspect_groups"] = self.aspect_groups
@@ -311,7 +313,8 @@ class PackedSampler(Sampler[int]):
                              f"{layout or 'not a mixture'}; "
                              f"resume with the same sources, weights and epoch_size")
         saved, mine = state.get("arrangement"), self._arrangement()
-        if saved is not None and dict(saved) != mine:
+        inside = 0 < int(state["consumed"]) < self.size  # at an epoch's edge no order is left
+        if saved is not None and inside and dict(saved) != mine:
             raise ValueError(f"the state was saved for a sampler arranged as {dict(saved)}, this "
                              f"one is {mine}: the rest of the epoch would repeat some samples "
                              f"and skip others; resume with the same order settings (and, with "

@@ -35,6 +35,7 @@ UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 HELD: set = set()  # lock descriptors open in this process now (fetch, evict, pin)
+FORKING = threading.Lock()  # held while a descriptor opens or closes, and across a fork
 
 
 def _drop_inherited() -> None:
@@ -42,14 +43,17 @@ def _drop_inherited() -> None:
     ``flock`` belongs to the open file, which the child shares: a copy left open would hold
     the parent's fetch lock for the child's life, and the next fetch of that shard, the
     child's own included, would wait forever."""
+    global FORKING
     for fd in list(HELD):
         with contextlib.suppress(OSError):
             os.close(fd)
     HELD.clear()
+    FORKING = threading.Lock()  # the parent's is held (the fork happened inside it)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_drop_inherited)
+    os.register_at_fork(before=lambda: FORKING.acquire(), after_in_parent=lambda: FORKING.release(),
+                        after_in_child=_drop_inherited)
 
 
 def parse_size(value: Union[int, str, None]) -> Optional[int]:
@@ -174,8 +178,9 @@ class ShardCache:
         return len(self._entries)
 
     def _lock(self, name: str, kind: str) -> int:
-        fd = os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
-        HELD.add(fd)  # before any flock: a child forked from here on closes its copy
+        with FORKING:  # no fork between the open and the record: the child closes its copy
+            fd = os.open(self.root / LOCKS / f"{name}.{kind}", OPEN_FLAGS, 0o644)
+            HELD.add(fd)
         return fd
 
     @contextlib.contextmanager
@@ -267,8 +272,9 @@ class ShardCache:
 
 
 def _close_lock(fd: int) -> None:
-    HELD.discard(fd)  # first: once closed, the number may be another thread's new file
-    os.close(fd)
+    with FORKING:
+        HELD.discard(fd)  # first: once closed, the number may be another thread's new file
+        os.close(fd)
 
 
 def _content_name(entry: dict, manifest: dict, suffix: str) -> str:

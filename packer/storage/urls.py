@@ -3,6 +3,8 @@ filesystem, and how they are shown: userinfo, query strings and ``storage_option
 are replaced by ``***`` in every text that leaves this package."""
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -95,11 +97,13 @@ def split_options(storage_options: Optional[Dict[str, Any]]) -> Tuple[Dict[str, 
     transfer = Transfer(**{k[len("packer_"):]: v for k, v in ours.items()})
     whole = [transfer.part_size, transfer.parallel]
     seconds = transfer.retry_seconds
-    if not (all(type(v) is int and v >= 1 for v in whole)
-            and type(seconds) in (int, float) and 0 <= seconds < float("inf")):
+    if not (all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+                for v in whole)
+            and isinstance(seconds, numbers.Real) and 0 <= seconds < math.inf):
         raise PackerError(f"storage_options: packer_part_size and packer_parallel must be whole "
-                          f"numbers >= 1, packer_retry_seconds a number >= 0 (got "
-                          f"{transfer.part_size!r}, {transfer.parallel!r}, {seconds!r})")
+                          f"numbers >= 1, packer_retry_seconds a number >= 0 (got packer_part_size"
+                          f"={transfer.part_size!r}, packer_parallel={transfer.parallel!r}, "
+                          f"packer_retry_seconds={seconds!r})")
     return options, transfer
 
 

@@ -152,7 +152,8 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
             if done is not None:  # this very build finished: a re-run changes nothing
                 return done, len(done["shards"])
             if not overwrite:
-                raise PackerError(f"{dst} already holds a finished dataset; replace it with "
+                raise PackerError(f"{dst} already holds a finished dataset (of another source "
+                                  f"or options, or an older packer); replace it with "
                                   f"overwrite=True")
             journal.remove_dataset(dst, read_manifest(dst))
         run = Packing(dst, fp, journal.load(dst, fp), schema=source_schema(source),

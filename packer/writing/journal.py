@@ -162,14 +162,23 @@ def finished(dst: Path, fp: str) -> Optional[dict]:
 
 
 def remove_leftovers(dst: Path, manifest: dict) -> None:
-    """After the manifest: the journal, temp files, and every file with a build's names that
-    ``manifest`` does not list (an interrupted attempt's shards or side tables that came out
-    otherwise; a build starts only in a folder where no one else's files have such names)."""
+    """After the manifest: the journal, temp files, shard files and files the journal claims
+    that ``manifest`` does not list (an interrupted attempt's that came out otherwise)."""
     keep = {s["path"] for s in manifest["shards"]} | {MANIFEST}
     keep |= {entry["path"] for _, entry, _ in side_tables(manifest)}
+    mine = claimed(dst)
     for name in packer_names(dst):
-        if name not in keep:
+        if name not in keep and (name in mine or name.startswith((".", "shard-"))):
             remove_own(dst, name)
+
+
+def claim_more(dst: Path, names: Iterable[str]) -> None:
+    """Add ``names`` to the build journal's claims before they are written (side tables):
+    a re-run that restarts removes them even if no manifest ever listed them."""
+    j = _read(dst / JOURNAL) or {}
+    j["owned"] = sorted(set(j.get("owned", [])) | set(names))
+    with disk_errors(dst / JOURNAL):
+        write_json_atomic(dst / JOURNAL, j)
 
 
 def check_dst(dst) -> None:

@@ -135,6 +135,9 @@ class Packing:
         offsets = array("Q")
         for s in self.shards:  # every record's byte range, read once: readers never walk LMDB
             offsets.extend(shard_records(self.dst / s["path"]))
+        tables = [OFFSETS, PATHS_INDEX, PATHS_TEXT] + ([LABELS] if self.has_label else [])
+        journal.claim_more(self.dst, tables + [column_file(n, column_dtype(c))
+                                               for n, c in self.columns.items()])
         tables = write_tables(self.dst, len(classes), offsets,
                               self.labels if self.has_label else None,
                               (self.path_ends, self.path_text), self.columns)
@@ -165,10 +168,14 @@ def write_tables(dst: Path, n_classes: int, offsets: array, labels: Optional[arr
                         "text": write_table(dst, PATHS_TEXT, paths[1])}
     listed = {}
     for name, col in columns.items():
-        dtype = next(k for k, v in DTYPES.items() if v == col.typecode)
+        dtype = column_dtype(col)
         listed[name] = dict(write_table(dst, column_file(name, dtype), col), dtype=dtype)
     out["columns"] = listed or None
     return out
+
+
+def column_dtype(col: array) -> str:
+    return next(k for k, v in DTYPES.items() if v == col.typecode)
 
 
 def new_manifest(*, classes, shards, skipped, source, options, labels=None, offsets=None,

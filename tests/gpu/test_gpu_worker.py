@@ -336,6 +336,9 @@ def test_a_ring_view_collected_in_a_forked_process_frees_nothing():
     finally:
         gc.enable()
     gc.collect()
+    if torch.cuda.is_available():  # pinned: freed once the stream's queued work is done
+        torch.cuda.synchronize()
+    ring.reap()
     assert ring.owner[0] == FREE
 
 

@@ -51,6 +51,8 @@ def test_split_options():
         with pytest.raises(PackerError, match="whole numbers >= 1"):
             split_options(bad)
     assert split_options({"packer_retry_seconds": 0.5})[1].retry_seconds == 0.5
+    import numpy as np
+    assert split_options({"packer_parallel": np.int64(4)})[1].parallel == 4
 
 
 def test_upload_puts_the_manifest_last_and_resumes(s3, local_dataset, proxy, tmp_path):

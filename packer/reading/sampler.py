@@ -285,13 +285,13 @@ class PackedSampler(Sampler[int]):
 
     def _arrangement(self) -> Dict[str, Any]:
         """What, with seed and epoch, fixes the global order: a state resumes only into it."""
-        key: Dict[str, Any] = {"order": self.order, "shuffle": self.shuffle}
-        if not self.shuffle:  # every order is the dataset's own then
-            del key["order"]
-        elif self.order == "block":
-            key["block_size"] = self.block_size
-        if self.shuffle and self.order != "random":
-            key["window"] = self.window
+        key: Dict[str, Any] = {"shuffle": self.shuffle}
+        if self.shuffle:  # unshuffled, every order is the dataset's own
+            key["order"] = self.order
+            if self.order == "block":
+                key["block_size"] = self.block_size
+            if self.order != "random":
+                key["window"] = self.window
         if self.groups is not None:  # grouped in runs of one global batch
             key["aspect_groups"] = self.aspect_groups
             key["global_batch"] = self.batch_size * self.num_replicas

@@ -135,9 +135,9 @@ class Packing:
         offsets = array("Q")
         for s in self.shards:  # every record's byte range, read once: readers never walk LMDB
             offsets.extend(shard_records(self.dst / s["path"]))
-        tables = [OFFSETS, PATHS_INDEX, PATHS_TEXT] + ([LABELS] if self.has_label else [])
-        journal.claim_more(self.dst, tables + [column_file(n, column_dtype(c))
-                                               for n, c in self.columns.items()])
+        names = [OFFSETS, PATHS_INDEX, PATHS_TEXT] + ([LABELS] if self.has_label else [])
+        journal.claim_more(self.dst, names + [column_file(n, column_dtype(c))  # before they exist
+                                              for n, c in self.columns.items()])
         tables = write_tables(self.dst, len(classes), offsets,
                               self.labels if self.has_label else None,
                               (self.path_ends, self.path_text), self.columns)

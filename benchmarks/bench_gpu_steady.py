@@ -26,7 +26,8 @@ workers together, and its page faults and context switches.
   packer_plain2   the same, make_gpu_loader(pin_memory=False), GPUOptions(decode_threads=2)
   packer_<knobs>  (only with --only) packer with settings joined by "_": w<N> loader workers,
                   t<N> decode threads, plain (unpinned), pinned, s<N> the interpreter's
-                  switch interval in microseconds (sys.setswitchinterval), nvic / nvichw:
+                  switch interval in microseconds (sys.setswitchinterval), c<N> the decode threads' pacing
+                  (calm batches before one rests, packer.gpu.pipeline.CALM), nvic / nvichw:
                   nvImageCodec decodes (GPUOptions(decoder=), its defaults / its hardware
                   and CUDA backends only; needs nvidia-nvimgcodec-cu13), norel: the workers'
                   shared blocks freed where dropped (PACKER_SHM_RELEASE=0), noring: no
@@ -206,6 +207,9 @@ def gpu_settings(a, name: str, **loader_options):
     """(make_gpu_loader, GPUOptions) of a packer variant's knobs; in a dry run PIL decodes."""
     from packer.gpu import GPUOptions, make_gpu_loader
     knobs = packer_knobs(name)
+    if "c" in knobs:  # the decode threads' pacing: calm batches before one rests
+        import packer.gpu.pipeline
+        packer.gpu.pipeline.CALM = knobs["c"]
     if "s" in knobs:  # the interpreter's switch interval, in microseconds
         sys.setswitchinterval(knobs["s"] / 1e6)
     if "w" in knobs:
@@ -239,8 +243,8 @@ def packer_knobs(name: str) -> dict:
         if tok in ("nvic", "nvichw", "norel", "noring", "spawn", "forkserver"):  # flags
             knobs[tok] = 0
             continue
-        m = re.fullmatch(r"(w|t|s|plain|pinned)(\d*)", tok)
-        if m is None or (m[1] in "wts" and not m[2]):
+        m = re.fullmatch(r"(w|t|s|c|plain|pinned)(\d*)", tok)
+        if m is None or (m[1] in "wtsc" and not m[2]):
             raise SystemExit(f"unknown setting {tok!r} in variant {name!r}")
         if m[1] in ("plain", "pinned"):
             knobs[m[1]] = 0

@@ -99,23 +99,28 @@ class ShardFile:
 
     def records(self) -> array:
         """(offset, length) of every value in key order, flattened: what ``offsets.u64`` holds.
-        Checks that keys run ``0..entries-1`` and that every value lies inside the file."""
+        Checks that keys run ``0..entries-1``, that every value lies inside the file and that
+        no page is reached twice (a crafted tree of shared pages would be walked exponentially
+        often)."""
         out = array("Q")
         if self.root != P_INVALID:
-            self._walk(self.root, 0, out)
+            self._walk(self.root, 0, out, set())
         if len(out) != 2 * self.entries:
             raise self._fail(f"{len(out) // 2} records in its tree, {self.entries} in its meta "
                              f"data")
         return out
 
-    def _walk(self, pgno: int, level: int, out: array) -> None:
+    def _walk(self, pgno: int, level: int, out: array, seen: set) -> None:
         if level > self.depth:
             raise self._fail(f"the tree is deeper than its meta data says ({self.depth})")
+        if pgno in seen:
+            raise self._fail(f"page {pgno} is reached twice in its tree")
+        seen.add(pgno)
         page, n = self._page(pgno, P_BRANCH | P_LEAF)
         if PAGE_HEADER.unpack_from(page)[2] & P_BRANCH:
             for i in range(n):
                 lo, flags, _, _ = self._node(page, pgno, i)
-                self._walk(lo | flags << 32, level + 1, out)  # a branch node's child page
+                self._walk(lo | flags << 32, level + 1, out, seen)  # a branch node's child page
             return
         for i in range(n):
             size, flags, ksize, key_at = self._node(page, pgno, i)

@@ -160,3 +160,33 @@ def test_crafted_shard_is_a_clear_error_in_every_reader(built, tmp_path, craft):
         assert "Traceback" not in out, f"{what} on a shard with {craft} crashed:\n{out}"
         assert rc == 1, f"{what} accepted a shard with {craft} (exit {rc}):\n{out}"
         assert CLEAR_ERROR in out, f"{what} on a shard with {craft}: unclear error:\n{out}"
+
+
+def shared_page_chain(path: Path, depth: int) -> None:
+    """A shard whose tree is a chain of branch pages, each with two nodes pointing at the
+    next page, ending in an empty leaf: 2**depth paths through depth + 1 pages."""
+    pages = depth + 3
+    buf = bytearray(pages * PSIZE)
+    for m in (0, 1):
+        PAGE_HEADER.pack_into(buf, m * PSIZE, m, 0, 0x08, 0, 0)
+        main = DB.pack(0, 0, depth, depth, 1, 0, 1, 2)  # one entry, root page 2
+        free = DB.pack(PSIZE, 0, 0, 0, 0, 0, 0, (1 << 64) - 1)
+        META.pack_into(buf, m * PSIZE + PAGE_HEADER.size, 0xBEEFC0DE, 1, 0, pages * PSIZE,
+                       free, main, pages - 1, m)
+    for pg in range(2, 2 + depth):
+        PAGE_HEADER.pack_into(buf, pg * PSIZE, pg, 0, 0x01, PAGE_HEADER.size + 4, PSIZE - 8)
+        for i in (0, 1):
+            struct.pack_into("<H", buf, pg * PSIZE + PAGE_HEADER.size + 2 * i, PSIZE - 8)
+        struct.pack_into("<HHHH", buf, pg * PSIZE + PSIZE - 8, pg + 1, 0, 0, 0)
+    PAGE_HEADER.pack_into(buf, (2 + depth) * PSIZE, 2 + depth, 0, 0x02, PAGE_HEADER.size, PSIZE)
+    path.write_bytes(bytes(buf))
+
+
+def test_tree_of_shared_pages_is_refused_not_walked_for_ever(tmp_path):
+    # 143 KB whose 2**30 paths took hours to walk: every page may be reached once.
+    shard = tmp_path / "shard-00000.lmdb"
+    shared_page_chain(shard, 30)
+    rc, out = run("-c", "import sys\nfrom packer.format.lmdbfile import shard_records\n"
+                  "from packer.errors import FormatError\ntry:\n shard_records(sys.argv[1])\n"
+                  "except FormatError as e:\n print(e); sys.exit(1)", shard)
+    assert rc == 1 and "reached twice" in out and CLEAR_ERROR in out, out

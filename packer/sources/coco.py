@@ -268,6 +268,8 @@ def fit_box(box: Tuple[float, float, float, float], width: int,
     if not (w > 0 and h > 0):
         return [], f"zero or negative size box {shown_box(box)}"
     x1, y1 = array("f", (x + w, y + h))  # a double sum rounded to float32: the float32 sum
+    if x1 != x1 or y1 != y1:  # NaN: -inf + inf, numbers beyond float32 on both sides
+        return [], f"box {shown_box(box)} holds a non-finite number in float32"
     # max(x, 0.0) and min(x1, width), written out: every image's every object comes here
     x0, y0 = 0.0 if x < 0.0 else x, 0.0 if y < 0.0 else y
     x1, y1 = width if x1 > width else x1, height if y1 > height else y1

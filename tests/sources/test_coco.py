@@ -628,3 +628,9 @@ def test_compressed_counts_decode_as_pycocotools_encodes():
                 value ^= 1
             assert sum(counts) == h * w
             assert np.array_equal(np.array(flat, dtype=np.uint8).reshape(w, h).T, m)
+
+
+def test_box_beyond_float32_on_both_sides_is_dropped_not_stored_as_nan():
+    # finite as doubles, -inf and +inf in float32: x1 = -inf + inf is NaN
+    assert fit_box((-1e39, 5.0, 1e39, 10.0), 64, 48) == (
+        [], "box [-1e+39, 5, 1e+39, 10] holds a non-finite number in float32")

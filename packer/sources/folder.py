@@ -13,7 +13,7 @@ from .._util.text import is_utf8, printable
 from ..storage.files import RemoteFolder, folder, source_file
 from ..storage.urls import is_url
 from .base import (DEFAULT_MAX_CLASSES, IMG_EXTENSIONS, EmptyClassWarning, ImageList, Source,
-                   class_labels, read_text, walk_files, walk_order)
+                   class_labels, read_text, relative_path, walk_files, walk_order)
 
 
 class ImageFolder(Source):
@@ -157,11 +157,10 @@ def read_list(root: os.PathLike, list_file: os.PathLike, *,
         parts = line.rsplit("\t", 1)
         if len(parts) != 2 or not parts[0] or not parts[1].strip():
             raise PackerError(f"{list_file}:{n}: expected 'relative/path<TAB>label', got {line!r}")
-        rel = parts[0]
-        if os.path.isabs(rel) or ".." in Path(rel).parts:
-            raise PackerError(f"{list_file}:{n}: path {rel!r} must be relative to {root} "
-                              f"and stay inside it")
-        rows.append((Path(rel).as_posix(), parts[1].strip(), n))
+        rel, why = relative_path(parts[0])
+        if why:
+            raise PackerError(f"{list_file}:{n}: path {printable(parts[0])} {why} ({root})")
+        rows.append((rel, parts[1].strip(), n))
     if not rows:
         raise PackerError(f"{list_file} lists no images")
     try:

@@ -114,6 +114,8 @@ def match_labels(images: List[str], label_files: set):
         same, flat = p.with_suffix(".txt").as_posix(), p.stem + ".txt"
         if same in label_files:
             plan.append((rel, same, False))
+            if same == flat:  # a top-level image's own file, which a flat claim would share
+                flat_claims.setdefault(flat, set()).add(p.with_suffix("").as_posix())
         elif flat in label_files:
             plan.append((rel, flat, True))
             flat_claims.setdefault(flat, set()).add(p.with_suffix("").as_posix())

@@ -84,6 +84,14 @@ def test_flat_label_shared_by_two_folders_is_ambiguous(tmp_path):
         fit_yolo(rows[1], 100, 100)  # the build skips the image, listing the reason
 
 
+
+def test_a_top_level_images_own_label_is_not_also_a_flat_label_of_a_nested_one(tmp_path):
+    src = dataset(tmp_path, {"x.txt": "1 0.5 0.5 0.2 0.2\n"}, images=["x.jpg", "sub/x.jpg"])
+    assert src.entries == [("x.jpg", -1), ("sub/x.jpg", -1)]
+    rows = src.annotations.rows
+    assert rows[0]["labels"] == [1]  # its own, same-path label
+    assert "label file x.txt could belong to any of 2 images" in rows[1]["reject"]
+
 # A label line and what ultralytics' verify_image_label (ultralytics/data/utils.py) makes of
 # it: the class and (cx, cy, w, h) kept, or None: the whole image is left out. Its rules:
 # float32 values; coordinates (a polygon's: its box's) within [-0.01, 1.01]; class in range;

@@ -9,7 +9,7 @@ import pytest
 from helpers import TV_IMG_EXTENSIONS, imagefolder_rule
 from packer.errors import PackerError
 from packer.sources.base import IMG_EXTENSIONS, EmptyClassWarning, ImageList, parse_part, select
-from packer.sources.folder import find_classes, read_list, scan_folder
+from packer.sources.folder import ImageFolder, find_classes, read_list, scan_folder
 
 
 def scan_quietly(root):
@@ -67,6 +67,14 @@ def test_extensions_case_insensitive_and_other_files_ignored(tmp_path):
     rels = [p for p, _ in scan_folder(tmp_path).entries]
     assert rels == ["c/a.JPG", "c/b.Jpeg", "c/c.PNG", "c/d.TiF", "c/e.webp", "c/f.Bmp",
                     "c/g.ppm", "c/h.PGM", "c/i.tiff"]
+
+
+def test_one_extension_as_a_string_is_one_extension_as_in_torchvision(tmp_path):
+    touch(tmp_path, "c/a.png", "c/b.jpg", "c/d.jpeg", "c/e.svg")
+    assert [p for p, _ in scan_folder(tmp_path, extensions=".png").entries] == ["c/a.png"]
+    src = ImageFolder(tmp_path, extensions=".png")
+    assert [p for p, _ in src.read().entries] == ["c/a.png"]
+    assert src.options()["extensions"] == ".png"
 
 
 def test_symlinked_class_and_subfolders_are_followed(tmp_path):

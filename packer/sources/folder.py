@@ -23,6 +23,8 @@ class ImageFolder(Source):
     def __init__(self, root: os.PathLike, extensions: Optional[Sequence[str]] = None,
                  is_valid_file: Optional[Callable[[str], bool]] = None,
                  allow_empty: bool = False, *, storage_options: Optional[dict] = None):
+        if isinstance(extensions, str):  # one extension, as torchvision takes it
+            extensions = (extensions,)
         self.root, self.extensions = folder(root, storage_options), extensions
         self.is_valid_file, self.allow_empty = is_valid_file, allow_empty
 
@@ -98,7 +100,8 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
         raise PackerError("ImageFolder(root, extensions, is_valid_file): pass extensions or "
                           "is_valid_file, not both (as torchvision's ImageFolder)")
     if is_valid_file is None:
-        exts = tuple(e.lower() for e in (extensions or IMG_EXTENSIONS))
+        exts = (extensions,) if isinstance(extensions, str) else extensions or IMG_EXTENSIONS
+        exts = tuple(e.lower() for e in exts)
         is_valid_file = lambda path: path.lower().endswith(exts)  # noqa: E731
     if isinstance(root, RemoteFolder):
         tree = remote_tree(root)

@@ -28,6 +28,7 @@ PLAIN_PATH = re.compile(r"(?:[\w-][\w.-]*/)*[\w-][\w.-]*\Z", re.ASCII)
 # Integer class labels make classes "0".."max": one label of 10**11 in a stranger's list
 # would make a list of that many names. Sources with integer labels stop above this.
 DEFAULT_MAX_CLASSES = 1_000_000
+FLOAT32_MAX = 3.4028234663852886e38  # what a float32 field can hold
 INT32_MAX = 2 ** 31 - 1  # labels.i32 holds 32-bit labels
 
 

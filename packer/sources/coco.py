@@ -20,10 +20,9 @@ from msgspec import Meta, Raw, Struct
 
 from ..errors import PackerError
 from ..storage.files import folder, source_file
-from .base import Annotations, ImageList, Source, image_root, read_data, relative_path, show, utf8_text
+from .base import FLOAT32_MAX, Annotations, ImageList, Source, image_root, read_data, relative_path, show, utf8_text
 from .segmentation import INT64_MAX, stored_segmentation
 
-FLOAT32_MAX = 3.4028234663852886e38  # area is stored as float32
 Id = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 # What a value must be, by the name of its key: added to msgspec's own words.
 HINTS = {"id": "a non-negative integer id", "image_id": "a non-negative integer id",

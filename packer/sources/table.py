@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..errors import PackerError
 from .._util.text import is_utf8
 from ..storage.files import folder, source_file
-from .base import (DEFAULT_MAX_CLASSES, Annotations, ImageList, Source, image_root,
-                   class_labels, read_text, relative_path, show)
+from .base import (DEFAULT_MAX_CLASSES, FLOAT32_MAX, Annotations, ImageList, Source,
+                   class_labels, image_root, read_text, relative_path, show)
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 # Names the record itself uses (or the class label): a column may not shadow them.
@@ -113,11 +113,12 @@ def json_problem(e: Exception) -> str:
 
 
 def unique_keys(pairs):
-    keys = [k for k, _ in pairs]
-    for k in keys:
-        if keys.count(k) > 1:
-            raise ValueError(f"key {show(k)!r} appears twice in one object")
-    return dict(pairs)
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        k = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {show(k)!r} appears twice in one object")
+    return out
 
 
 def csv_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
@@ -247,15 +248,19 @@ def column_type(file: Path, records, column: str) -> str:
         check_value(file, n, column, v)
         first.setdefault(k, n)
     kinds = list(first)
-    if len(kinds) == 1:
-        return kinds[0]
-    merged = MERGES.get(frozenset(kinds))
+    merged = kinds[0] if len(kinds) == 1 else MERGES.get(frozenset(kinds))
     if merged is None:
         a, b = kinds[0], next(k for k in kinds[1:] if MERGES.get(frozenset((kinds[0], k)))
                               is None)
         raise PackerError(f"{file}: column {column!r} mixes types: {a} (first at line "
                           f"{first[a]}) and {b} (first at line {first[b]}); make every value "
                           f"of a column the same type")
+    if merged == "list of float":  # stored as float32 (field_schema)
+        for n, rec in records:
+            big = next((x for x in rec[column] if abs(x) > FLOAT32_MAX), None)
+            if big is not None:
+                raise PackerError(f"{file}:{n}: column {column!r} holds {big}, beyond 32-bit "
+                                  f"floats (a list of numbers is stored as float32)")
     return merged
 
 

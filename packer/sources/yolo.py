@@ -296,7 +296,12 @@ class UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if key in seen:
+            try:
+                twice = key in seen
+            except TypeError:  # a list or map as a key: SafeLoader refuses it too, but later
+                raise yaml.constructor.ConstructorError(
+                    None, None, "found an unhashable key", key_node.start_mark) from None
+            if twice:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice", key_node.start_mark)
             seen.add(key)

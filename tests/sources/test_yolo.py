@@ -343,6 +343,8 @@ def test_ultralytics_dataset_yaml(tmp_path):
                         r"start any token\)"),
     ("names: []\n", "names no classes"),
     ("names: [a\n", r"data\.yaml:2: not valid YAML"),
+    ("names:\n  ? [a, b]\n  : person\n", r"data\.yaml:2: not valid YAML \(found an unhashable key"),
+    ("{[0]: person}\n", r"data\.yaml:1: not valid YAML \(found an unhashable key"),
 ])
 def test_yaml_shapes_packer_does_not_read(tmp_path, text, message):
     with pytest.raises(PackerError, match=message) as e:

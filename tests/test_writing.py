@@ -10,6 +10,7 @@ import sys
 from array import array
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -211,6 +212,7 @@ def test_explicit_schema(jpegs, tmp_path):
     ("boxes", torch.full((1, 4), float("inf")), "NaN or inf"),
     ("boxes", torch.zeros(2, 3), "rows of shape \\[4\\]"),
     ("extra", 1, "unexpected \\['extra'\\]"),
+    ("x", 10 ** 400, "a 1329-bit integer does not fit a float"),
 ])
 def test_a_bad_value_names_its_field(jpegs, tmp_path, name, value, match):
     good = typed_sample(jpegs[0], 1)
@@ -219,6 +221,47 @@ def test_a_bad_value_names_its_field(jpegs, tmp_path, name, value, match):
         quiet_write(tmp_path / "d", [good, bad])
     assert f"'{name}'" in str(e.value) and "sample 1" in str(e.value)
     assert_not_finished(tmp_path / "d")
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"a": [np.float32(1.0), 2.0]}, "float32 is not plain data"),
+    ({"a": [np.int64(1), np.int64(2)]}, "int64 is not plain data"),
+    ({"a": [1, 2 + 3j]}, "complex is not plain data"),
+    ({"a": [np.bool_(True)]}, "bool is not plain data"),
+])
+def test_a_value_msgpack_cannot_store_is_refused_naming_its_field(jpegs, tmp_path, value,
+                                                                   match):
+    samples = [{"image": jpegs[0], "meta": {"a": [1.5]}}, {"image": jpegs[1], "meta": value}]
+    with pytest.raises(PackerError, match=f"sample 1: field 'meta': {match}"):
+        quiet_write(tmp_path / "d", samples)
+    assert_not_finished(tmp_path / "d")
+
+
+@pytest.mark.parametrize("kwargs, sample, match", [
+    ({}, {"label": "cat"}, "field 'label' is a class index: an int .*not str"),
+    ({}, {"label": True}, "field 'label' is a class index: an int .*not bool"),
+    ({"schema": [{"name": "label", "type": "float"}]}, {"label": 1.0}, "not float"),
+    ({"classes": ["a", "a"]}, {"label": 0}, "classes names 'a' twice"),
+    ({"classes": [1, 2]}, {"label": 0}, "classes must be a list of strings"),
+    ({}, {"path": "a\udcff"}, "sample 0: 'path' a\\\\xff is not valid Unicode"),
+    ({}, {"boxes": [[0.0, 0, 1, 1], [0, 0, 2, 2]], "labels": [1], "image_id": 1},
+     "sample 0: 2 boxes but 1 labels"),
+    ({}, {"boxes": [[0.0, 0, 1, 1]], "labels": [1], "image_id": 1, "area": [1.0, 2.0]},
+     "sample 0: 1 boxes but 2 area"),
+])
+def test_what_no_reader_could_read_is_refused_before_it_is_written(jpegs, tmp_path, kwargs,
+                                                                    sample, match):
+    # each of these once finished a dataset that every reader, and overwrite=True, refused
+    with pytest.raises(PackerError, match=match):
+        quiet_write(tmp_path / "d", [dict(sample, image=jpegs[0])], **kwargs)
+    assert_not_finished(tmp_path / "d")
+
+
+@pytest.mark.parametrize("mode", ["F", "CMYK"])
+def test_a_pil_image_png_cannot_hold_is_a_clear_error(tmp_path, mode):
+    with pytest.raises(PackerError, match=f"sample 0: a PIL image of mode {mode} cannot be "
+                                          f"stored .*convert"):
+        quiet_write(tmp_path / "d", [{"image": Image.new(mode, (16, 16))}])
 
 
 def test_a_missing_field_is_named(jpegs, tmp_path):

@@ -64,7 +64,12 @@ class Scalar(Field):
             v = v.item()
         if isinstance(v, bool) != (self.want is bool) or not isinstance(v, self.takes or self.want):
             raise ValueError(f"field {self.name!r}: {v!r:.60} is not {self.noun}")
-        return super().encode(self.want(v))  # an IntEnum as int, an int as float
+        try:
+            v = self.want(v)  # an IntEnum as int, an int as float
+        except OverflowError:
+            raise ValueError(f"field {self.name!r}: a {v.bit_length()}-bit integer does not fit "
+                             f"a {self.type}") from None
+        return super().encode(v)
 
     def check(self, v: Any) -> str:
         if not isinstance(v, self.want) or self.want is int and isinstance(v, bool):
@@ -238,6 +243,22 @@ def detection_problem(fields: List[Field]) -> str:
     return ""
 
 
+PER_OBJECT = ("labels", "area", "iscrowd", "ann_ids", "segmentation")  # one entry per box
+
+
+def object_count_problem(fields: Dict[str, Field], stored: Dict[str, Any]) -> str:
+    """Why a detection record's per-object values do not have one entry per box, or "";
+    ``stored`` holds the encoded values (arrays as bytes)."""
+    def count(name):
+        f, v = fields[name], stored[name]
+        return f.shape_of(len(v))[0] if isinstance(f, ArrayField) else len(v)
+    n = count("boxes")
+    for name in (k for k in PER_OBJECT if k in fields):
+        if count(name) != n:
+            return f"{n} boxes but {count(name)} {name}"
+    return ""
+
+
 def encode(fields: List[Field], values: Dict[str, Any]) -> Dict[str, Any]:
     """The stored form of a sample's ``values`` (a ValueError names what does not fit)."""
     missing = [f.name for f in fields if f.name not in values]
@@ -256,10 +277,11 @@ def flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
 
 
 def numbers_fit(values) -> bool:
-    """All numbers, finite, ints within int64: one pass at C speed; False leaves the reason to
-    ``data_problem``."""
+    """All Python ints and floats (what msgpack stores; numpy's are not), finite, ints within
+    int64: passes at C speed; False leaves the reason to ``data_problem``."""
+    values = values if isinstance(values, (list, tuple)) else list(values)
     try:
-        return math.fsum(map(abs, values)) < INT64[1]
+        return set(map(type, values)) <= {int, float} and math.fsum(map(abs, values)) < INT64[1]
     except (TypeError, OverflowError):
         return False
 

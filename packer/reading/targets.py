@@ -8,13 +8,12 @@ from typing import Any, Collection, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..errors import FormatError
-from ..format.fields import ArrayField, field_of
+from ..format.fields import ArrayField, field_of, object_count_problem
 from .._util.text import printable
 
 DEFAULT_KEYS = ("boxes", "labels", "image_id")  # torchvision's wrapper's default
 DETECTION_KEYS = DEFAULT_KEYS + ("area", "iscrowd")  # what any detection dataset can give
 KEY_ORDER = DETECTION_KEYS + ("masks", "segmentation")  # a target's order; COCO adds the last 2
-PER_OBJECT = ("labels", "area", "iscrowd", "ann_ids", "segmentation")  # one entry per box
 NOT_KEYS = {"bbox": "packer stores 'boxes' (XYXY, clipped to the image) instead",
             "category_id": "'labels' holds the COCO category ids"}
 TORCH_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
@@ -117,11 +116,9 @@ class TargetMaker:
         h, w = rec["height"], rec["width"]
         boxes = array_tensor(self.fields["boxes"], rec["boxes"])
         n = len(boxes)
-        for name in (k for k in PER_OBJECT if k in self.fields):  # all checked, whatever the keys
-            f, v = self.fields[name], rec[name]
-            count = f.shape_of(len(v))[0] if isinstance(f, ArrayField) else len(v)
-            if count != n:
-                raise ValueError(f"{n} boxes but {count} {name}")
+        problem = object_count_problem(self.fields, rec)  # all checked, whatever the keys
+        if problem:
+            raise ValueError(problem)
         out: Dict[str, Any] = {}
         for key in self.keys:
             if key == "boxes":

@@ -19,10 +19,12 @@ from tqdm.auto import tqdm
 from . import journal
 from .._util.fsio import FolderLock, read_file
 from .._util.system import usable_cores
+from .._util.text import is_utf8, printable
 from .builder import DEFAULT_SHARD_SIZE, BuildResult, check_shard_size
 from .check import BadImage, Checked, Checks, Transcode, as_checks, check_image
 from ..errors import PackerError
-from ..format.fields import Field, check_schema, detection_problem, encode, infer_field
+from ..format.fields import (Field, check_schema, detection_problem, encode, infer_field,
+                              object_count_problem)
 from ..format.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from ..format.validation import TASKS
 from .packing import Packing
@@ -76,7 +78,7 @@ class DatasetWriter:
             raise PackerError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         self.dst = Path(dst)
         self.schema = check_schema(list(schema), "schema") if schema is not None else None
-        self.classes, self.task = list(classes) if classes is not None else None, task
+        self.classes, self.task = check_classes(classes), task
         self.checks = as_checks(checks)
         self.options = {"shard_size": shard_size, **self.checks.options(),
                         "transcode": asdict(transcode) if transcode else None, "writer": True}
@@ -101,6 +103,11 @@ class DatasetWriter:
         problem = detection_problem(self.schema) if self.task == "detection" else ""
         if problem:
             raise PackerError(f"a detection dataset {problem}")
+        label = next((f for f in self.schema if f.name == "label"), None)
+        if label is not None and label.type != "int":
+            raise PackerError(f"field 'label' is a class index: an int (names in classes=[...]), "
+                              f"not {label.type}")
+        self.by_name = {f.name: f for f in self.schema}
         specs = [f.spec() for f in self.schema]
         self.fingerprint = hashlib.sha256(json.dumps(
             [FORMAT_VERSION, specs, self.task, self.classes, self.options],
@@ -137,6 +144,8 @@ class DatasetWriter:
         self.entry += 1
         data, path = image_bytes(sample["image"], i, self.checks.max_image_bytes)
         path = str(sample.get("path", path))
+        if not is_utf8(path):
+            raise PackerError(f"sample {i}: 'path' {printable(path)} is not valid Unicode text")
         values = {k: v for k, v in sample.items() if k not in ("image", "path")}
         label = values.get("label")
         if self.classes is None and isinstance(label, int) and label >= DEFAULT_MAX_CLASSES:
@@ -145,8 +154,11 @@ class DatasetWriter:
                               f"must stay below {DEFAULT_MAX_CLASSES:,})")
         try:
             stored = encode(self.schema, values)
+            problem = object_count_problem(self.by_name, stored) if self.task == "detection" else ""
         except ValueError as e:
-            raise PackerError(f"sample {i}: {e}") from None
+            problem = str(e)
+        if problem:
+            raise PackerError(f"sample {i}: {problem}")
         digest = sample_digest(data, path, stored)
         if i < self.replay:  # packed by the interrupted (or finished) run: only checked
             self.digest.update(digest)
@@ -219,6 +231,19 @@ class DatasetWriter:
             self.close()
 
 
+def check_classes(classes: Optional[Sequence[str]]) -> Optional[List[str]]:
+    """``classes`` as a list, refused unless distinct strings (what a manifest may hold)."""
+    if classes is None:
+        return None
+    out = list(classes)
+    if not all(isinstance(c, str) for c in out):
+        raise PackerError("classes must be a list of strings (the names of labels 0, 1, ...)")
+    if len(set(out)) != len(out):
+        twice = next(c for k, c in enumerate(out) if c in out[:k])
+        raise PackerError(f"classes names {twice!r} twice; give each class its own name")
+    return out
+
+
 def image_bytes(image: Any, i: int, max_bytes: int):
     """(stored bytes, default path) of a sample's image: bytes as given, a regular file's
     bytes (at most ``max_bytes``), or a PIL image encoded losslessly as PNG."""
@@ -231,7 +256,11 @@ def image_bytes(image: Any, i: int, max_bytes: int):
             raise PackerError(f"sample {i}: cannot read image {image}: {e.strerror or e}") from None
     if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image
         out = io.BytesIO()
-        image.save(out, "PNG")
+        try:
+            image.save(out, "PNG")
+        except (OSError, ValueError) as e:  # modes PNG has not: CMYK, F...
+            raise PackerError(f"sample {i}: a PIL image of mode {image.mode} cannot be stored "
+                              f"({e}); convert it, e.g. image.convert('RGB')") from None
         return out.getvalue(), f"{i:08d}"
     raise PackerError(f"sample {i}: 'image' must be bytes, a path or a PIL image, got "
                       f"{type(image).__name__}")

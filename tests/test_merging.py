@@ -100,3 +100,42 @@ def test_existing_dst_needs_overwrite(datasets, tmp_path):
 def test_no_parts():
     with pytest.raises(PackerError, match="at least one part"):
         merge([], "/nonexistent/dst")
+
+
+@pytest.mark.parametrize("other, match", [
+    ({"part": "1/2", "shuffle": True, "seed": 2}, r"was not built by the same command"),
+    ({"part": "1/3"}, r"p1 \(part 1/3\) was not built by the same command .*\(part 0/2\)"),
+    ({"part": "1/2", "transcode": packer.Transcode(max_side=64)}, r"not built by the same"),
+    ({}, r"was not built with --part K/N but .*p0 was"),
+])
+def test_parts_of_other_commands_are_refused(datasets, tmp_path, other, match):
+    # parts are slices of one (shuffled) order: another seed or N repeats and loses records
+    src, _, parts = datasets
+    p1 = build(src, tmp_path / "p1", **other)
+    with pytest.raises(PackerError, match=match):
+        merge([parts[0], p1], tmp_path / "m")
+    assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_a_merged_dataset_remembers_its_parts(datasets, tmp_path):
+    src, whole, parts = datasets
+    one, again = tmp_path / "one", build(src, tmp_path / "p1-again", part="1/2")
+    assert merge([again], one)["options"]["merged_parts"] == ["1/2"]
+    with pytest.raises(PackerError, match="one holds part 1/2, as .*p1 does"):
+        merge([parts[1], one], tmp_path / "twice")
+    m = merge([parts[0], one], tmp_path / "all")
+    assert m["options"]["merged_parts"] == ["0/2", "1/2"]
+    assert contents(tmp_path / "all") == contents(whole)
+
+
+def test_coco_parts_keep_the_images_left_out(tmp_path):
+    from packer.demo.scenes import make_detection_folder
+    from packer.sources import Coco
+    scenes = make_detection_folder(tmp_path / "scenes", images=12, empty_fraction=0.25)
+    src = Coco(scenes / "images", scenes / "annotations.json", skip_empty=True)
+    whole = packer.build(src, tmp_path / "whole", progress=False, workers=0)
+    parts = [packer.build(src, tmp_path / f"p{k}", part=f"{k}/2", progress=False, workers=0)
+             .manifest for k in range(2)]
+    assert whole.manifest["skipped_empty"] == parts[0]["skipped_empty"] > 0
+    m = merge([tmp_path / "p0", tmp_path / "p1"], tmp_path / "m")
+    assert m["skipped_empty"] == whole.manifest["skipped_empty"]

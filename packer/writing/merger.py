@@ -52,6 +52,7 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
         if dataset_schema(m) != dataset_schema(mans[0][1]):
             raise PackerError(f"{p} has different fields from {mans[0][0]}; parts of one "
                               f"dataset must be built from the same source")
+    _refuse_strangers(mans)
     dst.mkdir(parents=True, exist_ok=True)
     with FolderLock(dst, f"packer merge into {dst}"):
         return _write(mans, dst, classes, overwrite)
@@ -90,6 +91,42 @@ def _named(manifest: dict, folder: Path, parts: list) -> dict:
     manifest["options"]["merged_from"] = [shown(p) for p in parts]
     write_json_atomic(folder / MANIFEST, manifest)
     return manifest
+
+
+def _refuse_strangers(mans: List[Tuple[Path, dict]]) -> None:
+    """Parts cut with ``--part K/N`` are slices of one shuffled order: only parts of the same
+    command (same source and options, the same N, each K once) hold each record once; parts of
+    another seed, N or source would repeat some records and lose others."""
+    def cut(m):  # (the K/N parts it holds, the command that built it)
+        rest = {k: v for k, v in (m.get("options") or {}).items()
+                if k not in ("part", "merged_from", "merged_parts")}
+        return _held(m), json.dumps([m.get("source"), rest], sort_keys=True)
+    (p0, _), cuts = mans[0], [cut(m) for _, m in mans]
+    if not any(held for held, _ in cuts):
+        return  # whole datasets (packer.write's, for example): joined as given
+    seen: dict = {}
+    for (p, _), (held, command) in zip(mans, cuts):
+        if not held or not cuts[0][0]:
+            raise PackerError(f"{p if not held else p0} was not built with --part K/N but "
+                              f"{p0 if not held else p} was; merge the parts of one build")
+        if command != cuts[0][1] or len({k.rpartition("/")[2] for k in held + cuts[0][0]}) > 1:
+            raise PackerError(f"{p} (part {', '.join(held)}) was not built by the same command "
+                              f"as {p0} (part {', '.join(cuts[0][0])}): another source, N or "
+                              f"option (--seed, --shuffle, ...); its records would repeat or "
+                              f"miss some of the others'")
+        for k in held:
+            if k in seen:
+                raise PackerError(f"{p} holds part {k}, as {seen[k]} does; merging would "
+                                  f"duplicate its records")
+            seen[k] = p
+
+
+def _held(m: dict) -> List[str]:
+    """The ``K/N`` parts a dataset holds: its own ``--part``, or those merged into it."""
+    opts = m.get("options") or {}
+    merged = opts.get("merged_parts")
+    return ([str(opts["part"])] if opts.get("part") else
+            [str(k) for k in merged] if isinstance(merged, list) else [])
 
 
 def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
@@ -170,11 +207,11 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         classes=classes, shards=[dict(s, path=posixpath.normpath(posixpath.join(rel, s["path"])))
                                  for rel, (_, m) in zip(rels, mans) for s in m["shards"]],
         schema=first.get("schema"), dropped=dropped,
-        extra={k: first[k] for k in ("categories",) if k in first},
+        extra={k: first[k] for k in ("categories", "skipped_empty") if k in first},
         dropped_count=sum(m.get("dropped_count", len(m.get("dropped", []))) for _, m in mans),
         skipped=[s for _, m in mans for s in m["skipped"]], source=first.get("source", ""),
-        options=dict(first.get("options") or {}, part=None,
-                     merged_from=[str(p) for p, _ in mans]), **written)
+        options=dict(first.get("options") or {}, part=None, merged_from=[str(p) for p, _ in mans],
+                     merged_parts=[k for _, m in mans for k in _held(m)]), **written)
     manifest["parts"], manifest["fingerprint"] = rels, fp
     with disk_errors(dst / MANIFEST):
         write_json_atomic(dst / MANIFEST, manifest)

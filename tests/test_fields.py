@@ -118,6 +118,9 @@ def test_each_field_is_built_from_its_schema_entry_and_writes_it_back(spec):
     ({"name": "a", "type": "array", "dtype": "object", "shape": [-1]}, "dtype"),
     ({"name": "a", "type": "array", "dtype": "int64", "shape": [4, -1]}, "shape"),
     ({"name": "a", "type": "array", "dtype": "int64", "shape": []}, "shape"),
+    ({"name": "a", "type": ["int"]}, "must be one of"),  # unhashable: a TypeError before
+    ({"name": "a", "type": {"x": 1}}, "must be one of"),
+    ({"name": "a", "type": "array", "dtype": ["int64"], "shape": [-1]}, "dtype"),
 ])
 def test_schema_entries_are_checked(f, problem):
     assert problem in field_problem(f)

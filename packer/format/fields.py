@@ -199,10 +199,10 @@ def field_problem(f: Any) -> str:
         return f"name {name!r} must match {NAME.pattern}"
     if name in RESERVED:
         return f"name {name!r} is reserved for the record's own data"
-    if kind not in FIELD_TYPES:
-        return f"type {kind!r} must be one of {', '.join(FIELD_TYPES)}"
+    if not isinstance(kind, str) or kind not in FIELD_TYPES:
+        return f"type {kind!r:.60} must be one of {', '.join(FIELD_TYPES)}"
     if kind == "array":
-        if f.get("dtype") not in DTYPES:
+        if not isinstance(f.get("dtype"), str) or f.get("dtype") not in DTYPES:
             return f"dtype {f.get('dtype')!r} must be one of {', '.join(DTYPES)}"
         shape = f.get("shape")
         if (not isinstance(shape, list) or not 1 <= len(shape) <= 8

@@ -122,7 +122,10 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True,
     rep = Report(skipped_checks=QUICK_SKIPS if quick else "")
     readable = _check_shards(root, m, rep, progress)
     for _, t, _ in side_tables(m):
-        if (root / t["path"]).is_file() and file_sha256(root / t["path"]) != t["sha256"]:
+        if not (root / t["path"]).is_file():
+            rep.problems.append(f"{t['path']}: missing (readers need it)")
+            readable = False
+        elif file_sha256(root / t["path"]) != t["sha256"]:
             rep.problems.append(f"{t['path']}: sha256 does not match the manifest")
     try:
         labels = read_labels(root, m)
@@ -138,7 +141,10 @@ def verify(root: os.PathLike, *, quick: bool = False, progress: bool = True,
                             f"(the dataset has {len(m['classes'])} classes), first at record "
                             f"{bad[0]}: {labels[bad[0]]}")
     if not quick and readable:
-        _check_records(root, m, columns, rep, progress, max_pixels)
+        try:
+            _check_records(root, m, columns, rep, progress, max_pixels)
+        except FormatError as e:  # the dataset cannot be opened for reading: one more problem
+            rep.problems.append(str(e))
     return rep
 
 

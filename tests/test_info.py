@@ -7,8 +7,10 @@ import struct
 
 import lmdb
 import pytest
+from click.testing import CliRunner
 
 from helpers import imagefolder_rule
+from packer.cli import main
 from packer.errors import FormatError
 from packer._util.fsio import write_json_atomic
 from packer.format.manifest import FORMAT_VERSION, file_sha256, read_manifest
@@ -108,6 +110,19 @@ def test_verify_catches_missing_and_truncated_shards(copy):
     rep = verify(copy, quick=True, progress=False)
     assert rep.problems == ["shard-00000.lmdb: missing"]
 
+
+
+@pytest.mark.parametrize("table", ["offsets.u64", "paths.utf8"])
+@pytest.mark.parametrize("quick", [True, False])
+def test_verify_reports_a_missing_side_table(copy, table, quick):
+    # a quick verify passed a dataset without its offsets, which no reader could open
+    (copy / table).unlink()
+    rep = verify(copy, quick=quick, progress=False)
+    assert f"{table}: missing (readers need it)" in rep.problems, rep.problems
+    res = CliRunner().invoke(
+        main, ["verify", str(copy), "--json", *(["--quick"] if quick else [])])
+    assert res.exit_code == 1 and f"{table}: missing" in res.stdout, res.output
+    assert f"{table}: missing (readers need it)" in json.loads(res.stdout)["problems"]
 
 def test_verify_catches_extra_records(copy):
     """A shard holding more records than its manifest entry says is damaged too."""

@@ -198,6 +198,12 @@ def test_workers_do_not_change_the_result(odd_tree, odd_built, tmp_path):
     assert m["skipped"] == ref["skipped"]
 
 
+
+def test_more_workers_than_shards_start_one_process_per_shard(odd_tree, odd_built, tmp_path):
+    # 10**11 workers was an OverflowError traceback; 5,000 forked 5,000 processes for one shard
+    m = quiet_build(odd_tree.root, tmp_path / "d", workers=10 ** 11, shard_size=1 << 20).manifest
+    ref = fmt.read_manifest(odd_built)
+    assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in ref["shards"]]
 def test_empty_source_is_an_error(tmp_path):
     (tmp_path / "src/a").mkdir(parents=True)
     (tmp_path / "src/a/readme.txt").write_text("x")

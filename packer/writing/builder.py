@@ -250,6 +250,7 @@ def _shards(tasks: List[ShardTask], workers, job: ShardJob, bar) -> Iterator[Sha
     if not isinstance(workers, int):
         yield from workers.shards(tasks, job, bar)
         return
+    workers = min(workers, len(tasks))  # a process per shard at most, whatever was asked
     if workers == 0:
         current: Optional[ShardDone] = None  # handed out, not yet taken (the next call takes it)
         try:

@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import lmdb
 import pytest
 from click.testing import CliRunner
 
-from helpers import imagefolder_rule
+from helpers import imagefolder_rule, packer_env
 from packer.cli import main
 from packer.errors import FormatError
 from packer._util.fsio import write_json_atomic
@@ -181,3 +187,17 @@ def test_verify_decodes_every_record(odd_tree, tmp_path, monkeypatch):
     assert {p.split(": does not decode")[0].split(") ", 1)[1] for p in decode} == broken
     sizes = [p for p in rep.problems if p not in decode]
     assert sizes and all(p.endswith(", its record says 1x1") for p in sizes), sizes
+
+
+def test_ctrl_c_in_a_command_that_does_not_resume_does_not_promise_a_resume(odd_built, tmp_path):
+    # `packer cat DST 0 -o FIFO` waits in open() for a reader: a real Ctrl-C lands there
+    fifo = tmp_path / "out.jpg"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "packer", "cat", str(odd_built), "0", "-o",
+                             str(fifo)], env=packer_env(), stderr=subprocess.PIPE, text=True)
+    wchan, deadline = Path(f"/proc/{proc.pid}/wchan"), time.time() + 60
+    while time.time() < deadline and "partner" not in wchan.read_text():
+        time.sleep(0.05)  # until it waits for the FIFO's reader
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "Interrupted.", err

@@ -77,7 +77,10 @@ def parse_storage_options(pairs) -> dict:
     return out
 
 
-def library_errors(fn=None, *, interrupted="Interrupted. Re-run the same command to resume."):
+RESUMES = "Interrupted. Re-run the same command to resume."  # what build and merge say
+
+
+def library_errors(fn=None, *, interrupted="Interrupted."):
     """Show a PackerError as ``Error: ...`` (exit 1) and Ctrl-C as a short note (exit 130); so
     too a missing optional package (the line names the pip command) and an error of the
     operating system (``PATH: reason``), never a traceback."""

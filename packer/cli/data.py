@@ -10,7 +10,7 @@ import click
 
 from ..errors import PackerError
 from .._util.text import json_text, printable, terminal_text
-from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_lines
+from .common import RESUMES, PathOrURL, Size, library_errors, storage_flags, warnings_as_lines
 
 
 @click.command()
@@ -88,7 +88,7 @@ from .common import PathOrURL, Size, library_errors, storage_flags, warnings_as_
 @click.option("--json", "as_json", is_flag=True,
               help="No progress bar; print one JSON object (dst, count, bytes, shards, task, "
                    "seconds, resumed_shards, skipped, dropped_count, dropped).")
-@library_errors
+@library_errors(interrupted=RESUMES)
 def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, label_column,
           allow_empty, extensions, shard_size, workers, on_ray, max_side, short_side, quality,
           shuffle, seed, part, strict, max_pixels, max_image_bytes, max_classes, overwrite,
@@ -237,7 +237,7 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta
 @storage_flags
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (dst, parts, count, shards).")
-@library_errors
+@library_errors(interrupted=RESUMES)
 def merge(parts, dst, overwrite, storage_options, as_json):
     """Join datasets built with --part K/N into one dataset DST, without copying shards.
 

@@ -1,6 +1,7 @@
 """Commands about the machine and the pipeline: doctor, bench, demo."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -88,8 +89,12 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
                                      f"(e.g. 0,4,8)", param_hint="--workers") from None
         if not workers or min(workers) < 0:
             raise click.BadParameter("worker counts must be >= 0", param_hint="--workers")
+    for path, flag in ((json_file, "--json"), (plot_file, "--plot")):  # before minutes of
+        if path is not None and not os.access(path.parent, os.W_OK | os.X_OK):  # measuring
+            raise click.BadParameter(f"{path.parent} is not a folder this user can write to",
+                                     param_hint=flag)
     if plot_file is not None:
-        lib.check_plot()  # before minutes of measuring, not after
+        lib.check_plot()
     rep = lib.run_bench(dst, folder=folder, staged=staged, workers=workers, batch_size=batch_size,
                         size=size, cuda=cuda, model=model, repeats=repeats,
                         seconds_per_variant=seconds, max_images=max_images, cold_cache=not warm,

@@ -100,6 +100,10 @@ def test_cli_usage_errors(data):
     assert res.exit_code == 2 and "not a comma-separated list of integers" in res.output
     res = CliRunner().invoke(main, ["bench", str(dst), "--workers", "-1"])
     assert res.exit_code == 2 and "worker counts must be >= 0" in res.output
+    for flag in ("--json", "--plot"):  # refused before minutes of measuring, not after
+        res = CliRunner().invoke(main, ["bench", str(dst), flag, "/nonexistent/dir/x.out"])
+        assert res.exit_code == 2 and "/nonexistent/dir is not a folder this user can write " \
+            "to" in res.output and flag in res.output, res.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown without CUDA")

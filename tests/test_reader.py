@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import pickle
 import shutil
 import subprocess
@@ -215,6 +216,17 @@ def test_a_shard_removed_after_opening_is_a_format_error(copy):
         reader.read(last)
 
 
+
+def test_a_shard_replaced_by_a_fifo_is_a_format_error_not_a_wait(copy):
+    # a FIFO put in a shard's place (a shared /dev/shm) made the lazy open wait for a writer
+    reader = ShardReader(copy)
+    reader.read(0)
+    last = len(reader) - 1
+    shard = copy / manifest(copy)["shards"][-1]["path"]
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(FormatError, match="was replaced after this dataset was opened"):
+        reader.read(last)
 @pytest.mark.parametrize("change", ["truncate", "extend"])
 def test_shard_of_the_wrong_size(copy, change):
     s = manifest(copy)["shards"][0]

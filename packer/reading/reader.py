@@ -89,7 +89,8 @@ class ShardReader:
 
     def _open(self, shard: int) -> int:
         try:
-            fd = os.open(self.paths[shard], READ_FLAGS)
+            fd = os.open(self.paths[shard], READ_FLAGS | os.O_NONBLOCK)  # a FIFO put in its
+            # place must not wait for a writer: the identity check below refuses it
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 raise FormatError(f"{self.paths[shard]} cannot be opened: too many open files "

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from helpers import packer_env, run_packer
+import packer
 from packer import Checks, PackedDataset, build, merge
+from packer.demo import load_photos, make_image
 from packer.transforms.decode import DecodeLetterbox, DecodeRandomResizedCrop
 from packer.demo.scenes import make_detection_folder
 from packer.errors import FormatError, PackerError
@@ -423,7 +425,8 @@ def expected_crop_boxes(boxes, crop, size, flipped, min_visible=0.25):
 
 def test_random_resized_crop_moves_the_boxes(coco_built, by_name):
     dec = DecodeRandomResizedCrop(128)
-    ds = PackedDataset(coco_built, decode=dec, target_keys=KEYS)
+    ds = PackedDataset(coco_built, decode=dec, target_keys=KEYS + ["ann_ids", "segmentation"])
+    whole = PackedDataset(coco_built, target_keys=["segmentation"])
     flips = dropped = kept = 0
     state = random.getstate()
     try:
@@ -447,6 +450,9 @@ def test_random_resized_crop_moves_the_boxes(coco_built, by_name):
                 assert t["labels"].tolist() == [anns[k]["category_id"] for k in keep]
                 assert t["area"].tolist() == [float(anns[k]["area"]) for k in keep]
                 assert len(t["iscrowd"]) == len(keep) and t["image_id"] == rec["image_id"]
+                assert t["ann_ids"].tolist() == [anns[k]["id"] for k in keep]
+                segs = whole[i][1]["segmentation"]  # a list: it was kept whole before
+                assert t["segmentation"] == [segs[k] for k in keep]
                 flips += flipped
                 kept += len(keep)
                 dropped += len(truth) - len(keep)
@@ -455,6 +461,22 @@ def test_random_resized_crop_moves_the_boxes(coco_built, by_name):
     assert flips and kept and dropped  # the check saw flips, kept boxes and dropped ones
 
 
+
+def test_a_crop_keeps_per_image_arrays_whatever_their_length(tmp_path):
+    # a per-image array as long as the boxes was cut like a per-object one
+    photo = make_image(random.Random(1), load_photos(), size=(320, 240))
+    sample = {"image": photo, "boxes": [[0.0, 0.0, 30.0, 30.0], [200.0, 150.0, 320.0, 240.0]],
+              "labels": [1, 2], "image_id": 0, "tags": [7, 9]}
+    packer.write(tmp_path / "d", [sample], progress=False)
+    ds = PackedDataset(tmp_path / "d", target_keys="all",
+                       decode=DecodeRandomResizedCrop(64, scale=(0.3, 0.3)))
+    counts = set()
+    for seed in range(40):
+        random.seed(seed)
+        _, t = ds[0]
+        counts.add(len(t["boxes"]))
+        assert t["tags"].tolist() == [7, 9] and len(t["labels"]) == len(t["boxes"])
+    assert 1 in counts  # some crops kept one box of two
 def test_letterbox_moves_the_boxes(coco_built, by_name):
     ds = PackedDataset(coco_built, decode=DecodeLetterbox(160), target_keys=KEYS)
     for i in range(len(ds)):

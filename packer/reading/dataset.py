@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from ..transforms.boxes import crop_boxes
 from ..transforms.decode import exif_tag, open_image
+from ..format.fields import PER_OBJECT
 from ..format.manifest import dataset_schema
 from .reader import ShardReader, record_index
 from ..format.tables import read_column, read_labels, read_paths
@@ -222,7 +223,8 @@ def move_boxes(target: dict, crop, size, flipped: bool, min_visible: float) -> d
     n = len(boxes)
     out, keep = crop_boxes(boxes, torch.tensor([n]), torch.tensor([crop], dtype=torch.float64),
                            size, torch.tensor([bool(flipped)]), min_visible=min_visible)
-    moved = {k: (v[keep] if isinstance(v, torch.Tensor) and v.dim() and len(v) == n else v)
-             for k, v in target.items()}
+    kept = keep.nonzero().flatten().tolist()
+    moved = {k: (v if k not in PER_OBJECT else v[keep] if isinstance(v, torch.Tensor) else
+                 [v[i] for i in kept]) for k, v in target.items()}  # per-object values by name
     moved["boxes"] = wrap_boxes(out[keep], size)
     return moved

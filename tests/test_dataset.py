@@ -165,5 +165,8 @@ def test_exif_orientation_turns_detection_boxes_and_masks(tmp_path, orientation)
     assert t["boxes"].canvas_size == (upright.size[1], upright.size[0])
     assert t["boxes"].tolist() == [list(map(float, upright.getbbox()))]
     assert torch.equal(t["masks"][0].bool(), want_mask)
+    _, no_boxes = PackedDataset(tmp_path / "ds", exif_orientation=True,
+                                target_keys=["labels", "masks"])[0]
+    assert torch.equal(no_boxes["masks"][0].bool(), want_mask)  # turned without boxes too
     _, plain = PackedDataset(tmp_path / "ds", target_keys=["boxes", "masks"])[0]
     assert plain["boxes"].tolist() == [list(map(float, box))]  # as stored, as torchvision reads

@@ -205,7 +205,9 @@ def to_sample(rec: dict, decode: Optional[Callable] = None, transform: Optional[
         sample = decode(rec["image"])
     else:
         sample = open_image(rec["image"], exif_orientation=exif_orientation)
-        if exif_orientation and detection:  # the boxes and masks turn with the image
+        if exif_orientation and isinstance(target, dict) and getattr(make_target, "detection",
+                                                                     False):
+            # the boxes and masks (either may be left out of target_keys) turn with the image
             target = oriented(target, exif_tag(rec["image"]), rec["width"], rec["height"])
     if transform is not None:
         sample = transform(sample)

@@ -204,6 +204,35 @@ def test_an_outline_crossing_too_many_columns_is_refused_before_any_work():
     assert masks_of([[zigzag[: 2 * (edges // 2)]]], h, w).shape == (1, h, w)  # half: allowed
 
 
+
+MANY = """
+import resource, sys, torch
+from packer.reading.masks import crossing_budget, masks_of
+h = w = 64
+edges = crossing_budget(h, w) // w - 1  # each object just within the budget
+zigzag = [v for i in range(edges) for v in ((0.0 if i % 2 else 64.0), i * 64 / edges)]
+masks_of([[zigzag]], h, w)  # imports and first allocations: not what is measured
+with open("/proc/self/status") as f:
+    vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+resource.setrlimit(resource.RLIMIT_AS, (vm + int(sys.argv[1]), hard))
+print(tuple(masks_of([[zigzag]] * 16, h, w).shape))
+"""
+
+
+def test_many_objects_at_the_crossing_budget_cost_a_bounded_amount():
+    # sixteen objects of ~1M crossings on a 64x64 image took ~2 GB painted at once; in
+    # groups of about twice one object's budget they take ~250 MB
+    h = w = 64
+    edges = crossing_budget(h, w) // w - 1
+    zigzag = [v for i in range(edges) for v in ((0.0 if i % 2 else 64.0), i * 64 / edges)]
+    rle = {"size": [h, w], "counts": [100, 50, h * w - 150]}
+    assert_same([[zigzag], rle, [zigzag], [[1, 1, 30, 2, 20, 40]], [zigzag]], h, w)  # groups
+    r = subprocess.run([sys.executable, "-c", MANY, str(600 << 20)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["(16,", "64,", "64)"], r.stderr[-2000:]
+
+
 ATTACK = """
 import resource, sys, torch
 torch.set_num_threads(1)

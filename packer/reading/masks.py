@@ -101,13 +101,30 @@ def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
             stop = counts.cumsum(0)
             starts.append((stop - counts)[1::2] + k * hw)
             ends.append(stop[1::2] + k * hw)
-    if lines is not None:
-        s, e = polygon_intervals(lines, height, width)
+    none, flat = torch.zeros(0, dtype=torch.int64), None
+    for chunk in outline_chunks(lines, n, crossing_budget(height, width)):
+        s, e = polygon_intervals(chunk, height, width)
         starts.append(s)
         ends.append(e)
-    none = torch.zeros(0, dtype=torch.int64)
-    flat = paint(torch.cat(starts or [none]), torch.cat(ends or [none]), n * hw)
+        painted = paint(torch.cat(starts), torch.cat(ends), n * hw)
+        flat = painted if flat is None else flat.bitwise_or_(painted)
+        starts, ends = [], []
+    if flat is None:
+        flat = paint(torch.cat(starts or [none]), torch.cat(ends or [none]), n * hw)
     return flat.view(n, width, height).transpose(1, 2).contiguous()  # runs are column-major
+
+
+def outline_chunks(lines: Optional[Outline], objects: int, budget: int) -> List[Outline]:
+    """``lines`` split by object into parts of at most about ``2 * budget`` crossings: the
+    intervals of one part cost ~120 bytes a crossing while they are made: many objects with
+    the most crossings each then cost in proportion to their masks, not to their number."""
+    if lines is None:
+        return []
+    work = crossings(lines, objects)
+    part = torch.div(work.cumsum(0) - work, budget, rounding_mode="floor")[lines.obj]
+    if not len(part) or int(part.max()) == int(part.min()):
+        return [lines]  # the usual case: one part
+    return [Outline(*(f[part == k] for f in lines)) for k in part.unique().tolist()]
 
 
 def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:

@@ -186,6 +186,8 @@ def test_mixed_rle_and_polygons_in_one_image():
     ([{"size": [40, 50], "counts": "0a~"}], "does not decode"),
     ([{"size": [40, 50], "counts": [3, -1, 5]}], "run lengths"),
     ([{"size": [40, 50], "counts": [2001]}], "run lengths"),
+    # 64 runs of 2^58 in COCO's string form: their int64 sum wraps round to 0
+    ([{"size": [40, 50], "counts": "PPPPPPPPPPP8" * 3 + "0" * 61}], "run lengths"),
 ])
 def test_segmentations_beyond_the_limits_are_refused(seg, problem):
     assert problem in segmentation_problem(seg, 40, 50)

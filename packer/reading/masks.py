@@ -63,8 +63,9 @@ def rle_counts(seg: dict, height: int, width: int) -> Tuple[str, Optional[torch.
         counts = torch.tensor(counts, dtype=torch.int64)
     else:
         counts = None
-    if counts is None or (len(counts) and int(counts.min()) < 0) \
-            or int(counts.sum()) > height * width:
+    if counts is None or (len(counts) and not 0 <= int(counts.min()) <= int(counts.max())
+                          <= height * width) or int(counts.sum()) > height * width:
+        # each run within the image first: runs of 2^60 would wrap the int64 sum round
         return "RLE counts that are not run lengths within the image", None
     return "", counts
 

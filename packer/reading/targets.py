@@ -3,6 +3,7 @@ detection's ``wrap_dataset_for_transforms_v2`` dict (``target_keys``), else a di
 fields (or those ``target_fields`` selects)."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Collection, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -22,8 +23,13 @@ TORCH_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
 
 
 def array_tensor(f: ArrayField, raw: bytes) -> torch.Tensor:
-    """A stored array field as a tensor of its schema's shape (a copy: records are bytes)."""
-    return torch.tensor(f.values(raw), dtype=TORCH_DTYPES[f.dtype]).reshape(f.shape_of(len(raw)))
+    """A stored array field as a tensor of its schema's shape (a copy: records are bytes);
+    taken from the bytes as they are where torch has the stored dtype (not value by value,
+    which took ~11x the field's size and seconds for a large one)."""
+    shape, dtype = f.shape_of(len(raw)), TORCH_DTYPES[f.dtype]
+    if raw and sys.byteorder == "little" and f.dtype not in ("uint16", "uint32"):
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+    return torch.tensor(f.values(raw), dtype=dtype).reshape(shape)
 
 
 def tv_wrap(kind: str, t: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from packer.transforms.decode import DecodeCenterCrop, DecodeRandomResizedCrop, image_to_tensor, open_image
+from packer.transforms.decode import DecodeCenterCrop, DecodeLetterbox, DecodeRandomResizedCrop, image_to_tensor, open_image
 from packer.demo import load_photos, make_image
 
 
@@ -241,6 +241,14 @@ def test_random_resized_crop_bad_arguments(kw):
         DecodeRandomResizedCrop(224, **kw)
 
 
+
+@pytest.mark.parametrize("cls", [DecodeRandomResizedCrop, DecodeCenterCrop, DecodeLetterbox])
+def test_sizes_as_torchvision_reads_them_or_refused_at_once(cls, photo_jpeg):
+    assert cls([64]).size == (64, 64) == cls(64).size  # [s]: s x s, as in torchvision
+    assert cls((48, 64)).size == (48, 64) and cls(64)(photo_jpeg).shape[0] == 3
+    for bad in (0, (0, 0), (64, 64, 3), (), (-1, 64), (64.0, 64), "64"):
+        with pytest.raises(ValueError, match="size must be a positive int or"):
+            cls(bad)
 @pytest.mark.parametrize("fraction", [0, -0.5, 1.01, 2])
 def test_center_crop_bad_fraction(fraction):
     with pytest.raises(ValueError, match="crop_fraction must be in"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import random
 from typing import Optional, Tuple
 
@@ -47,7 +48,12 @@ class CropDecoder:
     (torch unless Pillow-SIMD)."""
 
     def __init__(self, size, resize: str = "pil"):
-        self.size = (size, size) if isinstance(size, int) else tuple(size)  # (h, w)
+        size = (size, size) if isinstance(size, int) else tuple(size)  # (h, w)
+        size = size * 2 if len(size) == 1 else size  # [s]: s x s, as torchvision reads it
+        if len(size) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                     and v > 0 for v in size):
+            raise ValueError(f"size must be a positive int or (height, width), got {size!r}")
+        self.size = (int(size[0]), int(size[1]))
         if resize not in ("auto", "pil", "torch"):
             raise ValueError(f"resize must be 'auto', 'pil' or 'torch', got {resize!r}")
         self.resize = resize

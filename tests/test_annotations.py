@@ -223,6 +223,8 @@ def test_masks_match_the_boxes(coco_built, by_name):
     assert checked > N_IMAGES  # several objects per image
     with pytest.raises(ValueError, match="crop decoder"):
         PackedDataset(coco_built, masks=True, decode=DecodeRandomResizedCrop(64))
+    with pytest.raises(ValueError, match=r"masks \(masks=True, or in target_keys\) with a crop"):
+        PackedDataset(coco_built, target_keys="all", decode=DecodeRandomResizedCrop(64))
 
 
 def test_masks_need_segmentation(yolo_built):

@@ -65,7 +65,8 @@ class PackedDataset(Dataset):
         self.make_target = TargetMaker(self.schema, target_fields=target_fields,
                                        target_keys=target_keys, masks=masks)
         if self.make_target.masks and decode is not None and hasattr(decode, "decode_crop"):
-            raise ValueError("masks=True with a crop decoder is not supported: decode to PIL "
+            raise ValueError("masks (masks=True, or in target_keys) with a crop decoder are not "
+                             "supported: decode to PIL "
                              "(decode=None) and crop with torchvision.transforms.v2, which "
                              "moves masks with the image")
         self.min_visible = float(min_visible)

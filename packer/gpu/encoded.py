@@ -14,7 +14,7 @@ from torch.utils.data import default_collate, get_worker_info
 
 from ..errors import FormatError
 from ..loading.torchapi import shared_empty
-from ..transforms.decode import open_image
+from ..transforms.decode import stored_image
 from ..format.images import DEFAULT_MAX_PIXELS
 from .detection import DetectionTargets, is_detection_batch, pack_targets
 from .ring import BatchRing, arrived, locate
@@ -127,8 +127,9 @@ class EncodedImage:
             self._check(info.width, info.height, "its JPEG header claims")
         if gpu_decodable(info):
             return EncodedSample(bytes(data), info.height, info.width, False)
-        im = open_image(data)
-        self._check(im.width, im.height, "it decodes to")
+        im = stored_image(data)  # opened lazily: checked before its pixels exist
+        self._check(im.width, im.height, "its header claims")
+        im = im.convert("RGB")
         return EncodedSample(im.tobytes(), im.height, im.width, True)
 
     def _check(self, width: int, height: int, what: str) -> None:

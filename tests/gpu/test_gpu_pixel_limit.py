@@ -54,7 +54,7 @@ def test_crafted_header_is_refused_before_decoding():
     # Files the worker decodes (PNG here) are held to it too, before reaching the GPU.
     png = io.BytesIO()
     Image.new("RGB", (20, 10)).save(png, "PNG")
-    with pytest.raises(FormatError, match="decodes to 20 x 10 = 200 pixels, over max_pixels=199"):
+    with pytest.raises(FormatError, match="header claims 20 x 10 = 200 pixels, over max_pixels=199"):
         EncodedImage(max_pixels=199)(png.getvalue())
     for bad in (0, -1, 1.5, True, None):
         with pytest.raises(ValueError, match="max_pixels"):
@@ -80,6 +80,39 @@ def crafted_built(tmp_path_factory):
 @pytest.fixture
 def crafted_set(crafted_built, tmp_path):
     return Path(shutil.copytree(crafted_built, tmp_path / "packed"))  # see conftest's mixed
+
+
+
+JUNK_BEFORE_FRAME = """
+import io, resource, sys
+from PIL import Image
+from packer.errors import FormatError
+from packer.gpu.encoded import EncodedImage, jpeg_info
+out = io.BytesIO()
+Image.new("RGB", (8, 8), (200, 30, 60)).save(out, "JPEG", quality=90)
+data = out.getvalue()
+sof = data.index(b"\\xff\\xc0")
+data = data[:sof] + b"\\x00" + data[sof:sof + 5] + (10000).to_bytes(2, "big") * 2 + data[sof + 9:]
+assert jpeg_info(data) is None and Image.open(io.BytesIO(data)).size == (10000, 10000)
+with open("/proc/self/status") as f:
+    vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+resource.setrlimit(resource.RLIMIT_AS, (vm + (100 << 20), hard))
+try:
+    EncodedImage(max_pixels=1_000_000)(data)
+except FormatError as e:
+    print(e)
+"""
+
+
+def test_a_header_packer_cannot_parse_is_held_to_the_limit_before_decoding():
+    # a junk byte before the frame header (PIL skips it, packer's parser does not) sent a
+    # file claiming 10000 x 10000 to a full decode (+763 MB) before the limit was checked
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", JUNK_BEFORE_FRAME], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "header claims 10000 x 10000" in r.stdout, r.stderr[-2000:]
 
 
 def test_crafted_record_stops_the_loader_in_its_worker(crafted_set):

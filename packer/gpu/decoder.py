@@ -19,7 +19,8 @@ from ..transforms.decode import open_image
 from ..errors import PackerError
 from ..loading.epochs import position
 from ..loading.loader import PackedLoader
-from ..loading.prefetch import IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors, normalize_affine
+from ..loading.prefetch import (IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors,
+                               map_tensors, normalize_affine)
 from .augment import center_crop_boxes, random_resized_crop_boxes
 from .detection import DetectionTargets, fill_outside, letterbox_crops, place_boxes
 from .encoded import EncodedBatch
@@ -248,7 +249,7 @@ class GPUDecoder(LoaderView):
         ``place_boxes``, which moves what is kept."""
         if isinstance(labels, DetectionTargets):
             return labels
-        return labels.to(self.device, non_blocking=True)
+        return map_tensors(labels, lambda t: t.to(self.device, non_blocking=True))  # any nesting
 
     def _decode_alone(self, data: torch.Tensor, decoder) -> torch.Tensor:
         try:

@@ -7,22 +7,25 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..errors import PackerError
+from ..format.fields import PER_OBJECT
 from ..transforms.boxes import crop_boxes, image_index, letterbox_params, to_device
 from ..reading.targets import wrap_boxes
 
 
 class DetectionTargets(NamedTuple):
-    """A batch's detection targets, packed: ``boxes`` (N, 4) XYXY, ``counts`` (B,), ``image_id``
-    and ``per_box`` (every other per-box tensor, in order)."""
+    """A batch's detection targets, packed: ``boxes`` (N, 4) XYXY, ``counts`` (B,),
+    ``per_box`` (the other per-object tensors: ``PER_OBJECT``'s), ``per_image`` (every other
+    key: one value per image, as the dataset gave it) and ``keys`` (the targets' key order)."""
     boxes: torch.Tensor
     counts: torch.Tensor
-    image_id: torch.Tensor
     per_box: Dict[str, torch.Tensor]
+    per_image: Dict[str, list]
+    keys: Tuple[str, ...]
 
     def to(self, device, non_blocking: bool = False) -> "DetectionTargets":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return DetectionTargets(move(self.boxes), move(self.counts), move(self.image_id),
-                                {k: move(v) for k, v in self.per_box.items()})
+        return self._replace(boxes=move(self.boxes), counts=move(self.counts),
+                             per_box={k: move(v) for k, v in self.per_box.items()})
 
     def __len__(self) -> int:  # images, not fields
         return len(self.counts)
@@ -34,11 +37,13 @@ def pack_targets(targets: Sequence[Dict]) -> DetectionTargets:
     if "masks" in targets[0] or "segmentation" in targets[0]:
         raise PackerError("the GPU path moves boxes with its crops but not masks or "
                           "segmentations: build the PackedDataset without them (target_keys)")
+    keys = tuple(targets[0])
     cat = lambda k: torch.cat([t[k].as_subclass(torch.Tensor) for t in targets])  # noqa: E731
-    per_box = {k: cat(k) for k in targets[0] if k not in ("boxes", "image_id")}
     return DetectionTargets(cat("boxes").float().reshape(-1, 4),
                             torch.tensor([len(t["boxes"]) for t in targets]),
-                            torch.tensor([int(t["image_id"]) for t in targets]), per_box)
+                            {k: cat(k) for k in keys if k in PER_OBJECT},
+                            {k: [t[k] for t in targets] for k in keys
+                             if k != "boxes" and k not in PER_OBJECT}, keys)
 
 
 def is_detection_batch(targets: Sequence) -> bool:
@@ -86,9 +91,9 @@ def place_boxes(targets: DetectionTargets, crops: torch.Tensor, size: Tuple[int,
                              min_visible=min_visible)
     image = image_index(targets.counts, len(keep), keep.device)
     counts = torch.bincount(image[keep], minlength=len(targets.counts)).tolist()
-    fields = {"boxes": boxes, **targets.per_box}  # torchvision's key order, image_id third
+    fields = {"boxes": boxes, **targets.per_box}
     moved = {k: to_device(v[keep], device).split(counts) for k, v in fields.items()}
-    labels = moved.pop("labels")
-    return [{"boxes": wrap_boxes(b, size), "labels": labels[i], "image_id": n,
-             **{k: v[i] for k, v in moved.items() if k != "boxes"}}
-            for i, (b, n) in enumerate(zip(moved["boxes"], targets.image_id.tolist()))]
+    moved["boxes"] = [wrap_boxes(b, size) for b in moved["boxes"]]
+    moved.update({k: [to_device(v, device) if isinstance(v, torch.Tensor) else v for v in vs]
+                  for k, vs in targets.per_image.items()})  # as the dataset gave them
+    return [{k: moved[k][i] for k in targets.keys} for i in range(len(targets.counts))]

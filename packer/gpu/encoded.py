@@ -160,8 +160,9 @@ class EncodedBatch(NamedTuple):
         # socket (~30 system calls and Python) in the training process.
         labels = self.labels
         if isinstance(labels, DetectionTargets):
-            labels = ("boxes", *map(_raw, (labels.boxes, labels.counts, labels.image_id)),
-                      {k: _raw(v) for k, v in labels.per_box.items()})
+            labels = ("boxes", _raw(labels.boxes), _raw(labels.counts),
+                      {k: _raw(v) for k, v in labels.per_box.items()}, labels.per_image,
+                      labels.keys)
         elif isinstance(labels, torch.Tensor):
             labels = ("tensor", _raw(labels))
         else:
@@ -193,8 +194,9 @@ def _tensor(raw: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
 def _rebuild(data, offsets, sizes, decoded, labels) -> EncodedBatch:
     kind, *rest = labels
     if kind == "boxes":
-        labels = DetectionTargets(*(_tensor(*r) for r in rest[:3]),
-                                  {k: _tensor(*r) for k, r in rest[3].items()})
+        boxes, counts, per_box, per_image, keys = rest
+        labels = DetectionTargets(_tensor(*boxes), _tensor(*counts),
+                                  {k: _tensor(*r) for k, r in per_box.items()}, per_image, keys)
     elif kind == "tensor":
         labels = _tensor(*rest[0])
     else:

@@ -149,8 +149,8 @@ class CUDAPrefetcher(LoaderView):
     def _convert(self, batch):
         if is_image_list_batch(batch):  # detection: (list of (C, H, W) images, targets)
             images = [self._tensor(im[None])[0] for im in batch[0]]
-            return type(batch)([images, *(_apply(x, self._tensor) for x in batch[1:])])
-        return _apply(batch, self._tensor)
+            return type(batch)([images, *(map_tensors(x, self._tensor) for x in batch[1:])])
+        return map_tensors(batch, self._tensor)
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.device, non_blocking=True)
@@ -212,20 +212,20 @@ def _resolve_device(device) -> torch.device:
     return device
 
 
-def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]):
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]):
     """``fn`` on every tensor in nested tuples/lists/dicts, keeping the containers' types."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, Mapping):
-        items = {k: _apply(v, fn) for k, v in obj.items()}
+        items = {k: map_tensors(v, fn) for k, v in obj.items()}
         try:
             return type(obj)(items)
         except TypeError:
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_apply(v, fn) for v in obj))
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_apply(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
 
 

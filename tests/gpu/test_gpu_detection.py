@@ -143,6 +143,47 @@ def test_target_keys_follow_the_kept_boxes(det):
         next(iter(make_gpu_loader(PackedDataset(det, target_keys="all"), 6, num_workers=0)))
 
 
+
+@pytest.mark.parametrize("keys", [["boxes", "labels"], ["boxes", "image_id"], ["boxes"],
+                                  ["labels", "boxes", "iscrowd", "image_id"]])
+def test_any_target_keys_cross_the_gpu_path_as_the_cpu_path_gives_them(det, keys):
+    # without labels or image_id this was a KeyError; the key order is the dataset's
+    ds = PackedDataset(det, target_keys=keys)
+    dec = GPUDecoder(make_gpu_loader(ds, 6, num_workers=0, shuffle=False), size=SIZE,
+                     device="cpu", dtype=torch.uint8, seed=0, train=False,
+                     options=GPUOptions(overlap=0, decoder=pil_decoder))
+    want = [ds[i][1] for i in range(len(ds))]
+    got = [t for _, targets in dec for t in targets]
+    assert [list(t) for t in got] == [list(w) for w in want]
+    for g, w in zip(got, want):
+        if "image_id" in keys:
+            assert g["image_id"] == w["image_id"]
+        for k in set(keys) & {"labels", "iscrowd"}:
+            assert len(g[k]) == len(g["boxes"])
+
+
+def test_per_image_fields_cross_whole_and_per_object_ones_are_cut(tmp_path):
+    # a per-image array as long as the boxes was cut like them; an int field crashed
+    import random
+    import packer
+    from packer.demo import load_photos, make_image
+    rng, photos = random.Random(0), load_photos()
+    samples = [{"image": make_image(rng, photos, size=(320, 256)), "image_id": k,
+                "boxes": [[0.0, 0.0, 40.0, 40.0], [200.0, 150.0, 320.0, 256.0]],
+                "labels": [1, 2], "cam": [100 + k, 200], "scene": 7 * k} for k in range(6)]
+    packer.write(tmp_path / "d", samples, progress=False)
+    ds = PackedDataset(tmp_path / "d", target_keys="all")
+    dec = GPUDecoder(make_gpu_loader(ds, 3, num_workers=0, shuffle=False), size=(64, 64),
+                     device="cpu", dtype=torch.uint8, seed=1, train=True,
+                     options=GPUOptions(overlap=0, decoder=pil_decoder,
+                                        scale=(0.2, 0.3)))
+    got = [t for _, targets in dec for t in targets]
+    assert [t["scene"] for t in got] == [7 * k for k in range(6)]
+    assert [t["cam"].tolist() for t in got] == [[100 + k, 200] for k in range(6)]
+    assert all(len(t["labels"]) == len(t["boxes"]) for t in got)
+    assert any(len(t["boxes"]) < 2 for t in got)  # some crops cut a box away
+
+
 def test_boxes_move_per_batch_not_per_image():
     """``place_boxes`` copies each field to the device once per batch, whatever the number of
     images (a copy per image stalled the decode thread, and every torch call made there
@@ -163,8 +204,10 @@ def test_boxes_move_per_batch_not_per_image():
     def copies(images):
         counts = torch.tensor([2] * images)
         boxes = torch.tensor([[10.0, 10, 50, 40], [0, 0, 300, 200]]).repeat(images, 1)
-        targets = DetectionTargets(boxes, counts, torch.arange(images),
-                                   {"labels": torch.arange(2 * images), "area": boxes[:, 0]})
+        targets = DetectionTargets(boxes, counts,
+                                   {"labels": torch.arange(2 * images), "area": boxes[:, 0]},
+                                   {"image_id": list(range(images))},
+                                   ("boxes", "labels", "image_id", "area"))
         crops = torch.tensor([[0.0, 0, 320, 256]]).repeat(images, 1).double()
         with Copies() as mode:
             out = place_boxes(targets, crops, SIZE, None, 0.25, torch.device("cpu"))
@@ -172,3 +215,14 @@ def test_boxes_move_per_batch_not_per_image():
         assert [t["labels"].tolist() for t in out] == [[2 * i, 2 * i + 1] for i in range(images)]
         return mode.n
     assert copies(2) == copies(16)
+
+
+def test_targets_of_fields_cross_the_gpu_path_as_collated(det):
+    # dict targets (target_fields) were an AttributeError: labels.to on a dict
+    ds = PackedDataset(det, target_fields=["image_id"])
+    dec = GPUDecoder(make_gpu_loader(ds, 6, num_workers=0, shuffle=False), size=SIZE,
+                     device="cpu", dtype=torch.uint8, seed=0, train=False,
+                     options=GPUOptions(overlap=0, decoder=pil_decoder))
+    got = [targets for _, targets in dec]
+    assert [t["image_id"].tolist() for t in got] == [
+        [ds[i][1]["image_id"] for i in range(k, k + 6)] for k in range(0, len(ds), 6)]

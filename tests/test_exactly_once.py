@@ -191,3 +191,32 @@ def test_gpu_decoder_state_counts_what_the_consumer_received(uid_dataset, overla
     second.load_state_dict(state)
     rest = [u for _, uid in second for u in uid.tolist()]
     assert sorted(got + rest) == list(range(N)), (len(got), len(rest))
+
+
+@pytest.mark.parametrize("feeder", ["prefetcher", "gpu0", "gpu2"])
+def test_a_state_saved_after_a_pass_resumes_at_the_next_pass(uid_dataset, feeder):
+    """A loop without set_epoch that saves after a pass ended: the resumed loop's next pass is
+    a whole epoch, as when resuming from the loader's own state (the saved state was the last
+    batch's, mid-epoch 0 at its end: the next pass came out empty)."""
+    from packer import (CUDAPrefetcher, DecodeCenterCrop, GPUDecoder, PackedDataset,
+                        PackedSampler, make_loader)
+    from packer.gpu import GPUOptions, make_gpu_loader
+    from helpers import pil_decoder
+
+    def feed():
+        if feeder == "prefetcher":
+            ds = PackedDataset(uid_dataset, decode=DecodeCenterCrop(32), target_fields="uid")
+            loader = make_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=0)
+            return CUDAPrefetcher(loader, device="cpu")
+        ds = PackedDataset(uid_dataset, target_fields="uid")
+        loader = make_gpu_loader(ds, 4, sampler=PackedSampler(ds, seed=1), num_workers=0)
+        opts = GPUOptions(decoder=pil_decoder, overlap=int(feeder[-1]))
+        return GPUDecoder(loader, size=32, device="cpu", options=opts)
+    first = feed()
+    assert sorted(u for _, uid in first for u in uid.tolist()) == list(range(N))
+    state = first.state_dict()
+    assert state["loader"] == first.loader.state_dict()
+    second = feed()
+    second.load_state_dict(state)
+    for _ in range(2):
+        assert sorted(u for _, uid in second for u in uid.tolist()) == list(range(N))

@@ -123,6 +123,7 @@ class GPUDecoder(LoaderView):
                 self.throttle(ahead)
                 batch = next(it, END)
                 if batch is END:
+                    self._state = snapshot() if snapshot is not None else None  # the next pass's
                     return
                 state = snapshot() if snapshot is not None else None
                 t1 = clock()
@@ -150,10 +151,13 @@ class GPUDecoder(LoaderView):
                 st.add_time("throttle", t1 - t0)
                 st.add_time("consumer", clock() - t1)
                 if item is END:
+                    self._state = snapshot() if snapshot is not None else None  # the next pass's
                     return
                 if isinstance(item, NextPass):  # the threads went on: keep them for the next pass
-                    kept.update(pipe=pipe, next=item, state=pipe.states.pop(pipe.handed, None))
+                    state = pipe.states.pop(pipe.handed, None)
+                    kept.update(pipe=pipe, next=item, state=state)
                     KEPT[self.loader] = kept
+                    self._state = state if state is not None else self._state
                     return
                 (images, labels), event = item
                 if event is not None:

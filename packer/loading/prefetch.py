@@ -91,6 +91,7 @@ class CUDAPrefetcher(LoaderView):
                 out = self._convert(batch)
                 self._state = state
                 yield out
+            self._state = self._loader_state()  # a pass that ended: the next one's start
             return
         nxt = self._preload(it), self._loader_state()
         while nxt[0] is not END:
@@ -99,6 +100,7 @@ class CUDAPrefetcher(LoaderView):
             nxt = self._preload(it), self._loader_state()
             self._state = cur[1]  # what the consumer has now received, not what was fetched
             yield cur[0]
+        self._state = nxt[1]  # a pass that ended: the next one's start
 
     def _loader_state(self):
         return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None

@@ -251,9 +251,13 @@ def object_count_problem(fields: Dict[str, Field], stored: Dict[str, Any]) -> st
     ``stored`` holds the encoded values (arrays as bytes)."""
     def count(name):
         f, v = fields[name], stored[name]
-        return f.shape_of(len(v))[0] if isinstance(f, ArrayField) else len(v)
+        return (f.shape_of(len(v))[0] if isinstance(f, ArrayField) else
+                len(v) if isinstance(v, list) else None)
     n = count("boxes")
     for name in (k for k in PER_OBJECT if k in fields):
+        if count(name) is None:
+            return (f"{name} must hold one entry per box (an array or a list), not a "
+                    f"{fields[name].type}")
         if count(name) != n:
             return f"{n} boxes but {count(name)} {name}"
     return ""
@@ -277,11 +281,10 @@ def flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
 
 
 def numbers_fit(values) -> bool:
-    """All Python ints and floats (what msgpack stores; numpy's are not), finite, ints within
-    int64: passes at C speed; False leaves the reason to ``data_problem``."""
-    values = values if isinstance(values, (list, tuple)) else list(values)
+    """All numbers, finite, ints within int64: one pass at C speed; False leaves the reason to
+    ``data_problem``."""
     try:
-        return set(map(type, values)) <= {int, float} and math.fsum(map(abs, values)) < INT64[1]
+        return math.fsum(map(abs, values)) < INT64[1]
     except (TypeError, OverflowError):
         return False
 

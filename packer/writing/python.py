@@ -155,11 +155,11 @@ class DatasetWriter:
         try:
             stored = encode(self.schema, values)
             problem = object_count_problem(self.by_name, stored) if self.task == "detection" else ""
+            digest = sample_digest(data, path, stored)
         except ValueError as e:
             problem = str(e)
         if problem:
             raise PackerError(f"sample {i}: {problem}")
-        digest = sample_digest(data, path, stored)
         if i < self.replay:  # packed by the interrupted (or finished) run: only checked
             self.digest.update(digest)
             if i + 1 == self.replay and self.digest.hexdigest() != self.want_digest:
@@ -239,7 +239,8 @@ def check_classes(classes: Optional[Sequence[str]]) -> Optional[List[str]]:
     if not all(isinstance(c, str) for c in out):
         raise PackerError("classes must be a list of strings (the names of labels 0, 1, ...)")
     if len(set(out)) != len(out):
-        twice = next(c for k, c in enumerate(out) if c in out[:k])
+        seen: set = set()
+        twice = next(c for c in out if c in seen or seen.add(c))
         raise PackerError(f"classes names {twice!r} twice; give each class its own name")
     return out
 
@@ -267,9 +268,19 @@ def image_bytes(image: Any, i: int, max_bytes: int):
 
 
 def sample_digest(data: bytes, path: str, stored: dict) -> bytes:
-    """What makes a sample this sample: its image bytes, its path and its encoded fields."""
+    """What makes a sample this sample: its image bytes, its path and its encoded fields;
+    a ValueError names a field msgpack cannot store (a numpy scalar inside a list, say)."""
     h = hashlib.sha256(data)
-    h.update(msgpack.packb([path, stored], use_bin_type=True))
+    try:
+        h.update(msgpack.packb([path, stored], use_bin_type=True))
+    except TypeError:
+        for name, v in stored.items():
+            try:
+                msgpack.packb(v, use_bin_type=True)
+            except TypeError as e:
+                raise ValueError(f"field {name!r}: {e} (store plain Python numbers: "
+                                 f".tolist() or float())") from None
+        raise
     return h.digest()
 
 

@@ -465,10 +465,11 @@ def test_random_resized_crop_moves_the_boxes(coco_built, by_name):
 
 
 def test_a_crop_keeps_per_image_arrays_whatever_their_length(tmp_path):
-    # a per-image array as long as the boxes was cut like a per-object one
+    # a per-image array as long as the boxes was cut like a per-object one; rows one per box
+    # (keypoints) are cut
     photo = make_image(random.Random(1), load_photos(), size=(320, 240))
     sample = {"image": photo, "boxes": [[0.0, 0.0, 30.0, 30.0], [200.0, 150.0, 320.0, 240.0]],
-              "labels": [1, 2], "image_id": 0, "tags": [7, 9]}
+              "labels": [1, 2], "image_id": 0, "tags": [7, 9], "keypoints": [[5, 5], [250, 200]]}
     packer.write(tmp_path / "d", [sample], progress=False)
     ds = PackedDataset(tmp_path / "d", target_keys="all",
                        decode=DecodeRandomResizedCrop(64, scale=(0.3, 0.3)))
@@ -478,6 +479,7 @@ def test_a_crop_keeps_per_image_arrays_whatever_their_length(tmp_path):
         _, t = ds[0]
         counts.add(len(t["boxes"]))
         assert t["tags"].tolist() == [7, 9] and len(t["labels"]) == len(t["boxes"])
+        assert len(t["keypoints"]) == len(t["boxes"])  # rows, one per box: cut with them
     assert 1 in counts  # some crops kept one box of two
 def test_letterbox_moves_the_boxes(coco_built, by_name):
     ds = PackedDataset(coco_built, decode=DecodeLetterbox(160), target_keys=KEYS)

@@ -103,9 +103,9 @@ def test_no_parts():
 
 
 @pytest.mark.parametrize("other, match", [
-    ({"part": "1/2", "shuffle": True, "seed": 2}, r"was not built by the same command"),
-    ({"part": "1/3"}, r"p1 \(part 1/3\) was not built by the same command .*\(part 0/2\)"),
-    ({"part": "1/2", "transcode": packer.Transcode(max_side=64)}, r"not built by the same"),
+    ({"part": "1/2", "shuffle": True, "seed": 2}, r"was not cut like"),
+    ({"part": "1/3"}, r"p1 \(part 1/3\) was not cut like .*\(part 0/2\)"),
+    ({"part": "00/2"}, r"p1 holds part 0/2, as .*p0 does"),
     ({}, r"was not built with --part K/N but .*p0 was"),
 ])
 def test_parts_of_other_commands_are_refused(datasets, tmp_path, other, match):
@@ -115,6 +115,28 @@ def test_parts_of_other_commands_are_refused(datasets, tmp_path, other, match):
     with pytest.raises(PackerError, match=match):
         merge([parts[0], p1], tmp_path / "m")
     assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_parts_of_a_copy_of_src_or_other_storage_options_merge(datasets, tmp_path):
+    # each node may pack its own copy of SRC; only what picks a part's records must agree
+    import shutil
+    src, whole, parts = datasets
+    copy = shutil.copytree(src, tmp_path / "copy")
+    p1 = build(copy, tmp_path / "p1", part="1/2", shard_size=2 << 20)
+    merge([parts[0], p1], tmp_path / "m")
+    assert contents(tmp_path / "m") == contents(whole)
+
+
+def test_a_dataset_merged_before_merges_recorded_their_parts_still_merges(datasets, tmp_path):
+    src, whole, parts = datasets
+    one = tmp_path / "one"
+    merge([parts[1]], one)
+    man = json.loads((one / "manifest.json").read_text())
+    del man["options"]["merged_parts"]  # as older merges wrote it
+    (one / "manifest.json").write_text(json.dumps(man))
+    m = merge([parts[0], one], tmp_path / "all")
+    assert m["options"]["merged_parts"] is None  # unknown from then on
+    assert contents(tmp_path / "all") == contents(whole)
 
 
 def test_a_merged_dataset_remembers_its_parts(datasets, tmp_path):

@@ -22,6 +22,7 @@ from .packing import new_manifest, write_tables
 from ..format.tables import read_column, read_offsets, read_paths
 from ..format.lmdbfile import shard_records
 from .shard import disk_errors
+from ..sources.base import parse_part
 from ..storage.urls import is_url
 
 
@@ -94,39 +95,58 @@ def _named(manifest: dict, folder: Path, parts: list) -> dict:
 
 
 def _refuse_strangers(mans: List[Tuple[Path, dict]]) -> None:
-    """Parts cut with ``--part K/N`` are slices of one shuffled order: only parts of the same
-    command (same source and options, the same N, each K once) hold each record once; parts of
-    another seed, N or source would repeat some records and lose others."""
-    def cut(m):  # (the K/N parts it holds, the command that built it)
-        rest = {k: v for k, v in (m.get("options") or {}).items()
-                if k not in ("part", "merged_from", "merged_parts")}
-        return _held(m), json.dumps([m.get("source"), rest], sort_keys=True)
-    (p0, _), cuts = mans[0], [cut(m) for _, m in mans]
-    if not any(held for held, _ in cuts):
-        return  # whole datasets (packer.write's, for example): joined as given
+    """Parts cut with ``--part K/N`` are slices of one shuffled order: only parts cut alike
+    (one N, the same --shuffle, --seed and --skip-empty, each K once) hold each record once;
+    parts of another seed or N would repeat some records and lose others. SRC itself may sit
+    at another path for each part (a copy per node). A dataset merged before merges recorded
+    their parts is taken as it is."""
+    cuts = [(p, _held(p, m), json.dumps({k: (m.get("options") or {}).get(k) for k in SELECTION}))
+            for p, m in mans]
+    if any(held is None for _, held, _ in cuts) or not any(held for _, held, _ in cuts):
+        return  # parts unknown, or whole datasets (packer.write's, for example): as given
+    p0, held0, how0 = next(c for c in cuts if c[1])
     seen: dict = {}
-    for (p, _), (held, command) in zip(mans, cuts):
-        if not held or not cuts[0][0]:
-            raise PackerError(f"{p if not held else p0} was not built with --part K/N but "
-                              f"{p0 if not held else p} was; merge the parts of one build")
-        if command != cuts[0][1] or len({k.rpartition("/")[2] for k in held + cuts[0][0]}) > 1:
-            raise PackerError(f"{p} (part {', '.join(held)}) was not built by the same command "
-                              f"as {p0} (part {', '.join(cuts[0][0])}): another source, N or "
-                              f"option (--seed, --shuffle, ...); its records would repeat or "
-                              f"miss some of the others'")
+    for p, held, how in cuts:
+        if not held:
+            raise PackerError(f"{p} was not built with --part K/N but {p0} was; merge the "
+                              f"parts of one build")
+        if how != how0 or {n for _, n in held} != {held0[0][1]}:
+            raise PackerError(f"{p} (part {_shown(held)}) was not cut like {p0} (part "
+                              f"{_shown(held0)}): another N, --seed, --shuffle or "
+                              f"--skip-empty; its records would repeat or miss some of the "
+                              f"others'")
         for k in held:
             if k in seen:
-                raise PackerError(f"{p} holds part {k}, as {seen[k]} does; merging would "
-                                  f"duplicate its records")
+                raise PackerError(f"{p} holds part {_shown([k])}, as {seen[k]} does; merging "
+                                  f"would duplicate its records")
             seen[k] = p
 
 
-def _held(m: dict) -> List[str]:
-    """The ``K/N`` parts a dataset holds: its own ``--part``, or those merged into it."""
+SELECTION = ("shuffle", "seed", "skip_empty")  # the build options that pick a part's records
+
+
+def _held(p: Path, m: dict) -> Optional[List[Tuple[int, int]]]:
+    """The ``(K, N)`` parts a dataset holds: its own ``--part``, those merged into it, none
+    (a whole dataset), or None: a dataset merged before merges recorded them."""
     opts = m.get("options") or {}
-    merged = opts.get("merged_parts")
-    return ([str(opts["part"])] if opts.get("part") else
-            [str(k) for k in merged] if isinstance(merged, list) else [])
+    raw = ([opts["part"]] if opts.get("part") else opts.get("merged_parts")
+           if "merged_parts" in opts else None if opts.get("merged_from") else [])
+    if raw is None:
+        return None
+    try:
+        return [parse_part(str(k)) for k in raw]
+    except (PackerError, TypeError):
+        raise FormatError(f"{p}: its manifest's parts {str(raw)[:60]} are not K/N") from None
+
+
+def _shown(held: List[Tuple[int, int]]) -> str:
+    return ", ".join(f"{k}/{n}" for k, n in held)
+
+
+def _merged_parts(mans: List[Tuple[Path, dict]]) -> Optional[List[str]]:
+    """The ``K/N`` parts a merged dataset holds (None where a part's are unknown)."""
+    held = [_held(p, m) for p, m in mans]
+    return None if None in held else [f"{k}/{n}" for h in held for k, n in h]
 
 
 def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
@@ -211,7 +231,7 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         dropped_count=sum(m.get("dropped_count", len(m.get("dropped", []))) for _, m in mans),
         skipped=[s for _, m in mans for s in m["skipped"]], source=first.get("source", ""),
         options=dict(first.get("options") or {}, part=None, merged_from=[str(p) for p, _ in mans],
-                     merged_parts=[k for _, m in mans for k in _held(m)]), **written)
+                     merged_parts=_merged_parts(mans)), **written)
     manifest["parts"], manifest["fingerprint"] = rels, fp
     with disk_errors(dst / MANIFEST):
         write_json_atomic(dst / MANIFEST, manifest)

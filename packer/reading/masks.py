@@ -102,30 +102,37 @@ def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
             stop = counts.cumsum(0)
             starts.append((stop - counts)[1::2] + k * hw)
             ends.append(stop[1::2] + k * hw)
-    none, flat = torch.zeros(0, dtype=torch.int64), None
-    for chunk in outline_chunks(lines, n, crossing_budget(height, width)):
-        s, e = polygon_intervals(chunk, height, width)
+    chunks = outline_chunks(lines, n, crossing_budget(height, width))
+    if len(chunks) == 1:  # the usual case: every interval painted at once
+        s, e = polygon_intervals(chunks[0][2], height, width)
         starts.append(s)
         ends.append(e)
-        painted = paint(torch.cat(starts), torch.cat(ends), n * hw)
-        flat = painted if flat is None else flat.bitwise_or_(painted)
-        starts, ends = [], []
-    if flat is None:
-        flat = paint(torch.cat(starts or [none]), torch.cat(ends or [none]), n * hw)
+    none = torch.zeros(0, dtype=torch.int64)
+    flat = paint(torch.cat(starts or [none]), torch.cat(ends or [none]), n * hw)
+    for k0, k1, chunk in chunks if len(chunks) > 1 else []:  # each into its objects' slice
+        s, e = polygon_intervals(chunk, height, width)
+        flat[k0 * hw:k1 * hw].bitwise_or_(paint(s - k0 * hw, e - k0 * hw, (k1 - k0) * hw))
     return flat.view(n, width, height).transpose(1, 2).contiguous()  # runs are column-major
 
 
-def outline_chunks(lines: Optional[Outline], objects: int, budget: int) -> List[Outline]:
-    """``lines`` split by object into parts of at most about ``2 * budget`` crossings: the
-    intervals of one part cost ~120 bytes a crossing while they are made: many objects with
-    the most crossings each then cost in proportion to their masks, not to their number."""
+def outline_chunks(lines: Optional[Outline], objects: int,
+                   budget: int) -> List[Tuple[int, int, Outline]]:
+    """``lines`` split into runs of objects ``[k0, k1)`` of at most about ``2 * budget``
+    crossings: the intervals of one run cost ~120 bytes a crossing while they are made, so
+    many objects with the most crossings each cost in proportion to their masks, not to
+    their number."""
     if lines is None:
         return []
     work = crossings(lines, objects)
-    part = torch.div(work.cumsum(0) - work, budget, rounding_mode="floor")[lines.obj]
-    if not len(part) or int(part.max()) == int(part.min()):
-        return [lines]  # the usual case: one part
-    return [Outline(*(f[part == k] for f in lines)) for k in part.unique().tolist()]
+    run = torch.div(work.cumsum(0) - work, budget, rounding_mode="floor")
+    if int(run[-1]) == 0:
+        return [(0, objects, lines)]
+    edges, out = run[lines.obj], []
+    for k in run.unique().tolist():
+        members, mine = (run == k).nonzero().flatten(), edges == k
+        if bool(mine.any()):
+            out.append((int(members[0]), int(members[-1]) + 1, Outline(*(f[mine] for f in lines))))
+    return out
 
 
 def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:

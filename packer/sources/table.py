@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+from array import array
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -257,7 +258,8 @@ def column_type(file: Path, records, column: str) -> str:
                           f"of a column the same type")
     if merged == "list of float":  # stored as float32 (field_schema)
         for n, rec in records:
-            big = next((x for x in rec[column] if abs(x) > FLOAT32_MAX), None)
+            big = next((x for x in rec[column] if abs(x) > FLOAT32_MAX
+                        and math.isinf(array("f", [x])[0])), None)  # FLT_MAX rounds in
             if big is not None:
                 raise PackerError(f"{file}:{n}: column {column!r} holds {big}, beyond 32-bit "
                                   f"floats (a list of numbers is stored as float32)")

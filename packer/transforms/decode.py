@@ -48,7 +48,9 @@ class CropDecoder:
     (torch unless Pillow-SIMD)."""
 
     def __init__(self, size, resize: str = "pil"):
-        size = (size, size) if isinstance(size, int) else tuple(size)  # (h, w)
+        if isinstance(size, numbers.Real):
+            size = (size if isinstance(size, bool) else int(size),) * 2  # torchvision's int()
+        size = tuple(size) if isinstance(size, (tuple, list)) else (size,)  # (h, w)
         size = size * 2 if len(size) == 1 else size  # [s]: s x s, as torchvision reads it
         if len(size) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
                                      and v > 0 for v in size):

@@ -234,3 +234,9 @@ def test_an_object_of_many_keys_is_checked_for_repeats_in_linear_time(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(images), str(meta)], timeout=60,
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
     assert "column 'x' is an object, which is not a supported type" in out.stdout, out
+
+
+def test_float_lists_up_to_what_float32_rounds_to_its_maximum_are_kept(tmp_path):
+    # 3.4028235e+38 (numpy's print of float32's maximum) rounds to it: not beyond
+    src = read_meta(*jsonl(tmp_path, [{"path": "a.jpg", "e": [1.0, 3.4028235e+38]}]))
+    assert src.annotations.rows[0]["e"] == [1.0, 3.4028235e+38]

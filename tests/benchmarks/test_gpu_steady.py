@@ -72,7 +72,9 @@ def test_variant_knobs():
     assert b.packer_knobs("packer_nvichw") == {"nvichw": 0}
     assert b.packer_knobs("packer_norel_t1") == {"norel": 0, "t": 1}
     assert b.packer_knobs("packer_noring") == {"noring": 0}
-    for bad in ("packer_x3", "packer_w", "packer_s", "packer_w8_fast", "packer_c1", "packer_nvic2"):
+    assert b.packer_knobs("packer_c1_t2") == {"c": 1, "t": 2}
+    for bad in ("packer_x3", "packer_w", "packer_s", "packer_c", "packer_w8_fast", "packer_d1",
+                "packer_nvic2"):
         try:
             b.packer_knobs(bad)
         except SystemExit as e:

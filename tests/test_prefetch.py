@@ -147,6 +147,37 @@ def test_any_iterable_and_errors_propagate():
         len(pf)
 
 
+
+class OneBad(Images):
+    def __getitem__(self, i):
+        if i == 5:
+            raise KeyError("sample 5 cannot be read")
+        return super().__getitem__(i)
+
+
+def batch_errors_in_turn(device):
+    """Per pass: the labels handed out and "KeyError" where a batch raised."""
+    loader = make_loader(OneBad(), 2, shuffle=False, num_workers=0, pin_memory=False)
+    pf, passes = CUDAPrefetcher(loader, device=device), []
+    for _ in range(2):
+        it, seen = iter(pf), []
+        while True:
+            try:
+                seen.append(next(it)[1].tolist())
+            except StopIteration:
+                break
+            except KeyError:
+                seen.append("KeyError")
+        passes.append(seen)
+    return passes, loader.sampler.epoch
+
+
+def test_a_batch_that_raised_raises_in_its_turn_and_the_pass_goes_on():
+    # the pass ended at the error (and the next one replayed the epoch); on CUDA the batch
+    # before it was lost too (tests/test_prefetch_gpu.py)
+    want = [[0, 1], [2, 3], "KeyError", [6, 7], [8, 9]]
+    assert batch_errors_in_turn("cpu") == ([want, want], 2)
+
 # -- arguments ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [

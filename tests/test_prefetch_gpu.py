@@ -176,3 +176,9 @@ def test_no_cross_stream_race(scenario):
 def test_race_scenarios_catch_broken_variants(scenario, broken):
     """The scenarios above are only evidence if they fail without the safeguard."""
     assert scenario(broken) > 0
+
+
+def test_a_batch_that_raised_raises_in_its_turn_on_the_gpu_too():
+    from test_prefetch import batch_errors_in_turn
+    want = [[0, 1], [2, 3], "KeyError", [6, 7], [8, 9]]
+    assert batch_errors_in_turn("cuda") == ([want, want], 2)

@@ -8,7 +8,7 @@ import os
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from packer.loading.torchapi import shared_empty, shared_storage, shutdown_workers
+from packer.loading.torchapi import discard_iterator, shared_empty, shared_storage, shutdown_workers
 
 
 class Filled(Dataset):
@@ -47,3 +47,13 @@ def test_shutdown_workers_stops_the_workers_now():
     shutdown_workers(it)
     assert not pids & {p.pid for p in multiprocessing.active_children()}
     shutdown_workers(iter(DataLoader(range(3))))  # no workers: nothing to do
+
+
+def test_discard_iterator_stops_the_kept_workers_and_the_next_iter_starts_new_ones():
+    loader = DataLoader(Filled(), batch_size=None, num_workers=2, persistent_workers=True)
+    old = {pid for _, pid in loader}
+    discard_iterator(loader)
+    assert not old & {p.pid for p in multiprocessing.active_children()}
+    new = {pid for _, pid in loader}
+    assert new and not new & old
+    discard_iterator(DataLoader(range(3)))  # never iterated: nothing to do

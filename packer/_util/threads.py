@@ -13,14 +13,18 @@ class Raised:
     """An exception on its way from a producer thread to the consumer, with where it happened."""
     __slots__ = ("exc", "where")
 
-    def __init__(self, exc: BaseException, where: str):
+    def __init__(self, exc: BaseException, where: str = ""):
         self.exc, self.where = exc, where
 
     def reraise(self) -> None:
-        """Raise the original exception object (type and traceback intact), noting the thread."""
-        if hasattr(self.exc, "add_note"):
+        """Raise the original exception object (type and traceback intact), noting the thread;
+        once (it is forgotten, so no cycle through its traceback keeps this frame alive)."""
+        if self.where and hasattr(self.exc, "add_note"):
             self.exc.add_note(f"(raised in {self.where})")
-        raise self.exc
+        try:
+            raise self.exc
+        finally:
+            self.exc = None
 
 
 def drain(q: queue.Queue) -> None:

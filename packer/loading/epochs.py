@@ -86,10 +86,23 @@ class Failed:
                                              f"Original {text}")
 
     def reraise(self):
-        raise self.exc
+        try:
+            raise self.exc
+        finally:  # no cycle (exception -> traceback -> this frame -> self -> exception) that
+            self.exc = None  # would keep a dropped loader's workers until the collector runs
+
+
+class WorkerKeyError(KeyError):
+    """A worker's ``KeyError`` with its traceback: shown as text (a KeyError shows its
+    argument's repr, the traceback on one line with its line breaks escaped)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def failed_from(cls: type, message: str) -> Failed:
+    if cls is KeyError:
+        return Failed(WorkerKeyError(message))
     try:
         return Failed(cls(message))
     except Exception:  # noqa: B902 - a type that needs other arguments
@@ -152,7 +165,11 @@ class EpochStream:
     def next_in_order(self):
         """The stream's next batch; those that finish before it wait in ``early``."""
         while self.seq not in self.early:
-            seq, batch = next(self.it)
+            try:
+                seq, batch = next(self.it)
+            except Exception:  # noqa: B902 - the DataLoader's own (a worker died): its batches
+                self.it = None  # are lost, so the next batch restarts the stream where the
+                raise  # sampler is (batches handed out so far), not wait for them for ever
             self.early[seq] = batch
         self.seq += 1
         return self.early.pop(self.seq - 1)
@@ -180,11 +197,14 @@ class EpochPass:
             self.done = -1  # StopIteration from now on, as iterators do
         if self.done < 0:
             raise StopIteration
+        if stream.it is None:  # broken by an error of the DataLoader's own: new workers
+            stream.begin(lambda: self.start(fresh=True))
         batch = stream.next_in_order()
         self.done += 1
         s.received(min(self.first + self.done * stream.batches.batch_size * s.num_replicas, s.size))
         if isinstance(batch, Failed):
-            batch.reraise()
+            failed, batch = batch, None
+            failed.reraise()
         return batch
 
 

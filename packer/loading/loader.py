@@ -11,14 +11,14 @@ import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from .._util.system import usable_cores
 from ..reading.sampler import PackedSampler
 from .collate import default_collate_for
 from .epochs import EpochBatches, EpochPass, EpochStream, StampedCollate, StampedDataset
 from .prefetch import LoaderView
-from .torchapi import shutdown_workers
+from .torchapi import discard_iterator, shutdown_workers
 
 __all__ = ["PackedLoader", "default_context", "default_num_workers", "make_loader", "start_method"]
 
@@ -44,6 +44,16 @@ class PackedLoader(LoaderView):
         return self.stream.batches.sampler if self.stream else self.loader.sampler
 
     @property
+    def batch_sampler(self):
+        """The epoch's batches of indices from where the sampler is, as a DataLoader's batch
+        sampler gives them, over a copy of the sampler (the stream's own runs on across
+        epochs; iterating the sampler itself would move its position)."""
+        if not self.stream:
+            return self.loader.batch_sampler
+        b = self.stream.batches
+        return BatchSampler(b.sampler.epoch_copy(), b.batch_size, b.drop_last)
+
+    @property
     def collate_fn(self) -> Callable:
         return self.loader.collate_fn.collate if self.stream else self.loader.collate_fn
 
@@ -53,9 +63,12 @@ class PackedLoader(LoaderView):
     def __iter__(self) -> Iterator:
         return EpochPass(self.stream, self._start) if self.stream else self._start()
 
-    def _start(self) -> Iterator:
+    def _start(self, fresh: bool = False) -> Iterator:
         """``iter(loader)``, its new workers shut down at interpreter exit (a weak hook registered
-        now) before multiprocessing's handler joins them one by one (pytorch#81794)."""
+        now) before multiprocessing's handler joins them one by one (pytorch#81794);
+        ``fresh``: new workers, not the kept ones (one of them died)."""
+        if fresh:
+            discard_iterator(self.loader)
         it = iter(self.loader)
         if self.loader.num_workers and it not in _HOOKED:
             _HOOKED.add(it)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .._util.threads import END
+from .._util.threads import END, Raised
 
 __all__ = ["CUDAPrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "LoaderView", "normalize_affine",
            "normalize_uint8"]
@@ -82,25 +82,8 @@ class CUDAPrefetcher(LoaderView):
             # The constants were written on the current stream; the side stream reads them.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def __iter__(self):
-        it = iter(self.loader)
-        self._state = self._loader_state()
-        if self.stream is None:
-            for batch in it:
-                state = self._loader_state()
-                out = self._convert(batch)
-                self._state = state
-                yield out
-            self._state = self._loader_state()  # a pass that ended: the next one's start
-            return
-        nxt = self._preload(it), self._loader_state()
-        while nxt[0] is not END:
-            cur = nxt  # (drops our reference to the previous batch before the next copy)
-            self._handoff(cur[0], torch.cuda.current_stream(self.device))
-            nxt = self._preload(it), self._loader_state()
-            self._state = cur[1]  # what the consumer has now received, not what was fetched
-            yield cur[0]
-        self._state = nxt[1]  # a pass that ended: the next one's start
+    def __iter__(self) -> "PrefetchPass":
+        return PrefetchPass(self, iter(self.loader))
 
     def _loader_state(self):
         return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
@@ -121,18 +104,21 @@ class CUDAPrefetcher(LoaderView):
         self._state = state["loader"]
 
     def _preload(self, it):
-        """Start copying and normalizing the next batch on the side stream (returns at once)."""
+        """Start copying and normalizing the next batch on the side stream (returns at once);
+        the loader's error for this batch as a value (raised in its turn)."""
         try:
             batch = next(it)
         except StopIteration:
             return END
+        except Exception as e:  # noqa: B902 - a batch that raised: its turn comes
+            return Raised(e)
         if not self._warned:
             self._warned = True
             t = next(iter_tensors(batch), None)
             if t is not None and t.device.type == "cpu" and not t.is_pinned():
                 warnings.warn("CUDAPrefetcher got a batch in pageable memory: each copy blocks "
                               "the CPU; use make_loader (or DataLoader(pin_memory=True))",
-                              stacklevel=3)
+                              stacklevel=4)
         on_gpu = [t for t in iter_tensors(batch) if t.device.type == "cuda"]
         if on_gpu:  # made on the consumer's stream (GPU decoding, say): wait for it, hold it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -164,6 +150,44 @@ class CUDAPrefetcher(LoaderView):
     def __repr__(self) -> str:
         return (f"CUDAPrefetcher({self.loader!r}, mean={self.mean}, std={self.std}, "
                 f"device={self.device}, dtype={self.dtype}, channels_last={self.channels_last})")
+
+
+class PrefetchPass:
+    """One pass of a ``CUDAPrefetcher``: its loader's batches in order, each converted (on the
+    side stream, one batch ahead). A batch whose loader raised raises in its turn, after the
+    batches before it, and ``next()`` goes on, as the loader's own iterator does."""
+
+    def __init__(self, pf: CUDAPrefetcher, it):
+        self.pf, self.it = pf, it
+        pf._state = pf._loader_state()
+        self.ahead = None  # (the next batch converted, END or Raised; the loader's state)
+
+    def __iter__(self) -> "PrefetchPass":
+        return self
+
+    def __next__(self):
+        pf = self.pf
+        if pf.stream is None:  # on the CPU: convert when asked
+            try:
+                batch = next(self.it)
+            except StopIteration:
+                pf._state = pf._loader_state()  # a pass that ended: the next one's start
+                raise
+            state = pf._loader_state()
+            out = pf._convert(batch)
+            pf._state = state
+            return out
+        cur = self.ahead if self.ahead is not None else (pf._preload(self.it), pf._loader_state())
+        self.ahead = cur if cur[0] is END else None
+        pf._state = cur[1]  # what the consumer has now received, not what was fetched
+        if cur[0] is END:
+            raise StopIteration
+        if isinstance(cur[0], Raised):
+            raised, cur = cur[0], None
+            raised.reraise()
+        pf._handoff(cur[0], torch.cuda.current_stream(pf.device))  # before the next is queued
+        self.ahead = pf._preload(self.it), pf._loader_state()  # the next, while this one is used
+        return cur[0]
 
 
 def normalize_uint8(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["shared_empty", "shared_storage", "shutdown_workers"]
+__all__ = ["discard_iterator", "shared_empty", "shared_storage", "shutdown_workers"]
 
 
 def shared_storage(nbytes: int) -> torch.UntypedStorage:
@@ -27,3 +27,12 @@ def shutdown_workers(iterator) -> None:
     stop = getattr(iterator, "_shutdown_workers", None)
     if stop is not None:
         stop()
+
+
+def discard_iterator(loader) -> None:
+    """Stop and forget a DataLoader's kept iterator (``persistent_workers``), so that the next
+    ``iter()`` starts new workers: after one of them died, the kept one cannot go on."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None:
+        shutdown_workers(it)
+        loader._iterator = None

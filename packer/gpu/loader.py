@@ -65,7 +65,8 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     ``Mixture`` of them) hands out :class:`EncodedSample`, batches are :class:`EncodedBatch`.
 
     ``max_pixels``: the largest image a worker lets through, from the JPEG header (None: the
-    dataset's ``EncodedImage``'s limit, else build's default). Other keywords go to
+    dataset's ``EncodedImage``'s limit, each source's in a ``Mixture``, else build's
+    default). Other keywords go to
     ``make_loader``. Also calls :func:`reserve_cuda_queues`.
 
     With the default ``collate_fn`` and workers, batches travel in a
@@ -73,15 +74,16 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     ``RING_SPARE``, each 1.25x the dataset's mean image size x ``batch_size``, at most
     ``RING_BYTES`` in all, pinned once (PACKER_BATCH_RING=0: off)."""
     reserve_cuda_queues()
-    own = getattr(dataset, "decode", None)
-    own = own.max_pixels if isinstance(own, EncodedImage) else None
-    if max_pixels is None:
-        max_pixels = own or DEFAULT_MAX_PIXELS
+
+    def limit(d) -> int:  # the caller's, else the dataset's own (each source's in a Mixture)
+        own = getattr(d, "decode", None)
+        return max_pixels or (own.max_pixels if isinstance(own, EncodedImage) else
+                              DEFAULT_MAX_PIXELS)
     if isinstance(dataset, Mixture):
         dataset = copy.copy(dataset)
-        dataset.sources = [_encoded(d, max_pixels) for d in dataset.sources]
+        dataset.sources = [_encoded(d, limit(d)) for d in dataset.sources]
     else:
-        dataset = _encoded(dataset, max_pixels)
+        dataset = _encoded(dataset, limit(dataset))
     collate = EncodedCollate()
     kwargs.setdefault("collate_fn", collate)
     loader = make_loader(dataset, batch_size, **kwargs)

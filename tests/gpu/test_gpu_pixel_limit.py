@@ -142,6 +142,11 @@ def test_make_gpu_loader_max_pixels(crafted_set):
     assert make_gpu_loader(own, 2, num_workers=0).dataset is own  # its own limit kept
     other = make_gpu_loader(own, 2, num_workers=0, max_pixels=10).dataset
     assert other is not own and other.decode.max_pixels == 10 and own.decode.max_pixels == 100
+    # in a Mixture, each source keeps its own (it was raised to the default)
+    from packer import Mixture
+    mixed = make_gpu_loader(Mixture([own, PackedDataset(crafted_set)]), 2, num_workers=0)
+    assert [d.decode.max_pixels for d in mixed.dataset.sources] == [100, DEFAULT_MAX_PIXELS]
+    assert mixed.dataset.sources[0] is own
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .._util.threads import END
-from ..transforms.decode import open_image
+from ..transforms.decode import open_image, output_size
 from ..errors import PackerError
 from ..loading.epochs import position
 from ..loading.loader import PackedLoader
@@ -57,9 +57,7 @@ class GPUDecoder(LoaderView):
                  dtype: torch.dtype = torch.bfloat16, device=None, seed: Optional[int] = None,
                  letterbox: bool = False, options: Optional[GPUOptions] = None):
         self.options = opts = options if options is not None else GPUOptions()
-        self.size = (size, size) if isinstance(size, int) else tuple(int(s) for s in size)
-        if len(self.size) != 2 or min(self.size) < 1:
-            raise ValueError(f"size must be a positive int or (height, width), got {size!r}")
+        self.size = output_size(size)  # as the CPU path's decoders take it
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8):
             raise ValueError(f"dtype must be a float dtype (normalized) or torch.uint8 (pixels), "
                              f"got {dtype}")

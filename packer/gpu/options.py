@@ -1,6 +1,8 @@
 """``GPUOptions`` (how ``GPUDecoder`` runs) and ``DecodeStats`` (what it did)."""
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Tuple
@@ -41,26 +43,45 @@ class GPUOptions:
 
     def __post_init__(self):
         scale, ratio = self.scale, self.ratio
-        if not (len(scale) == 2 and len(ratio) == 2 and 0 < scale[0] <= scale[1] <= 1
+        if not (_pair(scale) and _pair(ratio) and 0 < scale[0] <= scale[1] <= 1
                 and 0 < ratio[0] <= ratio[1]):
-            raise ValueError(f"scale must be within (0, 1] and ratio positive, got {scale}, {ratio}")
-        if not 0 < self.crop_fraction <= 1:
-            raise ValueError(f"crop_fraction must be in (0, 1], got {self.crop_fraction}")
-        if not 0 <= self.min_visible <= 1:
-            raise ValueError(f"min_visible must be in [0, 1], got {self.min_visible}")
-        if self.overlap not in (0, 1, 2):
+            raise ValueError(f"scale must be within (0, 1] and ratio positive, both (low, high) "
+                             f"and finite, got {scale!r}, {ratio!r}")
+        if not (_real(self.crop_fraction) and 0 < self.crop_fraction <= 1):
+            raise ValueError(f"crop_fraction must be in (0, 1], got {self.crop_fraction!r}")
+        if not (_real(self.min_visible) and 0 <= self.min_visible <= 1):
+            raise ValueError(f"min_visible must be in [0, 1], got {self.min_visible!r}")
+        for name in ("flip", "channels_last"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not (_count(self.overlap) and self.overlap in (0, 1, 2)):
             raise ValueError(f"overlap must be 0, 1 or 2, got {self.overlap!r}")
-        if not isinstance(self.queue_depth, int) or self.queue_depth < 1:
+        if not (_count(self.queue_depth) and self.queue_depth >= 1):
             raise ValueError(f"queue_depth must be an int >= 1, got {self.queue_depth!r}")
-        if self.max_ahead is not None and (not isinstance(self.max_ahead, int) or self.max_ahead < 1):
+        if self.max_ahead is not None and not (_count(self.max_ahead) and self.max_ahead >= 1):
             raise ValueError(f"max_ahead must be None or an int >= 1, got {self.max_ahead!r}")
         threads = self.decode_threads
-        if threads is not None and (not isinstance(threads, int) or threads < 1
+        if threads is not None and (not _count(threads) or threads < 1
                                     or (threads > 1 and self.overlap != 2)):
             raise ValueError(f"decode_threads must be None or an int >= 1, and 1 unless overlap=2, "
                              f"got {threads!r}")
         if self.backend not in ("auto", "nvjpeg", "torchvision"):
             raise ValueError(f"backend must be 'auto', 'nvjpeg' or 'torchvision', got {self.backend!r}")
+        if self.decoder is not None and not callable(self.decoder):
+            raise ValueError(f"decoder must be None or a function (images, device) -> images, "
+                             f"got {self.decoder!r:.60}")
+
+
+def _count(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _pair(v) -> bool:
+    return isinstance(v, (tuple, list)) and len(v) == 2 and all(map(_real, v))
 
 
 @dataclass

@@ -42,20 +42,26 @@ def exif_tag(data: bytes) -> int:
     return stored_image(data).getexif().get(0x0112, 1)
 
 
+def output_size(size) -> Tuple[int, int]:
+    """``(height, width)`` of an output ``size`` as torchvision reads one: a number (its int)
+    or ``[s]`` for ``s x s``, else ``(h, w)``; ValueError unless two positive ints."""
+    if isinstance(size, numbers.Real):
+        size = (size if isinstance(size, bool) else int(size),) * 2
+    size = tuple(size) if isinstance(size, (tuple, list)) else (size,)
+    size = size * 2 if len(size) == 1 else size
+    if len(size) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                 and v > 0 for v in size):
+        raise ValueError(f"size must be a positive int or (height, width), got {size!r}")
+    return int(size[0]), int(size[1])
+
+
 class CropDecoder:
     """Base for ``bytes -> uint8 (3, H, W)`` decoders (``PackedDataset(decode=)``): a view of an
     HWC buffer, so a stacked batch is channels_last. ``resize``: "pil", "torch" or "auto"
     (torch unless Pillow-SIMD)."""
 
     def __init__(self, size, resize: str = "pil"):
-        if isinstance(size, numbers.Real):
-            size = (size if isinstance(size, bool) else int(size),) * 2  # torchvision's int()
-        size = tuple(size) if isinstance(size, (tuple, list)) else (size,)  # (h, w)
-        size = size * 2 if len(size) == 1 else size  # [s]: s x s, as torchvision reads it
-        if len(size) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                                     and v > 0 for v in size):
-            raise ValueError(f"size must be a positive int or (height, width), got {size!r}")
-        self.size = (int(size[0]), int(size[1]))
+        self.size = output_size(size)
         if resize not in ("auto", "pil", "torch"):
             raise ValueError(f"resize must be 'auto', 'pil' or 'torch', got {resize!r}")
         self.resize = resize

@@ -303,7 +303,16 @@ def test_constructor_errors(mixed, monkeypatch):
                       ({"crop_fraction": 1.5}, "crop_fraction"), ({"mean": (0.5,)}, "mean"),
                       ({"min_visible": 2.0}, "min_visible"), ({"decode_threads": 0}, "decode_threads"),
                       ({"decode_threads": 2, "overlap": 1}, "decode_threads"),
-                      ({"backend": "dali"}, "backend")]:
+                      ({"backend": "dali"}, "backend"),
+                      # accepted before: bools for counts, strings for flags, a lone number
+                      ({"overlap": True}, "overlap"), ({"overlap": 2.0}, "overlap"),
+                      ({"queue_depth": True}, "queue_depth"), ({"max_ahead": True}, "max_ahead"),
+                      ({"flip": "no"}, "flip"), ({"channels_last": "no"}, "channels_last"),
+                      ({"ratio": (1, float("inf"))}, "ratio"), ({"scale": 0.5}, "scale"),
+                      ({"crop_fraction": None}, "crop_fraction"),
+                      ({"min_visible": "x"}, "min_visible"),
+                      ({"decoder": "not callable"}, "decoder"),
+                      ({"size": (224.9, 100)}, "size"), ({"size": True}, "size")]:
         with pytest.raises(ValueError, match=match):
             _cpu_decoder(loader, **kw)
     with pytest.raises(TypeError, match="resample"):  # one augment kernel: no choice left

@@ -11,7 +11,7 @@ import torch
 
 from ..transforms.decode import DecodeCenterCrop
 
-__all__ = ["center_crop_boxes", "random_resized_crop_boxes"]
+__all__ = ["center_crop_boxes", "center_crop_inside", "random_resized_crop_boxes"]
 
 
 def random_resized_crop_boxes(sizes: torch.Tensor, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), *,
@@ -49,3 +49,18 @@ def center_crop_boxes(sizes: torch.Tensor, size: Tuple[int, int],
     ``DecodeCenterCrop.box`` gives them (one rule for the CPU and GPU paths)."""
     crop = DecodeCenterCrop(size, crop_fraction)
     return torch.tensor([crop.box(w, h) for h, w in sizes.tolist()], dtype=torch.float64)
+
+
+def center_crop_inside(sizes: torch.Tensor, size: Tuple[int, int],
+                       crop_fraction: float = 0.875) -> Optional[torch.Tensor]:
+    """Where each image's pixels land in its center crop, ``(B, 4)`` top, left, bottom,
+    right, when some crop reaches past its image (CenterCrop pads there, with zeros); else
+    None. The resampling kernel's edge pixels would take image pixels in the padding."""
+    crop, (oh, ow) = DecodeCenterCrop(size, crop_fraction), size
+    inside = []
+    for h, w in sizes.tolist():
+        rw, rh, left, top = crop.geometry(w, h)
+        inside.append((max(0, -top), max(0, -left), min(oh, rh - top), min(ow, rw - left)))
+    if all(box == (0, 0, oh, ow) for box in inside):
+        return None
+    return torch.tensor(inside, dtype=torch.int64)

@@ -21,7 +21,7 @@ from ..loading.epochs import position
 from ..loading.loader import PackedLoader
 from ..loading.prefetch import (IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors,
                                map_tensors, normalize_affine)
-from .augment import center_crop_boxes, random_resized_crop_boxes
+from .augment import center_crop_boxes, center_crop_inside, random_resized_crop_boxes
 from .detection import DetectionTargets, fill_outside, letterbox_crops, place_boxes
 from .encoded import EncodedBatch
 from .loader import ConnectionsWarning, connections_advice
@@ -267,13 +267,14 @@ class GPUDecoder(LoaderView):
         images, sizes, labels = item
         o = self.options
         gen = torch.Generator().manual_seed(seed)
-        inside = None
+        inside, fill = None, 0.0  # where the pixels land, and the padding's value around them
         if self.letterbox:
-            boxes, inside = letterbox_crops(sizes, self.size)
+            (boxes, inside), fill = letterbox_crops(sizes, self.size), float(LETTERBOX_FILL)
         elif self.train:
             boxes = random_resized_crop_boxes(sizes, o.scale, o.ratio, generator=gen)
         else:
             boxes = center_crop_boxes(sizes, self.size, o.crop_fraction)
+            inside = center_crop_inside(sizes, self.size, o.crop_fraction)
         flips = (torch.rand(len(sizes), generator=gen) < 0.5) if self.train and o.flip else None
         fmt = torch.channels_last if o.channels_last else torch.contiguous_format
         out = torch.empty((len(sizes), 3, *self.size), dtype=self.dtype, device=self.device,
@@ -281,10 +282,10 @@ class GPUDecoder(LoaderView):
         out = resample_crops(images, boxes, self.size, flips, out=out, scale=self.norm_scale,
                              shift=self.norm_shift)
         if inside is not None:
-            grey = torch.full((3,), float(LETTERBOX_FILL), device=self.device)
+            value = torch.full((3,), fill, device=self.device)
             if self.dtype != torch.uint8:
-                grey = grey * self.norm_scale.flatten().expand(3) + self.norm_shift.flatten().expand(3)
-            fill_outside(out, inside, flips, grey)
+                value = value * self.norm_scale.flatten().expand(3) + self.norm_shift.flatten().expand(3)
+            fill_outside(out, inside, flips, value)
         if isinstance(labels, DetectionTargets):
             labels = place_boxes(labels, boxes, self.size, flips, o.min_visible, self.device)
         return out, labels

@@ -522,3 +522,21 @@ def test_gpu_decode_threads_keep_order_and_pixels(mixed, backend):
             labels += y.tolist()
         assert labels == loader.dataset.targets and torch.equal(torch.cat(xs), ref)
     assert dec.stats.gpu == 2 * plain.stats.gpu and dec.stats.retried == 0
+
+
+def test_a_center_crop_wider_than_the_resized_image_pads_with_black_as_the_cpu_path(tmp_path):
+    # the resampling filter's edge pixels took image pixels into the first padding columns
+    import packer
+    from packer.demo import load_photos, make_image
+    photo = make_image(random.Random(3), load_photos(), size=(400, 600))  # portrait
+    packer.write(tmp_path / "d", [{"image": photo, "label": 0}], progress=False)
+    size = (224, 448)  # wider than the 256 px the shorter side is resized to: padded
+    cpu = PackedDataset(tmp_path / "d", decode=DecodeCenterCrop(size))[0][0]
+    dec = GPUDecoder(make_gpu_loader(tmp_path / "d", 1, num_workers=0), size=size,
+                     train=False, device="cpu", dtype=torch.uint8,
+                     options=GPUOptions(decoder=pil_decoder, overlap=0))
+    gpu = next(iter(dec))[0][0]
+    assert gpu.shape == cpu.shape == (3, 224, 448)
+    assert not gpu[:, :, :96].any() and not gpu[:, :, 352:].any()  # the padding: black
+    assert gpu[:, :, 96:352].float().mean() > 10  # the photo
+    assert (gpu.int() - cpu.int()).abs().float().mean() < 2

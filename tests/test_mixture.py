@@ -238,8 +238,8 @@ def test_gpu_decoder_reads_a_mixture(roots, device):
     assert all(x.shape == (4, 3, 16, 16) and x.device.type == device for x, _ in batches)
     uids = [u for _, uid in batches for u in uid]
     assert Counter(u >= UID_B for u in uids) == {False: 9, True: 3}
-    state = feed.state_dict()["loader"]["sampler"]
-    assert state["consumed"] == 12 and state["mixture"] == mix.layout
+    state = feed.state_dict()["loader"]["sampler"]  # after the pass: the next one's start
+    assert (state["epoch"], state["consumed"]) == (1, 0) and state["mixture"] == mix.layout
 
 
 # -- what is refused --------------------------------------------------------------------------

@@ -145,6 +145,11 @@ def test_any_iterable_and_errors_propagate():
         next(it)
     with pytest.raises(TypeError):
         len(pf)
+    it = iter(CUDAPrefetcher([_batch(), _batch()], device="cpu"))
+    next(it)
+    it.close()  # as a generator's: the pass ends
+    with pytest.raises(StopIteration):
+        next(it)
 
 
 

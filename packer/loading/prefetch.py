@@ -165,9 +165,19 @@ class PrefetchPass:
     def __iter__(self) -> "PrefetchPass":
         return self
 
+    def close(self) -> None:
+        """End the pass early, as a generator's ``close``: the batch loaded ahead is dropped
+        and the loader's iterator closed where it can be."""
+        self.ahead = (END, self.pf._state)
+        close = getattr(self.it, "close", None)
+        if close is not None:
+            close()
+
     def __next__(self):
         pf = self.pf
         if pf.stream is None:  # on the CPU: convert when asked
+            if self.ahead is not None:  # closed
+                raise StopIteration
             try:
                 batch = next(self.it)
             except StopIteration:

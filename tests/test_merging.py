@@ -103,8 +103,9 @@ def test_no_parts():
 
 
 @pytest.mark.parametrize("other, match", [
-    ({"part": "1/2", "shuffle": True, "seed": 2}, r"was not cut like"),
-    ({"part": "1/3"}, r"p1 \(part 1/3\) was not cut like .*\(part 0/2\)"),
+    ({"part": "1/2", "shuffle": True, "seed": 2}, r"was not built like"),
+    ({"part": "1/3"}, r"p1 \(part 1/3\) was not built like .*\(part 0/2\)"),
+    ({"part": "1/2", "transcode": packer.Transcode(max_side=64)}, r"was not built like"),
     ({"part": "00/2"}, r"p1 holds part 0/2, as .*p0 does"),
     ({}, r"was not built with --part K/N but .*p0 was"),
 ])
@@ -121,10 +122,14 @@ def test_parts_of_a_copy_of_src_or_other_storage_options_merge(datasets, tmp_pat
     # each node may pack its own copy of SRC; only what picks a part's records must agree
     import shutil
     src, whole, parts = datasets
-    copy = shutil.copytree(src, tmp_path / "copy")
+    copy = shutil.copytree(src, tmp_path / "node1" / src.name)
     p1 = build(copy, tmp_path / "p1", part="1/2", shard_size=2 << 20)
     merge([parts[0], p1], tmp_path / "m")
     assert contents(tmp_path / "m") == contents(whole)
+    # but a part of another source (of other images, the same classes) is refused
+    other = shutil.copytree(src, tmp_path / "val")
+    with pytest.raises(PackerError, match="was not built like"):
+        merge([parts[0], build(other, tmp_path / "v1", part="1/2")], tmp_path / "m2")
 
 
 def test_a_dataset_merged_before_merges_recorded_their_parts_still_merges(datasets, tmp_path):

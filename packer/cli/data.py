@@ -245,9 +245,9 @@ def merge(parts, dst, overwrite, storage_options, as_json):
     they are, or `packer stage DST ...` to make a self-contained copy. Parts and DST may be
     URLs: the parts are fetched and checked first; a DST URL (in the parts' bucket) refers
     to their shards there, a local DST to copies fetched beside it (docs/object_storage.md).
-    The parts must be cut alike (one N, the same --shuffle, --seed and --skip-empty, each K
-    once; SRC may be a copy at another path): parts of another --seed or N would repeat some
-    images and miss others, so they are refused.
+    The parts must come from one build command (one N, each K once, the same options; SRC and
+    its annotation files may be copies at other paths, compared by name): parts of another
+    --seed, N or source would repeat some images and miss others, so they are refused.
     """
     from ..storage.local import shown
     from ..writing.merger import merge as run_merge

@@ -10,7 +10,7 @@ import os
 import posixpath
 import tempfile
 from array import array
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import List, Optional, Sequence, Tuple
 
 from . import journal
@@ -95,13 +95,12 @@ def _named(manifest: dict, folder: Path, parts: list) -> dict:
 
 
 def _refuse_strangers(mans: List[Tuple[Path, dict]]) -> None:
-    """Parts cut with ``--part K/N`` are slices of one shuffled order: only parts cut alike
-    (one N, the same --shuffle, --seed and --skip-empty, each K once) hold each record once;
-    parts of another seed or N would repeat some records and lose others. SRC itself may sit
-    at another path for each part (a copy per node). A dataset merged before merges recorded
-    their parts is taken as it is."""
-    cuts = [(p, _held(p, m), json.dumps({k: (m.get("options") or {}).get(k) for k in SELECTION}))
-            for p, m in mans]
+    """Parts cut with ``--part K/N`` are slices of one shuffled order: only parts of one build
+    command (one N, each K once, the same options, a source of the same name: SRC may be a
+    copy at another path on each node) hold each record once; parts of another seed, N or
+    source would repeat some records and lose others. A dataset merged before merges
+    recorded their parts is taken as it is."""
+    cuts = [(p, _held(p, m), _command(m)) for p, m in mans]
     if any(held is None for _, held, _ in cuts) or not any(held for _, held, _ in cuts):
         return  # parts unknown, or whole datasets (packer.write's, for example): as given
     p0, held0, how0 = next(c for c in cuts if c[1])
@@ -111,10 +110,10 @@ def _refuse_strangers(mans: List[Tuple[Path, dict]]) -> None:
             raise PackerError(f"{p} was not built with --part K/N but {p0} was; merge the "
                               f"parts of one build")
         if how != how0 or {n for _, n in held} != {held0[0][1]}:
-            raise PackerError(f"{p} (part {_shown(held)}) was not cut like {p0} (part "
-                              f"{_shown(held0)}): another N, --seed, --shuffle or "
-                              f"--skip-empty; its records would repeat or miss some of the "
-                              f"others'")
+            raise PackerError(f"{p} (part {_shown(held)}) was not built like {p0} (part "
+                              f"{_shown(held0)}): another source, N or option (--seed, "
+                              f"--shuffle, --transcode...); its records would repeat or miss "
+                              f"some of the others'")
         for k in held:
             if k in seen:
                 raise PackerError(f"{p} holds part {_shown([k])}, as {seen[k]} does; merging "
@@ -122,7 +121,15 @@ def _refuse_strangers(mans: List[Tuple[Path, dict]]) -> None:
             seen[k] = p
 
 
-SELECTION = ("shuffle", "seed", "skip_empty")  # the build options that pick a part's records
+PATH_OPTIONS = ("list", "coco", "yolo", "names", "meta")  # compared by name: a copy may move
+
+
+def _command(m: dict) -> str:
+    """What a part's build command was, but where its files were and how big its shards."""
+    name = lambda v: PurePath(str(v)).name if v else v  # noqa: E731
+    opts = {k: name(v) if k in PATH_OPTIONS else v for k, v in (m.get("options") or {}).items()
+            if k not in ("part", "merged_from", "merged_parts", "shard_size")}
+    return json.dumps([name(m.get("source")), opts], sort_keys=True, default=str)
 
 
 def _held(p: Path, m: dict) -> Optional[List[Tuple[int, int]]]:

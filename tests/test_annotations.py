@@ -465,11 +465,11 @@ def test_random_resized_crop_moves_the_boxes(coco_built, by_name):
 
 
 def test_a_crop_keeps_per_image_arrays_whatever_their_length(tmp_path):
-    # a per-image array as long as the boxes was cut like a per-object one; rows one per box
-    # (keypoints) are cut
+    # a per-image array as long as the boxes was cut like a per-object one; a name decides
     photo = make_image(random.Random(1), load_photos(), size=(320, 240))
     sample = {"image": photo, "boxes": [[0.0, 0.0, 30.0, 30.0], [200.0, 150.0, 320.0, 240.0]],
-              "labels": [1, 2], "image_id": 0, "tags": [7, 9], "keypoints": [[5, 5], [250, 200]]}
+              "labels": [1, 2], "image_id": 0, "tags": [7, 9], "keypoints": [[5, 5], [250, 200]],
+              "K": [[1.0, 0.0, 3.0], [0.0, 1.0, 4.0]]}  # rows, as many as the boxes: the image's
     packer.write(tmp_path / "d", [sample], progress=False)
     ds = PackedDataset(tmp_path / "d", target_keys="all",
                        decode=DecodeRandomResizedCrop(64, scale=(0.3, 0.3)))
@@ -479,7 +479,8 @@ def test_a_crop_keeps_per_image_arrays_whatever_their_length(tmp_path):
         _, t = ds[0]
         counts.add(len(t["boxes"]))
         assert t["tags"].tolist() == [7, 9] and len(t["labels"]) == len(t["boxes"])
-        assert len(t["keypoints"]) == len(t["boxes"])  # rows, one per box: cut with them
+        assert len(t["keypoints"]) == len(t["boxes"])  # a per-object name: cut with them
+        assert t["K"].tolist() == [[1.0, 0.0, 3.0], [0.0, 1.0, 4.0]]
     assert 1 in counts  # some crops kept one box of two
 def test_letterbox_moves_the_boxes(coco_built, by_name):
     ds = PackedDataset(coco_built, decode=DecodeLetterbox(160), target_keys=KEYS)

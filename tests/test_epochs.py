@@ -314,6 +314,20 @@ def test_a_worker_that_dies_is_one_error_and_the_epoch_goes_on_with_new_workers(
         assert sorted(got) == list(range(40)) and errors == (epoch == 0)
 
 
+
+def test_a_pass_abandoned_at_a_dead_worker_is_followed_by_one_with_new_workers(tmp_path):
+    # a for loop ends at the error: the next iter() reused the kept, broken workers for good
+    loader = make_loader(DiesOnce(tmp_path / "died"), 4, shuffle=False, num_workers=2,
+                         pin_memory=False)
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        for _ in loader:
+            pass
+    for epoch in range(2):  # the rest of the epoch, then a whole one
+        got = [i for _, labels in loader for i in labels.tolist()]
+        assert len(got) == len(set(got)) and loader.sampler.epoch == epoch + 1
+    assert len(got) == 40
+
+
 def test_a_loader_dropped_after_a_batch_raised_stops_its_workers_at_once():
     # the exception's traceback held the stream in a cycle until the collector ran
     import gc

@@ -243,7 +243,9 @@ def detection_problem(fields: List[Field]) -> str:
     return ""
 
 
-PER_OBJECT = ("labels", "area", "iscrowd", "ann_ids", "segmentation")  # one entry per box
+# One entry per box, cut with them: torchvision's per-object target keys and packer's own;
+# any other key is the image's (a name, not a shape, decides: a 3x3 matrix beside 3 boxes).
+PER_OBJECT = ("labels", "area", "iscrowd", "keypoints", "ann_ids", "segmentation")
 
 
 def object_count_problem(fields: Dict[str, Field], stored: Dict[str, Any]) -> str:

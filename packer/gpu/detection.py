@@ -7,13 +7,14 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..errors import PackerError
+from ..format.fields import PER_OBJECT
 from ..transforms.boxes import crop_boxes, image_index, letterbox_params, to_device
-from ..reading.targets import is_per_object, wrap_boxes
+from ..reading.targets import wrap_boxes
 
 
 class DetectionTargets(NamedTuple):
     """A batch's detection targets, packed: ``boxes`` (N, 4) XYXY, ``counts`` (B,),
-    ``per_box`` (the other per-object tensors: ``is_per_object``), ``per_image`` (every other
+    ``per_box`` (the other per-object tensors: ``PER_OBJECT``'s), ``per_image`` (every other
     key: one value per image, as the dataset gave it) and ``keys`` (the targets' key order)."""
     boxes: torch.Tensor
     counts: torch.Tensor
@@ -38,8 +39,7 @@ def pack_targets(targets: Sequence[Dict]) -> DetectionTargets:
                           "segmentations: build the PackedDataset without them (target_keys)")
     keys = tuple(targets[0])
     cat = lambda k: torch.cat([t[k].as_subclass(torch.Tensor) for t in targets])  # noqa: E731
-    per_box = [k for k in keys if k != "boxes" and all(
-        is_per_object(k, t[k], len(t["boxes"])) for t in targets)]  # as the CPU path cuts
+    per_box = [k for k in keys if k in PER_OBJECT]  # as the CPU path cuts
     return DetectionTargets(cat("boxes").float().reshape(-1, 4),
                             torch.tensor([len(t["boxes"]) for t in targets]),
                             {k: cat(k) for k in per_box},

@@ -147,13 +147,15 @@ class EpochStream:
         self.at: Optional[tuple] = None  # (epoch, start, seed, shuffle, order) the stream is at
         self.early: Dict[int, Any] = {}  # batches that came before their turn, by seq
         self.seq = 0  # the stream's next batch to hand out
+        self.broken = False  # the DataLoader raised: its workers are not to be reused
 
-    def begin(self, start: Callable[[], Iterator]) -> None:
+    def begin(self, start: Callable[..., Iterator]) -> None:
         """Restart the stream unless it is where the sampler is; then mark it mid-epoch (a
         new pass before this one ends restarts it)."""
         if self.it is None or self.at != position(self.batches.sampler):
-            self.it = start()  # a new stream from the sampler as it is now
-            self.early, self.seq = {}, 0
+            # a new stream from the sampler as it is now; new workers where one died
+            self.it = start(fresh=True) if self.broken else start()
+            self.early, self.seq, self.broken = {}, 0, False
         self.at = None
 
     def end(self) -> None:
@@ -168,8 +170,8 @@ class EpochStream:
             try:
                 seq, batch = next(self.it)
             except Exception:  # noqa: B902 - the DataLoader's own (a worker died): its batches
-                self.it = None  # are lost, so the next batch restarts the stream where the
-                raise  # sampler is (batches handed out so far), not wait for them for ever
+                self.it, self.broken = None, True  # are lost, so the next batch restarts the
+                raise  # stream where the sampler is, with new workers, not wait for ever
             self.early[seq] = batch
         self.seq += 1
         return self.early.pop(self.seq - 1)
@@ -197,8 +199,8 @@ class EpochPass:
             self.done = -1  # StopIteration from now on, as iterators do
         if self.done < 0:
             raise StopIteration
-        if stream.it is None:  # broken by an error of the DataLoader's own: new workers
-            stream.begin(lambda: self.start(fresh=True))
+        if stream.it is None:  # broken by an error of the DataLoader's own
+            stream.begin(self.start)
         batch = stream.next_in_order()
         self.done += 1
         s.received(min(self.first + self.done * stream.batches.batch_size * s.num_replicas, s.size))

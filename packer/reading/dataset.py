@@ -13,13 +13,14 @@ from torch.utils.data import Dataset
 
 from ..transforms.boxes import crop_boxes
 from ..transforms.decode import exif_tag, open_image
+from ..format.fields import PER_OBJECT
 from ..format.manifest import dataset_schema
 from .reader import ShardReader, record_index
 from ..format.tables import read_column, read_labels, read_paths
 from ..errors import PackerError
 from ..sources.folder import find_classes
 from ..storage import ShardCache, is_url, redact
-from .targets import TargetMaker, is_per_object, oriented, wrap_boxes
+from .targets import TargetMaker, oriented, wrap_boxes
 
 
 class PackedDataset(Dataset):
@@ -226,7 +227,7 @@ def move_boxes(target: dict, crop, size, flipped: bool, min_visible: float) -> d
     out, keep = crop_boxes(boxes, torch.tensor([n]), torch.tensor([crop], dtype=torch.float64),
                            size, torch.tensor([bool(flipped)]), min_visible=min_visible)
     kept = keep.nonzero().flatten().tolist()
-    moved = {k: (v if not is_per_object(k, v, n) else v[keep] if isinstance(v, torch.Tensor)
-                 else [v[i] for i in kept]) for k, v in target.items()}
+    moved = {k: (v if k not in PER_OBJECT else v[keep] if isinstance(v, torch.Tensor) else
+                 [v[i] for i in kept]) for k, v in target.items()}  # per-object values by name
     moved["boxes"] = wrap_boxes(out[keep], size)
     return moved

@@ -9,7 +9,7 @@ from typing import Any, Collection, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..errors import FormatError
-from ..format.fields import PER_OBJECT, ArrayField, field_of, object_count_problem
+from ..format.fields import ArrayField, field_of, object_count_problem
 from .._util.text import printable
 
 DEFAULT_KEYS = ("boxes", "labels", "image_id")  # torchvision's wrapper's default
@@ -30,14 +30,6 @@ def array_tensor(f: ArrayField, raw: bytes) -> torch.Tensor:
     if raw and sys.byteorder == "little" and f.dtype not in ("uint16", "uint32"):
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
     return torch.tensor(f.values(raw), dtype=dtype).reshape(shape)
-
-
-def is_per_object(key: str, value: Any, boxes: int) -> bool:
-    """Whether a detection target's ``value`` has one entry per box, to be cut with them: the
-    per-object keys, and rows of a field (a tensor of 2+ dims, e.g. keypoints) one per box.
-    A flat array of another name is the image's (tags, an embedding), kept whole."""
-    return key in PER_OBJECT or (isinstance(value, torch.Tensor) and value.dim() >= 2
-                                 and len(value) == boxes)
 
 
 def tv_wrap(kind: str, t: torch.Tensor, **kwargs) -> torch.Tensor:

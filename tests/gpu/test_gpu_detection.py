@@ -171,7 +171,8 @@ def test_per_image_fields_cross_whole_and_per_object_ones_are_cut(tmp_path):
     samples = [{"image": make_image(rng, photos, size=(320, 256)), "image_id": k,
                 "boxes": [[0.0, 0.0, 40.0, 40.0], [200.0, 150.0, 320.0, 256.0]],
                 "labels": [1, 2], "cam": [100 + k, 200], "scene": 7 * k,
-                "keypoints": [[5, 5], [250, 200]]} for k in range(6)]
+                "keypoints": [[5, 5], [250, 200]], "K": [[1.0, 0.0], [0.0, 1.0]]}
+               for k in range(6)]
     packer.write(tmp_path / "d", samples, progress=False)
     ds = PackedDataset(tmp_path / "d", target_keys="all")
     dec = GPUDecoder(make_gpu_loader(ds, 3, num_workers=0, shuffle=False), size=(64, 64),
@@ -182,6 +183,7 @@ def test_per_image_fields_cross_whole_and_per_object_ones_are_cut(tmp_path):
     assert [t["scene"] for t in got] == [7 * k for k in range(6)]
     assert [t["cam"].tolist() for t in got] == [[100 + k, 200] for k in range(6)]
     assert all(len(t["labels"]) == len(t["boxes"]) == len(t["keypoints"]) for t in got)
+    assert all(t["K"].tolist() == [[1.0, 0.0], [0.0, 1.0]] for t in got)  # the image's
     assert any(len(t["boxes"]) < 2 for t in got)  # some crops cut a box away
 
 

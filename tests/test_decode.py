@@ -248,8 +248,8 @@ def test_sizes_as_torchvision_reads_them_or_refused_at_once(cls, photo_jpeg):
     assert cls([64]).size == (64, 64) == cls(64).size  # [s]: s x s, as in torchvision
     assert cls(np.int64(64)).size == (64, 64) == cls((np.int64(64), 64)).size
     assert cls((48, 64)).size == (48, 64) and cls(64)(photo_jpeg).shape[0] == 3
-    assert cls(64.0).size == (64, 64)  # torchvision's int(size) of a number
-    for bad in (0, True, (0, 0), (64, 64, 3), (), (-1, 64), (64.0, 64), "64"):
+    assert cls(64.0).size == (64, 64) == cls((64.0, 64)).size  # whole numbers, as ints
+    for bad in (0, True, (0, 0), (64, 64, 3), (), (-1, 64), (64.5, 64), "64"):
         with pytest.raises(ValueError, match="size must be a positive int or"):
             cls(bad)
 @pytest.mark.parametrize("fraction", [0, -0.5, 1.01, 2])

@@ -42,18 +42,21 @@ class GPUOptions:
     decoder: Optional[Callable[[List[torch.Tensor], torch.device], List[torch.Tensor]]] = None
 
     def __post_init__(self):
-        scale, ratio = self.scale, self.ratio
-        if not (_pair(scale) and _pair(ratio) and 0 < scale[0] <= scale[1] <= 1
-                and 0 < ratio[0] <= ratio[1]):
+        scale, ratio = _pair(self.scale), _pair(self.ratio)
+        if not (scale and ratio and 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
             raise ValueError(f"scale must be within (0, 1] and ratio positive, both (low, high) "
-                             f"and finite, got {scale!r}, {ratio!r}")
+                             f"and finite, got {self.scale!r}, {self.ratio!r}")
+        object.__setattr__(self, "scale", scale)  # plain floats, whatever held them
+        object.__setattr__(self, "ratio", ratio)
         if not (_real(self.crop_fraction) and 0 < self.crop_fraction <= 1):
             raise ValueError(f"crop_fraction must be in (0, 1], got {self.crop_fraction!r}")
         if not (_real(self.min_visible) and 0 <= self.min_visible <= 1):
             raise ValueError(f"min_visible must be in [0, 1], got {self.min_visible!r}")
         for name in ("flip", "channels_last"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if isinstance(v, str) or v not in (True, False):  # numpy's bool and 0/1 too
+                raise ValueError(f"{name} must be True or False, got {v!r}")
+            object.__setattr__(self, name, bool(v))
         if not (_count(self.overlap) and self.overlap in (0, 1, 2)):
             raise ValueError(f"overlap must be 0, 1 or 2, got {self.overlap!r}")
         if not (_count(self.queue_depth) and self.queue_depth >= 1):
@@ -80,8 +83,13 @@ def _real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _pair(v) -> bool:
-    return isinstance(v, (tuple, list)) and len(v) == 2 and all(map(_real, v))
+def _pair(v) -> Optional[Tuple[float, float]]:
+    """``(low, high)`` as floats from any two finite numbers (a tuple, a list, an array), or
+    None."""
+    v = v.tolist() if hasattr(v, "tolist") else v
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) != 2:
+        return None
+    return (float(v[0]), float(v[1])) if all(map(_real, v)) else None
 
 
 @dataclass

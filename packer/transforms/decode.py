@@ -45,13 +45,15 @@ def exif_tag(data: bytes) -> int:
 def output_size(size) -> Tuple[int, int]:
     """``(height, width)`` of an output ``size`` as torchvision reads one: a number (its int)
     or ``[s]`` for ``s x s``, else ``(h, w)``; ValueError unless two positive ints."""
+    given = size
+    size = size.tolist() if hasattr(size, "tolist") else size  # an array or a tensor
     if isinstance(size, numbers.Real):
         size = (size if isinstance(size, bool) else int(size),) * 2
     size = tuple(size) if isinstance(size, (tuple, list)) else (size,)
     size = size * 2 if len(size) == 1 else size
-    if len(size) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                                 and v > 0 for v in size):
-        raise ValueError(f"size must be a positive int or (height, width), got {size!r}")
+    if len(size) != 2 or not all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                 and float(v).is_integer() and v > 0 for v in size):
+        raise ValueError(f"size must be a positive int or (height, width), got {given!r}")
     return int(size[0]), int(size[1])
 
 

@@ -315,6 +315,11 @@ def test_constructor_errors(mixed, monkeypatch):
                       ({"size": (224.9, 100)}, "size"), ({"size": True}, "size")]:
         with pytest.raises(ValueError, match=match):
             _cpu_decoder(loader, **kw)
+    import numpy as np
+    ok = GPUOptions(scale=np.array([0.2, 1.0]), ratio=torch.tensor([0.5, 2.0]),
+                    flip=np.bool_(True), channels_last=0, crop_fraction=1)
+    assert (ok.scale, ok.ratio, ok.flip, ok.channels_last) == ((0.2, 1.0), (0.5, 2.0), True, False)
+    assert _cpu_decoder(loader, size=(224.0, 112)).size == (224, 112)
     with pytest.raises(TypeError, match="resample"):  # one augment kernel: no choice left
         _cpu_decoder(loader, resample="matmul")
 

@@ -196,7 +196,10 @@ class PrefetchPass:
             raised, cur = cur[0], None
             raised.reraise()
         pf._handoff(cur[0], torch.cuda.current_stream(pf.device))  # before the next is queued
-        self.ahead = pf._preload(self.it), pf._loader_state()  # the next, while this one is used
+        try:  # the next, while this one is used
+            self.ahead = pf._preload(self.it), pf._loader_state()
+        except Exception as e:  # noqa: B902 - converting it failed (out of memory): its turn
+            self.ahead = Raised(e), pf._loader_state()
         return cur[0]
 
 

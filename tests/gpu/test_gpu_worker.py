@@ -133,15 +133,17 @@ def test_a_batch_crosses_from_a_worker_as_one_shared_block(mixed, tmp_path, monk
         for a, b in zip(alone, crossed):
             assert b.data.is_shared()
             small = [b.offsets, b.sizes, b.decoded]
-            small += ([*b.labels[:3], *b.labels[3].values()]
+            small += ([b.labels.boxes, b.labels.counts, *b.labels.per_box.values()]
                       if isinstance(b.labels, DetectionTargets) else [b.labels])
             assert not any(t.is_shared() for t in small)
             assert torch.equal(a.data, b.data) and torch.equal(a.sizes, b.sizes)
             assert torch.equal(a.offsets, b.offsets) and torch.equal(a.decoded, b.decoded)
             if isinstance(a.labels, DetectionTargets):
-                assert all(torch.equal(x, y) for x, y in zip(a.labels[:3], b.labels[:3]))
-                assert {k: v.tolist() for k, v in a.labels[3].items()} == \
-                    {k: v.tolist() for k, v in b.labels[3].items()}
+                assert torch.equal(a.labels.boxes, b.labels.boxes)
+                assert torch.equal(a.labels.counts, b.labels.counts)
+                assert {k: v.tolist() for k, v in a.labels.per_box.items()} == \
+                    {k: v.tolist() for k, v in b.labels.per_box.items()}
+                assert (a.labels.per_image, a.labels.keys) == (b.labels.per_image, b.labels.keys)
             else:
                 assert torch.equal(a.labels, b.labels)
 

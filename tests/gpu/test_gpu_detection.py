@@ -126,16 +126,21 @@ def test_letterbox_on_gpu(det):
     check_letterbox(det, "cuda")
 
 
+def eval_targets(ds):
+    """(per-image targets out of the GPU path, evaluation crops on the CPU with PIL for
+    nvJPEG; the dataset's own targets)."""
+    dec = GPUDecoder(make_gpu_loader(ds, 6, num_workers=0, shuffle=False), size=SIZE,
+                     device="cpu", dtype=torch.uint8, seed=0, train=False,
+                     options=GPUOptions(overlap=0, decoder=pil_decoder))
+    return [t for _, targets in dec for t in targets], [ds[i][1] for i in range(len(ds))]
+
+
 def test_target_keys_follow_the_kept_boxes(det):
     """What ``target_keys`` asks the dataset for crosses the GPU path, cut with the boxes;
     masks (which a crop cannot move here) are refused with a clear error."""
     keys = ["boxes", "labels", "image_id", "area", "iscrowd"]
     ds = PackedDataset(det, target_keys=keys)
-    dec = GPUDecoder(make_gpu_loader(ds, 6, num_workers=0, shuffle=False), size=SIZE,
-                     device="cpu", dtype=torch.uint8, seed=0, train=False,
-                     options=GPUOptions(overlap=0, decoder=pil_decoder))
-    want = [ds[i][1] for i in range(len(ds))]
-    got = [t for _, targets in dec for t in targets]
+    got, want = eval_targets(ds)
     assert [list(t) for t in got] == [keys] * len(want)
     for g, w in zip(got, want):
         assert len(g["area"]) == len(g["iscrowd"]) == len(g["boxes"]) <= len(w["boxes"])
@@ -149,11 +154,7 @@ def test_target_keys_follow_the_kept_boxes(det):
 def test_any_target_keys_cross_the_gpu_path_as_the_cpu_path_gives_them(det, keys):
     # without labels or image_id this was a KeyError; the key order is the dataset's
     ds = PackedDataset(det, target_keys=keys)
-    dec = GPUDecoder(make_gpu_loader(ds, 6, num_workers=0, shuffle=False), size=SIZE,
-                     device="cpu", dtype=torch.uint8, seed=0, train=False,
-                     options=GPUOptions(overlap=0, decoder=pil_decoder))
-    want = [ds[i][1] for i in range(len(ds))]
-    got = [t for _, targets in dec for t in targets]
+    got, want = eval_targets(ds)
     assert [list(t) for t in got] == [list(w) for w in want]
     for g, w in zip(got, want):
         if "image_id" in keys:

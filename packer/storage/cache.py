@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 from .._util.fsio import lock_module, write_json_atomic
-from .._util.system import human_size
+from .._util.system import disk_full_as, human_size
 from ..errors import PackerError
 from ..format.manifest import MANIFEST, set_table, side_tables
 from .objects import Store
-from .remote import fetch_manifest
+from .remote import check_parts, fetch_manifest
 
 LOCKS = ".locks"
 OPEN_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -57,11 +57,12 @@ if hasattr(os, "register_at_fork"):
 
 
 def parse_size(value: Union[int, str, None]) -> Optional[int]:
-    """``None``, a byte count, or text such as ``"200G"`` / ``"1.5T"`` (powers of 1024)."""
-    if value is None or isinstance(value, int):
+    """``None``, a byte count, or text such as ``"200G"`` / ``"1.5T"`` (powers of 1024);
+    anything else (``"1.2.3"``, a negative count, ``True``) is a PackerError, not a ValueError."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)I?B?\s*", str(value).upper())
-    if not m:
+    m = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([KMGT]?)I?B?\s*", str(value).upper())
+    if isinstance(value, bool) or not m:
         raise PackerError(f"cache_limit={value!r} is not a size (examples: 200G, 1.5T, 10**12)")
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
@@ -80,6 +81,7 @@ class ShardCache:
         self.root = Path(cache_dir) / f"{slug}-{hashlib.sha256(self.store.shown.encode()).hexdigest()[:12]}"
         (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
         remote = fetch_manifest(self.store)
+        check_parts(self.store, (s["path"] for s in remote["shards"]), set())
         self.manifest = deepcopy(remote)
         self._entries = [(_content_name(s, remote, "lmdb"), s["path"], s["bytes"], s.get("sha256"))
                          for s in remote["shards"]]  # (local name, remote path, bytes, sha256)
@@ -219,7 +221,11 @@ class ShardCache:
         if name.endswith(".lmdb"):
             self._make_room(size)
         tmp = self.root / f".{name}.{os.getpid()}-{threading.get_ident()}.part"
-        self.store.download(rel, tmp, size, sha)
+        with disk_full_as(tmp, lambda free: (
+                f"{self.root} filled up while caching {self.store.show(rel)} ({human_size(size)}; "
+                f"{human_size(free)} free): make room there, or give another cache_dir (or a "
+                f"lower cache_limit), and re-run")):
+            self.store.download(rel, tmp, size, sha)
         os.replace(tmp, self.root / name)
         self.downloads += 1
         self.downloaded_bytes += size

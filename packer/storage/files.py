@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
 from .._util.fsio import NotAFile
-from .objects import NotFound, Store
+from .objects import Grown, NotFound, Store
 from .urls import is_url
 
 
@@ -65,13 +65,18 @@ class RemoteFolder:
 
     def read(self, rel: str, limit: Optional[int] = None, limit_name: str = "the limit") -> bytes:
         """The object ``rel`` whole (its listed size; retried), as ``read_file`` reads a local
-        file: ``FileNotFoundError`` if not listed, ``NotAFile`` if larger than ``limit``."""
+        file: ``FileNotFoundError`` if not listed, ``NotAFile`` if larger than ``limit`` or
+        than listed (replaced since the LIST: never its first ``size`` bytes only)."""
         size = self.sizes().get(rel)
         if size is None:
             raise FileNotFoundError(2, "not found", self / rel)
         if limit is not None and size > limit:
             raise NotAFile(f"{size:,} bytes, more than {limit_name} ({limit:,})")
-        return self.store.get_range(rel, 0, size)
+        try:
+            return self.store.get_whole(rel, size)
+        except Grown:
+            raise NotAFile(f"it holds more bytes than the {size:,} listed (it was replaced "
+                           f"after the listing)") from None
 
 
 class ObjectFile(str):

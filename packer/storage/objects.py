@@ -18,13 +18,18 @@ from typing import Any, Callable, Dict, Iterable, Optional, TypeVar
 
 from .._util.fsio import open_new
 from ..errors import FormatError, PackerError
-from .urls import filesystem, redact, redact_text, secret_values, split_options, url_secrets
+from .urls import (filesystem, is_url, redact, redact_text, secret_values, split_options,
+                   url_secrets)
 
 T = TypeVar("T")
 
 
 class NotFound(PackerError):
     """The object does not exist (its message says which and what to check)."""
+
+
+class Grown(PackerError):
+    """An object holds more bytes than it was listed or looked up with: replaced since."""
 
 
 class ShortBody(ConnectionError):
@@ -128,6 +133,8 @@ class Store:
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None):
         self.url = url.rstrip("/")
+        if not is_url(self.url):  # "s3://" alone: fsspec would take "s3:" for a local path
+            raise PackerError(f"{redact(url)} names no bucket (expected SCHEME://BUCKET/PATH)")
         self.shown = redact(self.url)
         self.options, self.transfer = split_options(storage_options)
         self.secrets = secret_values(self.options) + url_secrets(url)
@@ -200,12 +207,28 @@ class Store:
                 for e in entries if e.get("type") != "directory"}
 
     def read_bytes(self, rel: str, limit: int = 1 << 30) -> bytes:
-        """A whole small object (a manifest): one GET, checked against its listed size."""
+        """A whole small object (a manifest): one HEAD, one GET (``get_whole``)."""
         info = self.stat(rel)
         if info.size > limit:
             raise FormatError(f"{self.show(rel)} is {info.size} bytes, more than the {limit} "
                               f"expected; is it the right file?")
-        return self.get_range(rel, 0, info.size)
+        return self.get_whole(rel, info.size)
+
+    def get_whole(self, rel: str, size: int) -> bytes:
+        """All of ``rel``, listed or looked up at ``size`` bytes: one GET asking for a byte
+        more, so an object longer by now (replaced since, or listed wrong) is ``Grown``, never
+        cut to ``size`` (memory stays ``size + 1``); a shorter body is retried."""
+        key = self.key(rel)
+
+        def get():
+            data = self.fs.cat_file(key, start=0, end=size + 1) if size else b""
+            if len(data) > size:
+                raise Grown(f"{self.show(rel)} holds more than the {size} bytes it was listed "
+                            f"with: it changed since (is it being rewritten?)")
+            if len(data) != size:
+                raise ShortBody(f"got {len(data)} bytes of {size}")
+            return data
+        return self.call(get, f"reading {self.show(rel)}")
 
     def get_range(self, rel: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``rel``, retried; a body of another length is retried too."""

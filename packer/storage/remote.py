@@ -7,7 +7,7 @@ import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Set
 
 from ..errors import FormatError, PackerError
 from ..format.manifest import MANIFEST, parse_manifest, read_manifest, side_tables
@@ -29,6 +29,22 @@ def fetch_manifest(store: Store) -> Dict[str, Any]:
         raise FormatError(f"{store.shown} is not a packer dataset: {store.show(MANIFEST)} not "
                           f"found (a wrong URL, or an upload that has not finished)") from None
     return parse_manifest(data, store.show(MANIFEST))
+
+
+def check_parts(store: Store, paths: Iterable[str], known: Set[str]) -> None:
+    """Refuse a shard path outside the dataset folder (a merged dataset's part, ``../p0/NAME``)
+    whose folder is not a packer dataset, as for a local dataset: else a manifest could name
+    any object of the bucket. One HEAD per folder not in ``known`` (then added to it)."""
+    for rel in paths:
+        parent = posixpath.dirname(rel)
+        if parent and parent not in known:
+            try:
+                store.stat(posixpath.join(parent, MANIFEST))
+            except NotFound:
+                raise FormatError(f"shard {rel} in {store.show(MANIFEST)} lies in "
+                                  f"{store.show(parent)}, which is not a packer dataset; "
+                                  f"refusing it") from None
+            known.add(parent)
 
 
 class RemoteDataset(str):
@@ -60,15 +76,7 @@ class RemoteDataset(str):
     def shard(self, rel: str) -> "RemoteFile":
         """The shard at manifest path ``rel``. As for a local dataset, one outside the folder
         (a merged dataset's part) must lie in a packer dataset."""
-        parent = posixpath.dirname(rel)
-        if parent and parent not in self._parts:
-            try:
-                self.store.stat(posixpath.join(parent, MANIFEST))
-            except NotFound:
-                raise FormatError(f"shard {rel} in {self.store.show(MANIFEST)} lies in "
-                                  f"{self.store.show(parent)}, which is not a packer dataset; "
-                                  f"refusing it") from None
-            self._parts.add(parent)
+        check_parts(self.store, [rel], self._parts)
         return RemoteFile(self, rel)
 
     def info(self, rel: str) -> Optional[ObjectInfo]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import tempfile
 import threading
@@ -16,11 +17,14 @@ from typing import Any, Dict, List, Optional
 from .._util.fsio import write_json_atomic
 from ..errors import PackerError
 from ..format.manifest import MANIFEST
+from ..format.validation import is_plain_name
 from .objects import ObjectInfo, Store
-from .remote import dataset_files
+from .remote import UPLOAD_MARKER as MARKER, dataset_files, fetch_manifest
 from .urls import is_url
 
 RECORD = ".packer-uploaded.json"  # in the work folder: what went up, with its version
+# MARKER (remote.UPLOAD_MARKER) is in the prefix from a run's first change until its manifest is
+# up: the objects there are packer's, a re-run from another work folder may replace them
 
 
 class Destination:
@@ -44,6 +48,7 @@ class Destination:
         self._futures: List[Future] = []
         self._there: Dict[str, ObjectInfo] = {}
         self._record: Dict[str, list] = {}
+        self._claimed = False
 
     def __str__(self) -> str:
         return self.store.shown
@@ -51,9 +56,12 @@ class Destination:
     def __repr__(self) -> str:
         return f"Destination({self.store.shown!r}, work_dir={str(self.work)!r})"
 
-    def begin(self, overwrite: bool) -> Optional[dict]:
-        """Before the build: the work folder's finished manifest when only uploading is left, else
-        None. A finished dataset at the URL is refused unless ``overwrite`` (then unmade first)."""
+    def begin(self, overwrite: bool) -> None:
+        """Before the build. A finished dataset at the URL is refused unless ``overwrite`` (then
+        unmade: its manifest first, then its files) or it is the work folder's own; objects
+        packer did not write are refused, as a non-empty local folder is. Returns None: whether
+        a finished dataset in the work folder is this build's is the build's to decide (its
+        fingerprint): one of another source or options must never go up as this one."""
         self._there = self.store.listing(missing_ok=True)
         local = self.work / MANIFEST
         local = local.read_bytes() if local.is_file() else None
@@ -61,17 +69,44 @@ class Destination:
             self._record = json.loads((self.work / RECORD).read_text("utf-8"))
         except (OSError, ValueError):
             self._record = {}
-        if MANIFEST in self._there:
-            if local is not None and not overwrite and self.store.read_bytes(MANIFEST) == local:
-                return json.loads(local)
-            if not overwrite:
-                raise PackerError(f"{self.store.shown} already holds a finished dataset; "
-                                  f"replace it with overwrite=True")
-            self.store.call(lambda: self.store.fs.rm_file(self.store.key(MANIFEST)),
-                            f"replacing {self.store.show(MANIFEST)}")
-            del self._there[MANIFEST]
-            return None
-        return json.loads(local) if local is not None and not overwrite else None
+        if MANIFEST not in self._there:
+            folder = posixpath.basename(self.store.root)  # "ds/", a console's folder object
+            strangers = sorted(n for n, info in self._there.items() if n not in self._record
+                               and n != MARKER and not (n == folder and info.size == 0))
+            if strangers and MARKER not in self._there:
+                raise PackerError(f"{self.store.shown} holds objects packer did not write "
+                                  f"({', '.join(strangers[:5])}{', ...' if strangers[5:] else ''}"
+                                  f"); pick a new or empty prefix for the dataset, or move "
+                                  f"them away")
+            self._claim()  # now: a bucket that cannot be written stops the build before it starts
+            return
+        if local is not None and not overwrite and self.store.read_bytes(MANIFEST) == local:
+            return
+        if not overwrite:
+            raise PackerError(f"{self.store.shown} already holds a finished dataset; "
+                              f"replace it with overwrite=True")
+        try:
+            old = [f["path"] for f in dataset_files(fetch_manifest(self.store))]
+        except PackerError:  # not a manifest packer can read: only it goes
+            old = []
+        self._claim()  # before the manifest goes: a re-run knows the rest is packer's
+        self.store.call(lambda: self.store.fs.rm_file(self.store.key(MANIFEST)),
+                        f"replacing {self.store.show(MANIFEST)}")  # first: no reader takes half
+        files = sorted({r for r in old if is_plain_name(r) and r in self._there})
+        if files:
+            self.store.call(lambda: self.store.fs.rm([self.store.key(r) for r in files]),
+                            f"removing the old dataset's files from {self.store.shown}")
+        for name in [MANIFEST] + files:
+            del self._there[name]
+
+    def _claim(self) -> None:
+        """Mark the prefix as packer's (``MARKER``) before this run changes its first object, so
+        that a re-run from another work folder knows the objects there; removed after the
+        manifest."""
+        if not self._claimed and MARKER not in self._there:
+            self.store.call(lambda: self.store.fs.pipe_file(self.store.key(MARKER), b"{}"),
+                            f"writing {self.store.show(MARKER)}")
+        self._claimed = True
 
     def shard_done(self, shard: dict) -> None:
         """A shard the build finished (in ``work``): uploaded in the background. Raises the
@@ -98,8 +133,12 @@ class Destination:
             self.abort()
         body = (self.work / MANIFEST).read_bytes()
         if MANIFEST not in self._there or self.store.read_bytes(MANIFEST) != body:
+            self._claim()
             self.store.upload(self.work / MANIFEST, MANIFEST)
             self.uploaded.append(MANIFEST)
+        if self._claimed or MARKER in self._there:
+            self.store.call(lambda: self.store.fs.rm_file(self.store.key(MARKER)),
+                            f"finishing {self.store.shown}")
         if not self.keep:
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -114,6 +153,8 @@ class Destination:
         there, sent = self._there.get(rel), self._record.get(rel)
         if there is not None and sent == [size, sha256, there.version] and there.size == size:
             return  # uploaded by an earlier run, unchanged since
+        with self._lock:
+            self._claim()
         version = self.store.upload(self.work / rel, rel).version
         with self._lock:
             self._record[rel] = [size, sha256, version]

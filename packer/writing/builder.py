@@ -81,10 +81,7 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
         if not isinstance(workers, int) and not remote.keep:
             raise PackerError(f"building into {remote} on an engine (Ray) needs Destination("
                               f"url, work_dir=...): a folder at the same path on every node")
-        finished = remote.begin(overwrite)
-        if finished is not None:  # only the upload was left to do (or nothing at all)
-            remote.finish(finished)
-            return BuildResult(finished, time.perf_counter() - t0, len(finished["shards"]))
+        remote.begin(overwrite)
     chosen = parse_part(part)
     source.check_destination(dst)
     # the source's options after the build's own; "list" always there, as it always was

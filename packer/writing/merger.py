@@ -77,6 +77,8 @@ def _merge_urls(parts: list, dst, storage_options: Optional[dict], overwrite: bo
         raise PackerError(f"merging into {shown(dst)} needs every part in its bucket (the merged "
                           f"dataset refers to their shards there); merge into a local folder, "
                           f"stage it, and upload that (packer.storage.upload_dataset)")
+    if under(dst) in {under(p) for p in parts}:
+        raise PackerError(f"{shown(dst)} is one of the parts; merge into another prefix")
     with tempfile.TemporaryDirectory(prefix="packer-merge-") as tmp:
         dest = Destination(dst, storage_options, Path(tmp) / under(dst))
         dest.begin(overwrite)  # refused before any part is fetched

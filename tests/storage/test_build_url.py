@@ -18,6 +18,7 @@ from packer.errors import PackerError
 from packer.format.manifest import MANIFEST
 from packer.reading.reader import ShardReader
 from packer.storage import Destination
+from packer.storage.remote import UPLOAD_MARKER
 
 @pytest.fixture(scope="module")
 def source(local_dataset) -> Path:
@@ -66,7 +67,9 @@ def test_build_into_s3_then_nothing_to_do(s3, source, local, proxy, tmp_path):
     res = build(source, Destination(url, s3_options(proxy.url), tmp_path / "w2"), workers=0,
                 progress=False, shard_size=1 << 20, overwrite=True, shuffle=True)
     writes = [c for c in calls if c[0] in ("PUT", "POST", "DELETE")]
-    assert writes[0] == ("DELETE", MANIFEST) and writes[-1] == ("PUT", MANIFEST)  # none meanwhile
+    claim, unclaim = ("PUT", UPLOAD_MARKER), ("DELETE", UPLOAD_MARKER)  # the prefix is packer's
+    assert writes[:2] == [claim, ("DELETE", MANIFEST)] and writes[-2:] == [("PUT", MANIFEST), unclaim]
+    assert [w for w in writes[2:-2] if MANIFEST in w or UPLOAD_MARKER in w] == []
     got = json.loads(s3["fs"].cat_file(f"{BUCKET}/built/{MANIFEST}"))
     assert got["options"]["shuffle"] and got["build_id"] == res.manifest["build_id"]
 

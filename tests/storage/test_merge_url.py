@@ -70,3 +70,13 @@ def test_merge_into_a_url_outside_the_parts_bucket_is_refused(s3, parts):
     with pytest.raises(PackerError, match="needs every part in its bucket"):
         merge([local.parent / "p0", urls[1]], f"s3://{BUCKET}/mixed", storage_options=s3["options"])
     assert not s3["fs"].exists(f"{BUCKET}/mixed")
+
+
+def test_merge_into_one_of_its_parts_is_refused_and_the_part_kept(s3, parts):
+    """--overwrite would unmake DST (its manifest, then its shards) before the parts are
+    fetched: a DST that is a part is refused first, as a local merge refuses it."""
+    urls, _ = parts
+    before = sorted(s3["fs"].ls(urls[0].split("://")[1], refresh=True))
+    r = CliRunner().invoke(main, ["merge", *urls, urls[0] + "/", "--overwrite"] + flags(s3["options"]))
+    assert r.exit_code == 1 and "is one of the parts" in r.output, r.output
+    assert sorted(s3["fs"].ls(urls[0].split("://")[1], refresh=True)) == before

@@ -85,9 +85,20 @@ def grouped_order(order: torch.Tensor, groups: torch.Tensor, chunk: int, *, seed
 
 
 def resolve_world(num_replicas: Optional[int], rank: Optional[int]):
-    """(world size, rank): the given values, else torch.distributed's, else (1, 0); checked."""
+    """(world size, rank): the given values, else torch.distributed's, else (1, 0); checked.
+    A world of several ranks with no rank known (torchrun's ``WORLD_SIZE`` before
+    ``init_process_group``, or ``num_replicas`` alone) is refused, as ``DistributedSampler``
+    refuses it: every process would take rank 0's share, or the whole dataset."""
     dist = torch.distributed
     ready = dist.is_available() and dist.is_initialized()
+    env = os.environ.get("WORLD_SIZE", "")
+    world = num_replicas if num_replicas is not None else int(env) if env.isdigit() else 1
+    if not ready and (num_replicas is None or rank is None) and world > 1:
+        named = "num_replicas" if num_replicas is not None else "torchrun's WORLD_SIZE"
+        raise ValueError(f"{world} ranks ({named}) but torch.distributed is not initialised, "
+                         f"so the split across ranks is unknown: call torch.distributed."
+                         f"init_process_group() before making the sampler, or pass both "
+                         f"num_replicas= and rank= (else every rank reads the same samples)")
     if num_replicas is None:
         num_replicas = dist.get_world_size() if ready else 1
     if rank is None:
@@ -178,6 +189,7 @@ class PackedSampler(Sampler[int]):
         self.epoch = 0
         self._start = 0     # global position the next __iter__ starts at (set by a resume)
         self._consumed = 0  # global position reached by the live iterator (for state_dict)
+        self._begun = False  # iterated, told a count or resumed: from then on a state wins
         self._cache = None  # (epoch, seed, order tensor)
 
     def set_epoch(self, epoch: int) -> None:
@@ -222,7 +234,7 @@ class PackedSampler(Sampler[int]):
         return self._iterate(perm, self._start, self.num_replicas, len(self))
 
     def _iterate(self, perm, start: int, w: int, count: int) -> Iterator[int]:
-        first = start + self.rank
+        first, self._begun = start + self.rank, True  # at the first next(), not at iter()
         ahead = self._prefetch_plan(perm, first, w, count)
         for lo in range(0, count, _CHUNK):
             hi = min(count, lo + _CHUNK)
@@ -265,7 +277,7 @@ class PackedSampler(Sampler[int]):
     def received(self, consumed: int) -> None:
         """Record that the training loop has received ``consumed`` samples (global) of this
         epoch: a loader iterating a copy reports here, so ``state_dict`` stays exact."""
-        self._consumed = int(consumed)
+        self._consumed, self._begun = int(consumed), True
 
     def state_dict(self, consumed: Optional[int] = None) -> Dict[str, int]:
         """``{"seed", "epoch", "consumed", "size", "arrangement"}`` (``consumed``: global
@@ -298,7 +310,10 @@ class PackedSampler(Sampler[int]):
         return key
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from ``state`` (maybe saved at another world size) at the next unseen sample."""
+        """Continue from ``state`` (maybe saved at another world size) at the next unseen sample.
+        A state whose epoch is over, loaded into a sampler not yet iterated but already set to a
+        later epoch (``StatefulDataLoader`` loads states at ``iter()``, after the loop's
+        ``set_epoch``), leaves that later epoch to start from the top, as DistributedSampler does."""
         missing = {"seed", "epoch", "consumed"} - set(state)
         if missing:
             raise ValueError(f"not a PackedSampler state (missing {sorted(missing)}): pass what "
@@ -319,10 +334,15 @@ class PackedSampler(Sampler[int]):
                              f"one is {mine}: the rest of the epoch would repeat some samples "
                              f"and skip others; resume with the same order settings (and, with "
                              f"aspect_groups, the same batch_size x world size)")
-        consumed = int(state["consumed"])
+        consumed, epoch = int(state["consumed"]), int(state["epoch"])
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, got {consumed}")
-        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        done = not rank_count(self.size, consumed, self.num_replicas, self.drop_last)
+        later, self._begun = not self._begun and self.epoch > epoch, True
+        if done and later:  # set_epoch(later) came first (StatefulDataLoader loads at iter()):
+            self.seed = int(state["seed"])  # the state's epoch is over; start the later one
+            return
+        self.seed, self.epoch = int(state["seed"]), epoch
         if self.order == "node" and "layout" in state:
             self._resumed_layout = (self.epoch, tuple(state["layout"]))
             self._cache = None

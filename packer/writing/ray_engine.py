@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Deque, Dict, Iterator, List, Optional
+from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
 from .. import __version__
 from .._util.fsio import remove_own
@@ -30,6 +31,21 @@ def need_ray():
     return ray
 
 
+def check_reachable(address: str, where: str) -> None:
+    """A PackerError unless something answers at a ``host:port`` cluster address (any scheme):
+    ``ray.init`` would wait for it without end, printing retries. Other addresses ("auto",
+    "local") Ray resolves itself, failing at once."""
+    host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise PackerError(f"no Ray cluster answers at {address} (from {where}: "
+                          f"{e.strerror or e}): start one there (`ray start --head`) or fix "
+                          f"the address; without one, --ray starts a local cluster") from None
+
+
 @dataclass
 class RayEngine:
     """Shards written by Ray tasks (``num_cpus=1`` each) on the cluster this process is connected
@@ -39,14 +55,23 @@ class RayEngine:
     max_retries: int = 3
 
     def __post_init__(self):
-        need_ray()  # fail before the build lists its source
+        if not need_ray().is_initialized():  # fail before the build lists its source
+            check_reachable(*self.target())
+
+    def target(self) -> Tuple[str, str]:
+        """(address, where it comes from) of the cluster to connect to when none is."""
+        if self.address:
+            return self.address, "address="
+        if os.environ.get("RAY_ADDRESS"):
+            return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+        return "local", "the default"
 
     def shards(self, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
         """``write_shard`` for each task on the cluster; the results in task order."""
         ray = need_ray()
         started = not ray.is_initialized()
         if started:
-            address = self.address or os.environ.get("RAY_ADDRESS") or "local"
+            address = self.target()[0]
             extra = {"include_dashboard": False} if address == "local" else {}
             ray.init(address=address, logging_level="WARNING", **extra)
         try:

@@ -282,7 +282,8 @@ def test_json_output_of_every_reporting_command(photo_src, tmp_path):
     rows = [json.loads(line) for line in invoke("ls", d, "--json").stdout.splitlines()]
     assert len(rows) == 48 and set(rows[0]) == {"index", "path", "width", "height", "label"}
     m = json.loads(invoke("merge", d, tmp_path / "m", "--json").stdout)
-    assert m == {"dst": str(tmp_path / "m"), "parts": [str(d)], "count": 48, "shards": b["shards"]}
+    assert m == {"dst": str(tmp_path / "m"), "parts": [str(d)], "count": 48, "shards": b["shards"],
+                 "missing_parts": []}
     s = json.loads(invoke("stage", d, tmp_path / "s", "--json").stdout)
     assert s["target"] == str(tmp_path / "s") and s["wrote_manifest"] and s["bytes_total"] > 0
     u = json.loads(invoke("unstage", tmp_path / "s", "--json").stdout)

@@ -70,6 +70,19 @@ def test_merging_a_merged_dataset(datasets, tmp_path):
     assert contents(tmp_path / "again" / "nested") == contents(whole)
 
 
+def test_the_cli_names_the_parts_a_merge_lacks(datasets, tmp_path):
+    """A merge of some parts is allowed (the rest may come later), but not silent."""
+    from click.testing import CliRunner
+    from packer.cli import main
+    _, _, parts = datasets
+    r = CliRunner().invoke(main, ["merge", str(parts[1]), str(tmp_path / "one")])
+    assert r.exit_code == 0 and "note: parts 0/2 of the build are not in it" in r.output
+    r = CliRunner().invoke(main, ["merge", str(parts[0]), str(tmp_path / "one"),
+                                  str(tmp_path / "all"), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["missing_parts"] == []
+    assert "note:" not in CliRunner().invoke(main, ["merge", *map(str, parts), str(tmp_path / "b")]).output
+
+
 def test_the_same_part_built_twice_is_refused(datasets, tmp_path):
     src, _, parts = datasets
     again = build(src, tmp_path / "p0-again", part="0/2")

@@ -236,7 +236,7 @@ def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta
 @click.option("--overwrite", is_flag=True, help="Replace a finished dataset already in DST.")
 @storage_flags
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object (dst, parts, count, shards).")
+              help="Print one JSON object (dst, parts, count, shards, missing_parts).")
 @library_errors(interrupted=RESUMES)
 def merge(parts, dst, overwrite, storage_options, as_json):
     """Join datasets built with --part K/N into one dataset DST, without copying shards.
@@ -250,16 +250,20 @@ def merge(parts, dst, overwrite, storage_options, as_json):
     --seed, N or source would repeat some images and miss others, so they are refused.
     """
     from ..storage.local import shown
-    from ..writing.merger import merge as run_merge
+    from ..writing.merger import merge as run_merge, missing_parts
     with flag_words():
         m = run_merge(list(parts), dst, overwrite=overwrite,
                       storage_options=storage_options or None)
-    parts, dst = [shown(p) for p in parts], shown(dst)
+    parts, dst, missing = [shown(p) for p in parts], shown(dst), missing_parts(m)
     if as_json:
         click.echo(json_text({"dst": str(dst), "parts": [str(p) for p in parts],
-                              "count": m["count"], "shards": len(m["shards"])}))
+                              "count": m["count"], "shards": len(m["shards"]),
+                              "missing_parts": missing}))
         return
     click.echo(f"merged {len(parts)} parts: {m['count']} images, {len(m['shards'])} shards -> {dst}")
+    if missing:
+        click.echo(f"note: parts {', '.join(missing)} of the build are not in it; merge them in "
+                   f"when built (packer merge {dst} PART... NEW_DST)", err=True)
 
 
 @click.command()

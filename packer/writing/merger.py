@@ -158,6 +158,15 @@ def _merged_parts(mans: List[Tuple[Path, dict]]) -> Optional[List[str]]:
     return None if None in held else [f"{k}/{n}" for h in held for k, n in h]
 
 
+def missing_parts(manifest: dict) -> List[str]:
+    """The ``K/N`` parts of its build a merged dataset does not hold (a merge of some parts is
+    allowed: the others may be merged in later); empty when whole or unknown."""
+    held = (manifest.get("options") or {}).get("merged_parts") or []
+    cuts = {parse_part(str(k)) for k in held}
+    return [f"{k}/{n}" for n in sorted({n for _, n in cuts}) for k in range(n)
+            if (k, n) not in cuts]
+
+
 def _refuse_duplicates(mans: List[Tuple[Path, dict]], dst: Path) -> None:
     """A record may be merged once: no part twice, no shard file shared by two parts."""
     seen: dict = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import posixpath
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
@@ -39,7 +40,9 @@ class RemoteFolder:
         return self.store.show(rel)
 
     def sizes(self) -> Dict[str, int]:
-        """Every object below the folder, by path relative to it: one paged recursive LIST."""
+        """Every object below the folder, by path relative to it: one paged recursive LIST.
+        A key that is no plain path (``imgs/../x.jpg``, ``a//b``, ``./c``: S3 takes any
+        string) is left out with a warning: read by its path it would be another object."""
         if self._sizes is None:
             root = self.store.root + "/"
             try:
@@ -47,10 +50,15 @@ class RemoteFolder:
                                         f"listing {self.store.shown}")
             except NotFound:
                 found = {}
-            self._sizes = {name[len(root):]: int(info.get("size") or 0)
-                           for name, info in found.items()
-                           if name.startswith(root) and info.get("type") != "directory"
-                           and not name.endswith("/")}
+            listed = {name[len(root):]: int(info.get("size") or 0)
+                      for name, info in found.items()
+                      if name.startswith(root) and info.get("type") != "directory"
+                      and not name.endswith("/")}
+            odd = {r for r in listed if posixpath.normpath(r) != r or r.split("/")[0] == ".."}
+            if odd:
+                warnings.warn(f"{len(odd)} object(s) under {self} have keys that are no plain "
+                              f"path ('..', '.' or an empty part, e.g. {min(odd)!r}); left out")
+            self._sizes = {r: n for r, n in listed.items() if r not in odd}
         return self._sizes
 
     def subset(self, rels: Iterable[str]) -> "RemoteFolder":

@@ -154,3 +154,21 @@ def opts_flags(options: dict):
     for k, v in options.items():
         out += ["--storage-option", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
     return out
+
+
+def test_keys_that_are_no_plain_path_are_left_out(photos, s3, tmp_path):
+    """S3 keys are any strings: ``x/../class_00/NAME`` would be read as class_00/NAME (another
+    object) and add a class "x"; such keys are left out with a warning."""
+    import boto3
+    src, _ = photos
+    s3["fs"].put(str(src) + "/", f"{BUCKET}/dotted/", recursive=True)
+    name = sorted(p.name for p in (src / "class_00").iterdir())[0]
+    client = boto3.client("s3", endpoint_url=s3["endpoint"], aws_access_key_id=s3["options"]["key"],
+                          aws_secret_access_key=SECRET, region_name="us-west-2")
+    for key in (f"dotted/x/../class_00/{name}", f"dotted/class_02//{name}"):
+        client.put_object(Bucket=BUCKET, Key=key, Body=(src / "class_00" / name).read_bytes())
+    quiet_build(src, tmp_path / "local", workers=0)
+    with pytest.warns(UserWarning, match=r"2 object\(s\) under .*dotted have keys that are no plain path"):
+        build(ImageFolder(f"s3://{BUCKET}/dotted", storage_options=s3["options"]),
+              tmp_path / "remote", workers=0, progress=False, shard_size=1 << 20)
+    assert shards(tmp_path / "remote") == shards(tmp_path / "local")

@@ -145,6 +145,21 @@ def test_parts_of_a_copy_of_src_or_other_storage_options_merge(datasets, tmp_pat
         merge([parts[0], build(other, tmp_path / "v1", part="1/2")], tmp_path / "m2")
 
 
+def test_parts_cut_from_copies_of_src_that_differ_are_refused(datasets, tmp_path):
+    """Each node's copy of SRC must list the same files: a copy lacking one image shifts
+    the strided parts, so the merge would repeat some records and lose others."""
+    import shutil
+    src, _, parts = datasets
+    copy = shutil.copytree(src, tmp_path / "node1" / src.name)
+    next(iter(sorted((copy / "class_01").iterdir()))).unlink()
+    p1 = build(copy, tmp_path / "p1", part="1/2")
+    assert json.loads((p1 / "manifest.json").read_text())["options"]["part_of"]
+    with pytest.raises(PackerError, match=r"p1 \(part 1/2\) was cut from another listing than "
+                                          r".*p0 \(part 0/2\): its copy of SRC holds other files"):
+        merge([parts[0], p1], tmp_path / "m")
+    assert not (tmp_path / "m").exists() or not (tmp_path / "m" / "manifest.json").exists()
+
+
 def test_a_dataset_merged_before_merges_recorded_their_parts_still_merges(datasets, tmp_path):
     src, whole, parts = datasets
     one = tmp_path / "one"

@@ -140,6 +140,8 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
     src = source.root
     if not source.entries:
         raise PackerError(f"{src}: no images to pack")
+    if part is not None:  # parts cut from different listings must not merge: merge compares it
+        options = {**options, "part_of": journal.input_digest(source)}
     source = select(source, part=part, shuffle=options["shuffle"], seed=options["seed"])
     dst.mkdir(parents=True, exist_ok=True)
     with FolderLock(dst, f"packer build into {dst}"):

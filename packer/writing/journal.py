@@ -29,6 +29,17 @@ def fingerprint(source: ImageList, options: dict) -> str:
     h = hashlib.sha256()
     h.update(json.dumps([FORMAT_VERSION, str(source.root.resolve()), source.classes, options],
                         sort_keys=True).encode("utf-8", "surrogateescape"))
+    return _listed(h, source)
+
+
+def input_digest(source: ImageList) -> str:
+    """The hash of what a source lists (classes, files and labels, annotations), wherever its
+    folder is: copies of one dataset on several machines give the same."""
+    return _listed(hashlib.sha256(json.dumps(source.classes).encode("utf-8", "surrogateescape")),
+                   source)
+
+
+def _listed(h, source: ImageList) -> str:
     for rel, label in source.entries:
         h.update(f"{rel}\t{label}\n".encode("utf-8", "surrogateescape"))
     ann = source.annotations

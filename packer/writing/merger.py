@@ -100,17 +100,23 @@ def _refuse_strangers(mans: List[Tuple[Path, dict]]) -> None:
     """Parts cut with ``--part K/N`` are slices of one shuffled order: only parts of one build
     command (one N, each K once, the same options, a source of the same name: SRC may be a
     copy at another path on each node) hold each record once; parts of another seed, N or
-    source would repeat some records and lose others. A dataset merged before merges
-    recorded their parts is taken as it is."""
+    source would repeat some records and lose others; so would parts cut from copies of SRC
+    that list other files (``part_of``). A dataset merged before merges recorded their parts
+    is taken as it is."""
     cuts = [(p, _held(p, m), _command(m)) for p, m in mans]
     if any(held is None for _, held, _ in cuts) or not any(held for _, held, _ in cuts):
         return  # parts unknown, or whole datasets (packer.write's, for example): as given
     p0, held0, how0 = next(c for c in cuts if c[1])
+    cut_from = {p: (m.get("options") or {}).get("part_of") for p, m in mans}  # listing digests
     seen: dict = {}
     for p, held, how in cuts:
         if not held:
             raise PackerError(f"{p} was not built with --part K/N but {p0} was; merge the "
                               f"parts of one build")
+        if how != how0 and cut_from[p] != cut_from[p0]:
+            raise PackerError(f"{p} (part {_shown(held)}) was cut from another listing than "
+                              f"{p0} (part {_shown(held0)}): its copy of SRC holds other "
+                              f"files, labels or annotations; build every part from one copy")
         if how != how0 or {n for _, n in held} != {held0[0][1]}:
             raise PackerError(f"{p} (part {_shown(held)}) was not built like {p0} (part "
                               f"{_shown(held0)}): another source, N or option (--seed, "

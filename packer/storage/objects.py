@@ -112,6 +112,8 @@ def with_retries(fn: Callable[[], T], what: str, seconds: float, secrets: Iterab
 
 def advice(e: BaseException) -> str:
     if isinstance(e, FileNotFoundError):
+        if "bucket" in str(e).lower():  # S3's NoSuchBucket, GCS's "bucket does not exist"
+            return " (no such bucket: check the URL's bucket name, or create the bucket)"
         return " (no such object: check the URL, and that the upload finished)"
     if isinstance(e, PermissionError) or "Credential" in type(e).__name__:
         return (" (access denied: check the credentials: storage_options, or the client's "

@@ -141,6 +141,7 @@ def test_a_bucket_that_cannot_be_written_stops_the_build_before_it_starts(s3, tw
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     r = CliRunner().invoke(main, ["build", str(two[1]), "s3://no-such-bucket-claims/ds", "-q",
                                   "-j", "0"] + flags(s3["options"]))
-    assert r.exit_code == 1 and r.output.startswith("Error: ") and "bucket" in r.output
+    assert r.exit_code == 1 and r.output.startswith("Error: ") and "no such bucket" in r.output
+    assert "upload finished" not in r.output  # a write to a missing bucket: not "no such object"
     assert len(r.output.strip().splitlines()) == 1, r.output
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("packer-build-")]

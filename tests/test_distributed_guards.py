@@ -97,6 +97,9 @@ def test_ray_build_at_an_unreachable_address_is_one_line_at_once(tmp_path):
     with pytest.raises(PackerError, match=r"no Ray cluster answers at ray://127\.0\.0\.1:\d+ "
                                           r"\(from address="):
         RayEngine(address="ray://" + address)
+    for bad in (-1, True, 1.5):  # Ray reads -1 as retrying a crashing shard for ever
+        with pytest.raises(PackerError, match=r"max_retries=\.\.\.\) must be a count >= 0"):
+            RayEngine(address="ray://" + address, max_retries=bad)
 
 
 # -- StatefulDataLoader: a checkpoint at an epoch's end, resumed in the usual set_epoch loop ----

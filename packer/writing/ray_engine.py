@@ -55,6 +55,10 @@ class RayEngine:
     max_retries: int = 3
 
     def __post_init__(self):
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) \
+                or self.max_retries < 0:  # Ray reads -1 as "retry for ever"
+            raise PackerError(f"RayEngine(max_retries=...) must be a count >= 0, got "
+                              f"{self.max_retries!r}")
         if not need_ray().is_initialized():  # fail before the build lists its source
             check_reachable(*self.target())
 

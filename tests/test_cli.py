@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -297,3 +298,48 @@ def test_json_output_of_every_reporting_command(photo_src, tmp_path):
     res = invoke("verify", d, "--json", code=1)
     bad = json.loads(res.stdout)
     assert bad["ok"] is False and any("sha256" in p for p in bad["problems"])
+
+
+# -- what a newcomer tried: a negative INDEX, Ctrl-C, a full stdout, examples in --help ---------
+
+def test_cat_counts_a_negative_index_from_the_end(built):
+    """`packer cat DST -1` said `No such option '-1'` (and `-999`: `No such option '-9'`),
+    though the library reads record -1 as the last one."""
+    dst, _ = built
+    n = len(invoke("ls", dst).stdout.splitlines())
+    assert invoke("cat", dst, "-1").stdout_bytes == invoke("cat", dst, n - 1).stdout_bytes
+    assert invoke("cat", dst, f"-{n + 1}", code=1).stderr == \
+        f"Error: record -{n + 1} out of range for a dataset of {n}\n"
+    assert "unexpected extra argument (--bogus)" in invoke("cat", dst, "0", "--bogus", code=2).stderr
+
+
+def test_doctor_ctrl_c_is_interrupted_not_aborted(monkeypatch):
+    """`packer doctor --cuda` (seconds importing torch) stopped with Ctrl-C printed click's
+    `Aborted!` and exited 1; docs/cli.md promises `Interrupted.` and 130, as every command."""
+    import packer.doctor
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(packer.doctor, "doctor", interrupted)
+    assert invoke("doctor", "--cuda", code=130).stderr == "\nInterrupted.\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["build", "--help"], ["doctor"]])
+def test_a_full_stdout_is_one_line_not_a_traceback(args):
+    """`packer --help > /dev/full` (and `--version`, `doctor`) ended in a traceback."""
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.run([sys.executable, "-m", "packer", *args], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (1, "Error: No space left on device\n")
+
+
+def test_commands_of_several_arguments_show_examples():
+    """`packer merge --help` (PARTS... DST) and `packer cat --help` (DST INDEX) showed no
+    example of the arguments in order, as build and stage do."""
+    for name, cmd in main.commands.items():
+        args = [p for p in cmd.params if isinstance(p, click.Argument)]
+        if len(args) > 1 or any(p.nargs == -1 for p in args):
+            text = invoke(name, "--help").stdout
+            assert "\n  Examples:\n" in text, f"`packer {name} --help` shows no example"
+            assert f"\n    packer {name} " in text.split("\n  Examples:\n")[1].split("\n\n")[0], name

@@ -9,12 +9,12 @@ from __future__ import annotations
 import click
 
 from . import data, staged, tools
-from .common import Size, library_errors, version_line
+from .common import PackerGroup, Size, library_errors, version_line
 
 __all__ = ["Size", "library_errors", "main"]
 
 
-@click.group(commands=data.COMMANDS + staged.COMMANDS + tools.COMMANDS,
+@click.group(cls=PackerGroup, commands=data.COMMANDS + staged.COMMANDS + tools.COMMANDS,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True,
               callback=lambda ctx, _, v: v and not ctx.resilient_parsing and (click.echo(version_line()), ctx.exit()),

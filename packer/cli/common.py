@@ -102,13 +102,30 @@ def library_errors(fn=None, *, interrupted="Interrupted."):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
         except OSError as e:
-            where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
-            raise click.ClickException(terminal_text(
-                f"{where}: {e.strerror}" if where and e.strerror else str(e))) from e
+            raise click.ClickException(os_error_line(e)) from e
         except KeyboardInterrupt:
             click.echo(f"\n{interrupted}", err=True)
             sys.exit(130)
     return wrapper
+
+
+def os_error_line(e: OSError) -> str:
+    """``PATH: reason`` (``PATH -> PATH2: reason``), or just the reason where no file is named
+    (stdout on a full disk)."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    return terminal_text(f"{where}: {e.strerror}" if where and e.strerror else e.strerror or str(e))
+
+
+class PackerGroup(click.Group):
+    """The ``packer`` group: an error of the operating system outside a command (``--help`` or
+    ``--version`` written to a full disk) is one ``Error:`` line too, not a traceback."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as e:
+            click.echo(f"Error: {os_error_line(e)}", err=True)
+            sys.exit(1)
 
 
 # Import names whose pip distribution is called otherwise.

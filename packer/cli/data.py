@@ -248,6 +248,11 @@ def merge(parts, dst, overwrite, storage_options, as_json):
     The parts must come from one build command (one N, each K once, the same options; SRC and
     its annotation files may be copies at other paths, compared by name): parts of another
     --seed, N or source would repeat some images and miss others, so they are refused.
+
+    \b
+    Examples:
+      for k in 0 1 2 3; do packer build SRC /data/parts/p$k --part $k/4; done
+      packer merge /data/parts/p0 /data/parts/p1 /data/parts/p2 /data/parts/p3 /data/packed/train
     """
     from ..storage.local import shown
     from ..writing.merger import merge as run_merge, missing_parts
@@ -341,7 +346,7 @@ def ls(dst, as_json, storage_options, cache_dir):
         sys.stdout.write(f"{i}\t{label}\t{printable(path)}\n")
 
 
-@click.command()
+@click.command(context_settings={"ignore_unknown_options": True})  # INDEX -1 is no option
 @click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.argument("index", type=int)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
@@ -349,7 +354,16 @@ def ls(dst, as_json, storage_options, cache_dir):
 @storage_flags(cache=True)
 @library_errors
 def cat(dst, index, output, storage_options, cache_dir):
-    """Write the stored image bytes of record INDEX of DST (to stdout, or -o FILE)."""
+    """Write the stored image bytes of record INDEX of DST (to stdout, or -o FILE).
+
+    INDEX is the first column of `packer ls DST`; a negative one counts from the end
+    (-1: the last record).
+
+    \b
+    Examples:
+      packer cat /data/packed/train 0 -o first.jpg
+      packer cat /data/packed/train -1 > last.jpg
+    """
     from ..info import cat as run_cat
     try:
         data = run_cat(dst, index, storage_options or None, cache_dir)

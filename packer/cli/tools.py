@@ -15,6 +15,7 @@ from .common import library_errors
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (packer, python, pil, pil_summary, torch, cuda, "
                    "triton, optional, cores, cpu_count).")
+@library_errors
 def doctor(cuda, as_json):
     """Show the environment packer runs in: PIL flavour (Pillow-SIMD or Pillow), libjpeg-turbo,
     torch (and with --cuda its GPU), Triton and the other optional packages, cores. Imports no

@@ -683,7 +683,7 @@ def test_cli_coco_and_yolo_exclude_each_other(scenes, tmp_path):
     proc = run_packer("build", scenes / "images", dst, "--coco", scenes / "annotations.json",
                       "--yolo", scenes / "labels", "--names", scenes / "names.txt", "-q",
                       check=False, env=packer_env())
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr
     assert "--coco and --yolo" in proc.stderr and "exclude each other" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (dst / "manifest.json").exists()
@@ -697,7 +697,7 @@ def test_build_arguments_that_do_not_go_together(scenes, tmp_path):
                           (["--skip-empty"], "--skip-empty applies to --coco datasets")]:
         proc = run_packer("build", scenes / "images", tmp_path / "d", *args, "-q",
                           check=False, env=packer_env())
-        assert proc.returncode == 1 and f"Error: {message}" in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and f"Error: {message}" in proc.stderr, proc.stderr  # usage
     assert not (tmp_path / "d").exists()
     with pytest.raises(PackerError, match=r"build\(source, dst\): source must be a folder path"):
         build(42, tmp_path / "d")

@@ -200,22 +200,23 @@ def flag_words():
 
 def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
                  label_column, allow_empty, extensions, max_classes=None, storage_options=None):
-    """The ``packer.sources`` object the build's flags name (an ImageFolder when none)."""
+    """The ``packer.sources`` object the build's flags name (an ImageFolder when none); flags
+    that do not go together are a usage error (exit 2)."""
     from ..sources import Coco, FileList, ImageFolder, Table, Yolo
     chosen = [flag for flag, value in (("--list", list_file), ("--coco", coco), ("--yolo", yolo),
                                        ("--meta", meta)) if value is not None]
     if len(chosen) > 1:
-        raise PackerError(f"pass one source: {' and '.join(chosen)} exclude each other")
+        raise click.UsageError(f"pass one source: {' and '.join(chosen)} exclude each other")
     if (names is not None) != (yolo is not None):
-        raise PackerError("--yolo LABELS_DIR and --names NAMES go together")
+        raise click.UsageError("--yolo LABELS_DIR and --names NAMES go together")
     if yolo_rules is not None and yolo is None:
-        raise PackerError("--yolo-rules applies to --yolo datasets")
+        raise click.UsageError("--yolo-rules applies to --yolo datasets")
     if label_column is not None and meta is None:
-        raise PackerError("--label COLUMN picks a column of --meta FILE; pass --meta too")
+        raise click.UsageError("--label COLUMN picks a column of --meta FILE; pass --meta too")
     if skip_empty and coco is None:
-        raise PackerError("--skip-empty applies to --coco datasets (images with no annotation)")
+        raise click.UsageError("--skip-empty applies to --coco datasets (images with no annotation)")
     if max_classes is not None and list_file is None and label_column is None:
-        raise PackerError("--max-classes bounds the integer labels of --list or --meta --label")
+        raise click.UsageError("--max-classes bounds the integer labels of --list or --meta --label")
     limit = {} if max_classes is None else {"max_classes": max_classes}
     store = {"storage_options": storage_options}
     if list_file is not None:

@@ -93,10 +93,10 @@ def one_run(ds: PackedDataset, across: bool, *, batch_size: int, workers: int, e
 
 
 def loader_batch_time(ds: PackedDataset, batch_size: int, workers: int) -> float:
-    """Seconds per batch the loader needs inside an epoch, with nothing else running."""
-    it = iter(make_loader(ds, batch_size, shuffle=False, num_workers=workers, pin_memory=False))
-    next(it)
-    t0, n = time.perf_counter(), 0
-    for _ in it:
-        n += 1
-    return (time.perf_counter() - t0) / max(n, 1)
+    """Seconds per batch the loader needs inside an epoch, with nothing else running: timed
+    from the end of the first wave (one batch per worker, all made during start-up) to the
+    last batch, over the batches after that wave (0 when there are none)."""
+    loader = make_loader(ds, batch_size, shuffle=False, num_workers=workers, pin_memory=False)
+    arrivals = [time.perf_counter() for _ in loader]
+    first = min(max(1, workers), len(arrivals)) - 1
+    return (arrivals[-1] - arrivals[first]) / max(1, len(arrivals) - 1 - first)

@@ -322,14 +322,16 @@ class Runner:
 
 def figure_plan(count: int, images: Optional[int], max_images: Optional[int],
                 sweep: Sequence[int], batch_size: int, cores: int) -> Tuple[int, int, int]:
-    """``(images, workers, batch_size)`` for ``figures_phase``: the sweep's largest worker count
-    (within the cores), ``images`` or enough for two batches per worker (within ``max_images``
-    and ``count``), and a batch small enough for two per worker."""
+    """``(images, workers, batch_size)`` for ``figures_phase``: ``images`` or enough for two
+    batches per worker (within ``max_images`` and ``count``), the sweep's largest worker count
+    (within the cores, and the images: a worker with none would count as a rate of 0), and a
+    batch small enough for two per worker."""
     workers = max(1, min(max(sweep), cores))
     if images is None:
         images = max(FIGURE_IMAGES, 2 * workers * batch_size)
         images = min(images, max_images) if max_images else images
     images = min(images, count)
+    workers = max(1, min(workers, images))
     return images, workers, max(1, min(batch_size, images // (2 * workers)))
 
 

@@ -34,6 +34,7 @@ class DetectionDemoResult(DemoResult):
     images_checked: int = 0
     mismatched: List[int] = field(default_factory=list)
 
+    image_bytes = 70_000                # a scene: about 62 KB
     baseline = "COCO folder loader"
     command = "packer demo --detection"
     kept = "coco/ (images/, annotations.json, YOLO labels/)"
@@ -89,7 +90,7 @@ def run_detection_demo(dir: Optional[os.PathLike] = None, *, images: Optional[in
 
     def make(steps: Steps, work: Path) -> Path:
         t = steps.start("make scenes")
-        coco = make_detection_folder(work / "coco", images, seed=seed)
+        coco = make_detection_folder(work / "coco", images, seed=seed, workers=make_workers)
         nbytes = sum(p.stat().st_size for p in (coco / "images").glob("*.jpg"))
         steps.done("make scenes", t, f"{images} photo scenes with pasted objects, "
                                      f"{human_size(nbytes)}, COCO annotations.json in {coco}")

@@ -70,8 +70,8 @@ def make_image_folder(root: os.PathLike, *, images: int = 200, classes: int = 10
     root = Path(root)
     for c in range(classes):
         (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
-    jobs = [(str(root / f"class_{i % classes:02d}" / f"img_{i:05d}.jpg"), seed, i)
-            for i in range(images)]
+    jobs = ((str(root / f"class_{i % classes:02d}" / f"img_{i:05d}.jpg"), seed, i)
+            for i in range(images))  # made as taken: memory does not grow with the count
     bar = tqdm(total=images, disable=not progress, unit="img", desc="making images")
     if workers > 1:
         import multiprocessing as mp

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
-from .._util.system import human_size, usable_cores
+from .._util.system import free_bytes, human_size, usable_cores
 from ..writing.builder import build
 from ..reading.dataset import PackedDataset
 from ..transforms.decode import DecodeRandomResizedCrop
@@ -56,6 +56,7 @@ class DemoResult:
     staged_to: Optional[Path] = None    # the RAM copy read by the packed loader (removed at the end)
     notes: List[str] = field(default_factory=list)
 
+    image_bytes = 80_000                # a made JPEG, a little over the mean (about 70 KB)
     baseline = "folder loader"
     command = "packer demo"
     kept = "images/ (the source folder)"
@@ -171,7 +172,9 @@ def device_name() -> str:
 def run_job(res: DemoResult, outputs: Tuple[str, ...], on_step, stage_dir, progress: bool,
             make: Callable, compare: Callable) -> DemoResult:
     """The demo's frame: a work folder, ``make(steps, work)``, a staged copy when ``stage_dir`` is
-    writable, ``compare(steps, source, read_from)``; temporary files removed however it ends."""
+    writable, ``compare(steps, source, read_from)``; temporary files removed however it ends.
+    Refused before anything is made when the images and their build would not fit."""
+    check_room(res, res.dir if res.dir is not None else Path(tempfile.gettempdir()))
     work = (demo_dir(res.dir, outputs) if res.dir is not None
             else Path(tempfile.mkdtemp(prefix="packer-demo-")))
     steps = Steps(res, on_step)
@@ -191,6 +194,18 @@ def run_job(res: DemoResult, outputs: Tuple[str, ...], on_step, stage_dir, progr
             shutil.rmtree(res.staged_to, ignore_errors=True)  # ours, whatever is left
         if res.dir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def check_room(res: DemoResult, where: Path) -> None:
+    """``PackerError`` unless ``where`` (or its nearest existing parent) has room for the
+    images and the dataset built from them: a count is otherwise bounded only by the disk."""
+    while not where.exists():
+        where = where.parent
+    need, free = 2 * res.images * res.image_bytes, free_bytes(where)
+    if free < need:
+        raise PackerError(f"{res.images:,} images and their build need about {human_size(need)} "
+                          f"free in {where}, which has {human_size(free)}: ask for fewer images "
+                          f"or give the demo a folder with room")
 
 
 class Steps:

@@ -106,6 +106,25 @@ def test_bad_sizes_are_refused():
         run_demo(images=3, classes=4, progress=False)
 
 
+@pytest.mark.parametrize("flags, maker", [([], "packer.demo.run.make_image_folder"),
+                                          (["--detection"],
+                                           "packer.demo.detection.make_detection_folder")])
+def test_more_images_than_the_disk_holds_are_refused_before_anything_is_made(
+        tmp_path, sandbox, monkeypatch, flags, maker):
+    """--images 10**9 (about 80 TB with the build) went on to make them: the list of jobs
+    alone outgrew the memory, then the images the disk."""
+    monkeypatch.setattr(maker, lambda *a, **k: pytest.fail("started making images"))
+    d = tmp_path / "new"
+    r = CliRunner().invoke(main, ["demo", str(d), "--images", str(10 ** 9), "-q", *flags])
+    assert r.exit_code == 1, r.output
+    assert r.output.startswith("Error: 1,000,000,000 images and their build need about ")
+    assert f"free in {tmp_path}, which has " in r.output and len(r.output.splitlines()) == 1
+    assert not d.exists() and list(sandbox[0].iterdir()) == []
+    with pytest.raises(PackerError, match="ask for fewer images"):  # the temporary folder's
+        run_demo(images=10 ** 9, classes=4, workers=1, progress=False)
+    assert list(sandbox[0].iterdir()) == []
+
+
 def test_cli_demo_keeps_dir_and_prints_the_report(tmp_path, sandbox):
     d = tmp_path / "kept"
     r = CliRunner().invoke(main, ["demo", str(d), "--images", "24", "--classes", "3", "-b", "8",

@@ -113,6 +113,21 @@ def test_failed_run_cleans_up(sandbox):
     assert ours(tmp) == [] and list(shm.iterdir()) == []
 
 
+def test_workers_is_also_the_scene_makers(sandbox, monkeypatch):
+    """``-j 1`` (one process makes and packs) held for the scenes too: they were made on
+    every usable core whatever ``workers`` said."""
+    from packer.demo import detection
+    asked = []
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("workers"))
+        raise RuntimeError("made")
+    monkeypatch.setattr(detection, "make_detection_folder", spy)
+    with pytest.raises(RuntimeError, match="made"):
+        run_detection_demo(stage_dir=sandbox[1], **dict(SMALL, workers=1))
+    assert asked == [1]
+
+
 def test_compare_targets_names_what_differs():
     box = torch.tensor([[0.0, 0.0, 4.0, 4.0]])
     a = {7: (box, torch.tensor([1])), 14: (box, torch.tensor([3])), 21: (box, torch.tensor([5]))}

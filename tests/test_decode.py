@@ -76,6 +76,26 @@ def test_open_image_exif_orientation(photo):
     assert open_image(data, exif_orientation=True).size == (180, 240)
 
 
+def test_multi_picture_jpegs_decode_as_jpegs(photo_jpeg):
+    """A phone's multi-picture JPEG (PIL: MPO) is a JPEG whose first frame ImageFolder reads:
+    the draft decodes take it as one, so it gives what the same JPEG alone gives."""
+    first = Image.open(io.BytesIO(photo_jpeg))
+    jpeg = encode(first, "JPEG", quality=90)
+    mpo = encode(first, "MPO", quality=90, save_all=True, append_images=[first.rotate(90)])
+    assert Image.open(io.BytesIO(mpo)).format == "MPO"
+    assert open_image(mpo).tobytes() == open_image(jpeg).tobytes()
+    w, h = first.size
+    small = open_image(mpo, size_hint=(w // 4, h // 4))
+    assert small.size[0] < w and small.tobytes() == open_image(
+        jpeg, size_hint=(w // 4, h // 4)).tobytes()
+    for decoder in (DecodeCenterCrop(48, draft=True), DecodeRandomResizedCrop(40, resize="pil"),
+                    DecodeLetterbox(64, resize="pil")):
+        random.seed(3)
+        got = decoder(mpo)
+        random.seed(3)
+        assert torch.equal(got, decoder(jpeg)), type(decoder).__name__
+
+
 # -- image_to_tensor ---------------------------------------------------------------------------
 
 def test_image_to_tensor(photo):

@@ -2,10 +2,12 @@
 ``wrap_dataset_for_transforms_v2`` (its default keys, ``"all"``, the detection reference's
 list), the same v2 joint transforms on both, compared record by record: images, boxes, labels,
 ids, area, iscrowd, segmentation and masks (pycocotools' pixels, polygons and crowd RLEs of
-real photos). Needs torchvision and pycocotools; skipped without them."""
+real photos); and ImageFolder's classes, labels and pixels on odd but real image files.
+Needs torchvision and pycocotools; skipped without them."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -248,3 +250,127 @@ def test_imagefolder_surface_attribute_by_attribute(tmp_path):
     build(PackedFolder(src, is_valid_file=lambda p: p.endswith("0.jpg"), allow_empty=True),
           tmp_path / "q", progress=False, workers=0)
     assert list(PackedDataset(tmp_path / "q").samples) == pick.samples
+
+
+# -- classification: odd but real image files -----------------------------------------------------
+
+def saved(im: Image.Image, fmt: str, **kw) -> bytes:
+    from io import BytesIO
+    out = BytesIO()
+    im.save(out, fmt, **kw)
+    return out.getvalue()
+
+
+def exif_bytes(orientation: int, x_resolution=None) -> bytes:
+    """A big-endian EXIF block with this orientation; ``x_resolution`` (num, den): also an
+    SRATIONAL XResolution, which PIL reads but cannot write back when it is -1/0 (Pillow
+    issue #8965), so ``ImageOps.exif_transpose`` raises on it."""
+    import struct
+    entries = [struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0)]
+    tail = b""
+    if x_resolution is not None:
+        entries.append(struct.pack(">HHII", 0x011A, 10, 1, 8 + 2 + 12 * 2 + 4))
+        tail = struct.pack(">ii", *x_resolution)
+    ifd = struct.pack(">H", len(entries)) + b"".join(entries) + b"\0\0\0\0"
+    return b"Exif\0\0MM\0*" + struct.pack(">I", 8) + ifd + tail
+
+
+def icc_profile(size: int) -> bytes:
+    """A well-formed empty display profile of ``size`` bytes (over 64 KiB: several APP2s)."""
+    import struct
+    head = struct.pack(">I4sI4s4s4s", size, b"none", 0x02100000, b"mntr", b"RGB ", b"XYZ ")
+    return (head + b"\0" * 12 + b"acsp").ljust(128, b"\0") + b"\0\0\0\0" + b"\0" * (size - 132)
+
+
+@pytest.fixture(scope="module")
+def odd_files(tmp_path_factory):
+    """An ImageFolder of the odd files real folders hold, made from the shipped photos, built:
+    ``(src, dst, names)``, ``names``: the files' paths, by what they are."""
+    from PIL import features
+    from packer.demo import load_photos
+    photos = load_photos()
+    ph, frames = photos[0].resize((160, 120)), [p.resize((96, 72)) for p in photos[:3]]
+    rgba = ph.copy()
+    rgba.putalpha(ph.convert("L"))
+    grey16 = Image.fromarray(np.asarray(ph.convert("L")).astype(np.uint16) * 257)  # "I;16"
+    files = {
+        "graphic/palette_trns.png": saved(ph.quantize(64), "PNG", transparency=3),
+        "graphic/grey16.png": saved(grey16, "PNG"), "graphic/grey16.tif": saved(grey16, "TIFF"),
+        "graphic/bilevel.bmp": saved(ph.convert("1"), "BMP"),
+        "graphic/palette.bmp": saved(ph.quantize(16), "BMP"),
+        "graphic/rgba.bmp": saved(rgba, "BMP"),
+        "graphic/gif_named.png": saved(frames[0], "GIF", save_all=True, append_images=frames[1:]),
+        "graphic/apng.png": saved(frames[0], "PNG", save_all=True, append_images=frames[1:]),
+        "graphic/pages.tif": saved(frames[0], "TIFF", save_all=True, append_images=frames[1:]),
+        "graphic/one.png": saved(ph.resize((1, 1)), "PNG"),
+        "graphic/tall.png": saved(ph.resize((1, 2000)), "PNG"),
+        "graphic/exif8.png": saved(ph, "PNG", exif=exif_bytes(8)),
+        "graphic/exif6.tif": saved(ph, "TIFF", tiffinfo={0x0112: 6}),
+        "photo/cmyk.jpg": saved(ph.convert("CMYK"), "JPEG", quality=90),
+        "photo/icc.jpg": saved(ph, "JPEG", icc_profile=icc_profile(70_000)),
+        "photo/exif6.jpg": saved(ph, "JPEG", exif=exif_bytes(6)),
+        "photo/exif6_bad_tag.jpg": saved(ph, "JPEG", exif=exif_bytes(6, (-1, 0))),
+        "photo/mpo.jpg": saved(ph, "MPO", save_all=True, append_images=[frames[1]]),
+        "photo/png_named.jpg": saved(ph, "PNG"),
+        "photo/UPPER.JPG": saved(ph, "JPEG"),
+        "photo/one.jpg": saved(ph.resize((1, 1)), "JPEG"),
+        "photo/wide.jpg": saved(ph.resize((3000, 2)), "JPEG"),
+        "photo/zero.jpg": b"",
+        "photo/truncated.jpg": saved(ph, "JPEG")[:2000],
+    }
+    if features.check("webp"):
+        files["graphic/lossless_alpha.webp"] = saved(rgba, "WEBP", lossless=True)
+        files["graphic/animated.webp"] = saved(frames[0], "WEBP", save_all=True,
+                                               append_images=frames[1:])
+    src = tmp_path_factory.mktemp("odd") / "src"
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    dst = src.parent / "packed"
+    build(src, dst, progress=False, workers=0)
+    return src, dst, sorted(files)
+
+
+def test_odd_files_are_imagefolders_item_by_item(odd_files):
+    """The same classes, files, labels and pixels as ImageFolder, but for the two files
+    ImageFolder cannot load: left out at build, each with its reason in the manifest."""
+    from torchvision.datasets import ImageFolder
+    src, dst, _ = odd_files
+    ref, ds = ImageFolder(str(src)), PackedDataset(dst)
+    assert ds.class_to_idx == ref.class_to_idx
+    skipped = {s["path"]: s["reason"] for s in ds.manifest["skipped"]}
+    assert set(skipped) == {"photo/zero.jpg", "photo/truncated.jpg"}
+    assert skipped["photo/zero.jpg"] == "empty file"
+    assert skipped["photo/truncated.jpg"].startswith("truncated: ")
+    kept = [(i, p) for i, (p, _) in enumerate(ref.samples)
+            if os.path.relpath(p, src) not in skipped]
+    assert list(ds.samples) == [ref.samples[i] for i, _ in kept]
+    assert ds.targets == [ref.targets[i] for i, _ in kept]
+    for k, (i, path) in enumerate(kept):
+        (im, y), (ref_im, ref_y) = ds[k], ref[i]
+        assert y == ref_y and im.mode == "RGB" and ds.get_height_and_width(k) == im.size[::-1]
+        assert np.array_equal(np.asarray(im), np.asarray(ref_im)), path
+    for i, path in enumerate(p for p, _ in ref.samples):
+        if os.path.relpath(path, src) in skipped:
+            with pytest.raises(OSError):  # UnidentifiedImageError or "truncated"
+                ref[i]
+
+
+def test_odd_files_turn_as_exif_transpose_turns_them(odd_files):
+    """``exif_orientation=True`` gives ``ImageOps.exif_transpose``'s pixels (JPEG and PNG
+    orientations; a TIFF's PIL turns as it loads it, and only once); where exif_transpose
+    itself raises (a tag it cannot write back), the photo is still turned by its orientation,
+    as the build recorded it, not a crash."""
+    from PIL import ImageOps
+    from torchvision.datasets import ImageFolder
+    src, dst, _ = odd_files
+    upright = ImageFolder(str(src), loader=lambda p: ImageOps.exif_transpose(
+        Image.open(p)).convert("RGB") if "bad_tag" not in p else
+        Image.open(p).convert("RGB").transpose(Image.ROTATE_270))
+    ds = PackedDataset(dst, exif_orientation=True)
+    for k, (path, _) in enumerate(ds.samples):
+        want = upright[upright.samples.index((path, ds.targets[k]))][0]
+        assert np.array_equal(np.asarray(ds[k][0]), np.asarray(want)), path
+    turned = {os.path.relpath(p, src): ds[k][0].size for k, (p, _) in enumerate(ds.samples)}
+    assert turned["photo/exif6_bad_tag.jpg"] == turned["photo/exif6.jpg"] == (120, 160)
+    assert turned["graphic/exif8.png"] == turned["graphic/exif6.tif"] == (120, 160)

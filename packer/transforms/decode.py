@@ -8,10 +8,11 @@ import numbers
 import random
 from typing import Optional, Tuple
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from ..errors import FormatError
-from ..format.images import IMAGE_FORMATS, pil_open
+from ..format.images import (EXIF_TURNS, IMAGE_FORMATS, JPEG_FORMATS, orientation_of,
+                             pil_open)
 
 
 def stored_image(data: bytes) -> Image.Image:
@@ -28,18 +29,20 @@ def stored_image(data: bytes) -> Image.Image:
 def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
                exif_orientation: bool = False) -> Image.Image:
     """Decode stored bytes to a PIL RGB image, as torchvision's default loader would;
-    ``size_hint`` (w, h) opts into JPEG draft decoding (other pixels)."""
+    ``size_hint`` (w, h) opts into JPEG draft decoding (other pixels). ``exif_orientation``:
+    turned as ``exif_transpose`` turns it, by ``exif_tag``'s orientation (the build's), without
+    exif_transpose's rewrite of the EXIF, which raises on tags PIL reads but cannot write."""
     im = stored_image(data)
-    if size_hint is not None and im.format == "JPEG":
+    if size_hint is not None and im.format in JPEG_FORMATS:
         im.draft("RGB", size_hint)
-    if exif_orientation:
-        im = ImageOps.exif_transpose(im)
-    return im.convert("RGB")
+    turn = EXIF_TURNS.get(orientation_of(im)) if exif_orientation else None
+    im = im.convert("RGB")
+    return im if turn is None else im.transpose(turn)
 
 
 def exif_tag(data: bytes) -> int:
-    """The EXIF orientation (1-8) ``exif_transpose`` would apply to these image bytes."""
-    return stored_image(data).getexif().get(0x0112, 1)
+    """The EXIF orientation (1-8) ``open_image(exif_orientation=True)`` applies to these bytes."""
+    return orientation_of(stored_image(data))
 
 
 def output_size(size) -> Tuple[int, int]:
@@ -81,7 +84,7 @@ class CropDecoder:
         w, h = im.size
         crop = x0, y0, x1, y1 = self.box(w, h)
         oh, ow = self.size
-        if im.format == "JPEG":
+        if im.format in JPEG_FORMATS:
             # Ask for the smallest DCT scale that keeps the crop at least output-sized.
             s = max(ow / (x1 - x0), oh / (y1 - y0))
             im.draft("RGB", (max(1, math.ceil(w * s)), max(1, math.ceil(h * s))))
@@ -205,7 +208,7 @@ class DecodeCenterCrop(CropDecoder):
         w, h = im.size
         rw, rh, left, top = self.geometry(w, h)
         oh, ow = self.size
-        if self.draft and im.format == "JPEG":
+        if self.draft and im.format in JPEG_FORMATS:
             im.draft("RGB", (4 * rw, 4 * rh))
         im = im.convert("RGB")
         sx, sy = im.size[0] / rw, im.size[1] / rh  # decoded pixels per resized pixel
@@ -241,7 +244,7 @@ class DecodeLetterbox(CropDecoder):
             r = min(r, 1.0)
         nw, nh = max(1, round(w * r)), max(1, round(h * r))
         top, left = (oh - nh) // 2, (ow - nw) // 2
-        if im.format == "JPEG":
+        if im.format in JPEG_FORMATS:
             im.draft("RGB", (nw, nh))
         im = im.convert("RGB")
         crop = (-left / r, -top / r, (ow - left) / r, (oh - top) / r)

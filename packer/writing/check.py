@@ -11,7 +11,8 @@ from typing import Optional, Tuple
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import PackerError
-from ..format.images import DEFAULT_MAX_PIXELS, IMAGE_FORMATS, pil_open
+from ..format.images import (DEFAULT_MAX_PIXELS, IMAGE_FORMATS, JPEG_FORMATS, orientation_of,
+                             pil_open)
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,10 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                 if w * h > max_pixels:
                     raise BadImage(f"decompression bomb: {w}x{h} = {w * h} pixels "
                                    f"exceeds max_pixels={max_pixels}")
-                turn = exif_orientation(im) if orientation else 1
+                turn = orientation_of(im) if orientation else 1
                 if transcode is not None:
                     return replace(_transcode(im, transcode), orientation=turn)
-                if fmt == "JPEG" and mode in ("RGB", "L", "CMYK"):
+                if fmt in JPEG_FORMATS and mode in ("RGB", "L", "CMYK"):
                     im.draft(mode, (max(1, w // 8), max(1, h // 8)))
                 im.load()  # multi-frame files (TIFF pages) train on frame 0, as in ImageFolder
                 if im.mode != "RGB":  # training calls convert("RGB"): some modes cannot
@@ -119,16 +120,6 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
         except Exception as e:  # PIL raises a zoo of types on bad data; all mean "skip this file"
             raise BadImage(_reason(e)) from None
     return Checked(data, w, h, fmt, mode, turn)
-
-
-def exif_orientation(im: Image.Image) -> int:
-    """The EXIF orientation PIL's ``exif_transpose`` would apply (1: none; 1 for a value
-    outside 1-8 or EXIF that does not parse, which exif_transpose leaves alone too)."""
-    try:
-        value = im.getexif().get(0x0112, 1)
-    except Exception:  # PIL raises a zoo of types on bad EXIF
-        return 1
-    return value if type(value) is int and 1 <= value <= 8 else 1
 
 
 @contextmanager
@@ -158,7 +149,7 @@ def _reason(e: BaseException) -> str:
 def _transcode(im: Image.Image, t: Transcode) -> Checked:
     w, h = im.size
     tw, th = t.target_size(w, h)
-    if im.format == "JPEG" and (tw, th) != (w, h):
+    if im.format in JPEG_FORMATS and (tw, th) != (w, h):
         im.draft("RGB", (tw, th))  # decode at the nearest DCT scale >= target, then resize
     exif = im.info.get("exif")
     rgb = to_rgb(im)

@@ -293,3 +293,22 @@ def test_the_builds_segmentation_limits_are_the_readers():
                      for _ in range(rng.randint(0, 41))] for _ in range(rng.randint(1, 3))]
         want = int(crossings(outline([(0, polygons)], width), 1)[0])
         assert segmentation.crossings(polygons, width) == want, (polygons, width)
+
+
+def test_yolo_boxes_on_a_tiff_with_an_orientation_tag_are_in_the_pixels_pil_gives(tmp_path):
+    """PIL turns a TIFF upright as it opens it (its size is already the turned one), so its
+    orientation tag must not turn the label's box a second time."""
+    (tmp_path / "images").mkdir()
+    (tmp_path / "labels").mkdir()
+    shown = shown_photo()
+    shown.transpose(STORED[6]).save(tmp_path / "images" / "t.tif", tiffinfo={274: 6})
+    assert Image.open(tmp_path / "images" / "t.tif").size == (W, H)  # as PIL hands it out
+    x0, y0, x1, y1 = BOX
+    (tmp_path / "labels" / "t.txt").write_text(
+        f"0 {(x0 + x1) / 2 / W} {(y0 + y1) / 2 / H} {(x1 - x0) / W} {(y1 - y0) / H}\n")
+    (tmp_path / "names.txt").write_text("thing\n")
+    quiet(Yolo(tmp_path / "images", tmp_path / "labels", tmp_path / "names.txt"), tmp_path / "d")
+    for turn in (False, True):
+        image, t = PackedDataset(tmp_path / "d", exif_orientation=turn)[0]
+        assert image.size == (W, H) and magenta_box(image) == pytest.approx(list(BOX), abs=2)
+        assert plain(t["boxes"]).tolist() == [pytest.approx(list(BOX), abs=1e-3)], turn

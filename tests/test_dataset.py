@@ -49,6 +49,8 @@ def test_transforms_exif_and_indexing(odd_tree, odd_built):
     i = [p for p, _ in good_samples(odd_tree)].index(rel)
     assert PackedDataset(odd_built)[i][0].size == (180, 100)  # ImageFolder ignores EXIF
     assert PackedDataset(odd_built, exif_orientation=True)[i][0].size == (100, 180)
+    with pytest.raises(ValueError, match="exif_orientation=True applies to the default decode"):
+        PackedDataset(odd_built, exif_orientation=True, decode=DecodeCenterCrop(64))  # was ignored
     ds = PackedDataset(odd_built, transform=lambda im: im.size, target_transform=lambda t: -t)
     assert ds[i] == ((180, 100), -1)
     assert ds[-1] == ds[len(ds) - 1]

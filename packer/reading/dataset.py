@@ -33,7 +33,8 @@ class PackedDataset(Dataset):
             applied after the other two).
         decode: stored bytes -> sample. Default: ImageFolder's PIL RGB image; a ``Decode*``
             class gives uint8 tensors at reduced size (the fast path for ``make_loader``).
-        exif_orientation: rotate by the EXIF tag (ImageFolder does not); boxes and masks turn too.
+        exif_orientation: rotate by the EXIF tag (ImageFolder does not); boxes and masks turn too;
+            the default decode only (a ValueError with a decode hook).
         verify_crc: check each record's CRC-32 as it is read (a ``FormatError`` if damaged).
         target_keys: detection: the target dict's keys (default ``boxes``, ``labels``,
             ``image_id``; ``"all"``: every stored field), as ``wrap_dataset_for_transforms_v2``.
@@ -69,6 +70,9 @@ class PackedDataset(Dataset):
                              "supported: decode to PIL "
                              "(decode=None) and crop with torchvision.transforms.v2, which "
                              "moves masks with the image")
+        if exif_orientation and decode is not None:  # a decode hook reads the bytes its way
+            raise ValueError("exif_orientation=True applies to the default decode (decode=None); "
+                             "a decode hook gets the stored bytes as they are")
         self.min_visible = float(min_visible)
         self.classes: List[str] = list(self.manifest["classes"])
         self.class_to_idx = dict(self.manifest["class_to_idx"])

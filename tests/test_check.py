@@ -134,6 +134,17 @@ def test_transcoding_keeps_exif(photo):
     assert Image.open(io.BytesIO(c.data)).getexif()[0x0112] == 6
 
 
+def test_transcoding_keeps_an_orientation_only_in_xmp(photo):
+    """PIL reads an orientation from XMP too (so the build records it), but a JPEG keeps only
+    the EXIF given: without one, the transcoded image read back upright with turned boxes."""
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/'
+           b'02/22-rdf-syntax-ns#"><rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" '
+           b'tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    c = check_image(encode(photo, "JPEG", quality=95, xmp=xmp), transcode=Transcode(max_side=100),
+                    orientation=True)
+    assert c.orientation == 6 and Image.open(io.BytesIO(c.data)).getexif()[0x0112] == 6
+
+
 def test_transcoding_a_broken_file_is_still_refused(photo_jpeg):
     with pytest.raises(BadImage, match="^truncated: "):
         check_image(photo_jpeg[:len(photo_jpeg) // 2], transcode=Transcode(max_side=100))

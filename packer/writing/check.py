@@ -151,14 +151,22 @@ def _transcode(im: Image.Image, t: Transcode) -> Checked:
     tw, th = t.target_size(w, h)
     if im.format in JPEG_FORMATS and (tw, th) != (w, h):
         im.draft("RGB", (tw, th))  # decode at the nearest DCT scale >= target, then resize
-    exif = im.info.get("exif")
+    exif, turn = im.info.get("exif"), orientation_of(im)
     rgb = to_rgb(im)
     if rgb.size != (tw, th):
         rgb = rgb.resize((tw, th), Image.BICUBIC, reducing_gap=None)
-    out = io.BytesIO()
-    kwargs = {"exif": exif} if exif else {}
-    rgb.save(out, "JPEG", quality=t.quality, optimize=False, progressive=False, **kwargs)
-    return Checked(out.getvalue(), tw, th, "JPEG", "RGB")
+
+    def encode(exif: Optional[bytes]) -> bytes:
+        out = io.BytesIO()
+        rgb.save(out, "JPEG", quality=t.quality, optimize=False, progressive=False,
+                 **({"exif": exif} if exif else {}))
+        return out.getvalue()
+    data = encode(exif)
+    if orientation_of(pil_open(data)) != turn:  # the turn was only in XMP, which is not kept
+        only = Image.Exif()
+        only[0x0112] = turn
+        data = encode(only.tobytes())
+    return Checked(data, tw, th, "JPEG", "RGB")
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

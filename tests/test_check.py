@@ -145,6 +145,15 @@ def test_transcoding_keeps_an_orientation_only_in_xmp(photo):
     assert c.orientation == 6 and Image.open(io.BytesIO(c.data)).getexif()[0x0112] == 6
 
 
+@pytest.mark.parametrize("transcode", [None, Transcode(max_side=100)])
+def test_a_corrupt_png_is_refused_when_orientation_is_read_too(photo, transcode):
+    """Reading a PNG's EXIF loads its pixels (its eXIf chunk may follow them); an error there
+    must not pass for "no EXIF" and leave a half-decoded image to be stored."""
+    from helpers import corrupt_png
+    with pytest.raises(BadImage, match="^corrupt"):
+        check_image(corrupt_png(photo), transcode=transcode, orientation=True)
+
+
 def test_transcoding_a_broken_file_is_still_refused(photo_jpeg):
     with pytest.raises(BadImage, match="^truncated: "):
         check_image(photo_jpeg[:len(photo_jpeg) // 2], transcode=Transcode(max_side=100))

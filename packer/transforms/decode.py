@@ -35,9 +35,9 @@ def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
     im = stored_image(data)
     if size_hint is not None and im.format in JPEG_FORMATS:
         im.draft("RGB", size_hint)
+    rgb = im.convert("RGB")  # first: reading a PNG's EXIF loads its pixels, errors unseen
     turn = EXIF_TURNS.get(orientation_of(im)) if exif_orientation else None
-    im = im.convert("RGB")
-    return im if turn is None else im.transpose(turn)
+    return rgb if turn is None else rgb.transpose(turn)
 
 
 def exif_tag(data: bytes) -> int:

@@ -102,12 +102,15 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                 if w * h > max_pixels:
                     raise BadImage(f"decompression bomb: {w}x{h} = {w * h} pixels "
                                    f"exceeds max_pixels={max_pixels}")
-                turn = orientation_of(im) if orientation else 1
                 if transcode is not None:
-                    return replace(_transcode(im, transcode), orientation=turn)
+                    done = _transcode(im, transcode)
+                    return done if orientation else replace(done, orientation=1)
                 if fmt in JPEG_FORMATS and mode in ("RGB", "L", "CMYK"):
                     im.draft(mode, (max(1, w // 8), max(1, h // 8)))
                 im.load()  # multi-frame files (TIFF pages) train on frame 0, as in ImageFolder
+                # After the load: a PNG's EXIF may follow its pixels (reading it loads them),
+                # and orientation_of takes any error for "no EXIF"
+                turn = orientation_of(im) if orientation else 1
                 if im.mode != "RGB":  # training calls convert("RGB"): some modes cannot
                     try:
                         im.convert("RGB")
@@ -151,8 +154,8 @@ def _transcode(im: Image.Image, t: Transcode) -> Checked:
     tw, th = t.target_size(w, h)
     if im.format in JPEG_FORMATS and (tw, th) != (w, h):
         im.draft("RGB", (tw, th))  # decode at the nearest DCT scale >= target, then resize
+    rgb = to_rgb(im)  # decoded first: then im.info holds EXIF that follows a PNG's pixels
     exif, turn = im.info.get("exif"), orientation_of(im)
-    rgb = to_rgb(im)
     if rgb.size != (tw, th):
         rgb = rgb.resize((tw, th), Image.BICUBIC, reducing_gap=None)
 
@@ -166,7 +169,7 @@ def _transcode(im: Image.Image, t: Transcode) -> Checked:
         only = Image.Exif()
         only[0x0112] = turn
         data = encode(only.tobytes())
-    return Checked(data, tw, th, "JPEG", "RGB")
+    return Checked(data, tw, th, "JPEG", "RGB", turn)
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

@@ -11,9 +11,9 @@ import os
 import sys
 from array import array
 from concurrent.futures import ThreadPoolExecutor
-from math import isfinite
+from math import inf, isfinite
 from pathlib import Path
-from typing import Annotated, Any, Dict, List, Optional, Tuple
+from typing import Annotated, Any, Dict, List, Optional, Tuple, Union
 
 import msgspec
 from msgspec import Meta, Raw, Struct
@@ -51,7 +51,8 @@ class Annotation(Struct, gc=False):
     category_id: Id
     bbox: Tuple[float, float, float, float]
     area: Any = None  # the box's area where this is no finite number >= 0 (float32)
-    iscrowd: Annotated[int, Meta(ge=0, le=1)] = 0
+    # true/false too (coco-annotator writes them; pycocotools and torchvision read them)
+    iscrowd: Union[bool, Annotated[int, Meta(ge=0, le=1)]] = 0
     segmentation: Raw = Raw(b"[]")
 
 
@@ -130,7 +131,7 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
     order = sorted(paths)
     extra: Dict[str, Any] = {"categories": [categories[c] for c in sorted(categories)]}
     if skip_empty:
-        kept = [i for i in order if rows[i].objects]
+        kept = [i for i in order if any(usable_box(a.bbox) for a in rows[i].objects)]
         extra["skipped_empty"], order = len(order) - len(kept), kept
         if not order:
             raise PackerError(f"{file}: no image has a usable annotation, so {WHO[:-1]}, "
@@ -275,6 +276,12 @@ def fit_box(box: Tuple[float, float, float, float], width: int,
     if x1 <= x0 or y1 <= y0:
         return [], f"box {shown_box(box)} lies outside the {width}x{height} image"
     return [x0, y0, float(x1), float(y1)], ""
+
+
+def usable_box(box: Tuple[float, float, float, float]) -> bool:
+    """Whether the box can hold an object in some image (``fit_box`` against one with no
+    edge): one with no area, or wholly at negative coordinates, cannot in any."""
+    return not fit_box(box, inf, inf)[1]
 
 
 def shown_box(box) -> str:

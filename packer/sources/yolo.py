@@ -158,10 +158,9 @@ def parse_label_file(data, shown: str, nclasses: int, rules: str = "ultralytics"
     except OSError as e:
         return f"cannot read {shown} ({e.strerror or e}), so the image is not packed"
     lines = [(n, fields) for n, fields in enumerate(map(str.split, text.splitlines()), 1) if fields]
-    boxes: List[List[float]] = []
-    labels: List[int] = []
     reasons: List[str] = []
-    first: Dict[Tuple[float, ...], int] = {}
+    first: Dict[Tuple[float, ...], int] = {}  # each distinct row: its line
+    duplicates = False
     polygon = next((n for n, fields in lines if len(fields) > 6), 0)
     for n, fields in lines:
         obj = parse_line(fields, nclasses)
@@ -176,11 +175,12 @@ def parse_label_file(data, shown: str, nclasses: int, rules: str = "ultralytics"
             continue
         if obj in first:
             reasons.append(f"{shown}:{n}: duplicate of line {first[obj]}")
+            duplicates = True
             continue
         first[obj] = n
-        labels.append(int(obj[0]))
-        boxes.append(list(obj[1:]))
-    return boxes, labels, reasons
+    # ultralytics removes duplicates with np.unique(rows, axis=0), which sorts the rows too
+    kept = sorted(first) if duplicates else first
+    return [list(o[1:]) for o in kept], [int(o[0]) for o in kept], reasons
 
 
 def parse_line(fields: List[str], nclasses: int):

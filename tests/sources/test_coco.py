@@ -239,8 +239,8 @@ def test_unknown_image_and_category_drop_the_object(tmp_path):
      r"\$\.annotations\[1\]\.image_id: expected int, got null"),
     (lambda d: d["annotations"][1].update(iscrowd=2),
      r"\$\.annotations\[1\]\.iscrowd: expected int <= 1 \(iscrowd: 0 or 1\)"),
-    (lambda d: d["annotations"][1].update(iscrowd=True),
-     r"\$\.annotations\[1\]\.iscrowd: expected int, got bool"),
+    (lambda d: d["annotations"][1].update(iscrowd=1.0),
+     r"\$\.annotations\[1\]\.iscrowd: expected bool \| int, got float \(iscrowd: 0 or 1"),
     (lambda d: d["categories"][0].pop("name"),
      r"\$\.categories\[0\]: object missing required field name"),
     (lambda d: d["categories"][0].update(name=""),
@@ -390,7 +390,7 @@ def usable(ann) -> bool:
     box, crowd = ann["bbox"], ann.get("iscrowd", 0)
     return (all(is_id(ann[k]) for k in ("id", "image_id", "category_id"))
             and type(box) is list and len(box) == 4
-            and all(type(v) in (int, float) for v in box) and type(crowd) is int
+            and all(type(v) in (int, float) for v in box) and type(crowd) in (int, bool)
             and crowd in (0, 1))
 
 
@@ -634,3 +634,28 @@ def test_box_beyond_float32_on_both_sides_is_dropped_not_stored_as_nan():
     # finite as doubles, -inf and +inf in float32: x1 = -inf + inf is NaN
     assert fit_box((-1e39, 5.0, 1e39, 10.0), 64, 48) == (
         [], "box [-1e+39, 5, 1e+39, 10] holds a non-finite number in float32")
+
+
+def test_skip_empty_leaves_out_images_whose_every_box_has_no_area(tmp_path):
+    """A box of no size (or wholly at negative coordinates) is unusable in any image: the
+    JSON alone says so, so --skip-empty leaves its image out, not packs it with no objects."""
+    anns = [{"id": 1, "image_id": 2, "category_id": 1, "bbox": [5, 5, 0, 8]},
+            {"id": 2, "image_id": 2, "category_id": 1, "bbox": [5, 5, 8, -1]},
+            {"id": 3, "image_id": 5, "category_id": 1, "bbox": [-20, 5, 10, 8]},
+            {"id": 4, "image_id": 7, "category_id": 1, "bbox": [5, 5, 1e-50, 8]},
+            {"id": 5, "image_id": 7, "category_id": 3, "bbox": [5, 5, 0.5, 8]}]
+    src = read(tmp_path, coco(annotations=anns), skip_empty=True)
+    assert src.entries == [("b/seven.jpg", -1)]
+    assert src.annotations.extra["skipped_empty"] == 2
+    values, reasons = fitted(src.annotations.fit, src.annotations.rows[0], 60, 40)
+    assert values["ann_ids"] == [5] and reasons == [
+        "annotation 4: zero or negative size box [5, 5, 1e-50, 8]"]
+
+
+def test_iscrowd_as_json_true_or_false_reads_as_1_or_0(tmp_path):
+    """coco-annotator writes ``"iscrowd": false`` (a boolean field); pycocotools and
+    torchvision read such files, so packer stores them as 0 and 1, not refuses them."""
+    anns = [dict(a, iscrowd=bool(a["iscrowd"])) for a in coco()["annotations"][::2]]
+    src = read(tmp_path, coco(annotations=anns))
+    values, reasons = fitted(src.annotations.fit, src.annotations.rows[0], 60, 40)
+    assert reasons == [] and values["iscrowd"] == [0, 1] and values["ann_ids"] == [11, 10]

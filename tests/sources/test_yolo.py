@@ -163,6 +163,22 @@ def test_duplicate_rows_are_dropped_and_listed(tmp_path):
         {"path": "a.jpg", "reason": "labels/a.txt:3: duplicate of line 1"}]
 
 
+@pytest.mark.parametrize("rules", ["ultralytics", "lines"])
+def test_rows_are_sorted_as_ultralytics_sorts_them_when_it_removes_a_duplicate(tmp_path, rules):
+    """ultralytics removes duplicates with ``np.unique(lb, axis=0)``, which also sorts the
+    rows (class, then cx, cy, w, h); a file without duplicates keeps its order."""
+    a, b, c = "1 0.5 0.5 0.2 0.2", "0 0.7 0.3 0.1 0.1", "0 0.2 0.9 0.1 0.1"
+    src = dataset(tmp_path, {"a.txt": f"{a}\n{b}\n{a}\n{c}\n", "b.txt": f"{a}\n{b}\n{c}\n"},
+                  images=["a.jpg", "b.jpg"], rules=rules)
+    deduped, kept = src.annotations.rows
+    assert deduped["labels"] == [0, 0, 1]
+    assert [[round(v, 6) for v in box] for box in deduped["boxes"]] == [
+        [0.2, 0.9, 0.1, 0.1], [0.7, 0.3, 0.1, 0.1], [0.5, 0.5, 0.2, 0.2]]
+    assert kept["labels"] == [1, 0, 0]
+    assert [d["reason"] for d in src.annotations.dropped] == [
+        "labels/a.txt:3: duplicate of line 1"]
+
+
 def test_images_under_10_pixels_are_left_out_by_ultralytics_rules():
     row = {"image_id": 0, "boxes": [[0.5, 0.5, 0.2, 0.2]], "labels": [1]}
     assert fit_ultralytics(row, 10, 10)[0]["boxes"] == [[4.0, 4.0, 6.0, 6.0]]

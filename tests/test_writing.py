@@ -503,3 +503,19 @@ def test_dataset_writer_by_hand(jpegs, tmp_path):
     assert_not_finished(tmp_path / "e")
     with pytest.raises(PackerError, match="task must be one of"):
         DatasetWriter(tmp_path / "e", task="segmentation")
+
+
+def test_a_with_block_that_ends_without_finish_finishes_and_unlocks(jpegs, tmp_path):
+    """``DatasetWriter``'s contract: "as a context manager: finished on success". A body that
+    only added used to leave an unfinished folder, still locked by this process (a second
+    writer was refused naming our own pid); now it is finished, and the folder free."""
+    dst = tmp_path / "d"
+    with DatasetWriter(dst, workers=1, task="generic") as w:
+        for s in samples_of(jpegs[:3]):
+            w.add(s)
+    assert read_manifest(dst)["count"] == 3 and not (dst / ".packer-lock").exists()
+    with pytest.raises(PackerError, match="no samples"):
+        with DatasetWriter(tmp_path / "e", workers=1):
+            pass
+    assert not (tmp_path / "e" / ".packer-lock").exists()  # finish() raised: unlocked all the same
+    assert quiet_write(dst, samples_of(jpegs[:2]), overwrite=True).manifest["count"] == 2

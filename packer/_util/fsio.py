@@ -52,6 +52,28 @@ def write_json_atomic(path: os.PathLike, obj: Any) -> None:
     write_new_atomic(path, text.encode("utf-8"))
 
 
+def append_durably(path: os.PathLike, data: bytes) -> None:
+    """``data`` appended to the existing file ``path`` (never through a symlink), fsynced; a
+    write that fails part-way (a full disk) is cut off again: the file ends where it did."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:

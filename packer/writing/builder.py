@@ -222,17 +222,17 @@ def _take(source: ImageList, run: Packing, job: ShardJob, workers, bar, on_shard
 
 def _remaining(sizes: List[int], run: Packing, source: ImageList) -> List[ShardTask]:
     """The plan's shards from ``run.start`` (where an interrupted run stopped, a shard
-    boundary); if the files changed size since, the rest planned afresh, numbered on."""
+    boundary); if the files changed size since, the rest planned afresh. Numbered after the
+    finished shards whatever the plan says: a new shard never replaces a journaled one."""
     if run.start >= len(source.entries):
         return []
     plan = plan_shards(sizes, run.shard_size)
     k = next((k for k, (a, _, _) in enumerate(plan) if a == run.start), None)
-    if k is not None:
-        return [ShardTask(k + j, *p) for j, p in enumerate(plan[k:])]
-    last = max(shard_number(s["path"]) for s in run.shards) if run.shards else -1
-    rest = plan_shards(sizes[run.start:], run.shard_size)
-    return [ShardTask(last + 1 + j, run.start + a, run.start + e, n)
-            for j, (a, e, n) in enumerate(rest)]
+    if k is None:
+        k, plan = 0, [(run.start + a, run.start + e, n)
+                      for a, e, n in plan_shards(sizes[run.start:], run.shard_size)]
+    first = max([k] + [shard_number(s["path"]) + 1 for s in run.shards])
+    return [ShardTask(first + j, *p) for j, p in enumerate(plan[k:])]
 
 
 def check_shard_size(shard_size: int) -> None:

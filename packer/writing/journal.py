@@ -1,6 +1,7 @@
 """The resume journal (``.packer-build.json``), written before any shard and listing the
-finished ones, and the rule that packer removes only files it wrote: packer-named files in DST
-that no journal or manifest claims are refused, never deleted."""
+finished ones (a JSON header, then a line appended per finished shard), and the rule that
+packer removes only files it wrote: packer-named files in DST that no journal or manifest
+claims are refused, never deleted."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,8 @@ from typing import Iterable, List, Optional, Sequence
 
 import msgpack
 
-from .._util.fsio import LOCK_NAME, check_folder, fsync_dir, remove_own, write_json_atomic
+from .._util.fsio import (LOCK_NAME, append_durably, check_folder, fsync_dir, remove_own,
+                          write_json_atomic)
 from ..errors import PackerError
 from ..format.manifest import FORMAT_VERSION, LABELS, MANIFEST, OFFSETS, read_manifest, side_tables
 from ..format.validation import is_plain_name
@@ -103,7 +105,8 @@ def claimed(dst: Path) -> set:
 
 def load(dst: Path, fp: str) -> dict:
     """The journal of an earlier run with the same fingerprint (its shards re-checked, cut
-    back to the last good one), or a fresh one; written before this run writes a shard."""
+    back to the last good one), or a fresh one; rewritten whole before this run writes a shard
+    (so that this run's lines follow a complete one)."""
     j = _read(dst / JOURNAL)
     if j is None:  # a fresh build: whatever has packer's names here is not ours
         refuse_foreign_files(dst, packer_names(dst))
@@ -121,8 +124,10 @@ def load(dst: Path, fp: str) -> dict:
             j["dropped"] = [s for s in j.get("dropped", []) if s["entry"] < cut]
             j["next_entry"] = cut
             break
-    return {"shards": [dict(s) for s in j["shards"]], "skipped": j["skipped"],
-            "dropped": j.get("dropped", []), "next_entry": j["next_entry"]}
+    state = {"shards": [dict(s) for s in j["shards"]], "skipped": j["skipped"],
+             "dropped": j.get("dropped", []), "next_entry": j["next_entry"]}
+    save(dst, fp, **state)
+    return state
 
 
 def restart(dst: Path, fp: str) -> dict:
@@ -135,13 +140,28 @@ def restart(dst: Path, fp: str) -> dict:
     return {"shards": [], "skipped": [], "dropped": [], "next_entry": 0}
 
 
+def read(dst: Path) -> Optional[dict]:
+    """The journal in ``dst``, its lines applied: None if there is none, {} if it is damaged."""
+    return _read(dst / JOURNAL)
+
+
 def _read(path: Path) -> Optional[dict]:
-    """The journal at ``path``: None if there is none, {} unless well formed (plain names)."""
+    """The journal at ``path``: None if there is none, {} unless well formed (plain names).
+    Its lines after the header up to one a kill cut short (and none after it) are applied."""
     if not path.is_file():
         return None
     try:
-        j = json.loads(path.read_text("utf-8"))
+        text = path.read_text("utf-8")
+        j, end = json.JSONDecoder().raw_decode(text)
     except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    try:
+        for line in text[end:].split("\n"):  # not splitlines: paths may hold U+2028 and such
+            if line.strip():
+                _apply(j, json.loads(line))
+    except ValueError:  # a line cut short: the ones before it stand
+        pass
+    except (KeyError, TypeError, AttributeError, RecursionError):
         return {}
     ok = (isinstance(j, dict) and isinstance(j.get("shards"), list)
           and isinstance(j.get("skipped"), list) and isinstance(j.get("next_entry"), int)
@@ -152,8 +172,31 @@ def _read(path: Path) -> Optional[dict]:
     return j if ok else {}
 
 
+def _apply(j: dict, line: dict) -> None:
+    """One ``append``ed line into the journal ``j``."""
+    if line["shard"] is not None:
+        j["shards"].append(line["shard"])
+    j["skipped"].extend(line["skipped"])
+    j.setdefault("dropped", []).extend(line["dropped"])
+    j["next_entry"] = line["next_entry"]
+    if j["shards"]:
+        j["shards"][-1]["next_entry"] = line["next_entry"]
+
+
+def append(dst: Path, shard: Optional[dict], skipped: Sequence[dict], dropped: Sequence[dict],
+           next_entry: int) -> None:
+    """Record a finished shard (None: all its images skipped) with the skips and drops since
+    the last record, as one line: each costs what it adds, where rewriting the journal cost
+    all the build so far (quadratic over thousands of shards and skips)."""
+    line = json.dumps({"shard": shard, "skipped": list(skipped), "dropped": list(dropped),
+                       "next_entry": next_entry}, ensure_ascii=False) + "\n"
+    with disk_errors(dst / JOURNAL):
+        append_durably(dst / JOURNAL, line.encode("utf-8"))
+
+
 def save(dst: Path, fp: str, shards: List[dict], skipped: List[dict], next_entry: int,
          dropped: Sequence[dict] = ()) -> None:
+    """The whole journal, rewritten (the header ``append`` adds lines to)."""
     if shards:
         shards[-1]["next_entry"] = next_entry
     with disk_errors(dst / JOURNAL):

@@ -37,6 +37,7 @@ class Packing:
         self.skipped: List[dict] = state["skipped"]
         self.dropped: List[dict] = state.get("dropped", [])
         self.start = state["next_entry"]
+        self.journaled = (len(self.skipped), len(self.dropped))  # those in the journal
         self.has_label = any(f.name == "label" for f in self.fields)
         self.labels = array("i")
         self.path_ends, self.path_text = array("Q"), bytearray()  # the paths table
@@ -89,8 +90,11 @@ class Packing:
         order, after its rows (``add_row``): recorded in the journal."""
         if shard is not None:
             self.shards.append(shard)
-        journal.save(self.dst, self.fingerprint, self.shards, self.skipped, next_entry,
-                     self.dropped)
+        if self.shards:
+            self.shards[-1]["next_entry"] = next_entry
+        skipped, dropped = self.journaled
+        journal.append(self.dst, shard, self.skipped[skipped:], self.dropped[dropped:], next_entry)
+        self.journaled = (len(self.skipped), len(self.dropped))
 
     def end_shard(self, next_entry: int) -> None:
         """Finish the open shard (if any) and record it in the journal."""

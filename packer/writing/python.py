@@ -225,10 +225,14 @@ class DatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            if self.run is not None:
-                self.run.abort()
-            self.close()
+        try:
+            if exc_type is None and self.lock is not None:  # a body that did not finish()
+                self.finish()
+        finally:
+            if self.lock is not None:  # the body or finish() raised: resumable, unlocked
+                if self.run is not None:
+                    self.run.abort()
+                self.close()
 
 
 def check_classes(classes: Optional[Sequence[str]]) -> Optional[List[str]]:

@@ -2,6 +2,7 @@
 fsynced, hashed and renamed into place), and the per-record side tables."""
 from __future__ import annotations
 
+import contextlib
 import os
 from array import array
 from pathlib import Path
@@ -11,6 +12,7 @@ import lmdb
 
 from .._util.system import disk_full_as
 from .._util.fsio import fsync_dir, open_new, write_new_atomic
+from ..errors import PackerError
 from ..format.fields import little_endian
 from ..format.manifest import file_sha256
 from ..format.records import key
@@ -95,13 +97,34 @@ class ShardWriter:
             p.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
 def disk_errors(path: Path):
-    """Turn a full disk while writing ``path`` into a PackerError that says what was kept and
-    what to do."""
-    return disk_full_as(path, lambda free: (
-        f"disk full while writing {path} ({free / 2**20:.1f} MiB free). Shards finished before "
-        f"this one are kept; free some space (or pick another DST) and re-run the same command "
-        f"to resume"), types=(OSError, lmdb.Error))  # lmdb says it only in words
+    """Turn a full disk, or this process's file-size limit, met while writing ``path`` into a
+    PackerError that says what was kept and what to do."""
+    try:
+        with disk_full_as(path, lambda free: (
+                f"disk full while writing {path} ({free / 2**20:.1f} MiB free). Shards finished "
+                f"before this one are kept; free some space (or pick another DST) and re-run the "
+                f"same command to resume"), types=(OSError, lmdb.Error)):  # lmdb: only in words
+            yield
+    except lmdb.Error as e:  # a commit cut short by ``ulimit -f`` is an EIO with room on disk
+        limit = file_size_limit()
+        if limit is None or "input/output error" not in str(e).lower():
+            raise
+        raise PackerError(f"writing {path} failed ({e}) under a file size limit of {limit:,} "
+                          f"bytes (ulimit -f), below a shard's size. Shards finished before "
+                          f"this one are kept; raise the limit (ulimit -f unlimited) and re-run "
+                          f"the same command to resume") from e
+
+
+def file_size_limit() -> Optional[int]:
+    """This process's ``RLIMIT_FSIZE`` in bytes, or None if unlimited (or no such limit)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def existing_shard_ok(entry: dict, root: Path) -> Optional[str]:

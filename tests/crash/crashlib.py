@@ -108,7 +108,7 @@ def folder_state(folder: Path) -> dict:
         rel = p.relative_to(folder).as_posix()
         if p.is_dir():
             out[rel] = "dir"
-        elif p.suffix == ".json":
+        elif p.suffix == ".json" and p.name != ".packer-build.json":  # the journal has lines
             out[rel] = _strip(json.loads(p.read_text("utf-8")))
         else:
             out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()

@@ -112,6 +112,10 @@ def test_disk_full_as(tmp_path):
                 f.write(b"x")  # a real ENOSPC
     assert info.value.__cause__.errno == errno.ENOSPC
     assert len(seen) == 1 and 0 < seen[0] <= os.statvfs(tmp_path).f_blocks * os.statvfs(tmp_path).f_frsize
+    big = r"^full, \d+ bytes free \(the file met a size limit, not a full disk: `ulimit -f`"
+    with pytest.raises(PackerError, match=big):  # a file size limit is named as such
+        with disk_full_as(tmp_path / "out.bin", explain):
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
     with pytest.raises(FileNotFoundError):  # not a full disk: unchanged
         with disk_full_as(tmp_path / "out.bin", explain):
             open(tmp_path / "missing", "rb")
@@ -121,7 +125,7 @@ def test_disk_full_as(tmp_path):
     with pytest.raises(PackerError):
         with disk_full_as(tmp_path / "out.bin", explain, types=(OSError, lmdb.Error)):
             raise lmdb.Error("No space left on device")
-    assert len(seen) == 2
+    assert len(seen) == 3
 
 
 def test_free_bytes(tmp_path):

@@ -130,7 +130,10 @@ def disk_full_as(path: os.PathLike, explain: Callable[[int], str], types=(OSErro
     except types as exc:
         if not (is_disk_full(exc) or _short_write(exc, folder)):
             raise
-        raise PackerError(explain(free_bytes(folder))) from exc
+        big = getattr(exc, "errno", None) == errno.EFBIG or "file too large" in str(exc).lower()
+        raise PackerError(explain(free_bytes(folder)) + (
+            " (the file met a size limit, not a full disk: `ulimit -f`, or the largest file "
+            "this filesystem holds)" if big else "")) from exc
 
 
 SHORT_WRITE_ROOM = 64 << 20  # one LMDB commit's worth (writer.TXN_BYTES)

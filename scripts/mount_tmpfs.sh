@@ -23,8 +23,9 @@ memory: a cold, slow or shared disk then never stalls the GPUs.
 Options:
   --size SIZE   Size of the tmpfs: bytes, or a number with K, M, G or T (powers of 1024),
                 e.g. 512M, 40G.
-  --for DST     Size it for the packed dataset DST: the bytes of its shards, labels and
-                manifest (read from DST/manifest.json) plus a margin of 5% + 32 MiB.
+  --for DST     Size it for the packed dataset DST: the bytes of its shards, side tables
+                (labels, offsets, columns, paths) and manifest (read from DST/manifest.json)
+                plus a margin of 5% + 32 MiB.
   --noswap      Mount with the tmpfs "noswap" option (Linux 6.4 or newer): its pages are
                 never swapped out (see "Swap" below).
   --dry-run     Print the commands that would run, and run nothing.
@@ -103,8 +104,8 @@ parse_size() {  # "64M" -> bytes; fails on anything else
         G) mult=$((1024 * MIB)) ;;
         T) mult=$((1024 * 1024 * MIB)) ;;
     esac
-    if ((${#num} > 15)); then
-        return 1  # would overflow bash arithmetic
+    if ((${#num} > 15 || num > (1 << 60) / mult)); then
+        return 1  # would overflow bash arithmetic (64-bit, wrapping: 2^34+1 G is 1 G)
     fi
     printf '%d\n' $((num * mult))
 }
@@ -113,7 +114,7 @@ meminfo() {  # meminfo FIELD -> bytes
     awk -v f="$1:" '$1 == f { printf "%.0f\n", $2 * 1024; found = 1 } END { exit !found }' /proc/meminfo
 }
 
-dataset_bytes() {  # bytes of the shards, labels and manifest of the dataset in $1
+dataset_bytes() {  # bytes of the shards, side tables and manifest of the dataset in $1
     local dst=$1
     [[ -d $dst ]] || die 1 "--for: '$dst' is not a folder"
     [[ -f $dst/manifest.json ]] ||
@@ -129,8 +130,11 @@ try:
     if not isinstance(man, dict) or man.get("format") != "packer":
         raise ValueError("not a packer manifest")
     total = sum(int(s["bytes"]) for s in man["shards"])
-    total += int((man.get("labels") or {}).get("bytes", 0))
-except (OSError, ValueError, KeyError, TypeError) as e:
+    # every side table packer stage copies: labels, offsets, columns, paths
+    tables = [man.get("labels"), man.get("offsets")]
+    tables += list((man.get("columns") or {}).values()) + list((man.get("paths") or {}).values())
+    total += sum(int(t.get("bytes", 0)) for t in tables if t)
+except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     sys.exit(f"{path}: {e or type(e).__name__}")
 print(total + os.path.getsize(path))
 PY

@@ -14,7 +14,8 @@ from .common import PathOrURL, library_errors, result_json, storage_flags
                 metavar="TARGET")
 @click.option("--remove", is_flag=True, help="Free a staged copy instead: `packer stage --remove TARGET` "
                                              "(same as `packer unstage TARGET`).")
-@click.option("--no-verify", is_flag=True, help="Trust files already in TARGET whose size matches "
+@click.option("--no-verify", is_flag=True, help="Trust files already in TARGET whose size matches and "
+                                                "whose checksum the staged manifest there lists unchanged "
                                                 "(each new copy is still checked as it is written).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @storage_flags

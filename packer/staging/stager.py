@@ -19,14 +19,14 @@ from tqdm.auto import tqdm
 from .. import __version__
 from .._util.system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
-from .._util.fsio import FolderLock, check_folder, fsync_dir, remove_own, write_json_atomic
+from .._util.fsio import check_folder, fsync_dir, remove_own, write_json_atomic
 from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256, read_manifest, set_table, shard_file, side_tables
 from ..storage import RemoteDataset, is_url, redact
 from ..storage.remote import dataset_files
 from .copy import TMP_SUFFIX, StagedFile, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult
-from .unstager import (STAGE_LOCK, STAGE_MARKER, manifest_or_none, previous_names, read_marker,
-                       remove_folders, remove_staged, vanishing, write_marker)
+from .unstager import (STAGE_LOCK, STAGE_MARKER, manifest_or_none, one_at_a_time, previous_names,
+                       read_marker, remove_folders, remove_staged, vanishing, write_marker)
 
 __all__ = ["check_space", "local_rank_from_env", "stage", "stage_once_per_node", "staging_plan"]
 
@@ -39,7 +39,8 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     An existing ``target`` must be empty or a staged copy: staging never writes into a folder
     holding other things. Each copy is hashed as it is copied and checked against the
     manifest; ``verify`` also hashes files already there before keeping them (``False``: a
-    re-run trusts their sizes).
+    re-run trusts the sizes of those the staged manifest there lists with the same checksum).
+    A stage of TARGET under way in another process is waited for, then its copy is kept.
     ``storage_options``: for a URL, fsspec's and packer's options. Returns a ``StageResult``
     (``message()`` says where the data is). An incomplete source, an unsafe target or too
     little space is a ``PackerError`` before anything is written; a later failure removes what
@@ -57,8 +58,11 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
         with vanishing(target):
             _refuse_unsafe_target(src, target, plan)
             target.mkdir(parents=True, exist_ok=True)
-            with FolderLock(target, f"packer stage {src} into {target}"):
-                return _stage_locked(src, target, man, plan, progress, verify, t0, len(made) - 1)
+            with one_at_a_time(target, f"packer stage {src} into {target}", wait=True) as waited:
+                # waited: a stage just wrote TARGET, checking each file against the
+                # checksums its manifest lists; what that manifest vouches for is not re-read
+                return _stage_locked(src, target, man, plan, progress, verify and not waited,
+                                     t0, len(made) - 1)
     except BaseException:
         if made and not (target / STAGE_MARKER).exists():  # nothing staged is left: tidy up
             remove_folders(target, len(made) - 1)
@@ -80,7 +84,7 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     # What is already there and right, what must be (re)copied, what must go.
     stale = sorted(n for n in previous - wanted if (target / n).exists())
     temps = sorted(f".{n}{TMP_SUFFIX}" for n in previous if os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
-    todo, doomed = _sort_out(target, plan, verify, progress, result)
+    todo, doomed = _sort_out(target, plan, verify, _vouched(target), progress, result)
     manifest_ok = not todo and not stale and manifest_or_none(target) == staged_manifest
     result.bytes_total = sum(f.bytes for f in plan)
     if manifest_ok and not temps:
@@ -116,13 +120,26 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     return result
 
 
-def _sort_out(target: Path, plan: List[StagedFile], verify: bool, progress: bool,
+def _vouched(target: Path) -> dict:
+    """{name: sha256} of the files TARGET's staged manifest lists: each was checked against that
+    checksum when it was copied (the manifest is written last and removed first)."""
+    man = manifest_or_none(target)
+    if man is None or "staged" not in man:
+        return {}
+    entries = list(man["shards"]) + [entry for _, entry, _ in side_tables(man)]
+    return {e["path"]: e.get("sha256") for e in entries}
+
+
+def _sort_out(target: Path, plan: List[StagedFile], verify: bool, vouched: dict, progress: bool,
               result: StageResult) -> Tuple[List[StagedFile], List[str]]:
     """(files to copy, names to delete first): a file already in TARGET is kept when its size
-    (and, with ``verify``, its checksum) matches the manifest."""
+    and checksum match the manifest. Without ``verify`` the checksum is not computed where
+    ``vouched`` (the staged manifest there) lists the same one: a size alone cannot tell a
+    rebuilt source (its labels and offsets keep their sizes) from the one staged before."""
     todo: List[StagedFile] = []
     sizes = {f.name: _size(target / f.name) for f in plan}
-    to_hash = [f for f in plan if sizes[f.name] == f.bytes and verify and f.sha256 is not None]
+    to_hash = [f for f in plan if sizes[f.name] == f.bytes and f.sha256 is not None
+               and (verify or vouched.get(f.name) != f.sha256)]
     check_bar = _bar(progress, sum(f.bytes for f in to_hash), f"checking {target.name or target}")
     try:  # hashing releases the GIL: check several files at once
         with ThreadPoolExecutor(max(1, min(len(to_hash), 8, os.cpu_count() or 1))) as pool:

@@ -1,4 +1,4 @@
-"""Crash-safety review: a resumed build whose source files changed size, a file-size limit
+"""Crash safety at the edges: a resumed build whose source files changed size, a file-size limit
 (``ulimit -f``) met mid-shard, and the journal's cost over many shards."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The package's shape, checked from its source (ast; nothing is imported): no import cycles,
 no private name imported across modules, no function over 80 lines outside Triton kernels,
-the module map of docs/architecture.md (every package, what each may import) matches the tree,
+no module over 400 lines, the module map of docs/architecture.md (every package, what each may import) matches the tree,
 and ``packer/__init__.py``'s three lists of the public API agree."""
 from __future__ import annotations
 
@@ -153,6 +153,13 @@ def test_functions_fit_on_a_screen():
                 if size > 80 and not jit:
                     long.append(f"{name}.{node.name}: {size} lines")
     assert long == []
+
+
+def test_modules_have_one_job_each():
+    """At most 400 lines a module: a longer one is doing more than one job."""
+    sizes = {name: len(path.read_text("utf-8").splitlines()) for name, (path, _) in modules().items()}
+    long = {name: n for name, n in sizes.items() if n > 400}
+    assert long == {}
 
 
 def lazy_packages() -> List[Path]:

@@ -288,3 +288,11 @@ def test_bad_arguments_say_what_to_do(roots):
         PackedSampler(Mixture([range(3), range(5)], [2, 1], epoch_size=10)).load_state_dict(state)
     with pytest.raises(ValueError, match="this one is not a mixture"):
         PackedSampler(range(10)).load_state_dict(state)
+
+
+def test_a_mixture_inside_a_mixture_is_refused_not_read_uniformly():
+    """The outer mixture would draw the inner one's index space uniformly: its weights and
+    epoch_size ignored, a source it gave weight 0 read anyway."""
+    inner = Mixture([range(4), range(6)], weights=[1, 0], epoch_size=5)
+    with pytest.raises(ValueError, match="source 0 is itself a Mixture.*list its sources"):
+        Mixture([inner, range(3)])

@@ -56,6 +56,15 @@ GOLDEN_RANDOM = [6, 7, 1, 0, 4, 10, 11, 8, 9, 2, 3, 5]
 GOLDEN_BLOCK = [6, 7, 8, 0, 1, 2, 9, 3, 10, 4, 11, 5]
 
 
+def test_a_block_past_the_end_costs_what_the_dataset_does():
+    """block_size=10**12 (one block: plain sequential blocks) asked for an 8 TB grid; the
+    order is that of one block of the whole dataset."""
+    for window in (1, 4):
+        huge = global_order(23, seed=5, order="block", block_size=10 ** 12, window=window)
+        assert huge.tolist() == global_order(23, seed=5, order="block", block_size=23,
+                                             window=window).tolist()
+
+
 def test_block_order_reads_few_blocks_at_a_time_each_ascending():
     n, bs, win = 10_000, 50, 8
     p = global_order(n, seed=3, order="block", block_size=bs, window=win).tolist()

@@ -160,3 +160,12 @@ def test_streaming_a_detection_dataset_gives_its_targets(tmp_path):
     assert len(got) == 10
     for t in got:
         assert t["boxes"].tolist() == by_id[t["image_id"]]["boxes"].tolist()
+
+
+def test_a_block_larger_than_the_dataset_costs_no_more_than_the_dataset(packed, ids):
+    """One block past the end is the whole dataset in order: memory follows the records,
+    not ``block_size`` (1e12 once asked for 8 TB per worker), and the order is unchanged."""
+    huge = stream(packed, ids, seed=3, shuffle_buffer=0, block_size=10 ** 12)
+    assert huge == stream(packed, ids, seed=3, shuffle_buffer=0, block_size=N) == list(range(N))
+    assert stream(packed, ids, seed=3, shuffle_buffer=6, block_size=10 ** 12) == \
+        stream(packed, ids, seed=3, shuffle_buffer=6, block_size=N)

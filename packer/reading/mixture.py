@@ -67,7 +67,8 @@ class Mixture(Dataset):
 
     Args:
         datasets: map-style datasets giving the same kind of target (else ``ValueError``);
-            class indices stay each source's own.
+            class indices stay each source's own. Not a ``Mixture``: only the outer one's
+            weights act, so a nested one is refused.
         weights: each source's share of an epoch (non-negative, not all 0); default: lengths.
         epoch_size: samples per epoch (all ranks together); default: the sources' total.
 
@@ -82,6 +83,10 @@ class Mixture(Dataset):
             if isinstance(d, IterableDataset) or not hasattr(d, "__getitem__"):
                 raise ValueError(f"Mixture mixes map-style datasets (indexable, with len()); "
                                  f"source {s} is a {type(d).__name__}: use PackedDataset")
+            if hasattr(d, "epoch_order"):  # PackedSampler's test: its weights would go unused
+                raise ValueError(f"source {s} is itself a Mixture, whose weights and epoch_size "
+                                 f"would be ignored (its samples read uniformly); list its "
+                                 f"sources in this Mixture with their weights")
         self.lengths = [len(d) for d in self.sources]
         self.offsets = [0, *itertools.accumulate(self.lengths)]
         self.weights = _weights(weights, self.lengths)

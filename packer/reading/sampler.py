@@ -40,6 +40,9 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
     if order == "random":
         return torch.randperm(n, generator=g)
     # Block order: the permuted blocks' records (the last block may be short: drop past n).
+    # A block past the end is the whole dataset, the same order: sized by the records, never
+    # by block_size (block_size=10**12 asked for 8 TB).
+    block_size = min(block_size, n)
     nblocks = -(-n // block_size)
     blocks = torch.randperm(nblocks, generator=g)
     grid = blocks[:, None] * block_size + torch.arange(block_size)

@@ -9,8 +9,8 @@
 #   PYTHON=.venv/bin/python scripts/install_pillow_simd.sh   # pick the interpreter (python3)
 # Needs a C compiler and the libjpeg-turbo + zlib headers
 # (Debian/Ubuntu: apt-get install -y gcc libjpeg62-turbo-dev zlib1g-dev).
-# If the build fails, stock Pillow is (re)installed so packer keeps working, and the
-# script exits 1 with the reason.
+# If the build fails, stock Pillow stays as it was (it is removed only once Pillow-SIMD is
+# built), and the script exits 1 with the reason.
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -45,14 +45,23 @@ if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
   cc_flags="-mavx2"  # Pillow-SIMD uses AVX2 paths only when compiled for them
 fi
 
-echo "Removing stock Pillow (if any) and building Pillow-SIMD from source (about a minute)..."
+# Built first, into a folder of its own: stock Pillow is removed only once the wheel exists,
+# so a failed build (or no network) leaves the environment as it was.
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+echo "Building Pillow-SIMD from source (about a minute)..."
+if ! CC="${CC:-cc} ${cc_flags}" "$PYTHON" -m pip wheel -q --no-cache-dir --no-deps \
+       --no-binary pillow-simd -w "$wheels" "$VERSION_SPEC"; then
+  echo "Pillow-SIMD failed to build (missing compiler or libjpeg/zlib headers, or no network?);" \
+       "stock Pillow stays, untouched: packer works the same, without SIMD resizes." >&2
+  exit 1
+fi
+echo "Replacing stock Pillow (if any) with it..."
 "$PYTHON" -m pip uninstall -y -q pillow pillow-simd >/dev/null 2>&1 || true
-if CC="${CC:-cc} ${cc_flags}" "$PYTHON" -m pip install -q --no-cache-dir --no-binary pillow-simd "$VERSION_SPEC"; then
+if "$PYTHON" -m pip install -q --no-index --no-deps "$wheels"/*.whl; then
   echo "Pillow-SIMD installed: $("$PYTHON" -c 'import PIL; print(PIL.__version__)')"
   exit 0
 fi
-
-echo "Pillow-SIMD failed to build (missing compiler or libjpeg/zlib headers?);" \
-     "installing stock Pillow instead so packer still works." >&2
+echo "Pillow-SIMD failed to install; installing stock Pillow again so packer still works." >&2
 "$PYTHON" -m pip install -q "Pillow>=9.1"
 exit 1

@@ -17,12 +17,27 @@ TORCH_SPEC="${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
 
 if [[ -z "${PYTHON:-}" && -n "${VIRTUAL_ENV:-}" ]]; then
   PYTHON="$VIRTUAL_ENV/bin/python"
+  stale=" (the active virtual environment $VIRTUAL_ENV is gone: deactivate it, or make it anew)"
   echo "Using the active virtual environment $VIRTUAL_ENV"
 elif [[ -z "${PYTHON:-}" ]]; then
+  base="${BASE_PYTHON:-python3}"
+  # A .venv without pip is an interrupted creation (ensurepip runs last): completed.
+  if [[ -x .venv/bin/python ]] && ! .venv/bin/python -c "import pip" >/dev/null 2>&1; then
+    echo "The virtual environment .venv is incomplete (no pip: an interrupted set-up?); adding pip"
+    if ! .venv/bin/python -m ensurepip >/dev/null; then
+      echo "error: could not add pip to .venv (python -m ensurepip); on Debian/Ubuntu it needs" \
+           "the python3-venv package (sudo apt-get install python3-venv), or remove .venv" >&2
+      exit 1
+    fi
+  fi
   if [[ ! -x .venv/bin/python ]]; then
+    if ! command -v "$base" >/dev/null; then
+      echo "error: no Python interpreter $base; set BASE_PYTHON to a Python >= 3.9" >&2
+      exit 1
+    fi
     echo "Creating the virtual environment .venv ..."
-    if ! "${BASE_PYTHON:-python3}" -m venv .venv; then
-      echo "error: could not create .venv with ${BASE_PYTHON:-python3} -m venv; on Debian/Ubuntu" \
+    if ! "$base" -m venv .venv; then
+      echo "error: could not create .venv with $base -m venv; on Debian/Ubuntu" \
            "it needs the python3-venv package (sudo apt-get install python3-venv), or set" \
            "BASE_PYTHON to another Python >= 3.9" >&2
       rm -rf .venv
@@ -31,6 +46,10 @@ elif [[ -z "${PYTHON:-}" ]]; then
   fi
   PYTHON=.venv/bin/python
 fi
+if ! command -v "$PYTHON" >/dev/null; then
+  echo "error: no Python interpreter $PYTHON${stale:-}" >&2
+  exit 1
+fi
 
 pair_ok() {  # torch and torchvision import together and torchvision's C++ ops load
   "$PYTHON" -c "import torch, torchvision; torchvision.ops.nms" >/dev/null 2>&1
@@ -38,10 +57,13 @@ pair_ok() {  # torch and torchvision import together and torchvision's C++ ops l
 if ! pair_ok; then
   echo "Installing $TORCH_SPEC (CUDA builds from the package index, ~3 GB; they run on CPU too)..."
   # shellcheck disable=SC2086  # TORCH_SPEC is a list of requirements
-  "$PYTHON" -m pip install -q $TORCH_SPEC
-  if ! pair_ok; then
-    echo "error: torch and torchvision do not import together after installing $TORCH_SPEC:" >&2
-    "$PYTHON" -c "import torch, torchvision; torchvision.ops.nms" >&2 || true
+  if ! "$PYTHON" -m pip install -q $TORCH_SPEC; then
+    echo "error: pip could not install TORCH_SPEC='$TORCH_SPEC' (see above)" >&2
+    exit 1
+  fi
+  if ! pair_ok; then  # the error itself, not its traceback
+    echo "error: torch and torchvision do not import together after installing $TORCH_SPEC:" \
+         "$("$PYTHON" -c "import torch, torchvision; torchvision.ops.nms" 2>&1 | tail -n 1)" >&2
     exit 1
   fi
 fi

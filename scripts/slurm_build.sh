@@ -26,7 +26,17 @@ fi
 src=$1
 out=$2
 shift 2
-# Parts are numbered from 0: an array given as --array=1-8 counts from its first index.
-k=$((SLURM_ARRAY_TASK_ID - ${SLURM_ARRAY_TASK_MIN:-0}))
+# Parts are numbered from 0: an array given as --array=1-8 counts from its first index, one
+# given as --array=0-14:2 in its steps.
+id=$SLURM_ARRAY_TASK_ID min=${SLURM_ARRAY_TASK_MIN:-0} step=${SLURM_ARRAY_TASK_STEP:-1}
+n=$SLURM_ARRAY_TASK_COUNT
+for v in "$id" "$min" "$step" "$n"; do
+  [[ "$v" =~ ^[0-9]+$ ]] || { echo "error: Slurm's array variables are not numbers: task $id, first $min, step $step, count $n" >&2; exit 2; }
+done
+k=$(( (id - min) / (step > 0 ? step : 1) ))
+if (( id < min || (id - min) % (step > 0 ? step : 1) != 0 || k >= n )); then
+  echo "error: array task $id (first $min, step $step) of $n is not part K of N: give a range with no gaps, --array=0-$((n - 1)) or A-B:STEP" >&2
+  exit 2
+fi
 part=$(printf "%s/part-%05d" "$out" "$k")  # zero-padded: the shell's glob lists them in order
-exec packer build "$src" "$part" --part "$k/$SLURM_ARRAY_TASK_COUNT" --quiet "$@"
+exec packer build "$src" "$part" --part "$k/$n" --quiet "$@"

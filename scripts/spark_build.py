@@ -10,8 +10,9 @@ are contiguous runs of its entries, so OUT/train holds the same records in the s
 as ``packer build SRC`` (its shards cut per part). Rows from your own table work the same:
 replace ``rows`` with ``df.select("path", "label").rdd`` and ``classes`` with your names.
 SRC and OUT must be on a filesystem every executor mounts. A retried task rewrites its part
-(``overwrite=True``); keep ``spark.speculation`` off (two attempts of one task would write
-the same part: the second is refused). docs/distributed.md.
+(``overwrite=True``), and a re-run of the job its parts and OUT/train; keep
+``spark.speculation`` off (two attempts of one task would write the same part: the second
+is refused). docs/distributed.md.
 """
 from __future__ import annotations
 
@@ -30,18 +31,36 @@ def write_part(index, rows, root: str, out: str, classes):
         yield str(part)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--parts", type=int, default=8, help="Spark partitions, one part each")
+    ap.add_argument("--parts", type=_positive, default=8, help="Spark partitions, one part each")
     ap.add_argument("--master", help="e.g. local[4] (default: spark-submit's)")
     args = ap.parse_args(argv)
-    from pyspark.sql import SparkSession
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise SystemExit("error: pyspark is not installed: pip install pyspark "
+                         "(Spark needs Java too)") from None
     import packer
+    from packer.errors import PackerError
     from packer.sources import ImageFolder
-    listing = ImageFolder(args.src).read()
+    try:  # SRC's mistakes before Spark starts, in one line
+        listing = ImageFolder(args.src).read()
+    except PackerError as e:
+        raise SystemExit(f"error: {e}") from None
     root, out = str(args.src.resolve()), str(args.out.resolve())
     builder = SparkSession.builder.appName("packer-build")
     if args.master:
@@ -53,10 +72,12 @@ def main(argv=None) -> int:
             lambda i, it: write_part(i, it, root, out, listing.classes)).collect()
     finally:
         spark.stop()
-    m = packer.merge(sorted(parts), args.out / "train")
+    try:  # replaces OUT/train of an earlier run: it points into the parts just rewritten
+        m = packer.merge(sorted(parts), args.out / "train", overwrite=True)
+    except PackerError as e:
+        raise SystemExit(f"error: {e}") from None
     print(f"merged {len(parts)} parts: {m['count']} images -> {args.out / 'train'}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -149,26 +149,55 @@ def loaders(args, d: Dist):
 
 # -- training ----------------------------------------------------------------------------------
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= low (a bad value is a usage error, not a traceback later)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _float_in(low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: a float in [low, high] ((low, high] with low_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            bounds = (f"in [{low:g}, {high:g}]" if high < math.inf else
+                      f"{'>' if low_open else '>='} {low:g}")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+    return parse
+
+
 def parse_args(argv=None):
+    positive = _int_at_least(1)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, metavar="DST", help="packed training dataset (packer build)")
     p.add_argument("--val", metavar="DST", help="packed validation dataset (same classes)")
     p.add_argument("--stage-to", metavar="DIR",
                    help="copy the datasets to DIR/train and DIR/val first, once per node "
                         "(e.g. /dev/shm/packer), and read them there; `packer unstage` frees them")
-    p.add_argument("--epochs", type=int, default=1, metavar="N", help="default: 1")
-    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps in all")
-    p.add_argument("--batch-size", type=int, default=256, metavar="N",
+    p.add_argument("--epochs", type=positive, default=1, metavar="N", help="default: 1")
+    p.add_argument("--max-steps", type=positive, metavar="N", help="stop after N optimizer steps in all")
+    p.add_argument("--batch-size", type=positive, default=256, metavar="N",
                    help="images per step per process (default: 256)")
-    p.add_argument("--lr", type=float, metavar="X",
+    p.add_argument("--lr", type=_float_in(0, low_open=True), metavar="X",
                    help="peak learning rate (default: 0.1 x global batch / 256, the linear "
                         "scaling rule); SGD, Nesterov momentum 0.9, warm-up then cosine decay")
-    p.add_argument("--weight-decay", type=float, default=5e-5, metavar="X",
+    p.add_argument("--weight-decay", type=_float_in(0), default=5e-5, metavar="X",
                    help="on weights, not on BatchNorm or biases (default: 5e-5)")
-    p.add_argument("--label-smoothing", type=float, default=0.1, metavar="X", help="default: 0.1")
-    p.add_argument("--image-size", type=int, default=224, metavar="N",
+    p.add_argument("--label-smoothing", type=_float_in(0, 1), default=0.1, metavar="X", help="default: 0.1")
+    p.add_argument("--image-size", type=positive, default=224, metavar="N",
                    help="training crop and validation center crop (default: 224)")
-    p.add_argument("--workers", type=int, metavar="N",
+    p.add_argument("--workers", type=_int_at_least(0), metavar="N",
                    help="DataLoader workers per process (default: usable cores / processes per node)")
     p.add_argument("--model", metavar="NAME",
                    help="a torchvision model, or built in: tiny, resnet50 (used without "
@@ -188,11 +217,13 @@ def parse_args(argv=None):
                    help="continue from --checkpoint (at the exact sample) if it exists")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is available")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="data order and init (default: 0)")
-    p.add_argument("--log-every", type=int, default=50, metavar="N",
+    p.add_argument("--log-every", type=positive, default=50, metavar="N",
                    help="steps between progress lines (default: 50)")
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint PATH")
+    if args.checkpoint and not os.path.isdir(os.path.dirname(os.path.abspath(args.checkpoint))):
+        p.error(f"--checkpoint {args.checkpoint}: its folder does not exist")
     return args
 
 
@@ -201,6 +232,8 @@ def main(argv=None) -> int:
     d = Dist(args.cpu)
     try:
         return train(args, d)
+    except PackerError as e:  # a missing or damaged dataset, a failed staging: one line
+        raise SystemExit(f"error: {e}") from None
     finally:
         d.close()
 
@@ -257,7 +290,12 @@ def train(args, d: Dist) -> int:
 
     start_epoch, step, done_in_epoch = 0, 0, 0
     if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
-        ck = torch.load(args.checkpoint, map_location=d.device, weights_only=True)
+        try:
+            ck = torch.load(args.checkpoint, map_location=d.device, weights_only=True)
+        except Exception:  # truncated, or another file: one line, not torch's page of advice
+            raise SystemExit(f"error: --checkpoint {args.checkpoint}: not a checkpoint this "
+                             f"script wrote, or a damaged one: remove it or give another path"
+                             ) from None
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])

@@ -99,3 +99,129 @@ def test_spark_partitions_then_merge(photo_src, tmp_path):
         "part-00000", "part-00001", "part-00002", "train"]
     quiet_build(photo_src, tmp_path / "local")
     assert records(tmp_path / "out" / "train") == records(tmp_path / "local")
+
+
+FAKE_PYSPARK = '''
+"""Just what scripts/spark_build.py calls, run in this process: the driver's logic without a JVM."""
+class _Rows:
+    def __init__(self, data, n):
+        self.data, self.n = list(data), n
+
+    def mapPartitionsWithIndex(self, f):  # contiguous partitions, as parallelize cuts a list
+        out, start = [], 0
+        for i in range(self.n):
+            size = len(self.data) // self.n + (i < len(self.data) % self.n)
+            out += list(f(i, iter(self.data[start:start + size])))
+            start += size
+        return _Collected(out)
+
+
+class _Collected(list):
+    def collect(self):
+        return list(self)
+
+
+class _Session:
+    class sparkContext:
+        parallelize = staticmethod(lambda data, n: _Rows(data, n))
+
+    def stop(self):
+        pass
+
+
+class _Builder:
+    def appName(self, name):
+        return self
+
+    master = appName
+
+    def config(self, *args):
+        return self
+
+    def getOrCreate(self):
+        return _Session()
+
+
+class SparkSession:
+    builder = _Builder()
+'''
+
+
+def spark_driver(tmp_path: Path, *args, fake=True) -> subprocess.CompletedProcess:
+    env = packer_env()
+    if fake:
+        (tmp_path / "fake" / "pyspark").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / "pyspark" / "__init__.py").write_text("")
+        (tmp_path / "fake" / "pyspark" / "sql.py").write_text(FAKE_PYSPARK)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "fake"),
+                                                          env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(SPARK), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_spark_driver_without_a_jvm_builds_and_builds_again(photo_src, tmp_path):
+    """The driver's flow on a stand-in pyspark: the local build's records in its order, and
+    a second run (retried job) gives the same."""
+    out = tmp_path / "o u t"
+    for _ in range(2):
+        proc = spark_driver(tmp_path, photo_src, out, "--parts", "3")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"merged 3 parts: 48 images -> {out / 'train'}"
+    quiet_build(photo_src, tmp_path / "local")
+    assert records(out / "train") == records(tmp_path / "local")
+
+
+def test_spark_driver_argument_errors_are_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for args, rc, says in [
+        ((tmp_path / "nope", tmp_path / "out"), 1, f"error: ImageFolder(root): {tmp_path / 'nope'} does not exist"),
+        ((tmp_path / "empty", tmp_path / "out"), 1, f"error: no class folders in {tmp_path / 'empty'}"),
+        ((tmp_path / "empty", tmp_path / "out", "--parts", "0"), 2, "usage: spark_build.py"),
+    ]:
+        proc = spark_driver(tmp_path, *args)
+        assert proc.returncode == rc and proc.stderr.startswith(says), proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) <= 2, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_spark_driver_without_pyspark_says_so(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "import pyspark"], capture_output=True)
+    if done.returncode == 0:
+        pytest.skip("pyspark is installed here")
+    proc = spark_driver(tmp_path, tmp_path, tmp_path / "out", fake=False)
+    assert proc.returncode == 1 and proc.stderr == (
+        "error: pyspark is not installed: pip install pyspark (Spark needs Java too)\n")
+
+
+def test_slurm_stepped_array_builds_every_part(photo_src, tmp_path):
+    """--array=0-4:2 (tasks 0, 2, 4: SLURM_ARRAY_TASK_STEP=2) builds parts 0, 1 and 2 of 3,
+    into a folder with a space; a task run again resumes its part."""
+    env, out = packer_on_path(tmp_path), tmp_path / "o u t"
+
+    def task(k):
+        return subprocess.run(["bash", str(SLURM), str(photo_src), str(out)], capture_output=True,
+                              text=True, timeout=300,
+                              env=dict(env, SLURM_ARRAY_TASK_ID=str(k), SLURM_ARRAY_TASK_MIN="0",
+                                       SLURM_ARRAY_TASK_STEP="2", SLURM_ARRAY_TASK_COUNT="3"))
+    for k in (0, 2, 4):
+        done = task(k)
+        assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["part-00000", "part-00001", "part-00002"]
+    again = task(2)
+    assert again.returncode == 0 and "resumed" in again.stderr + again.stdout, again.stderr
+    merge = subprocess.run(["bash", "-c", f'packer merge "{out}"/part-* "{out}/train"'],
+                           env=env, capture_output=True, text=True)
+    assert merge.returncode == 0, merge.stderr
+    assert len(records(out / "train")) == 48
+
+
+def test_slurm_task_outside_its_parts_is_one_line(photo_src, tmp_path):
+    """--array=0,1,5 (3 tasks): task 5 has no part K of 3; said in Slurm's terms, nothing made."""
+    proc = subprocess.run(["bash", str(SLURM), str(photo_src), str(tmp_path / "out")],
+                          env=dict(packer_on_path(tmp_path), SLURM_ARRAY_TASK_ID="5",
+                                   SLURM_ARRAY_TASK_MIN="0", SLURM_ARRAY_TASK_COUNT="3"),
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: array task 5 (first 0, step 1) of 3 is not part K of N: give a range with no "
+        "gaps, --array=0-2 or A-B:STEP\n")
+    assert not (tmp_path / "out").exists()

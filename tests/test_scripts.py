@@ -22,9 +22,18 @@ ROOT_TOOLS = r"(sudo|apt-get|apt|yum|dnf|zypper|apk|brew)"
 
 STAND_IN = """#!/usr/bin/env bash
 echo "$*" >> "$LOG"
+here=$(dirname "$0")
 if [[ "$1 $2" == "-m venv" ]]; then
   [[ -n "${FAIL_VENV:-}" ]] && { echo "ensurepip is not available" >&2; exit 1; }
   mkdir -p "$3/bin" && cp "$0" "$3/bin/python"
+fi
+# a venv whose creation was interrupted: python is there, pip is not
+[[ "$*" == "-c import pip" && -e "$here/no-pip" ]] && exit 1
+[[ "$*" == "-m ensurepip" ]] && rm -f "$here/no-pip"
+if [[ "$1" == -c && "$2" == *torchvision* && -n "${PAIR_BROKEN:-}" ]]; then
+  printf 'Traceback (most recent call last):\\n  File "<string>", line 1\\n' >&2
+  echo "ModuleNotFoundError: No module named 'torchvision'" >&2
+  exit 1
 fi
 exit 0
 """
@@ -78,7 +87,7 @@ def test_ci_runs_exactly_the_readmes_commands():
 def checkout(tmp_path):
     """The scripts in a folder of their own (``setup.sh`` works from its repository root),
     and a stand-in python that logs its arguments."""
-    repo = tmp_path / "repo"
+    repo = tmp_path / "my repo"  # a space in the path
     shutil.copytree(REPO / "scripts", repo / "scripts")
     stand_in = tmp_path / "bin" / "python"
     stand_in.parent.mkdir()
@@ -125,3 +134,69 @@ def test_setup_says_what_to_install_when_venv_is_missing(checkout):
     done = setup(repo, dict(env, FAIL_VENV="1"))
     assert done.returncode == 1 and not (repo / ".venv").exists()
     assert "it needs the python3-venv package (sudo apt-get install python3-venv)" in done.stderr
+
+
+def test_setup_completes_an_interrupted_venv(checkout):
+    """A .venv with python but no pip (ensurepip interrupted) is not trusted by a re-run: it
+    gets its pip (and is not removed: it may be someone's pip-less venv)."""
+    repo, env, log = checkout
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(env["BASE_PYTHON"], repo / ".venv" / "bin" / "python")
+    (repo / ".venv" / "bin" / "no-pip").touch()
+    done = setup(repo, env)
+    assert done.returncode == 0, done.stderr
+    assert "The virtual environment .venv is incomplete" in done.stdout
+    calls = log.read_text().splitlines()
+    assert "-m ensurepip" in calls and "-m venv .venv" not in calls
+    assert not (repo / ".venv" / "bin" / "no-pip").exists()
+    assert "-m pip install -q -e .[test,plot]" in calls
+
+
+@pytest.mark.parametrize("case", ["BASE_PYTHON", "VIRTUAL_ENV", "PYTHON"])
+def test_setup_names_a_missing_interpreter_in_one_line(checkout, tmp_path, case):
+    repo, env, log = checkout
+    gone = tmp_path / "gone"
+    env = dict(env, **{case: str(gone / "bin" / "python" if case != "VIRTUAL_ENV" else gone)})
+    done = setup(repo, env)
+    assert done.returncode == 1 and not (repo / ".venv").exists()
+    assert done.stderr.startswith(f"error: no Python interpreter {gone}/bin/python")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "python3-venv" not in done.stderr and "Installing" not in done.stdout
+
+
+def test_setup_says_why_the_torch_pair_fails_in_one_line(checkout):
+    repo, env, _ = checkout
+    done = setup(repo, dict(env, PAIR_BROKEN="1", TORCH_SPEC="torch==2.14.1"))
+    assert done.returncode == 1
+    assert done.stderr == ("error: torch and torchvision do not import together after installing "
+                           "torch==2.14.1: ModuleNotFoundError: No module named 'torchvision'\n")
+
+
+PIP_STAND_IN = """#!/usr/bin/env bash
+# A python whose environment is the files in $STATE (pillow, pillow-simd); pip can build or
+# fetch nothing (no compiler, no network), only uninstall.
+echo "$*" >> "$LOG"
+case "$*" in
+  -) [[ -e "$STATE/pillow-simd" ]] ;;  # install_pillow_simd.sh's is_simd
+  "-m pip uninstall"*) rm -f "$STATE/pillow" "$STATE/pillow-simd" ;;
+  "-m pip"*) echo "ERROR: No matching distribution found" >&2; exit 1 ;;
+  *) echo 12.0.0 ;;
+esac
+"""
+
+
+def test_pillow_simd_build_failure_keeps_stock_pillow(tmp_path):
+    """Offline, or no compiler: the script fails, and the stock Pillow it found is still there
+    (removed only once Pillow-SIMD is built), as its message says."""
+    state, py = tmp_path / "state", tmp_path / "python"
+    state.mkdir()
+    (state / "pillow").touch()
+    py.write_text(PIP_STAND_IN)
+    py.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(py), STATE=str(state), LOG=str(tmp_path / "log"),
+               CC="/bin/false")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "install_pillow_simd.sh")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 1
+    assert (state / "pillow").exists(), (tmp_path / "log").read_text()
+    assert "stock Pillow stays" in done.stderr.splitlines()[-1], done.stderr

@@ -99,3 +99,58 @@ def test_gpu_run_with_amp_and_channels_last(packed):
               "--batch-size", "8", "--max-steps", "3", "--amp", "bf16", "--channels-last")
     r = result(out)
     assert r["device"] == "cuda" and r["amp"] == "bf16" and r["channels_last"] == "1"
+
+
+def fails(*args, timeout=120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--log-every", "0", "argument --log-every: must be >= 1, got 0"),
+    ("--batch-size", "0", "argument --batch-size: must be >= 1, got 0"),
+    ("--epochs", "0", "argument --epochs: must be >= 1, got 0"),
+    ("--max-steps", "0", "argument --max-steps: must be >= 1, got 0"),
+    ("--image-size", "0", "argument --image-size: must be >= 1, got 0"),
+    ("--workers", "-1", "argument --workers: must be >= 0, got -1"),
+    ("--lr", "-1", "argument --lr: must be > 0, got -1"),
+    ("--weight-decay", "-1", "argument --weight-decay: must be >= 0, got -1"),
+    ("--label-smoothing", "2", "argument --label-smoothing: must be in [0, 1], got 2"),
+    ("--checkpoint", "/nonexistent/dir/ck.pt", "--checkpoint /nonexistent/dir/ck.pt: its folder does not exist"),
+])
+def test_bad_flag_is_a_usage_error_in_one_line(packed, flag, value, says):
+    """Not a traceback after the model is built (or a silent run of 0 steps, or a negative
+    weight decay taken as given): argparse's usage line and exit 2, before any work."""
+    train, _ = packed
+    proc = fails("--data", train, *QUICK, "--max-steps", "2", flag, value)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"train_example.py: error: {says}", proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_dataset_and_damaged_checkpoint_are_one_line(packed, tmp_path):
+    train, _ = packed
+    for args, says in [
+        (["--data", tmp_path / "nope"], f"error: {tmp_path / 'nope'} does not exist"),
+        (["--data", train, "--val", tmp_path / "nope"], f"error: {tmp_path / 'nope'} does not exist"),
+    ]:
+        proc = fails(*args, *QUICK)
+        assert proc.returncode == 1 and proc.stderr.startswith(says), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    ck = tmp_path / "ck.pt"
+    ck.write_text("not a checkpoint")
+    proc = fails("--data", train, "--checkpoint", ck, "--resume", *QUICK)
+    assert proc.returncode == 1 and proc.stderr == (
+        f"error: --checkpoint {ck}: not a checkpoint this script wrote, or a damaged one: "
+        "remove it or give another path\n"), proc.stderr
+    assert ck.read_text() == "not a checkpoint"  # left for the user to look at
+
+
+def test_help_lists_every_flag():
+    proc = fails("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    for flag in ("--data", "--val", "--stage-to", "--max-steps", "--checkpoint", "--resume",
+                 "--cpu", "--amp", "--channels-last", "--no-channels-last"):
+        assert flag in proc.stdout
+    assert "torchrun --standalone --nproc_per_node=8 scripts/train_example.py \\" in proc.stdout

@@ -123,11 +123,39 @@ def test_each_field_is_built_from_its_schema_entry_and_writes_it_back(spec):
     ({"name": "a", "type": ["int"]}, "must be one of"),  # unhashable: a TypeError before
     ({"name": "a", "type": {"x": 1}}, "must be one of"),
     ({"name": "a", "type": "array", "dtype": ["int64"], "shape": [-1]}, "dtype"),
+    ({"name": "a", "type": "array", "dtype": "int64", "shape": [-1] + [1] * 8}, "1-8 sizes"),
 ])
 def test_schema_entries_are_checked(f, problem):
     assert problem in field_problem(f)
     with pytest.raises(FormatError):
         check_schema([f], "here")
+
+
+def test_a_schema_naming_a_field_twice_is_refused():
+    with pytest.raises(FormatError, match="names field 'a' twice"):
+        check_schema([{"name": "a", "type": "int"}, {"name": "a", "type": "str"}], "here")
+
+
+def test_stored_arrays_that_fit_no_shape_are_named_not_crashed_on():
+    """A stranger's schema may give a row of no size ([-1, 0]: no count of rows is known from
+    the bytes, a ZeroDivisionError unchecked) or a fixed shape the bytes do not fill (read
+    anyway, the values would be cut into the wrong shape)."""
+    empty_rows = field_of({"name": "a", "type": "array", "dtype": "int64", "shape": [-1, 0]})
+    assert "has no size" in empty_rows.check(b"")
+    fixed = field_of({"name": "m", "type": "array", "dtype": "uint8", "shape": [2, 3, 4]})
+    assert fixed.check(bytes(24)) == ""
+    assert "23 values do not make shape [2, 3, 4]" in fixed.check(bytes(23))
+    with pytest.raises(ValueError, match="do not make shape"):
+        encode([fixed], {"m": [0] * 25})
+
+
+def test_an_array_value_nested_too_deeply_is_a_value_error():
+    """Flattened without a bound, 2000 nested lists would be a RecursionError."""
+    deep: list = [1]
+    for _ in range(2000):
+        deep = [deep]
+    with pytest.raises(ValueError, match="'a': nested too deeply"):
+        encode([ArrayField("a", "int64", (-1,))], {"a": deep})
 
 
 def test_detection_schema_needs_boxes_labels_image_id():
@@ -182,6 +210,9 @@ def test_polygon_masks_cover_their_polygon():
     ([{"counts": [1, 2], "size": [-1, -1]}], 40, 50, "RLE of size"),
     ([{"counts": "a", "size": [40, 50]}], 40, 50, "does not decode"),
     ([{"counts": [5000], "size": [40, 50]}], 40, 50, "within the image"),
+    ([{"counts": [1500, 1500], "size": [40, 50]}], 40, 50, "within the image"),  # sum > h x w
+    ([{"counts": [2.5, 3], "size": [40, 50]}], 40, 50, "within the image"),  # not cut to ints
+    ([{"counts": [1 << 70], "size": [40, 50]}], 40, 50, "within the image"),  # no int64
     ([[["x"]]], 40, 50, "polygon"),
     ([], 10 ** 6, 10 ** 6, "image size"),
     ([], -5, 10, "image size"),
@@ -189,6 +220,13 @@ def test_polygon_masks_cover_their_polygon():
 def test_hostile_segmentations_are_refused_before_allocating(seg, h, w, problem):
     with pytest.raises(ValueError, match=problem):
         masks_of(seg, h, w)
+
+
+def test_a_compressed_rle_count_longer_than_60_bits_is_refused():
+    """12 characters of 5 bits hold any count; a 13th would be shifted past 64 bits."""
+    assert decode_counts("P" * 11 + "1") == [1 << 55]
+    with pytest.raises(ValueError, match="count out of range"):
+        decode_counts("P" * 12 + "1")
 
 
 # -- records that do not match their schema ----------------------------------------------------

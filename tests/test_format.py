@@ -16,7 +16,8 @@ from packer.demo import load_photos, make_image, make_image_folder
 from packer.errors import FormatError, PackerError
 import msgspec
 from packer.format.manifest import FORMAT_NAME, FORMAT_VERSION, HASH_CHUNK, MANIFEST, check_version, file_sha256, read_manifest
-from packer.format.records import PACK, RECORD_FIELDS, crc32, key, pack_record, unpack_record
+from packer.format.fields import IntField
+from packer.format.records import PACK, RECORD_FIELDS, crc32, key, pack_record, record_problem, unpack_record
 from packer._util.fsio import write_json_atomic
 from packer.writing.shard import ShardWriter
 
@@ -76,6 +77,29 @@ def test_unpack_record_refuses_non_records(jpeg):
     for obj in ([jpeg, 1], "image", 3, {"label": 1, "path": "a"}, None):
         with pytest.raises(FormatError, match="not a packer record"):
             unpack_record(msgpack.packb(obj, use_bin_type=True))
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda r: r.pop("path"), "field 'path' is missing"),
+    (lambda r: r.update(width="500"), "field 'width' is str, not int"),
+    (lambda r: r.update(height=True), "field 'height' is bool, not int"),
+    (lambda r: r.update(crc32=None), "field 'crc32' is NoneType, not int"),
+])
+def test_unpack_record_refuses_records_whose_own_keys_are_wrong(jpeg, change, problem):
+    """A record with an image but a missing or mistyped key of its own (a bool is no int)."""
+    rec = msgpack.unpackb(pack_record(jpeg, path="a.jpg", width=5, height=4, format="JPEG",
+                                      mode="RGB"))
+    change(rec)
+    with pytest.raises(FormatError, match=f"not a packer record: {problem}"):
+        unpack_record(msgpack.packb(rec, use_bin_type=True))
+
+
+def test_record_problem_checks_the_schema_fields(jpeg):
+    rec = unpack_record(pack_record(jpeg, fields={"label": "3"}, path="a", width=1, height=1,
+                                    format="JPEG", mode="L"))
+    assert record_problem(rec, (IntField("n"),)) == "field 'n' is missing"
+    assert "'label'" in record_problem(rec, (IntField("label"),))
+    assert record_problem(dict(rec, label=3), (IntField("label"),)) == ""
 
 
 def test_unpack_record_refuses_non_string_map_keys():

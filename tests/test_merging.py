@@ -5,6 +5,7 @@ of the parts, verify, the same folder given twice, a folder that is not a datase
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import packer
 from packer import merge
 from packer.reading import ShardReader
 from packer.demo import make_image_folder
-from packer.errors import PackerError
+from packer.errors import FormatError, PackerError
 from packer.format.tables import read_labels, read_offsets
 
 
@@ -96,6 +97,38 @@ def test_different_classes_are_refused(datasets, tmp_path):
     other = build(make_image_folder(tmp_path / "other_src", images=4, classes=2), tmp_path / "other")
     with pytest.raises(PackerError, match="other has different classes from .*p0"):
         merge([parts[0], other], tmp_path / "m")
+    assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_different_fields_are_refused(datasets, tmp_path):
+    """Same classes (none), other fields: merged, the second part's records would lack the
+    fields its manifest's schema promises."""
+    jpeg = next(datasets[0].rglob("*.jpg")).read_bytes()
+    a, b = tmp_path / "a", tmp_path / "b"
+    packer.write(a, [{"image": jpeg, "score": 0.5}], progress=False)
+    packer.write(b, [{"image": jpeg, "n": 3}], progress=False)
+    with pytest.raises(PackerError, match=r"b has different fields from .*a; "):
+        merge([a, b], tmp_path / "m")
+    assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_merge_into_one_of_its_parts_is_refused_even_with_overwrite(datasets, tmp_path):
+    """overwrite=True would first remove the part's own dataset (its manifest, its tables)."""
+    parts = [Path(shutil.copytree(p, tmp_path / p.name)) for p in datasets[2]]
+    before = contents(parts[0])
+    with pytest.raises(PackerError, match=r"DST .*p0 is one of the parts"):
+        merge(parts, parts[0], overwrite=True)
+    assert contents(parts[0]) == before
+
+
+@pytest.mark.parametrize("options", [{"part": "x/y"}, {"part": None, "merged_parts": 7}])
+def test_a_part_whose_manifest_holds_no_parts_is_a_format_error(datasets, tmp_path, options):
+    parts = [Path(shutil.copytree(p, tmp_path / p.name)) for p in datasets[2]]
+    man = json.loads((parts[1] / "manifest.json").read_text())
+    man["options"].update(options)
+    (parts[1] / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(FormatError, match=r"p1: its manifest's parts .* are not K/N"):
+        merge(parts, tmp_path / "m")
     assert not (tmp_path / "m" / "manifest.json").exists()
 
 

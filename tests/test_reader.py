@@ -227,6 +227,51 @@ def test_a_shard_replaced_by_a_fifo_is_a_format_error_not_a_wait(copy):
     os.mkfifo(shard)
     with pytest.raises(FormatError, match="was replaced after this dataset was opened"):
         reader.read(last)
+def test_a_shard_cut_short_while_it_is_open_is_a_format_error(copy):
+    """Truncated in place after the reader opened it: a short read is refused, not returned
+    as a record."""
+    reader = ShardReader(copy)
+    last = len(reader) - 1
+    reader.read(last)  # its shard is open now
+    os.truncate(copy / manifest(copy)["shards"][-1]["path"], 8192)
+    with pytest.raises(FormatError, match="shorter than its offsets say; damaged shard"):
+        reader.read(last)
+
+
+def test_verify_crc_refuses_an_image_changed_on_disk(copy):
+    """One byte of record 0's image flipped in its shard: still a valid record, so only the
+    CRC-32 check tells (without it, damaged pixels are trained on)."""
+    reader = ShardReader(copy)
+    data = reader.read(0)
+    image = unpack_record(data)["image"]
+    at = reader.offsets[0] + data.index(image) + len(image) // 2
+    reader.close()
+    shard = copy / manifest(copy)["shards"][0]["path"]
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0xFF]))
+    assert ShardReader(copy).record(0)["image"] != image  # read as it is without the check
+    with pytest.raises(FormatError, match="record 0 of .*fails its CRC-32 check"):
+        ShardReader(copy, verify_crc=True).record(0)
+
+
+def test_a_shard_that_is_a_folder_of_the_listed_size_is_refused(copy):
+    """Only a regular file is a shard, even one whose size matches its manifest entry (a
+    folder would be opened, then each read an IsADirectoryError)."""
+    man = manifest(copy)
+    s = man["shards"][0]
+    shard = copy / s["path"]
+    shard.unlink()
+    shard.mkdir()
+    man["bytes"] += shard.stat().st_size - s["bytes"]
+    s["bytes"] = shard.stat().st_size
+    write_json_atomic(copy / "manifest.json", man)
+    with pytest.raises(FormatError, match=rf"shard .*{shard.name} is not a regular file"):
+        ShardReader(copy)
+
+
 @pytest.mark.parametrize("change", ["truncate", "extend"])
 def test_shard_of_the_wrong_size(copy, change):
     s = manifest(copy)["shards"][0]

@@ -190,6 +190,16 @@ def two_shards_one_file(m):
     m["bytes"] = 2 * s["bytes"]
 
 
+def label_field_typed_float(m):
+    next(f for f in m["schema"]["fields"] if f["name"] == "label")["type"] = "float"
+
+
+def column_for_a_field_without_one(m):
+    """A str field (no side table) given a column entry whose dtype is null."""
+    m["schema"]["fields"].append({"name": "note", "type": "str"})
+    m["columns"]["note"] = dict(m["columns"]["width"], dtype=None)
+
+
 # (case id, change to the manifest, the field the FormatError must name)
 CASES = [
     ("count-string", put(count="24"), "count"),
@@ -216,6 +226,7 @@ CASES = [
     ("shard-path-repeated", two_shards_one_file, "shards[1].path"),
     ("shard-path-packer-temp", set_shard(path="manifest.json.tmp"), "shards[0].path"),
     ("shard-path-manifest", set_shard(path="manifest.json"), "shards[0].path"),
+    ("shard-path-hidden", set_shard(path=".shard-00000.lmdb"), "shards[0].path"),
     ("shard-count-negative", lambda m: (shard(m).update(count=-1), m.update(count=-1)),
      "count"),
     ("shard-count-string", set_shard(count="24"), "shards[0].count"),
@@ -247,6 +258,16 @@ CASES = [
     ("skipped-path-int", put(skipped=[{"path": 7, "reason": "broken"}]), "skipped[0].path"),
     ("skipped-reason-missing", put(skipped=[{"path": "a.jpg"}]), "skipped[0].reason"),
     ("options-not-object", put(options=["shuffle"]), "options"),
+    ("dropped_count-bool", put(dropped_count=True), "dropped_count"),
+    ("schema-task-unknown", lambda m: m["schema"].update(task="segmentation"), "schema"),
+    ("schema-label-not-int", label_field_typed_float, "schema.fields"),
+    ("column-dtype-null", column_for_a_field_without_one, "columns.note"),
+    ("paths-index-path-up", lambda m: m["paths"]["index"].update(path="../../etc/passwd"),
+     "paths.index.path"),
+    ("paths-text-path-dev-zero", lambda m: m["paths"]["text"].update(path="/dev/zero"),
+     "paths.text.path"),
+    ("paths-index-bytes-wrong", lambda m: m["paths"]["index"].update(bytes=8 * 23),
+     "paths.index.bytes"),
     ("source-not-string", put(source=["/src"]), "source"),
 ]
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import BUCKET, s3_options
+from packer import build, merge
+from packer.demo import make_image_folder
 from packer.errors import PackerError
 from packer.format.manifest import MANIFEST
 from packer.staging import stage
@@ -65,6 +67,20 @@ def test_upload_puts_the_manifest_last_and_resumes(s3, local_dataset, proxy, tmp
     assert sent[-1] == MANIFEST and puts[0] == UPLOAD_MARKER
     assert puts.index(MANIFEST) == len(puts) - 2 and puts[-1] == UPLOAD_MARKER  # then the marker goes
     assert upload_dataset(local_dataset, url, opts) == []  # already there
+
+
+def test_upload_refuses_a_merged_dataset_whose_shards_live_in_its_parts(s3, tmp_path):
+    """A merged dataset's shards are ``../pK/NAME``: uploaded as they are, they would land
+    beside the dataset's prefix (over whatever is there), outside what was asked for."""
+    src = make_image_folder(tmp_path / "src", images=6, classes=2)
+    parts = [tmp_path / f"p{k}" for k in range(2)]
+    for k, part in enumerate(parts):
+        build(src, part, part=f"{k}/2", workers=0, progress=False)
+    merge(parts, tmp_path / "m")
+    with pytest.raises(PackerError, match="merged dataset whose shards live in its parts"):
+        upload_dataset(tmp_path / "m", f"s3://{BUCKET}/merged-upload/m", s3["options"])
+    s3["fs"].invalidate_cache()
+    assert s3["fs"].find(f"{BUCKET}/merged-upload") == []
 
 
 def test_upload_killed_midway_resumes(s3, local_dataset, proxy, tmp_path):

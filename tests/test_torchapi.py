@@ -8,7 +8,8 @@ import os
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from packer.loading.torchapi import discard_iterator, shared_empty, shared_storage, shutdown_workers
+from packer.loading.torchapi import (dead_workers, discard_iterator, shared_empty, shared_storage,
+                                     shutdown_workers)
 
 
 class Filled(Dataset):
@@ -57,3 +58,25 @@ def test_discard_iterator_stops_the_kept_workers_and_the_next_iter_starts_new_on
     new = {pid for _, pid in loader}
     assert new and not new & old
     discard_iterator(DataLoader(range(3)))  # never iterated: nothing to do
+
+
+def test_dead_workers_names_the_workers_that_exited():
+    import signal
+    import time
+    loader = DataLoader(Filled(), batch_size=None, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    assert dead_workers(it) == [] and dead_workers(iter(DataLoader(range(3)))) == []
+    victim = it._workers[0].pid
+    handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # not torch's: it would raise here
+    try:
+        os.kill(victim, signal.SIGKILL)
+        for _ in range(100):
+            if dead_workers(it):
+                break
+            time.sleep(0.05)
+        assert dead_workers(it) == [victim]
+    finally:
+        signal.signal(signal.SIGCHLD, handler)
+        shutdown_workers(it)
+

@@ -3,12 +3,14 @@ epoch; batches carry their place (``Numbered``) and ``EpochStream`` hands them o
 from __future__ import annotations
 
 import itertools
+import pickle
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from torch.utils.data import get_worker_info
 
 from ..reading.sampler import PackedSampler, rank_count
+from .torchapi import dead_workers
 
 __all__ = ["EpochBatches", "EpochPass", "EpochStream", "Failed", "Numbered", "StampedCollate",
            "StampedDataset"]
@@ -81,9 +83,13 @@ class Failed:
     def __reduce__(self):
         info = get_worker_info()
         where = f"in DataLoader worker process {info.id}" if info else "in a DataLoader worker"
-        text = "".join(traceback.format_exception(type(self.exc), self.exc, self.exc.__traceback__))
-        return failed_from, (type(self.exc), f"Caught {type(self.exc).__name__} {where}.\n"
-                                             f"Original {text}")
+        cls = type(self.exc)
+        text = "".join(traceback.format_exception(cls, self.exc, self.exc.__traceback__))
+        try:  # a type with no importable name (made in a function, botocore's error factory)
+            pickle.dumps(cls)  # would fail in the queue's feeder thread: the batch lost, the
+        except Exception:  # noqa: B902 - loop waiting for it for ever
+            cls = RuntimeError
+        return failed_from, (cls, f"Caught {type(self.exc).__name__} {where}.\nOriginal {text}")
 
     def reraise(self):
         try:
@@ -148,10 +154,15 @@ class EpochStream:
         self.early: Dict[int, Any] = {}  # batches that came before their turn, by seq
         self.seq = 0  # the stream's next batch to hand out
         self.broken = False  # the DataLoader raised: its workers are not to be reused
+        self.spent: Optional[tuple] = None  # where a pass that handed out its last batch left
 
     def begin(self, start: Callable[..., Iterator]) -> None:
         """Restart the stream unless it is where the sampler is; then mark it mid-epoch (a
-        new pass before this one ends restarts it)."""
+        new pass before this one ends restarts it). A pass that handed out all its batches
+        but was not asked for more (``islice(loader, len(loader))``) ended all the same."""
+        if self.spent is not None and self.spent == spent_at(self.batches.sampler):
+            self.end()
+        self.spent = None
         if self.it is None or self.at != position(self.batches.sampler):
             # a new stream from the sampler as it is now; new workers where one died
             self.it = start(fresh=True) if self.broken else start()
@@ -162,16 +173,19 @@ class EpochStream:
         """A complete pass: the sampler moves to the next epoch, which the stream is in."""
         s = self.batches.sampler
         s.set_epoch(s.epoch + 1)
-        self.at = position(s)
+        self.at, self.spent = position(s), None
 
     def next_in_order(self):
         """The stream's next batch; those that finish before it wait in ``early``."""
         while self.seq not in self.early:
             try:
                 seq, batch = next(self.it)
+                if seq != self.seq and (dead := dead_workers(self.it)):  # the others' batches
+                    pids = ", ".join(map(str, dead))  # would keep the queue busy, piling up here
+                    raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly")
             except Exception:  # noqa: B902 - the DataLoader's own (a worker died): its batches
                 self.it, self.broken = None, True  # are lost, so the next batch restarts the
-                raise  # stream where the sampler is, with new workers, not wait for ever
+                raise  # stream where the loop is, with new workers, not wait for ever
             self.early[seq] = batch
         self.seq += 1
         return self.early.pop(self.seq - 1)
@@ -199,16 +213,30 @@ class EpochPass:
             self.done = -1  # StopIteration from now on, as iterators do
         if self.done < 0:
             raise StopIteration
-        if stream.it is None:  # broken by an error of the DataLoader's own
+        if stream.it is None:  # broken by an error of the DataLoader's own: restart where the
+            s.load_state_dict(s.state_dict(self.reached()))  # loop is, not at the pass's start
             stream.begin(self.start)
         batch = stream.next_in_order()
         self.done += 1
-        s.received(min(self.first + self.done * stream.batches.batch_size * s.num_replicas, s.size))
+        s.received(self.reached())
+        if self.done == self.count:
+            stream.spent = spent_at(s)
         if isinstance(batch, Failed):
             failed, batch = batch, None
             failed.reraise()
         return batch
 
+    def reached(self) -> int:
+        """Global samples of the epoch the loop has received in this pass."""
+        s = self.stream.batches.sampler
+        return min(self.first + self.done * self.stream.batches.batch_size * s.num_replicas, s.size)
+
 
 def position(s: PackedSampler) -> tuple:
     return s.epoch, s.start, s.seed, s.shuffle, s.order
+
+
+def spent_at(s: PackedSampler) -> tuple:
+    """Where the sampler is, down to the samples received: unchanged until the next pass unless
+    the caller moved it (``set_epoch``, ``load_state_dict``)."""
+    return *position(s), s.state_dict()["consumed"]

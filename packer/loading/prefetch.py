@@ -180,9 +180,9 @@ class PrefetchPass:
                 raise StopIteration
             try:
                 batch = next(self.it)
-            except StopIteration:
-                pf._state = pf._loader_state()  # a pass that ended: the next one's start
-                raise
+            except Exception:  # noqa: B902 - a pass that ended (the next one's start), or a
+                pf._state = pf._loader_state()  # batch that raised: counted, as the loader
+                raise  # and the GPU path count it
             state = pf._loader_state()
             out = pf._convert(batch)
             pf._state = state

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["discard_iterator", "shared_empty", "shared_storage", "shutdown_workers"]
+__all__ = ["dead_workers", "discard_iterator", "shared_empty", "shared_storage", "shutdown_workers"]
 
 
 def shared_storage(nbytes: int) -> torch.UntypedStorage:
@@ -27,6 +27,12 @@ def shutdown_workers(iterator) -> None:
     stop = getattr(iterator, "_shutdown_workers", None)
     if stop is not None:
         stop()
+
+
+def dead_workers(iterator) -> list:
+    """Pids of a DataLoader iterator's workers that have exited (none without workers): torch
+    notices one only in a SIGCHLD handler (main thread only) or when its queue stays empty."""
+    return [w.pid for w in getattr(iterator, "_workers", ()) if not w.is_alive()]
 
 
 def discard_iterator(loader) -> None:

@@ -193,6 +193,21 @@ def test_parts_cut_from_copies_of_src_that_differ_are_refused(datasets, tmp_path
     assert not (tmp_path / "m").exists() or not (tmp_path / "m" / "manifest.json").exists()
 
 
+def test_parts_built_before_parts_recorded_their_listing_resume_and_merge(datasets, tmp_path):
+    """A part of an older packer (no ``part_of``; the same fingerprint) is finished for a re-run
+    of its command, and merges with a part that records its listing."""
+    src, whole, parts = datasets
+    old = build(src, tmp_path / "old1", part="1/2")
+    man = json.loads((old / "manifest.json").read_text())
+    del man["options"]["part_of"]
+    (old / "manifest.json").write_text(json.dumps(man))
+    before = (old / "manifest.json").read_bytes()
+    build(src, old, part="1/2")  # the same command again: nothing to do, not "already holds"
+    assert (old / "manifest.json").read_bytes() == before
+    merge([parts[0], old], tmp_path / "m")
+    assert contents(tmp_path / "m") == contents(whole)
+
+
 def test_a_dataset_merged_before_merges_recorded_their_parts_still_merges(datasets, tmp_path):
     src, whole, parts = datasets
     one = tmp_path / "one"

@@ -463,3 +463,18 @@ def test_a_no_op_rerun_keeps_the_users_files_named_like_tables(photo_src, tmp_pa
     (dst / "column-readme.md").write_text("notes")
     assert quiet_build(photo_src, dst, workers=0).resumed_shards == len(read_manifest(dst)["shards"])
     assert (dst / "paths.txt").exists() and (dst / "column-readme.md").exists()
+
+
+def test_a_resume_keeps_the_claims_on_side_tables_written_before(tmp_path):
+    """A run claims its side tables in the journal before writing them; a resume that rewrites
+    the journal must keep those claims, or a later restart leaves the tables as strangers."""
+    from packer.writing import journal
+    dst = tmp_path / "d"
+    dst.mkdir()
+    journal.restart(dst, "fp")
+    journal.claim_more(dst, ["column-area.f32"])
+    journal.load(dst, "fp")  # a resume: the journal rewritten whole
+    assert read_journal(dst)["owned"] == ["column-area.f32"]
+    (dst / "column-area.f32").write_bytes(b"\0" * 8)
+    journal.load(dst, "other")  # another build's restart removes what this one claimed
+    assert not (dst / "column-area.f32").exists()

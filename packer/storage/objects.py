@@ -9,6 +9,7 @@ import itertools
 import os
 import posixpath
 import random
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -112,7 +113,7 @@ def with_retries(fn: Callable[[], T], what: str, seconds: float, secrets: Iterab
 
 def advice(e: BaseException) -> str:
     if isinstance(e, FileNotFoundError):
-        if "bucket" in str(e).lower():  # S3's NoSuchBucket, GCS's "bucket does not exist"
+        if re.search(r"nosuchbucket|bucket does not exist", str(e).lower()):  # S3's, GCS's
             return " (no such bucket: check the URL's bucket name, or create the bucket)"
         return " (no such object: check the URL, and that the upload finished)"
     if isinstance(e, PermissionError) or "Credential" in type(e).__name__:

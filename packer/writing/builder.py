@@ -140,8 +140,9 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
     src = source.root
     if not source.entries:
         raise PackerError(f"{src}: no images to pack")
-    if part is not None:  # parts cut from different listings must not merge: merge compares it
-        options = {**options, "part_of": journal.input_digest(source)}
+    # parts cut from different listings must not merge: the manifest records the listing (not
+    # the fingerprint's options, which a part built by an older packer resumes under)
+    part_of = journal.input_digest(source) if part is not None else None
     source = select(source, part=part, shuffle=options["shuffle"], seed=options["seed"])
     dst.mkdir(parents=True, exist_ok=True)
     with FolderLock(dst, f"packer build into {dst}"):
@@ -177,7 +178,8 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
         finally:
             bar.close()
         manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
-                              options=options, extra=ann.extra if ann is not None else None)
+                              options=dict(options, part_of=part_of) if part_of else options,
+                              extra=ann.extra if ann is not None else None)
     return manifest, resumed
 
 

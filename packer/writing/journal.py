@@ -126,7 +126,7 @@ def load(dst: Path, fp: str) -> dict:
             break
     state = {"shards": [dict(s) for s in j["shards"]], "skipped": j["skipped"],
              "dropped": j.get("dropped", []), "next_entry": j["next_entry"]}
-    save(dst, fp, **state)
+    save(dst, fp, **state, owned=j.get("owned", []))  # side tables claimed before: still ours
     return state
 
 
@@ -195,14 +195,14 @@ def append(dst: Path, shard: Optional[dict], skipped: Sequence[dict], dropped: S
 
 
 def save(dst: Path, fp: str, shards: List[dict], skipped: List[dict], next_entry: int,
-         dropped: Sequence[dict] = ()) -> None:
+         dropped: Sequence[dict] = (), owned: Sequence[str] = ()) -> None:
     """The whole journal, rewritten (the header ``append`` adds lines to)."""
     if shards:
         shards[-1]["next_entry"] = next_entry
+    j = {"fingerprint": fp, "shards": shards, "skipped": skipped, "dropped": list(dropped),
+         "next_entry": next_entry, **({"owned": sorted(owned)} if owned else {})}
     with disk_errors(dst / JOURNAL):
-        write_json_atomic(dst / JOURNAL, {"fingerprint": fp, "shards": shards,
-                                          "skipped": skipped, "dropped": list(dropped),
-                                          "next_entry": next_entry})
+        write_json_atomic(dst / JOURNAL, j)
 
 
 def finished(dst: Path, fp: str) -> Optional[dict]:

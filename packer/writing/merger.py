@@ -113,7 +113,7 @@ def _refuse_strangers(mans: List[Tuple[Path, dict]]) -> None:
         if not held:
             raise PackerError(f"{p} was not built with --part K/N but {p0} was; merge the "
                               f"parts of one build")
-        if how != how0 and cut_from[p] != cut_from[p0]:
+        if cut_from[p] and cut_from[p0] and cut_from[p] != cut_from[p0]:
             raise PackerError(f"{p} (part {_shown(held)}) was cut from another listing than "
                               f"{p0} (part {_shown(held0)}): its copy of SRC holds other "
                               f"files, labels or annotations; build every part from one copy")
@@ -136,7 +136,7 @@ def _command(m: dict) -> str:
     """What a part's build command was, but where its files were and how big its shards."""
     name = lambda v: PurePath(str(v)).name if v else v  # noqa: E731
     opts = {k: name(v) if k in PATH_OPTIONS else v for k, v in (m.get("options") or {}).items()
-            if k not in ("part", "merged_from", "merged_parts", "shard_size")}
+            if k not in ("part", "part_of", "merged_from", "merged_parts", "shard_size")}
     return json.dumps([name(m.get("source")), opts], sort_keys=True, default=str)
 
 

@@ -145,3 +145,9 @@ def test_a_bucket_that_cannot_be_written_stops_the_build_before_it_starts(s3, tw
     assert "upload finished" not in r.output  # a write to a missing bucket: not "no such object"
     assert len(r.output.strip().splitlines()) == 1, r.output
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("packer-build-")]
+
+
+def test_a_missing_object_in_a_bucket_named_bucket_is_not_a_missing_bucket():
+    from packer.storage.objects import advice
+    assert "no such object" in advice(FileNotFoundError("my-bucket/ds/manifest.json"))
+    assert "no such bucket" in advice(FileNotFoundError("The specified bucket does not exist"))

@@ -310,7 +310,11 @@ def test_cat_counts_a_negative_index_from_the_end(built):
     assert invoke("cat", dst, "-1").stdout_bytes == invoke("cat", dst, n - 1).stdout_bytes
     assert invoke("cat", dst, f"-{n + 1}", code=1).stderr == \
         f"Error: record -{n + 1} out of range for a dataset of {n}\n"
-    assert "unexpected extra argument (--bogus)" in invoke("cat", dst, "0", "--bogus", code=2).stderr
+    assert "No such option '--bogus'" in invoke("cat", dst, "0", "--bogus", code=2).stderr
+    assert "No such option '--outptu'" in invoke("cat", "--outptu", "x", dst, "0", code=2).stderr
+    out = dst.parent / "last.jpg"
+    invoke("cat", dst, "-1", "-o", out)  # an option after a negative INDEX
+    assert out.read_bytes() == invoke("cat", dst, n - 1).stdout_bytes
 
 
 def test_doctor_ctrl_c_is_interrupted_not_aborted(monkeypatch):

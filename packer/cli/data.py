@@ -347,7 +347,18 @@ def ls(dst, as_json, storage_options, cache_dir):
         sys.stdout.write(f"{i}\t{label}\t{printable(path)}\n")
 
 
-@click.command(context_settings={"ignore_unknown_options": True})  # INDEX -1 is no option
+class NegativeIndex(click.Command):
+    """A negative INDEX (``-1``) is read as a number, not as an option; other options as
+    usual (a misspelled one is still "No such option")."""
+
+    def parse_args(self, ctx, args):
+        nums = [a for a in args if re.fullmatch(r"-\d+", a)]
+        if nums and "--" not in args:
+            args = [a for a in args if a not in nums] + ["--", *nums]
+        return super().parse_args(ctx, args)
+
+
+@click.command(cls=NegativeIndex)
 @click.argument("dst", type=PathOrURL(file_okay=False, exists=True, path_type=Path))
 @click.argument("index", type=int)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),

@@ -19,14 +19,14 @@ from tqdm.auto import tqdm
 from .. import __version__
 from .._util.system import fs_type, human_size, meminfo
 from ..errors import FormatError, PackerError
-from .._util.fsio import check_folder, fsync_dir, remove_own, write_json_atomic
+from .._util.fsio import FolderLock, check_folder, fsync_dir, remove_own, write_json_atomic
 from ..format.manifest import LABELS, MANIFEST, OFFSETS, PATHS_INDEX, PATHS_TEXT, file_sha256, read_manifest, set_table, shard_file, side_tables
 from ..storage import RemoteDataset, is_url, redact
 from ..storage.remote import dataset_files
 from .copy import TMP_SUFFIX, StagedFile, copy_file, disk_full, tmpfs_advice
 from .results import RAM_FS, StageResult
-from .unstager import (STAGE_LOCK, STAGE_MARKER, manifest_or_none, one_at_a_time, previous_names,
-                       read_marker, remove_folders, remove_staged, vanishing, write_marker)
+from .unstager import (STAGE_LOCK, STAGE_MARKER, manifest_or_none, previous_names, read_marker,
+                       remove_folders, remove_staged, vanishing, write_marker)
 
 __all__ = ["check_space", "local_rank_from_env", "stage", "stage_once_per_node", "staging_plan"]
 
@@ -40,7 +40,6 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
     holding other things. Each copy is hashed as it is copied and checked against the
     manifest; ``verify`` also hashes files already there before keeping them (``False``: a
     re-run trusts the sizes of those the staged manifest there lists with the same checksum).
-    A stage of TARGET under way in another process is waited for, then its copy is kept.
     ``storage_options``: for a URL, fsspec's and packer's options. Returns a ``StageResult``
     (``message()`` says where the data is). An incomplete source, an unsafe target or too
     little space is a ``PackerError`` before anything is written; a later failure removes what
@@ -58,11 +57,8 @@ def stage(src: os.PathLike, target: os.PathLike, *, progress: bool = True,
         with vanishing(target):
             _refuse_unsafe_target(src, target, plan)
             target.mkdir(parents=True, exist_ok=True)
-            with one_at_a_time(target, f"packer stage {src} into {target}", wait=True) as waited:
-                # waited: a stage just wrote TARGET, checking each file against the
-                # checksums its manifest lists; what that manifest vouches for is not re-read
-                return _stage_locked(src, target, man, plan, progress, verify and not waited,
-                                     t0, len(made) - 1)
+            with FolderLock(target, f"packer stage {src} into {target}"):
+                return _stage_locked(src, target, man, plan, progress, verify, t0, len(made) - 1)
     except BaseException:
         if made and not (target / STAGE_MARKER).exists():  # nothing staged is left: tidy up
             remove_folders(target, len(made) - 1)

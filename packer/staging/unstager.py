@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .. import __version__
-from .._util.fsio import LOCK_NAME, FolderLock, lock_module, remove_own, write_json_atomic
+from .._util.fsio import LOCK_NAME, FolderLock, remove_own, write_json_atomic
 from ..errors import PackerError
 from ..format.manifest import MANIFEST, read_manifest
 from .copy import TMP_SUFFIX, disk_full
@@ -37,48 +37,17 @@ def unstage(target: os.PathLike) -> UnstageResult:
                               f"output?); unstage removes staged copies only")
         if not (target / STAGE_MARKER).exists():
             if set(os.listdir(target)) <= KILLED_LEFTOVERS:  # a stage or unstage killed early/late
-                with one_at_a_time(target, f"packer unstage {target}", wait=False):
+                with FolderLock(target, f"packer unstage {target}"):
                     removed = [n for n in sorted(KILLED_LEFTOVERS - {STAGE_LOCK}) if remove_own(target, n)]
                 return UnstageResult(target=target, removed=removed, bytes_freed=0,
                                      removed_dir=remove_folders(target, 0))
             raise PackerError(f"{target} is not a staged packer dataset (no {STAGE_MARKER}, "
                               f"which lists what staging wrote); refusing to delete anything there")
-        with one_at_a_time(target, f"packer unstage {target}", wait=False):
+        with FolderLock(target, f"packer unstage {target}"):
             parents = read_marker(target).get("parents", 0)
             removed, freed = remove_staged(target)
     removed_dir = remove_folders(target, parents)
     return UnstageResult(target=target, removed=removed, bytes_freed=freed, removed_dir=removed_dir)
-
-
-@contextlib.contextmanager
-def one_at_a_time(target: Path, what: str, wait: bool):
-    """TARGET's ``FolderLock``, taken under an ``flock`` on the folder itself, which yields
-    whether this process had to wait. With ``wait``, a stage or unstage under way is waited for
-    (several training processes of a node staging one dataset: one copies, the others then
-    find the copy complete) instead of failing at once. Where folders cannot be flocked
-    (NFS) only the ``FolderLock`` is taken."""
-    fcntl, waited = lock_module(), False
-    try:
-        fd = os.open(target, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    except PermissionError:  # writable, not readable: the FolderLock alone
-        fd = None
-    try:
-        try:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not wait:
-                raise PackerError(f"{target} is being staged or unstaged by another process; "
-                                  f"run this again when it is done") from None
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            waited = True
-        except OSError:  # no flock on folders here: the FolderLock alone refuses a second one
-            pass
-        with FolderLock(target, what):
-            yield waited
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 def manifest_or_none(target: Path) -> Optional[dict]:

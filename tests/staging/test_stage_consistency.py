@@ -1,23 +1,19 @@
-"""`packer stage` against real processes and a rebuilt source: concurrent stages of one TARGET
-all end with the complete copy, ``verify=False`` never keeps a file of an older build, and
-``scripts/mount_tmpfs.sh`` sizes are what stage needs (and never wrap around)."""
+"""`packer stage` against a rebuilt source: ``verify=False`` never keeps a file of an older
+build; and ``scripts/mount_tmpfs.sh`` sizes are what stage needs (and never wrap around).
+(Concurrent stages of one TARGET: tests/hostile/test_hostile_races.py.)"""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from packer import build
 from packer.demo import make_image_folder
-from packer.errors import PackerError
 from packer.format.manifest import file_sha256, read_manifest, side_tables
-from packer.reading.reader import ShardReader
 from packer.staging import stage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,61 +48,6 @@ def test_no_verify_restage_of_a_rebuilt_source_copies_the_new_tables(images, tmp
     assert (target / "labels.i32").read_bytes() == (dst / "labels.i32").read_bytes()
     again = stage(dst, target, progress=False, verify=False)  # vouched for now: nothing to do
     assert not again.changed and again.copied == []
-
-
-GATED = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
-    from packer.staging import stager
-    gate = Path(sys.argv[3])
-    real = stager.copy_file
-    def held(f, target, progress):  # the real copy, once the test opens the gate
-        (gate.parent / "reached").touch()
-        while not gate.exists():
-            time.sleep(0.02)
-        real(f, target, progress)
-    stager.copy_file = held
-    res = stager.stage(sys.argv[1], sys.argv[2], progress=False)
-    print(len(res.copied))
-""")
-
-
-def test_concurrent_stages_wait_for_the_one_copying(images, tmp_path):
-    dst, target, gate = tmp_path / "ds", tmp_path / "shm" / "train", tmp_path / "gate"
-    build(images, dst, workers=0, progress=False, shard_size=1 << 20)
-    first = subprocess.Popen([sys.executable, "-c", GATED, str(dst), str(target), str(gate)],
-                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "reached").exists():  # the first one is copying (and held there)
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-            time.sleep(0.02)
-        with pytest.raises(PackerError, match="not a packer dataset|manifest"):
-            ShardReader(target)  # half-copied: never read as a dataset
-        others = [subprocess.Popen(PACKER + ["stage", "--json", str(dst), str(target)], env=ENV,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                  for _ in range(3)]
-        unstaging = subprocess.run(PACKER + ["unstage", str(target)], env=ENV,
-                                   capture_output=True, text=True, timeout=60)
-        assert unstaging.returncode == 1 and len(unstaging.stderr.strip().splitlines()) == 1
-        time.sleep(2)
-        assert [p.poll() for p in others] == [None] * 3, [p.communicate() for p in others]
-        gate.touch()
-        out, err = first.communicate(timeout=120)
-        assert first.returncode == 0, err
-        n = len(staged_files_match(target))
-        assert int(out) == n
-        for p in others:
-            o, e = p.communicate(timeout=120)
-            assert p.returncode == 0, e
-            res = json.loads(o)
-            assert res["copied"] == [] and len(res["kept"]) == n  # exactly one copy was made
-    finally:
-        gate.touch()
-        for p in [first] + locals().get("others", []):
-            p.kill()
-            p.wait()
-    assert all(staged_files_match(target).values())
 
 
 def run_script(*args):

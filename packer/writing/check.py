@@ -108,6 +108,8 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                 if fmt in JPEG_FORMATS and mode in ("RGB", "L", "CMYK"):
                     im.draft(mode, (max(1, w // 8), max(1, h // 8)))
                 im.load()  # multi-frame files (TIFF pages) train on frame 0, as in ImageFolder
+                if fmt == "TIFF":  # turned upright by its orientation tag as it loads: the size
+                    w, h = im.size  # readers get (Pillow < 11 gives the stored one at open)
                 # After the load: a PNG's EXIF may follow its pixels (reading it loads them),
                 # and orientation_of takes any error for "no EXIF"
                 turn = orientation_of(im) if orientation else 1

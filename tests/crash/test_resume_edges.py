@@ -21,13 +21,8 @@ from PIL import Image
 MiB = 1 << 20
 
 
-def test_a_resume_after_the_files_changed_size_never_replaces_a_finished_shard(tmp_path, monkeypatch):
-    """Killed after two shards; then the images of those two are re-saved smaller, so that the
-    new plan puts them in one shard ending where the journal stopped (plan index 1). The rest
-    used to be written from shard-00001.lmdb on, over the journaled one: a manifest listing
-    shard-00001.lmdb twice, which no reader opens."""
-    src = make_image_folder(tmp_path / "src", images=48, classes=4, seed=1)
-    dst = tmp_path / "d"
+def interrupted_after_two_shards(src, dst, monkeypatch) -> None:
+    """A build of ``src`` into ``dst`` stopped (KeyboardInterrupt) as its third shard finishes."""
     real, calls = ShardWriter.finish, []
 
     def finish(self):
@@ -39,6 +34,16 @@ def test_a_resume_after_the_files_changed_size_never_replaces_a_finished_shard(t
         mp.setattr(ShardWriter, "finish", finish)
         with pytest.raises(KeyboardInterrupt):
             quiet_build(src, dst, shard_size=MiB)
+
+
+def test_a_resume_after_the_files_changed_size_never_replaces_a_finished_shard(tmp_path, monkeypatch):
+    """Killed after two shards; then the images of those two are re-saved smaller, so that the
+    new plan puts them in one shard ending where the journal stopped (plan index 1). The rest
+    used to be written from shard-00001.lmdb on, over the journaled one: a manifest listing
+    shard-00001.lmdb twice, which no reader opens."""
+    src = make_image_folder(tmp_path / "src", images=48, classes=4, seed=1)
+    dst = tmp_path / "d"
+    interrupted_after_two_shards(src, dst, monkeypatch)
     done = journal.read(dst)["next_entry"]
     files = sorted(src.rglob("*.jpg"))
     for p in files[:done]:  # together just under 1 MiB: one planned shard, ending at `done`
@@ -113,17 +118,7 @@ def test_a_journal_line_cut_short_by_a_kill_is_ignored_and_the_run_goes_on(tmp_p
     src = make_image_folder(tmp_path / "src", images=48, classes=4, seed=1)
     ref = quiet_build(src, tmp_path / "ref", shard_size=MiB).manifest
     dst = tmp_path / "d"
-    real, calls = ShardWriter.finish, []
-
-    def finish(self):
-        calls.append(1)
-        if len(calls) > 2:
-            raise KeyboardInterrupt
-        return real(self)
-    with monkeypatch.context() as mp:
-        mp.setattr(ShardWriter, "finish", finish)
-        with pytest.raises(KeyboardInterrupt):
-            quiet_build(src, dst, shard_size=MiB)
+    interrupted_after_two_shards(src, dst, monkeypatch)
     with open(dst / journal.JOURNAL, "a") as f:
         f.write('{"shard": {"path": "shard-00002.lmdb", "cou')
     assert len(journal.read(dst)["shards"]) == 2

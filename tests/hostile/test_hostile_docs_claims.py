@@ -4,12 +4,10 @@ with a link loop, a record's keys in the iterable dataset, masks for an image ov
 pixels, control characters in warnings and error lines. Each fails if its guard is removed."""
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from PIL import Image
 
 import packer.writing.builder as builder
 from helpers import packer_env, rewrite_first_record
+from test_hostile_inputs import unblocking
 from packer import PackedDataset, PackedIterableDataset, build, verify, write
 from packer.demo import make_image_folder
 from packer.errors import FormatError, PackerError
@@ -39,23 +38,6 @@ def src(small, tmp_path) -> Path:
     out = tmp_path / "src"
     shutil.copytree(small, out)
     return out
-
-
-@contextlib.contextmanager
-def unblocking(fifo: Path, after: float = 10):
-    """A reader blocked on ``fifo`` (the bug) gets an end of file after ``after`` seconds, so
-    the test fails instead of hanging."""
-    def let_go():
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-    timer = threading.Timer(after, let_go)
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 # -- "A file is read up to the size fstat gave plus one byte" ------------------------------------

@@ -37,14 +37,18 @@ workers together, and its page faults and context switches.
   packer_cpu      make_loader(PackedDataset(root, decode=DecodeRandomResizedCrop(224)), 256,
                   shuffle=True) + CUDAPrefetcher (normalize on the GPU)
   synthetic       (with --train or --detection) one resident batch: the model alone, the
-                  baseline
+                  baseline of --train
+  resident        (with --detection) every batch of one epoch through the CPU path, kept on
+                  the GPU and replayed in turn: the model alone on the dataset's own batches
+                  (a detection step's host work depends on each batch's boxes, so one batch
+                  is a loose baseline), the baseline of --detection
   workers<N>      packer_cpu with N workers, N = cores - 1 and cores (only with --only):
                   which should default_num_workers() be
 
 --detection: --images COCO-style photo scenes with pasted objects at known boxes (default
 2,000), packed with ``Coco``, and an SSDlite320 training step (bf16 autocast, SGD, batch 32,
-320 px, torchvision's detection targets) on every batch: ``synthetic`` (one resident batch),
-``packer_cpu`` (``DecodeLetterbox`` in the workers + ``CUDAPrefetcher``), ``packer``
+320 px, torchvision's detection targets) on every batch: ``resident`` (the epoch's batches held
+on the GPU), ``synthetic`` (one resident batch), ``packer_cpu`` (``DecodeLetterbox`` in the workers + ``CUDAPrefetcher``), ``packer``
 (``GPUDecoder(letterbox=True)``, its defaults) and ``packer_t1`` by default; knobs as above.
 
 Prints one table (median, min-max, each round, ratio to dali per round and of the medians);
@@ -78,7 +82,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 VARIANTS = ("dali", "dali_hw99", "packer", "packer_pinned3", "packer_plain2", "packer_cpu")
-DETECTION = ("synthetic", "packer_cpu", "packer", "packer_t1")
+DETECTION = ("resident", "synthetic", "packer_cpu", "packer", "packer_t1")
 DETECTORS = {"ssdlite": "SSDlite320", "fasterrcnn": "fasterrcnn_mobilenet_v3_large_320_fpn"}
 MEAN, STD = [0.485 * 255, 0.456 * 255, 0.406 * 255], [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
@@ -178,7 +182,8 @@ def packer_source(a, name: str):
 
 def detection_source(a, name: str, counter):
     """(endless model batches, the GPUDecoder or None, the loader, the --model step) for a
-    --detection variant; the resident batch is the CPU path's first."""
+    --detection variant; synthetic's batch is the CPU path's first, resident's batches its
+    first epoch (copied: the prefetcher may reuse its buffers)."""
     import torch
     from benchlib.detection import detection_step, model_batch
     from packer.gpu import GPUDecoder, reserve_cuda_queues
@@ -190,12 +195,18 @@ def detection_source(a, name: str, counter):
     dev = torch.device("cpu") if a.dry_run else torch.device("cuda", torch.cuda.current_device())
     ds = PackedDataset(a.packed, decode=DecodeLetterbox(a.size))
     step = detection_step(dev, 1 + max(c["id"] for c in ds.categories), a.model)
-    if name in ("synthetic", "packer_cpu"):
+    if name in ("synthetic", "resident", "packer_cpu"):
         loader = make_loader(ds, a.batch, shuffle=True, drop_last=True)
         g = CUDAPrefetcher(loader, mean=None, std=None, device=dev)
         if name == "synthetic":
             batch = model_batch(*next(iter(g)))
             return (batch for _ in itertools.count()), None, loader, step
+        if name == "resident":
+            held = []
+            for x, y in g:
+                images, targets = model_batch(x.clone(), y)
+                held.append((images, [{k: v.clone() for k, v in t.items()} for t in targets]))
+            return (b for b in itertools.cycle(held)), None, loader, step
         return (model_batch(*b) for b in loader_batches(g, counter)), None, loader, step
     loader, options = gpu_settings(a, name, drop_last=True)
     g = GPUDecoder(loader, size=a.size, letterbox=True, mean=None, std=None,
@@ -463,7 +474,7 @@ def run_child(a, name: str) -> dict:
 def summarize(runs: dict) -> tuple:
     """Per variant: median, min, max, spread, and ratios to the baseline (dali if it ran)."""
     ok = {v: [r.get("rate") for r in rs] for v, rs in runs.items()}
-    base = next((v for v in ("synthetic", "dali") if any(ok.get(v, []))),
+    base = next((v for v in ("resident", "synthetic", "dali") if any(ok.get(v, []))),
                 next((v for v in ok if any(ok[v])), None))
     summary = {}
     for v, rates in ok.items():
@@ -500,9 +511,10 @@ def parent(a) -> int:
     wanted = a.only.split(",") if a.only else list(DETECTION if a.detection else VARIANTS)
     if a.train and not a.only:
         wanted = ["synthetic"] + wanted
-    unknown = [v for v in wanted if v not in VARIANTS + ("synthetic",) and not
+    unknown = [v for v in wanted if v not in VARIANTS + ("synthetic", "resident") and not
                (v.startswith("workers") and v[7:].isdigit()) and not v.startswith("packer_")
-               or a.detection and (v.startswith("dali") or v.startswith("workers"))]
+               or a.detection and (v.startswith("dali") or v.startswith("workers"))
+               or v == "resident" and not a.detection]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS}, workers<N>, "
                          f"packer_<knobs>")

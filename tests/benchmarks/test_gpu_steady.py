@@ -85,7 +85,7 @@ def test_variant_knobs():
 
 def test_detection_dry_run(tmp_path):
     """--detection: detection scenes packed with Coco, an SSDlite320 step fed by each path in
-    its own process, the resident batch as the baseline."""
+    its own process, the epoch's batches held on the GPU ("resident") as the baseline."""
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "OUT")}
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, str(SCRIPT), "--detection", "--dry-run", "--root",
@@ -93,9 +93,10 @@ def test_detection_dry_run(tmp_path):
                          text=True, timeout=400, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
-    assert res["baseline"] == "synthetic" and res["data"]["images"] == 8
-    assert sorted(res["runs"]) == sorted(["synthetic", "packer_cpu", "packer", "packer_t1"])
-    for v in ("packer_cpu", "packer", "packer_t1"):
+    assert res["baseline"] == "resident" and res["data"]["images"] == 8
+    assert sorted(res["runs"]) == sorted(["resident", "synthetic", "packer_cpu", "packer",
+                                          "packer_t1"])
+    for v in ("resident", "packer_cpu", "packer", "packer_t1"):
         r = res["runs"][v][0]
         assert r["rate"] > 0 and r["epoch_boundaries"] >= 3 and r["images"] == 12 * 2
     assert res["runs"]["packer"][0]["decoded"]["gpu"] > 0  # GPUDecoder's path, PIL standing in
@@ -104,6 +105,10 @@ def test_detection_dry_run(tmp_path):
                           "dali", "--root", str(tmp_path / "data")], capture_output=True,
                          text=True, timeout=120, env=env)
     assert bad.returncode != 0 and "unknown variants ['dali']" in bad.stderr
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "resident",
+                          "--root", str(tmp_path / "data")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert bad.returncode != 0 and "unknown variants ['resident']" in bad.stderr
 
 
 def test_detection_model_and_graph_options(tmp_path):

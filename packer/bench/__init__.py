@@ -1,2 +1,1 @@
-"""What ``packer bench`` measures (``run.py``, its phases and figures); the repository's other
-benchmarks live in ``benchmarks/``. The library never imports this package."""
+"""What ``packer bench`` measures (other benchmarks: ``benchmarks/``); the library never uses it."""

@@ -50,12 +50,11 @@ def time_builds(src: os.PathLike, tmp: Path, *, workers: int, repeats: int, deco
     total = sum(os.path.getsize(Path(src, rel)) for rel, _ in entries)
     step = max(1, len(entries) // max(1, decode_sample))
     sample = [Path(src, rel).read_bytes() for rel, _ in entries[::step]]
+    rows: Dict[str, List[float]] = {k: [] for k in [DECODE, DECODE_LOADED, *dict(variants)]}
     result = {"images": len(entries), "bytes": total, "workers": workers,
-              "repeats": repeats, "pil": pil_summary()}
+              "repeats": repeats, "pil": pil_summary(), "rows": rows}
     log(f"{len(entries)} images, {total / len(entries) / 1e3:.0f} KB mean, "
         f"PIL: {result['pil']}, {workers} workers")
-    rows: Dict[str, List[float]] = {DECODE: [], DECODE_LOADED: []}
-    rows.update((name, []) for name, _ in variants)
     for r in range(repeats):
         rows[DECODE].append(decode_rate(sample))
         rows[DECODE_LOADED].append(statistics.median(
@@ -65,7 +64,6 @@ def time_builds(src: os.PathLike, tmp: Path, *, workers: int, repeats: int, deco
             res = build(src, dst, workers=workers, transcode=transcode, progress=False)
             rows[name].append(len(entries) / res.seconds)
             shutil.rmtree(dst)
-    result["rows"] = rows
     return result
 
 
@@ -87,9 +85,3 @@ def sample_folder(root: os.PathLike, dest: os.PathLike, images: int) -> Path:
     finally:
         ds.reader.close()
     return Path(dest)
-
-
-def build_ratios(result: dict, variant: str, cores: int) -> List[float]:
-    """Per repeat of ``time_builds``: ``variant``'s images/s ÷ (cores x one core's decode)."""
-    rows = result["rows"]
-    return [b / (max(1, cores) * d) for b, d in zip(rows[variant], rows[DECODE])]

@@ -3,6 +3,7 @@
 throttle of the repository's benchmarks builds on these (``benchmarks/benchlib/slowdisk.py``)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
@@ -14,28 +15,21 @@ def drop_page_cache(paths: Sequence[os.PathLike] = (), everything: bool = True) 
     """Evict ``paths`` from the page cache so the next read comes from the device: as root (with
     ``everything``) drop_caches, else ``POSIX_FADV_DONTNEED`` per file. Returns how."""
     if everything and hasattr(os, "geteuid") and os.geteuid() == 0:
-        try:
+        with contextlib.suppress(OSError):  # root in a container: /proc/sys is read-only
             os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
             return "cold (drop_caches)"
-        except OSError:
-            pass  # root in a container: /proc/sys is read-only; fall back to these files
     if hasattr(os, "posix_fadvise"):
         os.sync()  # pages of files just written are dirty: DONTNEED would keep them
         ok = False
         for p in paths:
-            try:
+            with contextlib.suppress(OSError):  # unopenable or unadvisable: skip the file
                 fd = os.open(p, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                ok = True
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    ok = True
+                finally:
+                    os.close(fd)
         if ok:
             return "cold (fadvise DONTNEED)"
     return "warm cache (could not drop it)"
@@ -59,12 +53,10 @@ def storage(path: os.PathLike) -> str:
     fs = fs_type(path) or "?"
     if fs in ("tmpfs", "ramfs"):
         return f"{fs} (RAM)"
-    try:
+    with contextlib.suppress(OSError, ValueError):
         _, disk = block_disk(path)
         flag = disk / "queue" / "rotational" if disk is not None else None
         if flag is not None and flag.exists():
             rot = flag.read_text().strip() == "1"
             return f"{fs} on {disk.name}, {'rotational' if rot else 'non-rotational'}"
-    except (OSError, ValueError):
-        pass
     return fs

@@ -32,8 +32,7 @@ class EpochRun:
 
 
 class StandInStep:
-    """A fixed wait of ``seconds`` per batch in the main process: a GPU step as the loader
-    sees it (the main process only waits for it)."""
+    """A fixed ``seconds`` wait per batch in the main process: a GPU step as the loader sees it."""
 
     pin_memory = False
 
@@ -53,8 +52,7 @@ class StandInStep:
 
 def plain_loader(ds, sampler: PackedSampler, batch_size: int, workers: int,
                  pin_memory: bool) -> DataLoader:
-    """The baseline: a DataLoader with make_loader's collate, workers and prefetch, epoch by
-    epoch."""
+    """The baseline: a DataLoader with make_loader's collate, workers, prefetch; epoch by epoch."""
     return DataLoader(ds, batch_size, sampler=sampler, num_workers=workers,
                       collate_fn=collate_uint8, pin_memory=pin_memory,
                       persistent_workers=workers > 0,
@@ -93,9 +91,8 @@ def one_run(ds: PackedDataset, across: bool, *, batch_size: int, workers: int, e
 
 
 def loader_batch_time(ds: PackedDataset, batch_size: int, workers: int) -> float:
-    """Seconds per batch the loader needs inside an epoch, with nothing else running: timed
-    from the end of the first wave (one batch per worker, all made during start-up) to the
-    last batch, over the batches after that wave (0 when there are none)."""
+    """Seconds per batch inside an epoch, nothing else running: from the end of the first wave
+    (one batch per worker, made during start-up) to the last batch (0 if none come after)."""
     loader = make_loader(ds, batch_size, shuffle=False, num_workers=workers, pin_memory=False)
     arrivals = [time.perf_counter() for _ in loader]
     first = min(max(1, workers), len(arrivals)) - 1

@@ -1,5 +1,4 @@
-"""The models (``make_model``) and the training step (``TrainStep``) every benchmark times: one
-copy, so their numbers compare."""
+"""The models and the training step every benchmark times: one copy, so their numbers compare."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,11 @@
-"""The measuring runs of ``packer bench`` (raw reads, one-core decode, the loader, issue 16's
+"""The measuring runs of ``packer bench`` (raw reads, one-core decode, the loader, the three
 figures), each over the packed data and the ImageFolder-style baseline (``FolderDataset``)."""
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.util
+import io
 import math
 import random
 import statistics
@@ -11,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from PIL import Image
 
 from .._util.system import usable_cores
 from ..writing.builder import build
@@ -37,8 +42,6 @@ class DecodeFullRandomResizedCrop(DecodeRandomResizedCrop):
     (what torchvision's RandomResizedCrop after ``Image.open().convert("RGB")`` costs)."""
 
     def __call__(self, data: bytes):
-        import io
-        from PIL import Image
         im = Image.open(io.BytesIO(data)).convert("RGB")
         oh, ow = self.size
         im = im.resize((ow, oh), Image.BILINEAR, box=self.box(*im.size), reducing_gap=None)
@@ -54,11 +57,6 @@ class BenchInput:
     root: Path
     count: int
     folder: Optional[FolderDataset] = None  # scanned once: a big tree takes seconds to walk
-
-    @property
-    def in_ram(self) -> bool:
-        """RAM filesystems: their pages are the data, there is no cache to drop."""
-        return storage(self.root).endswith("(RAM)")
 
     def files(self, order: Sequence[int]) -> List[str]:
         """The files a run over ``order`` reads (what to evict before it)."""
@@ -83,16 +81,10 @@ class Runner:
         self.report, self.bar, self.seconds, self.max_images = report, bar, seconds, max_images
         self.cold_cache = cold_cache
 
-    def _begin(self, name: str) -> None:
-        self.bar.set_postfix_str(name)
-
-    def _tick(self) -> None:
-        self.bar.update(1)
-
     def _evict(self, source: BenchInput, order: Sequence[int]) -> Optional[str]:
         if not self.cold_cache:
             return None
-        if source.in_ram:
+        if storage(source.root).endswith("(RAM)"):  # its pages are the data: nothing to drop
             return "RAM filesystem: always in memory"
         how = drop_page_cache(source.files(order))
         self.report.environment["cache"] = how
@@ -119,14 +111,14 @@ class Runner:
         cache: Dict[str, Optional[str]] = {}
         if not self.cold_cache:  # warm means warm: one untimed pass fills the page cache
             for s in sources:
-                self._begin(f"read {s.name} (warm-up)")
+                self.bar.set_postfix_str(f"read {s.name} (warm-up)")
                 self._read(s, orders[s.name])
         for _ in range(repeats):
             for s in sources:
-                self._begin(f"read {s.name}")
+                self.bar.set_postfix_str(f"read {s.name}")
                 cache[s.name] = self._evict(s, orders[s.name])
                 runs[s.name].append(self._read(s, orders[s.name]))
-                self._tick()
+                self.bar.update(1)
         for s in sources:
             how = cache[s.name] or "warm"
             label = "tmpfs" if how.startswith("RAM") else how.split(" (")[0]
@@ -136,31 +128,26 @@ class Runner:
     def _read(self, s: BenchInput, order: List[int]) -> dict:
         """Records (or files) per second and MB/s, reading whole values in ``order``."""
         if s.name == "folder":
-            paths = s.files(order)
+            paths, reader = s.files(order), None
 
             def read(k):
-                with open(paths[k], "rb") as f:
-                    return len(f.read())
-            close = None
+                return len(Path(paths[k]).read_bytes())
         else:
             reader = ShardReader(s.root)
 
             def read(k):
                 return len(reader.read(order[k]))
-            close = reader.close
         try:
             read(0)  # warm-up: opens the environment / directory, first seek
-            n = nbytes = 0
-            t0 = time.perf_counter()
-            for k in range(1, len(order)):
-                nbytes += read(k)
-                n += 1
+            nbytes, t0 = 0, time.perf_counter()
+            for n in range(1, len(order)):  # n: the reads timed (the bench needs 2 images)
+                nbytes += read(n)
                 if n % 8 == 0 and time.perf_counter() - t0 >= self.seconds:
                     break
             el = time.perf_counter() - t0
         finally:
-            if close is not None:
-                close()
+            if reader is not None:
+                reader.close()
         return {"images_per_s": n / el, "mb_per_s": nbytes / el / 1e6}
 
     def decode_phase(self, packed: PackedDataset, order: List[int], size: int, cores: int,
@@ -181,10 +168,10 @@ class Runner:
         runs: Dict[str, List[dict]] = {v[0]: [] for v in variants}
         for r in range(repeats):
             for name, fn, blobs in variants:
-                self._begin(name)
+                self.bar.set_postfix_str(name)
                 random.seed(r)
                 runs[name].append(self._decode(fn, blobs))
-                self._tick()
+                self.bar.update(1)
         for name, _, blobs in variants:
             res = self._add(name, "decode", runs[name], cores=cores,
                             mean_kb=sum(map(len, blobs)) / max(1, len(blobs)) / 1e3)
@@ -214,15 +201,15 @@ class Runner:
         for r in range(repeats):
             for w in workers:
                 for s in sources:
-                    self._begin(f"loader {s.name}, {n_workers(w)}")
+                    self.bar.set_postfix_str(f"loader {s.name}, {n_workers(w)}")
                     self._evict(s, orders[s.name])
                     ds = s.dataset(size)
                     loader = make_loader(ds, batch_size, sampler=orders[s.name], num_workers=w,
                                          pin_memory=False, persistent_workers=False, drop_last=True,
-                                         worker_init_fn=SeedWorker(r))
+                                         worker_init_fn=functools.partial(seed_worker, r))
                     runs[(s.name, w)].append(self._time_loader(loader, w))
                     del loader, ds
-                    self._tick()
+                    self.bar.update(1)
         for w in workers:
             for s in sources:
                 self._add(f"loader {s.name}, {n_workers(w)}", "loader",
@@ -262,7 +249,7 @@ class Runner:
         cores = usable_cores()
         with tempfile.TemporaryDirectory(prefix="packer-bench-figures-") as tmp:
             tmp = Path(tmp)
-            self._begin(f"build rate ratio ({images} images)")
+            self.bar.set_postfix_str(f"build rate ratio ({images} images)")
             src = build_bench.sample_folder(dst, tmp / "src", images)
             self._build_figure(src, tmp, cores, repeats)
             build(src, tmp / "packed", workers=cores, progress=False)
@@ -271,26 +258,26 @@ class Runner:
             self._epoch_figure(ds, workers, batch_size, repeats)
 
     def _build_figure(self, src: Path, tmp: Path, cores: int, repeats: int) -> None:
-        name, _ = build_bench.build_variants()[0]  # bytes unchanged: what `packer build` does
-        res = build_bench.time_builds(src, tmp, workers=cores, repeats=repeats,
-                                      decode_sample=2 * DECODE_SAMPLE,
-                                      variants=build_bench.build_variants()[:1], log=lambda _: None)
-        self.report.figures["build_ratio"] = dict(
-            summary(build_bench.build_ratios(res, name, cores)), goal=build_bench.GOAL,
-            build_images_per_s=statistics.median(res["rows"][name]),
-            decode_images_per_s=statistics.median(res["rows"][build_bench.DECODE]),
+        variants = build_bench.build_variants()[:1]  # bytes unchanged: what `packer build` does
+        res = build_bench.time_builds(src, tmp, workers=cores, repeats=repeats, variants=variants,
+                                      decode_sample=2 * DECODE_SAMPLE, log=lambda _: None)
+        built, decoded = res["rows"][variants[0][0]], res["rows"][build_bench.DECODE]
+        self.report.figures["build_ratio"] = dict(  # build images/s / (cores x one core's decode)
+            summary([b / (cores * d) for b, d in zip(built, decoded)]), goal=build_bench.GOAL,
+            build_images_per_s=statistics.median(built),
+            decode_images_per_s=statistics.median(decoded),
             cores=cores, workers=cores, images=res["images"])
-        self._tick()
+        self.bar.update(1)
 
     def _efficiency_figure(self, ds: PackedDataset, workers: int, batch_size: int,
                            repeats: int) -> None:
         """Per round: one core's ``ds[i]`` loop alone and ``workers`` at once, then the loader."""
         indices, rounds = list(range(len(ds))), []
         for _ in range(repeats):
-            self._begin("loader efficiency")
+            self.bar.set_postfix_str("loader efficiency")
             rounds.append((*core_rates(ds, indices, workers),
                            steady_loader_rate(ds, indices, batch_size, workers)))
-            self._tick()
+            self.bar.update(1)
         core, busy, loader = zip(*rounds)
         self.report.figures["loader_efficiency"] = dict(
             summary([lo / (workers * c) for lo, c in zip(loader, core)]), goal=EFFICIENCY_GOAL,
@@ -307,12 +294,12 @@ class Runner:
         kept: Dict[str, List[float]] = {k: [] for k in EPOCH_KEYS.values()}
         for _ in range(repeats):
             for name, across in EPOCH_VARIANTS.items():
-                self._begin(f"epoch-boundary wait, {name}")
+                self.bar.set_postfix_str(f"epoch-boundary wait, {name}")
                 run = one_run(ds, across, batch_size=batch_size, workers=workers,
                               epochs=FIGURE_EPOCHS, step=step)
                 waits[EPOCH_KEYS[across]] += [w * 1e3 for w in run.first_waits]
                 kept[EPOCH_KEYS[across]].append(run.kept)
-                self._tick()
+                self.bar.update(1)
         fig = {k: summary(v) for k, v in waits.items()}
         fig.update(kept={k: statistics.median(v) for k, v in kept.items()}, step_ms=step * 1e3,
                    epochs=FIGURE_EPOCHS, workers=workers, batch_size=batch_size,
@@ -341,14 +328,9 @@ def summary(values: List[float]) -> dict:
             "values": list(values)}
 
 
-class SeedWorker:
-    """Per-worker, per-repeat seed for the random crops (picklable for spawn)."""
-
-    def __init__(self, r: int):
-        self.r = r
-
-    def __call__(self, worker_id: int) -> None:
-        random.seed(self.r * 1009 + worker_id)
+def seed_worker(r: int, worker_id: int) -> None:
+    """Per-worker, per-repeat seed for the random crops (bound with ``functools.partial``)."""
+    random.seed(r * 1009 + worker_id)
 
 
 def n_workers(w: int) -> str:
@@ -356,7 +338,6 @@ def n_workers(w: int) -> str:
 
 
 def has_module(name: str) -> bool:
-    import importlib.util
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):

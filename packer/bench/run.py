@@ -1,6 +1,5 @@
-"""``packer bench``: where the input pipeline's time goes, on this data and this machine. Each
-phase (``phases.py``, ``train.py``) isolates one stage; variants run interleaved and each
-figure is the median of the repeats, warm-up never timed."""
+"""``packer bench``: where the input pipeline's time goes, on this data and machine. Each phase
+isolates one stage; variants run interleaved, each figure the median of repeats after warm-up."""
 from __future__ import annotations
 
 import json
@@ -33,8 +32,8 @@ PLOT_HINT = "--plot needs matplotlib: pip install matplotlib"
 @dataclass
 class BenchReport:
     """What ``run_bench`` measured: ``results`` (a dict per variant: ``name``, ``kind``,
-    ``images_per_s`` median, ``repeats``, ``spread``, ``values``...) and ``figures`` (issue 16's
-    ``build_ratio``, ``loader_efficiency``, ``epoch_wait_ms``; docs/cli.md)."""
+    ``images_per_s`` median, ``repeats``, ``spread``, ``values``...) and ``figures``
+    (``build_ratio``, ``loader_efficiency``, ``epoch_wait_ms``; docs/cli.md)."""
     results: List[dict] = field(default_factory=list)
     figures: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -54,7 +53,7 @@ class BenchReport:
                  f"runs: median of {c['repeats']} interleaved repeats, {c['seconds_per_variant']:g} s "
                  f"each after warm-up; batch {c['batch_size']}, crop {c['size']}; "
                  f"page cache: {e['cache']}"]
-        if any(r["kind"] == "decode" for r in self.results):
+        if self.of("decode"):
             lines.append("decode: images per CPU-second of one thread (time the scheduler gives "
                          "other processes excluded); x cores = the CPU ceiling for any loader")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
@@ -78,7 +77,7 @@ class BenchReport:
         return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
     def figures_text(self) -> str:
-        """Issue 16's three figures, one line each ("" when they were not measured)."""
+        """The three figures, one line each ("" when they were not measured)."""
         f = self.figures
         if not f:
             return ""
@@ -140,8 +139,7 @@ class BenchReport:
 
 
 def check_plot():
-    """matplotlib's pyplot (Agg); a PackerError if it is missing, so the CLI asks first, not
-    after minutes of measuring."""
+    """matplotlib's pyplot (Agg), else a PackerError (so the CLI asks before measuring)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -167,7 +165,7 @@ def run_bench(dst: os.PathLike, *, folder: Optional[os.PathLike] = None,
     torchvision name, or ``resnet50`` / ``tiny``; ``repeats`` x ``seconds_per_variant`` per
     variant (median and spread), each at most ``max_images``; ``cold_cache``: drop the page
     cache before reads; ``device``: where the ``cuda`` phase trains; ``figure_images``:
-    images for issue 16's figures (0 skips them)."""
+    images for the three figures (0 skips them)."""
     cores = usable_cores()
     workers = sorted({1, max(1, cores // 2), cores}) if workers is None else sorted(set(workers))
     batch_size = batch_size or (256 if cuda else 64)

@@ -2,6 +2,8 @@
 against the same step on a batch kept on the device; data wait timed with CUDA events."""
 from __future__ import annotations
 
+import functools
+import itertools
 import statistics
 import time
 from typing import Dict, List
@@ -14,7 +16,7 @@ from ..reading.dataset import PackedDataset
 from ..loading.loader import make_loader
 from ..loading.prefetch import CUDAPrefetcher
 from .models import TrainStep, make_model
-from .phases import BenchInput, Runner, SeedWorker, has_module, n_workers
+from .phases import BenchInput, Runner, has_module, n_workers, seed_worker
 
 GPU_DECODE = "GPU decode (nvJPEG)"
 
@@ -25,7 +27,7 @@ class TrainRunner(Runner):
     def train_phase(self, source: BenchInput, orders: Dict[str, List[int]], batch_size: int,
                     size: int, model: str, device: torch.device, repeats: int) -> None:
         """A real step (bf16 autocast, channels_last, SGD) fed by each variant, against the
-        same step on one batch kept on the device. See ``_train_run`` for the timing."""
+        same step on one batch kept on the device."""
         loaders = self.report.of("loader", source.name)
         w = max(loaders, key=lambda r: r["images_per_s"])["workers"] if loaders else usable_cores()
         classes = len(PackedDataset(source.root).classes)
@@ -56,9 +58,10 @@ class TrainRunner(Runner):
         runs: Dict[str, List[dict]] = {n: [] for n in names}
         for r in range(repeats):
             for name in names:
-                self._begin(f"train {name}")
+                self.bar.set_postfix_str(f"train {name}")
                 if name.startswith("synthetic"):
-                    runs[name].append(self._train_run(step, _repeat((x_syn, y_syn)), 1, device))
+                    resident = itertools.repeat((x_syn, y_syn))
+                    runs[name].append(self._train_run(step, resident, 1, device))
                 else:
                     self._evict(source, orders[source.name])
                     feed, closers = _feed(name, source.dataset(size), orders[source.name],
@@ -69,7 +72,7 @@ class TrainRunner(Runner):
                         for c in closers:
                             c()
                         del feed
-                self._tick()
+                self.bar.update(1)
         syn = self._add(f"train {model}: synthetic (batch on {device.type})", "train", runs[names[0]],
                         workers=None, feed="synthetic")
         for name in names[1:]:
@@ -126,15 +129,9 @@ def as_labels(x: torch.Tensor, y):
     return x, y
 
 
-def _repeat(batch):
-    while True:
-        yield batch
-
-
 def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainStep,
           device: torch.device, r: int):
-    """An iterator of (normalized images, labels) on ``device`` for one feeding variant, and the
-    callables that shut it down."""
+    """(iterator of normalized images and labels on ``device``, its closers) for one variant."""
     if name == GPU_DECODE:
         from ..gpu import GPUDecoder, make_gpu_loader  # needs torchvision or libnvjpeg: on demand
         loader = make_gpu_loader(ds, batch_size, sampler=order, num_workers=w, drop_last=True,
@@ -144,7 +141,8 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainS
     gpu = device.type == "cuda"
     pin = gpu and name != "plain"
     loader = make_loader(ds, batch_size, sampler=order, num_workers=w, pin_memory=pin,
-                         persistent_workers=False, drop_last=True, worker_init_fn=SeedWorker(r))
+                         persistent_workers=False, drop_last=True,
+                         worker_init_fn=functools.partial(seed_worker, r))
     src, closers = loader, []
     if name in ("background thread", "thread + CUDAPrefetcher"):
         src = background(loader, depth=2)  # batch hand-over from workers off the training thread
@@ -178,10 +176,8 @@ class _Marks:
 
     def mean_gap_ms(self) -> float:
         """Mean time from one step's end to the next step's start (0 for a single step)."""
-        gaps = []
-        for k in range(2, len(self.marks) - 1, 2):
-            end, start = self.marks[k - 1], self.marks[k]
-            gaps.append(end.elapsed_time(start) if self.cuda else 1e3 * (start - end))
+        gaps = [end.elapsed_time(start) if self.cuda else 1e3 * (start - end)
+                for end, start in zip(self.marks[1:-1:2], self.marks[2::2])]
         return statistics.fmean(gaps) if gaps else 0.0
 
 

@@ -1,5 +1,4 @@
-"""The verdict of ``packer bench``: what bounds this input pipeline and what to change, each
-sentence quoting the numbers it rests on."""
+"""``packer bench``'s verdict: what bounds the pipeline, what to change, and the numbers why."""
 from __future__ import annotations
 
 from typing import List

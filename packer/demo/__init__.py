@@ -1,6 +1,5 @@
-"""The demo and its data: photo-like JPEGs made from photos packer ships (``images.py``), the
-ImageFolder- and CocoDetection-style baseline loaders (``folder.py``) and ``packer demo``
-itself (``run.py``; ``detection.py`` for ``packer demo --detection``)."""
+"""``packer demo`` (``run.py``, ``detection.py``), its data (``images.py``, ``scenes.py``) and
+the folder baselines it compares with (``folder.py``)."""
 from .folder import CocoFolderDataset, FolderDataset
 from .images import PHOTOS, load_photos, make_image, make_image_folder
 from .run import DEMO_IMAGES, DEMO_MARKER, DemoResult, demo_images, run_demo

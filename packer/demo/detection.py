@@ -124,8 +124,7 @@ def detection_loader(dataset, batch_size: int, workers: int, *, sampler=None, **
 
 
 def recording(loader: Iterable, into: Targets):
-    """``loader``'s batches, each image's (boxes, labels) noted by image id on the way (on
-    the CPU, before any copy to the GPU)."""
+    """``loader``'s batches, noting each image's (boxes, labels) by image id (on the CPU)."""
     for batch in loader:
         for t in batch[1]:
             into[int(t["image_id"])] = (t["boxes"].as_subclass(torch.Tensor), t["labels"])

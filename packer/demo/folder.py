@@ -1,5 +1,4 @@
-"""The baselines that the demo and benchmarks compare with: ``FolderDataset`` (ImageFolder-style)
-and ``CocoFolderDataset`` (CocoDetection-style, for detection)."""
+"""The baselines the demo and benchmarks compare with: ImageFolder- and CocoDetection-style."""
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 (noise or flat colour would decode at unrealistic speeds)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import os
@@ -21,14 +22,12 @@ def load_photos() -> List[Image.Image]:
 
 def make_image(rng: random.Random, photos: List[Image.Image],
                size: Optional[Tuple[int, int]] = None) -> bytes:
-    """One JPEG: a random crop of a random photo, resized to ImageNet-like size (or to
-    ``size``, (w, h))."""
+    """One JPEG: a random crop of a random photo at ImageNet-like size (or ``size``, (w, h))."""
     base = rng.choice(photos)
     short = rng.randint(300, 500)
     aspect = rng.choice([4 / 3, 3 / 2, 1.0, 16 / 9, 3 / 4])
     w, h = (round(short * aspect), short) if aspect >= 1 else (short, round(short / aspect))
     w, h = size or (w, h)
-    # A region of the photo between 45% and 100% of its size with the target aspect.
     im = random_crop(rng, base, w, h, (0.45, 1.0))
     im = ImageEnhance.Color(im).enhance(rng.uniform(0.6, 1.4))
     im = ImageEnhance.Brightness(im).enhance(rng.uniform(0.75, 1.25))
@@ -72,17 +71,14 @@ def make_image_folder(root: os.PathLike, *, images: int = 200, classes: int = 10
         (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
     jobs = ((str(root / f"class_{i % classes:02d}" / f"img_{i:05d}.jpg"), seed, i)
             for i in range(images))  # made as taken: memory does not grow with the count
-    bar = tqdm(total=images, disable=not progress, unit="img", desc="making images")
-    if workers > 1:
-        import multiprocessing as mp
-        with mp.get_context("spawn").Pool(workers) as pool:
-            for _ in pool.imap_unordered(_make_one, jobs, chunksize=16):
-                bar.update(1)
-    else:
-        for job in jobs:
-            _make_one(job)
-            bar.update(1)
-    bar.close()
+    with contextlib.ExitStack() as stack:
+        made = map(_make_one, jobs)
+        if workers > 1:
+            import multiprocessing as mp
+            pool = stack.enter_context(mp.get_context("spawn").Pool(workers))
+            made = pool.imap_unordered(_make_one, jobs, chunksize=16)
+        for _ in tqdm(made, total=images, disable=not progress, unit="img", desc="making images"):
+            pass
     return root
 
 

@@ -129,8 +129,7 @@ def run_demo(dir: Optional[os.PathLike] = None, *, images: Optional[int] = None,
     or a dataset that fails to verify."""
     make_workers = workers if workers is not None else usable_cores()
     load_workers = workers if workers is not None else default_num_workers()
-    if images is None:
-        images = demo_images(load_workers, batch_size)
+    images = images if images is not None else demo_images(load_workers, batch_size)
     if images < classes or classes < 1:
         raise PackerError(f"the demo needs at least one image per class, got {images} images "
                           f"for {classes} classes")
@@ -330,8 +329,7 @@ def _one_thread_children():
 
 
 def demo_dir(d: Path, outputs: Tuple[str, ...]) -> Path:
-    """``d`` ready for a demo: new, empty, or an earlier demo's (whose ``outputs``, its
-    subfolders, are replaced)."""
+    """``d`` ready for a demo: new, empty, or an earlier demo's (``outputs`` replaced)."""
     if d.exists() and not d.is_dir():
         raise PackerError(f"{d} is not a folder; give the demo a new or empty folder")
     made = "/ and ".join(outputs) + "/"

@@ -239,8 +239,7 @@ class GPUDecoder(LoaderView):
         return ImageTable.from_images(out), batch.sizes, self._labels(batch.labels)
 
     def _labels(self, labels):
-        """Class labels on the device; detection targets stay on the host for
-        ``place_boxes``, which moves what is kept."""
+        """Class labels on the device; detection targets stay on the host (``place_boxes``)."""
         if isinstance(labels, DetectionTargets):
             return labels
         return map_tensors(labels, lambda t: t.to(self.device, non_blocking=True))  # any nesting

@@ -13,9 +13,7 @@ from ..errors import PackerError
 
 __all__ = ["ImageTable", "reference_resample", "resample_crops", "triton_available"]
 
-# Output rows per program and warps of the kernel's launch (docs/gpu_decode.md has the
-# tile shapes measured).
-CONFIG = {"rows": 8, "num_warps": 4}
+CONFIG = {"rows": 8, "num_warps": 4}  # the kernel's rows per program, warps (docs/gpu_decode.md)
 
 CPU_PATH = ("use the CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
             "make_loader and CUDAPrefetcher")

@@ -67,9 +67,8 @@ def fill_outside(out: torch.Tensor, inside: torch.Tensor, flips: Optional[torch.
                  value: torch.Tensor) -> None:
     """Set the letterbox padding of ``out`` (B, C, H, W) to ``value`` (C,) in place (a
     flipped image's pixels sit mirrored: its padding is too)."""
-    b, _, h, w = out.shape
-    ins = inside.to(out.device)
-    t, l, btm, r = ins.unbind(1)
+    _, _, h, w = out.shape
+    t, l, btm, r = inside.to(out.device).unbind(1)
     if flips is not None:
         f = flips.to(out.device)
         l, r = torch.where(f, w - r, l), torch.where(f, w - l, r)

@@ -1,7 +1,6 @@
 """Crop boxes for a batch at once: torchvision's RandomResizedCrop and Resize + CenterCrop
-maths, vectorised (CPU, float64), the same boxes as the CPU decoders' ``box()``; the pixels
-are then cut out and resized by :func:`packer.gpu.resample.resample_crops`.
-"""
+maths (CPU, float64), the same boxes as the CPU decoders' ``box()``; the pixels are then cut
+out and resized by :func:`packer.gpu.resample.resample_crops`."""
 from __future__ import annotations
 
 import math
@@ -57,10 +56,8 @@ def center_crop_inside(sizes: torch.Tensor, size: Tuple[int, int],
     right, when some crop reaches past its image (CenterCrop pads there, with zeros); else
     None. The resampling kernel's edge pixels would take image pixels in the padding."""
     crop, (oh, ow) = DecodeCenterCrop(size, crop_fraction), size
-    inside = []
-    for h, w in sizes.tolist():
-        rw, rh, left, top = crop.geometry(w, h)
-        inside.append((max(0, -top), max(0, -left), min(oh, rh - top), min(ow, rw - left)))
+    inside = [(max(0, -top), max(0, -left), min(oh, rh - top), min(ow, rw - left))
+              for rw, rh, left, top in (crop.geometry(w, h) for h, w in sizes.tolist())]
     if all(box == (0, 0, oh, ow) for box in inside):
         return None
     return torch.tensor(inside, dtype=torch.int64)

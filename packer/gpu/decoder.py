@@ -1,6 +1,5 @@
-"""``GPUDecoder``: the iterator a training loop uses on the GPU path: decode threads, each on its
-own CUDA stream, decode whole batches and augment them in one Triton kernel
-(docs/gpu_decode.md)."""
+"""``GPUDecoder``: decode threads, each on its own CUDA stream, decode whole batches and augment
+them in one Triton kernel (docs/gpu_decode.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +9,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,14 +27,12 @@ from .loader import ConnectionsWarning, connections_advice
 from .nvjpeg import NvjpegDecoder, load_nvjpeg, torchvision_decode
 from .options import DecodeStats, GPUOptions
 from .pipeline import NextPass, Pipeline
-from .resample import TRITON_MISSING, ImageTable, resample_crops, triton_available
+from .resample import CPU_PATH, TRITON_MISSING, ImageTable, resample_crops, triton_available
 
 __all__ = ["GPUDecoder"]
 
 LETTERBOX_FILL = 114  # YOLO's grey
 KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> a decoder's _kept
-CPU_PATH = ("use the CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
-            "make_loader and CUDAPrefetcher")
 
 
 class GPUDecoder(LoaderView):
@@ -62,8 +59,7 @@ class GPUDecoder(LoaderView):
             raise ValueError(f"dtype must be a float dtype (normalized) or torch.uint8 (pixels), "
                              f"got {dtype}")
         self.device = _gpu_device(device, opts.decoder is None, opts.backend)
-        advice = connections_advice() if self.device.type == "cuda" else None
-        if advice:
+        if self.device.type == "cuda" and (advice := connections_advice()):
             warnings.warn(advice, ConnectionsWarning, stacklevel=2)
         self.decoders, self.backend = _decoders(opts, self.device)
         self.decode_threads = len(self.decoders)
@@ -96,7 +92,7 @@ class GPUDecoder(LoaderView):
             self._reseeded = True
 
     def __iter__(self):
-        snapshot = getattr(self.loader, "state_dict", None)
+        snapshot = getattr(self.loader, "state_dict", lambda: None)
         reseeded, self._reseeded = self._reseeded, False
         base = int(torch.randint(1 << 62, (), generator=self._gen))  # this pass's crops
         kept = self._kept
@@ -110,7 +106,7 @@ class GPUDecoder(LoaderView):
             s.received(s.start)  # what the threads drew for it was never handed out
         if pipe is None:
             it = iter(self.loader)
-            self._state = snapshot() if snapshot is not None else None
+            self._state = snapshot()
         else:
             nxt.begun.set()  # the threads may draw the rest of the pass
         clock, st = time.perf_counter, self.stats
@@ -121,9 +117,9 @@ class GPUDecoder(LoaderView):
                 self.throttle(ahead)
                 batch = next(it, END)
                 if batch is END:
-                    self._state = snapshot() if snapshot is not None else None  # the next pass's
+                    self._state = snapshot()  # the next pass's
                     return
-                state = snapshot() if snapshot is not None else None
+                state = snapshot()
                 t1 = clock()
                 item = self.decode_batch(batch)
                 t2 = clock()
@@ -149,7 +145,7 @@ class GPUDecoder(LoaderView):
                 st.add_time("throttle", t1 - t0)
                 st.add_time("consumer", clock() - t1)
                 if item is END:
-                    self._state = snapshot() if snapshot is not None else None  # the next pass's
+                    self._state = snapshot()  # the next pass's
                     return
                 if isinstance(item, NextPass):  # the threads went on: keep them for the next pass
                     state = pipe.states.pop(pipe.handed, None)
@@ -221,34 +217,29 @@ class GPUDecoder(LoaderView):
                 self.stats.add(gpu=len(images), batches=1)
                 return images, batch.sizes, self._labels(batch.labels)
         views = batch.images()
-        n = len(views)
         on_gpu = (~batch.decoded).nonzero().flatten().tolist()
-        out: List[Optional[torch.Tensor]] = [None] * n
-        retried = 0
+        done, retried = {}, 0
         if on_gpu:
             try:
                 decoded = decoder([views[i] for i in on_gpu], self.device)
             except RuntimeError:
                 decoded = [self._decode_alone(views[i], decoder) for i in on_gpu]
                 retried = len(on_gpu)
-            for i, im in zip(on_gpu, decoded):
-                out[i] = im
+            done = dict(zip(on_gpu, decoded))
             got = torch.tensor([im.shape for im in decoded])
             if not torch.equal(got[:, 1:], batch.sizes[on_gpu]) or bool((got[:, 0] != 3).any()):
                 raise RuntimeError("the decoder returned images of other sizes than their JPEG "
                                    "headers say (or not 3 channels)")
-        for i, v in enumerate(views):
-            if out[i] is None:
-                out[i] = v.to(self.device, non_blocking=True).permute(2, 0, 1)
+        out = [done[i] if i in done else v.to(self.device, non_blocking=True).permute(2, 0, 1)
+               for i, v in enumerate(views)]
         if self.device.type == "cuda":  # copies done here: the batch's host bytes (a ring slot)
             # may be reused once it is dropped, whichever thread (and stream) drops it
             torch.cuda.current_stream(self.device).synchronize()
-        self.stats.add(gpu=len(on_gpu), cpu=n - len(on_gpu), retried=retried, batches=1)
+        self.stats.add(gpu=len(on_gpu), cpu=len(views) - len(on_gpu), retried=retried, batches=1)
         return ImageTable.from_images(out), batch.sizes, self._labels(batch.labels)
 
     def _labels(self, labels):
-        """Class labels on the device; detection targets stay on the host for
-        ``place_boxes``, which moves what is kept."""
+        """Class labels on the device; detection targets stay on the host (``place_boxes``)."""
         if isinstance(labels, DetectionTargets):
             return labels
         return map_tensors(labels, lambda t: t.to(self.device, non_blocking=True))  # any nesting
@@ -302,12 +293,9 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 
 def _passes(dec, it, base: int, gen: torch.Generator, reseeded: bool, stop: threading.Event):
     """``(crop seed, batch)`` of a pass; then, for a loader that runs on into the next epoch, a
-    ``NextPass`` and the next pass, begun as ``__iter__`` would begin it if nothing moves the
-    sampler or reseeds the crops in between (``__iter__`` checks the key): the next epoch's
-    first batches are decoded while this one ends. Of a pass the consumer has not begun, at
-    most ``queue_depth`` batches (and never its end, which moves the sampler on) are drawn.
-    ``gen`` continues the crop generator; ``reseeded``: this pass followed a ``set_epoch``
-    with a seed, so the next will too."""
+    ``NextPass`` and the next pass as ``__iter__`` would begin it (it checks the key). Of a pass
+    not yet begun, at most ``queue_depth`` batches are drawn, never its end (which moves the
+    sampler on). ``gen`` continues the crop generator; ``reseeded``: the next pass reseeds too."""
     early, begun = min(dec.options.queue_depth, len(dec.loader)), None
     while True:
         for k in itertools.count():

@@ -67,9 +67,8 @@ def fill_outside(out: torch.Tensor, inside: torch.Tensor, flips: Optional[torch.
                  value: torch.Tensor) -> None:
     """Set the letterbox padding of ``out`` (B, C, H, W) to ``value`` (C,) in place (a
     flipped image's pixels sit mirrored: its padding is too)."""
-    b, _, h, w = out.shape
-    ins = inside.to(out.device)
-    t, l, btm, r = ins.unbind(1)
+    _, _, h, w = out.shape
+    t, l, btm, r = inside.to(out.device).unbind(1)
     if flips is not None:
         f = flips.to(out.device)
         l, r = torch.where(f, w - r, l), torch.where(f, w - l, r)
@@ -84,10 +83,9 @@ def place_boxes(targets: DetectionTargets, crops: torch.Tensor, size: Tuple[int,
                 flips: Optional[torch.Tensor], min_visible: float,
                 device: torch.device) -> List[Dict]:
     """Per-image target dicts on ``device`` for the augmented images (boxes moved, clipped, and
-    dropped when less than ``min_visible`` of them stays in view). ``targets`` on the host:
-    the maths runs there and each field crosses in one copy, split into per-image views: a
-    fixed number of calls per batch and no wait, whatever its images (the decode thread's
-    time under the GIL comes out of an eager training loop's; docs/gpu_decode.md)."""
+    dropped when less than ``min_visible`` of them stays in view). ``targets`` on the host: each
+    field crosses in one copy, split into per-image views, so a batch costs a fixed number of
+    calls under the GIL and no wait (docs/gpu_decode.md)."""
     boxes, keep = crop_boxes(targets.boxes, targets.counts, crops, size, flips,
                              min_visible=min_visible)
     image = image_index(targets.counts, len(keep), keep.device)

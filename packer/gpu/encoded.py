@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import os
 import queue
 import threading
@@ -154,10 +155,8 @@ class EncodedBatch(NamedTuple):
     labels: Any            # (B,) as default_collate makes them; detection: DetectionTargets
 
     def __reduce__(self):
-        # From a worker only ``data`` crosses as shared memory (or as the place in a
-        # ``BatchRing`` it was written to); the small fields travel inside the message as
-        # bytes. Each tensor would be a shared-memory file of its own, handed over through a
-        # socket (~30 system calls and Python) in the training process.
+        # Only ``data`` crosses as shared memory (or as its place in a ``BatchRing``); the small
+        # fields travel in the message as bytes, not as a shared-memory file each (~30 calls).
         labels = self.labels
         if isinstance(labels, DetectionTargets):
             labels = ("boxes", _raw(labels.boxes), _raw(labels.counts),
@@ -173,10 +172,9 @@ class EncodedBatch(NamedTuple):
     def images(self) -> List[torch.Tensor]:
         """Per-image views: 1-D JPEG bytes, or (H, W, 3) pixels where ``decoded``."""
         views = list(torch.split(self.data, torch.diff(self.offsets).tolist()))
-        if bool(self.decoded.any()):
-            for i in self.decoded.nonzero().flatten().tolist():
-                h, w = self.sizes[i].tolist()
-                views[i] = views[i].view(h, w, 3)
+        for i in self.decoded.nonzero().flatten().tolist():
+            h, w = self.sizes[i].tolist()
+            views[i] = views[i].view(h, w, 3)
         return views
 
 
@@ -209,12 +207,10 @@ def _rebuild(data, offsets, sizes, decoded, labels) -> EncodedBatch:
 
 
 class _Releaser:
-    """Frees the blocks of shared memory that batches arrive in from the workers, in a thread
-    of its own, ``HELD`` batches after they arrive: unmapping a batch of ~17 MB costs ~5 ms,
-    which the thread that drops the last reference would otherwise pay for every batch (the
-    DataLoader's pin thread, which the whole pipeline waits on). At most ``HELD`` blocks and
-    ``HELD_BYTES`` are kept (shared memory is often small in containers).
-    PACKER_SHM_RELEASE=0: off."""
+    """Frees the shared-memory blocks batches arrive in, in a thread of its own, ``HELD`` batches
+    later: else the DataLoader's pin thread, which the whole pipeline waits on, pays ~5 ms per
+    batch unmapping them. At most ``HELD`` blocks and ``HELD_BYTES`` are kept (shared memory is
+    often small in containers). PACKER_SHM_RELEASE=0: off."""
     HELD, HELD_BYTES = 4, 128 << 20
 
     def __init__(self):
@@ -249,9 +245,7 @@ def collate_encoded(batch, ring: Optional[BatchRing] = None) -> EncodedBatch:
     if not isinstance(samples[0], EncodedSample):
         raise TypeError(f"collate_encoded needs samples from PackedDataset(root, decode="
                         f"EncodedImage()) (use make_gpu_loader), got {type(samples[0]).__name__}")
-    offsets = [0]
-    for s in samples:
-        offsets.append(offsets[-1] + len(s.data))
+    offsets = [0, *itertools.accumulate(len(s.data) for s in samples)]
     # Everything that can fail comes before a ring slot is claimed: a failed batch's slot
     # would stay its worker's for the worker's life.
     labels = pack_targets(targets) if is_detection_batch(targets) else default_collate(list(targets))

@@ -1,6 +1,5 @@
 """Feeding the GPU path: ``make_gpu_loader`` (workers ship encoded JPEG bytes) and the CUDA
-hardware-queue setting that keeps decoding from waiting behind training kernels.
-"""
+hardware-queue setting that keeps decoding from waiting behind training kernels."""
 from __future__ import annotations
 
 import copy
@@ -21,10 +20,8 @@ __all__ = ["ConnectionsWarning", "connections_advice", "make_gpu_loader", "reser
 # nvJPEG's per-image steps wait behind training kernels on a shared hardware queue (8 by
 # default; docs/gpu_decode.md); CUDA reads this when its context is created.
 CUDA_QUEUES = 32
-# Ring slots beyond the batches the DataLoader keeps in flight: the training process also
-# holds those its decode threads work on, the finished ones waiting their turn, the one
-# being used and those whose release waits on the GPU (with 4, a batch in eight found no
-# free slot: docs/benchmarks.md).
+# Ring slots beyond the batches the DataLoader keeps in flight, for those the training process
+# holds (decoding, decoded, in use, released but read by the GPU); docs/benchmarks.md.
 RING_SPARE = 12
 RING_BYTES = 1 << 30  # the most a loader's ring takes (pinned host memory)
 
@@ -65,9 +62,8 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
     ``Mixture`` of them) hands out :class:`EncodedSample`, batches are :class:`EncodedBatch`.
 
     ``max_pixels``: the largest image a worker lets through, from the JPEG header (None: the
-    dataset's ``EncodedImage``'s limit, each source's in a ``Mixture``, else build's
-    default). Other keywords go to
-    ``make_loader``. Also calls :func:`reserve_cuda_queues`.
+    dataset's ``EncodedImage``'s limit, each source's in a ``Mixture``, else build's default).
+    Other keywords go to ``make_loader``. Also calls :func:`reserve_cuda_queues`.
 
     With the default ``collate_fn`` and workers, batches travel in a
     :class:`~packer.gpu.ring.BatchRing`: one slot per batch the workers may hold plus
@@ -96,8 +92,8 @@ def make_gpu_loader(dataset, batch_size: int = 256, *, max_pixels: Optional[int]
 
 
 def _batch_ring(dataset, batch_size: int, slots: int, method: str) -> Optional[BatchRing]:
-    """A ring for batches of ``batch_size`` of ``dataset``'s images, sized from their mean
-    stored size; None where no manifest says it."""
+    """A ring sized from the mean stored size of ``dataset``'s images; None where no manifest
+    says it."""
     sources = dataset.sources if isinstance(dataset, Mixture) else [dataset]
     means = [d.manifest.get("bytes", 0) / max(1, d.manifest.get("count", 0)) for d in sources
              if isinstance(d, PackedDataset)]

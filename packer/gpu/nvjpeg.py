@@ -1,9 +1,9 @@
-"""nvJPEG decoders for ``packer.gpu``: :class:`NvjpegDecoder` (libnvjpeg called directly
-through ctypes, the default) and torchvision's batched ``decode_jpeg`` (``torchvision_decode``).
-"""
+"""nvJPEG decoders: :class:`NvjpegDecoder` (libnvjpeg through ctypes, the default) and
+torchvision's batched ``decode_jpeg`` (``torchvision_decode``)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from typing import List, Optional, Tuple
@@ -110,8 +110,7 @@ class NvjpegDecoder:
         zero = torch.zeros_like(c0)  # nvjpegImage_t[n] as an (n, 8) int64 table
         table = torch.stack([c0, c0 + plane, c0 + 2 * plane, zero, pitch, pitch, pitch, zero],
                             1).contiguous()
-        # The allocation above belongs to the caller's stream; make ours wait for it.
-        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # the caller's allocation
         if self._batch != n:
             _check(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, 3),
                    "nvjpegDecodeBatchedInitialize")
@@ -138,14 +137,10 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with nvJPEG status {status}")
 
 
-_NVJPEG_LIB = []
-
-
+@functools.lru_cache(maxsize=None)
 def load_nvjpeg():
     """libnvjpeg: torchvision's bundled copy first (it matches torch's CUDA), then the
     system's (CUDA toolkit, nvidia-nvjpeg wheels)."""
-    if _NVJPEG_LIB:
-        return _NVJPEG_LIB[0]
     import ctypes.util
     import glob
     import importlib.util
@@ -162,8 +157,7 @@ def load_nvjpeg():
     errors = []
     for name in names:
         try:
-            _NVJPEG_LIB.append(ctypes.CDLL(name))
-            return _NVJPEG_LIB[0]
+            return ctypes.CDLL(name)
         except OSError as e:
             errors.append(str(e))
     raise OSError("libnvjpeg not found (install torchvision, or the CUDA toolkit's nvJPEG): "

@@ -84,8 +84,7 @@ def _real(v) -> bool:
 
 
 def _pair(v) -> Optional[Tuple[float, float]]:
-    """``(low, high)`` as floats from any two finite numbers (a tuple, a list, an array), or
-    None."""
+    """``(low, high)`` as floats from any two finite numbers (tuple, list, array), or None."""
     v = v.tolist() if hasattr(v, "tolist") else v
     if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) != 2:
         return None

@@ -1,9 +1,6 @@
-"""The threads behind ``GPUDecoder``: each on its own CUDA stream, joined by bounded queues;
-batches come out in the loader's order; errors travel to the consumer. Threads beyond the
-first decode only while the consumer starves: beside an eager training loop every busy thread
-takes interpreter time from the loop (docs/gpu_decode.md, "How many decode threads work").
-A pipeline may run on into the next pass (``NextPass`` marks where one ends).
-"""
+"""The threads behind ``GPUDecoder``. Threads beyond the first decode only while the consumer
+starves: beside an eager training loop every busy thread takes interpreter time from the loop
+(docs/gpu_decode.md, "How many decode threads work")."""
 from __future__ import annotations
 
 import functools
@@ -33,15 +30,14 @@ class NextPass:
 
 class Pipeline:
     """The decode threads, each on its own stream, joined to the consumer by a bounded queue;
-    batches go out in the order taken from ``items``. ``active`` threads take batches: one
-    more each time the consumer waited so long that its GPU ran dry, one fewer after ``CALM``
-    batches in a row without that. ``close`` stops and joins them."""
+    batches go out in the order taken from ``items``, errors reach the consumer. ``active``
+    threads take batches: one more each time the consumer waited so long that its GPU ran dry,
+    one fewer after ``CALM`` batches in a row without that. ``close`` stops and joins them."""
 
     def __init__(self, dec, items, stop: threading.Event, active: int = 1):
-        """``dec``: the ``GPUDecoder`` (a weak proxy) whose ``decode_batch``/``augment_batch``
-        the threads run; ``items``: ``(crop seed, batch)`` pairs, and ``NextPass`` markers that
-        pass through; ``stop``: the event ``close`` sets (``items`` may wait on it); ``active``:
-        threads decoding at the start (the last count carries over)."""
+        """``dec``: the ``GPUDecoder`` (a weak proxy) the threads run; ``items``: ``(crop seed,
+        batch)`` pairs and ``NextPass`` markers, which pass through; ``stop``: what ``close``
+        sets (``items`` may wait on it); ``active``: threads decoding at the start."""
         self.stop, self.stats = stop, dec.stats
         self.active, self.calm = max(1, min(active, dec.decode_threads)), 0
         self.turn, self.exhausted, self.started = threading.Condition(), False, False
@@ -86,7 +82,7 @@ class Pipeline:
                     item = q.get_nowait()
                 except queue.Empty:
                     starved = starved or not held  # later ones waiting: this one is being put
-                    item = self._get(q)
+                    item = stoppable_get(q, self.stop)
                 if isinstance(item, Raised):
                     raise _Forward(item)
                 if item is END:
@@ -142,9 +138,6 @@ class Pipeline:
     def _put(self, q, item) -> None:
         stoppable_put(q, item, self.stop)
 
-    def _get(self, q):
-        return stoppable_get(q, self.stop)
-
     def get(self, ran_dry: Callable[[], bool] = lambda: True):
         """The next batch in order (``END`` after the last); ``ran_dry()``: whether the
         consumer's GPU has finished all it was given: a wait that let it run dry asks for
@@ -187,9 +180,9 @@ class Pipeline:
                 t.join(0.05)
                 waited += 0.05
         drain(self.out)
-        self._ordered = None  # its closure holds batches and this object: no cycle left for
-        # the garbage collector, which could run in a DataLoader worker forked later and
-        # free CUDA memory there (CUDA cannot be used in a forked child: the worker aborts)
+        # Its closure holds batches and this object: a cycle the garbage collector could free
+        # in a DataLoader worker forked later, where CUDA cannot run (the worker aborts).
+        self._ordered = None
 
 
 def _both(dec, decoder, seed, batch):

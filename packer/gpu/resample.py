@@ -13,15 +13,13 @@ from ..errors import PackerError
 
 __all__ = ["ImageTable", "reference_resample", "resample_crops", "triton_available"]
 
-# Output rows per program and warps of the kernel's launch (docs/gpu_decode.md has the
-# tile shapes measured).
-CONFIG = {"rows": 8, "num_warps": 4}
+CONFIG = {"rows": 8, "num_warps": 4}  # the kernel's rows per program, warps (docs/gpu_decode.md)
 
-TRITON_MISSING = (
-    "GPU decoding needs Triton for its fused augment kernel: pip install triton (it comes with "
-    "PyTorch's CUDA wheels on Linux; pip install 'packer-lmdb[gpu]' names it); without it use the CPU "
-    "path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with make_loader and "
-    "CUDAPrefetcher")
+CPU_PATH = ("use the CPU path: PackedDataset(root, decode=DecodeRandomResizedCrop(224)) with "
+            "make_loader and CUDAPrefetcher")
+TRITON_MISSING = ("GPU decoding needs Triton for its fused augment kernel: pip install triton (it "
+                  "comes with PyTorch's CUDA wheels on Linux; pip install 'packer-lmdb[gpu]' names "
+                  f"it); without it {CPU_PATH}")
 
 
 class ImageTable:

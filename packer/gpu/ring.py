@@ -1,7 +1,6 @@
-"""Shared buffers, pinned once, that DataLoader workers write the GPU path's batches into:
-a batch then reaches nvJPEG without the pin thread's copy (~17 MB a batch of 256 photos)
-and without mapping and unmapping a new shared block for it (docs/gpu_decode.md).
-"""
+"""Shared buffers, pinned once, that DataLoader workers write the GPU path's batches into: a
+batch then reaches nvJPEG without the pin thread's copy and without mapping and unmapping a new
+shared block for it (docs/gpu_decode.md)."""
 from __future__ import annotations
 
 import collections
@@ -24,20 +23,17 @@ __all__ = ["BatchRing"]
 _RINGS: "weakref.WeakValueDictionary[int, BatchRing]" = weakref.WeakValueDictionary()
 _TOKENS = itertools.count(1)
 FREE, MAIN = 0, -1  # a slot's owner: free, held by the training process, else a worker's pid
-# Seconds a worker waits for the claim lock (held for microseconds) before it takes the
-# holder for killed in there, and stops claiming.
-CLAIM_WAIT = 1.0
+CLAIM_WAIT = 1.0  # seconds: a worker kept longer from the claim lock (held for µs) stops claiming
 
 
 class BatchRing:
     """``slots`` buffers of ``slot_bytes`` in one shared mapping that workers started by
-    ``method`` reach: forked ones inherit it (anonymous memory); for spawn and forkserver it
-    maps a memory file handed to each worker as it starts (no name in /dev/shm or on disk;
-    it vanishes with the last process that maps it). A worker claims a free slot for a batch
-    that fits (:meth:`claim`), else the batch travels as before; the training process
-    takes it over on arrival (:func:`arrived`), registers the whole mapping as pinned
-    memory with CUDA once, and frees the slot after the last tensor on it is gone
-    (:meth:`release`). A slot whose worker died before its batch arrived is claimed again."""
+    ``method`` reach: forked ones inherit it; spawn and forkserver ones map a memory file handed
+    over as they start (no name in /dev/shm or on disk). A worker claims a free slot for a batch
+    that fits (:meth:`claim`), else the batch travels as before; the training process takes it
+    over on arrival (:func:`arrived`), pins the whole mapping with CUDA once, and frees the slot
+    after the last tensor on it is gone (:meth:`release`). A slot whose worker died before its
+    batch arrived is claimed again."""
 
     def __init__(self, slots: int, slot_bytes: int, method: str = "fork"):
         if slots < 1 or slot_bytes < 1:
@@ -121,10 +117,9 @@ class BatchRing:
                 self.owner[self.pending.popleft()[0]] = FREE
 
     def release(self, slot: int) -> None:
-        """The last tensor on ``slot`` is gone. Pinned, the slot is free once the work queued
-        so far on this thread's CUDA stream is done: a ``non_blocking`` copy out of it may
-        still be reading (torch's own pinned memory waits the same way). Nothing in a process
-        forked from the training one (a view collected there is not the slot's holder)."""
+        """The last tensor on ``slot`` is gone. Pinned, the slot is free once the work queued so
+        far on this thread's CUDA stream is done (a ``non_blocking`` copy may still read it).
+        Nothing in a process forked from the training one (not the slot's holder)."""
         if os.getpid() != self.pid:
             return
         if self.pinned:
@@ -141,18 +136,13 @@ class BatchRing:
 
 def locate(t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
     """Where a worker's batch lies in a ring, or None (then it travels as a tensor)."""
-    for ring in list(_RINGS.values()):
-        where = ring.locate(t)
-        if where is not None:
-            return where
-    return None
+    return next((w for w in (r.locate(t) for r in list(_RINGS.values())) if w is not None), None)
 
 
 def arrived(data):
     """In the training process, an arriving batch's data: the view of its ring slot where
-    ``data`` is ``(token, slot, nbytes)``, else ``data``. Every arrival, in a slot or not,
-    frees the slots whose release finished: a ring whose slots are all waiting on the GPU
-    gets no batch in a slot, so freeing them only when one arrives would leave it full."""
+    ``data`` is ``(token, slot, nbytes)``, else ``data``. Every arrival frees the slots whose
+    release finished (a ring whose slots all wait on the GPU gets no batch in a slot)."""
     for ring in list(_RINGS.values()):
         ring.reap()
     if not isinstance(data, tuple):

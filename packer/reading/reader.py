@@ -133,9 +133,8 @@ class ShardReader:
         return rec
 
     def _cached(self, shard: int) -> None:
-        """Unpin and close the oldest cached shards beyond one (none with no ``cache_limit``:
-        nothing is evicted, so reopening would only cost a lock per sample); fetch and pin
-        ``shard``."""
+        """Unpin and close the oldest cached shards beyond one (none without ``cache_limit``:
+        nothing is evicted, so reopening would only cost a lock); fetch and pin ``shard``."""
         keep = 2 if self.cache.limit is not None else len(self.paths) + 1
         while len(self._order) >= keep:
             k = self._order.pop(0)

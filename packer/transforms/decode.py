@@ -28,10 +28,9 @@ def stored_image(data: bytes) -> Image.Image:
 
 def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
                exif_orientation: bool = False) -> Image.Image:
-    """Decode stored bytes to a PIL RGB image, as torchvision's default loader would;
-    ``size_hint`` (w, h) opts into JPEG draft decoding (other pixels). ``exif_orientation``:
-    turned as ``exif_transpose`` turns it, by ``exif_tag``'s orientation (the build's), without
-    exif_transpose's rewrite of the EXIF, which raises on tags PIL reads but cannot write."""
+    """Stored bytes to a PIL RGB image, as torchvision's default loader; ``size_hint`` (w, h):
+    JPEG draft decoding (other pixels). ``exif_orientation``: turned as by ``exif_transpose``
+    (``exif_tag``'s orientation) without its EXIF rewrite, which raises on some tags."""
     im = stored_image(data)
     if size_hint is not None and im.format in JPEG_FORMATS:
         im.draft("RGB", size_hint)
@@ -225,9 +224,8 @@ class DecodeCenterCrop(CropDecoder):
 
 
 class DecodeLetterbox(CropDecoder):
-    """YOLO's letterbox fused into the decode: fit ``size`` keeping the aspect ratio (never up
-    with ``scale_up=False``), centred on a ``fill`` canvas; detection boxes follow.
-    ``resize``: as ``CropDecoder``'s."""
+    """YOLO's letterbox fused into the decode: fit ``size``, keeping the aspect ratio (never up
+    with ``scale_up=False``), centred on a ``fill`` canvas; boxes follow. ``resize``: see base."""
 
     def __init__(self, size, fill: int = 114, scale_up: bool = True, resize: str = "auto"):
         super().__init__(size, resize)

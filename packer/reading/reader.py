@@ -153,9 +153,7 @@ class ShardReader:
         self._fds, self._pid, self._order = [], None, []
 
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_fds"], state["_pid"], state["_order"] = [], None, []  # descriptors stay in their process
-        return state
+        return {**self.__dict__, "_fds": [], "_pid": None, "_order": []}  # fds stay in this process
 
     def __del__(self):
         with contextlib.suppress(Exception):

@@ -11,8 +11,7 @@ from typing import Optional, Tuple
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import FormatError
-from ..format.images import (EXIF_TURNS, IMAGE_FORMATS, JPEG_FORMATS, orientation_of,
-                             pil_open)
+from ..format.images import EXIF_TURNS, IMAGE_FORMATS, JPEG_FORMATS, orientation_of, pil_open
 
 
 def stored_image(data: bytes) -> Image.Image:
@@ -119,14 +118,12 @@ def torch_resized(im: Image.Image, size: Tuple[int, int]):
     import torch.nn.functional as F
     x = image_to_tensor(im).permute(1, 2, 0)[None].permute(0, 3, 1, 2)
     if tuple(x.shape[2:]) != tuple(size):
-        x = F.interpolate(x, size=tuple(size), mode="bilinear", antialias=True,
-                          align_corners=False)
+        x = F.interpolate(x, size=tuple(size), mode="bilinear", antialias=True, align_corners=False)
     return x[0]
 
 
 def resize_box(im: Image.Image, box, size: Tuple[int, int]):
-    """``(tensor, whole-pixel box)``: ``box`` of ``im`` rounded to whole pixels, cropped and
-    resized to ``size`` by ``torch_resized``."""
+    """``(tensor, box)``: ``box`` of ``im`` rounded to whole pixels, cropped, ``torch_resized``."""
     w, h = im.size
     c0, r0 = min(max(0, round(box[0])), w - 1), min(max(0, round(box[1])), h - 1)
     c1, r1 = max(c0 + 1, min(w, round(box[2]))), max(r0 + 1, min(h, round(box[3])))

@@ -1,6 +1,5 @@
-"""``PackedDataset``: a drop-in for ``torchvision.datasets.ImageFolder`` (and wrapped
-``CocoDetection``) over packed shards; per-sample data lives in compact arrays, so forked
-workers' memory stays flat."""
+"""``PackedDataset``: a drop-in for torchvision's ImageFolder (and wrapped CocoDetection) over
+packed shards; per-sample data lives in compact arrays, so forked workers' memory stays flat."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,5 @@
-"""The read pipeline's first half: records by index (``reader``), the datasets
-(``dataset``: ImageFolder/CocoDetection drop-in; ``iterable``), their targets
-(``targets``, ``masks``), the sampler (``sampler``) and weighted mixtures (``mixture``)."""
+"""The read pipeline's first half: records by index (``reader``), the datasets (``dataset``,
+``iterable``), their targets (``targets``, ``masks``), ``sampler`` and weighted ``mixture``."""
 from .._util.lazy import lazy_names
 
 _WHERE = {".dataset": ["PackedDataset"], ".iterable": ["PackedIterableDataset"],

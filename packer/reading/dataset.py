@@ -1,6 +1,5 @@
-"""``PackedDataset``: a drop-in for ``torchvision.datasets.ImageFolder`` (and wrapped
-``CocoDetection``) over packed shards; per-sample data lives in compact arrays, so forked
-workers' memory stays flat."""
+"""``PackedDataset``: a drop-in for torchvision's ImageFolder (and wrapped CocoDetection) over
+packed shards; per-sample data lives in compact arrays, so forked workers' memory stays flat."""
 from __future__ import annotations
 
 import os
@@ -67,9 +66,8 @@ class PackedDataset(Dataset):
                                        target_keys=target_keys, masks=masks)
         if self.make_target.masks and decode is not None and hasattr(decode, "decode_crop"):
             raise ValueError("masks (masks=True, or in target_keys) with a crop decoder are not "
-                             "supported: decode to PIL "
-                             "(decode=None) and crop with torchvision.transforms.v2, which "
-                             "moves masks with the image")
+                             "supported: decode to PIL (decode=None) and crop with "
+                             "torchvision.transforms.v2, which moves masks with the image")
         if exif_orientation and decode is not None:  # a decode hook reads the bytes its way
             raise ValueError("exif_orientation=True applies to the default decode (decode=None); "
                              "a decode hook gets the stored bytes as they are")
@@ -77,7 +75,7 @@ class PackedDataset(Dataset):
         self.classes: List[str] = list(self.manifest["classes"])
         self.class_to_idx = dict(self.manifest["class_to_idx"])
         self.categories = list(self.manifest.get("categories", []))
-        self._labels = read_labels(self.root, self.manifest)  # array('i'): one buffer, not N objects
+        self._labels = read_labels(self.root, self.manifest)  # array('i'): one buffer
         self._samples: Optional[Samples] = None
         self._sizes: Optional[Tuple[array, array]] = None
 
@@ -113,8 +111,7 @@ class PackedDataset(Dataset):
     imgs = samples  # ImageFolder's alias
 
     def find_classes(self, directory: Optional[os.PathLike] = None) -> Tuple[List[str], dict]:
-        """``(classes, class_to_idx)``: this dataset's; or, given ``directory``, what
-        ImageFolder would find there (its sorted class folders)."""
+        """``(classes, class_to_idx)``: this dataset's, or ImageFolder's for ``directory``."""
         if directory is None:
             return list(self.classes), dict(self.class_to_idx)
         found = find_classes(directory)
@@ -122,13 +119,11 @@ class PackedDataset(Dataset):
 
     @staticmethod
     def loader(data: bytes):
-        """The default decode (ImageFolder's ``loader`` reads a path; packer's hooks take the
-        stored bytes): a PIL RGB image, as ``Image.open(f).convert("RGB")``."""
+        """The default decode: ImageFolder's ``loader`` (a PIL RGB image), from stored bytes."""
         return open_image(data)
 
     def column(self, name: str) -> array:
-        """A scalar field for every record (``label``, ``width``, ``height``, any int,
-        float or bool field), from its side table: no record is read, no image decoded."""
+        """A scalar (int, float, bool) field of every record, from its side table (no reads)."""
         return read_column(self.root, name, self.manifest)
 
     def aspect_ratios(self) -> torch.Tensor:
@@ -137,8 +132,7 @@ class PackedDataset(Dataset):
         return torch.tensor(w, dtype=torch.float64) / torch.tensor(h, dtype=torch.float64)
 
     def get_height_and_width(self, index: int) -> Tuple[int, int]:
-        """``(height, width)`` of image ``index`` from the side tables (torchvision's detection
-        reference groups batches by aspect ratio with it)."""
+        """``(height, width)`` of image ``index`` from the side tables (torchvision's API)."""
         w, h = self.sizes()
         return h[index], w[index]
 
@@ -198,21 +192,17 @@ def to_sample(rec: dict, decode: Optional[Callable] = None, transform: Optional[
               target_transform: Optional[Callable] = None, exif_orientation: bool = False,
               make_target: Optional[Callable] = None, transforms: Optional[Callable] = None,
               min_visible: float = 0.25) -> Tuple[Any, Any]:
-    """(sample, target) from a record: decode (ImageFolder's PIL RGB by default), then the
-    transforms. Shared by the map-style and the streaming datasets."""
+    """(sample, target) from a record: decode (ImageFolder's PIL RGB by default), transforms."""
     target = make_target(rec) if make_target is not None else rec["label"]
-    detection = isinstance(target, dict) and "boxes" in target and getattr(
-        make_target, "detection", False)
-    if detection and decode is not None and hasattr(decode, "decode_crop"):
+    detection = isinstance(target, dict) and getattr(make_target, "detection", False)
+    if detection and "boxes" in target and decode is not None and hasattr(decode, "decode_crop"):
         sample, crop, flipped = decode.decode_crop(rec["image"])
         target = move_boxes(target, crop, decode.size, flipped, min_visible)
     elif decode is not None:
         sample = decode(rec["image"])
     else:
         sample = open_image(rec["image"], exif_orientation=exif_orientation)
-        if exif_orientation and isinstance(target, dict) and getattr(make_target, "detection",
-                                                                     False):
-            # the boxes and masks (either may be left out of target_keys) turn with the image
+        if exif_orientation and detection:  # boxes and masks (if in target_keys) turn too
             target = oriented(target, exif_tag(rec["image"]), rec["width"], rec["height"])
     if transform is not None:
         sample = transform(sample)
@@ -224,8 +214,8 @@ def to_sample(rec: dict, decode: Optional[Callable] = None, transform: Optional[
 
 
 def move_boxes(target: dict, crop, size, flipped: bool, min_visible: float) -> dict:
-    """A detection target after its image was cropped to ``crop``, resized to ``size`` and
-    maybe flipped: boxes moved and clipped, objects mostly cut away dropped."""
+    """A detection target after a crop, resize and maybe flip: boxes moved and clipped,
+    objects mostly cut away dropped."""
     boxes = target["boxes"].as_subclass(torch.Tensor)
     n = len(boxes)
     out, keep = crop_boxes(boxes, torch.tensor([n]), torch.tensor([crop], dtype=torch.float64),

@@ -2,6 +2,7 @@
 each (rank, worker) reads one contiguous run of a block-order epoch. No mid-epoch resume."""
 from __future__ import annotations
 
+import itertools
 import os
 import random
 from typing import Any, Callable, Iterator, Optional, Tuple
@@ -90,11 +91,8 @@ class PackedIterableDataset(IterableDataset):
 
 def _buffered(items: Iterator, size: int, rng: random.Random) -> Iterator:
     """Shuffle a stream through a buffer of ``size`` items (each item yielded once)."""
-    buf = []
+    buf = list(itertools.islice(items, size))
     for item in items:
-        if len(buf) < size:
-            buf.append(item)
-            continue
         j = rng.randrange(size)
         yield buf[j]
         buf[j] = item

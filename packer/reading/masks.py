@@ -1,7 +1,6 @@
-"""COCO segmentations (polygons, RLE) to binary masks: pycocotools' pixels, without it.
-
-Masks equal ``pycocotools.mask.decode(merge(frPyObjects(...)))`` pixel for pixel, and the
-work is bounded before it starts (``segmentation_problem``; docs/security.md)."""
+"""COCO segmentations (polygons, RLE) to binary masks, pixel for pixel as pycocotools'
+``decode(merge(frPyObjects(...)))`` without it; the work is bounded before it starts
+(``segmentation_problem``; docs/security.md)."""
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple, Union
@@ -18,8 +17,7 @@ Parsed = List[Union[torch.Tensor, List[List[float]]]]  # run lengths (RLE) or po
 
 
 def segmentation_problem(segmentation: Any, height: int, width: int) -> str:
-    """Why ``segmentation`` cannot give masks for a ``height`` x ``width`` image, or "" —
-    checked before anything is allocated (the record may come from a stranger)."""
+    """Why ``segmentation`` cannot give masks for this image, or "": checked before allocating."""
     return parse(segmentation, height, width)[0]
 
 
@@ -90,8 +88,7 @@ def crossing_budget(height: int, width: int) -> int:
 
 
 def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
-    """``(N, height, width)`` uint8 masks, one per object's segmentation (ValueError for a
-    segmentation that cannot be one: see ``segmentation_problem``)."""
+    """``(N, height, width)`` uint8 masks, one per object (ValueError: ``segmentation_problem``)."""
     problem, parts, lines = parse(segmentation, height, width)
     if problem:
         raise ValueError(problem)
@@ -118,9 +115,8 @@ def masks_of(segmentation: List[Any], height: int, width: int) -> torch.Tensor:
 def outline_chunks(lines: Optional[Outline], objects: int,
                    budget: int) -> List[Tuple[int, int, Outline]]:
     """``lines`` split into runs of objects ``[k0, k1)`` of at most about ``2 * budget``
-    crossings: the intervals of one run cost ~120 bytes a crossing while they are made, so
-    many objects with the most crossings each cost in proportion to their masks, not to
-    their number."""
+    crossings: a run's intervals cost ~120 bytes a crossing while made, so memory follows
+    the masks' size, not the number of objects."""
     if lines is None:
         return []
     work = crossings(lines, objects)
@@ -142,10 +138,8 @@ def paint(starts: torch.Tensor, ends: torch.Tensor, total: int) -> torch.Tensor:
         return torch.zeros(total, dtype=torch.uint8)
     starts, order = starts.sort()
     ends = ends[order].cummax(0).values  # the furthest any interval so far reaches
-    new = torch.ones_like(starts, dtype=torch.bool)
-    new[1:] = starts[1:] > ends[:-1]
-    last = torch.ones_like(new)
-    last[:-1] = new[1:]
+    new = torch.cat([starts.new_ones(1, dtype=torch.bool), starts[1:] > ends[:-1]])
+    last = torch.cat([new[1:], new.new_ones(1)])
     s, e = starts[new], ends[last]  # disjoint, sorted, apart: every start and end distinct
     s, e = s[e > s], e[e > s]
     # +1 where a run of ones starts, -1 (255) where it ends; the running uint8 sum is 0 or 1

@@ -20,7 +20,7 @@ _WALK, _INTERLEAVE = 2, 3  # seed_for salts (1 is grouped_order's)
 
 def share_counts(weights: Sequence[float], total: int) -> List[int]:
     """``total`` split in proportion to ``weights`` by largest remainder (ties: the earlier
-    source), in exact arithmetic so every machine splits the same way."""
+    source), in exact arithmetic so every machine agrees."""
     whole = sum(map(Fraction, weights))
     exact = [Fraction(w) * total / whole for w in weights]
     counts = [math.floor(e) for e in exact]
@@ -32,8 +32,8 @@ def share_counts(weights: Sequence[float], total: int) -> List[int]:
 
 def source_draws(n: int, count: int, *, seed: int, epoch: int, source: int,
                  shuffle: bool = True) -> torch.Tensor:
-    """The local indices (int64) a source of ``n`` samples gives to ``epoch`` when it gives
-    ``count`` per epoch (docs/mixture.md): a pure function of its arguments."""
+    """The local indices (int64) a source of ``n`` samples giving ``count`` per epoch gives to
+    ``epoch`` (docs/mixture.md): a pure function of its arguments."""
     full, rest = divmod(count, n) if n else (0, 0)
     parts = [torch.arange(n).repeat(full)]
     if rest:
@@ -96,15 +96,23 @@ class Mixture(Dataset):
                              f"got {epoch_size!r}")
         self.epoch_size = epoch_size
         self.counts = share_counts(self.weights, epoch_size)
-        _check_targets(self.sources)
+        kinds = [(s, k) for s, d in enumerate(self.sources) if (k := target_kind(d)) is not None]
+        for s, k in kinds[1:]:  # targets that cannot be batched together
+            if k != kinds[0][1]:
+                s0, k0 = kinds[0]
+                raise ValueError(
+                    f"Mixture sources must give the same kind of target to be batched together: "
+                    f"source {s0} ({self.sources[s0]!r}) gives {k0}, source {s} "
+                    f"({self.sources[s]!r}) gives {k}; select matching targets (target_fields=, "
+                    f"target_keys=) or map them with target_transform=")
 
     def __len__(self) -> int:
         return self.offsets[-1]
 
     @property
     def layout(self) -> List[List[int]]:
-        """``[samples, samples per epoch]`` per source: with (seed, epoch), what fixes the
-        order (``PackedSampler`` keeps it in its state, to refuse another mixture's)."""
+        """``[samples, samples per epoch]`` per source: with (seed, epoch) it fixes the order
+        (``PackedSampler`` keeps it in its state, to refuse another mixture's)."""
         return [[n, c] for n, c in zip(self.lengths, self.counts)]
 
     def locate(self, index: int):
@@ -165,15 +173,3 @@ def _weights(weights, lengths: List[int]) -> list:
                          f"drop it or give it weight 0")
     return weights
 
-
-def _check_targets(sources: List[Any]) -> None:
-    """Refuse sources whose targets cannot be batched together."""
-    kinds = [(s, k) for s, d in enumerate(sources) if (k := target_kind(d)) is not None]
-    for s, k in kinds[1:]:
-        if k != kinds[0][1]:
-            s0, k0 = kinds[0]
-            raise ValueError(
-                f"Mixture sources must give the same kind of target to be batched together: "
-                f"source {s0} ({sources[s0]!r}) gives {k0}, source {s} "
-                f"({sources[s]!r}) gives {k}; select matching targets (target_fields=, "
-                f"target_keys=) or map them with target_transform=")

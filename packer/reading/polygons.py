@@ -82,9 +82,8 @@ def polygon_intervals(o: Outline, height: int, width: int) -> Tuple[torch.Tensor
 
 
 def x_major_rows(xs, ys, xe, ye, n) -> torch.Tensor:
-    """Crossings of edges walked along x (each step moves u by one, so every column from
-    xs to xe is crossed): the lower ``v = (int)(ys + s*t + .5)`` of the steps
-    ``t, t+1`` at ``u = 5n+2, 5n+3``."""
+    """Crossings of edges walked along x (every column from xs to xe is crossed): the lower
+    ``v = (int)(ys + s*t + .5)`` of the steps ``t, t+1`` at ``u = 5n+2, 5n+3``."""
     s = (ye - ys).to(F64) / (xe - xs).to(F64)
     t = (5 * n + 2 - xs).to(F64)
     y0 = ys.to(F64)

@@ -133,9 +133,8 @@ class ShardReader:
         return rec
 
     def _cached(self, shard: int) -> None:
-        """Unpin and close the oldest cached shards beyond one (none with no ``cache_limit``:
-        nothing is evicted, so reopening would only cost a lock per sample); fetch and pin
-        ``shard``."""
+        """Unpin and close the oldest cached shards beyond one (none without ``cache_limit``:
+        nothing is evicted, so reopening would only cost a lock); fetch and pin ``shard``."""
         keep = 2 if self.cache.limit is not None else len(self.paths) + 1
         while len(self._order) >= keep:
             k = self._order.pop(0)
@@ -154,9 +153,7 @@ class ShardReader:
         self._fds, self._pid, self._order = [], None, []
 
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_fds"], state["_pid"], state["_order"] = [], None, []  # descriptors stay in their process
-        return state
+        return {**self.__dict__, "_fds": [], "_pid": None, "_order": []}  # fds stay in this process
 
     def __del__(self):
         with contextlib.suppress(Exception):

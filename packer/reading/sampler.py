@@ -39,9 +39,7 @@ def global_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
     g = torch.Generator().manual_seed(seed_for(seed, epoch))
     if order == "random":
         return torch.randperm(n, generator=g)
-    # Block order: the permuted blocks' records (the last block may be short: drop past n).
-    # A block past the end is the whole dataset, the same order: sized by the records, never
-    # by block_size (block_size=10**12 asked for 8 TB).
+    # Permuted blocks' records (the last may be short); memory is sized by n, not block_size.
     block_size = min(block_size, n)
     nblocks = -(-n // block_size)
     blocks = torch.randperm(nblocks, generator=g)
@@ -89,9 +87,8 @@ def grouped_order(order: torch.Tensor, groups: torch.Tensor, chunk: int, *, seed
 
 def resolve_world(num_replicas: Optional[int], rank: Optional[int]):
     """(world size, rank): the given values, else torch.distributed's, else (1, 0); checked.
-    A world of several ranks with no rank known (torchrun's ``WORLD_SIZE`` before
-    ``init_process_group``, or ``num_replicas`` alone) is refused, as ``DistributedSampler``
-    refuses it: every process would take rank 0's share, or the whole dataset."""
+    Several ranks with no rank known (``WORLD_SIZE`` before ``init_process_group``, or
+    ``num_replicas`` alone) are refused, as by ``DistributedSampler``."""
     dist = torch.distributed
     ready = dist.is_available() and dist.is_initialized()
     env = os.environ.get("WORLD_SIZE", "")
@@ -115,8 +112,7 @@ def resolve_world(num_replicas: Optional[int], rank: Optional[int]):
 
 
 def node_size(world: int, ranks_per_node: Optional[int]) -> int:
-    """Ranks per node for the node order: as given, else torchrun's ``LOCAL_WORLD_SIZE`` when
-    it divides ``world``, else 1."""
+    """Ranks per node: as given, else ``LOCAL_WORLD_SIZE`` where it divides ``world``, else 1."""
     if ranks_per_node is None:
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         ranks_per_node = int(local) if local.isdigit() and int(local) > 0 else 1
@@ -149,9 +145,8 @@ class PackedSampler(Sampler[int]):
         aspect_groups / batch_size: every batch of ``batch_size`` holds one aspect group
             (torchvision's ``GroupedBatchSampler``), from the width/height columns.
 
-    ``make_loader`` moves to the next epoch after each pass; otherwise call ``set_epoch``.
-    ``state_dict()`` resumes at the first unseen sample at any world size (without
-    ``make_loader``, pass ``consumed``: global samples the training loop received)."""
+    ``make_loader`` moves to the next epoch after each pass (else call ``set_epoch``);
+    ``state_dict()`` resumes at the first unseen sample, at any world size."""
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
                  num_replicas: Optional[int] = None, rank: Optional[int] = None,
@@ -182,7 +177,7 @@ class PackedSampler(Sampler[int]):
         self.counts, self.cache, self.layout = None, None, None
         if order == "node":
             shards = getattr(dataset, "manifest", {}).get("shards")
-            if shards is None or self.mixture is not None:
+            if shards is None:
                 raise ValueError("order='node' needs a PackedDataset (its shards are what "
                                  "nodes divide)")
             self.counts = [int(s["count"]) for s in shards]
@@ -201,7 +196,7 @@ class PackedSampler(Sampler[int]):
             self.epoch, self._start, self._consumed = epoch, 0, 0
 
     def permutation(self) -> torch.Tensor:
-        """This epoch's global order (cached; int64 tensor)."""
+        """This epoch's global order (cached; int64)."""
         if self._cache is None or self._cache[:2] != (self.epoch, self.seed):
             if self.mixture is not None:
                 perm = self.mixture.epoch_order(self.seed, self.epoch, self.shuffle)
@@ -250,10 +245,9 @@ class PackedSampler(Sampler[int]):
         self._start = 0  # a finished pass: the next one starts the (next) epoch from the top
 
     def _prefetch_plan(self, perm, first: int, w: int, count: int) -> List[Tuple[int, int]]:
-        """With ``order="node"`` through a shard cache: (position, shard) pairs, last first: at
-        that many samples into this pass, fetch that shard (about one window before this rank
-        first reads it)."""
-        if self.cache is None or not count or self.size == 0:
+        """``order="node"`` with a shard cache: (position, shard) pairs, last first: fetch the
+        shard that many samples into this pass, about one window before this rank reads it."""
+        if self.cache is None or not count:  # count is 0 for an empty dataset
             return []
         ends = torch.tensor(self.counts, dtype=torch.int64).cumsum(0)
         pos = torch.arange(first, first + count * w, w) % self.size
@@ -270,22 +264,20 @@ class PackedSampler(Sampler[int]):
         return self._start
 
     def epoch_copy(self, epoch: Optional[int] = None) -> "PackedSampler":
-        """A copy at the position it is now, or at the start of ``epoch``: what a loader that
-        runs ahead iterates, leaving this sampler (its epoch, its state) the caller's."""
+        """A copy here, or at the start of ``epoch``, for a loader that runs ahead to iterate."""
         out = copy.copy(self)  # shares the cached order
         if epoch is not None:
             out.set_epoch(epoch)
         return out
 
     def received(self, consumed: int) -> None:
-        """Record that the training loop has received ``consumed`` samples (global) of this
-        epoch: a loader iterating a copy reports here, so ``state_dict`` stays exact."""
+        """The training loop has received ``consumed`` (global) samples of this epoch: a loader
+        iterating a copy reports here, so ``state_dict`` stays exact."""
         self._consumed, self._begun = int(consumed), True
 
     def state_dict(self, consumed: Optional[int] = None) -> Dict[str, int]:
-        """``{"seed", "epoch", "consumed", "size", "arrangement"}`` (``consumed``: global
-        samples the training loop received this epoch; pass it with a plain multi-worker
-        ``DataLoader``)."""
+        """``{"seed", "epoch", "consumed", "size", "arrangement"}``; pass ``consumed`` (global
+        samples received this epoch) with a plain multi-worker ``DataLoader``."""
         if consumed is None:
             consumed = self._consumed
         elif consumed < 0:
@@ -314,9 +306,8 @@ class PackedSampler(Sampler[int]):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from ``state`` (maybe saved at another world size) at the next unseen sample.
-        A state whose epoch is over, loaded into a sampler not yet iterated but already set to a
-        later epoch (``StatefulDataLoader`` loads states at ``iter()``, after the loop's
-        ``set_epoch``), leaves that later epoch to start from the top, as DistributedSampler does."""
+        A finished epoch's state, loaded after ``set_epoch(later)`` but before iterating (as
+        ``StatefulDataLoader`` does), leaves that later epoch to start from the top."""
         missing = {"seed", "epoch", "consumed"} - set(state)
         if missing:
             raise ValueError(f"not a PackedSampler state (missing {sorted(missing)}): pass what "
@@ -342,8 +333,8 @@ class PackedSampler(Sampler[int]):
             raise ValueError(f"consumed must be >= 0, got {consumed}")
         done = not rank_count(self.size, consumed, self.num_replicas, self.drop_last)
         later, self._begun = not self._begun and self.epoch > epoch, True
-        if done and later:  # set_epoch(later) came first (StatefulDataLoader loads at iter()):
-            self.seed = int(state["seed"])  # the state's epoch is over; start the later one
+        if done and later:  # the state's epoch is over: start the later one
+            self.seed = int(state["seed"])
             return
         self.seed, self.epoch = int(state["seed"]), epoch
         if self.order == "node" and "layout" in state:

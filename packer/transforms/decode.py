@@ -11,8 +11,7 @@ from typing import Optional, Tuple
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import FormatError
-from ..format.images import (EXIF_TURNS, IMAGE_FORMATS, JPEG_FORMATS, orientation_of,
-                             pil_open)
+from ..format.images import EXIF_TURNS, IMAGE_FORMATS, JPEG_FORMATS, orientation_of, pil_open
 
 
 def stored_image(data: bytes) -> Image.Image:
@@ -28,10 +27,9 @@ def stored_image(data: bytes) -> Image.Image:
 
 def open_image(data: bytes, *, size_hint: Optional[Tuple[int, int]] = None,
                exif_orientation: bool = False) -> Image.Image:
-    """Decode stored bytes to a PIL RGB image, as torchvision's default loader would;
-    ``size_hint`` (w, h) opts into JPEG draft decoding (other pixels). ``exif_orientation``:
-    turned as ``exif_transpose`` turns it, by ``exif_tag``'s orientation (the build's), without
-    exif_transpose's rewrite of the EXIF, which raises on tags PIL reads but cannot write."""
+    """Stored bytes to a PIL RGB image, as torchvision's default loader; ``size_hint`` (w, h):
+    JPEG draft decoding (other pixels). ``exif_orientation``: turned as by ``exif_transpose``
+    (``exif_tag``'s orientation) without its EXIF rewrite, which raises on some tags."""
     im = stored_image(data)
     if size_hint is not None and im.format in JPEG_FORMATS:
         im.draft("RGB", size_hint)
@@ -120,14 +118,12 @@ def torch_resized(im: Image.Image, size: Tuple[int, int]):
     import torch.nn.functional as F
     x = image_to_tensor(im).permute(1, 2, 0)[None].permute(0, 3, 1, 2)
     if tuple(x.shape[2:]) != tuple(size):
-        x = F.interpolate(x, size=tuple(size), mode="bilinear", antialias=True,
-                          align_corners=False)
+        x = F.interpolate(x, size=tuple(size), mode="bilinear", antialias=True, align_corners=False)
     return x[0]
 
 
 def resize_box(im: Image.Image, box, size: Tuple[int, int]):
-    """``(tensor, whole-pixel box)``: ``box`` of ``im`` rounded to whole pixels, cropped and
-    resized to ``size`` by ``torch_resized``."""
+    """``(tensor, box)``: ``box`` of ``im`` rounded to whole pixels, cropped, ``torch_resized``."""
     w, h = im.size
     c0, r0 = min(max(0, round(box[0])), w - 1), min(max(0, round(box[1])), h - 1)
     c1, r1 = max(c0 + 1, min(w, round(box[2]))), max(r0 + 1, min(h, round(box[3])))
@@ -225,9 +221,8 @@ class DecodeCenterCrop(CropDecoder):
 
 
 class DecodeLetterbox(CropDecoder):
-    """YOLO's letterbox fused into the decode: fit ``size`` keeping the aspect ratio (never up
-    with ``scale_up=False``), centred on a ``fill`` canvas; detection boxes follow.
-    ``resize``: as ``CropDecoder``'s."""
+    """YOLO's letterbox fused into the decode: fit ``size``, keeping the aspect ratio (never up
+    with ``scale_up=False``), centred on a ``fill`` canvas; boxes follow. ``resize``: see base."""
 
     def __init__(self, size, fill: int = 114, scale_up: bool = True, resize: str = "auto"):
         super().__init__(size, resize)

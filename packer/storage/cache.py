@@ -159,9 +159,8 @@ class ShardCache:
             self.release(k)
 
     def write_manifest(self) -> Path:
-        """``root/manifest.json``: ``root`` read as a dataset folder once every shard is here.
-        One process writes it at a time (``info``/``verify`` runs sharing a ``cache_dir``);
-        one that already says the same is left as it is."""
+        """``root/manifest.json``, making ``root`` a dataset folder once every shard is here;
+        written by one process at a time (runs may share a ``cache_dir``), kept if the same."""
         path = self.root / MANIFEST
         with self._locked(MANIFEST, "write", fcntl.LOCK_EX):
             with contextlib.suppress(OSError, ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import json
 import os
 import stat
@@ -81,9 +82,8 @@ def _stage_locked(src: Path, target: Path, man: dict, plan: List["StagedFile"], 
     stale = sorted(n for n in previous - wanted if (target / n).exists())
     temps = sorted(f".{n}{TMP_SUFFIX}" for n in previous if os.path.lexists(target / f".{n}{TMP_SUFFIX}"))
     todo, doomed = _sort_out(target, plan, verify, _vouched(target), progress, result)
-    manifest_ok = not todo and not stale and manifest_or_none(target) == staged_manifest
     result.bytes_total = sum(f.bytes for f in plan)
-    if manifest_ok and not temps:
+    if not (todo or stale or temps) and manifest_or_none(target) == staged_manifest:
         result.seconds = time.perf_counter() - t0
         return result
 
@@ -122,8 +122,7 @@ def _vouched(target: Path) -> dict:
     man = manifest_or_none(target)
     if man is None or "staged" not in man:
         return {}
-    entries = list(man["shards"]) + [entry for _, entry, _ in side_tables(man)]
-    return {e["path"]: e.get("sha256") for e in entries}
+    return {e["path"]: e.get("sha256") for e in dataset_files(man)}
 
 
 def _sort_out(target: Path, plan: List[StagedFile], verify: bool, vouched: dict, progress: bool,
@@ -132,7 +131,6 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, vouched: dict,
     and checksum match the manifest. Without ``verify`` the checksum is not computed where
     ``vouched`` (the staged manifest there) lists the same one: a size alone cannot tell a
     rebuilt source (its labels and offsets keep their sizes) from the one staged before."""
-    todo: List[StagedFile] = []
     sizes = {f.name: _size(target / f.name) for f in plan}
     to_hash = [f for f in plan if sizes[f.name] == f.bytes and f.sha256 is not None
                and (verify or vouched.get(f.name) != f.sha256)]
@@ -143,11 +141,9 @@ def _sort_out(target: Path, plan: List[StagedFile], verify: bool, vouched: dict,
                                pool.map(lambda f: file_sha256(target / f.name, check_bar.update), to_hash)))
     finally:
         check_bar.close()
-    for f in plan:
-        if sizes[f.name] == f.bytes and digests.get(f.name, f.sha256) == f.sha256:
-            result.kept.append(f.name)
-        else:
-            todo.append(f)
+    keep = [sizes[f.name] == f.bytes and digests.get(f.name, f.sha256) == f.sha256 for f in plan]
+    result.kept += [f.name for f, k in zip(plan, keep) if k]
+    todo = [f for f, k in zip(plan, keep) if not k]
     return todo, [f.name for f in todo if sizes[f.name] is not None]
 
 
@@ -317,8 +313,6 @@ def stage_once_per_node(src: os.PathLike, target: os.PathLike, *, local_rank: Op
     ``local_rank_from_env()``; other keyword arguments go to ``stage``; non-zero local ranks
     get ``waited=True``.
     """
-    import datetime
-
     try:
         import torch
         import torch.distributed as dist
@@ -333,8 +327,7 @@ def stage_once_per_node(src: os.PathLike, target: os.PathLike, *, local_rank: Op
                           "launch with torchrun (sets LOCAL_RANK) or pass local_rank=")
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     try:
-        result: Optional[StageResult] = None
-        error: Optional[BaseException] = None
+        result, error = None, None
         if local_rank == 0:
             try:
                 result = stage(src, target, **kwargs)

@@ -39,10 +39,8 @@ FORKING = threading.Lock()  # held while a descriptor opens or closes, and acros
 
 
 def _drop_inherited() -> None:
-    """In a child just forked (a DataLoader worker): close the parent's lock descriptors.
-    ``flock`` belongs to the open file, which the child shares: a copy left open would hold
-    the parent's fetch lock for the child's life, and the next fetch of that shard, the
-    child's own included, would wait forever."""
+    """In a forked child: close the parent's lock descriptors (an inherited ``flock`` would
+    hold the parent's fetch lock for the child's life: the next fetch would wait forever)."""
     global FORKING
     for fd in list(HELD):
         with contextlib.suppress(OSError):
@@ -99,8 +97,7 @@ class ShardCache:
             name = _content_name(entry, remote, staged_name)
             self._ensure(name, entry["path"], entry["bytes"], entry.get("sha256"), pin=False)
             set_table(self.manifest, key, dict(entry, path=name))
-        # What this process did with shards (the side tables above are not counted):
-        self.downloads = self.downloaded_bytes = self.hits = self.evictions = 0
+        self.downloads = self.downloaded_bytes = self.hits = self.evictions = 0  # shards only
 
     def _reset(self) -> None:
         self._pid = os.getpid()
@@ -115,8 +112,7 @@ class ShardCache:
         self.__dict__.update(state)
         self._reset()
 
-    def _here(self) -> None:
-        """After a fork: the parent's pins (closed at the fork) and threads are not ours."""
+    def _here(self) -> None:  # after a fork the parent's pins and threads are not ours
         if self._pid != os.getpid():
             self._reset()
 
@@ -163,17 +159,14 @@ class ShardCache:
             self.release(k)
 
     def write_manifest(self) -> Path:
-        """``root/manifest.json``: ``root`` read as a dataset folder once every shard is here.
-        One process writes it at a time (``info``/``verify`` runs sharing a ``cache_dir``);
-        one that already says the same is left as it is."""
+        """``root/manifest.json``, making ``root`` a dataset folder once every shard is here;
+        written by one process at a time (runs may share a ``cache_dir``), kept if the same."""
         path = self.root / MANIFEST
         with self._locked(MANIFEST, "write", fcntl.LOCK_EX):
-            try:
-                same = json.loads(path.read_bytes()) == self.manifest
-            except (OSError, ValueError):
-                same = False
-            if not same:
-                write_json_atomic(path, self.manifest)
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(path.read_bytes()) == self.manifest:
+                    return path
+            write_json_atomic(path, self.manifest)
         return path
 
     def __len__(self) -> int:
@@ -263,12 +256,10 @@ class ShardCache:
         removed = 0
         for p in self.root.glob(".*.part"):
             name = p.name[1:].rsplit(".", 2)[0]  # .NAME.PID-TID.part
-            try:
+            with contextlib.suppress(BlockingIOError):  # being written now
                 with self._locked(name, "fetch", fcntl.LOCK_EX | fcntl.LOCK_NB):
                     p.unlink(missing_ok=True)
                     removed += 1
-            except BlockingIOError:
-                pass  # being written now
         return removed
 
     def usage(self) -> int:
@@ -303,10 +294,6 @@ def _size(path: Path) -> Optional[int]:
 
 
 def _touch(path: Path) -> None:
-    """Mark ``path`` used now: its atime is the LRU clock (its mtime, which readers check to
-    notice a replaced file, stays)."""
-    try:
-        st = path.stat()
-        os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
-    except FileNotFoundError:
-        pass
+    """Mark ``path`` used now: atime is the LRU clock (mtime, which readers check, stays)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))

@@ -23,8 +23,6 @@ from .remote import UPLOAD_MARKER as MARKER, dataset_files, fetch_manifest
 from .urls import is_url
 
 RECORD = ".packer-uploaded.json"  # in the work folder: what went up, with its version
-# MARKER (remote.UPLOAD_MARKER) is in the prefix from a run's first change until its manifest is
-# up: the objects there are packer's, a re-run from another work folder may replace them
 
 
 class Destination:
@@ -59,9 +57,8 @@ class Destination:
     def begin(self, overwrite: bool) -> None:
         """Before the build. A finished dataset at the URL is refused unless ``overwrite`` (then
         unmade: its manifest first, then its files) or it is the work folder's own; objects
-        packer did not write are refused, as a non-empty local folder is. Returns None: whether
-        a finished dataset in the work folder is this build's is the build's to decide (its
-        fingerprint): one of another source or options must never go up as this one."""
+        packer did not write are refused. Whether the work folder's dataset is this build's is
+        the build's to decide (its fingerprint)."""
         self._there = self.store.listing(missing_ok=True)
         local = self.work / MANIFEST
         local = local.read_bytes() if local.is_file() else None
@@ -100,9 +97,8 @@ class Destination:
             del self._there[name]
 
     def _claim(self) -> None:
-        """Mark the prefix as packer's (``MARKER``) before this run changes its first object, so
-        that a re-run from another work folder knows the objects there; removed after the
-        manifest."""
+        """Put ``MARKER`` (the prefix is packer's: a re-run from another work folder may replace
+        its objects) before this run's first change; ``finish`` removes it after the manifest."""
         if not self._claimed and MARKER not in self._there:
             self.store.call(lambda: self.store.fs.pipe_file(self.store.key(MARKER), b"{}"),
                             f"writing {self.store.show(MARKER)}")
@@ -164,8 +160,7 @@ class Destination:
 
 
 def as_destination(dst: Any) -> Optional[Destination]:
-    """``dst`` as a ``Destination`` (a URL: storage options from the environment), or None
-    for a local folder."""
+    """``dst`` as a ``Destination`` (a URL: options from the environment); None for a folder."""
     if isinstance(dst, Destination):
         return dst
     return Destination(dst) if is_url(dst) else None

@@ -13,6 +13,9 @@ from typing import Any, Dict, Iterator, Optional
 from .._util.fsio import write_json_atomic
 from ..errors import PackerError
 from ..format.manifest import MANIFEST, read_manifest
+from .cache import ShardCache
+from .objects import Store
+from .remote import dataset_files, fetch_manifest
 from .urls import is_url, redact
 
 
@@ -25,8 +28,6 @@ def manifest(name: Any, storage_options: Optional[Dict[str, Any]] = None) -> dic
     """The manifest of the dataset at a path or URL (for a URL: one HEAD and one GET)."""
     if not is_url(name):
         return read_manifest(name)
-    from .objects import Store
-    from .remote import fetch_manifest
     return fetch_manifest(Store(name, storage_options))
 
 
@@ -35,7 +36,6 @@ def cache_for(url: str, storage_options: Optional[Dict[str, Any]], cache_dir: Op
               keep_all: bool = False):
     """A ``ShardCache`` of ``url`` in ``cache_dir``, or in a temporary one keeping two shards at
     most, so listing a dataset larger than the disk works."""
-    from .cache import ShardCache
     with contextlib.ExitStack() as stack:
         tmp = None if cache_dir is not None else tempfile.mkdtemp(prefix="packer-cache-")
         if tmp is not None:
@@ -67,8 +67,6 @@ def fetch_dataset(url: str, folder: os.PathLike, storage_options: Optional[Dict[
     """A plain copy of the dataset at ``url`` in ``folder``, its files under their own names,
     each checked against its SHA-256, the manifest last (a folder already holding this very
     manifest is complete and kept). For ``merge`` of parts in object storage."""
-    from .objects import Store
-    from .remote import dataset_files, fetch_manifest
     folder, store = Path(folder), Store(url, storage_options)
     man = fetch_manifest(store)
     if (folder / MANIFEST).is_file() and read_manifest(folder) == man:

@@ -37,8 +37,7 @@ class ShortBody(ConnectionError):
     """A response body of the wrong length (a connection cut mid-body): retried."""
 
 
-# Exception class names (anywhere in the MRO) that mean "the network or the server had a
-# moment": matched by name so that no client library is imported to classify its errors.
+# Transient exception class names (anywhere in the MRO): matched by name, importing no client.
 TRANSIENT_NAMES = {
     "ConnectionError", "TimeoutError", "HTTPClientError", "IncompleteRead", "IncompleteReadError",
     "ResponseStreamingError", "ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError",
@@ -159,9 +158,9 @@ class Store:
         return dict(self.__dict__, _fs=None, _pid=None, _pool=None, _pool_pid=None)
 
     def pool(self) -> ThreadPoolExecutor:
-        """The ``parallel`` threads that make the ranged GETs, shared by every file this process
-        downloads at once: the next file's parts start while a file's last parts arrive, and
-        no more than ``parallel`` GETs are ever in flight. Made again after a fork."""
+        """``parallel`` threads for the ranged GETs, shared by all this process's downloads (the
+        next file's parts start as one's last arrive; at most ``parallel`` in flight). Remade
+        after a fork."""
         with self._pool_lock:
             if self._pool is None or self._pool_pid != os.getpid():
                 self._pool = ThreadPoolExecutor(self.transfer.parallel, thread_name_prefix="packer-get")
@@ -258,14 +257,14 @@ class Store:
                                   f"rewritten; check it (packer verify on a copy) and rebuild")
             try:
                 digest = self._fetch_into(rel, dest, size, progress)
-            except PackerError as e:
+            except PackerError:
                 try:
                     change = self._change(rel, before)
                 except PackerError:  # the store is unreachable: the first error says it all
                     change = ""
                 if change:
                     raise PackerError(change) from None
-                raise e
+                raise
             if sha256 is not None and digest == sha256:
                 return  # every byte is the manifest's, whatever else happened to the object
             change = self._change(rel, before)

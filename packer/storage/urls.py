@@ -15,8 +15,7 @@ from ..errors import PackerError
 
 CLOUD_EXTRA = 'pip install "packer-lmdb[cloud]"'
 URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-# A URL inside free text (an error message), up to the next blank or quote.
-URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")  # in text, to a blank or quote
 SECRET_KEYS = re.compile(r"key|secret|token|password|passwd|credential|sas|signature|auth",
                          re.IGNORECASE)
 GCS_REQUEST_SECONDS = 120  # one ranged GET of packer_part_size (8 MiB): 70 KB/s at least
@@ -26,9 +25,8 @@ CLIENTS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "ad
 
 @dataclass(frozen=True)
 class Transfer:
-    """packer's own knobs, given as ``packer_*`` keys of ``storage_options`` (the other keys
-    go to fsspec): the size of one ranged GET, how many run at once per file, and how long
-    one request may keep failing (resets, 5xx, throttling, short bodies) before giving up."""
+    """packer's ``packer_*`` keys of ``storage_options``: the size of one ranged GET, how many
+    run at once, how long one request may keep failing transiently before giving up."""
     part_size: int = 8 << 20
     parallel: int = 16
     retry_seconds: float = 120.0
@@ -95,11 +93,10 @@ def split_options(storage_options: Optional[Dict[str, Any]]) -> Tuple[Dict[str, 
         raise PackerError(f"storage_options has unknown packer keys ({', '.join(unknown)}); "
                           f"known: packer_part_size, packer_parallel, packer_retry_seconds")
     transfer = Transfer(**{k[len("packer_"):]: v for k, v in ours.items()})
-    whole = [transfer.part_size, transfer.parallel]
     seconds = transfer.retry_seconds
-    if not (all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
-                for v in whole)
-            and isinstance(seconds, numbers.Real) and 0 <= seconds < math.inf):
+    whole = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+                for v in (transfer.part_size, transfer.parallel))
+    if not (whole and isinstance(seconds, numbers.Real) and 0 <= seconds < math.inf):
         raise PackerError(f"storage_options: packer_part_size and packer_parallel must be whole "
                           f"numbers >= 1, packer_retry_seconds a number >= 0 (got packer_part_size"
                           f"={transfer.part_size!r}, packer_parallel={transfer.parallel!r}, "

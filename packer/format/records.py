@@ -1,6 +1,5 @@
-"""The on-disk contract for one record: a msgpack map of the image, its own keys and its
-schema's fields; the LMDB key of each; the checksum. Plain data only: unpacking a
-stranger's record never runs code (no extension types)."""
+"""One record on disk: a msgpack map of the image, its own keys and its schema's fields; its LMDB
+key; its checksum. Plain data only: unpacking a stranger's record never runs code."""
 from __future__ import annotations
 
 import struct
@@ -49,8 +48,7 @@ class PackedFields(NamedTuple):
 
 
 def base_type(v: Any) -> Any:
-    """A subclass of int, float or str (an IntEnum, numpy's float64) as its base type, as
-    msgpack-python packs it; anything else is no plain data."""
+    """A subclass of int, float or str (an IntEnum) as its base type, as msgpack-python packs it."""
     for t in (int, float, str):
         if isinstance(v, t):
             return t(v)
@@ -96,8 +94,7 @@ def _refuse_ext(code: int, data: bytes):
 
 
 def record_problem(rec: Dict[str, Any], fields: Sequence[Field] = (IntField("label"),)) -> str:
-    """What is wrong with an unpacked record (its own keys, then its schema's ``fields``:
-    names and types), or ""."""
+    """What is wrong with an unpacked record (its own keys, then its schema's ``fields``), or ""."""
     for name, kind in RECORD_TYPES.items():
         value = rec.get(name)
         if name not in rec:

@@ -14,6 +14,7 @@ from typing import Callable, Dict, Optional, Tuple
 from ..errors import PackerError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+SHORT_WRITE_ROOM = 64 << 20  # one LMDB commit's worth (writer.TXN_BYTES): less is a full disk
 
 
 def usable_cores() -> int:
@@ -71,22 +72,19 @@ def die_with_parent(parent: int) -> None:
 def meminfo() -> Dict[str, int]:
     """/proc/meminfo in bytes (empty where there is none)."""
     out: Dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return out
 
 
 def fs_type(path: os.PathLike) -> str:
     """The type of the filesystem holding ``path`` ("tmpfs", "ext4"...), "" if unknown."""
     best: Tuple[int, str] = (-1, "")
-    try:
+    with contextlib.suppress(OSError):
         real = os.path.realpath(path)
         with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
@@ -97,8 +95,6 @@ def fs_type(path: os.PathLike) -> str:
                 mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
                 if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best[0]:
                     best = (len(mnt), fields[2])
-    except OSError:
-        pass
     return best[1]
 
 
@@ -128,21 +124,14 @@ def disk_full_as(path: os.PathLike, explain: Callable[[int], str], types=(OSErro
     try:
         yield
     except types as exc:
-        if not (is_disk_full(exc) or _short_write(exc, folder)):
+        # LMDB reports a write cut short by a full disk as EIO (its page flush counts only bytes)
+        if not (is_disk_full(exc) or ("input/output error" in str(exc).lower()
+                                      and free_bytes(folder) < SHORT_WRITE_ROOM)):
             raise
         big = getattr(exc, "errno", None) == errno.EFBIG or "file too large" in str(exc).lower()
         raise PackerError(explain(free_bytes(folder)) + (
             " (the file met a size limit, not a full disk: `ulimit -f`, or the largest file "
             "this filesystem holds)" if big else "")) from exc
-
-
-SHORT_WRITE_ROOM = 64 << 20  # one LMDB commit's worth (writer.TXN_BYTES)
-
-
-def _short_write(exc: BaseException, folder: str) -> bool:
-    """LMDB reports a write cut short by a full disk as EIO (its page flush checks only the
-    byte count): one when the disk has less room left than a commit needs."""
-    return "input/output error" in str(exc).lower() and free_bytes(folder) < SHORT_WRITE_ROOM
 
 
 def human_size(n: float) -> str:
@@ -198,6 +187,6 @@ PILLOW_SIMD_HINT = ("pip uninstall -y pillow pillow-simd && CC='cc -mavx2' pip i
 def pil_summary() -> str:
     """One line for manifests, ``--version`` and reports: flavour, version, JPEG library."""
     i = pil_info()
-    jpeg = f"libjpeg-turbo {i['jpeg_version']}" if i["libjpeg_turbo"] else f"libjpeg {i['jpeg_version']}"
+    jpeg = f"{'libjpeg-turbo' if i['libjpeg_turbo'] else 'libjpeg'} {i['jpeg_version']}"
     hint = "" if i["simd"] else f" (Pillow-SIMD adds SIMD resizes: {PILLOW_SIMD_HINT})"
     return f"{i['flavour']} {i['version']}, {jpeg}{hint}"

@@ -114,18 +114,16 @@ class ArrayField(Field):
             v = v.detach().cpu().reshape(-1).tolist()
         elif hasattr(v, "tolist") and not isinstance(v, array):  # numpy
             v = v.reshape(-1).tolist() if hasattr(v, "reshape") else v.tolist()
-        if isinstance(v, array) and v.typecode == code:
-            out = v
-        else:
+        if not isinstance(v, array) or v.typecode != code:
             try:
-                out = array(code, v if isinstance(v, array) else flatten(v, self.name))
+                v = array(code, v if isinstance(v, array) else flatten(v, self.name))
             except (TypeError, OverflowError) as e:
                 raise ValueError(f"field {self.name!r}: values do not fit {self.dtype} ({e})") \
                     from None
-        if code in "fd" and not all(map(math.isfinite, out)):
+        if code in "fd" and not all(map(math.isfinite, v)):
             raise ValueError(f"field {self.name!r}: holds NaN or inf (refused)")
-        self.shape_of(len(out) * out.itemsize)  # checks the element count against the shape
-        return little_endian(out).tobytes()
+        self.shape_of(len(v) * v.itemsize)  # checks the element count against the shape
+        return little_endian(v).tobytes()
 
     def check(self, v: Any) -> str:
         if not isinstance(v, bytes):
@@ -222,8 +220,7 @@ def check_schema(specs: Any, where: str) -> List[Field]:
 
 
 def detection_problem(fields: List[Field]) -> str:
-    """Why ``fields`` cannot be a detection dataset's (needs ``boxes``, ``labels``, ``image_id``),
-    or ""."""
+    """Why ``fields`` cannot be a detection dataset's (boxes, labels, image_id), or ""."""
     by = {f.name: f for f in fields}
     b, lab, iid = by.get("boxes"), by.get("labels"), by.get("image_id")
     if (not isinstance(b, ArrayField) or b.shape != (-1, 4)

@@ -19,8 +19,7 @@ EXIF_TURNS = {2: Image.FLIP_LEFT_RIGHT, 3: Image.ROTATE_180, 4: Image.FLIP_TOP_B
 
 
 def pil_open(data: bytes) -> Image.Image:
-    """``data`` opened lazily (nothing decoded yet) by one of ``IMAGE_FORMATS``' decoders;
-    PIL's ``UnidentifiedImageError`` for anything else."""
+    """``data`` opened lazily by an ``IMAGE_FORMATS`` decoder, or PIL's UnidentifiedImageError."""
     return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
 
 

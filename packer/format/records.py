@@ -30,8 +30,7 @@ def crc32(data: bytes) -> int:
 
 def pack_record(image: bytes, *, path: str, width: int, height: int, format: str, mode: str,
                 fields: Optional[Dict[str, Any]] = None) -> bytes:
-    """Serialize one record: its image, its own keys, and its stored ``fields`` (see
-    ``packer.format.fields.encode``); the checksum covers the stored image bytes."""
+    """One record: its image, own keys, stored ``fields`` (``fields.encode``), the image's CRC."""
     return record_bytes(image, path=path, width=width, height=height, format=format, mode=mode,
                         fields=pack_fields(fields or {}))
 
@@ -62,8 +61,7 @@ PACK = msgspec.msgpack.Encoder(enc_hook=base_type).encode
 
 def record_bytes(image: bytes, *, path: str, width: int, height: int, format: str, mode: str,
                  fields: PackedFields) -> bytes:
-    """The record as a msgpack map: image first, then the fields, then the record's own keys
-    (the same bytes ``msgpack.packb`` gives for that dict)."""
+    """The record as a msgpack map (image, fields, own keys): ``msgpack.packb``'s bytes for it."""
     n = 7 + fields.count
     head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
     return b"".join((head, PACK("image"), PACK(image), fields.pairs, PACK("path"), PACK(path),

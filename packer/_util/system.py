@@ -31,12 +31,10 @@ def usable_cores() -> int:
 
 def cpu_quota() -> Optional[float]:
     """CPUs allowed by a container's cgroup v2 ``cpu.max`` (None when unlimited or unknown)."""
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
+    with contextlib.suppress(OSError, ValueError), open("/sys/fs/cgroup/cpu.max") as f:
+        quota, period = f.read().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 def busy_cores(seconds: float = 0.5) -> Optional[float]:
@@ -100,11 +98,10 @@ def fs_type(path: os.PathLike) -> str:
 
 def free_bytes(path: os.PathLike) -> int:
     """Bytes an unprivileged writer may still use on the filesystem of ``path`` (0 if unknown)."""
-    try:
+    with contextlib.suppress(OSError):
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
-    except OSError:
-        return 0
+    return 0
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -153,20 +150,16 @@ def pil_info() -> Dict[str, object]:
 
     import PIL
     from PIL import _imaging, features
-    try:
-        with open(_imaging.__file__, "rb") as f:
-            kernel = SIMD_KERNEL in f.read()
-    except OSError:
-        kernel = False
+    kernel = False
+    with contextlib.suppress(OSError), open(_imaging.__file__, "rb") as f:
+        kernel = SIMD_KERNEL in f.read()
     version = PIL.__version__
     flavour = "Pillow-SIMD" if kernel or ".post" in version else "Pillow"
     installed = []
     for dist in ("pillow-simd", "pillow"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             installed.append(f"{metadata.distribution(dist).metadata['Name']} "
                              f"{metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            continue
     return {
         "flavour": flavour,
         "version": version,

@@ -167,7 +167,7 @@ FIELD_TYPES = {c.type: c for c in (IntField, FloatField, BoolField, StrField, Ar
 
 
 def little_endian(a: array) -> array:
-    """``a`` in stored (little-endian) order, or stored ``a`` in native order (a swapped copy)."""
+    """``a`` as stored (little-endian), or stored ``a`` as native: ``a`` itself on little-endian."""
     if sys.byteorder == "little":
         return a
     swapped = array(a.typecode, a)
@@ -238,7 +238,7 @@ PER_OBJECT = ("labels", "area", "iscrowd", "keypoints", "ann_ids", "segmentation
 
 
 def object_count_problem(fields: Dict[str, Field], stored: Dict[str, Any]) -> str:
-    """Why a detection record's per-object ``stored`` values (encoded) are not one a box, or ""."""
+    """Why the encoded per-object values of a detection record are not one per box, or ""."""
     def count(name):
         f, v = fields[name], stored[name]
         return (f.shape_of(len(v))[0] if isinstance(f, ArrayField) else

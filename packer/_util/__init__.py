@@ -1,2 +1,1 @@
-"""What several of packer's modules share (map: docs/architecture.md). Internal: not part of
-the API."""
+"""What several of packer's modules share; internal, not API (map: docs/architecture.md)."""

@@ -7,13 +7,15 @@ import errno
 import json
 import os
 import stat
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from ..errors import PackerError
 
 LOCK_NAME = ".packer-lock"  # one per folder packer writes: DST of build/merge, TARGET of stage
-NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+SAFE_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)  # no symlink, not inherited
+DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def open_new(path: os.PathLike):
@@ -22,7 +24,7 @@ def open_new(path: os.PathLike):
     path = Path(path)
     path.unlink(missing_ok=True)
     try:
-        fd = os.open(path, NEW_FLAGS, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_FLAGS, 0o644)
     except FileExistsError:
         raise PackerError(f"{path} appeared while packer was creating it: another process is "
                           f"writing in {path.parent}; stop it and re-run") from None
@@ -55,8 +57,7 @@ def write_json_atomic(path: os.PathLike, obj: Any) -> None:
 def append_durably(path: os.PathLike, data: bytes) -> None:
     """``data`` appended to the existing file ``path`` (never through a symlink), fsynced; a
     write that fails part-way (a full disk) is cut off again: the file ends where it did."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | SAFE_FLAGS)
     try:
         size = os.fstat(fd).st_size
         try:
@@ -65,10 +66,8 @@ def append_durably(path: os.PathLike, data: bytes) -> None:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
         except BaseException:
-            try:
+            with suppress(OSError):
                 os.ftruncate(fd, size)
-            except OSError:
-                pass
             raise
     finally:
         os.close(fd)
@@ -141,21 +140,17 @@ def _check_creatable(folder: Path) -> None:
     except FileExistsError:  # made meanwhile (a concurrent run); it is checked when locked
         return
     except OSError as e:
-        reason = _why_not_writable(probe.parent) if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) \
-            else f"{e.strerror} (the filesystem of {probe.parent} does not take new folders)"
+        reason = _why_not_writable(probe.parent) if e.errno in DENIED else \
+            f"{e.strerror} (the filesystem of {probe.parent} does not take new folders)"
         raise PackerError(f"cannot create {folder}: {reason}") from None
-    try:
+    with suppress(OSError):  # removed or filled meanwhile by a concurrent run: checked when locked
         os.rmdir(probe)
-    except OSError:  # removed or filled meanwhile by a concurrent run: checked when locked
-        pass
 
 
 def _why_not_writable(folder: Path) -> str:
-    try:
+    with suppress(OSError, AttributeError):
         if os.statvfs(folder).f_flag & os.ST_RDONLY:
             return f"{folder} is on a read-only filesystem"
-    except (OSError, AttributeError):
-        pass
     return f"permission denied in {folder}"
 
 
@@ -170,10 +165,9 @@ class FolderLock:
     def __enter__(self) -> "FolderLock":
         self.fcntl = fcntl = lock_module()
         path = self.folder / LOCK_NAME
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         while True:
             try:
-                fd = os.open(path, flags, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | SAFE_FLAGS, 0o644)
             except FileNotFoundError:
                 raise PackerError(f"{self.folder} was removed (by a concurrent unstage?) before "
                                   f"packer could lock it; re-run") from None
@@ -181,8 +175,7 @@ class FolderLock:
                 if e.errno == errno.ELOOP:
                     raise PackerError(f"{path} is a symlink; packer locks only files it creates. "
                                       f"Remove it (it may have been planted) and re-run") from None
-                why = _why_not_writable(self.folder) if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) \
-                    else e.strerror
+                why = _why_not_writable(self.folder) if e.errno in DENIED else e.strerror
                 raise PackerError(f"cannot lock {self.folder} ({path}): {why}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -194,11 +187,9 @@ class FolderLock:
             if _same_file(fd, path):
                 break
             os.close(fd)  # the holder removed the file as it finished: lock the new one
-        try:  # who holds it, for a second writer's message; a full disk only loses the note
+        with suppress(OSError):  # who holds it, for a second writer's message (a full disk: none)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()}, {self.what}\n".encode(), 0)
-        except OSError:
-            pass
         self.fd = fd
         return self
 
@@ -212,8 +203,7 @@ class FolderLock:
 
 
 def _same_file(fd: int, path: Path) -> bool:
-    """Whether ``path`` still names the file open as ``fd`` (a lock on a removed file locks
-    nothing another process can see)."""
+    """Whether ``path`` still names the file open as ``fd`` (a removed file's lock is no lock)."""
     try:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:

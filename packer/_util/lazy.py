@@ -1,6 +1,5 @@
-"""Names a package exports, imported on first use (PEP 562), so importing a package costs
-nothing until a name is used: ``import packer`` and the CLI's inspection commands never
-import torch."""
+"""Names a package exports, imported on first use (PEP 562): ``import packer`` and the CLI's
+inspection commands never import torch."""
 from __future__ import annotations
 
 from importlib import import_module

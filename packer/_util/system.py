@@ -14,6 +14,7 @@ from typing import Callable, Dict, Optional, Tuple
 from ..errors import PackerError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+SHORT_WRITE_ROOM = 64 << 20  # one LMDB commit's worth (writer.TXN_BYTES): less is a full disk
 
 
 def usable_cores() -> int:
@@ -30,12 +31,10 @@ def usable_cores() -> int:
 
 def cpu_quota() -> Optional[float]:
     """CPUs allowed by a container's cgroup v2 ``cpu.max`` (None when unlimited or unknown)."""
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
+    with contextlib.suppress(OSError, ValueError), open("/sys/fs/cgroup/cpu.max") as f:
+        quota, period = f.read().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 def busy_cores(seconds: float = 0.5) -> Optional[float]:
@@ -71,22 +70,19 @@ def die_with_parent(parent: int) -> None:
 def meminfo() -> Dict[str, int]:
     """/proc/meminfo in bytes (empty where there is none)."""
     out: Dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return out
 
 
 def fs_type(path: os.PathLike) -> str:
     """The type of the filesystem holding ``path`` ("tmpfs", "ext4"...), "" if unknown."""
     best: Tuple[int, str] = (-1, "")
-    try:
+    with contextlib.suppress(OSError):
         real = os.path.realpath(path)
         with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
@@ -97,18 +93,15 @@ def fs_type(path: os.PathLike) -> str:
                 mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
                 if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best[0]:
                     best = (len(mnt), fields[2])
-    except OSError:
-        pass
     return best[1]
 
 
 def free_bytes(path: os.PathLike) -> int:
     """Bytes an unprivileged writer may still use on the filesystem of ``path`` (0 if unknown)."""
-    try:
+    with contextlib.suppress(OSError):
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
-    except OSError:
-        return 0
+    return 0
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -128,21 +121,14 @@ def disk_full_as(path: os.PathLike, explain: Callable[[int], str], types=(OSErro
     try:
         yield
     except types as exc:
-        if not (is_disk_full(exc) or _short_write(exc, folder)):
+        # LMDB reports a write cut short by a full disk as EIO (its page flush counts only bytes)
+        if not (is_disk_full(exc) or ("input/output error" in str(exc).lower()
+                                      and free_bytes(folder) < SHORT_WRITE_ROOM)):
             raise
         big = getattr(exc, "errno", None) == errno.EFBIG or "file too large" in str(exc).lower()
         raise PackerError(explain(free_bytes(folder)) + (
             " (the file met a size limit, not a full disk: `ulimit -f`, or the largest file "
             "this filesystem holds)" if big else "")) from exc
-
-
-SHORT_WRITE_ROOM = 64 << 20  # one LMDB commit's worth (writer.TXN_BYTES)
-
-
-def _short_write(exc: BaseException, folder: str) -> bool:
-    """LMDB reports a write cut short by a full disk as EIO (its page flush checks only the
-    byte count): one when the disk has less room left than a commit needs."""
-    return "input/output error" in str(exc).lower() and free_bytes(folder) < SHORT_WRITE_ROOM
 
 
 def human_size(n: float) -> str:
@@ -164,20 +150,16 @@ def pil_info() -> Dict[str, object]:
 
     import PIL
     from PIL import _imaging, features
-    try:
-        with open(_imaging.__file__, "rb") as f:
-            kernel = SIMD_KERNEL in f.read()
-    except OSError:
-        kernel = False
+    kernel = False
+    with contextlib.suppress(OSError), open(_imaging.__file__, "rb") as f:
+        kernel = SIMD_KERNEL in f.read()
     version = PIL.__version__
     flavour = "Pillow-SIMD" if kernel or ".post" in version else "Pillow"
     installed = []
     for dist in ("pillow-simd", "pillow"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             installed.append(f"{metadata.distribution(dist).metadata['Name']} "
                              f"{metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            continue
     return {
         "flavour": flavour,
         "version": version,
@@ -198,6 +180,6 @@ PILLOW_SIMD_HINT = ("pip uninstall -y pillow pillow-simd && CC='cc -mavx2' pip i
 def pil_summary() -> str:
     """One line for manifests, ``--version`` and reports: flavour, version, JPEG library."""
     i = pil_info()
-    jpeg = f"libjpeg-turbo {i['jpeg_version']}" if i["libjpeg_turbo"] else f"libjpeg {i['jpeg_version']}"
+    jpeg = f"{'libjpeg-turbo' if i['libjpeg_turbo'] else 'libjpeg'} {i['jpeg_version']}"
     hint = "" if i["simd"] else f" (Pillow-SIMD adds SIMD resizes: {PILLOW_SIMD_HINT})"
     return f"{i['flavour']} {i['version']}, {jpeg}{hint}"

@@ -1,6 +1,5 @@
-"""Text from a dataset, made safe to print: a stranger picks class names, file names and the
-messages stored with skipped files, and a terminal obeys the control characters in them
-(cursor moves, colours, window titles, answer-back), so none reaches one raw."""
+"""Text from a dataset, made safe to print: a stranger picks class and file names and skip
+messages, and a terminal obeys the control characters in them, so none reaches one raw."""
 from __future__ import annotations
 
 import json
@@ -16,19 +15,17 @@ def printable(name: str) -> str:
 
 def terminal_text(text: str) -> str:
     """``text`` with every control character escaped but its line breaks and tabs."""
-    return "\n".join(line.translate({**CONTROLS, 0x09: "\t"}) for line in text.split("\n"))
+    return text.translate({**CONTROLS, 0x09: "\t", 0x0A: "\n"})
 
 
 def json_text(obj, indent=1) -> str:
-    """JSON (indented, or one line with ``indent=None``), non-ASCII kept, every control character
-    escaped (C1 too: terminals obey them)."""
+    """JSON (``indent=None``: one line), non-ASCII kept, all control characters (C1 too) escaped."""
     text = json.dumps(obj, indent=indent, ensure_ascii=False)
     return "".join(f"\\u{ord(ch):04x}" if 0x7F <= ord(ch) < 0xA0 else ch for ch in text)
 
 
 def is_utf8(text: str) -> bool:
-    """False for text UTF-8 cannot hold: lone surrogates, from names holding bytes that are
-    not UTF-8 (surrogate-escaped by os.fsdecode) or from JSON's ``\\ud800`` escapes."""
+    """False for text UTF-8 cannot hold: lone surrogates (os.fsdecode's, JSON's ``\\ud800``)."""
     try:
         text.encode("utf-8")
         return True

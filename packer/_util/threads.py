@@ -1,9 +1,9 @@
-"""Thread plumbing: the end-of-stream marker, an error carried between threads, and queue
-operations that give up when asked to stop."""
+"""Thread plumbing: an end marker, an error carried between threads, stoppable queue calls."""
 from __future__ import annotations
 
 import queue
 import threading
+from contextlib import suppress
 from typing import Any
 
 END = object()  # "no more items": put by a producer, returned by stoppable_get when stopped
@@ -29,21 +29,17 @@ class Raised:
 
 def drain(q: queue.Queue) -> None:
     """Drop everything queued now: unblocks a producer waiting on a full queue."""
-    try:
+    with suppress(queue.Empty):
         while True:
             q.get_nowait()
-    except queue.Empty:
-        pass
 
 
 def stoppable_put(q: queue.Queue, item: Any, stop: threading.Event, poll: float = 0.05) -> bool:
     """Put ``item`` unless ``stop`` is set first; True if it was put."""
     while not stop.is_set():
-        try:
+        with suppress(queue.Full):
             q.put(item, timeout=poll)
             return True
-        except queue.Full:
-            pass
     return False
 
 

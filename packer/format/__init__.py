@@ -1,7 +1,4 @@
-"""The on-disk format, both ways: the manifest and its checks (``manifest``,
-``validation``), typed fields (``fields``), records (``records``), the side tables
-(``tables``) and the LMDB file read without a memory map (``lmdbfile``). ``docs/format.md``
-is the human version."""
+"""The on-disk format, both ways (module map: docs/architecture.md; in words: docs/format.md)."""
 from .._util.lazy import lazy_names
 
 _WHERE = {".manifest": ["read_manifest"],

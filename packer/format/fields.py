@@ -1,7 +1,5 @@
-"""Typed record fields: one class per type (``int``, ``float``, ``bool``, ``str``, ``array``,
-``data``) made from the manifest's ``schema`` entries (``field_of``) and written back
-unchanged (``Field.spec``). ``encode`` checks a value going in, ``check`` a stored one
-(docs/format.md)."""
+"""Typed record fields, one class per schema type, made from the manifest's ``schema`` entries
+(``field_of``) and written back unchanged (``Field.spec``); docs/format.md."""
 from __future__ import annotations
 
 import math
@@ -27,9 +25,8 @@ MAX_DEPTH = 32  # nesting of ``data`` values
 
 @dataclass(frozen=True)
 class Field:
-    """A schema entry. ``encode(value)``: the stored form of a sample's value; ``check(stored)``:
-    why a stored value is not one of this field's, or ""; ``column``: the side-table dtype
-    (None: no side table). Both take any plain data (``data_problem``) unless overridden."""
+    """A schema entry: ``encode`` gives a value's stored form, ``check`` why a stored value is
+    not this field's, or ""; ``column``: its side-table dtype, if any. Default: any plain data."""
     name: str
     type: ClassVar[str] = ""
     column: ClassVar[Optional[str]] = None
@@ -49,9 +46,8 @@ class Field:
 
 
 class Scalar(Field):
-    """``int``, ``float``, ``bool``, ``str``: a Python value of ``want`` (or of ``takes``: a float
-    field takes ints); a 0-d tensor or numpy value is taken by its own dtype (2.7 stays a float,
-    refused for int)."""
+    """A value of ``want`` (or of ``takes``: a float takes ints); a 0-d tensor or numpy value by
+    its own dtype (2.7 stays a float, refused for int)."""
     want: ClassVar[type] = object
     takes: ClassVar[tuple] = ()
     noun: ClassVar[str] = ""
@@ -107,8 +103,7 @@ class ArrayField(Field):
         """Nested lists, an ``array.array``, a tensor or a numpy array -> little-endian bytes."""
         code, rows = DTYPES[self.dtype], self.shape[1:]
         nested = isinstance(v, list) and v and isinstance(v[0], (list, tuple))
-        try:  # rows of numbers (boxes) or a flat list (labels, ids) straight into the array, in
-            # C; anything odd: the general path below says what
+        try:  # boxes or a flat list straight into the array, in C; the general path judges the rest
             if len(rows) == 1 and nested and set(map(len, v)) == {rows[0]}:
                 v = array(code, chain.from_iterable(v))
             elif not rows and type(v) is list and not nested:
@@ -119,18 +114,16 @@ class ArrayField(Field):
             v = v.detach().cpu().reshape(-1).tolist()
         elif hasattr(v, "tolist") and not isinstance(v, array):  # numpy
             v = v.reshape(-1).tolist() if hasattr(v, "reshape") else v.tolist()
-        if isinstance(v, array) and v.typecode == code:
-            out = v
-        else:
+        if not isinstance(v, array) or v.typecode != code:
             try:
-                out = array(code, v if isinstance(v, array) else flatten(v, self.name))
+                v = array(code, v if isinstance(v, array) else flatten(v, self.name))
             except (TypeError, OverflowError) as e:
                 raise ValueError(f"field {self.name!r}: values do not fit {self.dtype} ({e})") \
                     from None
-        if code in "fd" and not all(map(math.isfinite, out)):
+        if code in "fd" and not all(map(math.isfinite, v)):
             raise ValueError(f"field {self.name!r}: holds NaN or inf (refused)")
-        self.shape_of(len(out) * out.itemsize)  # checks the element count against the shape
-        return little_endian(out).tobytes()
+        self.shape_of(len(v) * v.itemsize)  # checks the element count against the shape
+        return little_endian(v).tobytes()
 
     def check(self, v: Any) -> str:
         if not isinstance(v, bytes):
@@ -174,8 +167,7 @@ FIELD_TYPES = {c.type: c for c in (IntField, FloatField, BoolField, StrField, Ar
 
 
 def little_endian(a: array) -> array:
-    """``a`` as stored (little-endian), or a stored array in native order: ``a`` itself on a
-    little-endian machine, else a byte-swapped copy."""
+    """``a`` as stored (little-endian), or stored ``a`` as native: ``a`` itself on little-endian."""
     if sys.byteorder == "little":
         return a
     swapped = array(a.typecode, a)
@@ -228,9 +220,7 @@ def check_schema(specs: Any, where: str) -> List[Field]:
 
 
 def detection_problem(fields: List[Field]) -> str:
-    """Why ``fields`` cannot be a detection dataset's, or "": detection targets need
-    ``boxes`` (float, ``[-1, 4]``, XYXY pixels), ``labels`` (int, ``[-1]``), ``image_id`` (int);
-    other per-object arrays (``area``, ``iscrowd``...) must have one row per box."""
+    """Why ``fields`` cannot be a detection dataset's (boxes, labels, image_id), or ""."""
     by = {f.name: f for f in fields}
     b, lab, iid = by.get("boxes"), by.get("labels"), by.get("image_id")
     if (not isinstance(b, ArrayField) or b.shape != (-1, 4)
@@ -243,14 +233,12 @@ def detection_problem(fields: List[Field]) -> str:
     return ""
 
 
-# One entry per box, cut with them: torchvision's per-object target keys and packer's own;
-# any other key is the image's (a name, not a shape, decides: a 3x3 matrix beside 3 boxes).
+# One entry per box, cut with them; any other key is the image's (a name, not a shape, decides).
 PER_OBJECT = ("labels", "area", "iscrowd", "keypoints", "ann_ids", "segmentation")
 
 
 def object_count_problem(fields: Dict[str, Field], stored: Dict[str, Any]) -> str:
-    """Why a detection record's per-object values do not have one entry per box, or "";
-    ``stored`` holds the encoded values (arrays as bytes)."""
+    """Why the encoded per-object values of a detection record are not one per box, or ""."""
     def count(name):
         f, v = fields[name], stored[name]
         return (f.shape_of(len(v))[0] if isinstance(f, ArrayField) else
@@ -283,8 +271,7 @@ def flatten(v: Any, name: str, depth: int = 0) -> List[Any]:
 
 
 def numbers_fit(values) -> bool:
-    """All numbers, finite, ints within int64: one pass at C speed; False leaves the reason to
-    ``data_problem``."""
+    """All numbers, finite, ints within int64 (one pass in C); False: ``data_problem`` says why."""
     try:
         return math.fsum(map(abs, values)) < INT64[1]
     except (TypeError, OverflowError):
@@ -321,8 +308,7 @@ def data_problem(v: Any, depth: int = 0) -> str:
 
 
 def infer_field(name: str, v: Any) -> Optional[Field]:
-    """The field one example value asks for, or None (an empty list). Lists of ints are int64
-    arrays, of floats float32."""
+    """The field one example value asks for (lists of ints: int64, of floats: float32), or None."""
     for kind, cls in ((bool, BoolField), (int, IntField), (float, FloatField), (str, StrField)):
         if isinstance(v, kind):
             return cls(name)

@@ -7,8 +7,7 @@ import io
 
 from PIL import Image
 
-# PIL format names: what torchvision's IMG_EXTENSIONS hold (PPM covers .pgm), plus GIF.
-# JPEG includes phone cameras' multi-picture JPEGs, which PIL reports as MPO.
+# PIL format names: torchvision's IMG_EXTENSIONS (PPM covers .pgm) and GIF; JPEG covers MPO.
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
 # What PIL calls a JPEG file: a multi-picture JPEG's first frame is a JPEG (it drafts as one).
 JPEG_FORMATS = ("JPEG", "MPO")
@@ -20,15 +19,13 @@ EXIF_TURNS = {2: Image.FLIP_LEFT_RIGHT, 3: Image.ROTATE_180, 4: Image.FLIP_TOP_B
 
 
 def pil_open(data: bytes) -> Image.Image:
-    """``data`` opened lazily (nothing decoded yet) by one of ``IMAGE_FORMATS``' decoders;
-    PIL's ``UnidentifiedImageError`` for anything else."""
+    """``data`` opened lazily by an ``IMAGE_FORMATS`` decoder, or PIL's UnidentifiedImageError."""
     return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
 
 
 def orientation_of(im: Image.Image) -> int:
-    """The EXIF orientation (1-8) ``exif_transpose`` applies to ``im`` once loaded: 1 for none,
-    for a value outside 1-8, for EXIF that does not parse (which exif_transpose raises on),
-    and for a TIFF, which PIL's decoder turns upright itself as it loads it."""
+    """The EXIF orientation (1-8) ``exif_transpose`` applies to ``im`` once loaded; 1 for none, a
+    bad value, EXIF that does not parse, and a TIFF (PIL's decoder turns it upright itself)."""
     if im.format == "TIFF":
         return 1
     try:

@@ -98,10 +98,9 @@ class ShardFile:
         return lo | hi << 16, flags, ksize, at + NODE.size
 
     def records(self) -> array:
-        """(offset, length) of every value in key order, flattened: what ``offsets.u64`` holds.
-        Checks that keys run ``0..entries-1``, that every value lies inside the file and that
-        no page is reached twice (a crafted tree of shared pages would be walked exponentially
-        often)."""
+        """(offset, length) of every value in key order, flattened (``offsets.u64``). Keys must run
+        ``0..entries-1``, values lie inside the file, and no page be reached twice (a crafted
+        tree of shared pages would be walked exponentially often)."""
         out = array("Q")
         if self.root != P_INVALID:
             self._walk(self.root, 0, out, set())

@@ -1,6 +1,5 @@
-"""The on-disk contract for one record: a msgpack map of the image, its own keys and its
-schema's fields; the LMDB key of each; the checksum. Plain data only: unpacking a
-stranger's record never runs code (no extension types)."""
+"""One record on disk: a msgpack map of the image, its own keys and its schema's fields; its LMDB
+key; its checksum. Plain data only: unpacking a stranger's record never runs code."""
 from __future__ import annotations
 
 import struct
@@ -31,8 +30,7 @@ def crc32(data: bytes) -> int:
 
 def pack_record(image: bytes, *, path: str, width: int, height: int, format: str, mode: str,
                 fields: Optional[Dict[str, Any]] = None) -> bytes:
-    """Serialize one record: its image, its own keys, and its stored ``fields`` (see
-    ``packer.format.fields.encode``); the checksum covers the stored image bytes."""
+    """One record: its image, own keys, stored ``fields`` (``fields.encode``), the image's CRC."""
     return record_bytes(image, path=path, width=width, height=height, format=format, mode=mode,
                         fields=pack_fields(fields or {}))
 
@@ -49,8 +47,7 @@ class PackedFields(NamedTuple):
 
 
 def base_type(v: Any) -> Any:
-    """A subclass of int, float or str (an IntEnum, numpy's float64) as its base type, as
-    msgpack-python packs it; anything else is no plain data."""
+    """A subclass of int, float or str (an IntEnum) as its base type, as msgpack-python packs it."""
     for t in (int, float, str):
         if isinstance(v, t):
             return t(v)
@@ -64,8 +61,7 @@ PACK = msgspec.msgpack.Encoder(enc_hook=base_type).encode
 
 def record_bytes(image: bytes, *, path: str, width: int, height: int, format: str, mode: str,
                  fields: PackedFields) -> bytes:
-    """The record as a msgpack map: image first, then the fields, then the record's own keys
-    (the same bytes ``msgpack.packb`` gives for that dict)."""
+    """The record as a msgpack map (image, fields, own keys): ``msgpack.packb``'s bytes for it."""
     n = 7 + fields.count
     head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
     return b"".join((head, PACK("image"), PACK(image), fields.pairs, PACK("path"), PACK(path),
@@ -96,8 +92,7 @@ def _refuse_ext(code: int, data: bytes):
 
 
 def record_problem(rec: Dict[str, Any], fields: Sequence[Field] = (IntField("label"),)) -> str:
-    """What is wrong with an unpacked record (its own keys, then its schema's ``fields``:
-    names and types), or ""."""
+    """What is wrong with an unpacked record (its own keys, then its schema's ``fields``), or ""."""
     for name, kind in RECORD_TYPES.items():
         value = rec.get(name)
         if name not in rec:

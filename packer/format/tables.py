@@ -1,6 +1,5 @@
-"""The side tables: one fixed-width value per record (labels, offsets, scalar columns, the
-paths index and text), each read whole into one compact ``array`` and checked against the
-manifest (a regular file of exactly the listed size) before it is trusted."""
+"""The side tables (labels, offsets, scalar columns, paths), each read whole into one compact
+``array``, and only from a regular file of exactly the size the manifest lists."""
 from __future__ import annotations
 
 import os
@@ -18,8 +17,7 @@ READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 def read_labels(root: os.PathLike, manifest: Optional[dict] = None) -> array:
-    """All labels in record order, as one compact int32 array (no per-sample objects); an
-    empty array for a dataset without class labels (detection, generic fields)."""
+    """All labels in record order as one int32 array; empty for a dataset without class labels."""
     manifest = manifest if manifest is not None else read_manifest(root)
     if manifest.get("labels") is None:
         return array("i")
@@ -91,8 +89,7 @@ def read_column(root: os.PathLike, name: str, manifest: Optional[dict] = None) -
 
 def _read_table(root: Path, entry: dict, name: str, typecode: str, count: int,
                 per: int = 1) -> array:
-    """A side table of ``count`` records (``per`` values each), read only if a regular file of
-    exactly that size."""
+    """A table of ``count`` x ``per`` values, read only from a regular file of exactly that size."""
     path = root / entry["path"]
     table = array(typecode)
     want = table.itemsize * count * per

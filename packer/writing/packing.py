@@ -1,5 +1,5 @@
-"""One pass of the writer over checked samples: shards, skip lists, side tables, journal, and
-last the manifest. ``packer build`` and ``packer.write`` both feed one."""
+"""One pass of the writer over checked samples (``packer build``'s or ``packer.write``'s):
+shards, skip lists, side tables, journal, and last the manifest."""
 from __future__ import annotations
 
 import datetime
@@ -48,8 +48,7 @@ class Packing:
         self.column_names += ["label"] if self.has_label else []
         self.writer: Optional[ShardWriter] = None
         self.shard_note = None  # () -> dict: more facts for a finished shard's journal entry
-        if self.shards:
-            self._recover()
+        self._recover()
 
     def skip(self, entry: int, path: str, reason: str) -> None:
         if self.strict:
@@ -86,8 +85,8 @@ class Packing:
             col.append(values[name])
 
     def add_shard(self, shard: Optional[dict], next_entry: int) -> None:
-        """A shard a build worker finished (None: all its images were skipped), in plan
-        order, after its rows (``add_row``): recorded in the journal."""
+        """Journal a shard a build worker finished (None: all its images were skipped), in plan
+        order, after its rows (``add_row``)."""
         if shard is not None:
             self.shards.append(shard)
         if self.shards:
@@ -170,11 +169,9 @@ def write_tables(dst: Path, n_classes: int, offsets: array, labels: Optional[arr
     if paths is not None:
         out["paths"] = {"index": write_table(dst, PATHS_INDEX, paths[0]),
                         "text": write_table(dst, PATHS_TEXT, paths[1])}
-    listed = {}
-    for name, col in columns.items():
-        dtype = column_dtype(col)
-        listed[name] = dict(write_table(dst, column_file(name, dtype), col), dtype=dtype)
-    out["columns"] = listed or None
+    dtypes = {name: column_dtype(col) for name, col in columns.items()}
+    out["columns"] = {name: dict(write_table(dst, column_file(name, dtypes[name]), col),
+                                 dtype=dtypes[name]) for name, col in columns.items()} or None
     return out
 
 

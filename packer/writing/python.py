@@ -40,16 +40,13 @@ def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
     """Pack ``samples`` into a dataset in ``dst`` (what ``litdata.optimize`` and
     ``MDSWriter`` do, with packer's checks and crash safety); see :class:`DatasetWriter`."""
     t0 = time.perf_counter()
-    if total is None and hasattr(samples, "__len__"):
-        total = len(samples)  # type: ignore[arg-type]
     with DatasetWriter(dst, schema=schema, classes=classes, task=task, shard_size=shard_size,
                        workers=workers, transcode=transcode, checks=checks,
                        overwrite=overwrite) as w:
-        with tqdm(total=total, unit="img", disable=not progress, desc=f"writing {Path(dst).name}",
-                  dynamic_ncols=True) as bar:
-            for sample in samples:
+        with tqdm(samples, total=total, unit="img", disable=not progress,  # or len(samples)
+                  desc=f"writing {Path(dst).name}", dynamic_ncols=True) as bar:
+            for sample in bar:
                 w.add(sample)
-                bar.update(1)
         manifest = w.finish()
     return BuildResult(manifest, time.perf_counter() - t0, w.resumed_shards)
 
@@ -103,11 +100,11 @@ class DatasetWriter:
         problem = detection_problem(self.schema) if self.task == "detection" else ""
         if problem:
             raise PackerError(f"a detection dataset {problem}")
-        label = next((f for f in self.schema if f.name == "label"), None)
+        self.by_name = {f.name: f for f in self.schema}
+        label = self.by_name.get("label")
         if label is not None and label.type != "int":
             raise PackerError(f"field 'label' is a class index: an int (names in classes=[...]), "
                               f"not {label.type}")
-        self.by_name = {f.name: f for f in self.schema}
         specs = [f.spec() for f in self.schema]
         self.fingerprint = hashlib.sha256(json.dumps(
             [FORMAT_VERSION, specs, self.task, self.classes, self.options],

@@ -1,5 +1,5 @@
-"""A build's parallel part: the shard plan (cut by source file sizes, so independent of the
-worker count), and a worker that reads, checks, encodes and writes whole shards itself."""
+"""A build's parallel part: the shard plan (by file sizes, whatever the worker count), and a
+worker that reads, checks, encodes and writes whole shards itself."""
 from __future__ import annotations
 
 import gc
@@ -39,9 +39,8 @@ class ShardTask:
 
 @dataclass
 class ShardDone:
-    """What a worker reports for one planned shard: ``samples`` (per entry, skipped or stored),
-    ``shard`` (the manifest entry, or None), ``failed``, ``stopped``, and ``taken`` (set by the
-    builder before journaling, so an interrupted build never removes a listed shard)."""
+    """What a worker reports for one planned shard; ``taken`` is set by the builder before
+    journaling it, so an interrupted build never removes a listed shard."""
     task: ShardTask
     shard: Optional[dict] = None
     samples: List[tuple] = field(default_factory=list)
@@ -53,7 +52,7 @@ class ShardDone:
 
 def plan_shards(sizes: Sequence[int], shard_size: int) -> List[Tuple[int, int, int]]:
     """(start, end, bytes) ranges of consecutive entries of at most ``shard_size`` of files (less
-    for a small dataset, so every worker has shards); the same whatever the worker count."""
+    for a small dataset, so every worker has shards)."""
     shard_size = min(shard_size, max(MIN_PLANNED, -(-sum(sizes) // PLANNED_SHARDS)))
     plan, start, total = [], 0, 0
     for i, n in enumerate(sizes):
@@ -81,8 +80,8 @@ def file_sizes(source: ImageList) -> List[int]:
 
 
 class FieldMaker:
-    """Each entry's stored fields for an image of a given size: its label and its fitted,
-    encoded annotation row, packed as msgpack, with its side-table values."""
+    """Each entry's stored fields for an image of a given size: its label and fitted annotation
+    row, packed, with its side-table values."""
 
     def __init__(self, source: ImageList, fields: List[Field], column_names: list):
         self.source, self.column_names = source, column_names
@@ -104,8 +103,8 @@ class FieldMaker:
 
 @dataclass
 class ShardJob:
-    """Everything a worker needs besides the task; set once per worker (inherited when
-    forked). ``progress``/``stop``: a shared counter and event (None in-process)."""
+    """Everything a worker needs besides the task, set once per worker. ``progress``/``stop``:
+    a shared counter and event (None in-process)."""
     dst: Path
     fields: FieldMaker
     transcode: Optional[Transcode]
@@ -120,15 +119,15 @@ _JOB: list = [None]  # this worker's ShardJob
 def init_worker(parent: int, job: ShardJob) -> None:
     # Ctrl-C reaches the whole process group: only the parent handles it (and sets ``stop``).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    gc.freeze()  # the parent's objects (the annotation rows) are never garbage here: a
-    # collection walking them would only copy their pages into this process
+    gc.freeze()  # the parent's objects (annotation rows) are never garbage here: a collection
+    # walking them would only copy their pages into this process
     die_with_parent(parent)
     _JOB[0] = job
 
 
 def fetch_entry(job: ShardJob, i: int) -> Union[bytes, str]:
-    """The bytes of entry ``i``'s file, or why it cannot be read. A store that keeps failing
-    raises: the build stops there and resumes on a re-run."""
+    """The bytes of entry ``i``'s file, or why it cannot be read (a store that keeps failing
+    raises: the build stops and resumes on a re-run)."""
     root, rel = job.fields.source.root, job.fields.source.entries[i][0]
     if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
         return ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 -t utf8 "
@@ -178,9 +177,8 @@ def read_entry(job: ShardJob, data: Union[bytes, str]) -> Tuple[int, Union[Check
 
 
 def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
-    """Check and store entries ``task.start .. task.end`` into the shard file ``task.index``
-    (runs in a worker; ``job`` given when run in-process). A set ``stop`` event, or a
-    problem in a strict build, abandons the shard (its temp files removed)."""
+    """Check and store the task's entries into shard file ``task.index`` (``job`` given when
+    in-process). A set ``stop``, or a strict build's problem, abandons it (temp files removed)."""
     job = job or _JOB[0]
     done, writer = ShardDone(task), None
     entries, reads = job.fields.source.entries, fetched(job, task)

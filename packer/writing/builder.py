@@ -135,8 +135,7 @@ def as_engine(engine: Union[str, Any], workers: Optional[int]) -> Union[int, Any
 def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
           transcode: Optional[Transcode], checks: Checks, part: Optional[tuple], overwrite: bool,
           progress: bool, on_shard: Optional[Callable[[dict], None]]) -> tuple:
-    """(manifest, shards resumed): ``source`` packed into ``dst``; ``on_shard`` gets each shard
-    once the journal lists it."""
+    """(manifest, shards resumed); ``on_shard`` gets each shard once the journal lists it."""
     src = source.root
     if not source.entries:
         raise PackerError(f"{src}: no images to pack")
@@ -176,8 +175,7 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
 
 
 def source_schema(source: ImageList) -> dict:
-    """The schema a source's records get: ``label`` for classification (ImageFolder,
-    ``--list``, ``--meta --label``), then the annotation fields."""
+    """A source's record schema: ``label`` for classification, then the annotation fields."""
     ann = source.annotations
     labelled = ann is None or bool(source.entries) and source.entries[0][1] >= 0
     fields = [dict(LABEL_FIELD)] if labelled else []

@@ -120,8 +120,7 @@ class Packing:
 
     def finish(self, *, classes: List[str], source: str, options: dict,
                extra: Optional[dict] = None, fingerprint: Optional[str] = None) -> dict:
-        """Side tables, then the manifest (last: it makes the dataset complete), then the
-        journal and leftovers go."""
+        """Side tables, then the manifest (last: it completes the dataset); leftovers removed."""
         rows = len(self.path_ends)
         if not rows:
             if self.skipped:
@@ -159,8 +158,7 @@ class Packing:
 
 def write_tables(dst: Path, n_classes: int, offsets: array, labels: Optional[array],
                  paths: Optional[tuple], columns: Dict[str, array]) -> Dict[str, Any]:
-    """Write a dataset's side tables (``paths``: the path ends and text, or None); the
-    ``new_manifest`` arguments that list them."""
+    """Write side tables (``paths``: (ends, text) or None); the ``new_manifest`` arguments."""
     out: Dict[str, Any] = {"offsets": write_table(dst, OFFSETS, offsets)}
     if labels is not None:
         out["labels"] = write_table(dst, LABELS, labels)

@@ -118,10 +118,8 @@ class DatasetWriter:
                 raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
                                   f"overwrite=True")
             journal.remove_dataset(self.dst, man)
-        if self.overwrite and (self.dst / journal.JOURNAL).is_file():  # an interrupted write
-            state = journal.restart(self.dst, self.fingerprint)
-        else:
-            state = journal.load(self.dst, self.fingerprint)
+        fresh = self.overwrite and (self.dst / journal.JOURNAL).is_file()  # an interrupted write
+        state = (journal.restart if fresh else journal.load)(self.dst, self.fingerprint)
         self.replay = state["next_entry"]  # samples the interrupted run packed
         self.want_digest = state["shards"][-1].get("input_digest") if state["shards"] else None
         self.run = Packing(self.dst, self.fingerprint, state, strict=self.checks.strict,

@@ -136,8 +136,7 @@ def existing_shard_ok(entry: dict, root: Path) -> Optional[str]:
 
 
 def write_table(dst: Path, name: str, table) -> dict:
-    """Write a per-record table (an ``array``: little-endian; or bytes as they are),
-    atomically; its manifest entry."""
+    """Write a per-record table (an array, little-endian, or bytes) atomically; its entry."""
     if isinstance(table, array):
         table = little_endian(table).tobytes()
     with disk_errors(dst / name):

@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 from .._util.fsio import NotAFile, read_file, remove_own
 from .._util.system import die_with_parent
-from .check import BadImage, Checked, Checks, Transcode, check_image
+from .check import BadImage, Checks, Transcode, check_image
 from ..format.fields import Field, encode
 from ..format.manifest import SHARD_PATTERN
 from ..format.records import pack_fields, record_bytes
@@ -103,8 +103,7 @@ class FieldMaker:
 
 @dataclass
 class ShardJob:
-    """Everything a worker needs besides the task, set once per worker. ``progress``/``stop``:
-    a shared counter and event (None in-process)."""
+    """What a worker needs besides the task; ``progress``/``stop``: shared (None in-process)."""
     dst: Path
     fields: FieldMaker
     transcode: Optional[Transcode]
@@ -155,25 +154,11 @@ def fetched(job: ShardJob, task: ShardTask) -> Iterator[Union[bytes, str]]:
         try:
             while ahead:
                 got = ahead.popleft().result()
-                nxt = next(todo, None)
-                if nxt is not None:
-                    ahead.append(pool.submit(fetch_entry, job, nxt))
+                ahead.extend(pool.submit(fetch_entry, job, i) for i in islice(todo, 1))  # the next
                 yield got
         finally:
             for f in ahead:
                 f.cancel()
-
-
-def read_entry(job: ShardJob, data: Union[bytes, str]) -> Tuple[int, Union[Checked, str]]:
-    """(bytes read, the checked image or why it is skipped) for a ``fetch_entry`` result."""
-    if isinstance(data, str):
-        return 0, data
-    try:
-        return len(data), check_image(data, transcode=job.transcode,
-                                      max_pixels=job.checks.max_pixels,
-                                      orientation=job.fields.upright)
-    except BadImage as e:
-        return len(data), str(e)
 
 
 def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
@@ -187,12 +172,16 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
             if job.stop is not None and job.stop.is_set():
                 done.stopped = True
                 break
-            nbytes, c = read_entry(job, next(reads))
-            done.in_bytes += nbytes
-            if isinstance(c, Checked):
+            c = next(reads)  # the file's bytes, or why it cannot be read
+            if not isinstance(c, str):
+                done.in_bytes += len(c)
                 try:
+                    c = check_image(c, transcode=job.transcode, max_pixels=job.checks.max_pixels,
+                                    orientation=job.fields.upright)
                     packed, columns, reasons = job.fields.encoded(i, c.width, c.height,
                                                                   c.orientation)
+                except BadImage as e:
+                    c = str(e)
                 except ValueError as e:
                     c = f"annotation: {e}"
             if isinstance(c, str):  # skipped, and why

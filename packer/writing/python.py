@@ -178,8 +178,14 @@ class DatasetWriter:
 
     def finish(self) -> dict:
         """Store what is queued, write tables and manifest; the dataset's manifest."""
-        if self.done is not None:
-            return self._finished()
+        if self.done is not None:  # a re-run of a finished write: the same samples change nothing
+            done = journal.finished(self.dst, self._final_fingerprint())
+            self.close()
+            if done is None:  # other samples: refused, as for any finished dataset
+                raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
+                                  f"overwrite=True")
+            self.resumed_shards = len(done["shards"])
+            return done
         if self.run is None:
             raise PackerError("no samples were added; no dataset was written")
         if self.entry < self.replay:
@@ -198,17 +204,6 @@ class DatasetWriter:
 
     def _final_fingerprint(self) -> str:
         return f"{self.fingerprint}:{self.entry}:{self.digest.hexdigest()}"
-
-    def _finished(self) -> dict:
-        """A re-run of a write that had finished (killed after its manifest): the same samples
-        leave the dataset as it is; others are refused, as for any finished dataset."""
-        done = journal.finished(self.dst, self._final_fingerprint())
-        self.close()
-        if done is None:
-            raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
-                              f"overwrite=True")
-        self.resumed_shards = len(done["shards"])
-        return done
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

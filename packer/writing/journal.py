@@ -217,8 +217,7 @@ def remove_leftovers(dst: Path, manifest: dict) -> None:
 
 
 def claim_more(dst: Path, names: Iterable[str]) -> None:
-    """Add ``names`` to the build journal's claims before they are written (side tables):
-    a re-run that restarts removes them even if no manifest ever listed them."""
+    """Claim ``names`` in the build journal before they are written: a restart removes them."""
     j = read(dst) or {}
     j["owned"] = sorted(set(j.get("owned", [])) | set(names))
     _write(dst, j)

@@ -85,8 +85,7 @@ class Packing:
             col.append(values[name])
 
     def add_shard(self, shard: Optional[dict], next_entry: int) -> None:
-        """Journal a shard a build worker finished (None: all its images were skipped), in plan
-        order, after its rows (``add_row``)."""
+        """Journal a worker's shard (None: all skipped), in plan order, after its ``add_row``s."""
         if shard is not None:
             self.shards.append(shard)
         if self.shards:
@@ -129,11 +128,10 @@ class Packing:
                                   f"{first['path']}: {first['reason']}); no dataset was written")
             raise PackerError("no samples to pack; no dataset was written")
         assert sum(s["count"] for s in self.shards) == rows
-        if self.has_label:
-            bad = next((x for x in self.labels if not 0 <= x < len(classes)), None)
-            if bad is not None:
-                raise PackerError(f"label {bad} is outside the {len(classes)} classes "
-                                  f"(0..{len(classes) - 1}); no dataset was written")
+        bad = next((x for x in self.labels if not 0 <= x < len(classes)), None)  # none unlabelled
+        if bad is not None:
+            raise PackerError(f"label {bad} is outside the {len(classes)} classes "
+                              f"(0..{len(classes) - 1}); no dataset was written")
         offsets = array("Q")
         for s in self.shards:  # every record's byte range, read once: readers never walk LMDB
             offsets.extend(shard_records(self.dst / s["path"]))

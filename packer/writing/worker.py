@@ -80,8 +80,7 @@ def file_sizes(source: ImageList) -> List[int]:
 
 
 class FieldMaker:
-    """Each entry's stored fields for an image of a given size: its label and fitted annotation
-    row, packed, with its side-table values."""
+    """An entry's stored fields (label, fitted annotation row) packed, and its column values."""
 
     def __init__(self, source: ImageList, fields: List[Field], column_names: list):
         self.source, self.column_names = source, column_names

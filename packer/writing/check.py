@@ -38,7 +38,7 @@ class Transcode:
         return max(1, round(w * scale)), max(1, round(h * scale))
 
 
-# Image files a build reads: any within max_pixels (12 B/pixel); bounds a worker's memory.
+# Largest image file read (bounds a worker's memory): default max_pixels at 12 bytes a pixel
 DEFAULT_MAX_IMAGE_BYTES = 1 << 30
 
 

@@ -165,9 +165,11 @@ def write_tables(dst: Path, n_classes: int, offsets: array, labels: Optional[arr
     if paths is not None:
         out["paths"] = {"index": write_table(dst, PATHS_INDEX, paths[0]),
                         "text": write_table(dst, PATHS_TEXT, paths[1])}
-    dtypes = {name: column_dtype(col) for name, col in columns.items()}
-    out["columns"] = {name: dict(write_table(dst, column_file(name, dtypes[name]), col),
-                                 dtype=dtypes[name]) for name, col in columns.items()} or None
+    listed = {}
+    for name, col in columns.items():
+        dtype = column_dtype(col)
+        listed[name] = dict(write_table(dst, column_file(name, dtype), col), dtype=dtype)
+    out["columns"] = listed or None
     return out
 
 

@@ -85,8 +85,8 @@ class RayEngine:
 
 
 def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
-    """The tasks' results in order, a window at a time; on close the rest are cancelled (a
-    running ``write_shard`` then removes its temp files) and finished shards not taken removed."""
+    """The tasks' results in order, a window at a time; on close the rest are cancelled and
+    waited for (``write_shard`` removes its temp files) and finished shards not taken removed."""
     pending: Deque = deque()  # (task, ref), in plan order
     ready: Dict = {}          # ref -> its ShardDone, finished out of order
     todo = iter(tasks)

@@ -35,7 +35,7 @@ class ShardWriter:
             try:  # a full disk can fail the open itself: then no caller holds us to abort()
                 self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
                                      sync=False, metasync=False, readahead=False, max_dbs=0,
-                                     lock=False, meminit=True)  # else stale heap bytes in pages
+                                     lock=False, meminit=True)  # zeroed pages: no heap bytes, same file
             except BaseException:
                 self.partial.unlink(missing_ok=True)
                 raise

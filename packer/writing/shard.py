@@ -33,9 +33,10 @@ class ShardWriter:
         with disk_errors(self.path):
             open_new(self.partial).close()  # LMDB then opens this new file, not a planted link
             try:  # a full disk can fail the open itself: then no caller holds us to abort()
+                # meminit: pages zeroed, never stale heap bytes (same shard each build, no leak)
                 self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
                                      sync=False, metasync=False, readahead=False, max_dbs=0,
-                                     lock=False, meminit=True)  # zeroed pages: no heap bytes, same file
+                                     lock=False, meminit=True)
             except BaseException:
                 self.partial.unlink(missing_ok=True)
                 raise

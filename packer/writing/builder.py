@@ -84,7 +84,7 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
         remote.begin(overwrite)
     chosen = parse_part(part)
     source.check_destination(dst)
-    # the source's options after the build's own; "list" always there, as it always was
+    # the source's options after the build's own; "list" always present
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, **checks.options(), "list": None,
                **source.options()}

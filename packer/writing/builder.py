@@ -84,7 +84,7 @@ def build(source: Union[os.PathLike, str, Source], dst: os.PathLike, *,
         remote.begin(overwrite)
     chosen = parse_part(part)
     source.check_destination(dst)
-    # the source's options after the build's own; "list" always there, as it always was
+    # the source's options after the build's own; "list" always present
     options = {"shard_size": shard_size, "transcode": asdict(transcode) if transcode else None,
                "shuffle": shuffle, "seed": seed, "part": part, **checks.options(), "list": None,
                **source.options()}
@@ -135,8 +135,7 @@ def as_engine(engine: Union[str, Any], workers: Optional[int]) -> Union[int, Any
 def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
           transcode: Optional[Transcode], checks: Checks, part: Optional[tuple], overwrite: bool,
           progress: bool, on_shard: Optional[Callable[[dict], None]]) -> tuple:
-    """(manifest, shards resumed): ``source`` packed into ``dst``; ``on_shard`` gets each shard
-    once the journal lists it."""
+    """(manifest, shards resumed); ``on_shard`` gets each shard once the journal lists it."""
     src = source.root
     if not source.entries:
         raise PackerError(f"{src}: no images to pack")
@@ -161,22 +160,14 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
         resumed = len(run.shards)
         for shard in run.shards if on_shard is not None else []:
             on_shard(shard)  # a resumed build's shards go up while it goes on
-        bar = tqdm(total=len(source.entries), initial=run.start, unit="img",
-                   disable=not progress, desc=f"packing {src.name or src}",
-                   dynamic_ncols=True, smoothing=0.05)
         ann = source.annotations
-        if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
-            for d in ann.dropped:  # not tied to one image (entry -1), unless resumed with them
-                run.drop(-1, d["path"], [d["reason"]])
-        try:
-            job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names), transcode,
-                           checks)
+        job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names), transcode, checks)
+        with tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
+                  desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05) as bar:
+            if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
+                for d in ann.dropped:  # not tied to one image (entry -1), unless resumed with them
+                    run.drop(-1, d["path"], [d["reason"]])
             _take(source, run, job, workers, bar, on_shard)
-        except BaseException:
-            run.abort()
-            raise
-        finally:
-            bar.close()
         manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
                               options=dict(options, part_of=part_of) if part_of else options,
                               extra=ann.extra if ann is not None else None)
@@ -184,8 +175,7 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
 
 
 def source_schema(source: ImageList) -> dict:
-    """The schema a source's records get: ``label`` for classification (ImageFolder,
-    ``--list``, ``--meta --label``), then the annotation fields."""
+    """A source's record schema: ``label`` for classification, then the annotation fields."""
     ann = source.annotations
     labelled = ann is None or bool(source.entries) and source.entries[0][1] >= 0
     fields = [dict(LABEL_FIELD)] if labelled else []

@@ -38,8 +38,7 @@ class Transcode:
         return max(1, round(w * scale)), max(1, round(h * scale))
 
 
-# The largest image file a build reads: every image within the default max_pixels fits,
-# uncompressed, at up to 12 bytes a pixel; it bounds what one worker holds at once.
+# Largest image file read (bounds a worker's memory): default max_pixels at 12 bytes a pixel
 DEFAULT_MAX_IMAGE_BYTES = 1 << 30
 
 
@@ -65,7 +64,7 @@ class Checks:
         return asdict(self)
 
 
-def as_checks(checks) -> "Checks":
+def as_checks(checks) -> Checks:
     """``checks`` itself, or a PackerError saying what ``checks=`` takes."""
     if not isinstance(checks, Checks):
         raise PackerError(f"checks must be packer.Checks(strict=..., max_pixels=..., "
@@ -108,10 +107,10 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                 if fmt in JPEG_FORMATS and mode in ("RGB", "L", "CMYK"):
                     im.draft(mode, (max(1, w // 8), max(1, h // 8)))
                 im.load()  # multi-frame files (TIFF pages) train on frame 0, as in ImageFolder
-                if fmt == "TIFF":  # turned upright by its orientation tag as it loads: the size
-                    w, h = im.size  # readers get (Pillow < 11 gives the stored one at open)
-                # After the load: a PNG's EXIF may follow its pixels (reading it loads them),
-                # and orientation_of takes any error for "no EXIF"
+                if fmt == "TIFF":  # loaded upright by its orientation tag: the size readers get
+                    w, h = im.size  # (Pillow < 11 gives the stored one at open)
+                # after the load: a PNG's EXIF may follow its pixels (orientation_of takes an
+                # error for "no EXIF")
                 turn = orientation_of(im) if orientation else 1
                 if im.mode != "RGB":  # training calls convert("RGB"): some modes cannot
                     try:
@@ -120,10 +119,8 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                         raise BadImage(f"cannot be converted to RGB as training does (mode "
                                        f"{im.mode}): {str(e).strip() or type(e).__name__}") \
                             from None
-        except BadImage:
-            raise
         except Exception as e:  # PIL raises a zoo of types on bad data; all mean "skip this file"
-            raise BadImage(_reason(e)) from None
+            raise e if isinstance(e, BadImage) else BadImage(_reason(e)) from None
     return Checked(data, w, h, fmt, mode, turn)
 
 

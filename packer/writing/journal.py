@@ -1,7 +1,6 @@
-"""The resume journal (``.packer-build.json``), written before any shard and listing the
-finished ones (a JSON header, then a line appended per finished shard), and the rule that
-packer removes only files it wrote: packer-named files in DST that no journal or manifest
-claims are refused, never deleted."""
+"""The resume journal (``.packer-build.json``: a JSON header, then a line per finished shard),
+and the rule that packer removes only files it wrote: packer-named files in DST that no journal
+or manifest claims are refused, never deleted."""
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +25,7 @@ BUILD_PATTERNS = ("shard-*.lmdb", ".shard-*", "column-*", "paths.*", LABELS, OFF
 
 
 def fingerprint(source: ImageList, options: dict) -> str:
-    """Identifies a build's input and options: a re-run with the same one resumes. The
-    folder counts: another SRC holding the same names is another input."""
+    """Identifies a build's input (its folder too) and options: a re-run with the same resumes."""
     h = hashlib.sha256()
     h.update(json.dumps([FORMAT_VERSION, str(source.root.resolve()), source.classes, options],
                         sort_keys=True).encode("utf-8", "surrogateescape"))
@@ -35,8 +33,7 @@ def fingerprint(source: ImageList, options: dict) -> str:
 
 
 def input_digest(source: ImageList) -> str:
-    """The hash of what a source lists (classes, files and labels, annotations), wherever its
-    folder is: copies of one dataset on several machines give the same."""
+    """The hash of what a source lists (classes, files, labels, annotations), wherever it is."""
     return _listed(hashlib.sha256(json.dumps(source.classes).encode("utf-8", "surrogateescape")),
                    source)
 
@@ -45,7 +42,7 @@ def _listed(h, source: ImageList) -> str:
     for rel, label in source.entries:
         h.update(f"{rel}\t{label}\n".encode("utf-8", "surrogateescape"))
     ann = source.annotations
-    if ann is not None:  # the annotations are input too
+    if ann is not None:
         h.update(json.dumps([ann.schema, ann.task, ann.extra,
                              getattr(ann.fit, "__qualname__", None)], sort_keys=True).encode())
         if ann.digest is not None:  # the hash of the input the rows were read from
@@ -62,8 +59,8 @@ def packer_names(dst: Path) -> List[str]:
 
 
 def refuse_foreign_files(dst: Path, names: Iterable[str]) -> None:
-    """Stop unless ``names`` is empty; the journal's own temp file never counts (writing the
-    journal replaces it, and a run killed while writing the first one leaves only that)."""
+    """Stop unless ``names`` is empty; the journal's own temp file never counts (a run killed
+    while writing the first journal leaves only that)."""
     names = sorted(set(names) - {JOURNAL + ".tmp"})
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -91,23 +88,21 @@ def remove_dataset(dst: Path, manifest: dict) -> None:
 def claim(dst: Path, names: Iterable[str]) -> None:
     """Record, before writing or removing them, that ``names`` in ``dst`` are packer's: an
     interrupted merge or overwrite can then be re-run (a journal with no fingerprint)."""
-    with disk_errors(dst / JOURNAL):
-        write_json_atomic(dst / JOURNAL, {"fingerprint": "", "shards": [], "skipped": [],
-                                          "next_entry": 0, "owned": sorted(names)})
+    _write(dst, {"fingerprint": "", "shards": [], "skipped": [], "next_entry": 0,
+                 "owned": sorted(names)})
 
 
 def claimed(dst: Path) -> set:
     """Names this folder's journal says packer wrote (or is removing), with their temp files."""
-    j = _read(dst / JOURNAL) or {}
+    j = read(dst) or {}
     names = {s["path"] for s in j.get("shards", [])} | set(j.get("owned", []))
     return names | {n + ".tmp" for n in names} | {JOURNAL}
 
 
 def load(dst: Path, fp: str) -> dict:
-    """The journal of an earlier run with the same fingerprint (its shards re-checked, cut
-    back to the last good one), or a fresh one; rewritten whole before this run writes a shard
-    (so that this run's lines follow a complete one)."""
-    j = _read(dst / JOURNAL)
+    """The journal of an earlier run with the same fingerprint (cut back to its last good
+    shard), or a fresh one; rewritten whole before this run appends to it."""
+    j = read(dst)
     if j is None:  # a fresh build: whatever has packer's names here is not ours
         refuse_foreign_files(dst, packer_names(dst))
         return restart(dst, fp)
@@ -116,8 +111,8 @@ def load(dst: Path, fp: str) -> dict:
             remove_own(dst, name)
     if j.get("fingerprint") != fp:  # different source or options: restart cleanly
         return restart(dst, fp)
-    for n, shard in enumerate(j["shards"]):
-        if existing_shard_ok(shard, dst) is not None:  # keep what checks out, redo the rest
+    for n, shard in enumerate(j["shards"]):  # keep what checks out, redo the rest
+        if existing_shard_ok(shard, dst) is not None:
             cut = j["shards"][n - 1]["next_entry"] if n else 0
             j["shards"] = j["shards"][:n]
             j["skipped"] = [s for s in j["skipped"] if s["entry"] < cut]
@@ -141,13 +136,9 @@ def restart(dst: Path, fp: str) -> dict:
 
 
 def read(dst: Path) -> Optional[dict]:
-    """The journal in ``dst``, its lines applied: None if there is none, {} if it is damaged."""
-    return _read(dst / JOURNAL)
-
-
-def _read(path: Path) -> Optional[dict]:
-    """The journal at ``path``: None if there is none, {} unless well formed (plain names).
-    Its lines after the header up to one a kill cut short (and none after it) are applied."""
+    """The journal in ``dst``, its lines applied up to one a kill cut short: None if there is
+    none, {} unless well formed (plain names)."""
+    path = dst / JOURNAL
     if not path.is_file():
         return None
     try:
@@ -158,7 +149,14 @@ def _read(path: Path) -> Optional[dict]:
     try:
         for line in text[end:].split("\n"):  # not splitlines: paths may hold U+2028 and such
             if line.strip():
-                _apply(j, json.loads(line))
+                rec = json.loads(line)
+                if rec["shard"] is not None:
+                    j["shards"].append(rec["shard"])
+                j["skipped"].extend(rec["skipped"])
+                j.setdefault("dropped", []).extend(rec["dropped"])
+                j["next_entry"] = rec["next_entry"]
+                if j["shards"]:
+                    j["shards"][-1]["next_entry"] = rec["next_entry"]
     except ValueError:  # a line cut short: the ones before it stand
         pass
     except (KeyError, TypeError, AttributeError, RecursionError):
@@ -172,22 +170,10 @@ def _read(path: Path) -> Optional[dict]:
     return j if ok else {}
 
 
-def _apply(j: dict, line: dict) -> None:
-    """One ``append``ed line into the journal ``j``."""
-    if line["shard"] is not None:
-        j["shards"].append(line["shard"])
-    j["skipped"].extend(line["skipped"])
-    j.setdefault("dropped", []).extend(line["dropped"])
-    j["next_entry"] = line["next_entry"]
-    if j["shards"]:
-        j["shards"][-1]["next_entry"] = line["next_entry"]
-
-
 def append(dst: Path, shard: Optional[dict], skipped: Sequence[dict], dropped: Sequence[dict],
            next_entry: int) -> None:
     """Record a finished shard (None: all its images skipped) with the skips and drops since
-    the last record, as one line: each costs what it adds, where rewriting the journal cost
-    all the build so far (quadratic over thousands of shards and skips)."""
+    the last record, as one appended line (rewriting the journal would be quadratic)."""
     line = json.dumps({"shard": shard, "skipped": list(skipped), "dropped": list(dropped),
                        "next_entry": next_entry}, ensure_ascii=False) + "\n"
     with disk_errors(dst / JOURNAL):
@@ -199,15 +185,19 @@ def save(dst: Path, fp: str, shards: List[dict], skipped: List[dict], next_entry
     """The whole journal, rewritten (the header ``append`` adds lines to)."""
     if shards:
         shards[-1]["next_entry"] = next_entry
-    j = {"fingerprint": fp, "shards": shards, "skipped": skipped, "dropped": list(dropped),
-         "next_entry": next_entry, **({"owned": sorted(owned)} if owned else {})}
+    _write(dst, {"fingerprint": fp, "shards": shards, "skipped": skipped,
+                 "dropped": list(dropped), "next_entry": next_entry,
+                 **({"owned": sorted(owned)} if owned else {})})
+
+
+def _write(dst: Path, j: dict) -> None:
     with disk_errors(dst / JOURNAL):
         write_json_atomic(dst / JOURNAL, j)
 
 
 def finished(dst: Path, fp: str) -> Optional[dict]:
     """The manifest in ``dst`` if the run with fingerprint ``fp`` wrote it (a re-run after a
-    kill that came once the dataset was complete), its leftovers removed; else None."""
+    kill once the dataset was complete), its leftovers removed; else None."""
     man = read_manifest(dst)
     if not fp or man.get("fingerprint") != fp:
         return None
@@ -227,12 +217,10 @@ def remove_leftovers(dst: Path, manifest: dict) -> None:
 
 
 def claim_more(dst: Path, names: Iterable[str]) -> None:
-    """Add ``names`` to the build journal's claims before they are written (side tables):
-    a re-run that restarts removes them even if no manifest ever listed them."""
-    j = _read(dst / JOURNAL) or {}
+    """Claim ``names`` in the build journal before they are written: a restart removes them."""
+    j = read(dst) or {}
     j["owned"] = sorted(set(j.get("owned", [])) | set(names))
-    with disk_errors(dst / JOURNAL):
-        write_json_atomic(dst / JOURNAL, j)
+    _write(dst, j)
 
 
 def check_dst(dst) -> None:

@@ -1,7 +1,6 @@
-"""``merge``: join datasets built with ``--part K/N`` into one, without copying shard data:
-the merged manifest names the parts' shards by relative path (``../part-0/shard-00000.lmdb``)
-and their folders under ``parts``. Crash safety is the build's: old manifest first (durably),
-new tables renamed in, new manifest last."""
+"""``merge``: join datasets built with ``--part K/N`` into one without copying shard data: the
+manifest names the parts' shards by relative path (``../part-0/shard-00000.lmdb``) and their
+folders under ``parts``. Crash safety is the build's: old manifest removed first, new one last."""
 from __future__ import annotations
 
 import hashlib
@@ -47,11 +46,10 @@ def merge(parts: Sequence[os.PathLike], dst: os.PathLike, *, overwrite: bool = F
     _refuse_duplicates(mans, dst)
     classes = mans[0][1]["classes"]
     for p, m in mans[1:]:
-        if m["classes"] != classes:
-            raise PackerError(f"{p} has different classes from {mans[0][0]}; parts of one "
-                              f"dataset must be built from the same source")
-        if dataset_schema(m) != dataset_schema(mans[0][1]):
-            raise PackerError(f"{p} has different fields from {mans[0][0]}; parts of one "
+        differs = ("classes" if m["classes"] != classes else
+                   "fields" if dataset_schema(m) != dataset_schema(mans[0][1]) else None)
+        if differs:
+            raise PackerError(f"{p} has different {differs} from {mans[0][0]}; parts of one "
                               f"dataset must be built from the same source")
     _refuse_strangers(mans)
     dst.mkdir(parents=True, exist_ok=True)
@@ -97,12 +95,9 @@ def _named(manifest: dict, folder: Path, parts: list) -> dict:
 
 
 def _refuse_strangers(mans: List[Tuple[Path, dict]]) -> None:
-    """Parts cut with ``--part K/N`` are slices of one shuffled order: only parts of one build
-    command (one N, each K once, the same options, a source of the same name: SRC may be a
-    copy at another path on each node) hold each record once; parts of another seed, N or
-    source would repeat some records and lose others; so would parts cut from copies of SRC
-    that list other files (``part_of``). A dataset merged before merges recorded their parts
-    is taken as it is."""
+    """Parts cut with ``--part K/N`` are slices of one shuffled order: only the parts of one
+    build command (one N, each K once, the same options and listing, a source of the same name)
+    hold each record once. A dataset merged before merges recorded their parts is taken as is."""
     cuts = [(p, _held(p, m), _command(m)) for p, m in mans]
     if any(held is None for _, held, _ in cuts) or not any(held for _, held, _ in cuts):
         return  # parts unknown, or whole datasets (packer.write's, for example): as given
@@ -158,15 +153,9 @@ def _shown(held: List[Tuple[int, int]]) -> str:
     return ", ".join(f"{k}/{n}" for k, n in held)
 
 
-def _merged_parts(mans: List[Tuple[Path, dict]]) -> Optional[List[str]]:
-    """The ``K/N`` parts a merged dataset holds (None where a part's are unknown)."""
-    held = [_held(p, m) for p, m in mans]
-    return None if None in held else [f"{k}/{n}" for h in held for k, n in h]
-
-
 def missing_parts(manifest: dict) -> List[str]:
-    """The ``K/N`` parts of its build a merged dataset does not hold (a merge of some parts is
-    allowed: the others may be merged in later); empty when whole or unknown."""
+    """The ``K/N`` parts of its build a merged dataset does not hold (they may be merged in
+    later); empty when whole or unknown."""
     held = (manifest.get("options") or {}).get("merged_parts") or []
     cuts = {parse_part(str(k)) for k in held}
     return [f"{k}/{n}" for n in sorted({n for _, n in cuts}) for k in range(n)
@@ -218,7 +207,8 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         journal.refuse_foreign_files(dst, [n for n in journal.packer_names(dst) if n not in mine])
         for name in sorted(mine & set(journal.packer_names(dst))):
             remove_own(dst, name)
-    first = mans[0][1]
+    first, held = mans[0][1], [_held(p, m) for p, m in mans]
+    merged_parts = None if None in held else [f"{k}/{n}" for h in held for k, n in h]
     # Tables every part has (older parts lack the width/height columns: then none has them).
     keys = [k for k, _, _ in side_tables(first) if k != "offsets" and not k.startswith("paths.")
             and all(k in {kk for kk, _, _ in side_tables(m)} for _, m in mans)]
@@ -238,12 +228,12 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
             table = read_paths(p, m)
             path_ends.extend(e + len(path_text) for e in table.ends)
             path_text += table.text
-        part_offsets = read_offsets(p, m)
-        if part_offsets is None:  # an older part: read its shards' trees
-            part_offsets = array("Q")
+        part_offsets = read_offsets(p, m)  # per shard: they concatenate
+        if part_offsets is not None:
+            offsets.extend(part_offsets)
+        else:  # an older part: read its shards' trees
             for s in m["shards"]:
-                part_offsets.extend(shard_records(shard_file(p, s["path"])))
-        offsets.extend(part_offsets)  # per shard: they concatenate
+                offsets.extend(shard_records(shard_file(p, s["path"])))
     written = write_tables(dst, len(classes), offsets, tables.pop("label", None),
                            (path_ends, path_text) if with_paths else None, tables)
     dropped = [d for _, m in mans for d in m.get("dropped", [])]
@@ -255,7 +245,7 @@ def _write(mans: List[Tuple[Path, dict]], dst: Path, classes: List[str], overwri
         dropped_count=sum(m.get("dropped_count", len(m.get("dropped", []))) for _, m in mans),
         skipped=[s for _, m in mans for s in m["skipped"]], source=first.get("source", ""),
         options=dict(first.get("options") or {}, part=None, merged_from=[str(p) for p, _ in mans],
-                     merged_parts=_merged_parts(mans)), **written)
+                     merged_parts=merged_parts), **written)
     manifest["parts"], manifest["fingerprint"] = rels, fp
     with disk_errors(dst / MANIFEST):
         write_json_atomic(dst / MANIFEST, manifest)

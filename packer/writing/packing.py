@@ -1,5 +1,5 @@
-"""One pass of the writer over checked samples: shards, skip lists, side tables, journal, and
-last the manifest. ``packer build`` and ``packer.write`` both feed one."""
+"""One pass of the writer over checked samples (``packer build``'s or ``packer.write``'s):
+shards, skip lists, side tables, journal, and last the manifest."""
 from __future__ import annotations
 
 import datetime
@@ -48,8 +48,7 @@ class Packing:
         self.column_names += ["label"] if self.has_label else []
         self.writer: Optional[ShardWriter] = None
         self.shard_note = None  # () -> dict: more facts for a finished shard's journal entry
-        if self.shards:
-            self._recover()
+        self._recover()
 
     def skip(self, entry: int, path: str, reason: str) -> None:
         if self.strict:
@@ -86,8 +85,7 @@ class Packing:
             col.append(values[name])
 
     def add_shard(self, shard: Optional[dict], next_entry: int) -> None:
-        """A shard a build worker finished (None: all its images were skipped), in plan
-        order, after its rows (``add_row``): recorded in the journal."""
+        """Journal a worker's shard (None: all skipped), in plan order, after its ``add_row``s."""
         if shard is not None:
             self.shards.append(shard)
         if self.shards:
@@ -121,8 +119,7 @@ class Packing:
 
     def finish(self, *, classes: List[str], source: str, options: dict,
                extra: Optional[dict] = None, fingerprint: Optional[str] = None) -> dict:
-        """Side tables, then the manifest (last: it makes the dataset complete), then the
-        journal and leftovers go."""
+        """Side tables, then the manifest (last: it completes the dataset); leftovers removed."""
         rows = len(self.path_ends)
         if not rows:
             if self.skipped:
@@ -131,11 +128,10 @@ class Packing:
                                   f"{first['path']}: {first['reason']}); no dataset was written")
             raise PackerError("no samples to pack; no dataset was written")
         assert sum(s["count"] for s in self.shards) == rows
-        if self.has_label:
-            bad = next((x for x in self.labels if not 0 <= x < len(classes)), None)
-            if bad is not None:
-                raise PackerError(f"label {bad} is outside the {len(classes)} classes "
-                                  f"(0..{len(classes) - 1}); no dataset was written")
+        bad = next((x for x in self.labels if not 0 <= x < len(classes)), None)  # none unlabelled
+        if bad is not None:
+            raise PackerError(f"label {bad} is outside the {len(classes)} classes "
+                              f"(0..{len(classes) - 1}); no dataset was written")
         offsets = array("Q")
         for s in self.shards:  # every record's byte range, read once: readers never walk LMDB
             offsets.extend(shard_records(self.dst / s["path"]))
@@ -160,8 +156,7 @@ class Packing:
 
 def write_tables(dst: Path, n_classes: int, offsets: array, labels: Optional[array],
                  paths: Optional[tuple], columns: Dict[str, array]) -> Dict[str, Any]:
-    """Write a dataset's side tables (``paths``: the path ends and text, or None); the
-    ``new_manifest`` arguments that list them."""
+    """Write side tables (``paths``: (ends, text) or None); the ``new_manifest`` arguments."""
     out: Dict[str, Any] = {"offsets": write_table(dst, OFFSETS, offsets)}
     if labels is not None:
         out["labels"] = write_table(dst, LABELS, labels)

@@ -40,16 +40,13 @@ def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
     """Pack ``samples`` into a dataset in ``dst`` (what ``litdata.optimize`` and
     ``MDSWriter`` do, with packer's checks and crash safety); see :class:`DatasetWriter`."""
     t0 = time.perf_counter()
-    if total is None and hasattr(samples, "__len__"):
-        total = len(samples)  # type: ignore[arg-type]
     with DatasetWriter(dst, schema=schema, classes=classes, task=task, shard_size=shard_size,
                        workers=workers, transcode=transcode, checks=checks,
                        overwrite=overwrite) as w:
-        with tqdm(total=total, unit="img", disable=not progress, desc=f"writing {Path(dst).name}",
-                  dynamic_ncols=True) as bar:
-            for sample in samples:
+        with tqdm(samples, total=total, unit="img", disable=not progress,  # or len(samples)
+                  desc=f"writing {Path(dst).name}", dynamic_ncols=True) as bar:
+            for sample in bar:
                 w.add(sample)
-                bar.update(1)
         manifest = w.finish()
     return BuildResult(manifest, time.perf_counter() - t0, w.resumed_shards)
 
@@ -103,11 +100,11 @@ class DatasetWriter:
         problem = detection_problem(self.schema) if self.task == "detection" else ""
         if problem:
             raise PackerError(f"a detection dataset {problem}")
-        label = next((f for f in self.schema if f.name == "label"), None)
+        self.by_name = {f.name: f for f in self.schema}
+        label = self.by_name.get("label")
         if label is not None and label.type != "int":
             raise PackerError(f"field 'label' is a class index: an int (names in classes=[...]), "
                               f"not {label.type}")
-        self.by_name = {f.name: f for f in self.schema}
         specs = [f.spec() for f in self.schema]
         self.fingerprint = hashlib.sha256(json.dumps(
             [FORMAT_VERSION, specs, self.task, self.classes, self.options],
@@ -121,10 +118,8 @@ class DatasetWriter:
                 raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
                                   f"overwrite=True")
             journal.remove_dataset(self.dst, man)
-        if self.overwrite and (self.dst / journal.JOURNAL).is_file():  # an interrupted write
-            state = journal.restart(self.dst, self.fingerprint)
-        else:
-            state = journal.load(self.dst, self.fingerprint)
+        fresh = self.overwrite and (self.dst / journal.JOURNAL).is_file()  # an interrupted write
+        state = (journal.restart if fresh else journal.load)(self.dst, self.fingerprint)
         self.replay = state["next_entry"]  # samples the interrupted run packed
         self.want_digest = state["shards"][-1].get("input_digest") if state["shards"] else None
         self.run = Packing(self.dst, self.fingerprint, state, strict=self.checks.strict,
@@ -183,8 +178,14 @@ class DatasetWriter:
 
     def finish(self) -> dict:
         """Store what is queued, write tables and manifest; the dataset's manifest."""
-        if self.done is not None:
-            return self._finished()
+        if self.done is not None:  # a re-run of a finished write: the same samples change nothing
+            done = journal.finished(self.dst, self._final_fingerprint())
+            self.close()
+            if done is None:  # other samples: refused, as for any finished dataset
+                raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
+                                  f"overwrite=True")
+            self.resumed_shards = len(done["shards"])
+            return done
         if self.run is None:
             raise PackerError("no samples were added; no dataset was written")
         if self.entry < self.replay:
@@ -203,17 +204,6 @@ class DatasetWriter:
 
     def _final_fingerprint(self) -> str:
         return f"{self.fingerprint}:{self.entry}:{self.digest.hexdigest()}"
-
-    def _finished(self) -> dict:
-        """A re-run of a write that had finished (killed after its manifest): the same samples
-        leave the dataset as it is; others are refused, as for any finished dataset."""
-        done = journal.finished(self.dst, self._final_fingerprint())
-        self.close()
-        if done is None:
-            raise PackerError(f"{self.dst} already holds a finished dataset; replace it with "
-                              f"overwrite=True")
-        self.resumed_shards = len(done["shards"])
-        return done
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -1,7 +1,6 @@
-"""Building on a Ray cluster (``build(src, dst, engine="ray")``; ``--ray``): only the shard
-writing moves. Each task runs ``worker.write_shard`` into DST (a shared filesystem) and the
-driver takes shards only from returned results, so the dataset is the local build's byte
-for byte and a retried task never leaves a half shard behind."""
+"""Building on a Ray cluster (``build(src, dst, engine="ray")``; ``--ray``): each task runs
+``worker.write_shard`` into DST (a shared filesystem); the driver takes shards only from returned
+results, so the dataset is the local build's byte for byte and no retry leaves a half shard."""
 from __future__ import annotations
 
 import copy
@@ -32,9 +31,8 @@ def need_ray():
 
 
 def check_reachable(address: str, where: str) -> None:
-    """A PackerError unless something answers at a ``host:port`` cluster address (any scheme):
-    ``ray.init`` would wait for it without end, printing retries. Other addresses ("auto",
-    "local") Ray resolves itself, failing at once."""
+    """A PackerError unless something answers at a ``host:port`` address (any scheme), where
+    ``ray.init`` would wait without end; others ("auto", "local") Ray resolves itself."""
     host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
     if not sep or not port.isdigit():
         return
@@ -87,9 +85,8 @@ class RayEngine:
 
 
 def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
-    """The tasks' results in order, a window of tasks at a time; on close the rest are cancelled
-    and waited for, and finished shards not taken removed. (Cancelling raises KeyboardInterrupt
-    in a running task at its next Python instruction: ``write_shard`` removes its temp files.)"""
+    """The tasks' results in order, a window at a time; on close the rest are cancelled and
+    waited for (``write_shard`` removes its temp files) and finished shards not taken removed."""
     pending: Deque = deque()  # (task, ref), in plan order
     ready: Dict = {}          # ref -> its ShardDone, finished out of order
     todo = iter(tasks)
@@ -136,7 +133,7 @@ def _result(ray, ref, task: ShardTask) -> ShardDone:
 
 def _slice(job: ShardJob, task: ShardTask):
     """(job, local task, task) for one shard: a job holding only the task's entries and rows,
-    with absolute paths (a Ray worker's folder is not the driver's); the local task from 0."""
+    with absolute paths (a Ray worker's folder is not the driver's)."""
     src, a, e = job.fields.source, task.start, task.end
     ann = src.annotations
     if ann is not None:
@@ -151,8 +148,7 @@ def _slice(job: ShardJob, task: ShardTask):
 
 
 def write_part(job: ShardJob, local: ShardTask, task: ShardTask, version: str) -> ShardDone:
-    """One shard, in a Ray task: ``write_shard`` over the sliced job, its entries numbered
-    as in the whole plan again."""
+    """One shard, in a Ray task: ``write_shard`` over the sliced job, numbered as in the plan."""
     if version != __version__:
         raise PackerError(f"the Ray worker runs packer {__version__}, the build packer "
                           f"{version}: install the same version on every node")

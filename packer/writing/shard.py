@@ -29,15 +29,14 @@ class ShardWriter:
         self.partial = self.path.with_name("." + self.path.name + ".partial")
         self.compact = self.path.with_name("." + self.path.name + ".compact")
         self.map_size = max(MIN_MAP, int(expected_bytes * 1.25))
-        # meminit=True: zero page tails before writing them. Without it LMDB writes stale heap
-        # bytes into the file, so shards differ from build to build (and leak memory contents).
         self.env = None
         with disk_errors(self.path):
             open_new(self.partial).close()  # LMDB then opens this new file, not a planted link
             try:  # a full disk can fail the open itself: then no caller holds us to abort()
+                # meminit: pages zeroed, never stale heap bytes (same shard each build, no leak)
                 self.env = lmdb.open(str(self.partial), subdir=False, map_size=self.map_size,
-                                     sync=False, metasync=False, readahead=False,
-                                     meminit=True, max_dbs=0, lock=False)
+                                     sync=False, metasync=False, readahead=False, max_dbs=0,
+                                     lock=False, meminit=True)
             except BaseException:
                 self.partial.unlink(missing_ok=True)
                 raise
@@ -63,8 +62,7 @@ class ShardWriter:
                     _, added = txn.cursor().putmulti(self._pending, append=True)
                     assert added == len(self._pending), "keys must be new and increasing"
                 break
-            except lmdb.MapFullError:
-                # The map is only address space: grow it and redo the (rolled back) commit.
+            except lmdb.MapFullError:  # only address space: grow it, redo the rolled-back commit
                 self.map_size *= 2
                 self.env.set_mapsize(self.map_size)
         self._pending.clear()
@@ -139,8 +137,7 @@ def existing_shard_ok(entry: dict, root: Path) -> Optional[str]:
 
 
 def write_table(dst: Path, name: str, table) -> dict:
-    """Write a per-record table (an ``array``: little-endian; or bytes as they are),
-    atomically; its manifest entry."""
+    """Write a per-record table (an array, little-endian, or bytes) atomically; its entry."""
     if isinstance(table, array):
         table = little_endian(table).tobytes()
     with disk_errors(dst / name):

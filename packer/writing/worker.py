@@ -1,5 +1,5 @@
-"""A build's parallel part: the shard plan (cut by source file sizes, so independent of the
-worker count), and a worker that reads, checks, encodes and writes whole shards itself."""
+"""A build's parallel part: the shard plan (by file sizes, whatever the worker count), and a
+worker that reads, checks, encodes and writes whole shards itself."""
 from __future__ import annotations
 
 import gc
@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 from .._util.fsio import NotAFile, read_file, remove_own
 from .._util.system import die_with_parent
-from .check import BadImage, Checked, Checks, Transcode, check_image
+from .check import BadImage, Checks, Transcode, check_image
 from ..format.fields import Field, encode
 from ..format.manifest import SHARD_PATTERN
 from ..format.records import pack_fields, record_bytes
@@ -39,9 +39,8 @@ class ShardTask:
 
 @dataclass
 class ShardDone:
-    """What a worker reports for one planned shard: ``samples`` (per entry, skipped or stored),
-    ``shard`` (the manifest entry, or None), ``failed``, ``stopped``, and ``taken`` (set by the
-    builder before journaling, so an interrupted build never removes a listed shard)."""
+    """What a worker reports for one planned shard; ``taken`` is set by the builder before
+    journaling it, so an interrupted build never removes a listed shard."""
     task: ShardTask
     shard: Optional[dict] = None
     samples: List[tuple] = field(default_factory=list)
@@ -53,7 +52,7 @@ class ShardDone:
 
 def plan_shards(sizes: Sequence[int], shard_size: int) -> List[Tuple[int, int, int]]:
     """(start, end, bytes) ranges of consecutive entries of at most ``shard_size`` of files (less
-    for a small dataset, so every worker has shards); the same whatever the worker count."""
+    for a small dataset, so every worker has shards)."""
     shard_size = min(shard_size, max(MIN_PLANNED, -(-sum(sizes) // PLANNED_SHARDS)))
     plan, start, total = [], 0, 0
     for i, n in enumerate(sizes):
@@ -81,8 +80,7 @@ def file_sizes(source: ImageList) -> List[int]:
 
 
 class FieldMaker:
-    """Each entry's stored fields for an image of a given size: its label and its fitted,
-    encoded annotation row, packed as msgpack, with its side-table values."""
+    """An entry's stored fields (label, fitted annotation row) packed, and its column values."""
 
     def __init__(self, source: ImageList, fields: List[Field], column_names: list):
         self.source, self.column_names = source, column_names
@@ -104,8 +102,7 @@ class FieldMaker:
 
 @dataclass
 class ShardJob:
-    """Everything a worker needs besides the task; set once per worker (inherited when
-    forked). ``progress``/``stop``: a shared counter and event (None in-process)."""
+    """What a worker needs besides the task; ``progress``/``stop``: shared (None in-process)."""
     dst: Path
     fields: FieldMaker
     transcode: Optional[Transcode]
@@ -120,15 +117,15 @@ _JOB: list = [None]  # this worker's ShardJob
 def init_worker(parent: int, job: ShardJob) -> None:
     # Ctrl-C reaches the whole process group: only the parent handles it (and sets ``stop``).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    gc.freeze()  # the parent's objects (the annotation rows) are never garbage here: a
-    # collection walking them would only copy their pages into this process
+    gc.freeze()  # the parent's objects (annotation rows) are never garbage here: a collection
+    # walking them would only copy their pages into this process
     die_with_parent(parent)
     _JOB[0] = job
 
 
 def fetch_entry(job: ShardJob, i: int) -> Union[bytes, str]:
-    """The bytes of entry ``i``'s file, or why it cannot be read. A store that keeps failing
-    raises: the build stops there and resumes on a re-run."""
+    """The bytes of entry ``i``'s file, or why it cannot be read (a store that keeps failing
+    raises: the build stops and resumes on a re-run)."""
     root, rel = job.fields.source.root, job.fields.source.entries[i][0]
     if not is_utf8(rel):  # records and the manifest store paths as UTF-8 text
         return ("file name is not valid UTF-8: rename it (e.g. `convmv -r -f latin1 -t utf8 "
@@ -156,31 +153,16 @@ def fetched(job: ShardJob, task: ShardTask) -> Iterator[Union[bytes, str]]:
         try:
             while ahead:
                 got = ahead.popleft().result()
-                nxt = next(todo, None)
-                if nxt is not None:
-                    ahead.append(pool.submit(fetch_entry, job, nxt))
+                ahead.extend(pool.submit(fetch_entry, job, i) for i in islice(todo, 1))  # the next
                 yield got
         finally:
             for f in ahead:
                 f.cancel()
 
 
-def read_entry(job: ShardJob, data: Union[bytes, str]) -> Tuple[int, Union[Checked, str]]:
-    """(bytes read, the checked image or why it is skipped) for a ``fetch_entry`` result."""
-    if isinstance(data, str):
-        return 0, data
-    try:
-        return len(data), check_image(data, transcode=job.transcode,
-                                      max_pixels=job.checks.max_pixels,
-                                      orientation=job.fields.upright)
-    except BadImage as e:
-        return len(data), str(e)
-
-
 def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
-    """Check and store entries ``task.start .. task.end`` into the shard file ``task.index``
-    (runs in a worker; ``job`` given when run in-process). A set ``stop`` event, or a
-    problem in a strict build, abandons the shard (its temp files removed)."""
+    """Check and store the task's entries into shard file ``task.index`` (``job`` given when
+    in-process). A set ``stop``, or a strict build's problem, abandons it (temp files removed)."""
     job = job or _JOB[0]
     done, writer = ShardDone(task), None
     entries, reads = job.fields.source.entries, fetched(job, task)
@@ -189,12 +171,16 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
             if job.stop is not None and job.stop.is_set():
                 done.stopped = True
                 break
-            nbytes, c = read_entry(job, next(reads))
-            done.in_bytes += nbytes
-            if isinstance(c, Checked):
+            c = next(reads)  # the file's bytes, or why it cannot be read
+            if not isinstance(c, str):
+                done.in_bytes += len(c)
                 try:
+                    c = check_image(c, transcode=job.transcode, max_pixels=job.checks.max_pixels,
+                                    orientation=job.fields.upright)
                     packed, columns, reasons = job.fields.encoded(i, c.width, c.height,
                                                                   c.orientation)
+                except BadImage as e:
+                    c = str(e)
                 except ValueError as e:
                     c = f"annotation: {e}"
             if isinstance(c, str):  # skipped, and why

@@ -1,5 +1,4 @@
-"""``packer doctor``: the environment as facts a script can read and lines a person can act on.
-It imports torch only with ``cuda=True``."""
+"""``packer doctor``: the environment as facts and as lines to act on; torch only with cuda=True."""
 from __future__ import annotations
 
 import os
@@ -10,19 +9,17 @@ from typing import Dict, List, Optional
 from . import __version__
 from ._util.system import PILLOW_SIMD_HINT, pil_info, pil_summary, usable_cores
 
-# Optional packages: what each adds, and the command that installs it.
+# Optional packages (``pip install NAME``) and what each adds.
 OPTIONAL = {
-    "torchvision": ("GPU decoding with nvJPEG, tv_tensors detection targets, bench --model",
-                    "pip install torchvision"),
-    "triton": ("GPU decoding: its fused augment kernel", "pip install triton"),
-    "torchdata": ("make_loader(stateful=True): mid-epoch resume", "pip install torchdata"),
-    "matplotlib": ("packer bench --plot", "pip install matplotlib"),
+    "torchvision": "GPU decoding with nvJPEG, tv_tensors detection targets, bench --model",
+    "triton": "GPU decoding: its fused augment kernel",
+    "torchdata": "make_loader(stateful=True): mid-epoch resume",
+    "matplotlib": "packer bench --plot",
 }
 
 
 def doctor(cuda: bool = False) -> Dict[str, object]:
-    """PIL flavour and JPEG library, torch (and with ``cuda=True`` its GPU name, or False), the
-    optional packages, usable cores."""
+    """PIL, torch (with ``cuda=True`` its GPU's name, or False), optional packages, cores."""
     try:
         pil: Optional[dict] = pil_info()
         summary = pil_summary()
@@ -32,8 +29,7 @@ def doctor(cuda: bool = False) -> Dict[str, object]:
             "pil_summary": summary, "torch": installed("torch"),
             "cuda": cuda_device() if cuda else None, "triton": installed("triton"),
             "optional": {name: installed(name) for name in OPTIONAL},
-            "cores": usable_cores(),
-            "cpu_count": os.cpu_count()}
+            "cores": usable_cores(), "cpu_count": os.cpu_count()}
 
 
 def installed(dist: str) -> Optional[str]:
@@ -76,7 +72,7 @@ def format_doctor(d: Dict[str, object]) -> str:
         lines.append("triton   not available: GPU decoding needs it for its fused augment kernel "
                      "(pip install triton); the CPU path does not")
     optional = d.get("optional") or {}
-    lines += [f"{name:<8} not installed: {hint} (for {what})" for name, (what, hint)
-              in OPTIONAL.items() if name != "triton" and not optional.get(name)]
+    lines += [f"{name:<8} not installed: pip install {name} (for {what})"
+              for name, what in OPTIONAL.items() if name != "triton" and not optional.get(name)]
     lines.append(f"cores    {d['cores']} usable of {d['cpu_count']}")
     return "\n".join(lines)

@@ -1,7 +1,5 @@
-"""The one exception type packer raises for a user's mistake or a bad dataset.
-
-Messages say what went wrong *and what to do*; the CLI prints them as one ``Error:`` line.
-"""
+"""The one exception type packer raises for a user's mistake or a bad dataset. Messages say what
+went wrong *and what to do*; the CLI prints them as one ``Error:`` line."""
 
 
 class PackerError(Exception):

@@ -19,8 +19,7 @@ from ._util.text import printable
 
 
 def info(root: os.PathLike, storage_options: Optional[dict] = None) -> dict:
-    """The ``info --json`` object: the manifest's facts, with shard paths as given there.
-    ``root`` may be a URL (``s3://...``): only its manifest is read."""
+    """The ``info --json`` object: the manifest's facts, shard paths as given; reads only that."""
     from .storage.local import is_url, manifest, redact
     m = manifest(root, storage_options)
     return {
@@ -42,7 +41,9 @@ def info(root: os.PathLike, storage_options: Optional[dict] = None) -> dict:
 
 def format_info(i: dict, max_classes: int = 20) -> str:
     """A human summary of :func:`info`; every name from the dataset is made printable."""
-    p = _text
+    def p(value) -> str:
+        return printable(str(value))
+
     lines = [f"{p(i['path'])}: {i['count']} images, {classes_text(i)}, "
              f"{len(i['shards'])} shard(s), {human_size(i['bytes'])} (format "
              f"{p(i['format_version'])}, packer {p(i['packer_version'])}, {p(i['created'])})"]
@@ -70,9 +71,8 @@ def format_info(i: dict, max_classes: int = 20) -> str:
               for label, c, k in rows[:max_classes]]
     if len(rows) > max_classes:
         lines.append(f"  ... {len(rows) - max_classes} more (see --json)")
-    lines.append("shards:")
-    for s in i["shards"]:
-        lines.append(f"  {p(s['path'])}  {s['count']} records  {human_size(s['bytes'])}")
+    lines += ["shards:"] + [f"  {p(s['path'])}  {s['count']} records  {human_size(s['bytes'])}"
+                            for s in i["shards"]]
     lines.append(f"skipped: {len(i['skipped'])}")
     lines += [f"  {p(s['path'])}: {p(s['reason'])}" for s in i["skipped"][:10]]
     if len(i["skipped"]) > 10:
@@ -83,10 +83,6 @@ def format_info(i: dict, max_classes: int = 20) -> str:
         lines.append(f"annotations dropped (images kept): {i['dropped_count']}")
         lines += [f"  {p(d['path'])}: {p(d['reason'])}" for d in i["dropped"][:10]]
     return "\n".join(lines)
-
-
-def _text(value) -> str:
-    return printable(str(value))
 
 
 @dataclass
@@ -237,8 +233,7 @@ def _check_records(root: Path, m: dict, columns: dict, rep: Report, progress: bo
 
 
 def image_problem(rec: dict, max_pixels: int) -> str:
-    """Why a record's image would fail training or lies about itself, or "": it must decode
-    within ``max_pixels`` at the size its record and columns say."""
+    """Why a record's image does not decode within ``max_pixels`` at its record's size, or ""."""
     try:
         c = check_image(rec["image"], max_pixels=max_pixels)
     except BadImage as e:
@@ -274,8 +269,7 @@ def ls_fields(root: os.PathLike, storage_options: Optional[dict] = None,
 
 def checked_records(root: os.PathLike, storage_options: Optional[dict] = None,
                     cache_dir: Optional[os.PathLike] = None) -> Iterator[tuple]:
-    """(index, record, schema fields) of every record whose fields have their schema's types;
-    a FormatError naming the first that does not."""
+    """(index, record, schema fields) of every record; a FormatError at one of the wrong types."""
     from .storage.local import shown
     where = shown(root)
     with open_reader(root, storage_options, cache_dir) as reader:

@@ -1,9 +1,6 @@
-"""The ``packer`` command: click commands only. Each one parses, calls the library, and turns
-library errors into one ``Error:`` line and exit code 1 (2 for usage errors, as click does).
-
-The commands live by subject: ``data`` (build, merge, info, verify, ls, cat), ``staged``
-(stage, unstage) and ``tools`` (doctor, bench, demo).
-"""
+"""The ``packer`` command: click commands only (by subject: ``data``, ``staged``, ``tools``). Each
+parses, calls the library, and turns library errors into one ``Error:`` line and exit code 1 (2
+for usage errors, as click does)."""
 from __future__ import annotations
 
 import click

@@ -1,4 +1,4 @@
-"""Shared pieces of the ``packer`` commands: the size type, error handling, warnings."""
+"""Shared pieces of the ``packer`` commands: parameter types, error handling, warnings."""
 from __future__ import annotations
 
 import contextlib
@@ -110,15 +110,13 @@ def library_errors(fn=None, *, interrupted="Interrupted."):
 
 
 def os_error_line(e: OSError) -> str:
-    """``PATH: reason`` (``PATH -> PATH2: reason``), or just the reason where no file is named
-    (stdout on a full disk)."""
+    """``PATH: reason`` (``PATH -> PATH2: reason``), or the reason alone where no file is named."""
     where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
     return terminal_text(f"{where}: {e.strerror}" if where and e.strerror else e.strerror or str(e))
 
 
 class PackerGroup(click.Group):
-    """The ``packer`` group: an error of the operating system outside a command (``--help`` or
-    ``--version`` written to a full disk) is one ``Error:`` line too, not a traceback."""
+    """An OS error outside a command (``--help`` to a full disk) is one ``Error:`` line too."""
 
     def main(self, *args, **kwargs):
         try:
@@ -133,8 +131,7 @@ PIP_NAMES = {"PIL": "Pillow", "yaml": "pyyaml", "cv2": "opencv-python"}
 
 
 def missing_package(e: ImportError):
-    """The one line for an optional package that is not installed (None for anything else:
-    a packer module missing is a bug, shown in full)."""
+    """The line for a missing optional package; None else (a missing packer module: a bug)."""
     name = (getattr(e, "name", None) or "").split(".")[0]
     if not isinstance(e, ModuleNotFoundError) or not name or name == "packer":
         return str(e) if "pip install" in str(e) else None  # the library's own hint
@@ -144,8 +141,7 @@ def missing_package(e: ImportError):
 
 @contextlib.contextmanager
 def warnings_as_lines():
-    """Show packer's warnings (e.g. an empty class folder) as one ``Warning: ...`` line each
-    on stderr when they happen, instead of Python's ``file:line: Category: ...`` form."""
+    """Show packer's warnings as one ``Warning: ...`` line each on stderr, as they happen."""
     from ..sources.base import EmptyClassWarning, SymlinkLoopWarning
     ours = (EmptyClassWarning, SymlinkLoopWarning)
     with warnings.catch_warnings():

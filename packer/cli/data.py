@@ -142,8 +142,8 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
                                          max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
                                          max_image_bytes=max_image_bytes),
                            overwrite=overwrite, progress=not (quiet or as_json))
+    m = result.manifest
     if as_json:
-        m = result.manifest
         click.echo(json_text({
             "dst": str(dst), "count": m["count"], "bytes": m["bytes"], "shards": len(m["shards"]),
             "task": (m.get("schema") or {}).get("task", "classification"),
@@ -154,17 +154,12 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     if result.resumed_shards:
         click.echo(f"resumed after {result.resumed_shards} finished shard(s)")
     click.echo(f"{result.summary()} -> {dst}")
-    skipped = result.manifest["skipped"]
-    if skipped:
-        first = skipped[0]
-        click.echo(terminal_text(f"{len(skipped)} file(s) skipped, e.g. {first['path']}: "
-                                 f"{first['reason']} (all listed by `packer info {dst}`)"), err=True)
-    dropped = result.manifest.get("dropped") or []
-    if dropped:
-        first = dropped[0]
-        click.echo(terminal_text(f"{result.manifest['dropped_count']} annotation(s) dropped, e.g. "
-                                 f"{first['path']}: {first['reason']} (all listed by `packer info "
-                                 f"{dst} --json`)"), err=True)
+    for rows, what, listed in (
+            (m["skipped"], f"{len(m['skipped'])} file(s) skipped", ""),
+            (m.get("dropped") or [], f"{m.get('dropped_count')} annotation(s) dropped", " --json")):
+        if rows:
+            click.echo(terminal_text(f"{what}, e.g. {rows[0]['path']}: {rows[0]['reason']} (all "
+                                     f"listed by `packer info {dst}{listed}`)"), err=True)
 
 
 # The sources' Python words in their messages, as the build command's flags say them.
@@ -200,8 +195,7 @@ def flag_words():
 
 def build_source(src, list_file, coco, skip_empty, yolo, names, yolo_rules, meta,
                  label_column, allow_empty, extensions, max_classes=None, storage_options=None):
-    """The ``packer.sources`` object the build's flags name (an ImageFolder when none); flags
-    that do not go together are a usage error (exit 2)."""
+    """The ``packer.sources`` object the flags name (ImageFolder if none); a bad mix: exit 2."""
     from ..sources import Coco, FileList, ImageFolder, Table, Yolo
     chosen = [flag for flag, value in (("--list", list_file), ("--coco", coco), ("--yolo", yolo),
                                        ("--meta", meta)) if value is not None]
@@ -348,8 +342,7 @@ def ls(dst, as_json, storage_options, cache_dir):
 
 
 class NegativeIndex(click.Command):
-    """A negative INDEX (``-1``) is read as a number, not as an option; other options as
-    usual (a misspelled one is still "No such option")."""
+    """A negative INDEX (``-1``) is a number, not an option; a misspelled option is still one."""
 
     def parse_args(self, ctx, args):
         nums = [a for a in args if re.fullmatch(r"-\d+", a)]

@@ -102,12 +102,10 @@ def bench(dst, folder, staged, workers, batch_size, size, cuda, model, repeats, 
                         progress=not quiet, figure_images=figure_images)
     parts = [rep.header(), rep.table(), rep.figures_text(), f"Verdict: {rep.verdict()}"]
     click.echo("\n\n".join(filter(None, parts)))  # no figures: no paragraph
-    if json_file is not None:
-        rep.write_json(json_file)
-        click.echo(f"wrote {json_file}")
-    if plot_file is not None:
-        rep.plot(plot_file)
-        click.echo(f"wrote {plot_file}")
+    for path, write in ((json_file, rep.write_json), (plot_file, rep.plot)):
+        if path is not None:
+            write(path)
+            click.echo(f"wrote {path}")
 
 
 @click.command()

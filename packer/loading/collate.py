@@ -47,8 +47,7 @@ def collate_uint8(batch, *, channels_last: bool = True):
 
 
 def stack_images(images, channels_last: bool) -> torch.Tensor:
-    """uint8 ``(C, H, W)`` tensors of one size as one ``(N, C, H, W)`` batch (in shared
-    memory in a worker)."""
+    """uint8 ``(C, H, W)`` tensors of one size as one ``(N, C, H, W)`` batch (shm in a worker)."""
     shape = images[0].shape
     for t in images:
         if t.shape != shape or t.dtype != torch.uint8:

@@ -25,8 +25,7 @@ class Numbered(list):
 
 
 class StampedDataset:
-    """``dataset`` read a batch at a time, samples keeping the batch's ``seq``; any other
-    attribute is the dataset's."""
+    """``dataset`` read a batch at a time, keeping its ``seq``; other attributes: the dataset's."""
 
     def __init__(self, dataset):
         object.__setattr__(self, "dataset", dataset)
@@ -58,8 +57,7 @@ class StampedDataset:
 
 
 class StampedCollate:
-    """``(seq, collate(samples))``: the batch and its place in the stream; ``(seq, Failed)``
-    where reading or collating it raised."""
+    """``(seq, collate(samples))``, or ``(seq, Failed)`` where reading or collating raised."""
 
     def __init__(self, collate: Callable):
         self.collate = collate
@@ -116,8 +114,7 @@ def failed_from(cls: type, message: str) -> Failed:
 
 
 class EpochBatches:
-    """Batches of ``sampler``'s indices, epoch after epoch, from a copy of the sampler; a batch
-    never spans two epochs."""
+    """Batches of ``sampler``'s indices (from a copy), epoch after epoch, none spanning two."""
 
     def __init__(self, sampler: PackedSampler, batch_size: int, drop_last: bool = False):
         self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), bool(drop_last)

@@ -45,9 +45,8 @@ class PackedLoader(LoaderView):
 
     @property
     def batch_sampler(self):
-        """The epoch's batches of indices from where the sampler is, as a DataLoader's batch
-        sampler gives them, over a copy of the sampler (the stream's own runs on across
-        epochs; iterating the sampler itself would move its position)."""
+        """The epoch's batches of indices from where the sampler is, over a copy of it
+        (iterating the sampler itself would move its position)."""
         if not self.stream:
             return self.loader.batch_sampler
         b = self.stream.batches
@@ -56,9 +55,6 @@ class PackedLoader(LoaderView):
     @property
     def collate_fn(self) -> Callable:
         return self.loader.collate_fn.collate if self.stream else self.loader.collate_fn
-
-    def __len__(self) -> int:
-        return len(self.stream.batches) if self.stream else len(self.loader)
 
     def __iter__(self) -> Iterator:
         return EpochPass(self.stream, self._start) if self.stream else self._start()
@@ -244,10 +240,9 @@ def start_method(context=None) -> str:
 
 
 class _ExitLikeFork:
-    """A spawned worker's ``worker_init_fn``: the caller's, and an exit hook that ends the worker
-    with ``os._exit`` once its loop returned, as forked workers end: finalizing the interpreter
-    while a queue's feeder thread is inside torch's C++ aborts a worker stopped mid-stream
-    (docs/loading.md). Exit code 0: the worker loop reports every error through its queue."""
+    """A spawned worker's ``worker_init_fn``: the caller's, then ``os._exit(0)`` at exit as forked
+    workers end (finalizing while a queue's feeder thread is in torch's C++ aborts a worker
+    stopped mid-stream, docs/loading.md); the worker loop reports every error through its queue."""
 
     def __init__(self, fn: Optional[Callable]):
         self.fn = fn
@@ -259,9 +254,8 @@ class _ExitLikeFork:
 
 
 def _exit_now() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            stream.flush()
+    for stream in filter(None, (sys.stdout, sys.stderr)):
+        stream.flush()
     os._exit(0)
 
 

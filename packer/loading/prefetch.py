@@ -52,12 +52,10 @@ class LoaderView:
 
 
 class CUDAPrefetcher(LoaderView):
-    """Iterate ``loader`` with each batch already on ``device``, images normalized.
-
-    Re-iterable; ``len()``, ``sampler``, ``dataset`` pass through and ``set_epoch`` reaches the
-    sampler. uint8 ``(N, C, H, W)`` images (or detection's lists of ``(C, H, W)``) become
-    ``dtype``, ``(x / 255 - mean) / std`` (``None``: ``x / 255``), channels_last if asked;
-    other tensors just move; non-tensors pass unchanged.
+    """Iterate ``loader`` (re-iterable, a ``LoaderView``) with each batch already on ``device``:
+    uint8 ``(N, C, H, W)`` images (or detection's lists of ``(C, H, W)``) become ``dtype``,
+    ``(x / 255 - mean) / std`` (``None``: ``x / 255``), channels_last if asked; other tensors
+    just move; non-tensors pass unchanged.
 
     Each batch is made on the side stream ``self.stream``; at hand-out the consumer's stream
     waits on it and every tensor is ``record_stream``-ed there (docs/loading.md). Batches
@@ -95,8 +93,7 @@ class CUDAPrefetcher(LoaderView):
             raise TypeError("CUDAPrefetcher.state_dict needs a loader with state_dict(): "
                             "make_loader's over a PackedSampler (its default when given no "
                             "sampler), or make_loader(..., stateful=True)")
-        state = self._state if self._state is not None else self.loader.state_dict()
-        return {"loader": state}
+        return {"loader": self._state if self._state is not None else self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next ``iter()`` starts at the first batch not handed out before."""
@@ -279,9 +276,6 @@ def is_image_list_batch(batch: Any) -> bool:
 def iter_tensors(obj: Any):
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from iter_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
+    elif isinstance(obj, (Mapping, list, tuple)):
+        for v in obj.values() if isinstance(obj, Mapping) else obj:
             yield from iter_tensors(v)

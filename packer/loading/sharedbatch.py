@@ -48,8 +48,7 @@ def walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 def strip_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    """``obj`` with every dense CPU tensor that needs no grad replaced by a ``_Hole`` (the
-    tensor appended to ``tensors``)."""
+    """``obj`` with each dense CPU tensor needing no grad moved to ``tensors``, a ``_Hole`` left."""
     def take(t):
         if (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
                 and not t.requires_grad):
@@ -66,8 +65,7 @@ def view_of(block: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torc
 
 
 def rebuild_batch(block: torch.Tensor, layout: list, skeleton: Any) -> Any:
-    """The structure a ``SharedBatch`` pickled, its tensors as views of ``block`` (runs in
-    the process that unpickles it)."""
+    """The structure a ``SharedBatch`` pickled, its tensors views of ``block`` (on unpickling)."""
     tensors = []
     for off, dtype, shape, cls, state in layout:
         t = view_of(block, off, dtype, shape)

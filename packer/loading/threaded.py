@@ -38,11 +38,11 @@ class BackgroundIterator:
         if self._done:
             raise StopIteration
         item = self._queue.get()
-        if item is END:
-            self._finish()
-            raise StopIteration
-        if isinstance(item, Raised):
-            self._finish()
+        if item is END or isinstance(item, Raised):
+            self._done = True
+            self._thread.join()
+            if item is END:
+                raise StopIteration
             item.reraise()
         return item
 
@@ -58,10 +58,6 @@ class BackgroundIterator:
         if threading.current_thread() is not self._thread:  # else collected by GC inside it
             self._thread.join(timeout)  # past it, the source is stuck in its own next()
             drain(self._queue)
-
-    def _finish(self) -> None:
-        self._done = True
-        self._thread.join()
 
     def __enter__(self) -> "BackgroundIterator":
         return self

@@ -97,18 +97,13 @@ def polygons_problem(polygons: List[List[Union[int, float]]], width: int, height
         if xs and not (x0 <= min(xs) and max(xs) <= x1 and y0 <= min(ys) and max(ys) <= y1):
             return (f"a polygon reaching further outside the {width}x{height} image than its "
                     f"longer side: it cannot belong to this image")
-    budget = crossing_budget(width, height)
+    budget = height * width // 8 + CROSSING_ALLOWANCE  # the reader's
     if vertices * width > budget:  # else no outline can cross more columns than allowed
         work = crossings(polygons, width)
         if work > budget:
             return (f"polygon edges crossing {work} pixel columns, more than masks of a "
                     f"{width}x{height} image may cost ({budget})")
     return ""
-
-
-def crossing_budget(width: int, height: int) -> int:
-    """Image-column crossings one object's polygon edges may add up to (the reader's)."""
-    return height * width // 8 + CROSSING_ALLOWANCE
 
 
 def crossings(polygons: List[List[Union[int, float]]], width: int) -> int:

@@ -260,10 +260,8 @@ def read_names(path: Path) -> List[str]:
         raise PackerError(f"{what} {path} holds {len(data):,} bytes, more than a names file "
                           f"needs ({MAX_NAMES_BYTES:,} at most); is it the right file?")
     text = utf8_text(data, path, what)
-    if path.suffix.lower() in (".yaml", ".yml"):
-        names = yaml_names(text, path)
-    else:
-        names = [line.strip() for line in text.splitlines() if line.strip()]
+    names = (yaml_names(text, path) if path.suffix.lower() in (".yaml", ".yml") else
+             [line.strip() for line in text.splitlines() if line.strip()])
     if not names:
         raise PackerError(f"class names file {path} names no classes")
     index: Dict[str, int] = {}

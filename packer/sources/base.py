@@ -22,8 +22,7 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 PLAIN_PATH = re.compile(r"(?:[\w-][\w.-]*/)*[\w-][\w.-]*\Z", re.ASCII)
 
 
-# Integer class labels make classes "0".."max": one label of 10**11 in a stranger's list
-# would make a list of that many names. Sources with integer labels stop above this.
+# Integer labels make classes "0".."max" (a label of 10**11: that many names); stop above this.
 DEFAULT_MAX_CLASSES = 1_000_000
 FLOAT32_MAX = 3.4028234663852886e38  # what a float32 field can hold
 INT32_MAX = 2 ** 31 - 1  # labels.i32 holds 32-bit labels
@@ -232,8 +231,7 @@ def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:
 
 def select(source: ImageList, *, part: Optional[Tuple[int, int]] = None,
            shuffle: bool = False, seed: int = 0) -> ImageList:
-    """Take one strided part (balanced across classes) and/or shuffle, reproducibly; the
-    annotation rows follow their entries."""
+    """One strided part (balanced over classes) and/or a seeded shuffle; annotation rows follow."""
     order = list(range(len(source.entries)))
     if shuffle:
         random.Random(seed).shuffle(order)

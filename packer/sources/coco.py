@@ -198,8 +198,7 @@ def read_categories(file: Path, cats: List[Category]) -> Dict[int, Dict[str, Any
 
 
 def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dict[str, str]], set]:
-    """id -> path of the usable images (several ids may name one file), and the unusable ones'
-    reasons and ids."""
+    """id -> path of the usable images (ids may share a file), and the others' reasons and ids."""
     by_id: Dict[int, str] = {}
     dropped: List[Dict[str, str]] = []
     bad = set()
@@ -219,9 +218,8 @@ def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dic
 
 
 def fit_coco(row: Row, width: int, height: int):
-    """The row's objects as torchvision-style targets, as stored (``Annotations.stored``): XYWH
-    -> XYXY clipped to the image (in float32, as torchvision's wrapper, to the bit); unusable
-    boxes and segmentations dropped with the object's other fields."""
+    """The row's objects as stored torchvision-style targets: XYWH -> XYXY clipped to the image
+    (float32, as torchvision's wrapper, to the bit); a bad box or segmentation drops its object."""
     boxes: List[float] = []
     labels, area, crowds, ids, segmentation, reasons = [], [], [], [], [], []
     for obj in row.objects:

@@ -23,8 +23,7 @@ MSGPACK = msgspec.msgpack.Encoder()
 
 
 def stored_segmentation(raw: Raw, width: int, height: int) -> Tuple[Optional[Raw], str]:
-    """``(the segmentation as stored: msgpack of the JSON's value, "")``, or ``(None, why
-    it cannot be stored for a width x height image)``."""
+    """``(msgpack of the JSON value, "")``, or ``(None, why it cannot be this image's)``."""
     try:
         value: Any = POLYGONS.decode(raw)
         problem = polygons_problem(value, width, height)

@@ -84,10 +84,9 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
         result = problem or parsed.get(label_rel, ([], [], []))
         if isinstance(result, str):
             rows.append({"image_id": k, "reject": result})
-            continue
-        boxes, labels, reasons = result
-        rows.append({"image_id": k, "boxes": boxes, "labels": labels})
-        dropped.extend({"path": rel, "reason": r} for r in reasons)
+        else:
+            rows.append({"image_id": k, "boxes": result[0], "labels": result[1]})
+            dropped.extend({"path": rel, "reason": r} for r in result[2])
     dropped.extend({"path": f"{shown_root}/{lab}", "reason": "no image for this label file"}
                    for lab in sorted(label_files - claimed))
     if not rows:
@@ -124,8 +123,8 @@ def match_labels(images: List[str], label_files: set):
 
 
 def label_texts(labels_root, rels: set):
-    """``rel`` -> the label file's bytes (or ``OSError``); from object storage all are fetched
-    first, 16 GETs at a time."""
+    """``rel`` -> its bytes (or ``OSError``); from object storage all are fetched first, 16 GETs
+    at a time."""
     if not isinstance(labels_root, RemoteFolder):
         return lambda rel: read_file(labels_root / rel)
     with ThreadPoolExecutor(16, thread_name_prefix="packer-labels") as pool:

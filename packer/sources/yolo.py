@@ -42,7 +42,7 @@ FLIPS = {2: (True, False), 3: (True, True), 4: (False, True), 5: (False, False),
 
 class Yolo(Source):
     """Every image under ``images`` with its label file's objects; ``names``: a text file or a
-    dataset YAML; ``rules``: "ultralytics" (an invalid line leaves the image out) or "lines"."""
+    dataset YAML; ``rules``: "ultralytics" (a bad line leaves the image out) or "lines" (the line)."""
 
     def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike,
                  rules: str = "ultralytics", *, storage_options: Optional[dict] = None):

@@ -41,8 +41,8 @@ FLIPS = {2: (True, False), 3: (True, True), 4: (False, True), 5: (False, False),
 
 
 class Yolo(Source):
-    """Every image under ``images`` with its label file's objects; ``names``: a text file or a
-    dataset YAML; ``rules``: "ultralytics" (a bad line leaves the image out) or "lines" (the line)."""
+    """Each image under ``images`` with its label file's objects; ``names``: a text file or a
+    dataset YAML; ``rules``: "ultralytics" (a bad line drops the image) or "lines" (the line)."""
 
     def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike,
                  rules: str = "ultralytics", *, storage_options: Optional[dict] = None):

@@ -1,8 +1,6 @@
-"""Sources: what ``packer.build(source, dst)`` packs (ImageFolder, FileList, Coco, Yolo, Table).
-
-A source is any object with ``read() -> ImageList``, ``options() -> dict`` (recorded in the
-manifest and the resume fingerprint) and ``check_destination(dst)``; ``base.Source`` gives
-the defaults. Importing this package imports none of them (nor torch)."""
+"""Sources: what ``packer.build(source, dst)`` packs (ImageFolder, FileList, Coco, Yolo, Table):
+objects with ``read() -> ImageList``, ``options() -> dict`` (in the manifest and the resume
+fingerprint), ``check_destination(dst)`` (defaults: ``base.Source``); none imported (nor torch)."""
 from .._util.lazy import lazy_names
 
 _WHERE = {".folder": ["FileList", "ImageFolder"], ".coco": ["Coco"], ".yolo": ["Yolo"],

@@ -1,7 +1,5 @@
-"""What every source shares: the ``ImageList`` a source reads, the ``Source`` base the builder
-calls (see ``packer.sources``), the walk and file helpers, and the build's part/shuffle
-selection.
-"""
+"""What every source shares: ``ImageList``, the ``Source`` base, the walk and file helpers,
+and the build's part/shuffle selection."""
 from __future__ import annotations
 
 import os
@@ -11,7 +9,7 @@ import re
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import PackerError
 from .._util.fsio import read_file
@@ -20,13 +18,11 @@ from ..storage.files import ObjectFile, RemoteFolder, folder
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively as there.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-# ASCII names joined by single slashes, no part starting with "." (so no "." or ".."):
-# already safe and normalized, as most dataset paths are.
+# ASCII names joined by single slashes, no part starting with ".": already safe and normal.
 PLAIN_PATH = re.compile(r"(?:[\w-][\w.-]*/)*[\w-][\w.-]*\Z", re.ASCII)
 
 
-# Integer class labels make classes "0".."max": one label of 10**11 in a stranger's list
-# would make a list of that many names. Sources with integer labels stop above this.
+# Integer labels make classes "0".."max" (a label of 10**11: that many names); stop above this.
 DEFAULT_MAX_CLASSES = 1_000_000
 FLOAT32_MAX = 3.4028234663852886e38  # what a float32 field can hold
 INT32_MAX = 2 ** 31 - 1  # labels.i32 holds 32-bit labels
@@ -35,8 +31,7 @@ INT32_MAX = 2 ** 31 - 1  # labels.i32 holds 32-bit labels
 def class_labels(values: List[Any], where: Callable[[int], str],
                  max_classes: int) -> Tuple[List[int], List[str]]:
     """``(labels, classes)``: text labels name classes (sorted); integer labels (>= 0) make
-    classes "0".."max", at most ``max_classes``, else a PackerError naming ``where(i)`` (the
-    file and line of the largest, entry ``i``) and the limit."""
+    classes "0".."max", at most ``max_classes``, else a PackerError naming ``where(i)``."""
     if not all(isinstance(v, int) for v in values):
         classes = sorted(set(values))
         idx = {c: i for i, c in enumerate(classes)}
@@ -58,22 +53,20 @@ class EmptyClassWarning(UserWarning):
 
 
 class SymlinkLoopWarning(UserWarning):
-    """A symlink leads to a folder already walked (an ancestor: a loop; or a folder reached
-    by another path); it is skipped."""
+    """A symlink leads to a folder already walked (a loop, or another path to it): skipped."""
 
 
 @dataclass(frozen=True)
 class Annotations:
     """Typed fields beyond the class label, one row per entry of an ``ImageList``.
 
-    ``schema``: the fields in record order (``packer.format.fields``). ``rows[i]``: entry *i*'s
-    annotation before ``fit``. ``fit(row, width, height[, orientation]) -> (values, reasons)``:
-    a module-level function the build's workers call once the image's size is known; it may
-    raise ``ValueError(reason)`` to leave the image out. ``task``: "detection" or "generic".
-    ``extra``: manifest keys. ``dropped``: unusable annotations, ``{"path", "reason"}``.
-    ``digest``: a hash of the input, used by the fingerprint instead of every row.
-    ``stored``: ``fit`` gives the values encoded already. ``upright``: rows describe the image
-    as shown (EXIF applied), so ``fit`` takes the EXIF orientation as a fourth argument."""
+    ``schema``: the fields in record order (``packer.format.fields``); ``rows[i]``: entry *i*'s
+    before ``fit(row, width, height[, orientation]) -> (values, reasons)``, a module-level
+    function the workers call once the size is known (``ValueError(reason)`` leaves the image
+    out). ``extra``: manifest keys; ``dropped``: ``{"path", "reason"}`` of unusable annotations;
+    ``digest``: the input's hash, fingerprinted instead of the rows; ``stored``: ``fit`` gives
+    encoded values; ``upright``: rows describe the image as shown, so ``fit`` takes the EXIF
+    orientation too."""
     schema: List[Dict[str, Any]]
     rows: List[Any]
     fit: Optional[Callable[[Any, int, int], Tuple[Dict[str, Any], List[str]]]] = None
@@ -114,9 +107,8 @@ class Source:
 
 
 def walk(top: Path):
-    """``os.walk(top, followlinks=True)`` (ImageFolder's walk), each real folder once (by
-    ``(st_dev, st_ino)``): a link back to an ancestor is skipped with a warning, not walked
-    until paths grow too long. Folders sorted; files are not deduplicated."""
+    """``os.walk(top, followlinks=True)`` (ImageFolder's), folders sorted, each real folder once
+    (by ``(st_dev, st_ino)``: one seen again, as in a loop, is skipped with a warning)."""
     seen = {_identity(top)}
     for dirpath, dirnames, fnames in os.walk(top, followlinks=True):
         dirnames.sort()
@@ -160,8 +152,7 @@ def read_text(path: Path, what: str) -> str:
 
 
 def read_data(path: Path, what: str) -> bytes:
-    """The bytes of the regular file ``path`` (never a FIFO, a device or a link to one: they
-    may never end), or a PackerError naming ``what`` it is."""
+    """The bytes of the regular file ``path`` (never a FIFO or device: they may never end)."""
     try:
         return path.read() if isinstance(path, ObjectFile) else read_file(path)
     except FileNotFoundError:
@@ -179,8 +170,7 @@ def utf8_text(data: bytes, path: Path, what: str) -> str:
 
 
 def image_root(images: os.PathLike, who: str, what: str = "images"):
-    """``images`` as the folder a source's paths are relative to (a ``RemoteFolder`` for a
-    URL), else a PackerError naming ``who`` (the source's signature) and ``what`` (the argument)."""
+    """``images`` as a folder (a ``RemoteFolder`` for a URL), else a PackerError naming both."""
     root = folder(images)
     if not root.is_dir():
         raise PackerError(f"{who}: {what} {root} does not exist or is not a folder")
@@ -209,9 +199,8 @@ def relative_path(rel: Any) -> Tuple[str, str]:
 
 
 def walk_files(root: Path, want) -> List[str]:
-    """Relative posix paths of the files whose full path ``want`` accepts, in ImageFolder's walk
-    order (``sorted(os.walk(root, followlinks=True))``), symlink loops skipped with a warning;
-    a ``RemoteFolder``'s objects in the same order (folders, then names in each)."""
+    """Relative posix paths of the files ``want`` accepts (by full path), in ImageFolder's walk
+    order (``sorted(walk(root))``); a ``RemoteFolder``'s objects in the same order."""
     if isinstance(root, RemoteFolder):
         return sorted((r for r in root.sizes() if want(root / r)), key=walk_order)
     found = []
@@ -242,15 +231,12 @@ def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:
 
 def select(source: ImageList, *, part: Optional[Tuple[int, int]] = None,
            shuffle: bool = False, seed: int = 0) -> ImageList:
-    """Take one strided part (balanced across classes) and/or shuffle, reproducibly; the
-    annotation rows follow their entries."""
-    order: Sequence[int] = range(len(source.entries))
+    """One strided part (balanced over classes) and/or a seeded shuffle; annotation rows follow."""
+    order = list(range(len(source.entries)))
     if shuffle:
-        order = list(order)
         random.Random(seed).shuffle(order)
     if part is not None:
-        k, n = part
-        order = order[k::n]
+        order = order[part[0]::part[1]]
     ann = source.annotations
     if ann is not None:
         ann = replace(ann, rows=[ann.rows[i] for i in order])

@@ -1,8 +1,6 @@
 """COCO instances JSON (``Coco(images, annotations)``; ``--coco FILE``) as detection targets,
 stored as ``wrap_dataset_for_transforms_v2`` makes them (XYXY boxes, ``category_id`` labels).
-
-Read by msgspec into typed structs, so a broken file's error names the JSON path; a
-segmentation stays JSON text until the workers check it (``fit_coco``)."""
+msgspec reads it, so errors name the JSON path; segmentations are checked by ``fit_coco``."""
 from __future__ import annotations
 
 import codecs
@@ -25,9 +23,8 @@ from .segmentation import INT64_MAX, stored_segmentation
 
 Id = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 # What a value must be, by the name of its key: added to msgspec's own words.
-HINTS = {"id": "a non-negative integer id", "image_id": "a non-negative integer id",
-         "category_id": "a non-negative integer id", "bbox": "[x, y, width, height] numbers",
-         "iscrowd": "0 or 1", "name": "a non-empty string",
+HINTS = {**dict.fromkeys(("id", "image_id", "category_id"), "a non-negative integer id"),
+         "bbox": "[x, y, width, height] numbers", "iscrowd": "0 or 1", "name": "a non-empty string",
          "images": "a list of {\"id\", \"file_name\"}",
          "annotations": "a list of {\"id\", \"image_id\", \"category_id\", \"bbox\"}",
          "categories": "a list of {\"id\", \"name\"}"}
@@ -88,9 +85,8 @@ class Coco(Source):
 
     def __init__(self, images: os.PathLike, annotations: os.PathLike, skip_empty: bool = False,
                  *, storage_options: Optional[dict] = None):
-        self.root, self.annotations = folder(images, storage_options), \
-            source_file(annotations, storage_options)
-        self.skip_empty = skip_empty
+        self.root, self.skip_empty = folder(images, storage_options), skip_empty
+        self.annotations = source_file(annotations, storage_options)
 
     def read(self) -> ImageList:
         return read_coco(self.root, self.annotations, skip_empty=self.skip_empty)
@@ -101,8 +97,7 @@ class Coco(Source):
 
 def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
               skip_empty: bool = False) -> ImageList:
-    """``Coco(images, annotations_json, skip_empty).read()``: rows of ``Row``, and
-    ``annotations.digest`` the file's sha256."""
+    """``Coco(images, annotations_json, skip_empty).read()``: rows of ``Row``, digest sha256."""
     root = image_root(images, WHO)
     file = source_file(annotations_json)
     raw = read_data(file, f"{WHO}: annotations")
@@ -129,9 +124,11 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
             dropped.append({"path": file.name, "reason": f"annotation {ann.id}: image id "
                             f"{ann.image_id} is not in 'images'"})
     order = sorted(paths)
-    extra: Dict[str, Any] = {"categories": [categories[c] for c in sorted(categories)]}
+    cats = [categories[c] for c in sorted(categories)]
+    extra: Dict[str, Any] = {"categories": cats}
     if skip_empty:
-        kept = [i for i in order if any(usable_box(a.bbox) for a in rows[i].objects)]
+        # a box fit_box refuses in an image with no edge (no area, or all < 0) fits none
+        kept = [i for i in order if any(not fit_box(a.bbox, inf, inf)[1] for a in rows[i].objects)]
         extra["skipped_empty"], order = len(order) - len(kept), kept
         if not order:
             raise PackerError(f"{file}: no image has a usable annotation, so {WHO[:-1]}, "
@@ -139,8 +136,7 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
     ann = Annotations(schema=coco_schema(), rows=[rows[i] for i in order], fit=fit_coco,
                       task="detection", extra=extra, dropped=dropped, digest=hashing.result(),
                       stored=True)
-    classes = [categories[c]["name"] for c in sorted(categories)]
-    return ImageList(root, classes, [(paths[i], -1) for i in order], ann)
+    return ImageList(root, [c["name"] for c in cats], [(paths[i], -1) for i in order], ann)
 
 
 def decode(file: Path, raw: bytes) -> Instances:
@@ -202,8 +198,7 @@ def read_categories(file: Path, cats: List[Category]) -> Dict[int, Dict[str, Any
 
 
 def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dict[str, str]], set]:
-    """id -> path of the usable images (several ids may name one file), and the unusable ones'
-    reasons and ids."""
+    """id -> path of the usable images (ids may share a file), and the others' reasons and ids."""
     by_id: Dict[int, str] = {}
     dropped: List[Dict[str, str]] = []
     bad = set()
@@ -223,13 +218,10 @@ def read_images(file: Path, imgs: List[Image]) -> Tuple[Dict[int, str], List[Dic
 
 
 def fit_coco(row: Row, width: int, height: int):
-    """The row's objects as torchvision-style targets, as stored (``Annotations.stored``): XYWH
-    -> XYXY clipped to the image (in float32, as torchvision's wrapper, to the bit); unusable
-    boxes and segmentations dropped with the object's other fields."""
+    """The row's objects as stored torchvision-style targets: XYWH -> XYXY clipped to the image
+    (float32, as torchvision's wrapper, to the bit); a bad box or segmentation drops its object."""
     boxes: List[float] = []
-    labels, area, crowds, ids = [], [], [], []
-    segmentation: List[Raw] = []
-    reasons = []
+    labels, area, crowds, ids, segmentation, reasons = [], [], [], [], [], []
     for obj in row.objects:
         xyxy, problem = fit_box(obj.bbox, width, height)
         seg, problem = (None, problem) if problem else \
@@ -239,8 +231,10 @@ def fit_coco(row: Row, width: int, height: int):
             continue
         boxes += xyxy
         labels.append(obj.category_id)
-        a = obj.area
-        area.append(a if type(a) is float and 0.0 <= a <= FLOAT32_MAX else object_area(a, xyxy))
+        a = obj.area  # the file's where it is a number in 0..FLOAT32_MAX, else the box's
+        number = isinstance(a, (int, float)) and not isinstance(a, bool)
+        area.append(float(a) if number and 0 <= a <= FLOAT32_MAX else
+                    (xyxy[2] - xyxy[0]) * (xyxy[3] - xyxy[1]))
         crowds.append(obj.iscrowd)
         ids.append(obj.id)
         segmentation.append(seg)
@@ -278,19 +272,5 @@ def fit_box(box: Tuple[float, float, float, float], width: int,
     return [x0, y0, float(x1), float(y1)], ""
 
 
-def usable_box(box: Tuple[float, float, float, float]) -> bool:
-    """Whether the box can hold an object in some image (``fit_box`` against one with no
-    edge): one with no area, or wholly at negative coordinates, cannot in any."""
-    return not fit_box(box, inf, inf)[1]
-
-
 def shown_box(box) -> str:
     return "[" + ", ".join(f"{v:g}" for v in box) + "]"
-
-
-def object_area(area: Any, xyxy: List[float]) -> float:
-    """The annotation's ``area`` if it is a finite number within float32, not negative,
-    else the box's."""
-    number = isinstance(area, (int, float)) and not isinstance(area, bool)
-    a = float(area) if number and abs(area) <= FLOAT32_MAX else -1.0
-    return a if 0 <= a <= FLOAT32_MAX else (xyxy[2] - xyxy[0]) * (xyxy[3] - xyxy[1])

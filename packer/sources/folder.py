@@ -53,9 +53,8 @@ class ImageFolder(Source):
 
 
 class FileList(Source):
-    """The images ``list_file`` lists, one ``relative/path<TAB>label`` line each (``#`` comments
-    skipped); labels all integers or all class names; paths relative to ``root`` (default:
-    the list's folder)."""
+    """The images ``list_file`` lists, ``relative/path<TAB>label`` lines (``#`` comments skipped;
+    labels all integers or all class names), paths relative to ``root`` (default: its folder)."""
 
     def __init__(self, list_file: os.PathLike, root: Optional[os.PathLike] = None, *,
                  max_classes: int = DEFAULT_MAX_CLASSES, storage_options: Optional[dict] = None):
@@ -92,9 +91,8 @@ def find_classes(root: os.PathLike) -> List[str]:
 def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None,
                 is_valid_file: Optional[Callable[[str], bool]] = None,
                 allow_empty: bool = False) -> ImageList:
-    """Walk ``root`` in ImageFolder order with torchvision's ``make_dataset`` rules (classes
-    sorted, files recursive and sorted; ``extensions`` or ``is_valid_file``, not both); a
-    ``RemoteFolder``'s objects are taken as they would be laid out in folders."""
+    """``root`` in ImageFolder order by torchvision's ``make_dataset`` rules (classes sorted, files
+    recursive and sorted); a ``RemoteFolder``'s objects as they would lie in folders."""
     root = folder(root)
     if extensions is not None and is_valid_file is not None:
         raise PackerError("ImageFolder(root, extensions, is_valid_file): pass extensions or "
@@ -132,8 +130,7 @@ def scan_folder(root: os.PathLike, *, extensions: Optional[Sequence[str]] = None
 
 
 def remote_tree(root: RemoteFolder) -> Dict[str, List[str]]:
-    """Class -> the paths of the objects below it, in the order ``walk_files`` gives a local
-    folder (folders sorted, then names within each)."""
+    """Class -> the paths of the objects below it, in ``walk_files``'s order."""
     tree: Dict[str, List[str]] = {}
     for rel in root.sizes():
         cls, sep, rest = rel.partition("/")

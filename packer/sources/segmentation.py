@@ -1,6 +1,5 @@
-"""A COCO object's ``segmentation`` checked at build against its decoded image, with the
-reader's limits (``packer.reading.masks``, computed without torch): stored only where it can
-give its mask, so a fresh dataset never fails ``verify`` nor ``masks=True``."""
+"""A COCO object's ``segmentation`` checked at build against its image with the reader's limits
+(``packer.reading.masks``, without torch): stored only where it can give its mask."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Dict, List, Optional, Tuple, Union
@@ -24,29 +23,25 @@ MSGPACK = msgspec.msgpack.Encoder()
 
 
 def stored_segmentation(raw: Raw, width: int, height: int) -> Tuple[Optional[Raw], str]:
-    """``(the segmentation as stored: msgpack of the JSON's value, "")``, or ``(None, why
-    it cannot be stored for a width x height image)``."""
+    """``(msgpack of the JSON value, "")``, or ``(None, why it cannot be this image's)``."""
     try:
-        polygons = POLYGONS.decode(raw)
-    except msgspec.ValidationError:
-        pass
-    else:
-        problem = polygons_problem(polygons, width, height)
-        return (None, problem) if problem else (Raw(MSGPACK.encode(polygons)), "")
-    try:
-        rle = RLE.decode(raw)
-    except (msgspec.ValidationError, RecursionError):
-        return None, UNUSABLE
-    counts, size = rle.get("counts"), rle.get("size")
-    counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(
-        type(c) is int for c in counts) and min(counts, default=0) >= 0)
-    size_ok = isinstance(size, list) and len(size) == 2 and all(
-        type(s) is int and 0 <= s <= INT64_MAX for s in size)
-    # data_problem at depth 1: it is stored one level down, in the image's list
-    if not (counts_ok and size_ok) or data_problem(rle, 1):
-        return None, UNUSABLE
-    problem = rle_problem(counts, size, width, height)
-    return (None, problem) if problem else (Raw(MSGPACK.encode(rle)), "")
+        value: Any = POLYGONS.decode(raw)
+        problem = polygons_problem(value, width, height)
+    except msgspec.ValidationError:  # not polygons: an RLE?
+        try:
+            value = RLE.decode(raw)
+        except (msgspec.ValidationError, RecursionError):
+            return None, UNUSABLE
+        counts, size = value.get("counts"), value.get("size")
+        counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(
+            type(c) is int for c in counts) and min(counts, default=0) >= 0)
+        size_ok = isinstance(size, list) and len(size) == 2 and all(
+            type(s) is int and 0 <= s <= INT64_MAX for s in size)
+        # data_problem at depth 1: it is stored one level down, in the image's list
+        if not (counts_ok and size_ok) or data_problem(value, 1):
+            return None, UNUSABLE
+        problem = rle_problem(counts, size, width, height)
+    return (None, problem) if problem else (Raw(MSGPACK.encode(value)), "")
 
 
 def rle_problem(counts: Union[str, List[int]], size: List[int], width: int, height: int) -> str:
@@ -65,9 +60,9 @@ def rle_problem(counts: Union[str, List[int]], size: List[int], width: int, heig
 
 
 def decode_counts(s: str) -> List[int]:
-    """COCO's compressed RLE string (``rleFrString``): characters from 48, 5 bits of value
-    each, 0x20: more to come, 0x10 in a count's last: negative; each count after the third
-    a difference from the one two before. ValueError if it is not one."""
+    """COCO's compressed RLE string as counts (``rleFrString``), else ValueError: characters from
+    48, 5 bits each, 0x20: more to come, 0x10 in a count's last: negative; a count after the third
+    is a difference from the one two before."""
     counts: List[int] = []
     x = k = 0
     for ch in s:
@@ -101,7 +96,7 @@ def polygons_problem(polygons: List[List[Union[int, float]]], width: int, height
         if xs and not (x0 <= min(xs) and max(xs) <= x1 and y0 <= min(ys) and max(ys) <= y1):
             return (f"a polygon reaching further outside the {width}x{height} image than its "
                     f"longer side: it cannot belong to this image")
-    budget = crossing_budget(width, height)
+    budget = height * width // 8 + CROSSING_ALLOWANCE  # the reader's
     if vertices * width > budget:  # else no outline can cross more columns than allowed
         work = crossings(polygons, width)
         if work > budget:
@@ -110,14 +105,9 @@ def polygons_problem(polygons: List[List[Union[int, float]]], width: int, height
     return ""
 
 
-def crossing_budget(width: int, height: int) -> int:
-    """Image-column crossings one object's polygon edges may add up to (the reader's)."""
-    return height * width // 8 + CROSSING_ALLOWANCE
-
-
 def crossings(polygons: List[List[Union[int, float]]], width: int) -> int:
-    """Image columns ``n`` (0 <= n < width) whose centre ``5n+2..5n+3`` on rleFrPoly's 5x
-    grid each edge spans, over the object's polygons: the work its mask costs."""
+    """How many image columns' centres (``5n+2..5n+3`` on rleFrPoly's 5x grid) the polygons'
+    edges cross: the work the mask costs."""
     total = 0
     for p in polygons:
         xs = [int(5 * v + 0.5) for v in p[0:len(p) // 2 * 2:2]]  # C's (int): toward zero

@@ -45,8 +45,7 @@ class Table(Source):
     def __init__(self, images: os.PathLike, table: os.PathLike, label: Optional[str] = None, *,
                  max_classes: int = DEFAULT_MAX_CLASSES, storage_options: Optional[dict] = None):
         self.root, self.table = folder(images, storage_options), source_file(table, storage_options)
-        self.label = label
-        self.max_classes = max_classes
+        self.label, self.max_classes = label, max_classes
 
     def read(self) -> ImageList:
         return read_meta(self.root, self.table, label=self.label, max_classes=self.max_classes)
@@ -60,14 +59,11 @@ def read_meta(images: os.PathLike, meta_file: os.PathLike, *, label: Optional[st
     """``Table(images, meta_file, label).read()``."""
     root = image_root(images, "Table(images, table, label)")
     file = source_file(meta_file)
-    suffix = file.suffix.lower()
-    if suffix == ".jsonl":
-        records = jsonl_records(file)
-    elif suffix == ".csv":
-        records = csv_records(file)
-    else:
+    records_of = {".jsonl": jsonl_records, ".csv": csv_records}.get(file.suffix.lower())
+    if records_of is None:
         raise PackerError(f"Table(images, table, label): table {file} must end in .jsonl (one "
                           f"JSON object per line) or .csv (a header row naming the columns)")
+    records = records_of(file)
     if not records:
         raise PackerError(f"metadata file {file} lists no images")
     paths = row_paths(file, records)
@@ -123,8 +119,7 @@ def unique_keys(pairs):
 
 
 def csv_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
-    """``(line number, row)`` with each column's cells converted to the one type they all
-    fit (CSV cells are text); an empty cell is missing unless the column is text."""
+    """``(line number, row)``, each column's cells as the one type they all fit (``csv_column``)."""
     reader = csv.reader(io.StringIO(read_text(file, TABLE), newline=""))
     try:
         header = [h.strip() for h in next(reader, [])]
@@ -153,7 +148,8 @@ def csv_records(file: Path) -> List[Tuple[int, Dict[str, Any]]]:
 
 
 def csv_column(file: Path, name: str, column: List[Tuple[int, str]]) -> List[Any]:
-    """One CSV column's cells as int, float, bool, str or (JSON) list values."""
+    """One CSV column's cells as int, float, bool, str or (JSON) list values; an empty cell is
+    missing (None) unless the column is text."""
     given = [c.strip() for _, c in column if c.strip()]
     if given and all(c.startswith("[") for c in given):
         out = []
@@ -220,11 +216,9 @@ def kind(v: Any) -> str:
     if type(v) in (bool, int, float, str):
         return type(v).__name__
     if isinstance(v, list):
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            return "list of int"  # an empty list too: it fits a float list as well
-        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-            return "list of float"
-        return "list of something else"
+        types = {type(x) for x in v}  # an empty list is a list of int: it fits a float list too
+        return ("list of int" if types <= {int} else "list of float" if types <= {int, float}
+                else "list of something else")
     return "null" if v is None else type_name(v)
 
 

@@ -1,7 +1,6 @@
-"""Ultralytics YOLO detection labels (``Yolo(images, labels, names, rules)``; ``--yolo``) as
-detection targets, by ultralytics' rules: ``LABELS/<relative path>.txt`` (or a flat
-``<stem>.txt``) per image, boxes stored XYXY in the stored pixels' frame. Which lines and
-images are kept (``rules="ultralytics"`` or ``"lines"``): docs/annotations.md."""
+"""Ultralytics YOLO labels (``Yolo(images, labels, names, rules)``; ``--yolo``) as detection
+targets: ``LABELS/<relative path>.txt`` (or a flat ``<stem>.txt``) per image, boxes stored XYXY in
+the stored pixels' frame; which lines and images are kept: docs/annotations.md."""
 from __future__ import annotations
 
 import math
@@ -36,16 +35,14 @@ MAX_NAMES_BYTES = 4 << 20  # a names file holds class names (and a dataset's set
 YAML_HELP = ("a names YAML is a list ('- person' lines or [person, car]), or 'names:' followed "
              "by such a list, by indented '0: person' lines or by {0: person, 1: car}; or give "
              "names as a text file with one class per line")
-# EXIF orientation -> (flip x, flip y) after the axes swap of 5-8: how a box of the image as
-# shown lands in the stored pixels (the inverse of PIL's exif_transpose).
+# EXIF orientation -> (flip x, flip y) after the axes swap of 5-8: the inverse of exif_transpose.
 FLIPS = {2: (True, False), 3: (True, True), 4: (False, True), 5: (False, False),
          6: (False, True), 7: (True, True), 8: (True, False)}
 
 
 class Yolo(Source):
-    """Every image under ``images`` with the objects of its label file under ``labels``; ``names``:
-    a text file or a dataset YAML; ``rules``: "ultralytics" (an invalid line leaves the image
-    out) or "lines" (the line is dropped)."""
+    """Each image under ``images`` with its label file's objects; ``names``: a text file or a
+    dataset YAML; ``rules``: "ultralytics" (a bad line drops the image) or "lines" (the line)."""
 
     def __init__(self, images: os.PathLike, labels: os.PathLike, names: os.PathLike,
                  rules: str = "ultralytics", *, storage_options: Optional[dict] = None):
@@ -53,8 +50,7 @@ class Yolo(Source):
             raise PackerError(f"Yolo(images, labels, names, rules): rules must be "
                               f"'ultralytics' or 'lines', not {show(rules)!r}")
         self.root, self.labels = folder(images, storage_options), folder(labels, storage_options)
-        self.names = source_file(names, storage_options)
-        self.rules = rules
+        self.names, self.rules = source_file(names, storage_options), rules
 
     def read(self) -> ImageList:
         return read_yolo(self.root, self.labels, self.names, self.rules)
@@ -88,10 +84,9 @@ def read_yolo(images: os.PathLike, labels_dir: os.PathLike, names: os.PathLike,
         result = problem or parsed.get(label_rel, ([], [], []))
         if isinstance(result, str):
             rows.append({"image_id": k, "reject": result})
-            continue
-        boxes, labels, reasons = result
-        rows.append({"image_id": k, "boxes": boxes, "labels": labels})
-        dropped.extend({"path": rel, "reason": r} for r in reasons)
+        else:
+            rows.append({"image_id": k, "boxes": result[0], "labels": result[1]})
+            dropped.extend({"path": rel, "reason": r} for r in result[2])
     dropped.extend({"path": f"{shown_root}/{lab}", "reason": "no image for this label file"}
                    for lab in sorted(label_files - claimed))
     if not rows:
@@ -112,15 +107,11 @@ def match_labels(images: List[str], label_files: set):
     for rel in images:
         p = PurePosixPath(rel)
         same, flat = p.with_suffix(".txt").as_posix(), p.stem + ".txt"
-        if same in label_files:
-            plan.append((rel, same, False))
-            if same == flat:  # a top-level image's own file, which a flat claim would share
-                flat_claims.setdefault(flat, set()).add(p.with_suffix("").as_posix())
-        elif flat in label_files:
-            plan.append((rel, flat, True))
+        is_flat = same not in label_files and flat in label_files
+        label = same if same in label_files else flat if is_flat else None
+        if label == flat:  # a flat claim, or a top-level image's own file that one would share
             flat_claims.setdefault(flat, set()).add(p.with_suffix("").as_posix())
-        else:
-            plan.append((rel, None, False))
+        plan.append((rel, label, is_flat))
     chosen: List[Tuple[str, Optional[str], str]] = []
     for rel, label, is_flat in plan:
         sharing = len(flat_claims[label]) if is_flat else 1
@@ -132,8 +123,8 @@ def match_labels(images: List[str], label_files: set):
 
 
 def label_texts(labels_root, rels: set):
-    """A function giving the bytes of the label file ``rel`` (raising ``OSError`` as a read
-    does); from object storage all are fetched first, 16 GETs at a time."""
+    """``rel`` -> its bytes (or ``OSError``); from object storage all are fetched first, 16 GETs
+    at a time."""
     if not isinstance(labels_root, RemoteFolder):
         return lambda rel: read_file(labels_root / rel)
     with ThreadPoolExecutor(16, thread_name_prefix="packer-labels") as pool:
@@ -147,9 +138,8 @@ def label_texts(labels_root, rels: set):
 
 
 def parse_label_file(data, shown: str, nclasses: int, rules: str = "ultralytics"):
-    """``(boxes cxcywh, class ids, reasons for dropped lines)`` of the label file (``data``:
-    a function giving its bytes), or why the image cannot be packed (the file is unreadable;
-    by ultralytics' rules, any line is invalid)."""
+    """``(boxes cxcywh, class ids, reasons for dropped lines)`` of the label file (``data()``:
+    its bytes), or why the image cannot be packed (unreadable; by ultralytics', a bad line)."""
     try:
         text = data().decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -228,9 +218,8 @@ def fit_ultralytics(row: Dict[str, Any], width: int, height: int, orientation: i
 
 
 def fit_yolo(row: Dict[str, Any], width: int, height: int, orientation: int = 1):
-    """Normalized cxcywh of the image as shown -> XYXY pixels of the stored ``width`` x
-    ``height`` image with this EXIF orientation, clipped to it; area in pixels. A row that
-    says why its image cannot be packed raises ValueError (the image is skipped)."""
+    """Normalized cxcywh of the image as shown -> XYXY pixels of the stored image with this EXIF
+    orientation, clipped; area in pixels. A ``reject`` row raises ValueError (image skipped)."""
     if "reject" in row:
         raise ValueError(row["reject"])
     uw, uh = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
@@ -250,8 +239,7 @@ def clip(v: float, hi: int) -> float:
 
 
 def stored_box(box: List[float], orientation: int, width: int, height: int) -> List[float]:
-    """An XYXY box of the image as shown, in the pixels of the stored ``width`` x ``height``
-    image with this EXIF orientation (1: the same)."""
+    """An XYXY box of the image as shown, in the stored image's pixels (orientation 1: as is)."""
     x0, y0, x1, y1 = box
     if orientation in (5, 6, 7, 8):
         x0, y0, x1, y1 = y0, x0, y1, x1
@@ -271,10 +259,8 @@ def read_names(path: Path) -> List[str]:
         raise PackerError(f"{what} {path} holds {len(data):,} bytes, more than a names file "
                           f"needs ({MAX_NAMES_BYTES:,} at most); is it the right file?")
     text = utf8_text(data, path, what)
-    if path.suffix.lower() in (".yaml", ".yml"):
-        names = yaml_names(text, path)
-    else:
-        names = [line.strip() for line in text.splitlines() if line.strip()]
+    names = (yaml_names(text, path) if path.suffix.lower() in (".yaml", ".yml") else
+             [line.strip() for line in text.splitlines() if line.strip()])
     if not names:
         raise PackerError(f"class names file {path} names no classes")
     index: Dict[str, int] = {}
@@ -289,8 +275,7 @@ def read_names(path: Path) -> List[str]:
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML keeps the
-    last, which would drop a class silently)."""
+    """``yaml.SafeLoader`` refusing a key twice in a mapping (YAML keeps the last: a lost class)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -309,7 +294,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 
 def yaml_names(text: str, file: Path) -> List[str]:
-    """The class list of a YAML names file, as ultralytics reads it (a list, or ``names``: a list
+    """The class list of a YAML names file as ultralytics reads it (a list, or ``names``: a list
     or an ``{index: name}`` map); anything else is an error, never a guess."""
     try:
         data = yaml.load(text, Loader=UniqueKeyLoader)
@@ -360,8 +345,8 @@ def indexed(names: dict, file: Path) -> list:
 
 
 def class_name(value: Any, i: int, file: Path) -> str:
-    """A scalar as the class name ultralytics makes of it (``str``: ``yes`` is ``True``, as
-    YAML reads it); a list, a map or an empty value is no name."""
+    """A scalar as ultralytics' class name (``str``: ``yes`` is ``True``); a list, a map or an
+    empty value is no name."""
     what = ("a list" if isinstance(value, list) else "a map" if isinstance(value, dict)
             else "empty" if value is None or value == "" else "")
     if what:

@@ -51,6 +51,40 @@ def test_a_worker_that_dies_mid_epoch_costs_no_batch_and_repeats_none(tmp_path):
     assert [i for _, y in loader for i in y.tolist()] == list(range(200))  # and then a whole one
 
 
+class SharerDies(Labelled):
+    """``Labelled`` whose first worker to read ``die_at`` first stops serving the shared memory
+    of the batches it already sent, then exits a second later: an exiting worker that its
+    parent does not yet see dead (torch then raises the raw connection error)."""
+
+    def __getitem__(self, i):
+        if i == self.die_at and torch.utils.data.get_worker_info() and not self.flag.exists():
+            from multiprocessing import resource_sharer
+            self.flag.touch()
+            time.sleep(0.2)  # the batch before has been sent
+            resource_sharer._resource_sharer.stop()
+            time.sleep(1.0)
+            os._exit(3)
+        return super().__getitem__(i)
+
+
+def test_a_batch_from_a_worker_still_exiting_is_a_worker_death_not_a_connection_error(tmp_path):
+    # unpickling a batch whose sender is exiting fails to connect to it; torch calls that a
+    # worker death only once the worker is seen dead, else re-raises the connection error
+    loader = make_loader(SharerDies(40, die_at=20, flag=tmp_path / "died"), 4, shuffle=False,
+                         num_workers=2, pin_memory=False)
+    it, got, errors = iter(loader), [], []
+    while True:
+        time.sleep(0.3)  # a slow loop: the dying worker's sent batches wait in the queue
+        try:
+            got += next(it)[1].tolist()
+        except StopIteration:
+            break
+        except RuntimeError as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and "exited unexpectedly" in errors[0]
+    assert got == list(range(40))
+
+
 class SlowDies(Labelled):
     """``Labelled`` that reads slowly (the loop keeps up: no result of the dying worker is still
     in the queue when it exits)."""

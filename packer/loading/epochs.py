@@ -12,6 +12,8 @@ from torch.utils.data import get_worker_info
 from ..reading.sampler import PackedSampler, rank_count
 from .torchapi import dead_workers
 
+EXIT_WAIT = 5.0  # seconds a connection error waits for its worker to be seen dead
+
 __all__ = ["EpochBatches", "EpochPass", "EpochStream", "Failed", "Numbered", "StampedCollate",
            "StampedDataset"]
 
@@ -178,11 +180,15 @@ class EpochStream:
             try:
                 seq, batch = next(self.it)
                 if seq != self.seq and (dead := dead_workers(self.it)):  # the others' batches
-                    pids = ", ".join(map(str, dead))  # would keep the queue busy, piling up here
-                    raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly")
-            except Exception:  # noqa: B902 - the DataLoader's own (a worker died): its batches
-                self.it, self.broken = None, True  # are lost, so the next batch restarts the
-                raise  # stream where the loop is, with new workers, not wait for ever
+                    raise worker_death(dead)  # would keep the queue busy, piling up here
+            except Exception as e:  # noqa: B902 - the DataLoader's own (a worker died): its
+                it, self.it, self.broken = self.it, None, True  # batches are lost, so the next
+                # batch restarts the stream where the loop is, with new workers, not wait for
+                # ever. A batch from a worker still exiting fails to connect to it (torch
+                # re-raises that until it sees the worker dead): that too is the worker's death
+                if isinstance(e, (EOFError, OSError)) and (dead := dead_workers(it, EXIT_WAIT)):
+                    raise worker_death(dead) from e
+                raise
             self.early[seq] = batch
         self.seq += 1
         return self.early.pop(self.seq - 1)
@@ -227,6 +233,11 @@ class EpochPass:
         """Global samples of the epoch the loop has received in this pass."""
         s = self.stream.batches.sampler
         return min(self.first + self.done * self.stream.batches.batch_size * s.num_replicas, s.size)
+
+
+def worker_death(pids: list) -> RuntimeError:
+    return RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, pids))}) exited "
+                        f"unexpectedly")
 
 
 def position(s: PackedSampler) -> tuple:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -29,10 +30,16 @@ def shutdown_workers(iterator) -> None:
         stop()
 
 
-def dead_workers(iterator) -> list:
-    """Pids of a DataLoader iterator's workers that have exited (none without workers): torch
-    notices one only in a SIGCHLD handler (main thread only) or when its queue stays empty."""
-    return [w.pid for w in getattr(iterator, "_workers", ()) if not w.is_alive()]
+def dead_workers(iterator, wait: float = 0.0) -> list:
+    """Pids of a DataLoader iterator's workers that have exited (none without workers), waiting
+    up to ``wait`` seconds for one: torch notices one only in a SIGCHLD handler (main thread
+    only) or when its queue stays empty."""
+    deadline = time.monotonic() + wait
+    while True:
+        dead = [w.pid for w in getattr(iterator, "_workers", ()) if not w.is_alive()]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.01)
 
 
 def discard_iterator(loader) -> None:

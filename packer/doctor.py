@@ -9,12 +9,13 @@ from typing import Dict, List, Optional
 from . import __version__
 from ._util.system import PILLOW_SIMD_HINT, pil_info, pil_summary, usable_cores
 
-# Optional packages (``pip install NAME``) and what each adds.
+# Optional packages: what each adds, and the command that installs it.
 OPTIONAL = {
-    "torchvision": "GPU decoding with nvJPEG, tv_tensors detection targets, bench --model",
-    "triton": "GPU decoding: its fused augment kernel",
-    "torchdata": "make_loader(stateful=True): mid-epoch resume",
-    "matplotlib": "packer bench --plot",
+    "torchvision": ("GPU decoding with nvJPEG, tv_tensors detection targets, bench --model",
+                    "pip install torchvision"),
+    "triton": ("GPU decoding: its fused augment kernel", "pip install triton"),
+    "torchdata": ("make_loader(stateful=True): mid-epoch resume", "pip install torchdata"),
+    "matplotlib": ("packer bench --plot", "pip install matplotlib"),
 }
 
 
@@ -72,7 +73,7 @@ def format_doctor(d: Dict[str, object]) -> str:
         lines.append("triton   not available: GPU decoding needs it for its fused augment kernel "
                      "(pip install triton); the CPU path does not")
     optional = d.get("optional") or {}
-    lines += [f"{name:<8} not installed: pip install {name} (for {what})"
-              for name, what in OPTIONAL.items() if name != "triton" and not optional.get(name)]
+    lines += [f"{name:<8} not installed: {hint} (for {what})" for name, (what, hint)
+              in OPTIONAL.items() if name != "triton" and not optional.get(name)]
     lines.append(f"cores    {d['cores']} usable of {d['cpu_count']}")
     return "\n".join(lines)

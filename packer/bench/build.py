@@ -85,3 +85,9 @@ def sample_folder(root: os.PathLike, dest: os.PathLike, images: int) -> Path:
     finally:
         ds.reader.close()
     return Path(dest)
+
+
+def build_ratios(result: dict, variant: str, cores: int) -> List[float]:
+    """Per repeat of ``time_builds``: ``variant``'s images/s ÷ (cores x one core's decode)."""
+    rows = result["rows"]
+    return [b / (max(1, cores) * d) for b, d in zip(rows[variant], rows[DECODE])]

@@ -23,13 +23,17 @@ def drop_page_cache(paths: Sequence[os.PathLike] = (), everything: bool = True) 
         os.sync()  # pages of files just written are dirty: DONTNEED would keep them
         ok = False
         for p in paths:
-            with contextlib.suppress(OSError):  # unopenable or unadvisable: skip the file
+            try:
                 fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    ok = True
-                finally:
-                    os.close(fd)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                ok = True
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
         if ok:
             return "cold (fadvise DONTNEED)"
     return "warm cache (could not drop it)"

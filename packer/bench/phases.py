@@ -3,7 +3,6 @@ figures), each over the packed data and the ImageFolder-style baseline (``Folder
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import io
 import math
@@ -58,6 +57,11 @@ class BenchInput:
     count: int
     folder: Optional[FolderDataset] = None  # scanned once: a big tree takes seconds to walk
 
+    @property
+    def in_ram(self) -> bool:
+        """RAM filesystems: their pages are the data, there is no cache to drop."""
+        return storage(self.root).endswith("(RAM)")
+
     def files(self, order: Sequence[int]) -> List[str]:
         """The files a run over ``order`` reads (what to evict before it)."""
         if self.folder is not None:
@@ -84,7 +88,7 @@ class Runner:
     def _evict(self, source: BenchInput, order: Sequence[int]) -> Optional[str]:
         if not self.cold_cache:
             return None
-        if storage(source.root).endswith("(RAM)"):  # its pages are the data: nothing to drop
+        if source.in_ram:
             return "RAM filesystem: always in memory"
         how = drop_page_cache(source.files(order))
         self.report.environment["cache"] = how
@@ -139,7 +143,7 @@ class Runner:
                 return len(reader.read(order[k]))
         try:
             read(0)  # warm-up: opens the environment / directory, first seek
-            nbytes, t0 = 0, time.perf_counter()
+            n, nbytes, t0 = 0, 0, time.perf_counter()
             for n in range(1, len(order)):  # n: the reads timed (the bench needs 2 images)
                 nbytes += read(n)
                 if n % 8 == 0 and time.perf_counter() - t0 >= self.seconds:
@@ -206,7 +210,7 @@ class Runner:
                     ds = s.dataset(size)
                     loader = make_loader(ds, batch_size, sampler=orders[s.name], num_workers=w,
                                          pin_memory=False, persistent_workers=False, drop_last=True,
-                                         worker_init_fn=functools.partial(seed_worker, r))
+                                         worker_init_fn=SeedWorker(r))
                     runs[(s.name, w)].append(self._time_loader(loader, w))
                     del loader, ds
                     self.bar.update(1)
@@ -263,7 +267,7 @@ class Runner:
                                       decode_sample=2 * DECODE_SAMPLE, log=lambda _: None)
         built, decoded = res["rows"][variants[0][0]], res["rows"][build_bench.DECODE]
         self.report.figures["build_ratio"] = dict(  # build images/s / (cores x one core's decode)
-            summary([b / (cores * d) for b, d in zip(built, decoded)]), goal=build_bench.GOAL,
+            summary(build_bench.build_ratios(res, variants[0][0], cores)), goal=build_bench.GOAL,
             build_images_per_s=statistics.median(built),
             decode_images_per_s=statistics.median(decoded),
             cores=cores, workers=cores, images=res["images"])
@@ -328,9 +332,14 @@ def summary(values: List[float]) -> dict:
             "values": list(values)}
 
 
-def seed_worker(r: int, worker_id: int) -> None:
-    """Per-worker, per-repeat seed for the random crops (bound with ``functools.partial``)."""
-    random.seed(r * 1009 + worker_id)
+class SeedWorker:
+    """Per-worker, per-repeat seed for the random crops (picklable for spawn)."""
+
+    def __init__(self, r: int):
+        self.r = r
+
+    def __call__(self, worker_id: int) -> None:
+        random.seed(self.r * 1009 + worker_id)
 
 
 def n_workers(w: int) -> str:

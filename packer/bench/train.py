@@ -2,7 +2,6 @@
 against the same step on a batch kept on the device; data wait timed with CUDA events."""
 from __future__ import annotations
 
-import functools
 import itertools
 import statistics
 import time
@@ -16,7 +15,7 @@ from ..reading.dataset import PackedDataset
 from ..loading.loader import make_loader
 from ..loading.prefetch import CUDAPrefetcher
 from .models import TrainStep, make_model
-from .phases import BenchInput, Runner, has_module, n_workers, seed_worker
+from .phases import BenchInput, Runner, SeedWorker, has_module, n_workers
 
 GPU_DECODE = "GPU decode (nvJPEG)"
 
@@ -141,8 +140,7 @@ def _feed(name: str, ds, order, batch_size: int, size: int, w: int, step: TrainS
     gpu = device.type == "cuda"
     pin = gpu and name != "plain"
     loader = make_loader(ds, batch_size, sampler=order, num_workers=w, pin_memory=pin,
-                         persistent_workers=False, drop_last=True,
-                         worker_init_fn=functools.partial(seed_worker, r))
+                         persistent_workers=False, drop_last=True, worker_init_fn=SeedWorker(r))
     src, closers = loader, []
     if name in ("background thread", "thread + CUDAPrefetcher"):
         src = background(loader, depth=2)  # batch hand-over from workers off the training thread

@@ -154,12 +154,17 @@ def build(src, dst, list_file, coco, skip_empty, yolo, names, yolo_rules, meta, 
     if result.resumed_shards:
         click.echo(f"resumed after {result.resumed_shards} finished shard(s)")
     click.echo(f"{result.summary()} -> {dst}")
-    for rows, what, listed in (
-            (m["skipped"], f"{len(m['skipped'])} file(s) skipped", ""),
-            (m.get("dropped") or [], f"{m.get('dropped_count')} annotation(s) dropped", " --json")):
-        if rows:
-            click.echo(terminal_text(f"{what}, e.g. {rows[0]['path']}: {rows[0]['reason']} (all "
-                                     f"listed by `packer info {dst}{listed}`)"), err=True)
+    skipped = m["skipped"]
+    if skipped:
+        first = skipped[0]
+        click.echo(terminal_text(f"{len(skipped)} file(s) skipped, e.g. {first['path']}: "
+                                 f"{first['reason']} (all listed by `packer info {dst}`)"), err=True)
+    dropped = m.get("dropped") or []
+    if dropped:
+        first = dropped[0]
+        click.echo(terminal_text(f"{m['dropped_count']} annotation(s) dropped, e.g. "
+                                 f"{first['path']}: {first['reason']} (all listed by `packer info "
+                                 f"{dst} --json`)"), err=True)
 
 
 # The sources' Python words in their messages, as the build command's flags say them.

@@ -2,7 +2,6 @@
 (noise or flat colour would decode at unrealistic speeds)."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import io
 import os
@@ -71,14 +70,17 @@ def make_image_folder(root: os.PathLike, *, images: int = 200, classes: int = 10
         (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
     jobs = ((str(root / f"class_{i % classes:02d}" / f"img_{i:05d}.jpg"), seed, i)
             for i in range(images))  # made as taken: memory does not grow with the count
-    with contextlib.ExitStack() as stack:
-        made = map(_make_one, jobs)
-        if workers > 1:
-            import multiprocessing as mp
-            pool = stack.enter_context(mp.get_context("spawn").Pool(workers))
-            made = pool.imap_unordered(_make_one, jobs, chunksize=16)
-        for _ in tqdm(made, total=images, disable=not progress, unit="img", desc="making images"):
-            pass
+    bar = tqdm(total=images, disable=not progress, unit="img", desc="making images")
+    if workers > 1:
+        import multiprocessing as mp
+        with mp.get_context("spawn").Pool(workers) as pool:
+            for _ in pool.imap_unordered(_make_one, jobs, chunksize=16):
+                bar.update(1)
+    else:
+        for job in jobs:
+            _make_one(job)
+            bar.update(1)
+    bar.close()
     return root
 
 

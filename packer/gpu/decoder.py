@@ -92,7 +92,7 @@ class GPUDecoder(LoaderView):
             self._reseeded = True
 
     def __iter__(self):
-        snapshot = getattr(self.loader, "state_dict", lambda: None)
+        snapshot = getattr(self.loader, "state_dict", None)
         reseeded, self._reseeded = self._reseeded, False
         base = int(torch.randint(1 << 62, (), generator=self._gen))  # this pass's crops
         kept = self._kept
@@ -106,7 +106,7 @@ class GPUDecoder(LoaderView):
             s.received(s.start)  # what the threads drew for it was never handed out
         if pipe is None:
             it = iter(self.loader)
-            self._state = snapshot()
+            self._state = snapshot() if snapshot is not None else None
         else:
             nxt.begun.set()  # the threads may draw the rest of the pass
         clock, st = time.perf_counter, self.stats
@@ -117,9 +117,9 @@ class GPUDecoder(LoaderView):
                 self.throttle(ahead)
                 batch = next(it, END)
                 if batch is END:
-                    self._state = snapshot()  # the next pass's
+                    self._state = snapshot() if snapshot is not None else None  # the next pass's
                     return
-                state = snapshot()
+                state = snapshot() if snapshot is not None else None
                 t1 = clock()
                 item = self.decode_batch(batch)
                 t2 = clock()
@@ -145,7 +145,7 @@ class GPUDecoder(LoaderView):
                 st.add_time("throttle", t1 - t0)
                 st.add_time("consumer", clock() - t1)
                 if item is END:
-                    self._state = snapshot()  # the next pass's
+                    self._state = snapshot() if snapshot is not None else None  # the next pass's
                     return
                 if isinstance(item, NextPass):  # the threads went on: keep them for the next pass
                     state = pipe.states.pop(pipe.handed, None)

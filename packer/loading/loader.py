@@ -56,6 +56,9 @@ class PackedLoader(LoaderView):
     def collate_fn(self) -> Callable:
         return self.loader.collate_fn.collate if self.stream else self.loader.collate_fn
 
+    def __len__(self) -> int:
+        return len(self.stream.batches) if self.stream else len(self.loader)
+
     def __iter__(self) -> Iterator:
         return EpochPass(self.stream, self._start) if self.stream else self._start()
 
@@ -254,8 +257,9 @@ class _ExitLikeFork:
 
 
 def _exit_now() -> None:
-    for stream in filter(None, (sys.stdout, sys.stderr)):
-        stream.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
     os._exit(0)
 
 

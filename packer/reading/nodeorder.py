@@ -3,7 +3,7 @@ cache smaller than the data, each node reads the samples of its own share of the
 few shards at a time, and the shares move every epoch (docs/sampling.md)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence
 
 import torch
 
@@ -23,9 +23,12 @@ def node_order(counts: Sequence[int], *, world: int, per_node: int, window: int,
                     or [torch.zeros(0, dtype=torch.int64)])
     n = len(seq)
     chunk = max(1, window * n // max(1, len(counts)))  # about `window` shards' samples
-    bounds = [j * n // nodes for j in range(1, nodes)]  # one run per node
-    runs = [torch.cat([c[torch.randperm(len(c), generator=generator)] for c in run.split(chunk)]
-                      or [run]) for run in seq.tensor_split(bounds)]
+    bounds = [j * n // nodes for j in range(nodes + 1)]
+    runs: List[torch.Tensor] = []
+    for j in range(nodes):
+        run = seq[bounds[j]:bounds[j + 1]]
+        runs.append(torch.cat([c[torch.randperm(len(c), generator=generator)]
+                               for c in run.split(chunk)] or [run]))
     q = min(len(r) for r in runs) // per_node  # samples every rank gets from its node's run
     main = torch.stack([r[:q * per_node].view(q, per_node) for r in runs], dim=1)
     return torch.cat([main.reshape(-1)] + [r[q * per_node:] for r in runs])

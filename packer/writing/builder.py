@@ -160,14 +160,19 @@ def _pack(source: ImageList, dst: Path, options: dict, workers: Union[int, Any],
         resumed = len(run.shards)
         for shard in run.shards if on_shard is not None else []:
             on_shard(shard)  # a resumed build's shards go up while it goes on
+        bar = tqdm(total=len(source.entries), initial=run.start, unit="img",
+                   disable=not progress, desc=f"packing {src.name or src}",
+                   dynamic_ncols=True, smoothing=0.05)
         ann = source.annotations
-        job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names), transcode, checks)
-        with tqdm(total=len(source.entries), initial=run.start, unit="img", disable=not progress,
-                  desc=f"packing {src.name or src}", dynamic_ncols=True, smoothing=0.05) as bar:
-            if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
-                for d in ann.dropped:  # not tied to one image (entry -1), unless resumed with them
-                    run.drop(-1, d["path"], [d["reason"]])
+        if ann is not None and not any(d["entry"] < 0 for d in run.dropped):
+            for d in ann.dropped:  # not tied to one image (entry -1), unless resumed with them
+                run.drop(-1, d["path"], [d["reason"]])
+        try:  # (no run.abort(): a build's shards are written by ShardJobs, never by run.add)
+            job = ShardJob(dst, FieldMaker(source, run.fields, run.column_names), transcode,
+                           checks)
             _take(source, run, job, workers, bar, on_shard)
+        finally:
+            bar.close()
         manifest = run.finish(classes=source.classes, source=str(source.root.resolve()),
                               options=dict(options, part_of=part_of) if part_of else options,
                               extra=ann.extra if ann is not None else None)

@@ -119,8 +119,10 @@ def check_image(data: bytes, *, transcode: Optional[Transcode] = None,
                         raise BadImage(f"cannot be converted to RGB as training does (mode "
                                        f"{im.mode}): {str(e).strip() or type(e).__name__}") \
                             from None
+        except BadImage:
+            raise
         except Exception as e:  # PIL raises a zoo of types on bad data; all mean "skip this file"
-            raise e if isinstance(e, BadImage) else BadImage(_reason(e)) from None
+            raise BadImage(_reason(e)) from None
     return Checked(data, w, h, fmt, mode, turn)
 
 

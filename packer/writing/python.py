@@ -40,13 +40,16 @@ def write(dst: os.PathLike, samples: Iterable[Dict[str, Any]], *,
     """Pack ``samples`` into a dataset in ``dst`` (what ``litdata.optimize`` and
     ``MDSWriter`` do, with packer's checks and crash safety); see :class:`DatasetWriter`."""
     t0 = time.perf_counter()
+    if total is None and hasattr(samples, "__len__"):
+        total = len(samples)  # type: ignore[arg-type]
     with DatasetWriter(dst, schema=schema, classes=classes, task=task, shard_size=shard_size,
                        workers=workers, transcode=transcode, checks=checks,
                        overwrite=overwrite) as w:
-        with tqdm(samples, total=total, unit="img", disable=not progress,  # or len(samples)
-                  desc=f"writing {Path(dst).name}", dynamic_ncols=True) as bar:
-            for sample in bar:
+        with tqdm(total=total, unit="img", disable=not progress, desc=f"writing {Path(dst).name}",
+                  dynamic_ncols=True) as bar:
+            for sample in samples:
                 w.add(sample)
+                bar.update(1)
         manifest = w.finish()
     return BuildResult(manifest, time.perf_counter() - t0, w.resumed_shards)
 

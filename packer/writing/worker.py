@@ -177,10 +177,12 @@ def write_shard(task: ShardTask, job: Optional[ShardJob] = None) -> ShardDone:
                 try:
                     c = check_image(c, transcode=job.transcode, max_pixels=job.checks.max_pixels,
                                     orientation=job.fields.upright)
-                    packed, columns, reasons = job.fields.encoded(i, c.width, c.height,
-                                                                  c.orientation)
                 except BadImage as e:
                     c = str(e)
+            if not isinstance(c, str):
+                try:
+                    packed, columns, reasons = job.fields.encoded(i, c.width, c.height,
+                                                                  c.orientation)
                 except ValueError as e:
                     c = f"annotation: {e}"
             if isinstance(c, str):  # skipped, and why

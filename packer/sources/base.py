@@ -9,7 +9,7 @@ import re
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PackerError
 from .._util.fsio import read_file
@@ -232,11 +232,13 @@ def parse_part(part: Optional[str]) -> Optional[Tuple[int, int]]:
 def select(source: ImageList, *, part: Optional[Tuple[int, int]] = None,
            shuffle: bool = False, seed: int = 0) -> ImageList:
     """One strided part (balanced over classes) and/or a seeded shuffle; annotation rows follow."""
-    order = list(range(len(source.entries)))
+    order: Sequence[int] = range(len(source.entries))
     if shuffle:
+        order = list(order)
         random.Random(seed).shuffle(order)
     if part is not None:
-        order = order[part[0]::part[1]]
+        k, n = part
+        order = order[k::n]
     ann = source.annotations
     if ann is not None:
         ann = replace(ann, rows=[ann.rows[i] for i in order])

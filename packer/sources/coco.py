@@ -85,8 +85,9 @@ class Coco(Source):
 
     def __init__(self, images: os.PathLike, annotations: os.PathLike, skip_empty: bool = False,
                  *, storage_options: Optional[dict] = None):
-        self.root, self.skip_empty = folder(images, storage_options), skip_empty
-        self.annotations = source_file(annotations, storage_options)
+        self.root, self.annotations = folder(images, storage_options), \
+            source_file(annotations, storage_options)
+        self.skip_empty = skip_empty
 
     def read(self) -> ImageList:
         return read_coco(self.root, self.annotations, skip_empty=self.skip_empty)
@@ -127,8 +128,7 @@ def read_coco(images: os.PathLike, annotations_json: os.PathLike, *,
     cats = [categories[c] for c in sorted(categories)]
     extra: Dict[str, Any] = {"categories": cats}
     if skip_empty:
-        # a box fit_box refuses in an image with no edge (no area, or all < 0) fits none
-        kept = [i for i in order if any(not fit_box(a.bbox, inf, inf)[1] for a in rows[i].objects)]
+        kept = [i for i in order if any(usable_box(a.bbox) for a in rows[i].objects)]
         extra["skipped_empty"], order = len(order) - len(kept), kept
         if not order:
             raise PackerError(f"{file}: no image has a usable annotation, so {WHO[:-1]}, "
@@ -231,10 +231,8 @@ def fit_coco(row: Row, width: int, height: int):
             continue
         boxes += xyxy
         labels.append(obj.category_id)
-        a = obj.area  # the file's where it is a number in 0..FLOAT32_MAX, else the box's
-        number = isinstance(a, (int, float)) and not isinstance(a, bool)
-        area.append(float(a) if number and 0 <= a <= FLOAT32_MAX else
-                    (xyxy[2] - xyxy[0]) * (xyxy[3] - xyxy[1]))
+        a = obj.area
+        area.append(a if type(a) is float and 0.0 <= a <= FLOAT32_MAX else object_area(a, xyxy))
         crowds.append(obj.iscrowd)
         ids.append(obj.id)
         segmentation.append(seg)
@@ -272,5 +270,19 @@ def fit_box(box: Tuple[float, float, float, float], width: int,
     return [x0, y0, float(x1), float(y1)], ""
 
 
+def usable_box(box: Tuple[float, float, float, float]) -> bool:
+    """Whether the box can hold an object in some image (``fit_box`` against one with no
+    edge): one with no area, or wholly at negative coordinates, cannot in any."""
+    return not fit_box(box, inf, inf)[1]
+
+
 def shown_box(box) -> str:
     return "[" + ", ".join(f"{v:g}" for v in box) + "]"
+
+
+def object_area(area: Any, xyxy: List[float]) -> float:
+    """The annotation's ``area`` if it is a finite number within float32, not negative,
+    else the box's."""
+    number = isinstance(area, (int, float)) and not isinstance(area, bool)
+    a = float(area) if number and abs(area) <= FLOAT32_MAX else -1.0
+    return a if 0 <= a <= FLOAT32_MAX else (xyxy[2] - xyxy[0]) * (xyxy[3] - xyxy[1])

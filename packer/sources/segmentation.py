@@ -25,23 +25,26 @@ MSGPACK = msgspec.msgpack.Encoder()
 def stored_segmentation(raw: Raw, width: int, height: int) -> Tuple[Optional[Raw], str]:
     """``(msgpack of the JSON value, "")``, or ``(None, why it cannot be this image's)``."""
     try:
-        value: Any = POLYGONS.decode(raw)
-        problem = polygons_problem(value, width, height)
-    except msgspec.ValidationError:  # not polygons: an RLE?
-        try:
-            value = RLE.decode(raw)
-        except (msgspec.ValidationError, RecursionError):
-            return None, UNUSABLE
-        counts, size = value.get("counts"), value.get("size")
-        counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(
-            type(c) is int for c in counts) and min(counts, default=0) >= 0)
-        size_ok = isinstance(size, list) and len(size) == 2 and all(
-            type(s) is int and 0 <= s <= INT64_MAX for s in size)
-        # data_problem at depth 1: it is stored one level down, in the image's list
-        if not (counts_ok and size_ok) or data_problem(value, 1):
-            return None, UNUSABLE
-        problem = rle_problem(counts, size, width, height)
-    return (None, problem) if problem else (Raw(MSGPACK.encode(value)), "")
+        polygons = POLYGONS.decode(raw)
+    except msgspec.ValidationError:
+        pass
+    else:
+        problem = polygons_problem(polygons, width, height)
+        return (None, problem) if problem else (Raw(MSGPACK.encode(polygons)), "")
+    try:
+        rle = RLE.decode(raw)
+    except (msgspec.ValidationError, RecursionError):
+        return None, UNUSABLE
+    counts, size = rle.get("counts"), rle.get("size")
+    counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(
+        type(c) is int for c in counts) and min(counts, default=0) >= 0)
+    size_ok = isinstance(size, list) and len(size) == 2 and all(
+        type(s) is int and 0 <= s <= INT64_MAX for s in size)
+    # data_problem at depth 1: it is stored one level down, in the image's list
+    if not (counts_ok and size_ok) or data_problem(rle, 1):
+        return None, UNUSABLE
+    problem = rle_problem(counts, size, width, height)
+    return (None, problem) if problem else (Raw(MSGPACK.encode(rle)), "")
 
 
 def rle_problem(counts: Union[str, List[int]], size: List[int], width: int, height: int) -> str:
@@ -96,13 +99,18 @@ def polygons_problem(polygons: List[List[Union[int, float]]], width: int, height
         if xs and not (x0 <= min(xs) and max(xs) <= x1 and y0 <= min(ys) and max(ys) <= y1):
             return (f"a polygon reaching further outside the {width}x{height} image than its "
                     f"longer side: it cannot belong to this image")
-    budget = height * width // 8 + CROSSING_ALLOWANCE  # the reader's
+    budget = crossing_budget(width, height)
     if vertices * width > budget:  # else no outline can cross more columns than allowed
         work = crossings(polygons, width)
         if work > budget:
             return (f"polygon edges crossing {work} pixel columns, more than masks of a "
                     f"{width}x{height} image may cost ({budget})")
     return ""
+
+
+def crossing_budget(width: int, height: int) -> int:
+    """Image-column crossings one object's polygon edges may add up to (the reader's)."""
+    return height * width // 8 + CROSSING_ALLOWANCE
 
 
 def crossings(polygons: List[List[Union[int, float]]], width: int) -> int:

@@ -216,9 +216,11 @@ def kind(v: Any) -> str:
     if type(v) in (bool, int, float, str):
         return type(v).__name__
     if isinstance(v, list):
-        types = {type(x) for x in v}  # an empty list is a list of int: it fits a float list too
-        return ("list of int" if types <= {int} else "list of float" if types <= {int, float}
-                else "list of something else")
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return "list of int"  # an empty list too: it fits a float list as well
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            return "list of float"
+        return "list of something else"
     return "null" if v is None else type_name(v)
 
 

@@ -67,15 +67,13 @@ def test_dead_workers_names_the_workers_that_exited():
     it = iter(loader)
     next(it)
     assert dead_workers(it) == [] and dead_workers(iter(DataLoader(range(3)))) == []
+    t0 = time.monotonic()  # no workers: nothing to wait for
+    assert dead_workers(iter(DataLoader(range(3))), wait=30) == [] and time.monotonic() - t0 < 1
     victim = it._workers[0].pid
     handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # not torch's: it would raise here
     try:
         os.kill(victim, signal.SIGKILL)
-        for _ in range(100):
-            if dead_workers(it):
-                break
-            time.sleep(0.05)
-        assert dead_workers(it) == [victim]
+        assert dead_workers(it, wait=30) == [victim]  # waits until it is seen dead
     finally:
         signal.signal(signal.SIGCHLD, handler)
         shutdown_workers(it)

@@ -34,10 +34,10 @@ def dead_workers(iterator, wait: float = 0.0) -> list:
     """Pids of a DataLoader iterator's workers that have exited (none without workers), waiting
     up to ``wait`` seconds for one: torch notices one only in a SIGCHLD handler (main thread
     only) or when its queue stays empty."""
-    deadline = time.monotonic() + wait
+    workers, deadline = getattr(iterator, "_workers", ()), time.monotonic() + wait
     while True:
-        dead = [w.pid for w in getattr(iterator, "_workers", ()) if not w.is_alive()]
-        if dead or time.monotonic() >= deadline:
+        dead = [w.pid for w in workers if not w.is_alive()]
+        if dead or not workers or time.monotonic() >= deadline:
             return dead
         time.sleep(0.01)
 

@@ -12,10 +12,10 @@ from torch.utils.data import get_worker_info
 from ..reading.sampler import PackedSampler, rank_count
 from .torchapi import dead_workers
 
-EXIT_WAIT = 5.0  # seconds a connection error waits for its worker to be seen dead
-
 __all__ = ["EpochBatches", "EpochPass", "EpochStream", "Failed", "Numbered", "StampedCollate",
            "StampedDataset"]
+
+EXIT_WAIT = 5.0  # seconds a connection error waits for its worker to be seen dead
 
 
 class Numbered(list):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from packer.loading.loader import make_loader
-from packer.loading.prefetch import CUDAPrefetcher, iter_tensors
+from packer.loading.prefetch import CUDAPrefetcher, iter_tensors, record_uses
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -182,3 +182,33 @@ def test_a_batch_that_raised_raises_in_its_turn_on_the_gpu_too():
     from test_prefetch import batch_errors_in_turn
     want = [[0, 1], [2, 3], "KeyError", [6, 7], [8, 9]]
     assert batch_errors_in_turn("cuda") == ([want, want], 2)
+
+
+def test_record_uses_holds_each_storage_of_a_batch_until_the_stream_passes_it():
+    """Views of one storage (a detection batch's per-image targets) and a tensor of its own,
+    tv_tensors among them: none of their memory is handed out again while the stream they
+    were recorded on has work queued; without the recording it is at once."""
+    tv_tensors = pytest.importorskip("torchvision.tv_tensors")
+    side = torch.cuda.Stream()
+
+    def freed_then_reused(record: bool) -> bool:
+        torch.cuda.empty_cache()  # no other cached block of the size to hand out
+        base = torch.zeros(1 << 20, device="cuda")
+        own = torch.zeros(1 << 20, device="cuda")
+        views = [tv_tensors.BoundingBoxes(v.view(-1, 4), format="XYXY", canvas_size=(8, 8))
+                 for v in base.split(1 << 18)]
+        batch = ([{"boxes": b, "labels": own} for b in views], own)
+        ptrs = {base.data_ptr(), own.data_ptr()}
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        if record:
+            record_uses(batch, side)
+        del base, own, views, batch
+        again = [torch.zeros(1 << 20, device="cuda") for _ in range(2)]
+        reused = bool(ptrs & {t.data_ptr() for t in again})
+        side.synchronize()
+        return reused
+
+    assert freed_then_reused(record=False)  # the scenario shows reuse without it
+    assert not freed_then_reused(record=True)

@@ -8,8 +8,8 @@ import os
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from packer.loading.torchapi import (dead_workers, discard_iterator, shared_empty, shared_storage,
-                                     shutdown_workers)
+from packer.loading.torchapi import (dead_workers, discard_iterator, plain_tensors, shared_empty,
+                                     shared_storage, shutdown_workers)
 
 
 class Filled(Dataset):
@@ -78,3 +78,24 @@ def test_dead_workers_names_the_workers_that_exited():
         signal.signal(signal.SIGCHLD, handler)
         shutdown_workers(it)
 
+
+
+class Counted(torch.Tensor):
+    """A tensor subclass that counts its ``__torch_function__`` calls, as tv_tensors have one."""
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        Counted.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_plain_tensors_runs_a_subclass_s_methods_without_its_torch_function():
+    t = torch.arange(4.0).as_subclass(Counted)
+    Counted.calls = 0
+    assert type(t.add(1)) is Counted and Counted.calls > 0
+    Counted.calls = 0
+    with plain_tensors():
+        out = t.add(1)
+    assert Counted.calls == 0 and type(out) is torch.Tensor and out.tolist() == [1, 2, 3, 4]
+    assert type(t.add(1)) is Counted  # only inside

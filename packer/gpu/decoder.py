@@ -18,8 +18,8 @@ from ..transforms.decode import open_image, output_size
 from ..errors import PackerError
 from ..loading.epochs import position
 from ..loading.loader import PackedLoader
-from ..loading.prefetch import (IMAGENET_MEAN, IMAGENET_STD, LoaderView, iter_tensors,
-                               map_tensors, normalize_affine)
+from ..loading.prefetch import (IMAGENET_MEAN, IMAGENET_STD, LoaderView, map_tensors,
+                               normalize_affine, record_uses)
 from .augment import center_crop_boxes, center_crop_inside, random_resized_crop_boxes
 from .detection import DetectionTargets, fill_outside, letterbox_crops, place_boxes
 from .encoded import EncodedBatch
@@ -157,8 +157,7 @@ class GPUDecoder(LoaderView):
                 if event is not None:
                     cur = torch.cuda.current_stream(self.device)
                     cur.wait_event(event)
-                    for t in iter_tensors((images, labels)):
-                        t.record_stream(cur)
+                    record_uses((images, labels), cur)
                 self._state = pipe.states.pop(pipe.handed, self._state)
                 yield images, labels
         finally:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from .._util.threads import END, Raised
+from .torchapi import plain_tensors
 
 __all__ = ["CUDAPrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "LoaderView", "normalize_affine",
            "normalize_uint8"]
@@ -116,20 +117,17 @@ class CUDAPrefetcher(LoaderView):
                 warnings.warn("CUDAPrefetcher got a batch in pageable memory: each copy blocks "
                               "the CPU; use make_loader (or DataLoader(pin_memory=True))",
                               stacklevel=4)
-        on_gpu = [t for t in iter_tensors(batch) if t.device.type == "cuda"]
-        if on_gpu:  # made on the consumer's stream (GPU decoding, say): wait for it, hold it
+        if any(t.device.type == "cuda" for t in iter_tensors(batch)):
+            # made on the consumer's stream (GPU decoding, say): wait for it, hold it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            for t in on_gpu:
-                t.record_stream(self.stream)
+            record_uses(batch, self.stream)
         with torch.cuda.stream(self.stream):
             return self._convert(batch)
 
     def _handoff(self, batch, stream: torch.cuda.Stream) -> None:
         """Make ``batch`` safe to use on ``stream``: see the class docstring."""
         stream.wait_stream(self.stream)
-        for t in iter_tensors(batch):
-            if t.device.type == "cuda":
-                t.record_stream(stream)
+        record_uses(batch, stream)
 
     def _convert(self, batch):
         if is_image_list_batch(batch):  # detection: (list of (C, H, W) images, targets)
@@ -271,6 +269,20 @@ def is_image_list_batch(batch: Any) -> bool:
         return False
     return bool(batch[0]) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
                                   and t.dim() == 3 for t in batch[0])
+
+
+def record_uses(batch, stream: torch.cuda.Stream) -> None:
+    """``record_stream`` every CUDA tensor of ``batch`` on ``stream``: the caching allocator
+    keeps their memory until the work queued there is done. Once per storage (a detection
+    batch's per-image targets are views of a few), and without tv_tensors' dispatch."""
+    seen = set()
+    with plain_tensors():
+        for t in iter_tensors(batch):
+            if t.device.type == "cuda":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    t.record_stream(stream)
 
 
 def iter_tensors(obj: Any):

@@ -7,7 +7,8 @@ import time
 
 import torch
 
-__all__ = ["dead_workers", "discard_iterator", "shared_empty", "shared_storage", "shutdown_workers"]
+__all__ = ["dead_workers", "discard_iterator", "plain_tensors", "shared_empty", "shared_storage",
+           "shutdown_workers"]
 
 
 def shared_storage(nbytes: int) -> torch.UntypedStorage:
@@ -21,6 +22,13 @@ def shared_empty(size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     size = tuple(size)
     storage = shared_storage(math.prod(size) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage, 0, size)
+
+
+def plain_tensors():
+    """A context in which tensor subclasses (torchvision's tv_tensors) run torch's methods as
+    plain tensors, without their ``__torch_function__`` (which runs on every call): for
+    bookkeeping over many small tensors. Results are plain tensors."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def shutdown_workers(iterator) -> None:

@@ -41,7 +41,8 @@ def test_dry_run_end_to_end(tmp_path):
     assert "[max512]" not in rows and "CPU path" not in rows  # skipped, and not in --only
 
 
-@pytest.mark.parametrize("script", ["bench_gpu_decode.py", "profile_gpu_augment.py", "bench_decode_beside.py"])
+@pytest.mark.parametrize("script", ["bench_gpu_decode.py", "profile_gpu_augment.py", "bench_decode_beside.py",
+                                    "profile_gpu_detection.py"])
 def test_scripts_help(script):
     run = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"],
                          capture_output=True, text=True, timeout=120)

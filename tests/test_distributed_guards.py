@@ -143,3 +143,20 @@ def test_stateful_dataloader_checkpoint_at_an_epochs_end_resumes_the_next_epoch(
     state = dl.state_dict()
     del it
     assert run(0, state, epochs=(0, 1))[0] == [[], whole[0][1]]
+
+
+def test_a_ray_build_s_stop_file_is_seen_by_every_task_within_its_look_interval(tmp_path):
+    """Ray tasks stop through a file in DST (``ray.cancel`` racing a task's reply can abort
+    the driver): unset until the file exists, then set for good; looked at no more than
+    every ``every`` seconds; ``set`` (a task failing a strict build) creates it."""
+    from packer.writing.ray_engine import StopFile
+    path = tmp_path / ".shard-stop"
+    stop, other = StopFile(path, every=0.3), StopFile(path, every=0.0)
+    assert not stop.is_set() and not other.is_set()
+    other.set()
+    assert path.exists() and other.is_set()
+    assert not stop.is_set()  # looked at less than 0.3 s ago
+    time.sleep(0.35)
+    assert stop.is_set()
+    path.unlink()
+    assert stop.is_set()  # once seen, stopped

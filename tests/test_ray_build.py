@@ -135,7 +135,7 @@ def test_killed_ray_worker_same_dataset(cluster, folder, tmp_path):
 
 def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path):
     """A strict build stopped by a broken image mid-plan: Ray's queued and running tasks
-    are cancelled and shards finished after the failing one removed, as locally."""
+    stop and shards finished after the failing one are removed, as locally."""
     src = tmp_path / "src"
     shutil.copytree(folder, src)
     (src / "class_01/img_00080.jpg").write_bytes(b"\xff\xd8 truncated")
@@ -155,10 +155,11 @@ def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path):
             assert left["ray"][n] == left["local"][n], n
 
 
-def test_a_task_cancelled_as_it_finishes_leaves_no_shard(cluster, folder, tmp_path, monkeypatch):
-    """A failing shard cancels the tasks still running. One cancelled after its shard was
-    renamed into place but before it returned has no result for the driver (Ray reports it
-    cancelled), so the driver removes its planned shard by name."""
+def test_a_task_stopped_as_it_finishes_leaves_no_shard(cluster, folder, tmp_path, monkeypatch):
+    """A failing shard stops the tasks still running, through the stop file and never
+    ``ray.cancel`` (which can abort the driver when it races a task's reply). One that renamed
+    its shard into place before it stopped has no result the driver takes, so the driver
+    removes its planned shard by name; the stop file goes too."""
     from packer.writing import ray_engine
 
     def write_part(job, local, task, version):
@@ -166,16 +167,21 @@ def test_a_task_cancelled_as_it_finishes_leaves_no_shard(cluster, folder, tmp_pa
             time.sleep(3)  # the next task has written its shard by then, and waits
             raise PackerError("strict: the first shard is broken")
         (job.dst / f"shard-{task.index:05d}.lmdb").write_bytes(b"finished")
-        time.sleep(6)  # cancelled meanwhile: Ray waits for it to end, then reports it cancelled
+        while not job.stop.is_set():  # as write_shard looks before each image
+            time.sleep(0.05)
 
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", lambda ref, **kw: cancelled.append(ref))
     monkeypatch.setattr(ray_engine, "write_part", write_part)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers lack tests/
     try:
+        t0 = time.monotonic()
         with pytest.raises(PackerError, match="the first shard is broken"):
             build(ImageFolder(folder), tmp_path / "dst", engine="ray")
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-    assert sorted(p.name for p in (tmp_path / "dst").glob("shard-*")) == []
+    assert cancelled == [] and time.monotonic() - t0 < 30
+    assert sorted(p.name for p in (tmp_path / "dst").glob("*shard-*")) == []
 
 
 def test_no_ray_is_one_line(folder, tmp_path):

@@ -1,11 +1,14 @@
 """Building on a Ray cluster (``build(src, dst, engine="ray")``; ``--ray``): each task runs
 ``worker.write_shard`` into DST (a shared filesystem); the driver takes shards only from returned
-results, so the dataset is the local build's byte for byte and no retry leaves a half shard."""
+results, so the dataset is the local build's byte for byte and no retry leaves a half shard.
+Tasks are stopped through a file in DST, not ``ray.cancel``: a cancel racing a task's reply
+can abort the driver inside Ray (ray-project/ray#54846)."""
 from __future__ import annotations
 
 import copy
 import os
 import socket
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +45,28 @@ def check_reachable(address: str, where: str) -> None:
         raise PackerError(f"no Ray cluster answers at {address} (from {where}: "
                           f"{e.strerror or e}): start one there (`ray start --head`) or fix "
                           f"the address; without one, --ray starts a local cluster") from None
+
+
+STOP_NAME = ".shard-stop"  # in DST while the tasks must stop; a ".shard-*" name, so a build
+# resuming after a driver killed mid-stop removes it with the other temp files
+
+
+class StopFile:
+    """``write_shard``'s stop flag for tasks on any node: set when ``path`` exists, looked at
+    no more than every ``every`` seconds (a stat per image would cost on a network
+    filesystem). ``set`` creates it: a task that fails a strict build stops the others."""
+
+    def __init__(self, path: Path, every: float = 0.2):
+        self.path, self.every, self.seen, self.next = path, every, False, 0.0
+
+    def is_set(self) -> bool:
+        if not self.seen and time.monotonic() >= self.next:
+            self.next = time.monotonic() + self.every
+            self.seen = self.path.exists()
+        return self.seen
+
+    def set(self) -> None:
+        self.path.touch()
 
 
 @dataclass
@@ -85,17 +110,19 @@ class RayEngine:
 
 
 def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterator[ShardDone]:
-    """The tasks' results in order, a window at a time; on close the rest are cancelled and
+    """The tasks' results in order, a window at a time; on close the rest are stopped and
     waited for (``write_shard`` removes its temp files) and finished shards not taken removed."""
     pending: Deque = deque()  # (task, ref), in plan order
     ready: Dict = {}          # ref -> its ShardDone, finished out of order
     todo = iter(tasks)
     done: Optional[ShardDone] = None  # handed out, not yet taken
+    stop = StopFile(Path(os.path.abspath(job.dst)) / STOP_NAME)
+    remove_own(job.dst, STOP_NAME)  # a run killed while stopping left it
     try:
         while True:
             window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
             while len(pending) < window and (task := next(todo, None)) is not None:
-                pending.append((task, write.remote(*_slice(job, task), __version__)))
+                pending.append((task, write.remote(*_slice(job, task, stop), __version__)))
             if not pending:
                 break
             while pending[0][1] not in ready:
@@ -108,14 +135,17 @@ def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterato
             yield done
             done = None
     finally:
-        left = [(task, ref) for task, ref in pending if ref not in ready]
-        for _, ref in left:
-            ray.cancel(ref)
+        left = [ref for _, ref in pending if ref not in ready]
         if left:
-            ray.wait([ref for _, ref in left], num_returns=len(left), timeout=60)
+            stop.set()  # running tasks give up at their next image, queued ones at their first
+            finished = ray.wait(left, num_returns=len(left), timeout=60)[0]
+            for ref in set(left) - set(finished):  # stuck for a minute: cancel as a last resort
+                ray.cancel(ref)
         remove_untaken(job.dst, [done, *ready.values()])
-        for task, _ in left:  # one cancelled as it finished has its shard and no result
-            remove_own(job.dst, SHARD_PATTERN.format(task.index))
+        for task, ref in pending:  # one stopped as it finished has its shard and no result taken
+            if ref in left:
+                remove_own(job.dst, SHARD_PATTERN.format(task.index))
+        remove_own(job.dst, STOP_NAME)
 
 
 def _result(ray, ref, task: ShardTask) -> ShardDone:
@@ -131,9 +161,9 @@ def _result(ray, ref, task: ShardTask) -> ShardDone:
                           f"re-run the same build to resume") from e
 
 
-def _slice(job: ShardJob, task: ShardTask):
+def _slice(job: ShardJob, task: ShardTask, stop: StopFile):
     """(job, local task, task) for one shard: a job holding only the task's entries and rows,
-    with absolute paths (a Ray worker's folder is not the driver's)."""
+    with absolute paths (a Ray worker's folder is not the driver's), stopped by ``stop``."""
     src, a, e = job.fields.source, task.start, task.end
     ann = src.annotations
     if ann is not None:
@@ -143,7 +173,7 @@ def _slice(job: ShardJob, task: ShardTask):
     root = src.root.subset(rel for rel, _ in entries) if isinstance(src.root, RemoteFolder) \
         else Path(os.path.abspath(src.root))
     fields.source = ImageList(root, src.classes, entries, ann)
-    return (replace(job, dst=Path(os.path.abspath(job.dst)), fields=fields),
+    return (replace(job, dst=Path(os.path.abspath(job.dst)), fields=fields, stop=stop),
             ShardTask(task.index, 0, e - a, task.expected_bytes), task)
 
 

@@ -148,15 +148,17 @@ def test_stateful_dataloader_checkpoint_at_an_epochs_end_resumes_the_next_epoch(
 def test_a_ray_build_s_stop_file_is_seen_by_every_task_within_its_look_interval(tmp_path):
     """Ray tasks stop through a file in DST (``ray.cancel`` racing a task's reply can abort
     the driver): unset until the file exists, then set for good; looked at no more than
-    every ``every`` seconds; ``set`` (a task failing a strict build) creates it."""
+    every ``every`` seconds; ``set`` (a task failing a strict build) creates it, and says
+    False where it cannot."""
     from packer.writing.ray_engine import StopFile
     path = tmp_path / ".shard-stop"
-    stop, other = StopFile(path, every=0.3), StopFile(path, every=0.0)
-    assert not stop.is_set() and not other.is_set()
-    other.set()
-    assert path.exists() and other.is_set()
-    assert not stop.is_set()  # looked at less than 0.3 s ago
-    time.sleep(0.35)
-    assert stop.is_set()
+    slow, fresh = StopFile(path, every=3600), StopFile(path, every=0.0)
+    assert not slow.is_set() and not fresh.is_set()
+    assert fresh.set() is True
+    assert path.exists() and fresh.is_set()
+    assert not slow.is_set()  # not looked at again within the hour
+    late = StopFile(path, every=3600)
+    assert late.is_set()  # a task's first look
     path.unlink()
-    assert stop.is_set()  # once seen, stopped
+    assert late.is_set() and fresh.is_set()  # once seen, stopped
+    assert StopFile(tmp_path / "gone" / ".shard-stop").set() is False

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from packer.loading.torchapi import (dead_workers, discard_iterator, plain_tensors, shared_empty,
-                                     shared_storage, shutdown_workers)
+                                     shared_storage, shutdown_workers, storage_key)
 
 
 class Filled(Dataset):
@@ -99,3 +99,11 @@ def test_plain_tensors_runs_a_subclass_s_methods_without_its_torch_function():
         out = t.add(1)
     assert Counted.calls == 0 and type(out) is torch.Tensor and out.tolist() == [1, 2, 3, 4]
     assert type(t.add(1)) is Counted  # only inside
+
+
+def test_storage_key_is_one_per_storage_and_tells_an_alias_of_the_same_memory_apart():
+    t = torch.arange(12.0)
+    assert storage_key(t) == storage_key(t[3:7]) == storage_key(t.view(3, 4).T)
+    assert storage_key(t) != storage_key(t.clone())
+    alias = torch.from_dlpack(t)
+    assert alias.data_ptr() == t.data_ptr() and storage_key(alias) != storage_key(t)

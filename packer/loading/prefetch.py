@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from .._util.threads import END, Raised
-from .torchapi import plain_tensors
+from .torchapi import plain_tensors, storage_key
 
 __all__ = ["CUDAPrefetcher", "IMAGENET_MEAN", "IMAGENET_STD", "LoaderView", "normalize_affine",
            "normalize_uint8"]
@@ -278,11 +278,9 @@ def record_uses(batch, stream: torch.cuda.Stream) -> None:
     seen = set()
     with plain_tensors():
         for t in iter_tensors(batch):
-            if t.device.type == "cuda":
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    t.record_stream(stream)
+            if t.device.type == "cuda" and storage_key(t) not in seen:
+                seen.add(storage_key(t))
+                t.record_stream(stream)
 
 
 def iter_tensors(obj: Any):

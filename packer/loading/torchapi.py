@@ -8,7 +8,7 @@ import time
 import torch
 
 __all__ = ["dead_workers", "discard_iterator", "plain_tensors", "shared_empty", "shared_storage",
-           "shutdown_workers"]
+           "shutdown_workers", "storage_key"]
 
 
 def shared_storage(nbytes: int) -> torch.UntypedStorage:
@@ -29,6 +29,13 @@ def plain_tensors():
     plain tensors, without their ``__torch_function__`` (which runs on every call): for
     bookkeeping over many small tensors. Results are plain tensors."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identifies ``t``'s storage: the same for all its views, another for an alias of the
+    same memory made elsewhere (a DLPack import, whose ``record_stream`` the allocator
+    ignores), unlike ``data_ptr()``."""
+    return t.untyped_storage()._cdata
 
 
 def shutdown_workers(iterator) -> None:

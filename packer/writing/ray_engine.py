@@ -52,21 +52,31 @@ STOP_NAME = ".shard-stop"  # in DST while the tasks must stop; a ".shard-*" name
 
 
 class StopFile:
-    """``write_shard``'s stop flag for tasks on any node: set when ``path`` exists, looked at
-    no more than every ``every`` seconds (a stat per image would cost on a network
-    filesystem). ``set`` creates it: a task that fails a strict build stops the others."""
+    """``write_shard``'s stop flag for tasks on any node: set once ``path`` exists, looked at no
+    more than every ``every`` seconds. Each look opens the folder first: on NFS an open
+    revalidates the folder's cached attributes (close-to-open), on which a cached "no such
+    file" depends. ``set`` creates it (a task failing a strict build stops the others); False
+    where it cannot (a full or read-only disk), for the driver to stop the tasks otherwise."""
 
-    def __init__(self, path: Path, every: float = 0.2):
+    def __init__(self, path: Path, every: float = 1.0):
         self.path, self.every, self.seen, self.next = path, every, False, 0.0
 
     def is_set(self) -> bool:
         if not self.seen and time.monotonic() >= self.next:
             self.next = time.monotonic() + self.every
+            try:
+                os.close(os.open(self.path.parent, os.O_RDONLY))
+            except OSError:
+                pass  # the folder gone: the build is over anyway; exists() says False
             self.seen = self.path.exists()
         return self.seen
 
-    def set(self) -> None:
-        self.path.touch()
+    def set(self) -> bool:
+        try:
+            self.path.touch()
+            return True
+        except OSError:
+            return False
 
 
 @dataclass
@@ -116,8 +126,8 @@ def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterato
     ready: Dict = {}          # ref -> its ShardDone, finished out of order
     todo = iter(tasks)
     done: Optional[ShardDone] = None  # handed out, not yet taken
-    stop = StopFile(Path(os.path.abspath(job.dst)) / STOP_NAME)
-    remove_own(job.dst, STOP_NAME)  # a run killed while stopping left it
+    stop = StopFile(Path(os.path.abspath(job.dst)) / STOP_NAME)  # one left over: gone with
+    # the temp files before a resumed build starts (journal.load), refused in a fresh DST
     try:
         while True:
             window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
@@ -136,16 +146,18 @@ def _in_order(ray, write, tasks: List[ShardTask], job: ShardJob, bar) -> Iterato
             done = None
     finally:
         left = [ref for _, ref in pending if ref not in ready]
-        if left:
-            stop.set()  # running tasks give up at their next image, queued ones at their first
-            finished = ray.wait(left, num_returns=len(left), timeout=60)[0]
-            for ref in set(left) - set(finished):  # stuck for a minute: cancel as a last resort
+        if left and stop.set():  # running tasks give up at their next image, queued at their first
+            left = list(set(left) - set(ray.wait(left, num_returns=len(left), timeout=60)[0]))
+        if left:  # stuck for a minute, or no stop file: cancel as a last resort
+            for ref in left:
                 ray.cancel(ref)
+            left = list(set(left) - set(ray.wait(left, num_returns=len(left), timeout=60)[0]))
         remove_untaken(job.dst, [done, *ready.values()])
         for task, ref in pending:  # one stopped as it finished has its shard and no result taken
-            if ref in left:
+            if ref not in ready:
                 remove_own(job.dst, SHARD_PATTERN.format(task.index))
-        remove_own(job.dst, STOP_NAME)
+        if not left:  # else the stragglers still read it; the next run removes it (".shard-*")
+            remove_own(job.dst, STOP_NAME)
 
 
 def _result(ray, ref, task: ShardTask) -> ShardDone:

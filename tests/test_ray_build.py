@@ -153,6 +153,7 @@ def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path):
     for n in set(left["ray"]) & set(left["local"]):
         if n.startswith("shard-"):
             assert left["ray"][n] == left["local"][n], n
+    assert not [n for n in left["ray"] if n.startswith(".shard-")]  # no temp or stop file
 
 
 def test_a_task_stopped_as_it_finishes_leaves_no_shard(cluster, folder, tmp_path, monkeypatch):

@@ -133,9 +133,12 @@ def test_killed_ray_worker_same_dataset(cluster, folder, tmp_path):
     assert not [p.name for p in dst.iterdir() if p.name.startswith(".shard-")]
 
 
-def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path):
+def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path, monkeypatch):
     """A strict build stopped by a broken image mid-plan: Ray's queued and running tasks
-    stop and shards finished after the failing one are removed, as locally."""
+    stop (through the stop file: nothing is cancelled) and shards finished after the failing
+    one are removed, as locally."""
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", lambda ref, **kw: cancelled.append(ref))
     src = tmp_path / "src"
     shutil.copytree(folder, src)
     (src / "class_01/img_00080.jpg").write_bytes(b"\xff\xd8 truncated")
@@ -154,6 +157,7 @@ def test_strict_failure_leaves_what_local_leaves(cluster, folder, tmp_path):
         if n.startswith("shard-"):
             assert left["ray"][n] == left["local"][n], n
     assert not [n for n in left["ray"] if n.startswith(".shard-")]  # no temp or stop file
+    assert cancelled == []
 
 
 def test_a_task_stopped_as_it_finishes_leaves_no_shard(cluster, folder, tmp_path, monkeypatch):

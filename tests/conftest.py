@@ -12,6 +12,7 @@ pytest's own basetemp (``TMPDIR``): a test run leaves nothing else in /tmp.
 """
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import tempfile
 import warnings
@@ -30,6 +31,9 @@ def pytest_configure(config):
     are imported: importing torchvision already makes a folder in the temporary folder."""
     factory = getattr(config, "_tmp_path_factory", None)  # set by pytest's tmp_path plugin
     if factory is not None:
+        # Except this process's multiprocessing folder (its listeners' sockets): made now, in
+        # the system's, as multiprocessing removes it at exit, after pytest removed basetemp.
+        multiprocessing.util.get_temp_dir()
         config.stash[OLD_TMPDIR] = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = str(factory.mktemp("TMPDIR", numbered=False))
         tempfile.tempdir = None  # recomputed from TMPDIR on next use

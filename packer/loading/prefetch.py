@@ -117,10 +117,9 @@ class CUDAPrefetcher(LoaderView):
                 warnings.warn("CUDAPrefetcher got a batch in pageable memory: each copy blocks "
                               "the CPU; use make_loader (or DataLoader(pin_memory=True))",
                               stacklevel=4)
-        if any(t.device.type == "cuda" for t in iter_tensors(batch)):
-            # made on the consumer's stream (GPU decoding, say): wait for it, hold it
+        if record_uses(batch, self.stream):  # made on the consumer's stream (GPU decoding,
+            # say): held for this stream, which waits for it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            record_uses(batch, self.stream)
         with torch.cuda.stream(self.stream):
             return self._convert(batch)
 
@@ -271,16 +270,18 @@ def is_image_list_batch(batch: Any) -> bool:
                                   and t.dim() == 3 for t in batch[0])
 
 
-def record_uses(batch, stream: torch.cuda.Stream) -> None:
+def record_uses(batch, stream: torch.cuda.Stream) -> int:
     """``record_stream`` every CUDA tensor of ``batch`` on ``stream``: the caching allocator
     keeps their memory until the work queued there is done. Once per storage (a detection
-    batch's per-image targets are views of a few), and without tv_tensors' dispatch."""
+    batch's per-image targets are views of a few), and without tv_tensors' dispatch. Returns
+    how many storages it recorded."""
     seen = set()
     with plain_tensors():
         for t in iter_tensors(batch):
             if t.device.type == "cuda" and storage_key(t) not in seen:
                 seen.add(storage_key(t))
                 t.record_stream(stream)
+    return len(seen)
 
 
 def iter_tensors(obj: Any):
